@@ -1,0 +1,124 @@
+"""``sparse_attention``: the functional entry point, dispatching to the Triton kernels or the reference."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from .index import BlockIndex, BlockPlan
+from .kernels.reference import dropout_threshold, reference_sparse_attention
+
+__all__ = ["sparse_attention", "resolve_backend", "BACKENDS"]
+
+BACKENDS = ("auto", "triton", "reference")
+
+
+def _triton_op():
+    from .kernels import op  # deferred: imports triton and compiles nothing until first launch
+
+    return op
+
+
+def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend: str = "auto") -> tuple[str, str]:
+    """Which backend ``sparse_attention`` will run, and why: ``("triton" | "reference", reason)``.
+
+    ``"auto"`` picks Triton for CUDA tensors the kernels support and the reference otherwise (the
+    reason names what was unsupported). ``"triton"`` on CPU tensors requires ``TRITON_INTERPRET=1``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference":
+        return "reference", "requested"
+    on_cpu = q.device.type == "cpu"
+    if backend == "triton":
+        if on_cpu and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before sparse_train's "
+                "kernels are imported; use backend='reference' or move the tensors to CUDA"
+            )
+        supported, reason = _triton_op().triton_supports(q, k, v, index)
+        if not supported:
+            raise ValueError(f"backend='triton' cannot run this input: {reason}")
+        return "triton", "requested"
+    if on_cpu:
+        return "reference", "cpu tensors"
+    if q.device.type != "cuda":
+        return "reference", f"device {q.device.type}"
+    try:
+        op = _triton_op()
+    except ImportError as err:  # triton missing or broken on this machine
+        return "reference", f"triton unavailable ({err})"
+    supported, reason = op.triton_supports(q, k, v, index)
+    return ("triton", "supported") if supported else ("reference", reason)
+
+
+def sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: BlockIndex,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+    seq_lens: Tensor | None = None,
+    plan: BlockPlan | None = None,
+    r0: int | None = None,
+):
+    """Exact softmax attention restricted to the blocks of ``index`` (plus causal and length masks).
+
+    Args:
+        q: ``[B, HQ, N, D]``; k, v: ``[B, HKV, N, D]`` with HQ a multiple of HKV (GQA). Any strides.
+        index: canonical :class:`~sparse_train.BlockIndex` for (B, HKV, N).
+        scale: logit scale, default ``1 / sqrt(D)``.
+        dropout_p: dropout on attention probabilities, in [0, 1). The softmax denominator excludes
+            dropout; kept probabilities are scaled by ``1 / (1 - p)``.
+        dropout_seed: seed of the counter-based keep bits. ``None`` draws one from torch's global
+            generator (so ``torch.manual_seed`` and checkpoint RNG replay reproduce it).
+        deterministic: bitwise-reproducible gradients (every dK/dV block KV-centric). Also switched on
+            by ``torch.use_deterministic_algorithms(True)``.
+        return_lse: also return the row log-sum-exp ``[B, HQ, N]`` (fp32, natural log, -inf on empty rows).
+        backend: ``"auto"`` (Triton on supported CUDA inputs, reference otherwise), ``"triton"``,
+            ``"reference"``.
+        seq_lens: optional int ``[B]``: keys at positions >= seq_lens[b] are masked (right padding).
+        plan: a precomputed ``index.plan(r0)`` to reuse across layers; r0: reuse threshold of the
+            hybrid backward (default :data:`sparse_train.index.DEFAULT_R0`).
+
+    Returns:
+        ``o`` ``[B, HQ, N, D]`` in q's dtype, or ``(o, lse)`` with ``return_lse=True``. Rows with no
+        valid key give zeros (and ``lse = -inf``), never NaN.
+
+    Raises:
+        ValueError: shape/dtype/device mismatch between q, k, v, index and seq_lens; dropout_p outside
+            [0, 1); unknown backend; ``backend="triton"`` on input the kernels do not support.
+    """
+    if not isinstance(index, BlockIndex):
+        raise ValueError(f"index must be a sparse_train.BlockIndex, got {type(index).__name__}")
+    index.check_compatible(q, k, v, seq_lens)
+    dropout_threshold(dropout_p)
+    if dropout_p > 0.0 and dropout_seed is None:
+        dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
+    chosen, _ = resolve_backend(q, k, v, index, backend)
+    if chosen == "triton":
+        o, lse = _triton_op().triton_sparse_attention(
+            q,
+            k,
+            v,
+            index,
+            scale=scale,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+            deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
+            seq_lens=seq_lens,
+            plan=plan,
+            r0=r0,
+        )
+    else:
+        o, lse = reference_sparse_attention(
+            q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens
+        )
+    return (o, lse) if return_lse else o

@@ -1,0 +1,592 @@
+"""The block index: which key blocks each query block attends to, in one canonical form.
+
+A selection is made per (batch, KV head, query block); the query heads of a GQA group share it, so a
+kernel loads each selected K/V block once per group. Every consumer (Triton kernels, the PyTorch
+reference, the selector, the benchmarks) reads the same structure, and exactly one function,
+:func:`canonicalize`, establishes its invariants:
+
+* ``indices``: int32 ``[B, HKV, NQB, K]``; each row strictly ascending and unique, padded with -1 at
+  the end; every valid entry lies in ``[0, NKB)`` and is causally reachable from its query block
+  (the block's first key is not after the query block's last query).
+* ``counts``: int32 ``[B, HKV, NQB]``, the number of valid entries of each row.
+* ``K`` (the capacity) is rounded up to a power-of-two tier so tensor shapes, and therefore compiled
+  kernels and CUDA graphs, stay stable from step to step while the selection changes.
+
+Candidates form a *set*: the union of the dynamic (learned top-k) blocks, the local window and the
+sink blocks. A duplicate would count a key twice in the softmax denominator, so duplicates are
+removed before attention. Notation: B batch, HKV key/value heads, N sequence length, BQ/BK query/key
+block sizes, NQB = ceil(N / BQ), NKB = ceil(N / BK).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BlockIndex",
+    "BlockPlan",
+    "DEFAULT_R0",
+    "canonicalize",
+    "capacity_tier",
+    "causal_last_block",
+]
+
+DEFAULT_R0 = 4
+"""Default reuse threshold of the hybrid backward: KV blocks selected by at least this many query
+blocks take the KV-centric dK/dV kernel, the others accumulate with atomics. Chosen from the r0 sweep
+in ``docs/benchmarks`` (see README); overridable per call and in the module config."""
+
+_CHECK_MODES = ("none", "cheap", "full")
+
+
+def capacity_tier(count: int, num_k_blocks: int) -> int:
+    """Smallest power of two >= ``count`` (at least 1), capped at ``num_k_blocks``.
+
+    Rows never hold more than NKB distinct blocks, so the cap loses nothing; the power-of-two tiers
+    keep the capacity (a tensor dimension) constant while the per-row counts wander.
+    """
+    tier = 1 << max(0, int(count) - 1).bit_length() if count > 1 else 1
+    return max(1, min(tier, max(1, num_k_blocks)))
+
+
+def causal_last_block(num_q_blocks: int, seq_len: int, block_q: int, block_k: int, device=None) -> Tensor:
+    """For each query block i, the last causally reachable key block: ``(min((i+1)*BQ, N) - 1) // BK``.
+
+    Returns int64 ``[NQB]``.
+    """
+    last_query = torch.clamp((torch.arange(num_q_blocks, device=device) + 1) * block_q, max=seq_len) - 1
+    return last_query // block_k
+
+
+def _fmt_row(row: tuple[int, ...]) -> str:
+    return f"(batch={row[0]}, kv_head={row[1]}, query_block={row[2]})"
+
+
+def _first_offender(bad: Tensor) -> tuple[int, ...]:
+    return tuple(int(x) for x in bad.nonzero()[0].tolist())
+
+
+def _check_selection_tensor(selected: Tensor, num_q_blocks: int, name: str) -> None:
+    if not isinstance(selected, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(selected).__name__}")
+    if selected.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        raise ValueError(f"{name} must have an integer dtype, got {selected.dtype}")
+    if selected.dim() != 4:
+        raise ValueError(
+            f"{name} must have shape [B, HKV, NQB, k] (4 dims), got {tuple(selected.shape)}"
+        )
+    if selected.shape[2] != num_q_blocks:
+        raise ValueError(
+            f"{name} has {selected.shape[2]} query blocks in dim 2, but seq_len and block_q give "
+            f"NQB = {num_q_blocks}"
+        )
+
+
+def _check_geometry(seq_len: int, block_q: int, block_k: int) -> None:
+    for name, value in (("seq_len", seq_len), ("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def canonicalize(
+    selected: Tensor,
+    *,
+    seq_len: int,
+    block_q: int,
+    block_k: int,
+    window: int = 0,
+    sinks: int = 0,
+    capacity: int | None = None,
+    check: str = "cheap",
+) -> tuple[Tensor, Tensor]:
+    """Turn candidate key blocks into canonical ``(indices, counts)``; the only place that does.
+
+    Args:
+        selected: integer ``[B, HKV, NQB, k]`` candidate key-block ids (``k`` may be 0). ``-1`` marks
+            an unused slot; duplicates are allowed and removed.
+        seq_len: N. block_q / block_k: BQ / BK.
+        window: number of local key blocks ending at the block that holds the query block's last
+            query (clipped at 0). sinks: key blocks ``0 .. sinks-1`` (clipped to what is causal).
+        capacity: K of the result; ``None`` picks :func:`capacity_tier` of the longest row. A given
+            capacity smaller than the longest row raises rather than dropping candidates.
+        check: ``"cheap"`` (default) rejects out-of-range and non-causal candidates; ``"full"`` also
+            re-verifies the produced invariants; ``"none"`` trusts the caller (candidates outside
+            ``[0, NKB)`` or beyond the causal limit are then dropped silently).
+
+    Returns:
+        ``indices`` int32 ``[B, HKV, NQB, K]`` and ``counts`` int32 ``[B, HKV, NQB]``, on the device of
+        ``selected``.
+
+    Raises:
+        ValueError: wrong dtype/shape, negative window/sinks, a candidate ``< -1``, ``>= NKB`` or not
+            causally reachable (naming the first offending row and value), capacity too small.
+    """
+    _check_geometry(seq_len, block_q, block_k)
+    if check not in _CHECK_MODES:
+        raise ValueError(f"check must be one of {_CHECK_MODES}, got {check!r}")
+    num_q_blocks = math.ceil(seq_len / block_q)
+    num_k_blocks = math.ceil(seq_len / block_k)
+    _check_selection_tensor(selected, num_q_blocks, "selected")
+    if window < 0 or sinks < 0:
+        raise ValueError(f"window and sinks must be >= 0, got window={window}, sinks={sinks}")
+
+    device = selected.device
+    batch, kv_heads = selected.shape[0], selected.shape[1]
+    cand = selected.to(torch.int64)
+    last = causal_last_block(num_q_blocks, seq_len, block_q, block_k, device).view(1, 1, -1, 1)
+
+    if check != "none" and cand.numel() > 0:
+        below = cand < -1
+        beyond = cand >= num_k_blocks
+        noncausal = (cand > last) & ~beyond
+        bad = below | beyond | noncausal
+        if bool(bad.any()):
+            where = _first_offender(bad)
+            value = int(cand[where])
+            row = where[:3]
+            if value < -1:
+                why = "is negative (only -1 may mark an empty slot)"
+            elif value >= num_k_blocks:
+                why = f"is out of range [0, NKB={num_k_blocks})"
+            else:
+                why = (
+                    f"is not causally reachable (the last reachable key block of this query block "
+                    f"is {int(last.view(-1)[row[2]])})"
+                )
+            raise ValueError(f"candidate key block {value} at {_fmt_row(row)} slot {where[3]} {why}")
+
+    sentinel = num_k_blocks  # sorts after every valid block id
+    pieces = [torch.where((cand >= 0) & (cand <= last), cand, sentinel)]
+    if window > 0:
+        offsets = torch.arange(-window + 1, 1, device=device).view(1, 1, 1, -1)
+        win = (last + offsets).expand(batch, kv_heads, num_q_blocks, window)
+        pieces.append(torch.where(win >= 0, win, sentinel))
+    if sinks > 0:
+        sink = torch.arange(sinks, device=device).view(1, 1, 1, -1)
+        sink = sink.expand(batch, kv_heads, num_q_blocks, sinks)
+        pieces.append(torch.where(sink <= last, sink, sentinel))
+    merged = torch.cat(pieces, dim=-1)
+    if merged.shape[-1] == 0:
+        merged = torch.full((batch, kv_heads, num_q_blocks, 1), sentinel, device=device, dtype=torch.int64)
+
+    merged, _ = torch.sort(merged, dim=-1)
+    duplicate = torch.zeros_like(merged, dtype=torch.bool)
+    duplicate[..., 1:] = merged[..., 1:] == merged[..., :-1]
+    merged = torch.where(duplicate, sentinel, merged)
+    merged, _ = torch.sort(merged, dim=-1)
+    valid = merged < sentinel
+    counts = valid.sum(dim=-1)
+
+    longest = int(counts.max()) if counts.numel() else 0
+    if capacity is None:
+        capacity = capacity_tier(longest, num_k_blocks)
+    elif capacity < longest:
+        raise ValueError(
+            f"capacity={capacity} is smaller than the longest row ({longest} blocks); "
+            "refusing to drop candidates"
+        )
+    if merged.shape[-1] >= capacity:
+        merged = merged[..., :capacity]
+    else:
+        pad = torch.full(
+            (*merged.shape[:-1], capacity - merged.shape[-1]), sentinel, device=device, dtype=torch.int64
+        )
+        merged = torch.cat([merged, pad], dim=-1)
+    indices = torch.where(merged < sentinel, merged, -1).to(torch.int32)
+    counts = counts.to(torch.int32)
+    if check == "full":
+        _verify_canonical(indices, counts, seq_len, block_q, block_k)
+    return indices.contiguous(), counts.contiguous()
+
+
+def _verify_canonical(indices: Tensor, counts: Tensor, seq_len: int, block_q: int, block_k: int) -> None:
+    """Exhaustive check of every canonical invariant; raises ValueError naming the first bad row."""
+    num_q_blocks = math.ceil(seq_len / block_q)
+    num_k_blocks = math.ceil(seq_len / block_k)
+    if indices.dtype != torch.int32 or counts.dtype != torch.int32:
+        raise ValueError(f"indices and counts must be int32, got {indices.dtype} and {counts.dtype}")
+    if indices.dim() != 4 or indices.shape[2] != num_q_blocks:
+        raise ValueError(f"indices must be [B, HKV, NQB={num_q_blocks}, K], got {tuple(indices.shape)}")
+    if counts.shape != indices.shape[:3]:
+        raise ValueError(f"counts must be {tuple(indices.shape[:3])}, got {tuple(counts.shape)}")
+    if indices.device != counts.device:
+        raise ValueError(f"indices on {indices.device} but counts on {counts.device}")
+    cap = indices.shape[-1]
+    idx = indices.to(torch.int64)
+    slot = torch.arange(cap, device=idx.device)
+    should_be_valid = slot.view(1, 1, 1, -1) < counts.unsqueeze(-1).to(torch.int64)
+    last = causal_last_block(num_q_blocks, seq_len, block_q, block_k, idx.device).view(1, 1, -1, 1)
+    checks = [
+        ("counts outside [0, K]", ((counts < 0) | (counts > cap)).unsqueeze(-1)),
+        ("padding is not -1 after the valid entries", ~should_be_valid & (idx != -1)),
+        ("a valid entry is outside [0, NKB)", should_be_valid & ((idx < 0) | (idx >= num_k_blocks))),
+        ("a valid entry is not causally reachable", should_be_valid & (idx > last)),
+        (
+            "row is not strictly ascending",
+            should_be_valid[..., 1:] & (idx[..., 1:] <= idx[..., :-1]),
+        ),
+    ]
+    for message, bad in checks:
+        if bool(bad.any()):
+            where = _first_offender(bad)
+            raise ValueError(f"invalid block index at {_fmt_row(where[:3])}: {message}")
+
+
+def _valid_pairs(q_start: Tensor, q_end: Tensor, k_start: Tensor, k_end: Tensor) -> Tensor:
+    """Number of (q, k) pairs with k <= q, q in [q_start, q_end), k in [k_start, k_end). int64, any shape."""
+    width = k_end - k_start
+
+    def prefix(x: Tensor) -> Tensor:  # sum over q <= x of clamp(q - k_start + 1, 0, width)
+        t = x - k_start + 1
+        inside = t * (t + 1) // 2
+        beyond = width * (width + 1) // 2 + (t - width) * width
+        return torch.where(t <= 0, torch.zeros_like(t), torch.where(t <= width, inside, beyond))
+
+    return prefix(q_end - 1) - prefix(q_start - 1)
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """Derived views of a :class:`BlockIndex`, built once per step and shared by forward and backward.
+
+    All views are computed by sorting (no atomics), so they are identical run to run.
+    """
+
+    reuse: Tensor
+    """int32 ``[B, HKV, NKB]``: how many query blocks selected each KV block."""
+    kv_indptr: Tensor
+    """int64 ``[B*HKV*NKB + 1]``: row pointers of the transposed (KV-major) CSR; row
+    ``r = (b*HKV + h)*NKB + j`` lists the query blocks that selected KV block j."""
+    kv_qblocks: Tensor
+    """int32 ``[nnz]``: query-block ids of the transposed CSR, ascending within each row."""
+    hot: Tensor
+    """bool ``[B, HKV, NKB]``: ``reuse >= r0``; hot blocks get the KV-centric dK/dV kernel, cold ones
+    are accumulated with atomics from the query-centric pass."""
+    r0: int
+    """The reuse threshold this plan was built with."""
+    num_hot: int
+    """Number of KV blocks (over all batches and heads) with ``reuse >= r0`` and reuse > 0."""
+    num_cold: int
+    """Number of selected KV blocks with ``0 < reuse < r0``."""
+    nnz: int
+    """Total number of selected (query block, key block) pairs."""
+    max_count: int
+    """Longest query-block row (blocks)."""
+    max_reuse: int
+    """Largest reuse count of any KV block."""
+
+
+@dataclass(frozen=True, repr=False)
+class BlockIndex:
+    """Canonical block-sparse selection. Build it with :meth:`from_selection`, :meth:`from_dense`,
+    :meth:`from_csr` or :meth:`full`; every path goes through :func:`canonicalize`.
+
+    Fields:
+        indices: int32 ``[B, HKV, NQB, K]``, rows strictly ascending, -1 padded at the end.
+        counts: int32 ``[B, HKV, NQB]``.
+        seq_len: N, the (padded) sequence length the index was built for.
+        block_q / block_k: BQ / BK.
+    """
+
+    indices: Tensor
+    counts: Tensor
+    seq_len: int
+    block_q: int
+    block_k: int
+    _cache: dict = field(default_factory=dict, compare=False)
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def from_selection(
+        cls,
+        selected: Tensor,
+        *,
+        seq_len: int,
+        block_q: int = 64,
+        block_k: int = 64,
+        window: int = 0,
+        sinks: int = 0,
+        capacity: int | None = None,
+        check: str = "cheap",
+    ) -> "BlockIndex":
+        """Union of ``selected`` (int ``[B, HKV, NQB, k]``, may hold -1 and duplicates), the window and
+        the sinks, made canonical. See :func:`canonicalize` for arguments and errors."""
+        indices, counts = canonicalize(
+            selected,
+            seq_len=seq_len,
+            block_q=block_q,
+            block_k=block_k,
+            window=window,
+            sinks=sinks,
+            capacity=capacity,
+            check=check,
+        )
+        return cls(indices, counts, seq_len, block_q, block_k)
+
+    @classmethod
+    def from_dense(
+        cls, mask: Tensor, *, seq_len: int, block_q: int = 64, block_k: int = 64, capacity: int | None = None
+    ) -> "BlockIndex":
+        """From a bool block mask ``[B, HKV, NQB, NKB]``. A True entry above the causal limit raises."""
+        _check_geometry(seq_len, block_q, block_k)
+        num_q_blocks = math.ceil(seq_len / block_q)
+        num_k_blocks = math.ceil(seq_len / block_k)
+        if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
+            raise ValueError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
+        if mask.dim() != 4 or mask.shape[2] != num_q_blocks or mask.shape[3] != num_k_blocks:
+            raise ValueError(
+                f"mask must have shape [B, HKV, NQB={num_q_blocks}, NKB={num_k_blocks}], got {tuple(mask.shape)}"
+            )
+        ids = torch.arange(num_k_blocks, device=mask.device, dtype=torch.int64)
+        selected = torch.where(mask, ids, -1)
+        return cls.from_selection(
+            selected, seq_len=seq_len, block_q=block_q, block_k=block_k, capacity=capacity
+        )
+
+    @classmethod
+    def full(
+        cls, batch: int, num_kv_heads: int, seq_len: int, block_q: int = 64, block_k: int = 64, device=None
+    ) -> "BlockIndex":
+        """Every causally reachable block for every query block (dense causal attention)."""
+        _check_geometry(seq_len, block_q, block_k)
+        num_q_blocks = math.ceil(seq_len / block_q)
+        last = causal_last_block(num_q_blocks, seq_len, block_q, block_k, device)
+        window = int(last.max()) + 1
+        empty = torch.empty(batch, num_kv_heads, num_q_blocks, 0, dtype=torch.int32, device=device)
+        return cls.from_selection(empty, seq_len=seq_len, block_q=block_q, block_k=block_k, window=window)
+
+    @classmethod
+    def from_csr(
+        cls,
+        indptr: Tensor,
+        col_indices: Tensor,
+        *,
+        batch: int,
+        num_kv_heads: int,
+        seq_len: int,
+        block_q: int = 64,
+        block_k: int = 64,
+        window: int = 0,
+        sinks: int = 0,
+        capacity: int | None = None,
+    ) -> "BlockIndex":
+        """From a ragged CSR over rows ``r = (b*HKV + h)*NQB + i``: row r's candidates are
+        ``col_indices[indptr[r]:indptr[r+1]]`` (any order, duplicates allowed)."""
+        _check_geometry(seq_len, block_q, block_k)
+        num_q_blocks = math.ceil(seq_len / block_q)
+        rows = batch * num_kv_heads * num_q_blocks
+        if indptr.dim() != 1 or indptr.numel() != rows + 1:
+            raise ValueError(
+                f"indptr must be 1-D with B*HKV*NQB+1 = {rows + 1} entries, got {tuple(indptr.shape)}"
+            )
+        if col_indices.dim() != 1:
+            raise ValueError(f"col_indices must be 1-D, got {tuple(col_indices.shape)}")
+        if indptr.device != col_indices.device:
+            raise ValueError(f"indptr on {indptr.device} but col_indices on {col_indices.device}")
+        indptr = indptr.to(torch.int64)
+        lengths = indptr[1:] - indptr[:-1]
+        if int(indptr[0]) != 0 or bool((lengths < 0).any()) or int(indptr[-1]) != col_indices.numel():
+            raise ValueError(
+                "indptr must start at 0, be non-decreasing and end at len(col_indices) "
+                f"({col_indices.numel()})"
+            )
+        width = int(lengths.max()) if rows else 0
+        row_of = torch.repeat_interleave(torch.arange(rows, device=indptr.device), lengths)
+        slot = torch.arange(col_indices.numel(), device=indptr.device) - indptr[:-1][row_of]
+        padded = torch.full((rows, width), -1, dtype=torch.int64, device=indptr.device)
+        padded[row_of, slot] = col_indices.to(torch.int64)
+        return cls.from_selection(
+            padded.view(batch, num_kv_heads, num_q_blocks, width),
+            seq_len=seq_len,
+            block_q=block_q,
+            block_k=block_k,
+            window=window,
+            sinks=sinks,
+            capacity=capacity,
+        )
+
+    @classmethod
+    def from_canonical(
+        cls, indices: Tensor, counts: Tensor, *, seq_len: int, block_q: int, block_k: int, check: str = "full"
+    ) -> "BlockIndex":
+        """Wrap tensors that are already canonical (e.g. a CUDA-graph-owned buffer). ``check="full"``
+        verifies every invariant; ``"none"`` trusts the caller, who then owns the safety of the reads."""
+        _check_geometry(seq_len, block_q, block_k)
+        if check not in _CHECK_MODES:
+            raise ValueError(f"check must be one of {_CHECK_MODES}, got {check!r}")
+        if check != "none":
+            _verify_canonical(indices, counts, seq_len, block_q, block_k)
+        return cls(indices, counts, seq_len, block_q, block_k)
+
+    # ---------------------------------------------------------------- geometry
+    @property
+    def batch(self) -> int:
+        return self.indices.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.indices.shape[1]
+
+    @property
+    def num_q_blocks(self) -> int:
+        return self.indices.shape[2]
+
+    @property
+    def num_k_blocks(self) -> int:
+        return math.ceil(self.seq_len / self.block_k)
+
+    @property
+    def capacity(self) -> int:
+        return self.indices.shape[3]
+
+    @property
+    def device(self) -> torch.device:
+        return self.indices.device
+
+    def to(self, device) -> "BlockIndex":
+        return BlockIndex(self.indices.to(device), self.counts.to(device), self.seq_len, self.block_q, self.block_k)
+
+    def validate(self) -> None:
+        """Exhaustive re-check of every canonical invariant (ValueError naming the first bad row)."""
+        _verify_canonical(self.indices, self.counts, self.seq_len, self.block_q, self.block_k)
+
+    def check_compatible(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None = None) -> None:
+        """Raise ValueError unless q ``[B, HQ, N, D]``, k/v ``[B, HKV, N, D]`` and ``seq_lens`` (int
+        ``[B]``, values in ``[0, N]``) match this index and each other."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4:
+                raise ValueError(f"{name} must be a 4-D tensor [B, H, N, D], got {getattr(t, 'shape', type(t))}")
+            if not t.is_floating_point():
+                raise ValueError(f"{name} must be floating point, got {t.dtype}")
+            if t.device != self.indices.device:
+                raise ValueError(f"{name} is on {t.device} but the block index is on {self.indices.device}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        bq, hq, nq, dq = q.shape
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        bk, hkv, nk, dk = k.shape
+        if bq != bk or nq != nk or dq != dk:
+            raise ValueError(
+                f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, length or head dim "
+                "(expected q [B, HQ, N, D], k/v [B, HKV, N, D])"
+            )
+        if hkv == 0 or hq % hkv != 0:
+            raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+        if bq != self.batch or hkv != self.num_kv_heads:
+            raise ValueError(
+                f"block index is for batch={self.batch}, kv_heads={self.num_kv_heads} but k has "
+                f"batch={bk}, kv_heads={hkv}"
+            )
+        if nq != self.seq_len:
+            raise ValueError(f"block index is for seq_len={self.seq_len} but q/k/v have N={nq}")
+        if seq_lens is not None:
+            if not isinstance(seq_lens, Tensor) or seq_lens.dtype.is_floating_point or seq_lens.dim() != 1:
+                raise ValueError("seq_lens must be a 1-D integer tensor [B]")
+            if seq_lens.numel() != bq:
+                raise ValueError(f"seq_lens has {seq_lens.numel()} entries for batch {bq}")
+            if seq_lens.device != q.device:
+                raise ValueError(f"seq_lens is on {seq_lens.device} but q is on {q.device}")
+            if bool(((seq_lens < 0) | (seq_lens > nq)).any()):
+                raise ValueError(f"seq_lens values must lie in [0, N={nq}], got {seq_lens.tolist()}")
+
+    # ---------------------------------------------------------------- views
+    def to_dense(self) -> Tensor:
+        """bool ``[B, HKV, NQB, NKB]``: True where a query block selected a key block."""
+        nkb = self.num_k_blocks
+        idx = self.indices.to(torch.int64)
+        target = torch.where(idx >= 0, idx, nkb)
+        dense = torch.zeros((*idx.shape[:3], nkb + 1), dtype=torch.bool, device=idx.device)
+        dense.scatter_(-1, target, True)
+        return dense[..., :nkb]
+
+    def to_csr(self) -> tuple[Tensor, Tensor]:
+        """Ragged CSR over rows ``(b*HKV + h)*NQB + i``: (indptr int64 ``[rows+1]``, cols int32 ``[nnz]``)."""
+        counts = self.counts.reshape(-1).to(torch.int64)
+        indptr = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
+        indptr[1:] = torch.cumsum(counts, 0)
+        cols = self.indices.reshape(-1, self.capacity)
+        cols = cols[cols >= 0]
+        return indptr, cols.to(torch.int32)
+
+    def _selected_pairs(self) -> Tensor:
+        """int64 ``[B, HKV]``: causally valid (q, k) element pairs inside the selected blocks."""
+        n, bq, bk = self.seq_len, self.block_q, self.block_k
+        idx = self.indices.to(torch.int64)
+        qi = torch.arange(self.num_q_blocks, device=idx.device).view(1, 1, -1, 1)
+        q_start, q_end = qi * bq, torch.clamp((qi + 1) * bq, max=n)
+        k_start, k_end = idx * bk, torch.clamp((idx + 1) * bk, max=n)
+        pairs = _valid_pairs(q_start, q_end, k_start, k_end)
+        return torch.where(idx >= 0, pairs, 0).sum(dim=(-1, -2))
+
+    def density(self) -> float:
+        """Fraction of the causal area that is selected: causally valid (q, k) pairs inside selected
+        blocks over ``N (N + 1) / 2``, averaged over batch and KV heads. 1.0 means dense causal."""
+        causal = self.seq_len * (self.seq_len + 1) // 2
+        return float(self._selected_pairs().to(torch.float64).mean()) / causal
+
+    def is_full(self) -> bool:
+        """True when every query block selects every causally reachable key block."""
+        last = causal_last_block(self.num_q_blocks, self.seq_len, self.block_q, self.block_k, self.device)
+        return bool((self.counts.to(torch.int64) == (last + 1).view(1, 1, -1)).all())
+
+    def plan(self, r0: int | None = None) -> BlockPlan:
+        """Derived views for the backward, cached per ``r0`` on this (immutable) index."""
+        r0 = DEFAULT_R0 if r0 is None else int(r0)
+        if r0 < 0:
+            raise ValueError(f"r0 must be >= 0, got {r0}")
+        cached = self._cache.get(("plan", r0))
+        if cached is not None:
+            return cached
+        b, h, nqb, cap = self.indices.shape
+        nkb = self.num_k_blocks
+        idx = self.indices.to(torch.int64)
+        valid = idx >= 0
+        bh = torch.arange(b * h, device=idx.device).view(b, h, 1, 1)
+        qi = torch.arange(nqb, device=idx.device).view(1, 1, nqb, 1)
+        kv_row = bh * nkb + idx  # [B, HKV, NQB, K]
+        # Each (kv_row, query block) pair occurs at most once, so sorting this key gives the KV-major
+        # order with query blocks ascending, deterministically and without atomics.
+        key = (kv_row * nqb + qi)[valid]
+        key, _ = torch.sort(key)
+        rows = b * h * nkb
+        kv_indptr = torch.searchsorted(key, torch.arange(rows + 1, device=idx.device) * nqb)
+        reuse = (kv_indptr[1:] - kv_indptr[:-1]).view(b, h, nkb)
+        hot = (reuse >= r0) & (reuse > 0)
+        stats = torch.stack(
+            [
+                hot.sum(),
+                ((reuse > 0) & ~hot).sum(),
+                self.counts.to(torch.int64).max() if self.counts.numel() else reuse.new_zeros(()),
+                reuse.max() if reuse.numel() else reuse.new_zeros(()),
+            ]
+        ).tolist()
+        plan = BlockPlan(
+            reuse=reuse.to(torch.int32),
+            kv_indptr=kv_indptr.to(torch.int64),
+            kv_qblocks=(key % nqb).to(torch.int32),
+            hot=hot,
+            r0=r0,
+            num_hot=int(stats[0]),
+            num_cold=int(stats[1]),
+            nnz=int(key.numel()),
+            max_count=int(stats[2]),
+            max_reuse=int(stats[3]),
+        )
+        self._cache[("plan", r0)] = plan
+        return plan
+
+    def __repr__(self) -> str:
+        counts = self.counts.to(torch.float64)
+        mean = float(counts.mean()) if counts.numel() else 0.0
+        longest = int(self.counts.max()) if self.counts.numel() else 0
+        return (
+            f"BlockIndex(B={self.batch}, HKV={self.num_kv_heads}, N={self.seq_len}, "
+            f"BQ={self.block_q}, BK={self.block_k}, NQB={self.num_q_blocks}, NKB={self.num_k_blocks}, "
+            f"K={self.capacity}, blocks/row mean={mean:.1f} max={longest}, "
+            f"density={self.density():.2%}, device={self.device})"
+        )

@@ -1,0 +1,7 @@
+"""Attention kernels: the Triton forward/backward (``forward``, ``backward``, ``op``) and the PyTorch
+reference (``reference``) that defines their semantics. Import the Triton modules lazily: they pull in
+``triton`` and, on CPU, need ``TRITON_INTERPRET=1`` set before they are first imported."""
+
+from .reference import reference_sparse_attention
+
+__all__ = ["reference_sparse_attention"]
