@@ -279,6 +279,12 @@ class BlockPlan:
     max_reuse: int
     """Largest reuse count of any KV block."""
 
+    def __repr__(self) -> str:
+        return (
+            f"BlockPlan(r0={self.r0}, hot={self.num_hot}, cold={self.num_cold}, nnz={self.nnz}, "
+            f"max_count={self.max_count}, max_reuse={self.max_reuse}, device={self.reuse.device})"
+        )
+
 
 @dataclass(frozen=True, repr=False)
 class BlockIndex:
