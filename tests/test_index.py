@@ -304,3 +304,15 @@ def test_import_from_repo_root_does_not_shadow_stdlib():
     import selectors  # stdlib module; a top-level selectors/ package would shadow it
 
     assert hasattr(selectors, "DefaultSelector")
+
+
+@pytest.mark.gpu
+def test_cuda_index_matches_cpu():
+    sel = random_selection(2, 4, 4000, 64, 64, 8, seed=13)
+    cpu = st.BlockIndex.from_selection(sel, seq_len=4000, window=4, sinks=1)
+    gpu = st.BlockIndex.from_selection(sel.cuda(), seq_len=4000, window=4, sinks=1)
+    assert gpu.device.type == "cuda"
+    assert torch.equal(gpu.indices.cpu(), cpu.indices) and torch.equal(gpu.counts.cpu(), cpu.counts)
+    pc, pg = cpu.plan(3), gpu.plan(3)
+    assert torch.equal(pg.kv_indptr.cpu(), pc.kv_indptr) and torch.equal(pg.kv_qblocks.cpu(), pc.kv_qblocks)
+    assert math.isclose(gpu.density(), cpu.density(), rel_tol=1e-12)
