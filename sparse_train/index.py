@@ -112,7 +112,8 @@ def canonicalize(
         window: number of local key blocks ending at the block that holds the query block's last
             query (clipped at 0). sinks: key blocks ``0 .. sinks-1`` (clipped to what is causal).
         capacity: K of the result; ``None`` picks :func:`capacity_tier` of the longest row. A given
-            capacity smaller than the longest row raises rather than dropping candidates.
+            capacity smaller than the longest row raises rather than dropping candidates (except
+            with ``check="none"``, where the caller guarantees it and no host sync is made).
         check: ``"cheap"`` (default) rejects out-of-range and non-causal candidates; ``"full"`` also
             re-verifies the produced invariants; ``"none"`` trusts the caller (candidates outside
             ``[0, NKB)`` or beyond the causal limit are then dropped silently).
@@ -181,14 +182,16 @@ def canonicalize(
     valid = merged < sentinel
     counts = valid.sum(dim=-1)
 
-    longest = int(counts.max()) if counts.numel() else 0
-    if capacity is None:
-        capacity = capacity_tier(longest, num_k_blocks)
-    elif capacity < longest:
-        raise ValueError(
-            f"capacity={capacity} is smaller than the longest row ({longest} blocks); "
-            "refusing to drop candidates"
-        )
+    # A trusted caller that fixes the capacity (check="none") skips the host sync of the max.
+    if capacity is None or check != "none":
+        longest = int(counts.max()) if counts.numel() else 0
+        if capacity is None:
+            capacity = capacity_tier(longest, num_k_blocks)
+        elif capacity < longest:
+            raise ValueError(
+                f"capacity={capacity} is smaller than the longest row ({longest} blocks); "
+                "refusing to drop candidates"
+            )
     if merged.shape[-1] >= capacity:
         merged = merged[..., :capacity]
     else:

@@ -1,0 +1,239 @@
+"""Selector and distillation cost against the sparse attention they serve (GPU measurement).
+
+Times, in one process, at the headline shape (default N=65536, B=1, HQ=32, HKV=8, D=128, bf16,
+BQ=BK=64, top_k=16, window=8, sinks=1):
+
+* ``selector/scores_topk``  pooling + learned block scores + top-k candidates
+* ``selector/canonicalize`` ``BlockIndex.from_selection`` (window/sink merge, dedup, canonical form)
+* ``selector/plan``         ``BlockIndex.plan`` (reuse counts, transposed index, hot/cold split)
+* ``selector/total``        the three together, as one training step pays them
+* ``distill/sparse[rows]``  sparse distillation target (from the kernel's lse) + KL + its backward,
+                            for all rows of each query block and for a row subsample
+* ``attention/fwd_bwd``     ``st.sparse_attention(..., backend="auto")`` forward + backward
+* ``module/fwd_bwd``        ``st.SparseAttention`` end to end (selector, plan, kernels, distillation)
+
+and prints a table with each cost as a fraction of the attention forward+backward (the issue's
+budgets: selector <= 10 %, sparse distillation <= 15 %). CUDA events, warm-up, median and p95.
+If the Triton backend is unavailable the script says so, still times the selector, and skips the
+attention timings unless ``--allow-reference`` (the reference backend is far slower, so ratios
+against it mean little).
+
+Usage::
+
+    python scripts/bench_selector.py --out selector_bench.json
+    python scripts/bench_selector.py --device cpu --n 2048 --hq 4 --hkv 2 --d 64 --out /tmp/s.json  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import sparse_train as st  # noqa: E402
+from sparse_train.functional import resolve_backend  # noqa: E402
+from sparse_train.selectors import (  # noqa: E402
+    BlockScorer,
+    block_kl,
+    selection_candidates,
+    selection_geometry,
+    sparse_block_mass,
+)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=65536)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--hq", type=int, default=32)
+    p.add_argument("--hkv", type=int, default=8)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--block", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=16)
+    p.add_argument("--window", type=int, default=8)
+    p.add_argument("--sinks", type=int, default=1)
+    p.add_argument("--selector-dim", type=int, default=32)
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--distill-rows", type=int, nargs="*", default=[0, 16],
+                   help="rows per query block for the distillation target; 0 = all rows")
+    p.add_argument("--allow-reference", action="store_true",
+                   help="time attention through the reference backend when Triton is unavailable")
+    p.add_argument("--out", type=Path, required=True, help="JSON output path")
+    return p.parse_args(argv)
+
+
+def measure(fn, device, warmup, repeats):
+    """Median / p95 / min milliseconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU)."""
+    for _ in range(warmup):
+        fn()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    samples = []
+    for _ in range(repeats):
+        if cuda:
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            samples.append(start.elapsed_time(stop))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    samples.sort()
+    p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)]
+    return {"median_ms": statistics.median(samples), "p95_ms": p95, "min_ms": samples[0], "repeats": repeats}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available; rerun with --device cpu for a smoke run", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    torch.manual_seed(0)
+    b, hq, hkv, n, d, blk = args.batch, args.hq, args.hkv, args.n, args.d, args.block
+    q = torch.randn(b, hq, n, d, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(b, hkv, n, d, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(b, hkv, n, d, device=device, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(b, hq, n, d, device=device, dtype=dtype)
+    scale = 1.0 / math.sqrt(d)
+    geom = selection_geometry(n, blk, blk, args.top_k, args.window, args.sinks)
+    scorer = BlockScorer(hq, hkv, d, args.selector_dim).to(device)
+    timings: dict[str, dict] = {}
+    notes: list[str] = []
+
+    def scores_topk():
+        qbar, kbar = scorer.pool(q, k, blk, blk)
+        with torch.no_grad():
+            scores = scorer(qbar, kbar, scale)
+        return selection_candidates(scores, geom, window=args.window, sinks=args.sinks)
+
+    candidates = scores_topk()
+
+    def canonicalize():
+        return st.BlockIndex.from_selection(candidates, seq_len=n, block_q=blk, block_k=blk, window=args.window,
+                                            sinks=args.sinks, capacity=geom.capacity, check="none")
+
+    index = canonicalize()
+
+    def plan():
+        fresh = st.BlockIndex.from_canonical(index.indices, index.counts, seq_len=n, block_q=blk, block_k=blk,
+                                             check="none")
+        return fresh.plan()
+
+    def selector_total():
+        idx = st.BlockIndex.from_selection(scores_topk(), seq_len=n, block_q=blk, block_k=blk, window=args.window,
+                                           sinks=args.sinks, capacity=geom.capacity, check="none")
+        return idx.plan()
+
+    timings["selector/scores_topk"] = measure(scores_topk, device, args.warmup, args.repeats)
+    timings["selector/canonicalize"] = measure(canonicalize, device, args.warmup, args.repeats)
+    timings["selector/plan"] = measure(plan, device, args.warmup, args.repeats)
+    timings["selector/total"] = measure(selector_total, device, args.warmup, args.repeats)
+
+    backend, reason = resolve_backend(q, k, v, index, "auto")
+    if backend != "triton":
+        notes.append(f"Triton backend unavailable for this input ({reason}); attention would run on the reference")
+        print(f"NOTE: {notes[-1]}", file=sys.stderr)
+    time_attention = backend == "triton" or args.allow_reference
+
+    with torch.no_grad():
+        _, lse = st.sparse_attention(q, k, v, index, scale=scale, return_lse=True, backend="auto")
+    qbar, kbar = scorer.pool(q, k, blk, blk)
+    slots = index.indices.to(torch.int64)
+    for rows in args.distill_rows:
+        rows_arg = None if rows == 0 else rows
+        label = "all" if rows_arg is None else str(rows_arg)
+
+        def distill():
+            target, valid = sparse_block_mass(q, k, index, scale=scale, lse=lse, rows_per_block=rows_arg)
+            logits = scorer(qbar, kbar, scale).gather(-1, slots.clamp(min=0))
+            loss = block_kl(target, logits, slots >= 0, valid)
+            loss.backward()
+            return loss
+
+        try:
+            timings[f"distill/sparse[rows={label}]"] = measure(distill, device, args.warmup, args.repeats)
+        except torch.OutOfMemoryError as err:
+            notes.append(f"distill rows={label}: out of memory ({err})")
+            torch.cuda.empty_cache()
+
+    if time_attention:
+        fixed_plan = index.plan()
+
+        def attention():
+            q.grad = k.grad = v.grad = None
+            out = st.sparse_attention(q, k, v, index, scale=scale, backend="auto", plan=fixed_plan)
+            out.backward(grad_out)
+
+        timings["attention/fwd_bwd"] = measure(attention, device, args.warmup, args.repeats)
+
+        cfg = st.SparseAttentionConfig(block_q=blk, block_k=blk, top_k=args.top_k, window=args.window,
+                                       sinks=args.sinks, selector_dim=args.selector_dim, distill="sparse")
+        module = st.SparseAttention(cfg, num_heads=hq, num_kv_heads=hkv, head_dim=d).to(device)
+
+        def module_step():
+            q.grad = k.grad = v.grad = None
+            out = module(q, k, v)
+            (out * grad_out).sum().add(module.selector_loss).backward()
+
+        timings["module/fwd_bwd(distill=sparse)"] = measure(module_step, device, args.warmup, args.repeats)
+        notes.append(f"module fallbacks: {module.fallback_counts}")
+
+    attn_ms = timings.get("attention/fwd_bwd", {}).get("median_ms")
+    budgets = {"selector/total": 0.10}
+    budgets.update({key: 0.15 for key in timings if key.startswith("distill/")})
+    rows_out = []
+    print(f"\nselector benchmark  N={n} B={b} HQ={hq} HKV={hkv} D={d} {args.dtype} BQ=BK={blk} "
+          f"top_k={args.top_k} window={args.window} sinks={args.sinks}  backend={backend}")
+    print(f"{'phase':38s} {'median ms':>10s} {'p95 ms':>10s} {'% of attn':>10s} {'budget':>8s}")
+    for key, t in timings.items():
+        share = t["median_ms"] / attn_ms if attn_ms else None
+        budget = budgets.get(key)
+        verdict = "" if share is None or budget is None else ("ok" if share <= budget else "OVER")
+        share_txt = f"{100 * share:9.1f}%" if share is not None else f"{'-':>10s}"
+        budget_txt = f"{100 * budget:.0f}% {verdict}" if budget is not None else ""
+        print(f"{key:38s} {t['median_ms']:10.3f} {t['p95_ms']:10.3f} {share_txt} {budget_txt:>8s}")
+        rows_out.append({"phase": key, **t, "fraction_of_attention": share, "budget": budget,
+                         "within_budget": None if share is None or budget is None else share <= budget})
+    for note in notes:
+        print(f"note: {note}")
+
+    result = {
+        "date": datetime.now(timezone.utc).isoformat(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "shape": {"N": n, "B": b, "HQ": hq, "HKV": hkv, "D": d, "dtype": args.dtype, "BQ": blk, "BK": blk,
+                  "top_k": args.top_k, "window": args.window, "sinks": args.sinks, "selector_dim": args.selector_dim},
+        "index": {"capacity": index.capacity, "selected_blocks_per_head": geom.selected_blocks,
+                  "block_density": geom.block_density},
+        "backend": backend,
+        "backend_reason": reason,
+        "results": rows_out,
+        "notes": notes,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,470 @@
+"""``SparseAttention``: learned block selection -> ``BlockIndex`` -> plan -> ``sparse_attention``.
+
+The module is the attention *core* (no projections): it takes post-RoPE ``q [B, HQ, N, D]`` and
+``k, v [B, HKV, N, D]`` and returns ``o [B, HQ, N, D]``, like causal SDPA.
+
+Per call:
+
+1. **Path.** From N alone (no device sync) the selection geometry says how many blocks each query
+   block will select. A full selection (every causal block; short sequences) takes dense causal SDPA,
+   which computes the same function faster. Near-full selections use hysteresis: the dense path is
+   entered when the selected fraction of causal blocks reaches ``dense_enter_density`` and left only
+   when it falls to ``dense_exit_density``, so sequence lengths wobbling around the crossover do not
+   flip the path (and re-plan) every step.
+2. **Selection.** Pooled queries/keys -> :class:`~sparse_train.selectors.BlockScorer` logits ->
+   top-k among causal blocks not covered by window/sinks -> ``BlockIndex.from_selection`` (adds window
+   and sinks, dedups, canonical form). The top-k is hard and integer: the attention output has no
+   gradient path into the selector.
+3. **Backend.** Triton on CUDA when the kernels support dtype/head dim/block size, the PyTorch
+   reference otherwise; every non-Triton run is counted with its reason.
+4. **Distillation** (training): KL from the attention mass the main attention puts on each block
+   (detached q/k; sparse target from the kernel's lse) to the selector's distribution; the loss is in
+   ``selector_loss`` and only reaches the selector's parameters.
+5. **Replay.** Under activation checkpointing the recompute reuses the first forward's decisions
+   (:mod:`sparse_train.selectors.replay`).
+
+torch.compile: the path decision is Python on shapes (a recompile when it flips, nothing per step);
+fallback counts live in a tensor buffer; replay, metrics and profiling are skipped while compiling.
+The plan (``BlockIndex.plan``) reads sizes on the host, so the sparse path has graph breaks there.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import SparseAttentionConfig
+from .functional import resolve_backend, sparse_attention
+from .index import BlockIndex
+from .selectors.distill import block_kl, dense_block_mass, sparse_block_mass
+from .selectors.metrics import sample_query_blocks, selection_quality
+from .selectors.replay import SelectionRecord, SelectionReplay, in_backward_pass
+from .selectors.scorer import BlockScorer, causal_block_mask, selection_candidates, selection_geometry
+
+__all__ = [
+    "SparseAttention",
+    "FALLBACK_REASONS",
+    "collect_selector_losses",
+    "collect_attention_stats",
+    "dense_causal_attention",
+]
+
+FALLBACK_REASONS = (
+    "dense_full_selection",
+    "dense_hysteresis",
+    "reference_cpu",
+    "reference_triton_unavailable",
+    "reference_unsupported_dtype",
+    "reference_unsupported_head_dim",
+    "reference_unsupported_block_size",
+    "reference_unsupported_device",
+    "reference_unsupported_other",
+)
+"""Every reason a call leaves the Triton sparse path; ``fallback_counts`` and ``stats()`` use these names."""
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _reference_reason(reason: str) -> str:
+    """Map ``resolve_backend``'s free-text reason to one of :data:`FALLBACK_REASONS`."""
+    text = reason.lower()
+    if text.startswith("cpu"):
+        return "reference_cpu"
+    if "triton unavailable" in text:
+        return "reference_triton_unavailable"
+    if "dtype" in text:
+        return "reference_unsupported_dtype"
+    if "head dim" in text:
+        return "reference_unsupported_head_dim"
+    if "block size" in text:
+        return "reference_unsupported_block_size"
+    if "device" in text:
+        return "reference_unsupported_device"
+    return "reference_unsupported_other"
+
+
+def dense_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float, dropout_p: float = 0.0, seq_lens: Tensor | None = None
+) -> Tensor:
+    """Dense causal SDPA with GQA and the same masks as the sparse path.
+
+    q ``[B, HQ, N, D]``, k/v ``[B, HKV, N, D]``; with ``seq_lens`` keys at positions >= seq_lens[b]
+    are masked (an explicit boolean mask; rows without any valid key output zeros, as in the kernels).
+    """
+    gqa = q.shape[1] != k.shape[1]
+    if seq_lens is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+    n = q.shape[2]
+    pos = torch.arange(n, device=q.device)
+    allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1)) & (pos.view(1, 1, n) < seq_lens.view(-1, 1, 1))  # [B, N, N]
+    empty_row = ~allowed.any(dim=-1)  # only when seq_lens[b] == 0
+    # give empty rows one harmless key so SDPA has a finite softmax, then zero their output
+    allowed = allowed | (empty_row.unsqueeze(-1) & (pos.view(1, 1, n) == 0))
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    )
+    return o.masked_fill(empty_row.view(q.shape[0], 1, n, 1), 0.0)
+
+
+class _Timings:
+    """Start/stop marks per phase: CUDA events on GPU, ``perf_counter`` on CPU; read lazily."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, list] = {}
+
+    def mark(self, name: str, which: int, device: torch.device) -> None:
+        slot = self.marks.setdefault(name, [None, None])
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            slot[which] = event
+        else:
+            slot[which] = time.perf_counter()
+
+    def elapsed_ms(self) -> dict[str, float]:
+        out = {}
+        for name, (start, stop) in self.marks.items():
+            if start is None or stop is None:
+                continue
+            if isinstance(start, float):
+                out[f"time/{name}_ms"] = (stop - start) * 1e3
+            else:
+                stop.synchronize()
+                out[f"time/{name}_ms"] = start.elapsed_time(stop)
+        return out
+
+
+class SparseAttention(nn.Module):
+    """Learned block-sparse causal attention core (see module docstring).
+
+    Args:
+        config: :class:`~sparse_train.SparseAttentionConfig`.
+        num_heads: HQ. num_kv_heads: HKV (HQ must be a multiple). head_dim: D.
+
+    Attributes:
+        scorer: the learned :class:`~sparse_train.selectors.BlockScorer` (its parameters are the
+            selector's; they appear in ``state_dict`` under ``scorer.``).
+        selector_loss: the last training forward's distillation loss (scalar, gradients only into
+            ``scorer``), or None.
+        fallback_counts: dict reason -> number of calls that took that fallback.
+    """
+
+    def __init__(self, config: SparseAttentionConfig, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        if not isinstance(config, SparseAttentionConfig):
+            raise ValueError(f"config must be a SparseAttentionConfig, got {type(config).__name__}")
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.config = config
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim)
+        self.scorer = BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim)
+        # A tensor (not a dict of ints) so counting inside a compiled graph is an in-graph add, not a
+        # Python side effect that would guard and recompile on every call.
+        self.register_buffer("fallback_counter", torch.zeros(len(FALLBACK_REASONS), dtype=torch.int64), persistent=False)
+        self.selector_loss: Tensor | None = None
+        self._dense_mode = False
+        self._training_calls = 0
+        self._last_distilled = False
+        self._last_index: BlockIndex | None = None
+        self._last_path = "sparse"
+        self._last_quality: dict[str, Tensor] = {}
+        self._replay = SelectionReplay()
+        self._timings = _Timings()
+        self._metrics_rng = torch.Generator().manual_seed(0)
+
+    # ------------------------------------------------------------------------------------ public
+    @property
+    def fallback_counts(self) -> dict[str, int]:
+        """reason -> calls that took it (only reasons that occurred)."""
+        counts = self.fallback_counter.tolist()
+        return {reason: int(n) for reason, n in zip(FALLBACK_REASONS, counts) if n}
+
+    def reset_stats(self) -> None:
+        """Zero fallback counts, replay counters and the last measurements."""
+        self.fallback_counter.zero_()
+        self._replay.hits = self._replay.misses = self._replay.ambiguous = 0
+        self._last_quality = {}
+        self._timings = _Timings()
+
+    def stats(self) -> dict[str, float]:
+        """Floats for logging: ``density`` (fraction of the causal area the last call attended),
+        ``dense_path``, ``selector_loss``, ``recall`` / ``mass_captured`` (when measured),
+        ``fallbacks/<reason>`` for every reason, ``replay/*`` and, with ``profile``, ``time/*_ms``.
+        Reading it synchronises the device (call it once per logged step, not per layer call)."""
+        out: dict[str, float] = {}
+        if self._last_path == "dense":
+            out["density"] = 1.0
+        elif self._last_index is not None:
+            out["density"] = self._last_index.density()
+        out["dense_path"] = 1.0 if self._last_path == "dense" else 0.0
+        if self._last_index is not None:
+            out["selection_density"] = self._last_index.density()
+        out["selector_loss"] = float(self.selector_loss.detach()) if self.selector_loss is not None else float("nan")
+        for name, value in self._last_quality.items():
+            out[name] = float(value)
+        counts = self.fallback_counter.tolist()
+        for reason, n in zip(FALLBACK_REASONS, counts):
+            out[f"fallbacks/{reason}"] = float(n)
+        out.update(self._replay.stats())
+        if self.config.profile:
+            out.update(self._timings.elapsed_ms())
+        return out
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"block_q={c.block_q}, block_k={c.block_k}, top_k={c.top_k}, window={c.window}, sinks={c.sinks}, "
+                f"distill={c.distill!r}, backend={c.backend!r}")
+
+    # ------------------------------------------------------------------------------------ checks
+    def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None) -> None:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor):
+                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
+            if t.dtype not in _SUPPORTED_DTYPES:
+                raise ValueError(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, _SUPPORTED_DTYPES))}")
+        if not (q.dtype == k.dtype == v.dtype):
+            raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        if not (q.device == k.device == v.device):
+            raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+        b, hq, n, d = q.shape
+        if hq != self.num_heads:
+            raise ValueError(f"q has {hq} heads in dim 1, this module was built for num_heads={self.num_heads} "
+                             "(expected q [B, HQ, N, D])")
+        if d != self.head_dim:
+            raise ValueError(f"q has head dim {d}, this module was built for head_dim={self.head_dim}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if k.shape != (b, self.num_kv_heads, n, d):
+            raise ValueError(f"k/v must have shape [B={b}, HKV={self.num_kv_heads}, N={n}, D={d}], got {tuple(k.shape)}")
+        if n == 0:
+            raise ValueError("sequence length N must be > 0")
+        if seq_lens is not None:
+            if not isinstance(seq_lens, Tensor) or seq_lens.dim() != 1 or seq_lens.dtype.is_floating_point \
+                    or seq_lens.dtype == torch.bool:
+                raise ValueError("seq_lens must be a 1-D integer tensor [B]")
+            if seq_lens.shape[0] != b:
+                raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries for batch size {b}")
+            if seq_lens.device != q.device:
+                raise ValueError(f"seq_lens is on {seq_lens.device} but q is on {q.device}")
+            if not torch.compiler.is_compiling() and bool(((seq_lens < 0) | (seq_lens > n)).any()):
+                raise ValueError(f"seq_lens values must lie in [0, N={n}], got {seq_lens.tolist()}")
+
+    # ------------------------------------------------------------------------------------ policy
+    def _choose_path(self, geometry, update_state: bool) -> tuple[str, str | None]:
+        """``("dense" | "sparse", fallback reason)`` from shapes and the hysteresis state."""
+        cfg = self.config
+        if not cfg.dense_fallback:
+            return "sparse", None
+        density = geometry.block_density
+        dense_mode = self._dense_mode
+        if dense_mode and density <= cfg.dense_exit_density and not geometry.is_full:
+            dense_mode = False
+        elif not dense_mode and (density >= cfg.dense_enter_density or geometry.is_full):
+            dense_mode = True
+        if update_state:
+            self._dense_mode = dense_mode
+        if geometry.is_full:
+            return "dense", "dense_full_selection"
+        return ("dense", "dense_hysteresis") if dense_mode else ("sparse", None)
+
+    def _count(self, reason: str | None) -> None:
+        if reason is not None:
+            self.fallback_counter[FALLBACK_REASONS.index(reason)] += 1
+
+    # ------------------------------------------------------------------------------------ forward
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        seq_lens: Tensor | None = None,
+        *,
+        scale: float | None = None,
+        dropout_p: float | None = None,
+    ) -> Tensor:
+        """q ``[B, HQ, N, D]`` (post-RoPE), k/v ``[B, HKV, N, D]``, seq_lens optional int ``[B]``
+        (right padding: keys at positions >= seq_lens[b] are masked) -> o ``[B, HQ, N, D]``.
+
+        ``scale`` / ``dropout_p`` override the config for this call (the Hugging Face integration
+        passes the model's own values)."""
+        self._check_inputs(q, k, v, seq_lens)
+        cfg = self.config
+        batch, _, seq_len, _ = q.shape
+        scale = self.scale if scale is None else float(scale)
+        dropout_p = (cfg.dropout_p if dropout_p is None else float(dropout_p)) if self.training else 0.0
+        compiling = torch.compiler.is_compiling()
+        recomputing = not compiling and in_backward_pass()
+        first_pass = not recomputing
+        profile = cfg.profile and first_pass and not compiling
+        device = q.device
+        # lru_cache is opaque to dynamo: trace the plain function while compiling (once per shape)
+        geometry_of = selection_geometry.__wrapped__ if compiling else selection_geometry
+        geometry = geometry_of(seq_len, cfg.block_q, cfg.block_k, cfg.top_k, cfg.window, cfg.sinks)
+
+        record = self._replay.lookup(batch, seq_len) if (recomputing and cfg.replay) else None
+        if record is not None:
+            path, reason, index, plan = record.path, record.reason, record.index, record.plan
+            backend, dropout_seed, distill_now = record.backend, record.dropout_seed, record.distilled
+        else:
+            path, reason = self._choose_path(geometry, update_state=first_pass)
+            index = plan = backend = None
+            dropout_seed = None
+            if first_pass:
+                distill_now = (cfg.distill != "off" and self.training and torch.is_grad_enabled()
+                               and self._training_calls % cfg.distill_every == 0)
+                self._last_distilled = distill_now
+            else:
+                distill_now = self._last_distilled
+        metrics_now = (first_pass and not compiling and self.training and cfg.metrics_every > 0
+                       and self._training_calls % cfg.metrics_every == 0)
+        if first_pass and self.training:
+            self._training_calls += 1
+
+        # ---- selector: scores (with grad when distilling) and, unless replayed, the selection
+        need_selection = index is None and (path == "sparse" or (distill_now and cfg.distill == "sparse") or metrics_now)
+        scores = None
+        if profile:
+            self._timings.mark("selector", 0, device)
+        if need_selection or distill_now:
+            qbar, kbar = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
+                scores = self.scorer(qbar, kbar, scale)
+        if need_selection:
+            candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks, seq_lens=seq_lens)
+            index = BlockIndex.from_selection(
+                candidates, seq_len=seq_len, block_q=cfg.block_q, block_k=cfg.block_k, window=cfg.window,
+                sinks=cfg.sinks, capacity=geometry.capacity, check=cfg.index_check,
+            )
+        if profile:
+            self._timings.mark("selector", 1, device)
+
+        # ---- backend and plan (sparse path only)
+        if path == "sparse" and record is None:
+            backend, backend_reason = resolve_backend(q, k, v, index, cfg.backend)
+            if backend == "reference" and backend_reason != "requested":
+                reason = _reference_reason(backend_reason)
+        if profile:
+            self._timings.mark("plan", 0, device)
+        if path == "sparse" and backend == "triton" and plan is None:
+            plan = index.plan(cfg.r0)
+        if profile:
+            self._timings.mark("plan", 1, device)
+        if path == "sparse" and dropout_p > 0.0 and dropout_seed is None:
+            dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
+
+        # ---- attention
+        if profile:
+            self._timings.mark("attn_fwd", 0, device)
+        lse = None
+        if path == "dense":
+            o = dense_causal_attention(q, k, v, scale=scale, dropout_p=dropout_p, seq_lens=seq_lens)
+        else:
+            o, lse = sparse_attention(
+                q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                deterministic=cfg.deterministic, return_lse=True, backend=backend, seq_lens=seq_lens,
+                plan=plan, r0=cfg.r0,
+            )
+        if profile:
+            self._timings.mark("attn_fwd", 1, device)
+            self._hook_backward_timing(q, k, v, o)
+
+        # ---- distillation (selector-only gradients)
+        loss = None
+        if distill_now:
+            loss = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry)
+
+        # ---- bookkeeping of the first pass only (a recompute must not count twice)
+        if first_pass:
+            self._count(reason)
+            self._last_path = path
+            self._last_index = index
+            self.selector_loss = loss
+            if metrics_now and index is not None:
+                picks = sample_query_blocks(index.num_q_blocks, cfg.metrics_query_blocks, self._metrics_rng)
+                self._last_quality = selection_quality(q, k, index, scale=scale, query_blocks=picks, seq_lens=seq_lens)
+            if cfg.replay and not compiling and torch.is_grad_enabled() and o.requires_grad:
+                self._replay.remember(
+                    SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=plan,
+                                    backend=backend, dropout_seed=dropout_seed, distilled=distill_now),
+                    anchors=[o, scores],
+                )
+        return o
+
+    def _distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry) -> Tensor:
+        cfg = self.config
+        if cfg.distill == "dense":
+            target, row_valid = dense_block_mass(
+                q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
+                rows_per_block=cfg.distill_query_rows, chunk_mb=cfg.distill_chunk_mb,
+            )
+            allowed = causal_block_mask(geometry, q.device).view(1, 1, geometry.num_q_blocks, -1)
+            kl = block_kl(target, scores, allowed, row_valid)
+        else:
+            target, row_valid = sparse_block_mass(
+                q, k, index, scale=scale, lse=lse, seq_lens=seq_lens,
+                rows_per_block=cfg.distill_query_rows, chunk_mb=cfg.distill_chunk_mb,
+            )
+            slots = index.indices.to(torch.int64)
+            picked = scores.gather(-1, slots.clamp(min=0))
+            kl = block_kl(target, picked, slots >= 0, row_valid)
+        return kl * cfg.distill_weight
+
+    def _hook_backward_timing(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor) -> None:
+        inputs = [t for t in (q, k, v) if t.requires_grad]
+        if not o.requires_grad or not inputs:
+            return
+        device = o.device
+        timings = self._timings
+
+        def started(grad: Tensor) -> None:
+            timings.mark("attn_bwd", 0, device)
+
+        def finished(grads) -> None:
+            timings.mark("attn_bwd", 1, device)
+
+        o.register_hook(started)
+        torch.autograd.graph.register_multi_grad_hook(inputs, finished, mode="all")
+
+
+def _sparse_modules(model: nn.Module) -> Iterable[SparseAttention]:
+    return (m for m in model.modules() if isinstance(m, SparseAttention))
+
+
+def collect_selector_losses(model: nn.Module) -> Tensor:
+    """Sum of the last ``selector_loss`` of every ``SparseAttention`` in ``model`` (a scalar tensor;
+    zero without gradient when no module computed one, e.g. in eval mode or with distill="off")."""
+    losses = [m.selector_loss for m in _sparse_modules(model) if m.selector_loss is not None]
+    if losses:
+        return torch.stack([loss.to(torch.float32) for loss in losses]).sum()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return torch.zeros((), device=device)
+
+
+def collect_attention_stats(model: nn.Module) -> dict[str, float]:
+    """``stats()`` of every ``SparseAttention`` in ``model``: counts (``fallbacks/*``, ``replay/*``)
+    summed, everything else averaged over the modules that report it (NaNs ignored)."""
+    sums: dict[str, float] = {}
+    values: dict[str, list[float]] = {}
+    for module in _sparse_modules(model):
+        for key, value in module.stats().items():
+            if key.startswith(("fallbacks/", "replay/")):
+                sums[key] = sums.get(key, 0.0) + value
+            elif not math.isnan(value):
+                values.setdefault(key, []).append(value)
+    out = {key: sum(vals) / len(vals) for key, vals in values.items()}
+    out.update(sums)
+    return out

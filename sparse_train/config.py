@@ -1,0 +1,167 @@
+"""``SparseAttentionConfig``: every knob of :class:`sparse_train.SparseAttention` in one typed dataclass.
+
+Each field carries an attribute docstring (shown by IDEs and ``help()``); ``__post_init__`` rejects
+bad values with a ``ValueError`` that names the field, so a typo in a YAML recipe fails at start-up
+rather than deep inside a training step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "INDEX_CHECKS"]
+
+BACKENDS = ("auto", "triton", "reference")
+DISTILL_MODES = ("sparse", "dense", "off")
+INDEX_CHECKS = ("none", "cheap", "full")
+
+
+@dataclass
+class SparseAttentionConfig:
+    """Configuration of one learned block-sparse attention layer (selector, kernels, fallbacks)."""
+
+    block_q: int = 64
+    """Query block size BQ: queries are grouped in blocks of this many rows; one selection per block."""
+
+    block_k: int = 64
+    """Key block size BK: the unit the selector scores and the kernels load."""
+
+    top_k: int = 16
+    """Learned (dynamic) key blocks per query block, chosen among the causal blocks that the window and
+    sinks do not already cover; the selection holds at most ``top_k + window + sinks`` blocks."""
+
+    window: int = 8
+    """Local window in key blocks: the block holding the query block's last query and the
+    ``window - 1`` blocks before it are always selected."""
+
+    sinks: int = 1
+    """Attention-sink blocks: key blocks ``0 .. sinks-1`` are always selected (clipped to causal)."""
+
+    selector_dim: int = 32
+    """Width S of the selector's per-KV-head projections of pooled queries and keys."""
+
+    r0: int | None = None
+    """Reuse threshold of the hybrid dK/dV backward; ``None`` = ``sparse_train.index.DEFAULT_R0``."""
+
+    dropout_p: float = 0.0
+    """Dropout on attention probabilities during training, in [0, 1) (ignored in eval mode)."""
+
+    scale: float | None = None
+    """Logit scale; ``None`` = ``1 / sqrt(head_dim)``. Also scales the selector logits."""
+
+    backend: str = "auto"
+    """Kernel backend: ``"auto"`` (Triton on supported CUDA input, reference otherwise),
+    ``"triton"`` or ``"reference"``."""
+
+    deterministic: bool = False
+    """Bitwise-reproducible gradients (every dK/dV block KV-centric, no atomics)."""
+
+    distill: str = "sparse"
+    """Selector training target: ``"sparse"`` = attention mass on the *selected* blocks (renormalised
+    over them, derived from q, k and the kernel's lse, no N x N attention); ``"dense"`` = mass on all
+    causal blocks (exact, chunked N x N; a warm-up for converting a dense model); ``"off"``."""
+
+    distill_weight: float = 1.0
+    """Multiplier of the KL distillation loss reported as ``selector_loss``."""
+
+    distill_every: int = 1
+    """Compute the distillation loss on every n-th training forward (1 = every step)."""
+
+    distill_query_rows: int | None = None
+    """Query rows per query block used for the distillation target: ``None`` = all BQ rows (exact
+    pooled mass); an int takes that many evenly spaced rows (an unbiased, cheaper estimate)."""
+
+    distill_chunk_mb: int = 1024
+    """Memory budget (MiB) of one chunk of fp32 logits while computing distillation targets."""
+
+    replay: bool = True
+    """Reuse the first forward's selection (index, plan, path, dropout seed) when activation
+    checkpointing recomputes the forward, so the backward sees exactly the forward's function."""
+
+    dense_fallback: bool = True
+    """Run dense causal SDPA instead of the sparse kernels when the selection is (nearly) full;
+    see ``dense_enter_density`` / ``dense_exit_density``."""
+
+    dense_enter_density: float = 0.9
+    """Hysteresis: switch to the dense path when the selected fraction of causal blocks is >= this.
+    A full selection (fraction 1.0) always takes the dense path when ``dense_fallback`` is on."""
+
+    dense_exit_density: float = 0.8
+    """Hysteresis: leave the dense path only once the selected fraction drops to <= this.
+    Set both thresholds to 1.0 to take the dense path for full selections only (always exact)."""
+
+    index_check: str = "none"
+    """Validation level passed to ``BlockIndex.from_selection`` for the selector's own candidates:
+    ``"none"`` (they are valid by construction and checks cost a device sync), ``"cheap"``, ``"full"``."""
+
+    metrics_every: int = 0
+    """Every n-th training forward, measure selection quality (recall of the oracle top blocks and
+    the attention mass captured) on sampled query blocks; 0 = never."""
+
+    metrics_query_blocks: int = 8
+    """Number of query blocks sampled per metrics measurement."""
+
+    profile: bool = False
+    """Time selector, plan, attention forward and backward of the last step (CUDA events on GPU,
+    ``perf_counter`` on CPU); reported by ``stats()`` under ``time/...``."""
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"SparseAttentionConfig.{name} must be a positive int, got {value!r}")
+
+        def non_negative_int(name: str) -> None:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"SparseAttentionConfig.{name} must be an int >= 0, got {value!r}")
+
+        def one_of(name: str, choices: tuple[str, ...]) -> None:
+            value = getattr(self, name)
+            if value not in choices:
+                raise ValueError(f"SparseAttentionConfig.{name} must be one of {choices}, got {value!r}")
+
+        for name in ("block_q", "block_k", "selector_dim", "distill_every", "distill_chunk_mb",
+                     "metrics_query_blocks"):
+            positive_int(name)
+        for name in ("top_k", "window", "sinks", "metrics_every"):
+            non_negative_int(name)
+        if self.top_k + self.window + self.sinks == 0:
+            raise ValueError("SparseAttentionConfig: top_k + window + sinks must be > 0 (nothing would be selected)")
+        if self.r0 is not None:
+            non_negative_int("r0")
+        if self.distill_query_rows is not None:
+            positive_int("distill_query_rows")
+            if self.distill_query_rows > self.block_q:
+                raise ValueError(
+                    f"SparseAttentionConfig.distill_query_rows={self.distill_query_rows} exceeds "
+                    f"block_q={self.block_q}"
+                )
+        if not isinstance(self.dropout_p, (int, float)) or not 0.0 <= float(self.dropout_p) < 1.0:
+            raise ValueError(f"SparseAttentionConfig.dropout_p must lie in [0, 1), got {self.dropout_p!r}")
+        if self.scale is not None and (not isinstance(self.scale, (int, float)) or self.scale <= 0):
+            raise ValueError(f"SparseAttentionConfig.scale must be a positive number or None, got {self.scale!r}")
+        if not isinstance(self.distill_weight, (int, float)) or self.distill_weight < 0:
+            raise ValueError(f"SparseAttentionConfig.distill_weight must be >= 0, got {self.distill_weight!r}")
+        one_of("backend", BACKENDS)
+        one_of("distill", DISTILL_MODES)
+        one_of("index_check", INDEX_CHECKS)
+        lo, hi = self.dense_exit_density, self.dense_enter_density
+        if not (0.0 <= lo <= hi <= 1.0):
+            raise ValueError(
+                "SparseAttentionConfig needs 0 <= dense_exit_density <= dense_enter_density <= 1 "
+                f"(hysteresis band), got exit={lo!r}, enter={hi!r}"
+            )
+        for name in ("replay", "dense_fallback", "profile", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SparseAttentionConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def capacity(self) -> int:
+        """Most blocks one query block can select: ``top_k + window + sinks``."""
+        return self.top_k + self.window + self.sinks
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields (for logging / hparams)."""
+        return asdict(self)

@@ -1,0 +1,190 @@
+"""Hugging Face ``transformers`` integration: ``attn_implementation="sparse_train"``.
+
+Usage::
+
+    from sparse_train.integrations import hf
+    model = AutoModelForCausalLM.from_pretrained(...)          # or built from a config
+    hf.enable(model, st.SparseAttentionConfig(top_k=16))       # selectors attached, implementation switched
+    loss = model(input_ids, attention_mask=mask, labels=labels).loss
+    loss = loss + st.collect_selector_losses(model)             # distillation of every layer's selector
+
+What ``enable`` does:
+
+* registers an attention function under ``"sparse_train"`` in ``AttentionInterface`` and a mask
+  function in ``AttentionMaskInterface`` (the mask function hands the 2-D padding mask through, like
+  the flash-attention one, instead of building an N x N mask);
+* attaches a :class:`~sparse_train.SparseAttention` as ``sparse_attention`` to every attention layer
+  (a registered submodule, so its selector is in ``state_dict`` and moves with ``.to()``);
+* switches the implementation (``model.set_attn_implementation`` when available, else the config).
+
+Padding: the 2-D mask must be right padding (ones then zeros per row); it becomes ``seq_lens``.
+Left padding, holes, packed sequences (position ids restarting), sliding-window layers, 4-D custom
+masks and KV-cache decoding (query length != key length) raise ``NotImplementedError`` with a hint,
+instead of computing something else. Only APIs present in transformers 5.17 and 5.24 are used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+from ..attention import SparseAttention
+from ..config import SparseAttentionConfig
+
+__all__ = ["ATTENTION_NAME", "register", "enable", "disable", "sparse_train_attention_forward",
+           "sparse_train_mask", "seq_lens_from_padding_mask", "attention_layers"]
+
+ATTENTION_NAME = "sparse_train"
+SUBMODULE_NAME = "sparse_attention"
+
+_last_mask: tuple[weakref.ReferenceType, int, Tensor | None] | None = None
+
+
+def seq_lens_from_padding_mask(mask: Tensor | None, seq_len: int) -> Tensor | None:
+    """int64 ``[B]`` valid lengths from a right-padded 2-D mask ``[B, N]`` (None: no padding).
+
+    Raises:
+        NotImplementedError: a 4-D mask, or a mask that is not right padding (left padding or holes).
+        ValueError: a mask whose length differs from the key length.
+    """
+    global _last_mask
+    if mask is None:
+        return None
+    if mask.dim() != 2:
+        raise NotImplementedError(
+            f"sparse_train attention takes a 2-D padding mask [B, N]; got a {mask.dim()}-D mask. Custom 4-D "
+            "masks are not supported: pass the tokenizer's attention_mask instead."
+        )
+    if mask.shape[1] != seq_len:
+        raise ValueError(f"padding mask has length {mask.shape[1]} but keys have length {seq_len}")
+    # Every layer receives the same mask object: validate it once, not once per layer.
+    if _last_mask is not None and _last_mask[0]() is mask and _last_mask[1] == mask._version:
+        return _last_mask[2]
+    keep = mask.to(torch.bool)
+    seq_lens = keep.sum(dim=-1)
+    if not torch.compiler.is_compiling():
+        right_padded = torch.arange(seq_len, device=mask.device).view(1, -1) < seq_lens.view(-1, 1)
+        if not torch.equal(right_padded, keep):
+            raise NotImplementedError(
+                "sparse_train attention needs right padding (each row: real tokens, then padding). "
+                "Set tokenizer.padding_side = 'right' (left padding and packed rows are not supported)."
+            )
+    _last_mask = (weakref.ref(mask), mask._version, seq_lens)
+    return seq_lens
+
+
+def sparse_train_mask(*args, attention_mask: Tensor | None = None, kv_length: int | None = None,
+                      mask_function=None, **kwargs) -> Tensor | None:
+    """Mask function for ``AttentionMaskInterface``: the 2-D padding mask (or None without padding).
+
+    Only the plain causal pattern is accepted: packed sequences, sliding windows and custom
+    and/or-masks would need block semantics the sparse kernels do not implement.
+    """
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function is not None and mask_function is not causal_mask_function:
+        raise NotImplementedError(
+            "sparse_train attention supports plain causal masks with right padding only; this model/input "
+            "asked for another mask pattern (packed sequences via position_ids, sliding window, or a custom "
+            "mask function)."
+        )
+    if attention_mask is None:
+        return None
+    if kv_length is not None:
+        attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.dim() == 2 and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def sparse_train_attention_forward(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """``AttentionInterface`` function: query ``[B, HQ, N, D]``, key/value ``[B, HKV, N, D]`` ->
+    (output ``[B, N, HQ, D]``, None)."""
+    sparse = getattr(module, SUBMODULE_NAME, None)
+    if not isinstance(sparse, SparseAttention):
+        raise RuntimeError(
+            f"{type(module).__name__} has no sparse_train selector; call "
+            "sparse_train.integrations.hf.enable(model, config) instead of only setting attn_implementation"
+        )
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("sparse_train attention does not implement sliding-window layers")
+    if query.shape[2] != key.shape[2]:
+        raise NotImplementedError(
+            f"sparse_train attention is self-attention over the whole sequence (training/prefill); got "
+            f"{query.shape[2]} queries for {key.shape[2]} keys (KV-cache decoding). Switch back with "
+            "model.set_attn_implementation('sdpa') for generation, or pass use_cache=False."
+        )
+    seq_lens = seq_lens_from_padding_mask(attention_mask, key.shape[2])
+    out = sparse(query, key, value, seq_lens=seq_lens, scale=scaling, dropout_p=dropout)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """Register the attention and mask functions under ``"sparse_train"`` (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, sparse_train_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sparse_train_mask)
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """The self-attention layers of a Llama/Qwen2-style model (modules with q/k/v/o projections)."""
+    return [
+        m for m in model.modules()
+        if all(hasattr(m, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")) and hasattr(m, "head_dim")
+    ]
+
+
+def _set_implementation(model: nn.Module, name: str) -> None:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.Module:
+    """Attach a ``SparseAttention`` (``<layer>.sparse_attention``) to every attention layer and switch
+    the model to ``attn_implementation="sparse_train"``. Returns the model.
+
+    The selector inherits the model's logit scale unless ``config.scale`` is set; existing selectors
+    are kept (calling ``enable`` twice does not reset trained selectors).
+    """
+    config = config or SparseAttentionConfig()
+    register()
+    hf_config = model.config
+    num_heads = hf_config.num_attention_heads
+    num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError(f"found no attention layers (q_proj/k_proj/v_proj/o_proj) in {type(model).__name__}")
+    for layer in layers:
+        if isinstance(getattr(layer, SUBMODULE_NAME, None), SparseAttention):
+            continue
+        layer_config = config
+        if config.scale is None and getattr(layer, "scaling", None) is not None:
+            layer_config = dataclasses.replace(config, scale=float(layer.scaling))
+        sparse = SparseAttention(layer_config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=layer.head_dim)
+        sparse.to(device=layer.q_proj.weight.device)
+        sparse.train(layer.training)
+        layer.add_module(SUBMODULE_NAME, sparse)
+    _set_implementation(model, ATTENTION_NAME)
+    return model
+
+
+def disable(model: nn.Module, implementation: str = "sdpa") -> nn.Module:
+    """Switch back to ``implementation`` (selectors stay attached, e.g. for a later ``enable``)."""
+    _set_implementation(model, implementation)
+    return model

@@ -1,0 +1,38 @@
+"""Learned block selection: scorer + top-k (``scorer``), distillation targets and loss (``distill``),
+selection-quality metrics (``metrics``) and activation-checkpoint replay of selections (``replay``).
+
+This is a subpackage on purpose: a top-level ``selectors`` package would shadow the standard
+library module of that name and break ``import torch`` when Python runs from the repository root.
+"""
+
+from .distill import block_kl, dense_block_mass, query_row_positions, sparse_block_mass
+from .metrics import sample_query_blocks, selection_quality
+from .replay import SelectionRecord, SelectionReplay, in_backward_pass
+from .scorer import (
+    BlockScorer,
+    SelectionGeometry,
+    allowed_dynamic_blocks,
+    block_mean,
+    causal_block_mask,
+    selection_candidates,
+    selection_geometry,
+)
+
+__all__ = [
+    "BlockScorer",
+    "SelectionGeometry",
+    "SelectionRecord",
+    "SelectionReplay",
+    "allowed_dynamic_blocks",
+    "block_kl",
+    "block_mean",
+    "causal_block_mask",
+    "dense_block_mass",
+    "in_backward_pass",
+    "query_row_positions",
+    "sample_query_blocks",
+    "selection_candidates",
+    "selection_geometry",
+    "selection_quality",
+    "sparse_block_mass",
+]

@@ -1,0 +1,245 @@
+"""Distillation targets for the selector and the KL loss that pulls the selector toward them.
+
+Target: the attention mass the main attention puts on each key block, pooled over the query block's
+rows and the GQA group's query heads::
+
+    T[b, h, i, j] = mean over rows r of block i, heads g of group h of  sum_{key in block j} P[b, g, r, key]
+
+Two targets:
+
+* :func:`sparse_block_mass` ("sparse" stage): only the *selected* blocks of a ``BlockIndex``; P is
+  the main attention's own softmax over the selected set, ``exp(scale * q.k - lse)`` with the lse the
+  kernel returned (or recomputed over the selected set when none is given), so the target sums to 1
+  over the selected blocks. Cost: one pass of QK^T over the selected blocks, in query-block chunks;
+  never an N x N matrix.
+* :func:`dense_block_mass` ("dense" warm-up, and the oracle of the quality metrics): every causal
+  block, exact, computed chunk by chunk (N x N work, bounded memory).
+
+All target computations run under ``no_grad`` on detached q/k: the main model never receives
+gradients from the selector's objective. Shapes: q ``[B, HQ, N, D]``, k ``[B, HKV, N, D]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..index import BlockIndex
+
+__all__ = ["query_row_positions", "sparse_block_mass", "dense_block_mass", "block_kl"]
+
+
+def query_row_positions(num_q_blocks: int, block_q: int, rows_per_block: int | None, device=None) -> Tensor:
+    """int64 ``[NQB, R]``: the query positions that represent each query block.
+
+    ``rows_per_block=None`` takes all BQ rows (exact mean); an int R takes R evenly spaced rows, the
+    centres of R equal slices of the block (an unbiased estimate of the mean at R/BQ of the cost).
+    Positions may exceed N - 1 in the last block; callers mask them.
+    """
+    if rows_per_block is None or rows_per_block >= block_q:
+        offsets = torch.arange(block_q, device=device)
+    else:
+        offsets = (torch.arange(rows_per_block, device=device) * block_q + block_q // 2) // rows_per_block
+    return torch.arange(num_q_blocks, device=device).view(-1, 1) * block_q + offsets.view(1, -1)
+
+
+def _chunk_blocks(total: int, per_block_elements: int, chunk_mb: int) -> int:
+    # ~12 bytes live per logit element: fp32 logits, fp32 probabilities, a bool mask and slack
+    budget = max(1, (chunk_mb * 2**20) // 12)
+    return max(1, min(total, budget // max(1, per_block_elements)))
+
+
+def _gather_query_rows(q: Tensor, pos: Tensor, num_kv_heads: int) -> Tensor:
+    """q ``[B, HQ, N, D]`` rows at ``pos`` ``[C, R]`` -> ``[B, HKV, C, G*R, D]`` (group-major rows)."""
+    batch, num_heads, seq_len, dim = q.shape
+    group = num_heads // num_kv_heads
+    chunk, rows = pos.shape
+    picked = q.index_select(2, pos.clamp(max=seq_len - 1).reshape(-1))
+    picked = picked.view(batch, num_kv_heads, group, chunk, rows, dim).permute(0, 1, 3, 2, 4, 5)
+    return picked.reshape(batch, num_kv_heads, chunk, group * rows, dim)
+
+
+def _row_positions_grouped(pos: Tensor, group: int) -> Tensor:
+    """``[C, R]`` -> ``[C, G*R]`` in the same (group, row) order as :func:`_gather_query_rows`."""
+    chunk, rows = pos.shape
+    return pos.unsqueeze(1).expand(chunk, group, rows).reshape(chunk, group * rows)
+
+
+def _row_validity(pos_rows: Tensor, seq_len: int, seq_lens: Tensor | None, batch: int) -> Tensor:
+    """bool ``[B, 1, C, G*R]``: the row is a real query (inside N and inside seq_lens[b])."""
+    inside = (pos_rows < seq_len).unsqueeze(0).expand(batch, *pos_rows.shape)
+    if seq_lens is not None:
+        inside = inside & (pos_rows.unsqueeze(0) < seq_lens.view(-1, 1, 1))
+    return inside.unsqueeze(1)
+
+
+@torch.no_grad()
+def sparse_block_mass(
+    q: Tensor,
+    k: Tensor,
+    index: BlockIndex,
+    *,
+    scale: float,
+    lse: Tensor | None = None,
+    seq_lens: Tensor | None = None,
+    rows_per_block: int | None = None,
+    chunk_mb: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """Attention mass on each *selected* block, renormalised over the selected set.
+
+    Args:
+        q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]`` (detached inside).
+        index: the selection the attention used.
+        scale: logit scale of the main attention.
+        lse: optional ``[B, HQ, N]`` log-sum-exp of the main attention over the same selection (the
+            kernel's second output). Without it the lse is recomputed over the selected set.
+        seq_lens: optional int ``[B]`` (keys and rows past it are masked).
+        rows_per_block: query rows per block used for the mean (``None`` = all).
+        chunk_mb: memory budget of one chunk of logits.
+
+    Returns:
+        ``target`` float32 ``[B, HKV, NQB, K]`` (zeros on empty slots, each valid row sums to 1) and
+        ``row_valid`` bool ``[B, HKV, NQB]`` (the row had at least one real query with mass).
+    """
+    q, k = q.detach(), k.detach()
+    batch, num_heads, seq_len, _ = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    block_q, block_k = index.block_q, index.block_k
+    nqb, capacity = index.num_q_blocks, index.capacity
+    positions = query_row_positions(nqb, block_q, rows_per_block, q.device)
+    rows = positions.shape[1]
+    per_block = batch * num_heads * rows * capacity * block_k
+    step = _chunk_blocks(nqb, per_block, chunk_mb)
+    key_offsets = torch.arange(block_k, device=q.device)
+    key_limit = torch.full((batch,), seq_len, device=q.device) if seq_lens is None else seq_lens.clamp(max=seq_len)
+    targets, valids = [], []
+    for start in range(0, nqb, step):
+        stop = min(nqb, start + step)
+        pos = positions[start:stop]  # [C, R]
+        chunk = stop - start
+        q_rows = _gather_query_rows(q, pos, num_kv_heads)  # [B, HKV, C, G*R, D]
+        blocks = index.indices[:, :, start:stop].to(torch.int64)  # [B, HKV, C, K]
+        slot_ok = blocks >= 0
+        key_pos = blocks.clamp(min=0).unsqueeze(-1) * block_k + key_offsets  # [B, HKV, C, K, BK]
+        flat_pos = key_pos.clamp(max=seq_len - 1).reshape(batch, num_kv_heads, -1, 1)
+        keys = k.gather(2, flat_pos.expand(-1, -1, -1, k.shape[-1]))
+        keys = keys.view(batch, num_kv_heads, chunk, capacity * block_k, -1)
+        # fp32 logits straight from the matmul (scale folded into the small query operand); the
+        # element-wise steps below run in place to keep the passes over this large buffer few
+        logits = torch.matmul(q_rows.to(torch.float32) * scale, keys.to(torch.float32).transpose(-1, -2))
+        key_ok = slot_ok.unsqueeze(-1) & (key_pos < key_limit.view(-1, 1, 1, 1, 1))
+        key_ok = key_ok.reshape(batch, num_kv_heads, chunk, 1, capacity * block_k)
+        pos_rows = _row_positions_grouped(pos, group)  # [C, G*R]
+        causal = key_pos.reshape(batch, num_kv_heads, chunk, 1, -1) <= pos_rows.view(1, 1, chunk, -1, 1)
+        logits.masked_fill_(~(key_ok & causal), float("-inf"))
+        if lse is None:
+            row_lse = torch.logsumexp(logits, dim=-1)
+        else:
+            row_lse = _gather_query_rows(lse.detach().unsqueeze(-1), pos, num_kv_heads).squeeze(-1).to(torch.float32)
+        row_ok = _row_validity(pos_rows, seq_len, seq_lens, batch) & torch.isfinite(row_lse)
+        # rows that are not real queries subtract +inf, so their probabilities become exactly 0
+        shift = torch.where(row_ok, row_lse, float("inf")).unsqueeze(-1)
+        probs = logits.sub_(shift).exp_()
+        mass = probs.view(batch, num_kv_heads, chunk, -1, capacity, block_k).sum(dim=(3, 5))
+        live_rows = row_ok.sum(dim=3).clamp(min=1).to(torch.float32)  # [B, HKV, C]
+        mass = mass / live_rows.unsqueeze(-1)
+        total = mass.sum(dim=-1, keepdim=True)
+        targets.append(torch.where(total > 0, mass / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0))
+        valids.append(row_ok.any(dim=3) & (total.squeeze(-1) > 0))
+    return torch.cat(targets, dim=2), torch.cat(valids, dim=2)
+
+
+@torch.no_grad()
+def dense_block_mass(
+    q: Tensor,
+    k: Tensor,
+    *,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    seq_lens: Tensor | None = None,
+    rows_per_block: int | None = None,
+    query_blocks: Tensor | None = None,
+    chunk_mb: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """Exact attention mass of dense causal attention on every key block.
+
+    Args:
+        q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]``.
+        block_q, block_k: block sizes. scale: logit scale.
+        seq_lens: optional int ``[B]``. rows_per_block: rows used per query block (``None`` = all).
+        query_blocks: optional int64 ``[S]`` subset of query blocks (default: all NQB).
+        chunk_mb: memory budget of one chunk of logits.
+
+    Returns:
+        ``mass`` float32 ``[B, HKV, S, NKB]`` (each valid row sums to 1 over its causal blocks) and
+        ``row_valid`` bool ``[B, HKV, S]``.
+    """
+    q, k = q.detach(), k.detach()
+    batch, num_heads, seq_len, _ = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    nqb = math.ceil(seq_len / block_q)
+    nkb = math.ceil(seq_len / block_k)
+    positions = query_row_positions(nqb, block_q, rows_per_block, q.device)
+    if query_blocks is not None:
+        positions = positions[query_blocks.to(device=q.device, dtype=torch.int64)]
+    total_blocks, rows = positions.shape
+    per_block = batch * num_heads * rows * seq_len
+    step = _chunk_blocks(total_blocks, per_block, chunk_mb)
+    key_pos = torch.arange(seq_len, device=q.device)
+    key_ok = key_pos.view(1, -1) < (seq_len if seq_lens is None else seq_lens.view(-1, 1))  # [B or 1, N]
+    key_ok = key_ok.view(key_ok.shape[0], 1, 1, 1, seq_len)
+    keys_t = k.transpose(-1, -2).unsqueeze(2)  # [B, HKV, 1, D, N]
+    masses, valids = [], []
+    for start in range(0, total_blocks, step):
+        pos = positions[start:start + step]
+        chunk = pos.shape[0]
+        q_rows = _gather_query_rows(q, pos, num_kv_heads)  # [B, HKV, C, G*R, D]
+        logits = torch.matmul(q_rows, keys_t).to(torch.float32) * scale  # [B, HKV, C, G*R, N]
+        pos_rows = _row_positions_grouped(pos, group)
+        causal = key_pos.view(1, 1, 1, 1, -1) <= pos_rows.view(1, 1, chunk, -1, 1)
+        logits = logits.masked_fill(~(causal & key_ok), float("-inf"))
+        row_lse = torch.logsumexp(logits, dim=-1)
+        row_ok = _row_validity(pos_rows, seq_len, seq_lens, batch) & torch.isfinite(row_lse)
+        probs = torch.exp(logits - torch.where(row_ok, row_lse, 0.0).unsqueeze(-1))
+        probs = torch.where(row_ok.unsqueeze(-1), probs, 0.0)
+        if nkb * block_k > seq_len:
+            probs = torch.nn.functional.pad(probs, (0, nkb * block_k - seq_len))
+        mass = probs.view(batch, num_kv_heads, chunk, -1, nkb, block_k).sum(dim=(3, 5))
+        mass = mass / row_ok.sum(dim=3).clamp(min=1).to(torch.float32).unsqueeze(-1)
+        masses.append(mass)
+        valids.append(row_ok.any(dim=3))
+    return torch.cat(masses, dim=2), torch.cat(valids, dim=2)
+
+
+def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor) -> Tensor:
+    """Mean over valid rows of ``KL(target || softmax(logits over allowed))``.
+
+    Args:
+        target: float ``[..., M]``, zero outside ``allowed``, each valid row summing to 1 (no grad).
+        logits: selector logits ``[..., M]`` (the only input with gradients).
+        allowed: bool ``[..., M]`` (broadcastable): the support of the selector distribution.
+        row_valid: bool ``[...]``: rows that enter the mean.
+
+    Returns:
+        Scalar float32 tensor (0 when no row is valid). Rows with nothing allowed never produce NaN
+        values or NaN gradients.
+    """
+    allowed = allowed.expand_as(logits)
+    any_allowed = allowed.any(dim=-1, keepdim=True)
+    # A row without any allowed entry would be all -inf (NaN softmax); it is excluded anyway, so it
+    # keeps finite logits to keep NaN out of the backward.
+    masked = logits.masked_fill(~allowed & any_allowed, float("-inf"))
+    log_p = torch.log_softmax(masked, dim=-1)
+    positive = (target > 0) & allowed
+    safe_target = torch.where(positive, target, 1.0)
+    safe_log_p = torch.where(positive, log_p, 0.0)
+    terms = torch.where(positive, target * (torch.log(safe_target) - safe_log_p), 0.0)
+    per_row = terms.sum(dim=-1)
+    valid = row_valid & any_allowed.squeeze(-1)
+    per_row = torch.where(valid, per_row, 0.0)
+    return per_row.sum() / valid.sum().clamp(min=1).to(per_row.dtype)

@@ -1,0 +1,160 @@
+"""Checkpoint replay: an activation-checkpoint recompute reuses the first forward's selection.
+
+Why: under ``torch.utils.checkpoint`` (non-reentrant) and Hugging Face gradient checkpointing, the
+layer's forward runs a second time inside the backward to rebuild the saved tensors. If that rerun
+chose its blocks again, a tie in top-k, a rounding difference or selector parameters that changed in
+between (an optimizer step, a hook) would give the backward a different function than the one whose
+output produced the loss: silently wrong gradients.
+
+Mechanism (no cooperation needed from the caller):
+
+1. *Record.* A first forward with autograd recording stores a :class:`SelectionRecord` (index, plan,
+   path, backend, dropout seed, whether distillation ran) and ties its lifetime to the autograd graph:
+   the record sits in ``grad_fn.metadata`` of the attention output (and of the selector scores), so
+   it lives exactly as long as a backward through that graph is possible; the module keeps only a
+   weak reference.
+2. *Detect a recompute.* Checkpoint recomputes run inside the autograd engine, where
+   ``torch._C._current_graph_task_id()`` is not -1; an ordinary forward never runs there.
+3. *Match.* Candidates are the module's live records of the same batch/length not yet replayed in
+   this backward. With one candidate (the normal case) it is the one. With several (two forwards
+   before one backward, a module shared inside a checkpointed region) the autograd graph decides: a
+   breadth-first walk from the node the engine is executing finds the records reachable from it, and
+   the earliest of those in forward order wins (a recompute replays calls in forward order). If the
+   walk finds none, the most recent candidate is used and ``ambiguous`` is counted.
+4. *Retire.* A matched record is retired when that backward finishes (engine callback), so a later
+   step never picks up a stale record even while the old graph is still referenced.
+
+Not covered: reentrant checkpointing (``use_reentrant=True``) runs the first forward without
+autograd recording, so there is nothing to replay; the recompute then selects afresh and counts a
+``miss``. Inside ``torch.compile`` the bookkeeping is skipped (compiled graphs are traced once).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["SelectionRecord", "SelectionReplay", "in_backward_pass"]
+
+_METADATA_KEY = "sparse_train.selection_records"
+_WALK_LIMIT = 50_000
+
+
+def in_backward_pass() -> bool:
+    """True while the autograd engine executes a backward (where checkpoint recomputes happen)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+@dataclass(eq=False)
+class SelectionRecord:
+    """What the first forward decided; a recompute must decide the same."""
+
+    batch: int
+    seq_len: int
+    path: str
+    """``"sparse"`` (block-sparse kernels) or ``"dense"`` (causal SDPA)."""
+    reason: str | None
+    """Fallback reason of the dense/reference path, if any."""
+    index: Any
+    """The ``BlockIndex`` (or None when no selection was made)."""
+    plan: Any
+    """The ``BlockPlan`` given to the kernels (or None)."""
+    backend: str | None
+    dropout_seed: int | None
+    distilled: bool
+    """Whether the first forward computed the distillation loss (the recompute must save the same tensors)."""
+    sequence: int = 0
+    replayed_in: set = field(default_factory=set)
+    retired: bool = False
+
+
+class SelectionReplay:
+    """Per-module store of live selection records and the matching logic (see module docstring)."""
+
+    def __init__(self) -> None:
+        self._records: list[weakref.ReferenceType] = []
+        self._counter = itertools.count()
+        self.hits = 0
+        self.misses = 0
+        self.ambiguous = 0
+
+    def remember(self, record: SelectionRecord, anchors: list[Tensor | None]) -> None:
+        """Attach ``record`` to the graph nodes of ``anchors`` (tensors of the first forward)."""
+        nodes = [t.grad_fn for t in anchors if isinstance(t, Tensor) and t.grad_fn is not None]
+        if not nodes:
+            return
+        record.sequence = next(self._counter)
+        for node in nodes:
+            node.metadata.setdefault(_METADATA_KEY, []).append(record)
+        self._records = [ref for ref in self._records if ref() is not None and not ref().retired]
+        self._records.append(weakref.ref(record))
+
+    def live_records(self) -> list[SelectionRecord]:
+        """Records whose graph is still alive and that were not retired."""
+        alive = [ref() for ref in self._records]
+        return [r for r in alive if r is not None and not r.retired]
+
+    def lookup(self, batch: int, seq_len: int) -> SelectionRecord | None:
+        """The record this recompute must replay, or None (counted as a miss)."""
+        task = torch._C._current_graph_task_id()
+        candidates = [
+            r for r in self.live_records() if r.batch == batch and r.seq_len == seq_len and task not in r.replayed_in
+        ]
+        if not candidates:
+            self.misses += 1
+            return None
+        if len(candidates) == 1:
+            chosen = candidates[0]
+        else:
+            reachable = self._reachable(candidates)
+            if reachable:
+                chosen = min(reachable, key=lambda r: r.sequence)
+            else:
+                self.ambiguous += 1
+                chosen = max(candidates, key=lambda r: r.sequence)
+        chosen.replayed_in.add(task)
+        self.hits += 1
+        self._retire_after_backward(chosen)
+        return chosen
+
+    @staticmethod
+    def _retire_after_backward(record: SelectionRecord) -> None:
+        def retire() -> None:
+            record.retired = True
+
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(retire)
+        except RuntimeError:
+            # Not inside an engine task after all (e.g. called from a hook run outside backward):
+            # keep the record; the graph's lifetime still bounds it.
+            pass
+
+    @staticmethod
+    def _reachable(candidates: list[SelectionRecord]) -> list[SelectionRecord]:
+        """Candidates whose anchor nodes can be reached from the node the engine is running."""
+        start = torch._C._current_autograd_node()
+        if start is None:
+            return []
+        wanted = {id(r): r for r in candidates}
+        found: dict[int, SelectionRecord] = {}
+        queue, seen = deque([start]), set()
+        while queue and len(seen) < _WALK_LIMIT and len(found) < len(wanted):
+            node = queue.popleft()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            for record in node.metadata.get(_METADATA_KEY, ()):
+                if id(record) in wanted:
+                    found[id(record)] = record
+            queue.extend(next_node for next_node, _ in node.next_functions)
+        return list(found.values())
+
+    def stats(self) -> dict[str, float]:
+        return {"replay/hits": float(self.hits), "replay/misses": float(self.misses),
+                "replay/ambiguous": float(self.ambiguous)}

@@ -1,0 +1,225 @@
+"""Learned, low-cost block scores and the top-k block selection.
+
+For every (batch b, KV head h, query block i, key block j) the selector scores
+
+    s[b, h, i, j] = exp(t_h) * scale * <qbar[b, h, i] W_q[h], kbar[b, h, j] W_k[h]>
+
+where ``qbar`` is the mean of the queries of block i over its rows *and* over the G query heads of
+the group (one selection per KV head, shared by the group), ``kbar`` the mean key of block j,
+``W_q[h], W_k[h]`` are ``[D, S]`` projections (S = ``selector_dim``) and ``t_h`` a learned
+log-temperature. Cost: O(N D) for pooling plus O(NQB * NKB * S) for the scores, against the
+kernels' O(N * K * BK * D).
+
+Initialisation: ``W_q = W_k = P`` with P ~ N(0, 1/S) (a Johnson-Lindenstrauss projection), so from
+step 0 the score approximates the pooled logit ``scale * <qbar, kbar>``: a sensible selector before
+any distillation. (Independent random projections would make the expected score 0.)
+
+Selection: the window and sink blocks are always part of the index, so top-k picks the ``top_k``
+best *other* causal blocks. Key blocks that hold no valid key (entirely past ``seq_lens``) get a
+very low but finite score: they are picked only when nothing else is left, which keeps the number of
+selected blocks per row a function of N alone (no device sync needed to know the density).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ..index import capacity_tier
+
+__all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_mean", "selection_candidates",
+           "allowed_dynamic_blocks", "causal_block_mask"]
+
+_EMPTY_BLOCK_SCORE = -1.0e30
+"""Score of key blocks without any valid key: below every real score, yet finite so top-k still
+returns them when a row has nothing better (counts stay shape-determined)."""
+
+
+@dataclass(frozen=True)
+class SelectionGeometry:
+    """Everything about a selection that follows from (N, BQ, BK, top_k, window, sinks) alone."""
+
+    seq_len: int
+    block_q: int
+    block_k: int
+    num_q_blocks: int
+    num_k_blocks: int
+    dynamic_k: int
+    """Columns requested from top-k: ``min(top_k, largest number of non-forced causal blocks)``."""
+    capacity: int
+    """K of the canonical index (power-of-two tier of the longest row, as ``BlockIndex`` uses)."""
+    selected_blocks: int
+    """Selected (query block, key block) pairs per (batch, KV head)."""
+    causal_blocks: int
+    """Causally reachable (query block, key block) pairs per (batch, KV head)."""
+    is_full: bool
+    """Every query block selects every causal block (the dense path computes the same function)."""
+
+    @property
+    def block_density(self) -> float:
+        """Selected fraction of the causal blocks; drives the dense/sparse hysteresis."""
+        return self.selected_blocks / self.causal_blocks
+
+
+@functools.lru_cache(maxsize=256)
+def selection_geometry(seq_len: int, block_q: int, block_k: int, top_k: int, window: int, sinks: int) -> SelectionGeometry:
+    """Shape-level facts of the selection (cached; pure Python, no tensors, no device sync)."""
+    num_q_blocks = math.ceil(seq_len / block_q)
+    num_k_blocks = math.ceil(seq_len / block_k)
+    selected = causal = longest = most_free = 0
+    for i in range(num_q_blocks):
+        last = (min((i + 1) * block_q, seq_len) - 1) // block_k
+        reachable = last + 1
+        window_lo = max(0, last - window + 1) if window > 0 else reachable
+        sink_hi = min(sinks, reachable)
+        # union of window [window_lo, last] and sinks [0, sink_hi)
+        forced = (reachable - window_lo) + sink_hi - max(0, sink_hi - window_lo)
+        row = min(reachable, forced + top_k)
+        selected += row
+        causal += reachable
+        longest = max(longest, row)
+        most_free = max(most_free, reachable - forced)
+    return SelectionGeometry(
+        seq_len=seq_len,
+        block_q=block_q,
+        block_k=block_k,
+        num_q_blocks=num_q_blocks,
+        num_k_blocks=num_k_blocks,
+        dynamic_k=min(top_k, most_free),
+        capacity=capacity_tier(longest, num_k_blocks),
+        selected_blocks=selected,
+        causal_blocks=causal,
+        is_full=selected == causal,
+    )
+
+
+def causal_block_mask(geometry: SelectionGeometry, device=None) -> Tensor:
+    """bool ``[NQB, NKB]``: key block j is causally reachable from query block i."""
+    i = torch.arange(geometry.num_q_blocks, device=device)
+    last = (torch.clamp((i + 1) * geometry.block_q, max=geometry.seq_len) - 1) // geometry.block_k
+    j = torch.arange(geometry.num_k_blocks, device=device)
+    return j.view(1, -1) <= last.view(-1, 1)
+
+
+def allowed_dynamic_blocks(geometry: SelectionGeometry, window: int, sinks: int, device=None) -> Tensor:
+    """bool ``[NQB, NKB]``: causal blocks that neither the window nor the sinks already cover."""
+    i = torch.arange(geometry.num_q_blocks, device=device)
+    last = ((torch.clamp((i + 1) * geometry.block_q, max=geometry.seq_len) - 1) // geometry.block_k).view(-1, 1)
+    j = torch.arange(geometry.num_k_blocks, device=device).view(1, -1)
+    causal = j <= last
+    in_window = (j > last - window) if window > 0 else torch.zeros_like(causal)
+    is_sink = j < sinks
+    return causal & ~in_window & ~is_sink
+
+
+def block_mean(x: Tensor, block: int, group: int = 1, valid_len: Tensor | None = None) -> Tensor:
+    """Mean of ``x`` over blocks of ``block`` rows and over ``group`` consecutive heads.
+
+    Args:
+        x: ``[B, H * group, N, D]`` (any strides).
+        block: rows per block; the last block may be partial.
+        group: heads averaged together (the GQA group for queries, 1 for keys).
+        valid_len: optional int ``[B]``; rows at positions >= valid_len[b] are left out of the mean.
+
+    Returns:
+        float32 ``[B, H, ceil(N / block), D]``; a block with no valid row is all zeros.
+    """
+    batch, heads_total, seq_len, dim = x.shape
+    heads = heads_total // group
+    x = x.reshape(batch, heads, group, seq_len, dim)
+    if valid_len is not None:
+        keep = torch.arange(seq_len, device=x.device).view(1, -1) < valid_len.view(-1, 1)
+        x = x * keep.view(batch, 1, 1, seq_len, 1).to(x.dtype)
+    full = seq_len // block
+    parts = []
+    if full > 0:
+        head = x[:, :, :, : full * block].reshape(batch, heads, group, full, block, dim)
+        parts.append(head.sum(dim=(2, 4), dtype=torch.float32))
+    if seq_len > full * block:
+        parts.append(x[:, :, :, full * block:].sum(dim=(2, 3), dtype=torch.float32).unsqueeze(2))
+    sums = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]
+    starts = torch.arange(sums.shape[2], device=x.device) * block
+    limit = torch.full((batch, 1), seq_len, device=x.device) if valid_len is None else valid_len.view(-1, 1)
+    rows = torch.clamp(torch.minimum(limit, starts.view(1, -1) + block) - starts.view(1, -1), min=0)
+    denom = (rows * group).clamp(min=1).to(torch.float32)
+    return sums / denom.view(batch, 1, -1, 1)
+
+
+class BlockScorer(nn.Module):
+    """Per-KV-head learned projections of pooled queries and keys -> block logits.
+
+    Parameters: ``query_proj`` / ``key_proj`` ``[HKV, D, S]`` and ``log_temperature`` ``[HKV]``.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, selector_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.selector_dim = selector_dim
+        self.query_proj = nn.Parameter(torch.empty(num_kv_heads, head_dim, selector_dim))
+        self.key_proj = nn.Parameter(torch.empty(num_kv_heads, head_dim, selector_dim))
+        self.log_temperature = nn.Parameter(torch.zeros(num_kv_heads))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Shared JL projection for queries and keys (score ~ pooled logit), temperature 1."""
+        nn.init.normal_(self.query_proj, std=1.0 / math.sqrt(self.selector_dim))
+        self.key_proj.copy_(self.query_proj)
+        self.log_temperature.zero_()
+
+    def pool(self, q: Tensor, k: Tensor, block_q: int, block_k: int, seq_lens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Detached pooled inputs: ``qbar`` float32 ``[B, HKV, NQB, D]``, ``kbar`` ``[B, HKV, NKB, D]``."""
+        group = self.num_heads // self.num_kv_heads
+        with torch.no_grad():
+            qbar = block_mean(q.detach(), block_q, group, seq_lens)
+            kbar = block_mean(k.detach(), block_k, 1, seq_lens)
+        return qbar, kbar
+
+    def forward(self, qbar: Tensor, kbar: Tensor, scale: float) -> Tensor:
+        """Block logits float32 ``[B, HKV, NQB, NKB]`` (gradients reach only this module's parameters)."""
+        wq = self.query_proj.to(torch.float32)
+        wk = self.key_proj.to(torch.float32)
+        qs = torch.einsum("bhnd,hds->bhns", qbar, wq)
+        ks = torch.einsum("bhmd,hds->bhms", kbar, wk)
+        temperature = torch.exp(self.log_temperature.to(torch.float32)) * scale
+        return torch.matmul(qs, ks.transpose(-1, -2)) * temperature.view(1, -1, 1, 1)
+
+
+def selection_candidates(
+    scores: Tensor,
+    geometry: SelectionGeometry,
+    *,
+    window: int,
+    sinks: int,
+    seq_lens: Tensor | None = None,
+) -> Tensor:
+    """Top-k dynamic key blocks per query block, for ``BlockIndex.from_selection``.
+
+    Args:
+        scores: block logits ``[B, HKV, NQB, NKB]`` (detached here: the hard top-k carries no gradient).
+        geometry: :func:`selection_geometry` of this call.
+        window, sinks: the forced blocks, excluded from top-k because the index adds them anyway.
+        seq_lens: optional int ``[B]``; key blocks past it rank below every other block.
+
+    Returns:
+        int64 ``[B, HKV, NQB, dynamic_k]`` block ids, -1 where a row has fewer candidates.
+    """
+    batch, kv_heads = scores.shape[:2]
+    k = geometry.dynamic_k
+    if k == 0:
+        return torch.empty(batch, kv_heads, geometry.num_q_blocks, 0, dtype=torch.int64, device=scores.device)
+    allowed = allowed_dynamic_blocks(geometry, window, sinks, scores.device)
+    masked = scores.detach().masked_fill(~allowed, float("-inf"))
+    if seq_lens is not None:
+        block_start = torch.arange(geometry.num_k_blocks, device=scores.device) * geometry.block_k
+        empty = block_start.view(1, -1) >= seq_lens.view(-1, 1)  # [B, NKB]
+        low = empty.view(batch, 1, 1, -1) & allowed
+        masked = torch.where(low, torch.full_like(masked, _EMPTY_BLOCK_SCORE), masked)
+    values, picked = torch.topk(masked, k, dim=-1, sorted=False)
+    return torch.where(torch.isneginf(values), torch.full_like(picked, -1), picked)

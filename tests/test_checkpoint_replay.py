@@ -1,0 +1,191 @@
+"""Checkpoint replay: the recompute under activation checkpointing reuses the first forward's selection.
+
+The decisive test changes the selector's parameters between forward and backward (so a re-run top-k
+picks other blocks) and compares gradients with an un-checkpointed run on the original selection:
+equal with replay on, and - in the same test - different with ``replay=False``, which shows the
+check has teeth.
+"""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import sparse_train as st
+
+HQ, HKV, D, N = 4, 2, 16, 160
+
+
+def make(replay=True, **overrides):
+    base = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8, replay=replay,
+                dense_fallback=False)
+    base.update(overrides)
+    torch.manual_seed(0)
+    return st.SparseAttention(st.SparseAttentionConfig(**base), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+
+
+def inputs(seed=0, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, HQ, N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, HKV, N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, HKV, N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(batch, HQ, N, D, generator=g, dtype=torch.float64)
+    return q, k, v, w
+
+
+def scramble(module):
+    """Selector parameters that certainly choose other blocks."""
+    with torch.no_grad():
+        for p in module.scorer.parameters():
+            p.copy_(torch.randn_like(p) * 3.0)
+
+
+def layer(module):
+    # projections before and after the core make the checkpointed region save tensors of its own
+    return lambda q, k, v: module(q * 1.5, torch.tanh(k), v).sin()
+
+
+def grads_without_checkpoint(**cfg):
+    module = make(**cfg)
+    q, k, v, w = inputs()
+    out = layer(module)(q, k, v)
+    loss = (out * w).sum()
+    if module.selector_loss is not None:
+        loss = loss + module.selector_loss
+    loss.backward()
+    return [t.grad for t in (q, k, v)], module._last_index
+
+
+def grads_with_checkpoint_and_scrambled_selector(replay, **cfg):
+    module = make(replay=replay, **cfg)
+    q, k, v, w = inputs()
+    out = checkpoint(layer(module), q, k, v, use_reentrant=False)
+    loss = (out * w).sum()
+    if module.selector_loss is not None:
+        loss = loss + module.selector_loss
+    first_index = module._last_index
+    scramble(module)
+    loss.backward()
+    return [t.grad for t in (q, k, v)], first_index, module
+
+
+@pytest.mark.parametrize("distill", ["off", "sparse"], ids=["no-distill", "sparse-distill"])
+def test_recompute_replays_first_selection_and_fails_without_replay(distill):
+    reference, ref_index = grads_without_checkpoint(distill=distill)
+
+    replayed, index, module = grads_with_checkpoint_and_scrambled_selector(True, distill=distill)
+    assert torch.equal(index.indices, ref_index.indices)
+    for got, want in zip(replayed, reference):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert module.stats()["replay/hits"] == 1.0 and module.stats()["replay/misses"] == 0.0
+
+    # the same check with replay switched off: the recompute picks new blocks -> gradients change
+    fresh, _, module_off = grads_with_checkpoint_and_scrambled_selector(False, distill=distill)
+    assert module_off._last_index is not None
+    worst = max(float((got - want).abs().max()) for got, want in zip(fresh, reference))
+    assert worst > 1e-3, f"without replay the gradients should differ, max diff {worst:.2e}"
+
+
+def test_scrambled_selector_really_changes_the_selection():
+    module = make()
+    q, k, v, _ = inputs()
+    module(q, k, v)
+    before = module._last_index.indices.clone()
+    scramble(module)
+    module(q, k, v)
+    assert not torch.equal(before, module._last_index.indices)
+
+
+def test_two_forwards_then_one_backward_match_their_own_selections():
+    """Two checkpointed micro-batches, then one backward: each recompute must find its own record
+    (the graph walk disambiguates), not simply the most recent one."""
+    module = make(distill="off")
+    q1, k1, v1, w1 = inputs(seed=1)
+    q2, k2, v2, w2 = inputs(seed=2)
+    ref = []
+    for q, k, v, w in ((q1, k1, v1, w1), (q2, k2, v2, w2)):
+        (layer(module)(q, k, v) * w).sum().backward()
+        ref.append([t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    out1 = checkpoint(layer(module), q1, k1, v1, use_reentrant=False)
+    out2 = checkpoint(layer(module), q2, k2, v2, use_reentrant=False)
+    scramble(module)
+    ((out1 * w1).sum() + (out2 * w2).sum()).backward()
+    for got, want in zip([q1.grad, k1.grad, v1.grad, q2.grad, k2.grad, v2.grad], ref[0] + ref[1]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert module.stats()["replay/hits"] == 2.0 and module.stats()["replay/ambiguous"] == 0.0
+
+
+def test_recompute_does_not_count_twice_and_keeps_the_path():
+    # N=160 -> block density 0.69; a full selection afterwards flips the hysteresis state, which the
+    # recompute of the earlier step must not follow
+    module = make(dense_fallback=True, distill="off", dense_enter_density=0.9, dense_exit_density=0.5)
+    q, k, v, w = inputs()
+    out = checkpoint(layer(module), q, k, v, use_reentrant=False)
+    short = [t[:, :, :32].detach() for t in (q, k, v)]
+    module(*short)  # full selection: dense path, hysteresis state -> dense
+    assert module._dense_mode
+    (out * w).sum().backward()
+    counts = module.fallback_counts
+    assert counts == {"reference_cpu": 1, "dense_full_selection": 1}, counts
+    assert module.stats()["replay/hits"] == 1.0
+
+
+def test_stale_records_are_retired_after_backward():
+    module = make(distill="off")
+    for step in range(3):
+        q, k, v, w = inputs(seed=step)
+        loss = (checkpoint(layer(module), q, k, v, use_reentrant=False) * w).sum()
+        loss.backward()  # `loss` stays referenced, keeping the old graph (and record) alive
+    assert module.stats()["replay/hits"] == 3.0
+    assert module.stats()["replay/ambiguous"] == 0.0
+    assert module._replay.live_records() == [], "every replayed record must be retired when its backward ends"
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).to(torch.float64)
+
+
+def _enable_gradient_checkpointing(model):
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _hf_grads(replay, checkpointing, scramble_between):
+    from sparse_train.integrations import hf
+
+    model = _tiny_llama()
+    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=1, window=1, sinks=1, selector_dim=8,
+                                   replay=replay, dense_fallback=False, distill="sparse")
+    hf.enable(model, cfg)
+    model.train()
+    if checkpointing:
+        _enable_gradient_checkpointing(model)
+    ids = torch.randint(0, 97, (2, 128), generator=torch.Generator().manual_seed(3))
+    loss = model(ids, labels=ids).loss + st.collect_selector_losses(model)
+    if scramble_between:
+        for layer in hf.attention_layers(model):
+            scramble(layer.sparse_attention)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if "sparse_attention" not in name}, model
+
+
+def test_hf_gradient_checkpointing_replays_selection_and_fails_without_replay():
+    reference, _ = _hf_grads(replay=True, checkpointing=False, scramble_between=False)
+    replayed, model = _hf_grads(replay=True, checkpointing=True, scramble_between=True)
+    stats = st.collect_attention_stats(model)
+    assert stats["replay/hits"] == 2.0, "each of the two layers must have replayed its selection"
+    for name, grad in reference.items():
+        torch.testing.assert_close(replayed[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+    fresh, _ = _hf_grads(replay=False, checkpointing=True, scramble_between=True)
+    worst = max(float((fresh[name] - grad).abs().max()) for name, grad in reference.items())
+    assert worst > 1e-4, f"without replay the gradients should differ, max diff {worst:.2e}"

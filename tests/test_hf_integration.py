@@ -1,0 +1,151 @@
+"""Hugging Face integration on tiny randomly initialised Llama / Qwen2 models built offline from
+configs (hidden 64, 2 layers): equality with sdpa under full selection, training under sparse
+selection, padding, state-dict round trip, and clear errors for what is not supported."""
+
+import pytest
+import torch
+
+import sparse_train as st
+
+transformers = pytest.importorskip("transformers")
+from sparse_train.integrations import hf  # noqa: E402
+
+VOCAB = 97
+
+
+def build(family):
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  attn_implementation="sdpa")
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    return model.to(torch.float64)
+
+
+FAMILIES = [pytest.param("llama", id="llama"), pytest.param("qwen2", id="qwen2")]
+FULL = dict(block_q=16, block_k=16, top_k=64, window=1, sinks=1, selector_dim=8)
+SPARSE = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8,
+              dense_enter_density=1.0, dense_exit_density=1.0)
+
+
+def tokens(batch, n, seed=0):
+    return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_full_selection_loss_and_grads_equal_sdpa(family):
+    ids = tokens(2, 96)
+    dense = build(family)
+    dense_loss = dense(ids, labels=ids).loss
+    dense_loss.backward()
+    sparse = build(family)
+    hf.enable(sparse, st.SparseAttentionConfig(**FULL))
+    assert sparse.config._attn_implementation == "sparse_train"
+    sparse_loss = sparse(ids, labels=ids).loss
+    sparse_loss.backward()
+    torch.testing.assert_close(sparse_loss, dense_loss, rtol=1e-12, atol=1e-12)
+    sparse_params = dict(sparse.named_parameters())
+    for name, p_dense in dense.named_parameters():
+        torch.testing.assert_close(sparse_params[name].grad, p_dense.grad, rtol=1e-9, atol=1e-12, msg=name)
+    assert st.collect_attention_stats(sparse)["fallbacks/dense_full_selection"] == 2.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sparse_selection_trains(family):
+    model = build(family)
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    model.train()
+    ids = tokens(2, 160, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        lm_loss = model(ids, labels=ids).loss
+        loss = lm_loss + st.collect_selector_losses(model)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(lm_loss.detach()))
+    stats = st.collect_attention_stats(model)
+    assert stats["dense_path"] == 0.0 and stats["density"] < 0.8, stats
+    assert losses[-1] < losses[0] - 0.1, losses
+    selector_grads = [p.grad for n, p in model.named_parameters() if "sparse_attention" in n]
+    assert selector_grads and all(g is not None and torch.isfinite(g).all() for g in selector_grads)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("selection", [pytest.param(SPARSE, id="sparse"), pytest.param(FULL, id="full")])
+def test_padded_batch_equals_unpadded_rows(family, selection):
+    model = build(family)
+    hf.enable(model, st.SparseAttentionConfig(**selection))
+    model.eval()
+    lengths = [150, 97]
+    ids = tokens(2, 150, seed=2)
+    mask = (torch.arange(150).view(1, -1) < torch.tensor(lengths).view(-1, 1)).long()
+    with torch.no_grad():
+        batched = model(ids, attention_mask=mask).logits
+        for b, length in enumerate(lengths):
+            alone = model(ids[b:b + 1, :length]).logits
+            torch.testing.assert_close(batched[b:b + 1, :length], alone, rtol=1e-9, atol=1e-9)
+
+
+def test_left_padding_and_decoding_raise_clearly():
+    model = build("llama")
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    ids = tokens(2, 40)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :5] = 0
+    with pytest.raises(NotImplementedError, match="right padding"):
+        model(ids, attention_mask=mask)
+    with pytest.raises(NotImplementedError, match="KV-cache decoding|mask pattern"):
+        model.generate(ids[:1, :8], max_new_tokens=2, do_sample=False)
+
+
+def test_sliding_window_layers_are_rejected():
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
+                                      sliding_window=32, max_window_layers=0, attn_implementation="sdpa")
+    model = transformers.Qwen2ForCausalLM(config)
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    with pytest.raises(NotImplementedError, match="sliding|mask pattern"):
+        model(tokens(1, 64))
+
+
+def test_state_dict_round_trip_includes_selector():
+    model = build("llama")
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    with torch.no_grad():
+        for layer in hf.attention_layers(model):
+            layer.sparse_attention.scorer.query_proj.mul_(-2.0)  # distinguishable from a fresh init
+    state = model.state_dict()
+    selector_keys = [k for k in state if "sparse_attention.scorer" in k]
+    assert len(selector_keys) == 2 * 3, selector_keys
+    restored = build("llama")
+    hf.enable(restored, st.SparseAttentionConfig(**SPARSE))
+    restored.load_state_dict(state, strict=True)
+    model.eval()
+    restored.eval()
+    ids = tokens(1, 160, seed=4)
+    with torch.no_grad():
+        torch.testing.assert_close(restored(ids).logits, model(ids).logits, rtol=0, atol=0)
+        for a, b in zip(hf.attention_layers(model), hf.attention_layers(restored)):
+            assert torch.equal(a.sparse_attention._last_index.indices, b.sparse_attention._last_index.indices)
+
+
+def test_enable_is_idempotent_and_requires_selectors():
+    model = build("llama")
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    first = [layer.sparse_attention for layer in hf.attention_layers(model)]
+    hf.enable(model, st.SparseAttentionConfig(**FULL))
+    assert [layer.sparse_attention for layer in hf.attention_layers(model)] == first
+    assert first[0].scale == pytest.approx(16 ** -0.5), "the selector inherits the model's logit scale"
+    hf.disable(model)
+    assert model.config._attn_implementation == "sdpa"
+    bare = build("llama")
+    hf.register()
+    bare.set_attn_implementation("sparse_train")
+    with pytest.raises(RuntimeError, match="enable"):
+        bare(tokens(1, 20))

@@ -1,0 +1,301 @@
+"""SparseAttention module: config validation, input errors, the sparse path against the reference,
+fallbacks (full selection -> SDPA, CPU -> reference) with counted reasons, hysteresis, padding,
+stats/profiling and the collect helpers. GPU-only: torch.compile of the module."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sparse_train as st
+from sparse_train.attention import FALLBACK_REASONS, dense_causal_attention
+from sparse_train.kernels.reference import reference_sparse_attention
+from sparse_train.selectors import selection_geometry
+
+HQ, HKV, D = 4, 2, 16
+
+
+def make(**overrides):
+    base = dict(block_q=16, block_k=16, top_k=2, window=2, sinks=1, selector_dim=8)
+    base.update(overrides)
+    return st.SparseAttention(st.SparseAttentionConfig(**base), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+
+
+def qkv(batch, n, dtype=torch.float32, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, HQ, n, D, generator=g, dtype=dtype)
+    k = torch.randn(batch, HKV, n, D, generator=g, dtype=dtype)
+    v = torch.randn(batch, HKV, n, D, generator=g, dtype=dtype)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+# ---------------------------------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        pytest.param("block_q", 0, id="block_q-zero"),
+        pytest.param("top_k", -1, id="top_k-negative"),
+        pytest.param("selector_dim", 2.5, id="selector_dim-float"),
+        pytest.param("backend", "cuda", id="backend-unknown"),
+        pytest.param("distill", "both", id="distill-unknown"),
+        pytest.param("dropout_p", 1.0, id="dropout-one"),
+        pytest.param("dense_exit_density", 0.95, id="exit-above-enter"),
+        pytest.param("distill_query_rows", 100, id="rows-above-block"),
+        pytest.param("replay", "yes", id="replay-not-bool"),
+        pytest.param("index_check", "some", id="index-check-unknown"),
+    ],
+)
+def test_config_rejects_bad_values(field, value):
+    with pytest.raises(ValueError, match=field):
+        st.SparseAttentionConfig(**{field: value})
+
+
+def test_config_rejects_empty_selection_and_documents_fields():
+    with pytest.raises(ValueError, match="top_k \\+ window \\+ sinks"):
+        st.SparseAttentionConfig(top_k=0, window=0, sinks=0)
+    source = open(st.config.__file__ if hasattr(st, "config") else "sparse_train/config.py").read()
+    for name in st.SparseAttentionConfig.__dataclass_fields__:
+        assert f'    {name}:' in source
+        block = source.split(f"    {name}:", 1)[1].split("\n", 2)
+        assert block[1].strip().startswith('"""'), f"field {name} has no docstring"
+
+
+# ---------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        pytest.param(lambda q, k, v: (q[:, :3], k, v), "num_heads", id="wrong-query-heads"),
+        pytest.param(lambda q, k, v: (q, k[:, :1], v[:, :1]), "HKV", id="wrong-kv-heads"),
+        pytest.param(lambda q, k, v: (q, k, v[..., :8]), "same shape", id="k-v-mismatch"),
+        pytest.param(lambda q, k, v: (q.double(), k, v), "dtype", id="mixed-dtypes"),
+        pytest.param(lambda q, k, v: (q.int(), k.int(), v.int()), "dtype", id="integer-dtype"),
+        pytest.param(lambda q, k, v: (q[0], k[0], v[0]), "4-D", id="three-dims"),
+        pytest.param(lambda q, k, v: (q[..., :8], k[..., :8], v[..., :8]), "head dim", id="wrong-head-dim"),
+    ],
+)
+def test_bad_inputs_raise(mutate, message):
+    attn = make()
+    with pytest.raises(ValueError, match=message):
+        attn(*mutate(*qkv(1, 40)))
+
+
+@pytest.mark.parametrize(
+    "seq_lens,message",
+    [
+        pytest.param(torch.tensor([10.0, 3.0]), "integer", id="float-lengths"),
+        pytest.param(torch.tensor([10]), "entries", id="wrong-batch"),
+        pytest.param(torch.tensor([41, 3]), "lie in", id="too-long"),
+    ],
+)
+def test_bad_seq_lens_raise(seq_lens, message):
+    with pytest.raises(ValueError, match=message):
+        make()(*qkv(2, 40), seq_lens=seq_lens)
+
+
+def test_constructor_rejects_bad_heads():
+    with pytest.raises(ValueError, match="multiple"):
+        st.SparseAttention(st.SparseAttentionConfig(), num_heads=6, num_kv_heads=4, head_dim=16)
+    with pytest.raises(ValueError, match="SparseAttentionConfig"):
+        st.SparseAttention({"top_k": 2}, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+# ---------------------------------------------------------------------------------------------- paths
+def test_sparse_path_equals_reference_on_its_own_index():
+    attn = make(dense_fallback=False, distill="off")
+    q, k, v = qkv(2, 150, dtype=torch.float64, grad=True)
+    out = attn(q, k, v)
+    index = attn._last_index
+    assert not index.is_full() and attn.stats()["dense_path"] == 0.0
+    ref, _ = reference_sparse_attention(q, k, v, index, scale=attn.scale)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("n", [30, 64, 80], ids=["n30", "n64", "n80"])
+def test_full_selection_takes_sdpa_and_equals_sparse_reference(n):
+    attn = make()  # capacity 5 blocks of 16 -> N <= 80 is a full selection
+    assert selection_geometry(n, 16, 16, 2, 2, 1).is_full
+    q, k, v = qkv(2, n, dtype=torch.float64)
+    out = attn(q, k, v)
+    assert attn.fallback_counts == {"dense_full_selection": 1}
+    sdpa = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
+    torch.testing.assert_close(out, sdpa)
+    full = st.BlockIndex.full(2, HKV, n, 16, 16)
+    ref, _ = reference_sparse_attention(q, k, v, full)
+    torch.testing.assert_close(out, ref)
+
+
+def test_cpu_reference_fallback_is_counted_and_explicit_reference_is_not():
+    auto = make(distill="off")
+    auto(*qkv(1, 200))
+    assert auto.fallback_counts == {"reference_cpu": 1}
+    explicit = make(distill="off", backend="reference")
+    explicit(*qkv(1, 200))
+    assert explicit.fallback_counts == {}
+
+
+def test_hysteresis_keeps_the_path_between_thresholds():
+    attn = make(dense_enter_density=0.9, dense_exit_density=0.75, distill="off")
+    lengths = [128, 80, 128, 112, 160, 128, 96]
+    expected = ["sparse", "dense", "dense", "dense", "sparse", "sparse", "dense"]
+    densities = [selection_geometry(n, 16, 16, 2, 2, 1).block_density for n in lengths]
+    # the lengths sit where the test needs them: inside the band, full, below exit, above enter
+    assert 0.75 < densities[0] < 0.9 and densities[1] == 1.0 and densities[4] <= 0.75 and densities[6] >= 0.9
+    paths = []
+    for n in lengths:
+        attn(*qkv(1, n))
+        paths.append("dense" if attn.stats()["dense_path"] else "sparse")
+    assert paths == expected
+    counts = attn.fallback_counts
+    assert counts["dense_full_selection"] == 1 and counts["dense_hysteresis"] == 3
+    no_band = make(dense_enter_density=1.0, dense_exit_density=1.0, distill="off")
+    for n in lengths:
+        no_band(*qkv(1, n))
+    assert no_band.fallback_counts.get("dense_hysteresis", 0) == 0
+
+
+@pytest.mark.parametrize("n_pad", [130, 60], ids=["sparse-path", "dense-path"])
+def test_padded_rows_equal_unpadded_sequences(n_pad):
+    # thresholds at 1.0: only full selections go dense, so padded and unpadded lengths take the same
+    # path (inside the hysteresis band, a shorter unpadded length could legitimately run dense)
+    attn = make(distill="off", dense_enter_density=1.0, dense_exit_density=1.0)
+    lengths = [n_pad, n_pad - 37]
+    q, k, v = qkv(2, n_pad, dtype=torch.float64)
+    out = attn(q, k, v, seq_lens=torch.tensor(lengths))
+    for b, length in enumerate(lengths):
+        alone = attn(q[b:b + 1, :, :length], k[b:b + 1, :, :length], v[b:b + 1, :, :length])
+        torch.testing.assert_close(out[b:b + 1, :, :length], alone)
+
+
+def test_padded_index_matches_unpadded_selection():
+    """Pooling ignores padding rows, so the selection of the real query blocks is unchanged."""
+    attn = make(distill="off", dense_fallback=False)
+    q, k, v = qkv(2, 160, dtype=torch.float64)
+    attn(q, k, v, seq_lens=torch.tensor([160, 100]))
+    padded = attn._last_index.indices[1:2, :, :7]
+    attn(q[1:2, :, :100], k[1:2, :, :100], v[1:2, :, :100])
+    alone = attn._last_index.indices[..., :7]
+    width = min(padded.shape[-1], alone.shape[-1])
+    assert torch.equal(padded[..., :width], alone[..., :width])
+
+
+@pytest.mark.parametrize("n", [150, 50], ids=["sparse-path", "dense-path"])
+def test_empty_rows_give_zeros_without_nan(n):
+    attn = make()
+    q, k, v = qkv(2, n, grad=True)
+    out = attn(q, k, v, seq_lens=torch.tensor([0, n]))
+    assert torch.isfinite(out).all()
+    assert out[0].abs().sum() == 0
+    (out.sum() + attn.selector_loss).backward()
+    assert torch.isfinite(q.grad).all() and torch.isfinite(attn.scorer.query_proj.grad).all()
+
+
+def test_dense_helper_with_lengths_matches_reference():
+    q, k, v = qkv(2, 45, dtype=torch.float64)
+    lengths = torch.tensor([45, 20])
+    got = dense_causal_attention(q, k, v, scale=0.3, seq_lens=lengths)
+    ref, _ = reference_sparse_attention(q, k, v, st.BlockIndex.full(2, HKV, 45, 16, 16), scale=0.3, seq_lens=lengths)
+    torch.testing.assert_close(got, ref)
+
+
+# ---------------------------------------------------------------------------------------------- training signals
+def test_selector_loss_only_trains_the_selector():
+    attn = make(dense_fallback=False)
+    q, k, v = qkv(1, 150, grad=True)
+    attn(q, k, v)
+    loss = attn.selector_loss
+    assert loss is not None and loss.dim() == 0 and loss.requires_grad
+    loss.backward()
+    assert q.grad is None and k.grad is None and v.grad is None
+    assert attn.scorer.query_proj.grad.abs().sum() > 0
+    attn.eval()
+    attn(q, k, v)
+    assert attn.selector_loss is None
+
+
+def test_distill_every_and_off():
+    attn = make(distill_every=2)
+    seen = []
+    for _ in range(4):
+        attn(*qkv(1, 150))
+        seen.append(attn.selector_loss is not None)
+    assert seen == [True, False, True, False]
+    off = make(distill="off")
+    off(*qkv(1, 150))
+    assert off.selector_loss is None
+
+
+def test_dense_distill_mode_targets_all_causal_blocks():
+    attn = make(distill="dense", dense_fallback=False)
+    attn(*qkv(1, 150))
+    sparse_mode = make(distill="sparse", dense_fallback=False)
+    sparse_mode.load_state_dict(attn.state_dict())
+    sparse_mode(*qkv(1, 150))
+    assert float(attn.selector_loss.detach()) > 0 and float(sparse_mode.selector_loss.detach()) > 0
+    assert float(attn.selector_loss.detach()) != pytest.approx(float(sparse_mode.selector_loss.detach()))
+
+
+def test_stats_metrics_profile_and_collect():
+    model = torch.nn.ModuleDict({"a": make(metrics_every=1, profile=True), "b": make(metrics_every=1, profile=True)})
+    q, k, v = qkv(1, 150, grad=True)
+    out = model["a"](q, k, v) + model["b"](q, k, v)
+    total = st.collect_selector_losses(model)
+    torch.testing.assert_close(total, model["a"].selector_loss + model["b"].selector_loss)
+    (out.sum() + total).backward()
+    stats = model["a"].stats()
+    for key in ("density", "selector_loss", "recall", "mass_captured", "time/selector_ms", "time/plan_ms",
+                "time/attn_fwd_ms", "time/attn_bwd_ms"):
+        assert key in stats and math.isfinite(stats[key]), key
+    assert 0.0 <= stats["recall"] <= 1.0 and 0.0 < stats["mass_captured"] <= 1.0 + 1e-6
+    assert 0.0 < stats["density"] < 1.0
+    assert stats["time/attn_bwd_ms"] > 0 and stats["time/attn_fwd_ms"] > 0
+    for reason in FALLBACK_REASONS:
+        assert f"fallbacks/{reason}" in stats
+    merged = st.collect_attention_stats(model)
+    assert merged["fallbacks/reference_cpu"] == 2.0
+    assert merged["selector_loss"] == pytest.approx((stats["selector_loss"] + model["b"].stats()["selector_loss"]) / 2)
+    empty = st.collect_selector_losses(torch.nn.Linear(2, 2))
+    assert empty.item() == 0.0
+    model["a"].reset_stats()
+    assert model["a"].fallback_counts == {}
+
+
+def test_state_dict_holds_selector_only():
+    attn = make()
+    keys = set(attn.state_dict())
+    assert keys == {"scorer.query_proj", "scorer.key_proj", "scorer.log_temperature"}
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4096, 256], ids=["sparse-path", "dense-path"])
+def test_compiled_module_matches_eager_on_gpu(n):
+    """torch.compile of the module (training step, bf16). The sparse path has graph breaks at the
+    plan (host-side sizes), so it compiles with fullgraph=False; the dense path must compile fullgraph."""
+    torch._dynamo.reset()
+    device = torch.device("cuda")
+    cfg = st.SparseAttentionConfig(top_k=8, window=4, sinks=1, distill="off")
+    eager = st.SparseAttention(cfg, num_heads=8, num_kv_heads=2, head_dim=64).to(device)
+    compiled_mod = st.SparseAttention(cfg, num_heads=8, num_kv_heads=2, head_dim=64).to(device)
+    compiled_mod.load_state_dict(eager.state_dict())
+    dense = selection_geometry(n, 64, 64, 8, 4, 1).is_full
+    compiled = torch.compile(compiled_mod, fullgraph=dense)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(1, 8, n, 64, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    k = torch.randn(1, 2, n, 64, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    v = torch.randn(1, 2, n, 64, device=device, dtype=torch.bfloat16, generator=g, requires_grad=True)
+    ref = eager(q, k, v)
+    (ref.float().square().sum()).backward()
+    ref_grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    out = compiled(q, k, v)
+    out.float().square().sum().backward()
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    for got, want in zip((q.grad, k.grad, v.grad), ref_grads):
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+    expected = {"dense_full_selection": 1} if dense else {}
+    assert eager.fallback_counts == expected
+    assert compiled_mod.fallback_counts == expected, "fallback counting must work inside the compiled graph"

@@ -1,0 +1,281 @@
+"""Selector: geometry, pooling, top-k + canonical merge, distillation targets and loss, quality metrics.
+
+CPU, tiny shapes, reference semantics; every expected value comes from a brute-force computation.
+"""
+
+import math
+
+import pytest
+import torch
+
+import sparse_train as st
+from sparse_train.kernels.reference import reference_sparse_attention
+from sparse_train.selectors import (
+    BlockScorer,
+    allowed_dynamic_blocks,
+    block_kl,
+    block_mean,
+    causal_block_mask,
+    dense_block_mass,
+    query_row_positions,
+    selection_candidates,
+    selection_geometry,
+    selection_quality,
+    sparse_block_mass,
+)
+
+GEOMETRIES = [
+    # (N, BQ, BK, top_k, window, sinks)
+    pytest.param(100, 16, 16, 2, 2, 1, id="odd-N-bq16-bk16"),
+    pytest.param(130, 32, 16, 3, 1, 2, id="bq32-bk16"),
+    pytest.param(90, 16, 32, 1, 1, 0, id="bq16-bk32-no-sinks"),
+    pytest.param(64, 16, 16, 8, 2, 1, id="full-selection"),
+    pytest.param(200, 16, 16, 0, 3, 1, id="window-and-sinks-only"),
+    pytest.param(150, 16, 16, 4, 0, 0, id="top-k-only"),
+]
+
+
+def _rand_qk(batch, heads, kv_heads, n, dim, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, n, dim, generator=g, dtype=dtype)
+    k = torch.randn(batch, kv_heads, n, dim, generator=g, dtype=dtype)
+    return q, k
+
+
+@pytest.mark.parametrize("n,bq,bk,top_k,window,sinks", GEOMETRIES)
+def test_geometry_predicts_canonical_index(n, bq, bk, top_k, window, sinks):
+    """The shape-only geometry (used for the path decision without a device sync) must agree with
+    the index that canonicalize actually builds from random scores."""
+    geom = selection_geometry(n, bq, bk, top_k, window, sinks)
+    scores = torch.randn(2, 3, geom.num_q_blocks, geom.num_k_blocks)
+    cand = selection_candidates(scores, geom, window=window, sinks=sinks)
+    index = st.BlockIndex.from_selection(cand, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks,
+                                         capacity=geom.capacity, check="full")
+    index.validate()
+    assert index.capacity == geom.capacity
+    assert (index.counts.sum(dim=-1) == geom.selected_blocks).all()
+    assert index.is_full() == geom.is_full
+    causal = causal_block_mask(geom)
+    assert int(causal.sum()) == geom.causal_blocks
+    auto = st.BlockIndex.from_selection(cand, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks)
+    assert auto.capacity == geom.capacity, "capacity tier must equal the one canonicalize picks itself"
+
+
+@pytest.mark.parametrize("n,bq,bk,top_k,window,sinks", GEOMETRIES)
+def test_selection_is_window_sinks_plus_topk_of_remaining(n, bq, bk, top_k, window, sinks):
+    geom = selection_geometry(n, bq, bk, top_k, window, sinks)
+    scores = torch.randn(1, 2, geom.num_q_blocks, geom.num_k_blocks)
+    cand = selection_candidates(scores, geom, window=window, sinks=sinks)
+    index = st.BlockIndex.from_selection(cand, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks,
+                                         capacity=geom.capacity)
+    dense = index.to_dense()
+    allowed = allowed_dynamic_blocks(geom, window, sinks)
+    causal = causal_block_mask(geom)
+    for h in range(2):
+        for i in range(geom.num_q_blocks):
+            row_allowed = allowed[i].nonzero().flatten().tolist()
+            best = sorted(row_allowed, key=lambda j: -float(scores[0, h, i, j]))[:top_k]
+            forced = set(j for j in range(geom.num_k_blocks) if causal[i, j] and not allowed[i, j])
+            expected = forced | set(best)
+            got = set(dense[0, h, i].nonzero().flatten().tolist())
+            assert got == expected, f"row (h={h}, i={i})"
+
+
+def test_selection_puts_empty_key_blocks_last():
+    """With seq_lens, blocks past the valid length rank below every real block."""
+    n, b = 128, 16
+    geom = selection_geometry(n, b, b, 3, 1, 0)
+    scores = torch.zeros(1, 1, geom.num_q_blocks, geom.num_k_blocks)
+    scores[..., 5:] = 100.0  # padding blocks would win on score alone
+    cand = selection_candidates(scores, geom, window=1, sinks=0, seq_lens=torch.tensor([70]))
+    last_row = cand[0, 0, -1].tolist()
+    real = [j for j in last_row if 0 <= j and j * b < 70]
+    assert len(real) == 3, f"expected the 3 picks to be real key blocks, got {last_row}"
+
+
+@pytest.mark.parametrize("group", [1, 3], ids=["group1", "group3"])
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["no-lengths", "lengths"])
+def test_block_mean_matches_loop(group, with_lengths):
+    batch, heads, n, dim, block = 2, 2, 37, 5, 8
+    x = torch.randn(batch, heads * group, n, dim, dtype=torch.float64)
+    lengths = torch.tensor([37, 13]) if with_lengths else None
+    got = block_mean(x, block, group, lengths)
+    nb = math.ceil(n / block)
+    assert got.shape == (batch, heads, nb, dim)
+    for bi in range(batch):
+        limit = n if lengths is None else int(lengths[bi])
+        for h in range(heads):
+            for j in range(nb):
+                rows = [r for r in range(j * block, min(n, (j + 1) * block)) if r < limit]
+                if not rows:
+                    assert torch.all(got[bi, h, j] == 0)
+                    continue
+                ref = x[bi, h * group:(h + 1) * group, rows].mean(dim=(0, 1))
+                torch.testing.assert_close(got[bi, h, j].double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_scorer_init_tracks_pooled_logit():
+    """JL initialisation: before training, the score approximates scale * <qbar, kbar>."""
+    torch.manual_seed(0)
+    scorer = BlockScorer(num_heads=4, num_kv_heads=2, head_dim=32, selector_dim=512)
+    q, k = _rand_qk(1, 4, 2, 256, 32, dtype=torch.float32)
+    k = k + q.view(1, 2, 2, 256, 32).mean(2)  # make pooled logits vary a lot
+    qbar, kbar = scorer.pool(q, k, 16, 16)
+    scale = 1 / math.sqrt(32)
+    got = scorer(qbar, kbar, scale).flatten()
+    ref = (torch.matmul(qbar, kbar.transpose(-1, -2)) * scale).flatten()
+    corr = torch.corrcoef(torch.stack([got, ref]))[0, 1]
+    assert corr > 0.95, f"correlation {corr:.3f}"
+
+
+def _brute_block_mass(q, k, allowed_keys, block_q, block_k, scale, seq_lens=None):
+    """Pooled mass per (b, kv head, query block, key block) from an explicit [B, HKV, N, N] mask."""
+    batch, heads, n, _ = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    kk = k.repeat_interleave(group, dim=1)
+    logits = torch.einsum("bhqd,bhkd->bhqk", q, kk) * scale
+    mask = allowed_keys.repeat_interleave(group, dim=1)
+    p = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1).nan_to_num(0.0)
+    nqb, nkb = math.ceil(n / block_q), math.ceil(n / block_k)
+    out = torch.zeros(batch, kv_heads, nqb, nkb, dtype=q.dtype)
+    for bi in range(batch):
+        limit = n if seq_lens is None else int(seq_lens[bi])
+        for h in range(kv_heads):
+            for i in range(nqb):
+                rows = [r for r in range(i * block_q, min(n, (i + 1) * block_q)) if r < limit]
+                if not rows:
+                    continue
+                pr = p[bi, h * group:(h + 1) * group, rows]  # [G, R, N]
+                for j in range(nkb):
+                    out[bi, h, i, j] = pr[..., j * block_k:(j + 1) * block_k].sum(-1).mean()
+    return out
+
+
+def _element_mask(index, n, seq_lens=None):
+    """[B, HKV, N, N] bool: key block selected for the query's block, causal, key < seq_len."""
+    dense = index.to_dense()
+    qb = torch.arange(n) // index.block_q
+    kb = torch.arange(n) // index.block_k
+    sel = dense[:, :, qb][:, :, :, kb]
+    pos = torch.arange(n)
+    sel = sel & (pos.view(1, -1) <= pos.view(-1, 1))
+    if seq_lens is not None:
+        sel = sel & (pos.view(1, 1, 1, -1) < seq_lens.view(-1, 1, 1, 1))
+    return sel
+
+
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["no-lengths", "lengths"])
+def test_sparse_block_mass_matches_brute_force(with_lengths):
+    torch.manual_seed(1)
+    n, bq, bk = 75, 16, 16
+    q, k = _rand_qk(2, 4, 2, n, 8, seed=1)
+    seq_lens = torch.tensor([75, 40]) if with_lengths else None
+    geom = selection_geometry(n, bq, bk, 1, 1, 1)
+    cand = selection_candidates(torch.randn(2, 2, geom.num_q_blocks, geom.num_k_blocks), geom, window=1, sinks=1)
+    index = st.BlockIndex.from_selection(cand, seq_len=n, block_q=bq, block_k=bk, window=1, sinks=1,
+                                         capacity=geom.capacity)
+    scale = 0.3
+    _, lse = reference_sparse_attention(q, k, k, index, scale=scale, seq_lens=seq_lens)
+    with_lse, valid_a = sparse_block_mass(q, k, index, scale=scale, lse=lse, seq_lens=seq_lens)
+    without, valid_b = sparse_block_mass(q, k, index, scale=scale, seq_lens=seq_lens, chunk_mb=1)
+    brute = _brute_block_mass(q, k, _element_mask(index, n, seq_lens), bq, bk, scale, seq_lens)
+    expected = brute.gather(-1, index.indices.long().clamp(min=0)) * (index.indices >= 0)
+    expected = expected / expected.sum(-1, keepdim=True).clamp(min=1e-30)
+    assert torch.equal(valid_a, valid_b)
+    live = valid_a.unsqueeze(-1).expand_as(expected)
+    torch.testing.assert_close(with_lse[live].double(), expected[live], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(without[live].double(), expected[live], rtol=1e-5, atol=1e-6)
+    if with_lengths:
+        assert not valid_a[1, :, 3:].any(), "query blocks entirely past seq_lens must be invalid rows"
+
+
+def test_dense_block_mass_matches_brute_force_and_sums_to_one():
+    n, bq, bk = 70, 16, 8
+    q, k = _rand_qk(1, 6, 2, n, 8, seed=2)
+    mass, valid = dense_block_mass(q, k, block_q=bq, block_k=bk, scale=0.25, chunk_mb=1)
+    causal = torch.ones(1, 2, n, n, dtype=torch.bool).tril()
+    brute = _brute_block_mass(q, k, causal, bq, bk, 0.25)
+    torch.testing.assert_close(mass.double(), brute, rtol=1e-5, atol=1e-7)
+    assert valid.all()
+    torch.testing.assert_close(mass.sum(-1), torch.ones_like(mass.sum(-1)))
+    picks = torch.tensor([1, 3])
+    subset, _ = dense_block_mass(q, k, block_q=bq, block_k=bk, scale=0.25, query_blocks=picks)
+    torch.testing.assert_close(subset, mass[:, :, picks])
+
+
+def test_row_subsampling_positions_and_estimate():
+    pos = query_row_positions(3, 16, 4, None)
+    assert pos.tolist() == [[2, 6, 10, 14], [18, 22, 26, 30], [34, 38, 42, 46]]
+    assert torch.equal(query_row_positions(2, 8, None, None), torch.arange(16).view(2, 8))
+    q, k = _rand_qk(1, 2, 1, 128, 8, seed=3)
+    exact, _ = dense_block_mass(q, k, block_q=32, block_k=16, scale=0.3)
+    approx, _ = dense_block_mass(q, k, block_q=32, block_k=16, scale=0.3, rows_per_block=8)
+    assert not torch.allclose(exact, approx), "subsampling must actually use fewer rows"
+    assert (exact - approx).abs().max() < 0.25
+
+
+def test_block_kl_values_and_nan_safety():
+    target = torch.tensor([[0.5, 0.5, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    allowed = torch.tensor([[True, True, False], [True, True, True], [False, False, False]])
+    row_valid = torch.tensor([True, True, False])
+    logits = torch.zeros(3, 3, requires_grad=True)
+    loss = block_kl(target, logits, allowed, row_valid)
+    # row 0: uniform over 2 allowed == target -> 0; row 1: KL(delta || uniform over 3) = log 3
+    torch.testing.assert_close(loss, torch.tensor(math.log(3) / 2))
+    loss.backward()
+    assert torch.isfinite(logits.grad).all()
+    assert logits.grad[2].abs().sum() == 0 and logits.grad[0, 2] == 0
+    perfect = torch.log(torch.tensor([[0.5, 0.5, 1.0], [1.0, 1e-30, 1e-30], [1.0, 1.0, 1.0]]))
+    assert block_kl(target, perfect, allowed, row_valid) < 1e-6
+
+
+def test_distillation_training_improves_selector():
+    """Distill a deliberately bad selector (independent projections) toward dense block mass:
+    the loss falls and oracle recall rises; gradients never reach q/k."""
+    torch.manual_seed(0)
+    n, block, dim = 256, 16, 16
+    q, k = _rand_qk(1, 4, 2, n, dim, seed=4, dtype=torch.float32)
+    # planted structure: each query block prefers a few earlier key blocks
+    k = k + 2.0 * q.view(1, 2, 2, n, dim).mean(2).roll(shifts=3 * block, dims=2)
+    q.requires_grad_(True)
+    k.requires_grad_(True)
+    cfg = st.SparseAttentionConfig(block_q=block, block_k=block, top_k=2, window=1, sinks=1, selector_dim=16,
+                                   distill="dense", dense_fallback=False, backend="reference")
+    attn = st.SparseAttention(cfg, num_heads=4, num_kv_heads=2, head_dim=dim)
+    with torch.no_grad():
+        attn.scorer.query_proj.normal_()
+        attn.scorer.key_proj.normal_()
+    opt = torch.optim.Adam(attn.scorer.parameters(), lr=0.05)
+
+    def quality():
+        index = attn._last_index
+        picks = torch.arange(index.num_q_blocks)
+        return float(selection_quality(q, k, index, scale=attn.scale, query_blocks=picks)["recall"])
+
+    losses, recalls = [], []
+    for _ in range(40):
+        attn(q, k, k)
+        loss = attn.selector_loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+        recalls.append(quality())
+    assert q.grad is None and k.grad is None, "distillation must not send gradients into the main model"
+    assert losses[-1] < 0.5 * losses[0], f"KL {losses[0]:.3f} -> {losses[-1]:.3f}"
+    assert recalls[-1] > recalls[0] + 0.1, f"recall {recalls[0]:.2f} -> {recalls[-1]:.2f}"
+
+
+def test_selection_quality_of_oracle_selection_is_perfect():
+    n, block = 96, 16
+    q, k = _rand_qk(1, 2, 1, n, 8, seed=5)
+    mass, _ = dense_block_mass(q, k, block_q=block, block_k=block, scale=0.5)
+    top = mass.topk(2, dim=-1).indices
+    causal = causal_block_mask(selection_geometry(n, block, block, 2, 0, 0))
+    top = torch.where(causal.gather(-1, top[0, 0]).view_as(top), top, -1)
+    index = st.BlockIndex.from_selection(top, seq_len=n, block_q=block, block_k=block)
+    got = selection_quality(q, k, index, scale=0.5, query_blocks=torch.arange(index.num_q_blocks))
+    assert float(got["recall"]) == pytest.approx(1.0)
+    expected_mass = (mass * index.to_dense()).sum(-1).mean()
+    assert float(got["mass_captured"]) == pytest.approx(float(expected_mass), rel=1e-6)
