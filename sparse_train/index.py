@@ -35,10 +35,12 @@ __all__ = [
     "causal_last_block",
 ]
 
-DEFAULT_R0 = 4
+DEFAULT_R0 = 1
 """Default reuse threshold of the hybrid backward: KV blocks selected by at least this many query
-blocks take the KV-centric dK/dV kernel, the others accumulate with atomics. Chosen from the r0 sweep
-in ``docs/benchmarks`` (see README); overridable per call and in the module config."""
+blocks take the KV-centric dK/dV kernel, the others accumulate with fp32 atomics from the dQ pass.
+The r0 sweep on the H200 (docs/benchmarks/2026-11-30_h200_attention.md, N = 64K, P64 and P128) found
+r0 = 1 fastest (every selected block KV-centric: 15.3 ms vs 16.2-17.2 ms for r0 in 2..64 at P64),
+so the atomic path is off by default; it stays available per call and in the module config."""
 
 _CHECK_MODES = ("none", "cheap", "full")
 

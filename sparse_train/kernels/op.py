@@ -1,0 +1,207 @@
+"""torch.library custom op and public entry point for the Triton block-sparse attention kernels.
+
+Math (per query row q of head h over the selected key blocks; see forward.py / backward.py):
+    s_qk = scale <Q_q, K_k> (masked: selected, k <= q, k < seq_len[b]);  lse_q = log sum_k exp(s_qk)
+    O_q = sum_k keep_qk / (1-p) exp(s_qk - lse_q) V_k;  gradients dQ, dK, dV exact for this O and lse.
+
+Notation: B batch, HQ/HKV heads, N length, D head dim, BQ/BK block sizes, r0 reuse threshold of the
+hybrid backward (KV blocks selected by >= r0 query blocks are reduced KV-centric, others by atomics).
+
+Layers: kernels live in forward.py / backward.py; this file holds (3) the autograd op
+(`sparse_train::sparse_attn_fwd` / `sparse_train::sparse_attn_bwd` custom ops with fake impls and
+`register_autograd`) and (4) the public functions `triton_sparse_attention` and `triton_supports`.
+
+Ownership of the index: `indices` and `counts` are **copied** (cloned) when the forward runs, and the
+copy is what the backward reads, so a caller that mutates or reuses its index tensors after the forward
+cannot change the gradients (cost: 4 bytes per index slot, one small device copy).  The plan tensors
+(`BlockPlan.kv_indptr`, `kv_qblocks`, `hot`, `reuse`) are referenced, not copied: a plan is a derived,
+immutable view built by `BlockIndex.plan` at forward time.
+
+Known limits: CUDA tensors in bf16/fp16 (fp32 only under TRITON_INTERPRET=1, for tests); head dims
+16/32/64/128; BQ, BK in {16, 32, 64, 128}; N < 2^31.  dropout_seed=None draws a seed from torch's
+global CPU generator (a graph break under torch.compile: pass an int seed when compiling).
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .backward import cold_slots, sparse_attn_backward
+from .forward import choose_num_splits, default_heads_per_program, sparse_attn_forward
+
+_SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+_SUPPORTED_BLOCKS = (16, 32, 64, 128)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer 3: autograd op
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("sparse_train::sparse_attn_fwd", mutates_args=())
+def _sparse_attn_fwd(
+    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, counts: Tensor,
+    kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor, seq_lens: Optional[Tensor],
+    num_cold: int, block_q: int, block_k: int, scale: float, dropout_p: float, dropout_seed: int,
+    num_splits: int,
+) -> tuple[Tensor, Tensor]:
+    # kv_indptr / kv_qblocks / slots / num_cold are not read here; they are inputs so that
+    # setup_context can save them for the backward (custom ops save only inputs and outputs).
+    return sparse_attn_forward(q, k, v, indices, counts, block_q=block_q, block_k=block_k, scale=scale,
+                               seq_lens=seq_lens, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                               num_splits=num_splits)
+
+
+@_sparse_attn_fwd.register_fake
+def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold, block_q, block_k,
+      scale, dropout_p, dropout_seed, num_splits):
+    B, HQ, N, D = q.shape
+    return q.new_empty((B, HQ, N, D)), q.new_empty((B, HQ, N), dtype=torch.float32)
+
+
+@torch.library.custom_op("sparse_train::sparse_attn_bwd", mutates_args=())
+def _sparse_attn_bwd(
+    do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
+    indices: Tensor, counts: Tensor, kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor,
+    seq_lens: Optional[Tensor], num_cold: int, block_q: int, block_k: int, scale: float,
+    dropout_p: float, dropout_seed: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    return sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, num_cold,
+                                block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, dlse=dlse,
+                                dropout_p=dropout_p, dropout_seed=dropout_seed)
+
+
+@_sparse_attn_bwd.register_fake
+def _(do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold,
+      block_q, block_k, scale, dropout_p, dropout_seed):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold, block_q, block_k,
+     scale, dropout_p, dropout_seed, num_splits) = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens)
+    ctx.meta = (num_cold, block_q, block_k, scale, dropout_p, dropout_seed)
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens = ctx.saved_tensors
+    num_cold, block_q, block_k, scale, dropout_p, dropout_seed = ctx.meta
+    dq, dk, dv = torch.ops.sparse_train.sparse_attn_bwd(
+        do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens,
+        num_cold, block_q, block_k, scale, dropout_p, dropout_seed)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
+
+
+_sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer 4: public functions
+# ----------------------------------------------------------------------------------------------
+def _interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def triton_supports(q: Tensor, k: Tensor, v: Tensor, index) -> tuple[bool, str]:
+    """Whether the Triton kernels handle these inputs; `(False, reason)` names what does not fit
+    (the caller then takes the reference path).  Shape mismatches are not checked here: they are
+    errors, raised by `triton_sparse_attention`."""
+    if q.device.type == "cuda":
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return False, f"dtype {q.dtype} on CUDA (kernels support bfloat16 and float16)"
+    elif q.device.type == "cpu":
+        if not _interpreter():
+            return False, "CPU tensors need TRITON_INTERPRET=1 for the Triton kernels"
+        if q.dtype not in (torch.float16, torch.float32):
+            return False, f"dtype {q.dtype} under the Triton interpreter (float16/float32 only: bf16 math is wrong there)"
+    else:
+        return False, f"device type {q.device.type} (CUDA only)"
+    d = q.shape[-1]
+    if d not in _SUPPORTED_HEAD_DIMS:
+        return False, f"head dim {d} (supported: {_SUPPORTED_HEAD_DIMS})"
+    if index.block_q not in _SUPPORTED_BLOCKS or index.block_k not in _SUPPORTED_BLOCKS:
+        return False, f"block sizes BQ={index.block_q}, BK={index.block_k} (supported: {_SUPPORTED_BLOCKS})"
+    if q.shape[2] >= 2**31:
+        return False, "sequence length >= 2^31"
+    return True, "ok"
+
+
+def triton_sparse_attention(
+    q: Tensor, k: Tensor, v: Tensor, index, *, scale: float | None = None, dropout_p: float = 0.0,
+    dropout_seed: int | None = None, deterministic: bool = False, seq_lens: Tensor | None = None,
+    plan=None, r0: int | None = None, num_splits: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Exact block-sparse causal attention through the Triton kernels, differentiable (eager and
+    torch.compile).
+
+    Args:
+        q: ``[B, HQ, N, D]``; k, v: ``[B, HKV, N, D]`` with HQ a multiple of HKV (query head h reads
+            KV head h // (HQ/HKV)).  Any strides.  bf16/fp16 on CUDA (fp32/fp16 on CPU under
+            ``TRITON_INTERPRET=1``).  D in {16, 32, 64, 128}.
+        index: canonical ``BlockIndex`` for (B, HKV, N) with BQ, BK in {16, 32, 64, 128}.
+        scale: logit scale, default ``1/sqrt(D)``.
+        dropout_p: dropout on attention probabilities, in [0, 1).  The keep bit of (b, h, q, k) is
+            ``philox(seed, ((b*HQ+h)*N+q)*N+k) >= floor(p*2^32)``, the same bits as the reference;
+            the softmax denominator (and lse) excludes dropout; kept weights are scaled by 1/(1-p).
+        dropout_seed: int seed; default (None with dropout_p > 0): drawn from torch's CPU generator.
+        deterministic: every dK/dV block through the KV-centric kernel in fixed order (no atomics),
+            bitwise-identical gradients run to run.  Switched on automatically when
+            ``torch.are_deterministic_algorithms_enabled()``.
+        seq_lens: optional int ``[B]``: keys at positions >= seq_lens[b] are masked.
+        plan: a ``BlockPlan`` of this index (default ``index.plan(r0)``, cached on the index).
+        r0: reuse threshold of the hybrid backward (default ``sparse_train.index.DEFAULT_R0``).
+        num_splits: split-KV count of the forward (default: the plan-time rule
+            ``forward.choose_num_splits``); results agree with the unsplit path up to rounding.
+
+    Returns:
+        ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype, lse ``[B, HQ, N]`` float32 natural log;
+        rows with no valid key give o = 0, lse = -inf and zero gradients.  Both are differentiable.
+
+    The index tensors are copied at forward time, so mutating them afterwards does not change the
+    gradients (see the module docstring).
+
+    Raises:
+        ValueError: unsupported dtype/device/head dim/block size (reason from ``triton_supports``),
+            shape/batch/head/length mismatch with the index, bad seq_lens, dropout_p outside [0, 1),
+            num_splits outside 1..64, index tensors of the wrong dtype.
+    """
+    index.check_compatible(q, k, v, seq_lens)
+    ok, reason = triton_supports(q, k, v, index)
+    if not ok:
+        raise ValueError(f"triton_sparse_attention does not support this input: {reason}")
+    if index.indices.dtype != torch.int32 or index.counts.dtype != torch.int32:
+        raise ValueError("index.indices and index.counts must be int32 (build the index with BlockIndex)")
+    if not (0.0 <= float(dropout_p) < 1.0):
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
+    if num_splits is not None and not (1 <= int(num_splits) <= 64):
+        raise ValueError(f"num_splits must lie in 1..64, got {num_splits}")
+    D = q.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    dropout_p = float(dropout_p)
+    if dropout_p > 0.0 and dropout_seed is None:
+        dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
+    seed = int(dropout_seed) if dropout_p > 0.0 else 0
+    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    if plan is None:
+        plan = index.plan(r0)
+    slots = cold_slots(plan.hot, plan.reuse, deterministic)
+    num_cold = 0 if deterministic else int(plan.num_cold)
+    if num_splits is None:
+        B, HQ = q.shape[:2]
+        G = HQ // k.shape[1]
+        hpp = default_heads_per_program(G, index.block_q, D)
+        programs = index.num_q_blocks * (G // hpp) * B * k.shape[1]
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
+        num_splits = choose_num_splits(programs, int(plan.max_count), sms)
+    if seq_lens is not None:
+        seq_lens = seq_lens.to(torch.int32)
+    # copies: the backward must see the forward's selection whatever the caller does afterwards
+    indices = index.indices.clone()
+    counts = index.counts.clone()
+    return torch.ops.sparse_train.sparse_attn_fwd(
+        q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, slots, seq_lens,
+        num_cold, index.block_q, index.block_k, scale, dropout_p, seed, int(num_splits))

@@ -1,0 +1,170 @@
+"""Backward Triton kernels (dQ query-centric, hybrid atomic / KV-centric dK,dV, deterministic mode)
+vs the PyTorch reference in fp64 (CPU: Triton interpreter, fp32).
+
+Tolerance: err(kernel vs fp64) <= 4 * err(PyTorch reference in the kernel's dtype vs fp64) + floor.
+"""
+import os
+
+import pytest
+import torch
+
+from _kernel_testutils import check_close, make_qkv, random_index, rel_err
+from sparse_train.index import BlockIndex
+from sparse_train.kernels.reference import reference_sparse_attention
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from sparse_train.kernels import backward as kb  # noqa: E402
+from sparse_train.kernels import op as kop  # noqa: E402
+from sparse_train.kernels.op import triton_sparse_attention  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _poison_and_small_chunks(monkeypatch):
+    # NaN-poison dq/dk/dv before every launch; chunk KV rows after 2 query blocks so the chunked
+    # KV-centric path (partials + ordered finish) runs on tiny shapes
+    monkeypatch.setattr(kb, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(kb, "KV_CHUNK", 2)
+
+
+def _grads(fn, q, k, v, do, dlse_w=0.0):
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o, lse = fn(qs, ks, vs)
+    loss = (o * do).sum()
+    if dlse_w:
+        loss = loss + dlse_w * torch.where(torch.isfinite(lse), lse, 0).sum()
+    return torch.autograd.grad(loss, (qs, ks, vs))
+
+
+def _compare(idx, q, k, v, *, dtype, dlse_w=0.0, **kw):
+    ref_kw = {x: kw[x] for x in ("dropout_p", "dropout_seed", "seq_lens") if x in kw}
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(99)).to(q)
+    g = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, **kw), q, k, v, do, dlse_w)
+    g64 = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, idx, **ref_kw),
+                 q.double(), k.double(), v.double(), do.double(), dlse_w)
+    glp = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, idx, upcast=False, **ref_kw),
+                 q, k, v, do, dlse_w)
+    for name, a, r, l in zip(("dq", "dk", "dv"), g, g64, glp):
+        assert not torch.isnan(a).any(), f"{name} has NaN (unwritten or 0/0)"
+        check_close(name, a, r, l, dtype)
+    return g
+
+
+BWD_CASES = [
+    # B, HQ, HKV, N, D, BQ, BK, topk, window, sinks, r0, dropout_p
+    pytest.param(1, 4, 2, 150, 16, 32, 16, 3, 1, 1, 1, 0.0, id="gqa2-odd150-bq32-bk16-r0_1-allKV"),
+    pytest.param(1, 4, 2, 150, 16, 16, 32, 3, 1, 1, 3, 0.0, id="gqa2-odd150-bq16-bk32-r0_mid-hybrid"),
+    pytest.param(1, 4, 1, 120, 16, 16, 16, 3, 2, 1, 10**6, 0.0, id="gqa4-odd120-r0_huge-allatomic"),
+    pytest.param(2, 2, 2, 97, 32, 16, 16, 2, 1, 1, 3, 0.25, id="mha-b2-odd97-r0_mid-dropout"),
+    pytest.param(1, 4, 2, 128, 64, 64, 64, 2, 1, 1, 2, 0.1, id="gqa2-d64-b64-dropout"),
+]
+
+
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,topk,window,sinks,r0,dropout_p", BWD_CASES)
+def test_backward_vs_fp64_reference(B, HQ, HKV, N, D, BQ, BK, topk, window, sinks, r0, dropout_p):
+    idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N + BQ, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
+    _compare(idx, q, k, v, dtype=torch.float32, r0=r0, dropout_p=dropout_p, dropout_seed=77)
+
+
+@pytest.mark.parametrize("r0", [1, 10**6], ids=["hot-kv-centric-chunked", "cold-atomics"])
+def test_block_selected_by_every_query_block(r0):
+    """Key block 0 (sink) and, with a full index, every early block is selected by many query
+    blocks: the worst case for atomics (r0 huge) and the chunked KV-centric path (r0 = 1)."""
+    B, HQ, HKV, N, D = 1, 2, 1, 128, 16
+    idx = BlockIndex.full(B, HKV, N, block_q=16, block_k=16, device=DEV)
+    assert int(idx.plan(1).max_reuse) == 8
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=4, device=DEV)
+    _compare(idx, q, k, v, dtype=torch.float32, r0=r0)
+
+
+def test_fp16_backward():
+    idx = random_index(1, 1, 80, 16, 16, 2, 1, 1, seed=8, device=DEV)
+    q, k, v = make_qkv(1, 2, 1, 80, 16, torch.float16, seed=8, device=DEV)
+    _compare(idx, q, k, v, dtype=torch.float16, r0=2)
+
+
+def test_lse_gradient_and_seq_lens():
+    B, HQ, HKV, N, D = 2, 2, 1, 70, 16
+    idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=6, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=6, device=DEV)
+    _compare(idx, q, k, v, dtype=torch.float32, dlse_w=0.3, seq_lens=torch.tensor([70, 41], device=DEV), r0=2)
+
+
+def test_empty_rows_have_zero_grads():
+    B, HQ, HKV, N, D = 1, 2, 1, 64, 16
+    mask = torch.zeros(B, HKV, 4, 4, dtype=torch.bool)
+    mask[0, 0, 2, :3] = True
+    idx = BlockIndex.from_dense(mask.to(DEV), seq_len=N, block_q=16, block_k=16)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=2, device=DEV)
+    dq, dk, dv = _compare(idx, q, k, v, dtype=torch.float32, r0=1)
+    assert (dq[:, :, :32] == 0).all() and (dq[:, :, 48:] == 0).all()
+    assert (dk[:, :, 48:] == 0).all() and (dv[:, :, 48:] == 0).all()
+
+
+def test_split_forward_then_backward():
+    idx = random_index(1, 1, 96, 16, 16, 4, 1, 1, seed=12, device=DEV)
+    q, k, v = make_qkv(1, 2, 1, 96, 16, torch.float32, seed=12, device=DEV)
+    _compare(idx, q, k, v, dtype=torch.float32, num_splits=4, r0=2)
+
+
+def test_deterministic_bitwise_and_auto_switch(monkeypatch):
+    B, HQ, HKV, N, D = 1, 4, 2, 96, 16
+    idx = random_index(B, HKV, N, 16, 16, 3, 1, 1, seed=21, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=21, device=DEV)
+    do = torch.randn_like(q)
+    seen = []
+    real = kop.sparse_attn_backward
+
+    def spy(*args, **kw):
+        seen.append(args[11])  # num_cold
+        return real(*args, **kw)
+
+    monkeypatch.setattr(kop, "sparse_attn_backward", spy)
+    f = lambda a, b, c: triton_sparse_attention(a, b, c, idx, deterministic=True, r0=4)  # noqa: E731
+    g1, g2 = _grads(f, q, k, v, do), _grads(f, q, k, v, do)
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+    assert seen == [0, 0]
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        g3 = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, r0=4), q, k, v, do)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert seen[-1] == 0, "use_deterministic_algorithms must route every block KV-centric"
+    for a, b in zip(g1, g3):
+        assert torch.equal(a, b)
+    g4 = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, r0=4), q, k, v, do)
+    assert seen[-1] > 0, "default mode at r0=4 should use the atomic path for cold blocks"
+    for a, b in zip(g1, g4):
+        assert rel_err(a, b) < 1e-5
+
+
+def test_caller_index_mutation_after_forward_does_not_change_grads():
+    B, HQ, HKV, N, D = 1, 2, 1, 80, 16
+    idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=31, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=31, device=DEV)
+    do = torch.randn_like(q)
+    g_ref = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, r0=2), q, k, v, do)
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o, _ = triton_sparse_attention(qs, ks, vs, idx, r0=2)
+    idx.indices.fill_(0)       # caller scribbles over its index between forward and backward
+    idx.counts.fill_(1)
+    g = torch.autograd.grad(o, (qs, ks, vs), do)
+    for a, b in zip(g, g_ref):
+        assert torch.equal(a, b)
+
+
+def test_kv_schedule_chunks_and_parts():
+    reuse = torch.tensor([0, 1, 5, 2, 0], dtype=torch.int64)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(reuse, 0)])
+    slots = torch.tensor([-1, -1, -1, 0, -1], dtype=torch.int32)  # block 3 is cold (atomics)
+    rows, t0, t1, part, pstart, nparts, num_parts = kb.kv_schedule(reuse, indptr, slots, chunk=2)
+    assert rows.tolist() == [1, 2, 2, 2]
+    assert t0.tolist() == [0, 1, 3, 5] and t1.tolist() == [1, 3, 5, 6]
+    assert part.tolist() == [-1, 0, 1, 2] and num_parts == 3
+    assert nparts.tolist() == [-1, 0, 3, 0, -1] and pstart.tolist()[2] == 0
