@@ -119,7 +119,7 @@ def _dq_kernel(
         j = tl.load(idx_base + t * sik)
         kpos = j * BK + offs_k
         kpos64 = kpos.to(tl.int64)
-        kv_ok = kpos < N
+        kv_ok = kpos < seqlen                              # padding keys load as 0 (see forward.py)
         k = tl.load(k_base + kpos64[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok[:, None], other=0.0)  # [BK, D]
         v = tl.load(v_base + kpos64[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok[:, None], other=0.0)  # [BK, D]
         if IEEE:
@@ -198,15 +198,16 @@ def _dkdv_kernel(
     offs_m = tl.arange(0, M)
     kpos = j * BK + offs_k
     kpos64 = kpos.to(tl.int64)
-    kv_ok = kpos < N
-    k = tl.load(K + b64 * skb + hkv64 * skh + kpos64[:, None] * skn + offs_d[None, :] * skd,
-                mask=kv_ok[:, None], other=0.0)            # [BK, D]
-    v = tl.load(V + b64 * svb + hkv64 * svh + kpos64[:, None] * svn + offs_d[None, :] * svd,
-                mask=kv_ok[:, None], other=0.0)            # [BK, D]
+    kv_ok = kpos < N                                       # rows of dK/dV this program writes
     if HAS_SEQLENS:
         seqlen = tl.load(SEQLENS + b).to(tl.int32)
     else:
         seqlen = N
+    kv_in = kpos < seqlen                                  # padding keys load as 0 (see forward.py)
+    k = tl.load(K + b64 * skb + hkv64 * skh + kpos64[:, None] * skn + offs_d[None, :] * skd,
+                mask=kv_in[:, None], other=0.0)            # [BK, D]
+    v = tl.load(V + b64 * svb + hkv64 * svh + kpos64[:, None] * svn + offs_d[None, :] * svd,
+                mask=kv_in[:, None], other=0.0)            # [BK, D]
     dk = tl.zeros([BK, D], tl.float32)
     dv = tl.zeros([BK, D], tl.float32)
     # flat loop over (query block, head subset) pairs in fixed order: deterministic and pipelinable;

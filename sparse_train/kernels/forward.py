@@ -101,7 +101,9 @@ def _fwd_kernel(
         j = tl.load(idx_base + t * sik)
         kpos = j * BK + offs_k                            # [BK]
         kpos64 = kpos.to(tl.int64)
-        kv_ok = kpos < N
+        # keys past the sequence length load as 0: masked logits alone would let garbage (even NaN)
+        # in the padding reach the output through 0 * NaN in the P @ V product
+        kv_ok = kpos < seqlen
         k = tl.load(k_base + kpos64[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok[:, None], other=0.0)  # [BK, D]
         v = tl.load(v_base + kpos64[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok[:, None], other=0.0)  # [BK, D]
         if IEEE:
