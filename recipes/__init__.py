@@ -1,0 +1,1 @@
+"""Built-in YAML recipes for ``sparse-train`` (installed as the package ``sparse_train.recipes``)."""

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""Training-step benchmark: a ~1B-parameter Llama-style model, sparse vs dense cuDNN attention.
+
+One optimisation step (forward + loss, backward, AdamW step) of the repository's
+:class:`~sparse_train.lightning.model.Transformer` (RMSNorm, RoPE, GQA, SwiGLU; random init), B=1,
+bf16 autocast with fp32 master weights (or pure bf16 weights with ``--precision bf16``), timed per
+phase with CUDA events. Warm-up steps are discarded; the table and JSON report the median (and p90)
+over ``--repeats`` steps plus the peak allocated memory.
+
+Default shape (Llama-3.2-1B-like, 32K vocabulary): d_model 2048, 16 layers, 32 query heads, 8 KV
+heads, head dim 64, SwiGLU 8192 -> about 1.1B parameters.
+
+    python scripts/bench_step.py --out docs/benchmarks/bench_step.json            # 32K and 64K, both variants
+    python scripts/bench_step.py --contexts 65536 --variants sparse --act-ckpt on
+    python scripts/bench_step.py --device cpu --contexts 512 --layers 2 --d-model 128 --heads 4 \\
+        --kv-heads 2 --ffn 256 --vocab 256 --repeats 2 --warmup 1            # CPU smoke test
+
+A configuration that runs out of memory is retried with activation checkpointing (``--act-ckpt auto``)
+and recorded as ``oom`` if it still fails; the remaining configurations keep running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
+
+import sparse_train as st  # noqa: E402
+from sparse_train.lightning import model as model_lib  # noqa: E402
+from sparse_train.lightning.model import Transformer, TransformerConfig  # noqa: E402
+
+
+def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
+    """Dense causal SDPA restricted to one backend. GQA goes through ``enable_gqa`` when the backend
+    accepts it, otherwise K/V are expanded to the query heads (decided once, on the first call)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
+                "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH]}
+    state: dict[str, Any] = {"expand": None}
+
+    def ctx() -> contextlib.AbstractContextManager:
+        return sdpa_kernel(backends[backend]) if backend != "auto" else contextlib.nullcontext()
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1 and state["expand"] is None:
+            try:
+                with ctx():
+                    F.scaled_dot_product_attention(q[:, :, :128], k[:, :, :128], v[:, :, :128],
+                                                   is_causal=True, enable_gqa=True)
+                state["expand"] = False
+            except RuntimeError:
+                state["expand"] = True
+                print(f"[bench] SDPA backend {backend!r} rejects enable_gqa; expanding K/V to {q.shape[1]} heads")
+        with ctx():
+            if groups > 1 and state["expand"]:
+                k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if groups > 1:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return attend
+
+
+class _Clock:
+    """Phase marks: CUDA events on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: dict[str, Any] = {}
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks[name] = ev
+        else:
+            self.marks[name] = time.perf_counter()
+
+    def ms(self, a: str, b: str) -> float:
+        if self.cuda:
+            return float(self.marks[a].elapsed_time(self.marks[b]))
+        return (self.marks[b] - self.marks[a]) * 1e3
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.marks["end"].synchronize()
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> dict[str, Any]:
+    """Time ``args.repeats`` training steps of one (context, variant) configuration."""
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    sparse_cfg = dict(block_q=args.block, block_k=args.block, top_k=args.top_k, window=args.window,
+                      sinks=args.sinks, distill=args.distill, backend=args.backend)
+    cfg = TransformerConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                            n_kv_heads=args.kv_heads, head_dim=args.head_dim, ffn_hidden=args.ffn,
+                            rope_theta=args.rope_theta, tie_embeddings=False, attention=variant,
+                            sparse=sparse_cfg, activation_checkpointing=act_ckpt)
+    model = Transformer(cfg).to(device)
+    autocast = args.precision == "bf16-mixed"
+    if not autocast:
+        model = model.to(torch.bfloat16)
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
+    tokens = torch.randint(args.vocab, (1, n + 1), device=device)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    clock = _Clock(device)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+    def step() -> dict[str, float]:
+        clock.mark("start")
+        with amp:
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, args.vocab), y.reshape(-1))
+        if variant == "sparse":
+            loss = loss + st.collect_selector_losses(model)
+        clock.mark("forward")
+        loss.backward()
+        clock.mark("backward")
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        clock.mark("end")
+        clock.sync()
+        return {"forward_ms": clock.ms("start", "forward"), "backward_ms": clock.ms("forward", "backward"),
+                "optimizer_ms": clock.ms("backward", "end"), "step_ms": clock.ms("start", "end")}
+
+    for _ in range(args.warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    samples = [step() for _ in range(args.repeats)]
+    result: dict[str, Any] = {"context": n, "variant": variant, "status": "ok", "act_ckpt": act_ckpt,
+                              "params": model.num_parameters(), "repeats": args.repeats}
+    for key in samples[0]:
+        vals = [s[key] for s in samples]
+        result[key] = statistics.median(vals)
+        result[key.replace("_ms", "_p90_ms")] = _pct(vals, 0.9)
+    result["tokens_per_s"] = n / (result["step_ms"] / 1e3)
+    if device.type == "cuda":
+        result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if variant == "sparse":
+        stats = st.collect_attention_stats(model)
+        result["density"] = stats.get("density")
+        result["fallbacks"] = {k: v for k, v in stats.items() if k.startswith("fallbacks/") and v}
+        if args.profile:
+            for core in model.sparse_cores():
+                core.config.profile = True
+            step()
+            stats = st.collect_attention_stats(model)
+            result["attention_breakdown_ms_per_layer"] = {k: v for k, v in stats.items() if k.startswith("time/")}
+    del model, opt, samples
+    return result
+
+
+def run_config(args: argparse.Namespace, n: int, variant: str) -> dict[str, Any]:
+    """``run_one`` with the activation-checkpointing policy and OOM handling."""
+    tries = {"on": [True], "off": [False], "auto": [False, True]}[args.act_ckpt]
+    last_error = ""
+    for ckpt in tries:
+        try:
+            return run_one(args, n, variant, ckpt)
+        except torch.OutOfMemoryError as exc:  # retry (auto) or record, never abort the whole run
+            last_error = str(exc).splitlines()[0]
+            print(f"[bench] N={n} {variant} act_ckpt={ckpt}: out of memory")
+        finally:
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return {"context": n, "variant": variant, "status": "oom", "error": last_error}
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    head = f"{'N':>7} {'variant':>7} {'ckpt':>5} {'fwd ms':>9} {'bwd ms':>9} {'opt ms':>8} {'step ms':>9} " \
+           f"{'tok/s':>9} {'peak GiB':>9} {'density':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        if r["status"] != "ok":
+            print(f"{r['context']:>7} {r['variant']:>7} {r['status']}")
+            continue
+        dens = f"{r['density']:.3f}" if r.get("density") is not None else "-"
+        peak = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
+        print(f"{r['context']:>7} {r['variant']:>7} {str(r['act_ckpt']):>5} {r['forward_ms']:9.1f} "
+              f"{r['backward_ms']:9.1f} {r['optimizer_ms']:8.1f} {r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} "
+              f"{peak:>9} {dens:>8}")
+    by = {(r["context"], r["variant"]): r for r in results if r["status"] == "ok"}
+    for n in sorted({r["context"] for r in results}):
+        s, d = by.get((n, "sparse")), by.get((n, "dense"))
+        if s and d:
+            print(f"N={n}: sparse/dense step time = {s['step_ms'] / d['step_ms']:.3f} "
+                  f"(fwd {s['forward_ms'] / d['forward_ms']:.3f}, bwd {s['backward_ms'] / d['backward_ms']:.3f})"
+                  + ("" if s["act_ckpt"] == d["act_ckpt"] else "  [different act_ckpt settings]"))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 65536])
+    ap.add_argument("--variants", nargs="+", choices=["sparse", "dense"], default=["sparse", "dense"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=None)
+    ap.add_argument("--ffn", type=int, default=8192)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--rope-theta", type=float, default=500000.0)
+    ap.add_argument("--block", type=int, default=64, help="sparse block size (BQ = BK)")
+    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--window", type=int, default=8)
+    ap.add_argument("--sinks", type=int, default=1)
+    ap.add_argument("--distill", choices=["sparse", "dense", "off"], default="sparse",
+                    help="selector distillation during the timed steps (part of a real training step)")
+    ap.add_argument("--backend", default="auto", help="sparse kernel backend: auto | triton | reference")
+    ap.add_argument("--dense-backend", choices=["cudnn", "flash", "efficient", "math", "auto"], default="cudnn")
+    ap.add_argument("--precision", choices=["bf16-mixed", "bf16"], default="bf16-mixed")
+    ap.add_argument("--act-ckpt", choices=["auto", "on", "off"], default="auto",
+                    help="activation checkpointing per block; auto = off, retried on when out of memory")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--profile", action="store_true", help="one extra step with the attention breakdown")
+    ap.add_argument("--out", type=Path, default=None, help="JSON output path")
+    args = ap.parse_args(argv)
+
+    model_lib.dense_causal_attention = _dense_attention_factory(args.dense_backend if args.device != "cpu" else "auto")
+    results = []
+    for n in args.contexts:
+        for variant in args.variants:
+            t0 = time.perf_counter()
+            r = run_config(args, n, variant)
+            r["wall_s"] = time.perf_counter() - t0
+            results.append(r)
+            print(f"[bench] N={n} {variant}: {r['status']}"
+                  + (f", step {r['step_ms']:.1f} ms" if r["status"] == "ok" else ""), flush=True)
+    print_table(results)
+    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the project, planned for one device call per phase on
+# `nvidia-h200-x2` (two GPUs run two tracks side by side; on one GPU the tracks run in turn and the
+# DDP step is skipped). Logs and results are tarred to $OUT/results-<phase>.tar.gz; a summary prints last.
+#
+#   OUT=/tmp/out bash scripts/gpu_all.sh checks      # DDP smoke, GPU tests, attention/selector/step benchmarks
+#   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B: sparse and dense twin side by side
+#
+# Python wheels that the device image lacks (jsonargparse for LightningCLI) are installed from .whl/
+# when present (see README, "Running on the H200").
+set -uo pipefail
+phase=${1:-checks}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+OUT=${OUT:-/tmp/gpu_out}
+R=$OUT/work
+mkdir -p "$R"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+ngpu=$(nvidia-smi -L | wc -l)
+{ nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$R/env_$phase.txt" 2>&1
+gpu_b=$(( ngpu > 1 ? 1 : 0 ))
+cli() { python3 -m sparse_train.cli "$@"; }
+
+track() {  # track <gpu> <commands...>: run a command list on one GPU in the background
+  local gpu=$1; shift
+  ( export CUDA_VISIBLE_DEVICES=$gpu; "$@" ) &
+}
+
+checks_gpu_a() {
+  timeout 170 python3 -m pytest -q -rA -s -m gpu tests > "$R/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?" >> "$R/gpu_tests.log"
+  timeout 330 python3 scripts/bench_attention.py --out "$R/bench_attention" --no-sweep \
+    --n 8192 16384 32768 65536 131072 > "$R/bench_attention.log" 2>&1
+  echo "bench_attention rc=$?" >> "$R/bench_attention.log"
+}
+
+checks_gpu_b() {
+  timeout 90 python3 scripts/bench_selector.py --out "$R/bench_selector.json" > "$R/bench_selector.log" 2>&1
+  echo "bench_selector rc=$?" >> "$R/bench_selector.log"
+  timeout 300 python3 scripts/bench_step.py --out "$R/bench_step.json" --repeats 6 --warmup 2 > "$R/bench_step.log" 2>&1
+  echo "bench_step rc=$?" >> "$R/bench_step.log"
+}
+
+retrieval_run() {  # retrieval_run <recipe>
+  timeout 250 python3 -m sparse_train.cli fit --config "recipes/$1.yaml" --logger_backend csv \
+    --trainer.max_steps=900 --trainer.val_check_interval=150 --trainer.default_root_dir="$R/$1" > "$R/$1.log" 2>&1
+  echo "$1 rc=$?" >> "$R/$1.log"
+}
+
+case "$phase" in
+  checks)
+    if [ "$ngpu" -ge 2 ]; then
+      timeout 120 python3 -m sparse_train.cli fit --config recipes/retrieval_16k.yaml --logger_backend csv \
+        --trainer.devices=2 --trainer.strategy=ddp --trainer.max_steps=30 --trainer.val_check_interval=30 \
+        --data.init_args.curriculum=[] --data.init_args.seq_len=4096 --data.init_args.val_samples=16 \
+        --trainer.default_root_dir="$R/ddp" > "$R/ddp.log" 2>&1
+      echo "ddp rc=$?" >> "$R/ddp.log"
+    fi
+    if [ "$ngpu" -ge 2 ]; then
+      track 0 checks_gpu_a; track 1 checks_gpu_b; wait
+    else
+      checks_gpu_a; checks_gpu_b
+    fi
+    ;;
+  retrieval)
+    track 0 retrieval_run retrieval_16k; track "$gpu_b" retrieval_run retrieval_16k_dense; wait
+    ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
+
+tar czf "$OUT/results-$phase.tar.gz" -C "$R" . 2>/dev/null
+echo "==== summary ($phase) ===="
+cat "$R/env_$phase.txt"
+for f in "$R"/*.log; do echo "--- $(basename "$f")"; grep -E "rc=|passed|failed|Error|error:" "$f" | tail -n 6; done
+[ -f "$R/bench_selector.log" ] && tail -n 25 "$R/bench_selector.log"
+[ -f "$R/bench_step.log" ] && tail -n 15 "$R/bench_step.log"
+ls "$R"/bench_attention/*.md >/dev/null 2>&1 && head -n 20 "$R"/bench_attention/*.md
+for run in ddp retrieval_16k retrieval_16k_dense; do
+  m=$(find "$R/$run" -name metrics.csv 2>/dev/null | head -n 1)
+  [ -n "$m" ] && { echo "--- $run metrics (val rows)"; head -n 1 "$m" | cut -c1-300; grep -E "val" "$m" | tail -n 3 | cut -c1-300; }
+done
+exit 0

@@ -1,0 +1,13 @@
+"""Lightning training stack: model, LightningModule, data modules, timing callback.
+
+Run it through the ``sparse-train`` console script (:mod:`sparse_train.cli`) with a recipe from
+``recipes/``; the classes are importable for custom scripts.
+"""
+
+from .callbacks import StepTimer
+from .data import ByteLMDataModule, RetrievalDataModule, RetrievalTask
+from .model import Transformer, TransformerConfig
+from .module import SparseLMModule, load_weights
+
+__all__ = ["StepTimer", "ByteLMDataModule", "RetrievalDataModule", "RetrievalTask", "Transformer",
+           "TransformerConfig", "SparseLMModule", "load_weights"]

@@ -1,0 +1,125 @@
+"""Per-step timing and attention metrics, logged through the Lightning logger.
+
+Phases of one optimisation step under Lightning's automatic optimisation, delimited by its hooks:
+
+    on_train_batch_start -> training_step (forward + loss) -> on_before_backward -> backward
+    -> on_after_backward -> on_before_optimizer_step -> optimizer.step -> on_train_batch_end
+
+Marks are CUDA events on GPU (recorded on the current stream, read after the step's end event has
+completed, so the host does not stall between phases) and ``time.perf_counter`` on CPU, where kernels
+run synchronously and the wall clock is the device clock.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+import sparse_train as st
+
+__all__ = ["StepTimer"]
+
+_PHASES = ("start", "forward_end", "backward_end", "optimizer_start", "end")
+
+
+class StepTimer(Callback):
+    """Logs forward/backward/optimizer time, tokens/s and the attention breakdown every few steps.
+
+    Logged keys (``time/*`` in milliseconds):
+    ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``,
+    ``throughput/tokens_per_s`` (this device, step time only), ``throughput/tokens_per_s_global``
+    (all devices), ``throughput/tokens_per_s_wall`` (this device, including data loading and logging),
+    and the means of ``st.collect_attention_stats`` under ``attn/``: ``attn/density``,
+    ``attn/fallbacks/<reason>``, ``attn/selector_loss``, ``attn/recall`` and, when the sparse config has
+    ``profile: true``, ``attn/time/selector_ms``, ``attn/time/plan_ms``, ``attn/time/attn_fwd_ms``,
+    ``attn/time/attn_bwd_ms``.
+
+    Args:
+        every_n_steps: Measure every n-th training batch (on GPU each measured step waits for the
+            device once at its end).
+        attention_stats: Also log ``st.collect_attention_stats`` of the model.
+        prog_bar: Show tokens/s in the progress bar.
+    """
+
+    def __init__(self, every_n_steps: int = 1, attention_stats: bool = True, prog_bar: bool = True) -> None:
+        super().__init__()
+        self.every_n_steps = max(1, every_n_steps)
+        self.attention_stats = attention_stats
+        self.prog_bar = prog_bar
+        self._marks: dict[str, Any] = {}
+        self._active = False
+        self._cuda = False
+        self._tokens = 0
+        self._last_start: Optional[float] = None
+        self._wall_tokens = 0
+        self.last_metrics: dict[str, float] = {}
+
+    def _mark(self, name: str) -> None:
+        if not self._active:
+            return
+        if self._cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._marks[name] = ev
+        else:
+            self._marks[name] = time.perf_counter()
+
+    def _elapsed_ms(self, a: str, b: str) -> float:
+        if a not in self._marks or b not in self._marks:
+            return 0.0
+        if self._cuda:
+            return float(self._marks[a].elapsed_time(self._marks[b]))
+        return (self._marks[b] - self._marks[a]) * 1e3
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        tokens = batch["tokens"].numel() if isinstance(batch, dict) and "tokens" in batch else 0
+        self._wall_interval = (now - self._last_start) if self._last_start is not None else None
+        self._wall_tokens_prev, self._wall_tokens = self._wall_tokens, tokens
+        self._last_start = now
+        self._active = batch_idx % self.every_n_steps == 0
+        self._cuda = pl_module.device.type == "cuda"
+        self._marks = {}
+        self._tokens = tokens
+        self._mark("start")
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        self._mark("forward_end")
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._mark("backward_end")
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self._mark("optimizer_start")
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if not self._active:
+            return
+        self._mark("end")
+        if self._cuda:
+            self._marks["end"].synchronize()
+        step_ms = self._elapsed_ms("start", "end")
+        metrics = {
+            "time/forward_ms": self._elapsed_ms("start", "forward_end"),
+            "time/backward_ms": self._elapsed_ms("forward_end", "backward_end"),
+            "time/optimizer_ms": self._elapsed_ms("optimizer_start", "end"),
+            "time/step_ms": step_ms,
+        }
+        if self._tokens and step_ms > 0:
+            tps = self._tokens / (step_ms / 1e3)
+            metrics["throughput/tokens_per_s"] = tps
+            metrics["throughput/tokens_per_s_global"] = tps * trainer.world_size
+        if self._wall_interval and self._wall_tokens_prev:
+            metrics["throughput/tokens_per_s_wall"] = self._wall_tokens_prev / self._wall_interval
+        if self.attention_stats:
+            for key, value in st.collect_attention_stats(pl_module).items():
+                metrics[f"attn/{key}"] = float(value)
+        self.last_metrics = metrics
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
+        if self.prog_bar and "throughput/tokens_per_s" in metrics:
+            pl_module.log("tok/s", metrics["throughput/tokens_per_s"], prog_bar=True, logger=False,
+                          on_step=True, on_epoch=False, batch_size=1)

@@ -1,0 +1,219 @@
+"""A small decoder-only transformer (RMSNorm, RoPE, GQA, SwiGLU) whose attention core is swappable.
+
+The attention core is either ``st.SparseAttention`` (learned block-sparse, the product) or dense causal
+SDPA (the A/B twin). Everything outside the core (projections, RoPE, norms, MLP) is identical between the
+two, so a sparse and a dense model built from the same config share every parameter name except the
+selector's, which lets a dense checkpoint initialise a sparse model (the fine-tuning pipeline).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import sparse_train as st
+
+__all__ = ["TransformerConfig", "Transformer", "RMSNorm", "dense_causal_attention"]
+
+
+@dataclass
+class TransformerConfig:
+    """Shape and attention choice of :class:`Transformer`."""
+
+    vocab_size: int = 256
+    """Number of token ids the embedding accepts (must cover the data module's ``vocab_size``)."""
+    d_model: int = 128
+    """Residual stream width."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads per block (HQ)."""
+    n_kv_heads: int = 2
+    """Key/value heads per block (HKV); must divide ``n_heads`` (grouped-query attention)."""
+    head_dim: Optional[int] = None
+    """Per-head width D; ``None`` means ``d_model // n_heads``."""
+    ffn_hidden: Optional[int] = None
+    """SwiGLU hidden width; ``None`` means 8/3 * d_model rounded up to a multiple of 64."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output projection (saves parameters at small scale)."""
+    attention: Literal["sparse", "dense"] = "sparse"
+    """Attention core: ``sparse`` = ``st.SparseAttention``; ``dense`` = causal SDPA (the A/B twin)."""
+    sparse: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of ``st.SparseAttentionConfig`` (ignored when ``attention`` is ``dense``)."""
+    activation_checkpointing: bool = False
+    """Recompute each block in the backward (saves activation memory; the module replays selections)."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight initialisation."""
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned gain (no bias, no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 so bf16 activations do not lose the small-variance tail.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def _rope_tables(seq_len: int, dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Rotate-half convention (as in Llama): pairs are (i, i + D/2).
+    d2 = x.shape[-1] // 2
+    x1, x2 = x[..., :d2].float(), x[..., d2:].float()
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.type_as(x)
+
+
+def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA on ``[B, H, N, D]`` tensors with GQA (k/v may have fewer heads than q)."""
+    if k.shape[1] != q.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA and RoPE; the score/softmax/value core is sparse or dense."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        if cfg.n_heads % cfg.n_kv_heads:
+            raise ValueError(f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads={cfg.n_kv_heads}")
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        self.wq = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
+        self.core: Optional[nn.Module] = None
+        if cfg.attention == "sparse":
+            self.core = st.SparseAttention(
+                st.SparseAttentionConfig(**cfg.sparse),
+                num_heads=self.n_heads,
+                num_kv_heads=self.n_kv_heads,
+                head_dim=self.head_dim,
+            )
+        elif cfg.attention != "dense":
+            raise ValueError(f"attention must be 'sparse' or 'dense', got {cfg.attention!r}")
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.wq(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        if self.core is not None:
+            o = self.core(q, k, v, seq_lens=seq_lens)
+        else:
+            o = dense_causal_attention(q, k, v)
+        return self.wo(o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, hidden, bias=False)
+        self.up = nn.Linear(d_model, hidden, bias=False)
+        self.down = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        hidden = cfg.ffn_hidden or 64 * math.ceil(cfg.d_model * 8 / 3 / 64)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, hidden)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, seq_lens)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model returning logits ``[B, N, vocab]``."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self._rope_cache: Optional[tuple[int, torch.device, torch.Tensor, torch.Tensor]] = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() < 2 or ".core." in name:
+                continue  # norms keep gain 1; the selector owns its own init
+            # Residual-output projections are scaled down with depth so the stream does not grow.
+            scale = 1.0 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "down.weight")) else 1.0
+            nn.init.normal_(p, mean=0.0, std=std * scale)
+
+    def rope(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached RoPE cos/sin tables for positions ``0..n-1``."""
+        head_dim = self.cfg.head_dim or self.cfg.d_model // self.cfg.n_heads
+        c = self._rope_cache
+        if c is None or c[0] < n or c[1] != device:
+            cos, sin = _rope_tables(max(n, c[0] if c else 0), head_dim, self.cfg.rope_theta, device)
+            self._rope_cache = c = (cos.shape[0], device, cos, sin)
+        return c[2][:n], c[3][:n]
+
+    def sparse_cores(self) -> list[nn.Module]:
+        """The ``st.SparseAttention`` modules (empty for a dense model)."""
+        return [b.attn.core for b in self.blocks if b.attn.core is not None]
+
+    def forward(self, tokens: torch.Tensor, seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = self.embed(tokens)
+        cos, sin = self.rope(tokens.shape[1], tokens.device)
+        for block in self.blocks:
+            if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, seq_lens, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, seq_lens)
+        return self.lm_head(self.norm(x))
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameter count (tied weights counted once)."""
+        seen, total = set(), 0
+        for name, p in self.named_parameters():
+            if id(p) in seen or (exclude_embeddings and name.startswith("embed")):
+                continue
+            seen.add(id(p))
+            total += p.numel()
+        return total

@@ -1,0 +1,225 @@
+"""LightningModule for language-model training with learned block-sparse attention.
+
+Loss = next-token cross-entropy on labelled positions + the selectors' distillation loss
+(``st.collect_selector_losses``). The same module covers the three fine-tuning stages:
+
+1. dense:    ``model.attention: dense``; plain LM training.
+2. selector: ``model.attention: sparse``, ``train_only_selector: true`` and ``distill: dense`` in the
+   sparse config; every base weight is frozen and only the selectors learn, by distillation.
+3. sparse:   ``model.attention: sparse``; everything trains, the selectors keep distilling.
+
+Each stage starts from the previous stage's checkpoint through ``init_from`` (weights only; missing
+selector weights are allowed when coming from a dense checkpoint). Resuming an interrupted stage uses
+Lightning's ``--ckpt_path``, which restores the model (selectors included), optimizer, scheduler and loop.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
+
+import sparse_train as st
+
+from .data import IGNORE_INDEX
+from .model import Transformer, TransformerConfig
+
+__all__ = ["SparseLMModule", "load_weights", "selector_parameter_names"]
+
+
+def selector_parameter_names(model: nn.Module) -> set[str]:
+    """Names (relative to ``model``) of every parameter that lives inside an ``st.SparseAttention``."""
+    names: set[str] = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, st.SparseAttention):
+            names.update(f"{mod_name}.{p}" if mod_name else p for p, _ in mod.named_parameters())
+    return names
+
+
+def load_weights(model: nn.Module, path: str, prefix: str = "model.") -> dict[str, list[str]]:
+    """Load a Lightning checkpoint (or a plain state dict) into ``model``.
+
+    Selector parameters may be missing (dense -> sparse) or unexpected (sparse -> dense); any other
+    mismatch is an error, because silently keeping random weights would train a different model.
+    Returns the missing/unexpected key lists for logging.
+    """
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    state = blob.get("state_dict", blob) if isinstance(blob, dict) else blob
+    if any(k.startswith(prefix) for k in state):
+        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    selector = selector_parameter_names(model)
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if k not in selector]
+    # Unexpected keys are tolerated only when they are selector weights (a sparse checkpoint read by
+    # a dense twin); their names contain the attention core's attribute name.
+    unexpected = [k for k in result.unexpected_keys if ".core." not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing[:8]} "
+                           f"unexpected={unexpected[:8]}")
+    return {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
+
+
+class SparseLMModule(LightningModule):
+    """Trains :class:`~sparse_train.lightning.model.Transformer` (sparse or dense attention).
+
+    Args:
+        model: Architecture and attention configuration.
+        lr: Peak learning rate of the base model (AdamW).
+        selector_lr: Learning rate of the selector parameters (``None`` = ``lr``).
+        weight_decay: AdamW weight decay on matrices (norm gains and embeddings are not decayed).
+        betas: AdamW betas.
+        warmup_steps: Linear warm-up steps before the cosine decay.
+        min_lr_ratio: Final learning rate as a fraction of the peak (cosine floor at ``max_steps``).
+        selector_loss_weight: Multiplier of the summed selector distillation loss in the total loss.
+        train_only_selector: Freeze every non-selector weight (fine-tuning stage 2).
+        init_from: Checkpoint whose weights initialise the model (previous fine-tuning stage).
+    """
+
+    def __init__(self, model: TransformerConfig = TransformerConfig(), lr: float = 3e-3,
+                 selector_lr: Optional[float] = None, weight_decay: float = 0.1,
+                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
+                 selector_loss_weight: float = 1.0, train_only_selector: bool = False,
+                 init_from: Optional[str] = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if isinstance(model, dict):  # from a checkpoint's hparams or a plain YAML mapping
+            model = TransformerConfig(**model)
+        self.model_config = model
+        self.model = Transformer(model)
+        self._selector_names = {f"model.{n}" for n in selector_parameter_names(self.model)}
+        if train_only_selector and not self._selector_names:
+            raise ValueError("train_only_selector needs sparse attention (model.attention: sparse)")
+        if init_from:
+            info = load_weights(self.model, init_from)
+            rank_zero_info(f"[sparse-train] initialised from {init_from} "
+                           f"(new selector tensors: {len(info['missing'])}, dropped: {len(info['unexpected'])})")
+        if train_only_selector:
+            for name, p in self.named_parameters():
+                p.requires_grad_(name in self._selector_names)
+        self._eval_counts: dict[str, list[float]] = {}
+        self.final_metrics: dict[str, float] = {}
+        self._fit_start = 0.0
+
+    # ------------------------------------------------------------------ steps
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def _lm_loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = self.model(batch["tokens"])
+        labels = batch["labels"]
+        mask = labels != IGNORE_INDEX
+        # Only labelled positions are projected through the loss, which matters for retrieval (a few
+        # answers per 4K tokens) and costs nothing for LM (all positions labelled).
+        sel_logits = logits[mask].float()
+        sel_labels = labels[mask]
+        loss = F.cross_entropy(sel_logits, sel_labels, reduction="sum")
+        correct = (sel_logits.argmax(-1) == sel_labels).sum()
+        return loss, correct, mask.sum()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss_sum, correct, count = self._lm_loss(batch)
+        lm_loss = loss_sum / count.clamp_min(1)
+        sel_loss = st.collect_selector_losses(self.model) if self._selector_names else None
+        if self.hparams.train_only_selector:
+            loss = sel_loss * self.hparams.selector_loss_weight
+        elif sel_loss is not None:
+            loss = lm_loss + self.hparams.selector_loss_weight * sel_loss
+        else:
+            loss = lm_loss
+        bs = batch["tokens"].shape[0]
+        self.log("train/loss", loss, prog_bar=True, batch_size=bs)
+        self.log("train/lm_loss", lm_loss.detach(), batch_size=bs)
+        self.log("train/acc", correct.float() / count.clamp_min(1), prog_bar=True, batch_size=bs)
+        if sel_loss is not None:
+            self.log("train/selector_loss", sel_loss.detach(), batch_size=bs)
+        return loss
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], prefix: str) -> None:
+        loss_sum, correct, count = self._lm_loss(batch)
+        acc = self._eval_counts.setdefault(prefix, [0.0, 0.0, 0.0])
+        acc[0] += float(loss_sum)
+        acc[1] += float(correct)
+        acc[2] += float(count)
+
+    def _eval_epoch_end(self, prefix: str) -> None:
+        loss_sum, correct, count = self._eval_counts.pop(prefix, [0.0, 0.0, 0.0])
+        if count == 0:
+            return
+        # Exact token-weighted means over the whole held-out set (not a mean of batch means).
+        metrics = {f"{prefix}/loss": loss_sum / count, f"{prefix}/acc": correct / count}
+        self.log_dict(metrics, prog_bar=True, sync_dist=True)
+        if not self.trainer.sanity_checking:
+            self.final_metrics.update(metrics)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    # ------------------------------------------------------------------ lifecycle
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        need = getattr(dm, "vocab_size", None)
+        if need is not None and need > self.model_config.vocab_size:
+            raise ValueError(f"data needs vocab_size >= {need} but model.vocab_size = "
+                             f"{self.model_config.vocab_size}; set --model.init_args.model.vocab_size={need}")
+
+    def on_fit_start(self) -> None:
+        self._fit_start = time.perf_counter()
+        n = self.model.num_parameters()
+        trainable = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        rank_zero_info(f"[sparse-train] {self.model_config.attention} attention, {n / 1e6:.2f}M parameters, "
+                       f"{trainable / 1e6:.3f}M trainable")
+
+    def on_fit_end(self) -> None:
+        minutes = (time.perf_counter() - self._fit_start) / 60
+        dm = getattr(self.trainer, "datamodule", None)
+        chance = getattr(dm, "chance", None)
+        parts = [f"{k} = {v:.4f}" for k, v in sorted(self.final_metrics.items())]
+        if chance is not None:
+            parts.append(f"chance = {chance:.4f}")
+        rank_zero_info(f"[sparse-train] done: {self.global_step} steps in {minutes:.1f} min; " + ", ".join(parts))
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self) -> dict[str, Any]:
+        hp = self.hparams
+        decay, no_decay, selector = [], [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            if name in self._selector_names:
+                selector.append(p)
+            elif p.dim() < 2 or "embed" in name:
+                no_decay.append(p)
+            else:
+                decay.append(p)
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay, "lr": hp.lr},
+            {"params": no_decay, "weight_decay": 0.0, "lr": hp.lr},
+            {"params": selector, "weight_decay": 0.0, "lr": hp.selector_lr or hp.lr},
+        ]
+        groups = [g for g in groups if g["params"]]
+        optimizer = torch.optim.AdamW(groups, betas=tuple(hp.betas))
+        total = self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else 10_000
+
+        def schedule(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            t = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

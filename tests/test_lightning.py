@@ -1,0 +1,214 @@
+"""Lightning stack: data determinism and recoverability, model wiring, timing callback keys, and the
+three-stage dense -> selector -> sparse fine-tuning pipeline with exact resume."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import sparse_train as st
+from sparse_train import cli
+from sparse_train.lightning import RetrievalDataModule, RetrievalTask, SparseLMModule, StepTimer, Transformer, \
+    TransformerConfig
+from sparse_train.lightning.data import IGNORE_INDEX, ByteLMDataModule, CurriculumStage, _CurriculumBatches
+from sparse_train.lightning.module import load_weights
+
+TINY = dict(vocab_size=70, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
+SPARSE = dict(block_q=32, block_k=32, top_k=2, window=1, sinks=1, backend="reference")
+
+
+# ----------------------------------------------------------------------------------------- data
+def test_retrieval_samples_are_deterministic_and_seeded():
+    task = RetrievalTask(seq_len=300, num_pairs=4, num_queries=3, num_keys=6, num_values=8)
+    a, b = task.sample(0, 7), task.sample(0, 7)
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["labels"], b["labels"])
+    assert not torch.equal(task.sample(0, 8)["tokens"], a["tokens"])
+    assert not torch.equal(task.sample(1, 7)["tokens"], a["tokens"])  # validation seed != training seed
+    assert a["tokens"].shape == (300,) and int(a["tokens"].max()) < task.vocab_size
+
+
+@pytest.mark.parametrize("filler", ["repeat", "random"])
+def test_retrieval_answer_is_in_the_needle_and_only_there(filler):
+    task = RetrievalTask(seq_len=257, num_pairs=5, num_queries=4, num_keys=8, num_values=8, filler=filler)
+    for index in range(20):
+        s = task.sample(3, index)
+        tokens, labels = s["tokens"], s["labels"]
+        answers = labels[labels != IGNORE_INDEX]
+        assert len(answers) == 4
+        assert task.recover_answers(tokens, labels) == answers.tolist()
+        # The answer appears exactly once before its question: in the needle (never in the filler).
+        first_query = int((labels != IGNORE_INDEX).nonzero()[0])
+        for ans in answers.tolist():
+            assert int((tokens[:first_query] == ans).sum()) == 1
+        # Remove the needles: the lookup finds nothing, so the labels really depend on them.
+        hay = tokens.clone()
+        hay[1: task.haystack_len(257) + 1][hay[1: task.haystack_len(257) + 1] >= task.needle0] = task.filler0
+        assert task.recover_answers(hay, labels) == [None] * 4
+
+
+def test_needles_cover_the_whole_context():
+    task = RetrievalTask(seq_len=512, num_pairs=4, num_queries=4, num_keys=4, num_values=8)
+    positions = []
+    for index in range(200):
+        toks = task.sample(0, index)["tokens"][: task.haystack_len(512) + 1]
+        positions += (toks >= task.needle0).nonzero().flatten().tolist()
+    assert min(positions) < 20 and max(positions) > 480  # "anywhere", not clustered near the questions
+
+
+def test_curriculum_batches_and_resume_skip():
+    stages = [CurriculumStage(steps=2, seq_len=64, batch_size=4), CurriculumStage(steps=1, seq_len=128, batch_size=2)]
+    full = list(_CurriculumBatches(stages, final_len=256, final_batch=1, total_steps=5))
+    assert [(len(b), b[0][1]) for b in full] == [(4, 64), (4, 64), (2, 128), (1, 256), (1, 256)]
+    assert [i for b in full for i, _ in b] == list(range(12))  # consecutive sample indices
+    resumed = list(_CurriculumBatches(stages, final_len=256, final_batch=1, total_steps=5, start_step=3))
+    assert resumed == full[3:]
+    ranks = [list(_CurriculumBatches(stages, 256, 1, 5, start_step=1, rank=r, world_size=2)) for r in (0, 1)]
+    for a, b in zip(*ranks):  # data parallel: same shapes per step, disjoint samples
+        assert len(a) == len(b) and a[0][1] == b[0][1] and not {i for i, _ in a} & {i for i, _ in b}
+    dm = RetrievalDataModule(seq_len=128, num_pairs=2, num_queries=2, num_keys=4, batch_size=2, train_steps=3,
+                             curriculum=[{"steps": 1, "seq_len": 64, "batch_size": 3}])
+    shapes = [tuple(b["tokens"].shape) for b in dm.train_dataloader()]
+    assert shapes == [(3, 64), (2, 128), (2, 128)]
+
+
+def test_byte_lm_split_and_determinism(tmp_path):
+    for i in range(40):
+        (tmp_path / f"f{i}.txt").write_text(f"file {i} " * 50)
+    dm = ByteLMDataModule(paths=[str(tmp_path)], pattern="*.txt", seq_len=32, batch_size=2, val_fraction=0.2)
+    dm.setup()
+    assert dm.train_bytes.numel() > 0 and dm.val_bytes.numel() > 0
+    train_text, val_text = bytes(dm.train_bytes.tolist()), bytes(dm.val_bytes.tolist())
+    for i in range(40):  # each file lands in exactly one split
+        marker = f"file {i} ".encode() * 2
+        assert (marker in train_text) != (marker in val_text)
+    a = next(iter(dm.train_dataloader()))
+    b = next(iter(dm.train_dataloader()))
+    assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["labels"][:, :-1], a["tokens"][:, 1:])
+    assert cli is not None and Path(__import__("os").__file__).parent.is_dir()  # default corpus root exists
+
+
+# ----------------------------------------------------------------------------------------- model
+def test_sparse_model_with_full_selection_matches_dense_twin():
+    torch.manual_seed(0)
+    sparse = Transformer(TransformerConfig(**TINY, attention="sparse", sparse=dict(SPARSE, top_k=16)))
+    dense = Transformer(TransformerConfig(**TINY, attention="dense"))
+    selector = {n for n, _ in sparse.named_parameters() if ".core." in n}
+    assert selector and {n for n, _ in sparse.named_parameters()} - selector == {n for n, _ in dense.named_parameters()}
+    dense.load_state_dict({k: v for k, v in sparse.state_dict().items() if ".core." not in k})
+    tokens = torch.randint(70, (2, 100))
+    # top_k >= number of key blocks: every causal block is selected, so sparse attention == dense.
+    torch.testing.assert_close(sparse(tokens), dense(tokens), rtol=1e-4, atol=1e-4)
+    partial = Transformer(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE))
+    partial.load_state_dict(sparse.state_dict())
+    assert not torch.allclose(partial(torch.randint(70, (1, 200))), dense(torch.randint(70, (1, 200))))
+
+
+# ----------------------------------------------------------------------------------------- callback
+def test_step_timer_logs_expected_keys(tmp_path):
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.loggers import CSVLogger
+
+    module = SparseLMModule(TransformerConfig(**TINY, attention="sparse",
+                                              sparse=dict(SPARSE, profile=True, metrics_every=1)))
+    dm = RetrievalDataModule(seq_len=128, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2,
+                             val_samples=2)
+    timer = StepTimer()
+    trainer = Trainer(max_steps=3, logger=CSVLogger(tmp_path, name="t"), callbacks=[timer], log_every_n_steps=1,
+                      enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
+                      accelerator="cpu", limit_val_batches=1)
+    trainer.fit(module, dm)
+    rows = list(csv.DictReader(open(Path(trainer.logger.log_dir) / "metrics.csv")))
+    keys = {k for r in rows for k, v in r.items() if v not in ("", None)}
+    expected = {"time/forward_ms", "time/backward_ms", "time/optimizer_ms", "time/step_ms",
+                "throughput/tokens_per_s", "attn/density", "attn/selector_loss", "attn/recall",
+                "attn/time/selector_ms", "attn/time/plan_ms", "attn/time/attn_fwd_ms", "attn/time/attn_bwd_ms",
+                "train/loss", "train/selector_loss", "val/acc", "val/loss"}
+    assert expected <= keys, expected - keys
+    assert any(k.startswith("attn/fallbacks/") for k in keys)
+    m = timer.last_metrics
+    assert all(m[k] > 0 for k in ("time/forward_ms", "time/backward_ms", "time/optimizer_ms"))
+    assert m["time/forward_ms"] + m["time/backward_ms"] + m["time/optimizer_ms"] <= m["time/step_ms"] + 1e-6
+    assert m["throughput/tokens_per_s"] == pytest.approx(2 * 128 / (m["time/step_ms"] / 1e3))
+
+
+def test_plot_script_renders_csv(tmp_path):
+    import importlib.util
+
+    path = tmp_path / "metrics.csv"
+    path.write_text("epoch,step,train/loss,val/acc,time/forward_ms,time/backward_ms,attn/density\n"
+                    "0,0,2.0,,1.0,2.0,0.3\n0,1,1.5,0.5,1.1,2.1,0.3\n")
+    spec = importlib.util.spec_from_file_location("plot_metrics", Path(__file__).parents[1] / "scripts/plot_metrics.py")
+    plot = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot)
+    series = plot.read_csv_metrics(path)
+    assert series["train/loss"] == [(0.0, 2.0), (1.0, 1.5)] and series["val/acc"] == [(1.0, 0.5)]
+    written = plot.plot([("a", series), ("b", series)], tmp_path / "out")
+    assert {p.name for p in written} == {"loss.png", "accuracy.png", "step_time.png", "attention.png"}
+
+
+# ----------------------------------------------------------------------------------------- fine-tuning
+def _stage_args(recipe: str, root: Path, steps: int, extra: list[str] = ()) -> list[str]:
+    args = ["fit", "--config", recipe, "--trainer.accelerator=cpu", "--trainer.precision=32-true",
+            f"--trainer.max_steps={steps}", "--trainer.enable_progress_bar=false", "--logger_backend=csv",
+            f"--trainer.default_root_dir={root}", "--data.init_args.seq_len=128", "--data.init_args.batch_size=2",
+            "--data.init_args.curriculum=[]", "--data.init_args.val_samples=2", "--data.init_args.eval_batch_size=2",
+            "--model.init_args.model.d_model=32"]
+    if "stage1" not in recipe:  # 4 key blocks of 32 at N=128, so the selection is really sparse
+        args += ["--model.init_args.model.sparse.block_q=32", "--model.init_args.model.sparse.block_k=32"]
+    return [*args, *extra]
+
+
+def _ckpt_cb(path: Path) -> list[str]:
+    return ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={path}", "--trainer.callbacks.save_last=true",
+            "--trainer.callbacks.every_n_train_steps=1"]
+
+
+def test_three_stage_finetuning_with_exact_resume(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # Stage 1: dense base.
+    cli.run_cli(_stage_args("finetune_stage1_dense", tmp_path / "s1", 3))
+    s1 = torch.load("runs/finetune/stage1/last.ckpt", weights_only=False)
+    assert not any(".core." in k for k in s1["state_dict"])
+
+    # Stage 2: selectors only, base frozen; loads stage 1 from the recipe's own init_from path.
+    r2 = cli.run_cli(_stage_args("finetune_stage2_selector", tmp_path / "s2", 3))
+    s2 = torch.load("runs/finetune/stage2/last.ckpt", weights_only=False)["state_dict"]
+    base = {k for k in s2 if ".core." not in k}
+    assert base == set(s1["state_dict"])
+    assert all(torch.equal(s2[k], s1["state_dict"][k]) for k in base), "stage 2 changed a frozen base weight"
+    fresh = SparseLMModule(r2.model.model_config)
+    selector = [k for k in s2 if ".core." in k]
+    assert selector and any(not torch.equal(s2[k], fresh.state_dict()[k]) for k in selector), \
+        "stage 2 did not train the selectors"
+
+    # Stage 3: everything trains; 4 steps straight vs 2 steps + resume for 2 must agree exactly.
+    straight = cli.run_cli(_stage_args("finetune_stage3_sparse", tmp_path / "a", 4, _ckpt_cb(tmp_path / "a_ckpt")))
+    cli.run_cli(_stage_args("finetune_stage3_sparse", tmp_path / "b", 2, _ckpt_cb(tmp_path / "b_ckpt")))
+    half = torch.load(tmp_path / "b_ckpt" / "last.ckpt", weights_only=False)
+    assert half["global_step"] == 2 and half["optimizer_states"][0]["state"], "no optimizer state saved"
+    assert any(".core." in k for k in half["state_dict"])
+    resumed = cli.run_cli(_stage_args("finetune_stage3_sparse", tmp_path / "b", 4, _ckpt_cb(tmp_path / "b_ckpt2")
+                                   + [f"--ckpt_path={tmp_path / 'b_ckpt' / 'last.ckpt'}"]))
+    assert resumed.trainer.global_step == 4
+    sa, sb = straight.model.state_dict(), resumed.model.state_dict()
+    for key in sa:
+        torch.testing.assert_close(sa[key], sb[key], rtol=0, atol=1e-6, msg=f"resume diverged at {key}")
+    oa = straight.trainer.optimizers[0].state_dict()["state"]
+    ob = resumed.trainer.optimizers[0].state_dict()["state"]
+    for idx in oa:
+        torch.testing.assert_close(oa[idx]["exp_avg_sq"], ob[idx]["exp_avg_sq"], rtol=0, atol=1e-9)
+    assert math.isfinite(straight.model.final_metrics.get("val/acc", float("nan")))
+
+
+def test_load_weights_rejects_mismatched_checkpoint(tmp_path):
+    model = Transformer(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE))
+    other = Transformer(TransformerConfig(**dict(TINY, n_layers=3), attention="dense"))
+    torch.save({"state_dict": {f"model.{k}": v for k, v in other.state_dict().items()}}, tmp_path / "x.ckpt")
+    with pytest.raises(RuntimeError, match="does not match"):
+        load_weights(model, str(tmp_path / "x.ckpt"))
+    assert st.collect_selector_losses(model).item() == 0.0
