@@ -4,7 +4,8 @@
 # DDP step is skipped). Logs and results are tarred to $OUT/results-<phase>.tar.gz; a summary prints last.
 #
 #   OUT=/tmp/out bash scripts/gpu_all.sh checks      # DDP smoke, GPU tests, attention/selector/step benchmarks
-#   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B: sparse and dense twin side by side
+#   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
+#                                                     # then block-mass GPU tests, selector and step benchmarks
 #
 # Python wheels that the device image lacks (jsonargparse for LightningCLI) are installed from .whl/
 # when present (see README, "Running on the H200").
@@ -13,8 +14,8 @@ phase=${1:-checks}
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
 OUT=${OUT:-/tmp/gpu_out}
-R=$OUT/work
-mkdir -p "$R"
+R=/tmp/gpu_work_$$   # everything goes here; $OUT gets the tarball and a few key files (the tool returns 8)
+mkdir -p "$R" "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -46,7 +47,7 @@ checks_gpu_b() {
 }
 
 retrieval_run() {  # retrieval_run <recipe>
-  timeout 250 python3 -m sparse_train.cli fit --config "recipes/$1.yaml" --logger_backend csv \
+  timeout 230 python3 -m sparse_train.cli fit --config "recipes/$1.yaml" --logger_backend csv \
     --trainer.max_steps=900 --trainer.val_check_interval=150 --trainer.default_root_dir="$R/$1" > "$R/$1.log" 2>&1
   echo "$1 rc=$?" >> "$R/$1.log"
 }
@@ -65,14 +66,32 @@ case "$phase" in
     else
       checks_gpu_a; checks_gpu_b
     fi
+    cp -r "$R"/bench_attention "$R"/bench_selector.json "$R"/bench_step.json "$R"/gpu_tests.log "$OUT"/ 2>/dev/null
     ;;
   retrieval)
-    track 0 retrieval_run retrieval_16k; track "$gpu_b" retrieval_run retrieval_16k_dense; wait
+    after_sparse() {
+      retrieval_run retrieval_16k
+      timeout 60 python3 -m pytest -q -rA -s -m gpu tests/test_kernel_block_mass.py > "$R/gpu_tests_block_mass.log" 2>&1
+      echo "block mass gpu tests rc=$?" >> "$R/gpu_tests_block_mass.log"
+      timeout 90 python3 scripts/bench_selector.py --out "$R/bench_selector.json" > "$R/bench_selector.log" 2>&1
+      echo "bench_selector rc=$?" >> "$R/bench_selector.log"
+    }
+    after_dense() {
+      retrieval_run retrieval_16k_dense
+      timeout 240 python3 scripts/bench_step.py --out "$R/bench_step.json" --repeats 4 --warmup 2 > "$R/bench_step.log" 2>&1
+      echo "bench_step rc=$?" >> "$R/bench_step.log"
+    }
+    track 0 after_sparse; track "$gpu_b" after_dense; wait
+    for run in retrieval_16k retrieval_16k_dense; do
+      m=$(find "$R/$run" -name metrics.csv 2>/dev/null | head -n 1)
+      [ -n "$m" ] && cp "$m" "$OUT/${run}_metrics.csv"
+    done
+    cp "$R"/bench_selector.json "$R"/bench_step.json "$R"/gpu_tests_block_mass.log "$OUT"/ 2>/dev/null
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
 
-tar czf "$OUT/results-$phase.tar.gz" -C "$R" . 2>/dev/null
+tar czf "$OUT/results-$phase.tar.gz" --exclude='*.ckpt' -C "$R" . 2>/dev/null
 echo "==== summary ($phase) ===="
 cat "$R/env_$phase.txt"
 for f in "$R"/*.log; do echo "--- $(basename "$f")"; grep -E "rc=|passed|failed|Error|error:" "$f" | tail -n 6; done

@@ -75,6 +75,17 @@ def _row_validity(pos_rows: Tensor, seq_len: int, seq_lens: Tensor | None, batch
     return inside.unsqueeze(1)
 
 
+def _use_triton(q: Tensor, k: Tensor, index: BlockIndex) -> bool:
+    """The block-mass kernel runs where the attention kernels run: supported CUDA inputs."""
+    if q.device.type != "cuda":
+        return False
+    try:
+        from ..kernels.op import triton_supports
+    except ImportError:
+        return False
+    return triton_supports(q, k, k, index)[0]
+
+
 @torch.no_grad()
 def sparse_block_mass(
     q: Tensor,
@@ -99,11 +110,19 @@ def sparse_block_mass(
         rows_per_block: query rows per block used for the mean (``None`` = all).
         chunk_mb: memory budget of one chunk of logits.
 
+    On supported CUDA inputs with ``lse`` given and all rows, the Triton kernel
+    :func:`sparse_train.kernels.block_mass.triton_block_mass` computes the same target in one QK^T
+    pass (this PyTorch body is its reference).
+
     Returns:
         ``target`` float32 ``[B, HKV, NQB, K]`` (zeros on empty slots, each valid row sums to 1) and
         ``row_valid`` bool ``[B, HKV, NQB]`` (the row had at least one real query with mass).
     """
     q, k = q.detach(), k.detach()
+    if lse is not None and (rows_per_block is None or rows_per_block >= index.block_q) and _use_triton(q, k, index):
+        from ..kernels.block_mass import triton_block_mass
+
+        return triton_block_mass(q, k, lse, index, scale=scale, seq_lens=seq_lens)
     batch, num_heads, seq_len, _ = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads

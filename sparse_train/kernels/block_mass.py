@@ -1,0 +1,154 @@
+"""Triton kernel for the selector's distillation target: attention mass per selected key block.
+
+Math (per KV head group, query block i and selected slot t holding key block j):
+    P[g, r, k] = exp(scale * <Q[g, r], K[k]> - lse[g, r])     (the main attention's own probabilities)
+    M[i, t]    = sum over live rows r of block i, heads g of the group, valid keys k of block j of P
+    target[i, t] = M[i, t] / sum_t' M[i, t']                  (normalised over the selected set)
+
+Notation: B batch, HQ/HKV query/KV heads, G = HQ/HKV, N length, D head dim, BQ/BK block sizes,
+K index capacity, HPP query heads stacked into one program's rows (M_ROWS = HPP*BQ), NSUB = G/HPP.
+A row is live when it is a real query (q < N and q < seq_lens[b]) with a finite lse; a key is valid
+when k <= q and k < seq_lens[b]. The PyTorch reference is
+:func:`sparse_train.selectors.distill.sparse_block_mass` (same semantics, any rows_per_block).
+
+Cost: one QK^T tile product per (query tile, selected block), half of the forward's two, and no
+softmax state: the forward's lse already normalises every row. Known limits: the forward kernel's
+dtypes, head dims and block sizes; all rows of each block are used (no row subsampling); the output
+is float32 and takes no gradient (the target is a constant of the selector's loss).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .forward import LOG2E, default_heads_per_program, launch
+
+__all__ = ["triton_block_mass"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer 1: kernel
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _block_mass_kernel(
+    Q, K, LSE, IDX, CNT, SEQLENS, OUT,
+    sqb, sqh, sqn, sqd,
+    skb, skh, skn, skd,
+    slb, slh, sln,
+    sib, sih, siq, sik,
+    scb, sch, scq,
+    N, HKV, NQB, KCAP, scale_log2,
+    G: tl.constexpr, HPP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, IEEE: tl.constexpr,
+):
+    NSUB: tl.constexpr = G // HPP
+    M_ROWS: tl.constexpr = HPP * BQ
+    pid0 = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    qb = pid0 // NSUB
+    hsub = pid0 % NSUB
+    b = pid_bh // HKV
+    hkv = pid_bh % HKV
+    b64 = b.to(tl.int64)
+
+    offs_m = tl.arange(0, M_ROWS)
+    offs_d = tl.arange(0, D)
+    offs_k = tl.arange(0, BK)
+    head64 = (hkv * G + hsub * HPP + offs_m // BQ).to(tl.int64)      # [M_ROWS]
+    qpos = qb * BQ + offs_m % BQ                                      # [M_ROWS]
+    if HAS_SEQLENS:
+        seqlen = tl.minimum(tl.load(SEQLENS + b).to(tl.int32), N)
+    else:
+        seqlen = N
+    row_real = qpos < seqlen
+    qpos64 = qpos.to(tl.int64)
+    q = tl.load(Q + b64 * sqb + head64[:, None] * sqh + qpos64[:, None] * sqn + offs_d[None, :] * sqd,
+                mask=row_real[:, None], other=0.0)                    # [M_ROWS, D]
+    lse = tl.load(LSE + b64 * slb + head64 * slh + qpos64 * sln, mask=row_real, other=float("-inf"))
+    # dead rows (padding, empty selection) subtract +inf: their probabilities are exactly 0
+    live = row_real & (lse > float("-inf"))
+    lse2 = tl.where(live, lse * 1.4426950408889634, float("inf"))     # [M_ROWS] log2 domain
+
+    cnt = tl.load(CNT + b64 * scb + hkv * sch + qb * scq)
+    idx_base = IDX + b64 * sib + hkv * sih + qb * siq
+    k_base = K + b64 * skb + hkv.to(tl.int64) * skh
+    out_base = OUT + ((pid_bh.to(tl.int64) * NSUB + hsub) * NQB + qb) * KCAP
+    for t in range(0, cnt):
+        j = tl.load(idx_base + t * sik)
+        kpos = j * BK + offs_k                                        # [BK]
+        key_in = kpos < seqlen
+        k = tl.load(k_base + kpos.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
+                    mask=key_in[:, None], other=0.0)                  # [BK, D]
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))                                # [M_ROWS, BK]
+        ok = (kpos[None, :] <= qpos[:, None]) & key_in[None, :]
+        p = tl.where(ok, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
+        tl.store(out_base + t, tl.sum(tl.sum(p, 1), 0))
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer 2: launcher
+# ----------------------------------------------------------------------------------------------
+def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts: Tensor, *, block_q: int,
+                      block_k: int, scale: float, seq_lens: Tensor | None = None) -> Tensor:
+    """Unnormalised mass float32 ``[B, HKV, NQB, K]`` (zeros in empty slots). No validation."""
+    B, HQ, N, D = q.shape
+    HKV = k.shape[1]
+    G = HQ // HKV
+    NQB, KCAP = indices.shape[2], indices.shape[3]
+    hpp = default_heads_per_program(G, block_q, D)
+    nsub = G // hpp
+    out = torch.zeros((B, HKV, nsub, NQB, KCAP), device=q.device, dtype=torch.float32)
+    seq_arg = seq_lens.to(torch.int32).contiguous() if seq_lens is not None else counts
+    launch(
+        _block_mass_kernel, (NQB * nsub, B * HKV),
+        q, k, lse, indices, counts, seq_arg, out,
+        *q.stride(), *k.stride(), *lse.stride(), *indices.stride(), *counts.stride(),
+        N, HKV, NQB, KCAP, float(scale * LOG2E),
+        G=G, HPP=hpp, BQ=block_q, BK=block_k, D=D,
+        HAS_SEQLENS=seq_lens is not None, IEEE=q.dtype == torch.float32,
+        num_warps=8 if hpp * block_q >= 128 else 4, num_stages=3,
+    )
+    return out.sum(dim=2)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer 3/4: public function (no autograd: the target is a constant)
+# ----------------------------------------------------------------------------------------------
+@torch.no_grad()
+def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
+                      seq_lens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Distillation target over the selected blocks, from the forward's lse.
+
+    Args:
+        q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]`` (any strides; detached here).
+        lse: ``[B, HQ, N]`` float32 natural-log row log-sum-exp of the main attention over ``index``.
+        index: the :class:`~sparse_train.BlockIndex` the attention used.
+        scale: logit scale of the main attention.
+        seq_lens: optional int ``[B]``; keys and query rows at positions >= seq_lens[b] are dead.
+
+    Returns:
+        ``target`` float32 ``[B, HKV, NQB, K]`` (each valid row sums to 1 over its selected slots,
+        zeros on empty slots) and ``row_valid`` bool ``[B, HKV, NQB]``.
+
+    Raises:
+        ValueError: shapes that do not match the index, or an lse of the wrong shape/dtype/device.
+    """
+    index.check_compatible(q, k, k, seq_lens)
+    if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
+        raise ValueError(
+            f"lse must be float32 {tuple(q.shape[:3])} on {q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}"
+        )
+    mass = block_mass_launch(
+        q.detach(), k.detach(), lse.detach(), index.indices, index.counts,
+        block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens,
+    )
+    total = mass.sum(dim=-1, keepdim=True)
+    row_valid = total.squeeze(-1) > 0
+    target = torch.where(total > 0, mass / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return target, row_valid

@@ -1,0 +1,76 @@
+"""The Triton block-mass kernel (selector distillation target) against the PyTorch reference."""
+
+import pytest
+import torch
+
+from _kernel_testutils import make_qkv, random_index
+from sparse_train.kernels.block_mass import triton_block_mass
+from sparse_train.kernels.reference import reference_sparse_attention
+from sparse_train.selectors.distill import sparse_block_mass
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+CASES = [
+    # (B, HQ, HKV, N, D, BQ, BK, topk, window, sinks, seq_lens)
+    pytest.param(1, 4, 2, 128, 16, 32, 32, 2, 1, 1, None, id="gqa2-aligned"),
+    pytest.param(2, 4, 1, 147, 32, 32, 16, 3, 1, 0, (147, 90), id="mqa-odd-seq-lens"),
+    pytest.param(1, 2, 2, 100, 16, 16, 32, 2, 0, 1, None, id="mha-bq16-bk32"),
+]
+
+
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,topk,window,sinks,seq_lens", CASES)
+def test_block_mass_matches_reference(B, HQ, HKV, N, D, BQ, BK, topk, window, sinks, seq_lens):
+    idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
+    lens = None if seq_lens is None else torch.tensor(seq_lens, device=DEV)
+    scale = D ** -0.5
+    _, lse = reference_sparse_attention(q, k, v, idx, scale=scale, seq_lens=lens)
+    target, valid = triton_block_mass(q, k, lse, idx, scale=scale, seq_lens=lens)
+    ref_target, ref_valid = sparse_block_mass(q.double(), k.double(), idx, scale=scale, lse=lse.double(), seq_lens=lens)
+    err = (target.double() - ref_target).abs().max().item()
+    print(f"block mass max abs err vs fp64 reference: {err:.2e}")
+    assert torch.equal(valid, ref_valid)
+    assert err < 1e-5
+    sums = target.sum(-1)[valid]
+    torch.testing.assert_close(sums, torch.ones_like(sums), rtol=0, atol=1e-5)
+    assert torch.all(target[idx.indices < 0] == 0)
+
+
+def test_block_mass_empty_rows_are_invalid():
+    idx = random_index(1, 1, 96, 32, 32, 1, 0, 0, seed=3, device=DEV)
+    sel = idx.indices.clone()
+    sel[:, :, 1] = -1  # query block 1 selects nothing
+    from sparse_train.index import BlockIndex
+
+    idx = BlockIndex.from_selection(sel, seq_len=96, block_q=32, block_k=32)
+    q, k, v = make_qkv(1, 2, 1, 96, 16, torch.float32, seed=3, device=DEV)
+    _, lse = reference_sparse_attention(q, k, v, idx)
+    target, valid = triton_block_mass(q, k, lse, idx, scale=16 ** -0.5)
+    assert not bool(valid[0, 0, 1]) and torch.all(target[0, 0, 1] == 0)
+    assert bool(valid[0, 0, 0])
+
+
+def test_block_mass_rejects_bad_lse():
+    idx = random_index(1, 1, 64, 32, 32, 1, 1, 0, seed=1, device=DEV)
+    q, k, _ = make_qkv(1, 2, 1, 64, 16, torch.float32, seed=1, device=DEV)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        triton_block_mass(q, k, torch.zeros(1, 2, 63, device=DEV), idx, scale=0.25)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_block_mass_gpu_real_size(dtype):
+    B, HQ, HKV, N, D = 1, 8, 2, 4099, 128
+    idx = random_index(B, HKV, N, 64, 64, 8, 4, 1, seed=7, device="cuda")
+    q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, seed=7, device="cuda")
+    from sparse_train.kernels.op import triton_sparse_attention
+
+    _, lse = triton_sparse_attention(q, k, v, idx)
+    target, valid = sparse_block_mass(q, k, idx, scale=D ** -0.5, lse=lse)  # dispatches to the kernel
+    idx_cpu = idx.to("cpu")
+    ref, ref_valid = sparse_block_mass(q.cpu().double(), k.cpu().double(), idx_cpu, scale=D ** -0.5,
+                                       lse=lse.cpu().double())
+    err = (target.cpu().double() - ref).abs().max().item()
+    print(f"{dtype}: block mass max abs err {err:.2e}")
+    assert torch.equal(valid.cpu(), ref_valid)
+    assert err < 1e-3  # same bf16/fp16 inputs on both sides: only fp32 accumulation order differs
