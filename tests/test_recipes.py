@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from sparse_train import cli
@@ -15,14 +16,23 @@ RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 RECIPES = sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
-def _tiny_overrides(recipe: str) -> list[str]:
+def _is_hf(conf: dict) -> bool:
+    return conf["model"]["class_path"].endswith("HFCausalLMModule")
+
+
+def _tiny_overrides(recipe: str, hf_checkpoint: Path | None = None) -> list[str]:
     conf = yaml.safe_load((RECIPES_DIR / f"{recipe}.yaml").read_text())
     data_cls = conf["data"]["class_path"]
     args = [
         "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true",
         "--trainer.fast_dev_run=1", "--data.init_args.seq_len=256", "--data.init_args.batch_size=2",
-        "--model.init_args.model.d_model=64", "--model.init_args.model.n_layers=1",
     ]
+    if _is_hf(conf):  # architecture fixed by the checkpoint; 16-token blocks keep 256 tokens sparse
+        args += [f"--model.init_args.pretrained_path={hf_checkpoint}", "--model.init_args.sparse.block_q=16",
+                 "--model.init_args.sparse.block_k=16", "--model.init_args.sparse.top_k=4",
+                 "--model.init_args.sparse.window=1"]
+    else:
+        args += ["--model.init_args.model.d_model=64", "--model.init_args.model.n_layers=1"]
     if data_cls.endswith("RetrievalDataModule"):
         args += ["--data.init_args.curriculum=[]", "--data.init_args.eval_batch_size=2",
                  "--data.init_args.num_workers=0"]
@@ -35,7 +45,8 @@ def _tiny_overrides(recipe: str) -> list[str]:
 
 def test_every_recipe_is_tested_and_documented():
     expected = {"retrieval", "retrieval_dense", "retrieval_16k", "retrieval_16k_dense", "finetune_stage1_dense",
-                "finetune_stage2_selector", "finetune_stage3_sparse", "lm_bytes", "lm_bytes_dense"}
+                "finetune_stage2_selector", "finetune_stage3_sparse", "lm_bytes", "lm_bytes_dense",
+                "finetune_hf_stage2_selector", "finetune_hf_stage3_sparse"}
     assert expected <= set(RECIPES)
     readme = (RECIPES_DIR / "README.md").read_text()
     for name in RECIPES:
@@ -68,13 +79,93 @@ def test_resolve_recipe_by_name_and_path():
     assert set(RECIPES) <= set(cli.list_recipes())
 
 
+@pytest.fixture(scope="module")
+def tiny_hf_checkpoint(tmp_path_factory) -> Path:
+    """A tiny Llama checkpoint directory (config.json + safetensors), built offline."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    path = tmp_path_factory.mktemp("hf") / "tiny-llama"
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_recipe_runs_fast_dev_run(recipe, tmp_path, monkeypatch):
+def test_recipe_runs_fast_dev_run(recipe, tmp_path, monkeypatch, request):
     monkeypatch.chdir(tmp_path)  # recipes write runs/... relative to the working directory
-    result = cli.run_cli(["fit", "--config", recipe, *_tiny_overrides(recipe)])
+    conf = yaml.safe_load((RECIPES_DIR / f"{recipe}.yaml").read_text())
+    hf_checkpoint = request.getfixturevalue("tiny_hf_checkpoint") if _is_hf(conf) else None
+    result = cli.run_cli(["fit", "--config", recipe, *_tiny_overrides(recipe, hf_checkpoint)])
     trainer = result.trainer
     assert trainer.state.finished, f"{recipe}: fit did not finish"
     assert trainer.global_step == 1
     metrics = trainer.callback_metrics
     assert "val/acc" in metrics and "train/loss" in metrics
     assert math.isfinite(float(metrics["train/loss"]))
+
+
+def test_hf_checkpoint_dense_to_sparse_stages(tiny_hf_checkpoint, tmp_path, monkeypatch):
+    """A local Hugging Face checkpoint as the stage-1 dense model: stage 2 (selectors only) then stage 3
+    (loads stage 2, everything trains), both through the CLI with the built-in recipes."""
+    from transformers import AutoModelForCausalLM
+
+    from sparse_train.lightning import HFCausalLMModule
+
+    monkeypatch.chdir(tmp_path)
+    at_fit_start: dict[str, dict[str, torch.Tensor]] = {}
+    original = HFCausalLMModule.on_fit_start
+
+    def snapshot(self):
+        at_fit_start[self.hparams.init_from or "stage2"] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+        original(self)
+
+    monkeypatch.setattr(HFCausalLMModule, "on_fit_start", snapshot)
+    common = [
+        "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=1", "--logger_backend=csv",
+        f"--model.init_args.pretrained_path={tiny_hf_checkpoint}",
+        "--data.init_args.seq_len=128", "--data.init_args.batch_size=2", "--data.init_args.eval_batch_size=2",
+        "--data.init_args.val_samples=2",
+        # 8 blocks of 16 tokens, at most 4 selected: the sparse path runs, not the dense shortcut
+        "--model.init_args.sparse.block_q=16", "--model.init_args.sparse.block_k=16",
+        "--model.init_args.sparse.top_k=2", "--model.init_args.sparse.window=1",
+    ]
+
+    # ---- stage 2: base frozen, only the selectors learn
+    stage2 = cli.run_cli(["fit", "--config", "finetune_hf_stage2_selector", *common])
+    assert stage2.trainer.global_step == 2
+    module2 = stage2.model
+    selectors = {k for k in module2.state_dict() if ".sparse_attention." in k}
+    assert selectors, "no selector was attached"
+    assert module2.trainer.callback_metrics["attn/dense_path"] == 0  # the sparse path ran
+    trainable = {f"model.{n}" for n, p in module2.model.named_parameters() if p.requires_grad}
+    assert trainable == {n for n, _ in module2.model.named_parameters(prefix="model") if n in selectors}
+    final2 = {k: v.detach().clone() for k, v in module2.state_dict().items()}
+    initial2 = at_fit_start["stage2"]
+    reference = AutoModelForCausalLM.from_pretrained(tiny_hf_checkpoint, local_files_only=True).state_dict()
+    base = {k: v for k, v in final2.items() if k not in selectors}
+    assert {k.removeprefix("model.lm.") for k in base} == set(reference)
+    for k, v in base.items():
+        assert torch.equal(v, reference[k.removeprefix("model.lm.")]), f"stage 2 changed base weight {k}"
+    changed = [k for k in selectors if not torch.equal(final2[k], initial2[k])]
+    assert changed, "stage 2 did not update any selector weight"
+    assert math.isfinite(float(stage2.trainer.callback_metrics["train/selector_loss"]))
+
+    # hyperparameters are recorded outside the CLI too (load_from_checkpoint rebuilds from them)
+    assert HFCausalLMModule(str(tiny_hf_checkpoint), attention="dense").hparams.pretrained_path == str(tiny_hf_checkpoint)
+
+    # ---- stage 3: starts from stage 2's checkpoint (selectors included), the whole model trains
+    ckpt = "runs/finetune_hf/stage2/last.ckpt"
+    assert Path(ckpt).is_file()
+    stage3 = cli.run_cli(["fit", "--config", "finetune_hf_stage3_sparse", *common])
+    assert stage3.trainer.global_step == 2
+    initial3 = at_fit_start[ckpt]
+    assert initial3.keys() == final2.keys()
+    for k, v in final2.items():
+        assert torch.equal(initial3[k], v), f"stage 3 did not start from stage 2's {k}"
+    final3 = stage3.model.state_dict()
+    assert any(not torch.equal(final3[k], initial3[k]) for k in base), "stage 3 did not train the base model"
+    metrics = stage3.trainer.callback_metrics
+    for key in ("train/loss", "train/lm_loss", "train/selector_loss", "val/loss"):
+        assert math.isfinite(float(metrics[key])), key

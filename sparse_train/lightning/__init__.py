@@ -7,7 +7,8 @@ Run it through the ``sparse-train`` console script (:mod:`sparse_train.cli`) wit
 from .callbacks import StepTimer
 from .data import ByteLMDataModule, RetrievalDataModule, RetrievalTask
 from .model import Transformer, TransformerConfig
+from .hf import HFCausalLMModule
 from .module import SparseLMModule, load_weights
 
 __all__ = ["StepTimer", "ByteLMDataModule", "RetrievalDataModule", "RetrievalTask", "Transformer",
-           "TransformerConfig", "SparseLMModule", "load_weights"]
+           "TransformerConfig", "SparseLMModule", "HFCausalLMModule", "load_weights"]

@@ -1,0 +1,135 @@
+"""LightningModule for dense -> sparse fine-tuning of a local Hugging Face causal LM (Llama / Qwen2 style).
+
+Stage 1 (the dense model) is the Hugging Face checkpoint itself: a local directory loaded with
+``AutoModelForCausalLM.from_pretrained(pretrained_path, local_files_only=True)`` (no hub access).
+
+2. selector: ``attention: sparse``, ``train_only_selector: true``, ``sparse.distill: dense``; the HF
+   weights are frozen and only the selectors attached by ``sparse_train.integrations.hf.enable`` learn.
+3. sparse:   ``attention: sparse``, ``init_from: <stage-2 checkpoint>``; everything trains.
+
+``attention: dense`` keeps the model's own attention implementation (SDPA by default) and attaches no
+selector. Everything after the model is built (loss, metrics, optimizer groups, schedule, logging) is
+:class:`~sparse_train.lightning.module.SparseLMModule`'s: the HF model is wrapped so that it maps
+``tokens [B, N]`` to ``logits [B, N, V]`` like our ``Transformer``, and the data modules' batches
+(``{"tokens", "labels"}`` with labels already aligned to positions, ``-100`` = no loss) are used as they
+are. The HF model's own ``labels=`` loss is deliberately not used: it shifts labels by one position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional
+
+import torch
+import torch.nn as nn
+from lightning.pytorch.utilities import rank_zero_info
+
+from ..config import SparseAttentionConfig
+from .module import SparseLMModule, load_weights, selector_parameter_names
+
+__all__ = ["HFCausalLMModule", "HFCausalLM", "HFModelSummary"]
+
+
+class HFCausalLM(nn.Module):
+    """``tokens -> logits`` view of a Hugging Face causal LM (kept as ``.lm``, so its state-dict keys are
+    ``lm.<HF names>``). No KV cache is built: the sparse path is training/prefill only."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=tokens, use_cache=False).logits
+
+    def num_parameters(self) -> int:
+        # Count shared tensors (tied embeddings) once.
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+
+@dataclasses.dataclass
+class HFModelSummary:
+    """What SparseLMModule reads from ``self.model_config`` (vocabulary size and attention choice)."""
+
+    vocab_size: int
+    attention: str
+
+
+class HFCausalLMModule(SparseLMModule):
+    """Fine-tunes a local Hugging Face causal LM with (or without) learned block-sparse attention.
+
+    Args:
+        pretrained_path: Local checkpoint directory (``config.json`` + weights), read with
+            ``AutoModelForCausalLM.from_pretrained(pretrained_path, local_files_only=True)``.
+        attention: ``sparse`` = ``sparse_train.integrations.hf.enable`` (attn_implementation
+            ``"sparse_train"``, one selector per attention layer); ``dense`` = the model's own attention.
+        sparse: Keyword arguments of ``st.SparseAttentionConfig`` (or the dataclass itself); ignored when
+            ``attention`` is ``dense``.
+        dtype: Parameter dtype to load the weights in (``"float32"`` keeps fp32 master weights for mixed
+            precision; ``None`` = transformers' default).
+        attn_implementation: Implementation for the dense model (``None`` = transformers' default, SDPA).
+        gradient_checkpointing: Enable Hugging Face gradient checkpointing (non-reentrant; the sparse
+            selections are replayed in the recomputation).
+        lr, selector_lr, weight_decay, betas, warmup_steps, min_lr_ratio, selector_loss_weight,
+        train_only_selector, init_from: as in :class:`SparseLMModule`. ``init_from`` is a checkpoint of
+            this module (a previous stage, selectors included); missing selector weights are allowed.
+    """
+
+    def __init__(self, pretrained_path: str, attention: Literal["sparse", "dense"] = "sparse",
+                 sparse: Optional[dict[str, Any]] = None, dtype: Optional[str] = "float32",
+                 attn_implementation: Optional[str] = None, gradient_checkpointing: bool = False,
+                 lr: float = 1e-4, selector_lr: Optional[float] = None, weight_decay: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
+                 selector_loss_weight: float = 1.0, train_only_selector: bool = False,
+                 init_from: Optional[str] = None) -> None:
+        # SparseLMModule.__init__ builds our Transformer; only LightningModule.__init__ is wanted here.
+        # (Calling it through super() also gives this frame the __class__ cell save_hyperparameters needs.)
+        super(SparseLMModule, self).__init__()
+        if attention not in ("sparse", "dense"):
+            raise ValueError(f"attention must be 'sparse' or 'dense', got {attention!r}")
+        if isinstance(sparse, SparseAttentionConfig):
+            sparse = dataclasses.asdict(sparse)
+        sparse = dict(sparse or {})
+        self.save_hyperparameters()
+        lm = self._load_pretrained(pretrained_path, dtype, attn_implementation)
+        # from_pretrained returns the model in eval mode and Lightning keeps submodules' modes as they
+        # are at fit start: without this the selectors would never train (no distillation in eval).
+        lm.train()
+        if attention == "sparse":
+            from ..integrations import hf
+
+            hf.enable(lm, SparseAttentionConfig(**sparse))
+        if gradient_checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = HFCausalLM(lm)
+        self.model_config = HFModelSummary(vocab_size=int(lm.config.vocab_size), attention=attention)
+        self._selector_names = {f"model.{n}" for n in selector_parameter_names(self.model)}
+        if train_only_selector and not self._selector_names:
+            raise ValueError("train_only_selector needs sparse attention (attention: sparse)")
+        if init_from:
+            info = load_weights(self.model, init_from)
+            rank_zero_info(f"[sparse-train] initialised from {init_from} "
+                           f"(new selector tensors: {len(info['missing'])}, dropped: {len(info['unexpected'])})")
+        if train_only_selector:
+            for name, p in self.named_parameters():
+                p.requires_grad_(name in self._selector_names)
+        self._eval_counts: dict[str, list[float]] = {}
+        self.final_metrics: dict[str, float] = {}
+        self._fit_start = 0.0
+
+    @staticmethod
+    def _load_pretrained(path: str, dtype: Optional[str], attn_implementation: Optional[str]) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        if dtype is not None:
+            kwargs["dtype"] = getattr(torch, dtype)
+        if attn_implementation is not None:
+            kwargs["attn_implementation"] = attn_implementation
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+    def setup(self, stage: str) -> None:
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        need = getattr(dm, "vocab_size", None)
+        if need is not None and need > self.model_config.vocab_size:
+            raise ValueError(f"data needs vocab_size >= {need} but the checkpoint {self.hparams.pretrained_path} "
+                             f"has vocab_size = {self.model_config.vocab_size}")
