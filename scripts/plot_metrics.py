@@ -16,7 +16,6 @@ import csv
 import json
 import math
 import struct
-import zlib
 from pathlib import Path
 from typing import Optional
 

@@ -182,6 +182,7 @@ class SparseAttention(nn.Module):
         self._replay = SelectionReplay()
         self._timings = _Timings()
         self._metrics_rng = torch.Generator().manual_seed(0)
+        self._distill_rng = torch.Generator().manual_seed(1)
 
     # ------------------------------------------------------------------------------------ public
     @property
@@ -413,6 +414,14 @@ class SparseAttention(nn.Module):
             )
             allowed = causal_block_mask(geometry, q.device).view(1, 1, geometry.num_q_blocks, -1)
             kl = block_kl(target, scores, allowed, row_valid)
+        elif cfg.distill == "sampled":
+            picks = sample_query_blocks(geometry.num_q_blocks, cfg.distill_query_blocks, self._distill_rng).to(q.device)
+            target, row_valid = dense_block_mass(
+                q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
+                rows_per_block=cfg.distill_query_rows, query_blocks=picks, chunk_mb=cfg.distill_chunk_mb,
+            )
+            allowed = causal_block_mask(geometry, q.device).index_select(0, picks).view(1, 1, picks.numel(), -1)
+            kl = block_kl(target, scores.index_select(2, picks), allowed, row_valid)
         else:
             target, row_valid = sparse_block_mass(
                 q, k, index, scale=scale, lse=lse, seq_lens=seq_lens,

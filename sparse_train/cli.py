@@ -26,7 +26,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
-__all__ = ["main", "run_cli", "resolve_recipe", "list_recipes", "SparseTrainCLI"]
+__all__ = ["main", "run_cli", "resolve_recipe", "list_recipes"]
 
 _LOGGER_CHOICES = ("auto", "csv", "wandb", "none")
 

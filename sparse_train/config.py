@@ -13,7 +13,7 @@ from typing import Any
 __all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "INDEX_CHECKS"]
 
 BACKENDS = ("auto", "triton", "reference")
-DISTILL_MODES = ("sparse", "dense", "off")
+DISTILL_MODES = ("sparse", "sampled", "dense", "off")
 INDEX_CHECKS = ("none", "cheap", "full")
 
 
@@ -59,8 +59,11 @@ class SparseAttentionConfig:
 
     distill: str = "sparse"
     """Selector training target: ``"sparse"`` = attention mass on the *selected* blocks (renormalised
-    over them, derived from q, k and the kernel's lse, no N x N attention); ``"dense"`` = mass on all
-    causal blocks (exact, chunked N x N; a warm-up for converting a dense model); ``"off"``."""
+    over them, derived from q, k and the kernel's lse, no N x N attention); ``"sampled"`` = mass on
+    all causal blocks for ``distill_query_blocks`` randomly sampled query blocks per step (exact for
+    those rows, cost linear in N; unlike "sparse" it also pulls up blocks the selector currently
+    misses); ``"dense"`` = mass on all causal blocks for every query block (exact, chunked N x N; a
+    warm-up for converting a dense model); ``"off"``."""
 
     distill_weight: float = 1.0
     """Multiplier of the KL distillation loss reported as ``selector_loss``."""
@@ -71,6 +74,9 @@ class SparseAttentionConfig:
     distill_query_rows: int | None = None
     """Query rows per query block used for the distillation target: ``None`` = all BQ rows (exact
     pooled mass); an int takes that many evenly spaced rows (an unbiased, cheaper estimate)."""
+
+    distill_query_blocks: int = 8
+    """Query blocks sampled per step by ``distill="sampled"`` (fresh random blocks every step)."""
 
     distill_chunk_mb: int = 1024
     """Memory budget (MiB) of one chunk of fp32 logits while computing distillation targets."""
@@ -122,8 +128,8 @@ class SparseAttentionConfig:
             if value not in choices:
                 raise ValueError(f"SparseAttentionConfig.{name} must be one of {choices}, got {value!r}")
 
-        for name in ("block_q", "block_k", "selector_dim", "distill_every", "distill_chunk_mb",
-                     "metrics_query_blocks"):
+        for name in ("block_q", "block_k", "selector_dim", "distill_every", "distill_query_blocks",
+                     "distill_chunk_mb", "metrics_query_blocks"):
             positive_int(name)
         for name in ("top_k", "window", "sinks", "metrics_every"):
             non_negative_int(name)

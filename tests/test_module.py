@@ -237,6 +237,21 @@ def test_dense_distill_mode_targets_all_causal_blocks():
     assert float(attn.selector_loss.detach()) != pytest.approx(float(sparse_mode.selector_loss.detach()))
 
 
+def test_sampled_distill_covering_every_block_equals_dense():
+    q, k, v = qkv(1, 150, grad=True)
+    dense = make(distill="dense", dense_fallback=False)
+    sampled = make(distill="sampled", distill_query_blocks=64, dense_fallback=False)
+    sampled.load_state_dict(dense.state_dict())
+    dense(q, k, v)
+    sampled(q, k, v)
+    torch.testing.assert_close(sampled.selector_loss, dense.selector_loss)
+    few = make(distill="sampled", distill_query_blocks=2, dense_fallback=False)
+    few(q, k, v)
+    few.selector_loss.backward()
+    assert torch.isfinite(few.selector_loss) and q.grad is None
+    assert few.scorer.query_proj.grad.abs().sum() > 0
+
+
 def test_stats_metrics_profile_and_collect():
     model = torch.nn.ModuleDict({"a": make(metrics_every=1, profile=True), "b": make(metrics_every=1, profile=True)})
     q, k, v = qkv(1, 150, grad=True)

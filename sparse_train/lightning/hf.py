@@ -22,10 +22,9 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn as nn
-from lightning.pytorch.utilities import rank_zero_info
 
 from ..config import SparseAttentionConfig
-from .module import SparseLMModule, load_weights, selector_parameter_names
+from .module import SparseLMModule
 
 __all__ = ["HFCausalLMModule", "HFCausalLM", "HFModelSummary"]
 
@@ -102,19 +101,7 @@ class HFCausalLMModule(SparseLMModule):
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = HFCausalLM(lm)
         self.model_config = HFModelSummary(vocab_size=int(lm.config.vocab_size), attention=attention)
-        self._selector_names = {f"model.{n}" for n in selector_parameter_names(self.model)}
-        if train_only_selector and not self._selector_names:
-            raise ValueError("train_only_selector needs sparse attention (attention: sparse)")
-        if init_from:
-            info = load_weights(self.model, init_from)
-            rank_zero_info(f"[sparse-train] initialised from {init_from} "
-                           f"(new selector tensors: {len(info['missing'])}, dropped: {len(info['unexpected'])})")
-        if train_only_selector:
-            for name, p in self.named_parameters():
-                p.requires_grad_(name in self._selector_names)
-        self._eval_counts: dict[str, list[float]] = {}
-        self.final_metrics: dict[str, float] = {}
-        self._fit_start = 0.0
+        self._attach_model_state(init_from, train_only_selector, "attention: sparse")
 
     @staticmethod
     def _load_pretrained(path: str, dtype: Optional[str], attn_implementation: Optional[str]) -> nn.Module:

@@ -92,9 +92,14 @@ class SparseLMModule(LightningModule):
             model = TransformerConfig(**model)
         self.model_config = model
         self.model = Transformer(model)
+        self._attach_model_state(init_from, train_only_selector, "model.attention: sparse")
+
+    def _attach_model_state(self, init_from: Optional[str], train_only_selector: bool, sparse_hint: str) -> None:
+        """Shared tail of every constructor once ``self.model`` exists: selector bookkeeping, the
+        previous stage's weights, the stage-2 freeze, and the metric buffers."""
         self._selector_names = {f"model.{n}" for n in selector_parameter_names(self.model)}
         if train_only_selector and not self._selector_names:
-            raise ValueError("train_only_selector needs sparse attention (model.attention: sparse)")
+            raise ValueError(f"train_only_selector needs sparse attention ({sparse_hint})")
         if init_from:
             info = load_weights(self.model, init_from)
             rank_zero_info(f"[sparse-train] initialised from {init_from} "
