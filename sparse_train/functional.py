@@ -98,7 +98,9 @@ def sparse_attention(
     """
     if not isinstance(index, BlockIndex):
         raise ValueError(f"index must be a sparse_train.BlockIndex, got {type(index).__name__}")
-    index.check_compatible(q, k, v, seq_lens)
+    # Shapes only (no host sync) before choosing a backend; seq_lens values are checked once, by the
+    # backend that runs (both call index.check_compatible with them).
+    index.check_compatible(q, k, v)
     dropout_threshold(dropout_p)
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
