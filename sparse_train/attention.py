@@ -5,7 +5,7 @@ The module is the attention *core* (no projections): it takes post-RoPE ``q [B, 
 
 Per call:
 
-1. **Path.** From N alone (no device sync) the selection geometry says how many blocks each query
+1. **Path.** During the dense warm-up, dense. Otherwise, from N alone (no device sync) the selection geometry says how many blocks each query
    block will select. A full selection (every causal block; short sequences) takes dense causal SDPA,
    which computes the same function faster. Near-full selections use hysteresis: the dense path is
    entered when the selected fraction of causal blocks reaches ``dense_enter_density`` and left only
@@ -17,9 +17,13 @@ Per call:
    gradient path into the selector.
 3. **Backend.** Triton on CUDA when the kernels support dtype/head dim/block size, the PyTorch
    reference otherwise; every non-Triton run is counted with its reason.
-4. **Distillation** (training): KL from the attention mass the main attention puts on each block
-   (detached q/k; sparse target from the kernel's lse) to the selector's distribution; the loss is in
-   ``selector_loss`` and only reaches the selector's parameters.
+4. **Distillation** (training): KL from a target built from the main attention (detached q/k) to
+   the selector's distribution over the blocks top-k chooses from. The target is, per key block, the
+   largest attention mass any single row of the query block gives it (``distill_row_pool="max"``),
+   on every causal block of a few sampled query blocks (``distill="sampled"``), so blocks the
+   selector misses are supervised too. The loss is in ``selector_loss`` and only reaches the
+   selector's parameters, which learn ``selector_lr_multiplier`` times faster than the model under
+   the same optimizer; ``dense_warmup_steps`` runs dense attention while the selector first learns.
 5. **Replay.** Under activation checkpointing the recompute reuses the first forward's decisions
    (:mod:`sparse_train.selectors.replay`).
 
@@ -44,7 +48,13 @@ from .index import BlockIndex
 from .selectors.distill import block_kl, dense_block_mass, sparse_block_mass
 from .selectors.metrics import sample_query_blocks, selection_quality
 from .selectors.replay import SelectionRecord, SelectionReplay, in_backward_pass
-from .selectors.scorer import BlockScorer, causal_block_mask, selection_candidates, selection_geometry
+from .selectors.scorer import (
+    BlockScorer,
+    allowed_dynamic_blocks,
+    causal_block_mask,
+    selection_candidates,
+    selection_geometry,
+)
 
 __all__ = [
     "SparseAttention",
@@ -55,6 +65,7 @@ __all__ = [
 ]
 
 FALLBACK_REASONS = (
+    "dense_warmup",
     "dense_full_selection",
     "dense_hysteresis",
     "reference_cpu",
@@ -101,6 +112,11 @@ def dense_causal_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     n = q.shape[2]
     pos = torch.arange(n, device=q.device)
+    # Padded keys/values may hold anything (NaN included); a masked logit still multiplies its value
+    # by a zero probability, and 0 * NaN = NaN, so padding is replaced, not masked.
+    real = (pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
+    k = torch.where(real, k, 0.0)
+    v = torch.where(real, v, 0.0)
     allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1)) & (pos.view(1, 1, n) < seq_lens.view(-1, 1, 1))  # [B, N, N]
     empty_row = ~allowed.any(dim=-1)  # only when seq_lens[b] == 0
     # give empty rows one harmless key so SDPA has a finite softmax, then zero their output
@@ -168,7 +184,12 @@ class SparseAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim)
-        self.scorer = BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim)
+        self.scorer = BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim,
+                                  lr_multiplier=config.selector_lr_multiplier, key_pooling=config.key_pooling)
+        # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every).
+        # The Python int is the source of truth (reading a CUDA buffer would sync every call); the
+        # buffer mirrors it for the state dict so a resumed run continues its schedule.
+        self.register_buffer("selector_steps", torch.zeros((), dtype=torch.int64))
         # A tensor (not a dict of ints) so counting inside a compiled graph is an in-graph add, not a
         # Python side effect that would guard and recompile on every call.
         self.register_buffer("fallback_counter", torch.zeros(len(FALLBACK_REASONS), dtype=torch.int64), persistent=False)
@@ -191,6 +212,11 @@ class SparseAttention(nn.Module):
         counts = self.fallback_counter.tolist()
         return {reason: int(n) for reason, n in zip(FALLBACK_REASONS, counts) if n}
 
+    @property
+    def last_selection(self) -> BlockIndex | None:
+        """The ``BlockIndex`` the last forward attended with, or None when it ran dense."""
+        return self._last_index if self._last_path == "sparse" else None
+
     def reset_stats(self) -> None:
         """Zero fallback counts, replay counters and the last measurements."""
         self.fallback_counter.zero_()
@@ -200,7 +226,8 @@ class SparseAttention(nn.Module):
 
     def stats(self) -> dict[str, float]:
         """Floats for logging: ``density`` (fraction of the causal area the last call attended),
-        ``dense_path``, ``selector_loss``, ``recall`` / ``mass_captured`` (when measured),
+        ``dense_path``, ``selector_loss``, ``mass_recall_mean`` / ``mass_recall_p5`` (attention-mass
+        recall per query row, when measured), ``warmup`` (1 while the dense warm-up runs),
         ``fallbacks/<reason>`` for every reason, ``replay/*`` and, with ``profile``, ``time/*_ms``.
         Reading it synchronises the device (call it once per logged step, not per layer call)."""
         out: dict[str, float] = {}
@@ -209,6 +236,7 @@ class SparseAttention(nn.Module):
         elif self._last_index is not None:
             out["density"] = self._last_index.density()
         out["dense_path"] = 1.0 if self._last_path == "dense" else 0.0
+        out["warmup"] = 1.0 if self.warming_up else 0.0
         if self._last_index is not None:
             out["selection_density"] = self._last_index.density()
         out["selector_loss"] = float(self.selector_loss.detach()) if self.selector_loss is not None else float("nan")
@@ -265,9 +293,21 @@ class SparseAttention(nn.Module):
                 raise ValueError(f"seq_lens values must lie in [0, N={n}], got {seq_lens.tolist()}")
 
     # ------------------------------------------------------------------------------------ policy
+    @property
+    def warming_up(self) -> bool:
+        """True while the dense warm-up (``dense_warmup_steps``) runs: attention is dense and the
+        selector distills from it."""
+        return self._training_calls < self.config.dense_warmup_steps
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._training_calls = int(self.selector_steps)
+
     def _choose_path(self, geometry, update_state: bool) -> tuple[str, str | None]:
-        """``("dense" | "sparse", fallback reason)`` from shapes and the hysteresis state."""
+        """``("dense" | "sparse", fallback reason)`` from shapes, the warm-up and the hysteresis state."""
         cfg = self.config
+        if self.warming_up:
+            return "dense", "dense_warmup"
         if not cfg.dense_fallback:
             return "sparse", None
         density = geometry.block_density
@@ -320,10 +360,11 @@ class SparseAttention(nn.Module):
         if record is not None:
             path, reason, index, plan = record.path, record.reason, record.index, record.plan
             backend, dropout_seed, distill_now = record.backend, record.dropout_seed, record.distilled
+            distill_blocks = record.distill_blocks
         else:
             path, reason = self._choose_path(geometry, update_state=first_pass)
             index = plan = backend = None
-            dropout_seed = None
+            dropout_seed = distill_blocks = None
             if first_pass:
                 distill_now = (cfg.distill != "off" and self.training and torch.is_grad_enabled()
                                and self._training_calls % cfg.distill_every == 0)
@@ -334,9 +375,13 @@ class SparseAttention(nn.Module):
                        and self._training_calls % cfg.metrics_every == 0)
         if first_pass and self.training:
             self._training_calls += 1
+            if not compiling:
+                self.selector_steps.fill_(self._training_calls)
 
         # ---- selector: scores (with grad when distilling) and, unless replayed, the selection
-        need_selection = index is None and (path == "sparse" or (distill_now and cfg.distill == "sparse") or metrics_now)
+        need_selection = index is None and (
+            path == "sparse" or (distill_now and self._distill_mode(path) == "sparse") or metrics_now
+        )
         scores = None
         if profile:
             self._timings.mark("selector", 0, device)
@@ -386,7 +431,10 @@ class SparseAttention(nn.Module):
         # ---- distillation (selector-only gradients)
         loss = None
         if distill_now:
-            loss = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry)
+            mode = self._distill_mode(path)
+            if mode == "sampled" and distill_blocks is None:
+                distill_blocks = sample_query_blocks(geometry.num_q_blocks, cfg.distill_query_blocks, self._distill_rng)
+            loss = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks)
 
         # ---- bookkeeping of the first pass only (a recompute must not count twice)
         if first_pass:
@@ -400,37 +448,54 @@ class SparseAttention(nn.Module):
             if cfg.replay and not compiling and torch.is_grad_enabled() and o.requires_grad:
                 self._replay.remember(
                     SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=plan,
-                                    backend=backend, dropout_seed=dropout_seed, distilled=distill_now),
+                                    backend=backend, dropout_seed=dropout_seed, distilled=distill_now,
+                                    distill_blocks=distill_blocks),
                     anchors=[o, scores],
                 )
         return o
 
-    def _distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry) -> Tensor:
+    def _distill_mode(self, path: str) -> str:
+        """The target this call distills from: ``"sparse"`` needs the sparse kernels' selection and
+        lse, so on the dense path (warm-up, full selection) it becomes ``"sampled"``."""
+        mode = self.config.distill
+        return "sampled" if (mode == "sparse" and path == "dense") else mode
+
+    def _distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks) -> Tensor:
+        """KL from the row-pooled attention-mass target to the selector's distribution.
+
+        ``distill_support="dynamic"`` restricts both to the blocks top-k chooses from (window and
+        sinks are always selected, so ranking them teaches the selector nothing it uses)."""
         cfg = self.config
-        if cfg.distill == "dense":
+        nqb = geometry.num_q_blocks
+        if cfg.distill_support == "dynamic":
+            support = allowed_dynamic_blocks(geometry, cfg.window, cfg.sinks, q.device)  # [NQB, NKB]
+        else:
+            support = causal_block_mask(geometry, q.device)
+        if mode in ("dense", "sampled"):
+            rows = None if mode == "dense" else distill_blocks.to(q.device)
             target, row_valid = dense_block_mass(
                 q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
-                rows_per_block=cfg.distill_query_rows, chunk_mb=cfg.distill_chunk_mb,
-            )
-            allowed = causal_block_mask(geometry, q.device).view(1, 1, geometry.num_q_blocks, -1)
-            kl = block_kl(target, scores, allowed, row_valid)
-        elif cfg.distill == "sampled":
-            picks = sample_query_blocks(geometry.num_q_blocks, cfg.distill_query_blocks, self._distill_rng).to(q.device)
-            target, row_valid = dense_block_mass(
-                q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
-                rows_per_block=cfg.distill_query_rows, query_blocks=picks, chunk_mb=cfg.distill_chunk_mb,
-            )
-            allowed = causal_block_mask(geometry, q.device).index_select(0, picks).view(1, 1, picks.numel(), -1)
-            kl = block_kl(target, scores.index_select(2, picks), allowed, row_valid)
+                rows_per_block=cfg.distill_query_rows, query_blocks=rows, row_pool=cfg.distill_row_pool,
+                chunk_mb=cfg.distill_chunk_mb,
+            )  # [B, HKV, S, NKB]
+            if rows is not None:
+                support = support.index_select(0, rows)
+                scores = scores.index_select(2, rows)
+            allowed = support.view(1, 1, *support.shape)
         else:
             target, row_valid = sparse_block_mass(
-                q, k, index, scale=scale, lse=lse, seq_lens=seq_lens,
-                rows_per_block=cfg.distill_query_rows, chunk_mb=cfg.distill_chunk_mb,
-            )
+                q, k, index, scale=scale, lse=lse, seq_lens=seq_lens, rows_per_block=cfg.distill_query_rows,
+                row_pool=cfg.distill_row_pool, chunk_mb=cfg.distill_chunk_mb,
+            )  # [B, HKV, NQB, K]
             slots = index.indices.to(torch.int64)
-            picked = scores.gather(-1, slots.clamp(min=0))
-            kl = block_kl(target, picked, slots >= 0, row_valid)
-        return kl * cfg.distill_weight
+            scores = scores.gather(-1, slots.clamp(min=0))
+            slot_support = support.view(1, 1, nqb, -1).expand(*slots.shape[:2], -1, -1).gather(-1, slots.clamp(min=0))
+            allowed = (slots >= 0) & slot_support
+        target = torch.where(allowed, target, 0.0)
+        total = target.sum(dim=-1, keepdim=True)
+        target = torch.where(total > 0, target / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+        row_valid = row_valid & (total.squeeze(-1) > 0)
+        return block_kl(target, scores, allowed, row_valid) * cfg.distill_weight
 
     def _hook_backward_timing(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor) -> None:
         inputs = [t for t in (q, k, v) if t.requires_grad]
@@ -463,17 +528,27 @@ def collect_selector_losses(model: nn.Module) -> Tensor:
     return torch.zeros((), device=device)
 
 
+_PER_LAYER_STATS = ("mass_recall_mean", "mass_recall_p5")
+"""Stats also reported per layer (``layers/<i>/<name>``, i = the module's order in ``model``): a
+selector that fails in one layer hides in the average over layers."""
+
+
 def collect_attention_stats(model: nn.Module) -> dict[str, float]:
     """``stats()`` of every ``SparseAttention`` in ``model``: counts (``fallbacks/*``, ``replay/*``)
-    summed, everything else averaged over the modules that report it (NaNs ignored)."""
+    summed, everything else averaged over the modules that report it (NaNs ignored), and the recall
+    metrics of each layer under ``layers/<i>/``."""
     sums: dict[str, float] = {}
     values: dict[str, list[float]] = {}
-    for module in _sparse_modules(model):
+    per_layer: dict[str, float] = {}
+    for layer, module in enumerate(_sparse_modules(model)):
         for key, value in module.stats().items():
             if key.startswith(("fallbacks/", "replay/")):
                 sums[key] = sums.get(key, 0.0) + value
             elif not math.isnan(value):
                 values.setdefault(key, []).append(value)
+                if key in _PER_LAYER_STATS:
+                    per_layer[f"layers/{layer}/{key}"] = value
     out = {key: sum(vals) / len(vals) for key, vals in values.items()}
+    out.update(per_layer)
     out.update(sums)
     return out

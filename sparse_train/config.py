@@ -7,14 +7,19 @@ rather than deep inside a training step.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "INDEX_CHECKS"]
+__all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "DISTILL_ROW_POOLS", "DISTILL_SUPPORTS",
+           "INDEX_CHECKS", "KEY_POOLINGS"]
 
 BACKENDS = ("auto", "triton", "reference")
 DISTILL_MODES = ("sparse", "sampled", "dense", "off")
+DISTILL_ROW_POOLS = ("max", "mean")
+DISTILL_SUPPORTS = ("dynamic", "causal")
 INDEX_CHECKS = ("none", "cheap", "full")
+KEY_POOLINGS = ("mean", "mean_max")
 
 
 @dataclass
@@ -41,6 +46,22 @@ class SparseAttentionConfig:
     selector_dim: int = 32
     """Width S of the selector's per-KV-head projections of pooled queries and keys."""
 
+    key_pooling: str = "mean"
+    """Key-block summary the selector scores: ``"mean"`` (mean key of the block) or ``"mean_max"``
+    (mean and element-wise max, twice the key projection; for single-token needles in noise)."""
+
+    selector_lr_multiplier: float = 10.0
+    """The selector learns this many times faster than the model under one Adam-type optimizer and
+    one learning rate: its weights are stored divided by the multiplier and multiplied back in the
+    forward (a reparametrisation; under plain SGD the factor is squared). 10x was measured to be
+    needed for the selector to keep up with the model's moving attention; 1.0 = the model's pace."""
+
+    dense_warmup_steps: int = 0
+    """Run dense causal attention for the first this-many training forwards while the selector
+    distills from it (its target then covers every causal block), then switch to sparse attention and
+    keep distilling. The count is a buffer in the state dict (``selector_steps``), so a resumed run
+    continues where it stopped. Eval forwards during the warm-up are dense too. 0 = sparse from the start."""
+
     r0: int | None = None
     """Reuse threshold of the hybrid dK/dV backward; ``None`` = ``sparse_train.index.DEFAULT_R0``."""
 
@@ -57,13 +78,24 @@ class SparseAttentionConfig:
     deterministic: bool = False
     """Bitwise-reproducible gradients (every dK/dV block KV-centric, no atomics)."""
 
-    distill: str = "sparse"
-    """Selector training target: ``"sparse"`` = attention mass on the *selected* blocks (renormalised
-    over them, derived from q, k and the kernel's lse, no N x N attention); ``"sampled"`` = mass on
-    all causal blocks for ``distill_query_blocks`` randomly sampled query blocks per step (exact for
-    those rows, cost linear in N; unlike "sparse" it also pulls up blocks the selector currently
-    misses); ``"dense"`` = mass on all causal blocks for every query block (exact, chunked N x N; a
-    warm-up for converting a dense model); ``"off"``."""
+    distill: str = "sampled"
+    """Selector training target: ``"sampled"`` = dense attention mass on all causal blocks for
+    ``distill_query_blocks`` randomly sampled query blocks per step (exact for those rows, cost linear
+    in N; it pulls up blocks the selector currently misses); ``"sparse"`` = mass on the *selected*
+    blocks only (renormalised over them, from the kernel's lse, no dense attention at all; it can
+    only re-rank what is already selected, never find a missed block); ``"dense"`` = every query
+    block on every causal block (exact, chunked N x N; for converting a dense model at short N);
+    ``"off"``. On the dense path (warm-up, full selection) "sparse" uses the sampled target."""
+
+    distill_row_pool: str = "max"
+    """How the rows (and GQA heads) of a query block are pooled into its target: ``"max"`` = each key
+    block's largest single-row attention mass, renormalised (a block one row needs ranks high);
+    ``"mean"`` = the block's average mass (buries the few rows that do the work)."""
+
+    distill_support: str = "dynamic"
+    """Blocks the KL is taken over: ``"dynamic"`` = only the causal blocks top-k chooses from (not
+    the window and sink blocks, which are always selected; the target is renormalised over the rest),
+    so the selector spends its capacity on the ranking that matters; ``"causal"`` = every causal block."""
 
     distill_weight: float = 1.0
     """Multiplier of the KL distillation loss reported as ``selector_loss``."""
@@ -102,8 +134,9 @@ class SparseAttentionConfig:
     ``"none"`` (they are valid by construction and checks cost a device sync), ``"cheap"``, ``"full"``."""
 
     metrics_every: int = 0
-    """Every n-th training forward, measure selection quality (recall of the oracle top blocks and
-    the attention mass captured) on sampled query blocks; 0 = never."""
+    """Every n-th training forward, measure the attention-mass recall (per query row, the share of
+    its dense attention inside the selected blocks; mean and 5th percentile over rows) on sampled
+    query blocks; 0 = never."""
 
     metrics_query_blocks: int = 8
     """Number of query blocks sampled per metrics measurement."""
@@ -131,8 +164,12 @@ class SparseAttentionConfig:
         for name in ("block_q", "block_k", "selector_dim", "distill_every", "distill_query_blocks",
                      "distill_chunk_mb", "metrics_query_blocks"):
             positive_int(name)
-        for name in ("top_k", "window", "sinks", "metrics_every"):
+        for name in ("top_k", "window", "sinks", "metrics_every", "dense_warmup_steps"):
             non_negative_int(name)
+        multiplier = self.selector_lr_multiplier
+        if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or not math.isfinite(multiplier) \
+                or multiplier <= 0:
+            raise ValueError(f"SparseAttentionConfig.selector_lr_multiplier must be a finite number > 0, got {multiplier!r}")
         if self.top_k + self.window + self.sinks == 0:
             raise ValueError("SparseAttentionConfig: top_k + window + sinks must be > 0 (nothing would be selected)")
         if self.r0 is not None:
@@ -152,6 +189,9 @@ class SparseAttentionConfig:
             raise ValueError(f"SparseAttentionConfig.distill_weight must be >= 0, got {self.distill_weight!r}")
         one_of("backend", BACKENDS)
         one_of("distill", DISTILL_MODES)
+        one_of("distill_row_pool", DISTILL_ROW_POOLS)
+        one_of("distill_support", DISTILL_SUPPORTS)
+        one_of("key_pooling", KEY_POOLINGS)
         one_of("index_check", INDEX_CHECKS)
         lo, hi = self.dense_exit_density, self.dense_enter_density
         if not (0.0 <= lo <= hi <= 1.0):

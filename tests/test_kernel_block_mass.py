@@ -18,15 +18,17 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("row_pool", ["max", "mean"], ids=["row-max", "row-mean"])
 @pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,topk,window,sinks,seq_lens", CASES)
-def test_block_mass_matches_reference(B, HQ, HKV, N, D, BQ, BK, topk, window, sinks, seq_lens):
+def test_block_mass_matches_reference(B, HQ, HKV, N, D, BQ, BK, topk, window, sinks, seq_lens, row_pool):
     idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
     lens = None if seq_lens is None else torch.tensor(seq_lens, device=DEV)
     scale = D ** -0.5
     _, lse = reference_sparse_attention(q, k, v, idx, scale=scale, seq_lens=lens)
-    target, valid = triton_block_mass(q, k, lse, idx, scale=scale, seq_lens=lens)
-    ref_target, ref_valid = sparse_block_mass(q.double(), k.double(), idx, scale=scale, lse=lse.double(), seq_lens=lens)
+    target, valid = triton_block_mass(q, k, lse, idx, scale=scale, seq_lens=lens, row_pool=row_pool)
+    ref_target, ref_valid = sparse_block_mass(q.double(), k.double(), idx, scale=scale, lse=lse.double(), seq_lens=lens,
+                                              row_pool=row_pool)
     err = (target.double() - ref_target).abs().max().item()
     print(f"block mass max abs err vs fp64 reference: {err:.2e}")
     assert torch.equal(valid, ref_valid)

@@ -124,7 +124,8 @@ def test_step_timer_logs_expected_keys(tmp_path):
     rows = list(csv.DictReader(open(Path(trainer.logger.log_dir) / "metrics.csv")))
     keys = {k for r in rows for k, v in r.items() if v not in ("", None)}
     expected = {"time/forward_ms", "time/backward_ms", "time/optimizer_ms", "time/step_ms",
-                "throughput/tokens_per_s", "attn/density", "attn/selector_loss", "attn/recall",
+                "throughput/tokens_per_s", "attn/density", "attn/selector_loss", "attn/mass_recall_mean",
+                "attn/mass_recall_p5", "attn/layers/0/mass_recall_mean",
                 "attn/time/selector_ms", "attn/time/plan_ms", "attn/time/attn_fwd_ms", "attn/time/attn_bwd_ms",
                 "train/loss", "train/selector_loss", "val/acc", "val/loss"}
     assert expected <= keys, expected - keys

@@ -260,16 +260,20 @@ def test_stats_metrics_profile_and_collect():
     torch.testing.assert_close(total, model["a"].selector_loss + model["b"].selector_loss)
     (out.sum() + total).backward()
     stats = model["a"].stats()
-    for key in ("density", "selector_loss", "recall", "mass_captured", "time/selector_ms", "time/plan_ms",
+    for key in ("density", "selector_loss", "mass_recall_mean", "mass_recall_p5", "time/selector_ms", "time/plan_ms",
                 "time/attn_fwd_ms", "time/attn_bwd_ms"):
         assert key in stats and math.isfinite(stats[key]), key
-    assert 0.0 <= stats["recall"] <= 1.0 and 0.0 < stats["mass_captured"] <= 1.0 + 1e-6
+    assert 0.0 < stats["mass_recall_p5"] <= stats["mass_recall_mean"] <= 1.0 + 1e-6
     assert 0.0 < stats["density"] < 1.0
     assert stats["time/attn_bwd_ms"] > 0 and stats["time/attn_fwd_ms"] > 0
     for reason in FALLBACK_REASONS:
         assert f"fallbacks/{reason}" in stats
     merged = st.collect_attention_stats(model)
     assert merged["fallbacks/reference_cpu"] == 2.0
+    for layer, name in enumerate(("a", "b")):
+        assert merged[f"layers/{layer}/mass_recall_p5"] == model[name].stats()["mass_recall_p5"]
+    assert merged["mass_recall_mean"] == pytest.approx(
+        (stats["mass_recall_mean"] + model["b"].stats()["mass_recall_mean"]) / 2)
     assert merged["selector_loss"] == pytest.approx((stats["selector_loss"] + model["b"].stats()["selector_loss"]) / 2)
     empty = st.collect_selector_losses(torch.nn.Linear(2, 2))
     assert empty.item() == 0.0
@@ -280,7 +284,8 @@ def test_stats_metrics_profile_and_collect():
 def test_state_dict_holds_selector_only():
     attn = make()
     keys = set(attn.state_dict())
-    assert keys == {"scorer.query_proj", "scorer.key_proj", "scorer.log_temperature"}
+    assert keys == {"scorer.query_proj", "scorer.key_proj", "scorer.log_temperature", "scorer.lr_multiplier",
+                    "selector_steps"}
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -2,7 +2,8 @@
 
 Math (per KV head group, query block i and selected slot t holding key block j):
     P[g, r, k] = exp(scale * <Q[g, r], K[k]> - lse[g, r])     (the main attention's own probabilities)
-    M[i, t]    = sum over live rows r of block i, heads g of the group, valid keys k of block j of P
+    m[g, r, t] = sum over valid keys k of block j of P[g, r, k]   (row r's mass on the slot)
+    M[i, t]    = max (ROW_MAX) or sum over live rows r of block i and heads g of the group of m
     target[i, t] = M[i, t] / sum_t' M[i, t']                  (normalised over the selected set)
 
 Notation: B batch, HQ/HKV query/KV heads, G = HQ/HKV, N length, D head dim, BQ/BK block sizes,
@@ -42,7 +43,7 @@ def _block_mass_kernel(
     scb, sch, scq,
     N, HKV, NQB, KCAP, scale_log2,
     G: tl.constexpr, HPP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, IEEE: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, IEEE: tl.constexpr, ROW_MAX: tl.constexpr,
 ):
     NSUB: tl.constexpr = G // HPP
     M_ROWS: tl.constexpr = HPP * BQ
@@ -88,15 +89,20 @@ def _block_mass_kernel(
             s = tl.dot(q, tl.trans(k))                                # [M_ROWS, BK]
         ok = (kpos[None, :] <= qpos[:, None]) & key_in[None, :]
         p = tl.where(ok, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
-        tl.store(out_base + t, tl.sum(tl.sum(p, 1), 0))
+        row_mass = tl.sum(p, 1)                                       # [M_ROWS]
+        if ROW_MAX:
+            tl.store(out_base + t, tl.max(row_mass, 0))
+        else:
+            tl.store(out_base + t, tl.sum(row_mass, 0))
 
 
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
 def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts: Tensor, *, block_q: int,
-                      block_k: int, scale: float, seq_lens: Tensor | None = None) -> Tensor:
-    """Unnormalised mass float32 ``[B, HKV, NQB, K]`` (zeros in empty slots). No validation."""
+                      block_k: int, scale: float, seq_lens: Tensor | None = None, row_max: bool = True) -> Tensor:
+    """Unnormalised mass float32 ``[B, HKV, NQB, K]`` pooled over rows by max (``row_max``) or sum
+    (zeros in empty slots). No validation."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     G = HQ // HKV
@@ -111,10 +117,10 @@ def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts
         *q.stride(), *k.stride(), *lse.stride(), *indices.stride(), *counts.stride(),
         N, HKV, NQB, KCAP, float(scale * LOG2E),
         G=G, HPP=hpp, BQ=block_q, BK=block_k, D=D,
-        HAS_SEQLENS=seq_lens is not None, IEEE=q.dtype == torch.float32,
+        HAS_SEQLENS=seq_lens is not None, IEEE=q.dtype == torch.float32, ROW_MAX=row_max,
         num_warps=8 if hpp * block_q >= 128 else 4, num_stages=3,
     )
-    return out.sum(dim=2)
+    return out.amax(dim=2) if row_max else out.sum(dim=2)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,7 +128,7 @@ def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
-                      seq_lens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      seq_lens: Tensor | None = None, row_pool: str = "max") -> tuple[Tensor, Tensor]:
     """Distillation target over the selected blocks, from the forward's lse.
 
     Args:
@@ -131,14 +137,18 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
         index: the :class:`~sparse_train.BlockIndex` the attention used.
         scale: logit scale of the main attention.
         seq_lens: optional int ``[B]``; keys and query rows at positions >= seq_lens[b] are dead.
+        row_pool: ``"max"`` (default: each slot's largest single-row mass) or ``"mean"``.
 
     Returns:
         ``target`` float32 ``[B, HKV, NQB, K]`` (each valid row sums to 1 over its selected slots,
         zeros on empty slots) and ``row_valid`` bool ``[B, HKV, NQB]``.
 
     Raises:
-        ValueError: shapes that do not match the index, or an lse of the wrong shape/dtype/device.
+        ValueError: shapes that do not match the index, an lse of the wrong shape/dtype/device, or an
+            unknown ``row_pool``.
     """
+    if row_pool not in ("max", "mean"):
+        raise ValueError(f"row_pool must be 'max' or 'mean', got {row_pool!r}")
     index.check_compatible(q, k, k, seq_lens)
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(
@@ -146,7 +156,7 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
         )
     mass = block_mass_launch(
         q.detach(), k.detach(), lse.detach(), index.indices, index.counts,
-        block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens,
+        block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, row_max=row_pool == "max",
     )
     total = mass.sum(dim=-1, keepdim=True)
     row_valid = total.squeeze(-1) > 0

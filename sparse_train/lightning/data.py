@@ -119,6 +119,27 @@ class RetrievalTask:
         labels[query_pos] = seq[query_pos + 1]
         return {"tokens": tokens, "labels": labels}
 
+    def needle_positions(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Where each question's answer is, for needle-block recall.
+
+        Args:
+            tokens, labels: int64 ``[B, N]`` batch of samples of this task.
+
+        Returns:
+            int64 ``[M, 3]`` rows ``(sample, query position, needle position)``: one row per copy of
+            the needle that answers the question asked at ``query position`` (the labelled position).
+        """
+        rows = []
+        for b in range(tokens.shape[0]):
+            toks = tokens[b]
+            hay_end = self.haystack_len(toks.shape[0]) + 1
+            hay = toks[:hay_end]
+            for p in (labels[b] != IGNORE_INDEX).nonzero().flatten().tolist():
+                lo = self.needle0 + (int(toks[p]) - self.query0) * self.num_values
+                found = ((hay >= lo) & (hay < lo + self.num_values)).nonzero().flatten()
+                rows.extend((b, p, int(n)) for n in found.tolist())
+        return torch.tensor(rows, dtype=torch.int64).view(-1, 3)
+
     def recover_answers(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[Optional[int]]:
         """Solve one sample by lookup: for each labelled (query) position, the needle token of the
         queried key found in the haystack, or ``None`` when the haystack holds no needle for it.
@@ -242,6 +263,10 @@ class RetrievalDataModule(LightningDataModule):
     def chance(self) -> float:
         """Accuracy of guessing."""
         return self.task.chance
+
+    def needle_positions(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``(sample, query position, needle position)`` rows of a batch (:meth:`RetrievalTask.needle_positions`)."""
+        return self.task.needle_positions(tokens, labels)
 
     def _trainer_steps(self) -> tuple[int, int]:
         trainer = self.trainer

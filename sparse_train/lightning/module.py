@@ -27,10 +27,11 @@ from lightning.pytorch.utilities import rank_zero_info
 
 import sparse_train as st
 
+from ..selectors.metrics import needle_block_recall
 from .data import IGNORE_INDEX
 from .model import Transformer, TransformerConfig
 
-__all__ = ["SparseLMModule", "load_weights", "selector_parameter_names"]
+__all__ = ["SparseLMModule", "load_weights", "selector_parameter_names", "selector_state_names"]
 
 
 def selector_parameter_names(model: nn.Module) -> set[str]:
@@ -39,6 +40,15 @@ def selector_parameter_names(model: nn.Module) -> set[str]:
     for mod_name, mod in model.named_modules():
         if isinstance(mod, st.SparseAttention):
             names.update(f"{mod_name}.{p}" if mod_name else p for p, _ in mod.named_parameters())
+    return names
+
+
+def selector_state_names(model: nn.Module) -> set[str]:
+    """Every state-dict key (parameters and buffers) that lives inside an ``st.SparseAttention``."""
+    names: set[str] = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, st.SparseAttention):
+            names.update(f"{mod_name}.{key}" if mod_name else key for key in mod.state_dict())
     return names
 
 
@@ -53,7 +63,7 @@ def load_weights(model: nn.Module, path: str, prefix: str = "model.") -> dict[st
     state = blob.get("state_dict", blob) if isinstance(blob, dict) else blob
     if any(k.startswith(prefix) for k in state):
         state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-    selector = selector_parameter_names(model)
+    selector = selector_state_names(model)
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if k not in selector]
     # Unexpected keys are tolerated only when they are selector weights (a sparse checkpoint read by
@@ -79,13 +89,15 @@ class SparseLMModule(LightningModule):
         selector_loss_weight: Multiplier of the summed selector distillation loss in the total loss.
         train_only_selector: Freeze every non-selector weight (fine-tuning stage 2).
         init_from: Checkpoint whose weights initialise the model (previous fine-tuning stage).
+        dense_twin_acc: ``val/acc`` the recipe's dense twin reached in the committed A/B; printed in
+            the final line next to this run's accuracy (a recipe fact, not used in training).
     """
 
     def __init__(self, model: TransformerConfig = TransformerConfig(), lr: float = 3e-3,
                  selector_lr: Optional[float] = None, weight_decay: float = 0.1,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
                  selector_loss_weight: float = 1.0, train_only_selector: bool = False,
-                 init_from: Optional[str] = None) -> None:
+                 init_from: Optional[str] = None, dense_twin_acc: Optional[float] = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         if isinstance(model, dict):  # from a checkpoint's hparams or a plain YAML mapping
@@ -151,13 +163,38 @@ class SparseLMModule(LightningModule):
         acc[0] += float(loss_sum)
         acc[1] += float(correct)
         acc[2] += float(count)
+        self._count_needle_hits(batch, prefix)
+
+    def _count_needle_hits(self, batch: dict[str, torch.Tensor], prefix: str) -> None:
+        """Needle-block recall of each sparse layer on tasks that know where the answers are."""
+        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        if not hasattr(dm, "needle_positions"):
+            return
+        pairs = dm.needle_positions(batch["tokens"].cpu(), batch["labels"].cpu())
+        if pairs.numel() == 0:
+            return
+        for layer, core in enumerate(self.model.sparse_cores()):
+            index = core.last_selection
+            if index is None:  # dense path: every block was read
+                continue
+            hits = needle_block_recall(index, pairs)
+            slot = self._eval_counts.setdefault(f"{prefix}/needle_recall/layer{layer}", [0.0, 0.0])
+            slot[0] += float(hits.sum()) * pairs.shape[0]
+            slot[1] += hits.numel() * pairs.shape[0]
 
     def _eval_epoch_end(self, prefix: str) -> None:
+        needle = {}
+        for key in [key for key in self._eval_counts if key.startswith(f"{prefix}/needle_recall/")]:
+            hits, total = self._eval_counts.pop(key)
+            needle[key] = hits / max(total, 1.0)
         loss_sum, correct, count = self._eval_counts.pop(prefix, [0.0, 0.0, 0.0])
         if count == 0:
             return
         # Exact token-weighted means over the whole held-out set (not a mean of batch means).
         metrics = {f"{prefix}/loss": loss_sum / count, f"{prefix}/acc": correct / count}
+        if needle:
+            metrics.update(needle)
+            metrics[f"{prefix}/needle_recall"] = sum(needle.values()) / len(needle)
         self.log_dict(metrics, prog_bar=True, sync_dist=True)
         if not self.trainer.sanity_checking:
             self.final_metrics.update(metrics)
@@ -193,9 +230,12 @@ class SparseLMModule(LightningModule):
         minutes = (time.perf_counter() - self._fit_start) / 60
         dm = getattr(self.trainer, "datamodule", None)
         chance = getattr(dm, "chance", None)
-        parts = [f"{k} = {v:.4f}" for k, v in sorted(self.final_metrics.items())]
+        parts = [f"{k} = {v:.4f}" for k, v in sorted(self.final_metrics.items()) if "/layer" not in k]
         if chance is not None:
             parts.append(f"chance = {chance:.4f}")
+        twin = self.hparams.dense_twin_acc
+        if twin is not None and "val/acc" in self.final_metrics:
+            parts.append(f"dense twin val/acc = {twin:.4f} (this run: {self.final_metrics['val/acc'] / twin:.1%} of it)")
         rank_zero_info(f"[sparse-train] done: {self.global_step} steps in {minutes:.1f} min; " + ", ".join(parts))
 
     # ------------------------------------------------------------------ optimisation

@@ -6,7 +6,7 @@ library module of that name and break ``import torch`` when Python runs from the
 """
 
 from .distill import block_kl, dense_block_mass, query_row_positions, sparse_block_mass
-from .metrics import sample_query_blocks, selection_quality
+from .metrics import needle_block_recall, row_mass_recall, sample_query_blocks, selection_quality
 from .replay import SelectionRecord, SelectionReplay, in_backward_pass
 from .scorer import (
     BlockScorer,
@@ -29,6 +29,8 @@ __all__ = [
     "causal_block_mask",
     "dense_block_mass",
     "in_backward_pass",
+    "needle_block_recall",
+    "row_mass_recall",
     "query_row_positions",
     "sample_query_blocks",
     "selection_candidates",

@@ -1,9 +1,16 @@
 """Distillation targets for the selector and the KL loss that pulls the selector toward them.
 
-Target: the attention mass the main attention puts on each key block, pooled over the query block's
-rows and the GQA group's query heads::
+Target: the attention mass each query row puts on each key block, pooled over the query block's rows
+and the GQA group's query heads, renormalised over the key blocks::
 
-    T[b, h, i, j] = mean over rows r of block i, heads g of group h of  sum_{key in block j} P[b, g, r, key]
+    m[b, g, r, j] = sum_{key in block j} P[b, g, r, key]                  (row r's mass on block j)
+    T[b, h, i, j] = pool over rows r of block i, heads g of group h of m[b, g, r, j], / sum over j
+
+``row_pool="max"`` (default) keeps, for every key block, the largest share any row of the query
+block gives it: a block one row needs badly ranks high even when the other 63 rows ignore it (the
+question rows of a retrieval task; measured: top-4 needle-block recall of the target 0.94 with max
+against 0.45 with the mean on a trained dense model). ``row_pool="mean"`` is the block's average
+mass (what the attention of the whole block spends there), kept for comparison.
 
 Two targets:
 
@@ -26,9 +33,32 @@ import math
 import torch
 from torch import Tensor
 
+from ..config import DISTILL_ROW_POOLS as ROW_POOLS
 from ..index import BlockIndex
 
-__all__ = ["query_row_positions", "sparse_block_mass", "dense_block_mass", "block_kl"]
+__all__ = ["query_row_positions", "pool_rows", "sparse_block_mass", "dense_block_mass", "dense_row_block_mass",
+           "block_kl"]
+
+
+def pool_rows(row_mass: Tensor, row_ok: Tensor, row_pool: str) -> Tensor:
+    """Pool per-row block masses over the rows of each query block and renormalise.
+
+    Args:
+        row_mass: float32 ``[..., R, M]`` mass of each row on each of M blocks (0 for dead rows).
+        row_ok: bool ``[..., R]`` (broadcastable): the row is a real query with a finite lse.
+        row_pool: ``"max"`` or ``"mean"`` (:data:`ROW_POOLS`).
+
+    Returns:
+        float32 ``[..., M]`` summing to 1 over M where any row holds mass, else all zeros.
+    """
+    if row_pool not in ROW_POOLS:
+        raise ValueError(f"row_pool must be one of {ROW_POOLS}, got {row_pool!r}")
+    live = row_ok.unsqueeze(-1)
+    # selection, not multiplication: a dead row may hold NaN from padded inputs
+    row_mass = torch.where(live, row_mass, 0.0)
+    pooled = row_mass.amax(dim=-2) if row_pool == "max" else row_mass.sum(dim=-2)
+    total = pooled.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, pooled / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
 
 
 def query_row_positions(num_q_blocks: int, block_q: int, rows_per_block: int | None, device=None) -> Tensor:
@@ -96,9 +126,10 @@ def sparse_block_mass(
     lse: Tensor | None = None,
     seq_lens: Tensor | None = None,
     rows_per_block: int | None = None,
+    row_pool: str = "max",
     chunk_mb: int = 1024,
 ) -> tuple[Tensor, Tensor]:
-    """Attention mass on each *selected* block, renormalised over the selected set.
+    """Attention mass on each *selected* block, pooled over rows, renormalised over the selected set.
 
     Args:
         q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]`` (detached inside).
@@ -106,8 +137,10 @@ def sparse_block_mass(
         scale: logit scale of the main attention.
         lse: optional ``[B, HQ, N]`` log-sum-exp of the main attention over the same selection (the
             kernel's second output). Without it the lse is recomputed over the selected set.
-        seq_lens: optional int ``[B]`` (keys and rows past it are masked).
-        rows_per_block: query rows per block used for the mean (``None`` = all).
+        seq_lens: optional int ``[B]`` (keys and rows past it are masked; their contents may be
+            anything, NaN included).
+        rows_per_block: query rows per block used (``None`` = all).
+        row_pool: ``"max"`` (default) or ``"mean"`` over the rows and group heads (module docstring).
         chunk_mb: memory budget of one chunk of logits.
 
     On supported CUDA inputs with ``lse`` given and all rows, the Triton kernel
@@ -118,11 +151,13 @@ def sparse_block_mass(
         ``target`` float32 ``[B, HKV, NQB, K]`` (zeros on empty slots, each valid row sums to 1) and
         ``row_valid`` bool ``[B, HKV, NQB]`` (the row had at least one real query with mass).
     """
+    if row_pool not in ROW_POOLS:
+        raise ValueError(f"row_pool must be one of {ROW_POOLS}, got {row_pool!r}")
     q, k = q.detach(), k.detach()
     if lse is not None and (rows_per_block is None or rows_per_block >= index.block_q) and _use_triton(q, k, index):
         from ..kernels.block_mass import triton_block_mass
 
-        return triton_block_mass(q, k, lse, index, scale=scale, seq_lens=seq_lens)
+        return triton_block_mass(q, k, lse, index, scale=scale, seq_lens=seq_lens, row_pool=row_pool)
     batch, num_heads, seq_len, _ = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
@@ -139,64 +174,41 @@ def sparse_block_mass(
         stop = min(nqb, start + step)
         pos = positions[start:stop]  # [C, R]
         chunk = stop - start
-        q_rows = _gather_query_rows(q, pos, num_kv_heads)  # [B, HKV, C, G*R, D]
+        pos_rows = _row_positions_grouped(pos, group)  # [C, G*R]
+        rows_real = _row_validity(pos_rows, seq_len, seq_lens, batch)  # [B, 1, C, G*R]
+        # padded query rows may hold NaN: zero them (selection, not multiplication) before the matmul
+        q_rows = torch.where(rows_real.unsqueeze(-1), _gather_query_rows(q, pos, num_kv_heads), 0.0)
         blocks = index.indices[:, :, start:stop].to(torch.int64)  # [B, HKV, C, K]
         slot_ok = blocks >= 0
         key_pos = blocks.clamp(min=0).unsqueeze(-1) * block_k + key_offsets  # [B, HKV, C, K, BK]
         flat_pos = key_pos.clamp(max=seq_len - 1).reshape(batch, num_kv_heads, -1, 1)
         keys = k.gather(2, flat_pos.expand(-1, -1, -1, k.shape[-1]))
         keys = keys.view(batch, num_kv_heads, chunk, capacity * block_k, -1)
+        key_ok = slot_ok.unsqueeze(-1) & (key_pos < key_limit.view(-1, 1, 1, 1, 1))
+        key_ok = key_ok.reshape(batch, num_kv_heads, chunk, 1, capacity * block_k)
+        keys = torch.where(key_ok.transpose(-1, -2), keys, 0.0)
         # fp32 logits straight from the matmul (scale folded into the small query operand); the
         # element-wise steps below run in place to keep the passes over this large buffer few
         logits = torch.matmul(q_rows.to(torch.float32) * scale, keys.to(torch.float32).transpose(-1, -2))
-        key_ok = slot_ok.unsqueeze(-1) & (key_pos < key_limit.view(-1, 1, 1, 1, 1))
-        key_ok = key_ok.reshape(batch, num_kv_heads, chunk, 1, capacity * block_k)
-        pos_rows = _row_positions_grouped(pos, group)  # [C, G*R]
         causal = key_pos.reshape(batch, num_kv_heads, chunk, 1, -1) <= pos_rows.view(1, 1, chunk, -1, 1)
         logits.masked_fill_(~(key_ok & causal), float("-inf"))
         if lse is None:
             row_lse = torch.logsumexp(logits, dim=-1)
         else:
             row_lse = _gather_query_rows(lse.detach().unsqueeze(-1), pos, num_kv_heads).squeeze(-1).to(torch.float32)
-        row_ok = _row_validity(pos_rows, seq_len, seq_lens, batch) & torch.isfinite(row_lse)
+        row_ok = rows_real & torch.isfinite(row_lse)
         # rows that are not real queries subtract +inf, so their probabilities become exactly 0
         shift = torch.where(row_ok, row_lse, float("inf")).unsqueeze(-1)
         probs = logits.sub_(shift).exp_()
-        mass = probs.view(batch, num_kv_heads, chunk, -1, capacity, block_k).sum(dim=(3, 5))
-        live_rows = row_ok.sum(dim=3).clamp(min=1).to(torch.float32)  # [B, HKV, C]
-        mass = mass / live_rows.unsqueeze(-1)
-        total = mass.sum(dim=-1, keepdim=True)
-        targets.append(torch.where(total > 0, mass / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0))
-        valids.append(row_ok.any(dim=3) & (total.squeeze(-1) > 0))
+        row_mass = probs.view(batch, num_kv_heads, chunk, -1, capacity, block_k).sum(dim=-1)  # [B, HKV, C, G*R, K]
+        target = pool_rows(row_mass, row_ok, row_pool)
+        targets.append(target)
+        valids.append(row_ok.any(dim=3) & (target.sum(dim=-1) > 0))
     return torch.cat(targets, dim=2), torch.cat(valids, dim=2)
 
 
-@torch.no_grad()
-def dense_block_mass(
-    q: Tensor,
-    k: Tensor,
-    *,
-    block_q: int,
-    block_k: int,
-    scale: float,
-    seq_lens: Tensor | None = None,
-    rows_per_block: int | None = None,
-    query_blocks: Tensor | None = None,
-    chunk_mb: int = 256,
-) -> tuple[Tensor, Tensor]:
-    """Exact attention mass of dense causal attention on every key block.
-
-    Args:
-        q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]``.
-        block_q, block_k: block sizes. scale: logit scale.
-        seq_lens: optional int ``[B]``. rows_per_block: rows used per query block (``None`` = all).
-        query_blocks: optional int64 ``[S]`` subset of query blocks (default: all NQB).
-        chunk_mb: memory budget of one chunk of logits.
-
-    Returns:
-        ``mass`` float32 ``[B, HKV, S, NKB]`` (each valid row sums to 1 over its causal blocks) and
-        ``row_valid`` bool ``[B, HKV, S]``.
-    """
+def _dense_row_mass_chunks(q, k, *, block_q, block_k, scale, seq_lens, rows_per_block, query_blocks, chunk_mb):
+    """Yield ``(row_mass [B, HKV, C, G*R, NKB], row_ok [B, 1, C, G*R])`` chunk by chunk (exact, dense)."""
     q, k = q.detach(), k.detach()
     batch, num_heads, seq_len, _ = q.shape
     num_kv_heads = k.shape[1]
@@ -211,28 +223,94 @@ def dense_block_mass(
     step = _chunk_blocks(total_blocks, per_block, chunk_mb)
     key_pos = torch.arange(seq_len, device=q.device)
     key_ok = key_pos.view(1, -1) < (seq_len if seq_lens is None else seq_lens.view(-1, 1))  # [B or 1, N]
+    # padded keys may hold NaN: zero them (selection, not multiplication) so no NaN reaches a logit
+    keys = torch.where(key_ok.view(key_ok.shape[0], 1, seq_len, 1), k, 0.0)
     key_ok = key_ok.view(key_ok.shape[0], 1, 1, 1, seq_len)
-    keys_t = k.transpose(-1, -2).unsqueeze(2)  # [B, HKV, 1, D, N]
-    masses, valids = [], []
+    keys_t = keys.transpose(-1, -2).unsqueeze(2)  # [B, HKV, 1, D, N]
     for start in range(0, total_blocks, step):
         pos = positions[start:start + step]
         chunk = pos.shape[0]
-        q_rows = _gather_query_rows(q, pos, num_kv_heads)  # [B, HKV, C, G*R, D]
-        logits = torch.matmul(q_rows, keys_t).to(torch.float32) * scale  # [B, HKV, C, G*R, N]
         pos_rows = _row_positions_grouped(pos, group)
+        rows_real = _row_validity(pos_rows, seq_len, seq_lens, batch)
+        q_rows = torch.where(rows_real.unsqueeze(-1), _gather_query_rows(q, pos, num_kv_heads), 0.0)
+        logits = torch.matmul(q_rows, keys_t).to(torch.float32) * scale  # [B, HKV, C, G*R, N]
         causal = key_pos.view(1, 1, 1, 1, -1) <= pos_rows.view(1, 1, chunk, -1, 1)
         logits = logits.masked_fill(~(causal & key_ok), float("-inf"))
         row_lse = torch.logsumexp(logits, dim=-1)
-        row_ok = _row_validity(pos_rows, seq_len, seq_lens, batch) & torch.isfinite(row_lse)
+        row_ok = rows_real & torch.isfinite(row_lse)
         probs = torch.exp(logits - torch.where(row_ok, row_lse, 0.0).unsqueeze(-1))
         probs = torch.where(row_ok.unsqueeze(-1), probs, 0.0)
         if nkb * block_k > seq_len:
             probs = torch.nn.functional.pad(probs, (0, nkb * block_k - seq_len))
-        mass = probs.view(batch, num_kv_heads, chunk, -1, nkb, block_k).sum(dim=(3, 5))
-        mass = mass / row_ok.sum(dim=3).clamp(min=1).to(torch.float32).unsqueeze(-1)
-        masses.append(mass)
+        yield probs.view(batch, num_kv_heads, chunk, -1, nkb, block_k).sum(dim=-1), row_ok
+
+
+@torch.no_grad()
+def dense_row_block_mass(
+    q: Tensor,
+    k: Tensor,
+    *,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    query_blocks: Tensor,
+    seq_lens: Tensor | None = None,
+    chunk_mb: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """Per-row exact dense attention mass on every key block, for a few query blocks.
+
+    Args:
+        q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]``; query_blocks: int64 ``[S]``; others as
+        :func:`dense_block_mass`.
+
+    Returns:
+        ``row_mass`` float32 ``[B, HKV, S, G*BQ, NKB]`` (row r of a block sums to 1 over its causal
+        blocks; rows ordered group head major) and ``row_ok`` bool ``[B, HKV, S, G*BQ]`` (real rows).
+    """
+    parts = list(_dense_row_mass_chunks(q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens,
+                                        rows_per_block=None, query_blocks=query_blocks, chunk_mb=chunk_mb))
+    return torch.cat([m for m, _ in parts], dim=2), torch.cat([ok for _, ok in parts], dim=2)
+
+
+@torch.no_grad()
+def dense_block_mass(
+    q: Tensor,
+    k: Tensor,
+    *,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    seq_lens: Tensor | None = None,
+    rows_per_block: int | None = None,
+    query_blocks: Tensor | None = None,
+    row_pool: str = "max",
+    chunk_mb: int = 256,
+) -> tuple[Tensor, Tensor]:
+    """Exact attention mass of dense causal attention on every key block, pooled over rows.
+
+    Args:
+        q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]``.
+        block_q, block_k: block sizes. scale: logit scale.
+        seq_lens: optional int ``[B]`` (padding may hold anything, NaN included).
+        rows_per_block: rows used per query block (``None`` = all).
+        query_blocks: optional int64 ``[S]`` subset of query blocks (default: all NQB).
+        row_pool: ``"max"`` (default) or ``"mean"`` over rows and group heads (module docstring).
+        chunk_mb: memory budget of one chunk of logits.
+
+    Returns:
+        ``target`` float32 ``[B, HKV, S, NKB]`` (each valid row sums to 1 over its causal blocks) and
+        ``row_valid`` bool ``[B, HKV, S]``.
+    """
+    if row_pool not in ROW_POOLS:
+        raise ValueError(f"row_pool must be one of {ROW_POOLS}, got {row_pool!r}")
+    targets, valids = [], []
+    for row_mass, row_ok in _dense_row_mass_chunks(
+        q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, rows_per_block=rows_per_block,
+        query_blocks=query_blocks, chunk_mb=chunk_mb,
+    ):
+        targets.append(pool_rows(row_mass, row_ok, row_pool))
         valids.append(row_ok.any(dim=3))
-    return torch.cat(masses, dim=2), torch.cat(valids, dim=2)
+    return torch.cat(targets, dim=2), torch.cat(valids, dim=2)
 
 
 def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor) -> Tensor:

@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""Run recipe variants side by side (seeds x variants) and summarise their learning quality.
+
+Each run is ``python -m sparse_train.cli fit --config <recipe> <overrides> --seed_everything=<seed>``
+in its own process and directory; up to ``--parallel`` run at once (on one GPU the small retrieval
+models share it well; on a CPU use 1). The summary reads each run's ``metrics.csv`` and keeps, per
+run, the last value of every metric that tells whether sparse attention learns what dense learns:
+``val/acc``, ``val/needle_recall`` (and per layer), ``attn/mass_recall_mean`` / ``attn/mass_recall_p5``
+(and per layer), ``attn/density``, the step time, plus the wall time and the final line.
+
+    python scripts/retrieval_ab.py --plan docs/benchmarks/plans/retrieval_4k.json --seeds 0 1 \\
+        --parallel 8 --out runs/ab
+
+The plan is a JSON list of ``{"name": ..., "config": <recipe name or path>, "args": [overrides]}``.
+Output: ``<out>/summary.json`` and ``<out>/summary.md`` (one row per run, then mean over seeds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+KEEP_PREFIXES = ("val/", "attn/mass_recall", "attn/layers/", "attn/density", "attn/warmup", "train/acc",
+                 "time/step_ms", "throughput/tokens_per_s")
+
+
+def last_values(run_dir: Path) -> dict[str, float]:
+    """Last logged value of each kept metric in the run's CSV log(s)."""
+    out: dict[str, float] = {}
+    for path in sorted(run_dir.rglob("metrics.csv")):
+        with path.open(newline="") as f:
+            for row in csv.DictReader(f):
+                for key, value in row.items():
+                    if value in ("", None) or not key.startswith(KEEP_PREFIXES):
+                        continue
+                    try:
+                        out[key] = float(value)
+                    except ValueError:
+                        continue
+    return out
+
+
+def run_one(job: dict, out: Path, timeout: float, extra_env: dict[str, str]) -> dict:
+    name, seed = job["name"], job["seed"]
+    run_dir = out / f"{name}_s{seed}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "sparse_train.cli", "fit", "--config", job["config"], *job.get("args", []),
+           f"--seed_everything={seed}", f"--trainer.default_root_dir={run_dir}", "--trainer.enable_progress_bar=false"]
+    env = {**os.environ, **extra_env}
+    start = time.perf_counter()
+    with (run_dir / "log.txt").open("w") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    minutes = (time.perf_counter() - start) / 60
+    final = [line.strip() for line in (run_dir / "log.txt").read_text(errors="replace").splitlines()
+             if "[sparse-train] done" in line]
+    result = {"name": name, "seed": seed, "rc": rc, "minutes": round(minutes, 2),
+              "final_line": final[-1] if final else None, "metrics": last_values(run_dir), "command": cmd}
+    print(f"{name} seed {seed}: rc={rc} {minutes:.1f} min  {result['final_line']}", flush=True)
+    return result
+
+
+def summarise(results: list[dict]) -> str:
+    keys = ["val/acc", "val/needle_recall", "attn/mass_recall_mean", "attn/mass_recall_p5", "attn/density"]
+    lines = ["| run | seed | " + " | ".join(keys) + " | minutes |", "|" + "---|" * (len(keys) + 3)]
+    for r in results:
+        cells = [f"{r['metrics'][k]:.3f}" if k in r["metrics"] else "-" for k in keys]
+        lines.append(f"| {r['name']} | {r['seed']} | " + " | ".join(cells) + f" | {r['minutes']} |")
+    lines += ["", "| run (mean over seeds) | " + " | ".join(keys) + " |", "|" + "---|" * (len(keys) + 1)]
+    for name in dict.fromkeys(r["name"] for r in results):
+        group = [r for r in results if r["name"] == name]
+        cells = []
+        for k in keys:
+            values = [r["metrics"][k] for r in group if k in r["metrics"]]
+            cells.append(f"{statistics.mean(values):.3f}" if values else "-")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--plan", required=True, help="JSON list of {name, config, args}")
+    parser.add_argument("--only", nargs="*", help="run only these variant names")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--parallel", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    parser.add_argument("--threads", type=int, default=None, help="OMP/MKL threads per run")
+    parser.add_argument("--out", default="runs/ab")
+    args = parser.parse_args()
+    plan = json.loads(Path(args.plan).read_text())
+    jobs = [{**variant, "seed": seed} for seed in args.seeds for variant in plan
+            if not args.only or variant["name"] in args.only]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {"PYTHONUNBUFFERED": "1"}
+    if args.threads:
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        results = list(pool.map(lambda job: run_one(job, out, args.timeout, env), jobs))
+    (out / "summary.json").write_text(json.dumps(results, indent=1))
+    table = summarise(results)
+    (out / "summary.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
