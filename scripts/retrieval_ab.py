@@ -11,7 +11,8 @@ run, the last value of every metric that tells whether sparse attention learns w
     python scripts/retrieval_ab.py --plan docs/benchmarks/plans/retrieval_4k.json --seeds 0 1 \\
         --parallel 8 --out runs/ab
 
-The plan is a JSON list of ``{"name": ..., "config": <recipe name or path>, "args": [overrides]}``.
+The plan is a JSON list of ``{"name": ..., "config": <recipe name or path>, "args": [overrides]}``
+(optionally ``"seeds": [...]`` to override ``--seeds`` for that variant).
 Output: ``<out>/summary.json`` and ``<out>/summary.md`` (one row per run, then mean over seeds).
 """
 
@@ -99,7 +100,7 @@ def main() -> None:
     parser.add_argument("--out", default="runs/ab")
     args = parser.parse_args()
     plan = json.loads(Path(args.plan).read_text())
-    jobs = [{**variant, "seed": seed} for seed in args.seeds for variant in plan
+    jobs = [{**variant, "seed": seed} for variant in plan for seed in variant.get("seeds", args.seeds)
             if not args.only or variant["name"] in args.only]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -46,9 +46,10 @@ class SparseAttentionConfig:
     selector_dim: int = 32
     """Width S of the selector's per-KV-head projections of pooled queries and keys."""
 
-    key_pooling: str = "mean"
-    """Key-block summary the selector scores: ``"mean"`` (mean key of the block) or ``"mean_max"``
-    (mean and element-wise max, twice the key projection; for single-token needles in noise)."""
+    key_pooling: str = "mean_max"
+    """Key-block summary the selector scores: ``"mean_max"`` = the block's mean key and its
+    element-wise max (a single key that stands out survives the max, while the mean dilutes it 1/BK;
+    measured on 4K retrieval: needle-task accuracy 1.00 vs 0.76 with the mean alone), or ``"mean"``."""
 
     selector_lr_multiplier: float = 10.0
     """The selector learns this many times faster than the model under one Adam-type optimizer and
