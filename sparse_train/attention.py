@@ -112,9 +112,11 @@ def dense_causal_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     n = q.shape[2]
     pos = torch.arange(n, device=q.device)
-    # Padded keys/values may hold anything (NaN included); a masked logit still multiplies its value
-    # by a zero probability, and 0 * NaN = NaN, so padding is replaced, not masked.
+    # Padding may hold anything (NaN included). A masked logit still multiplies its value by a zero
+    # probability, and a padded query row's NaN output reaches the keys' gradients through the
+    # backward's row sums (0 * NaN = NaN), so padded rows of q, k and v are replaced, not masked.
     real = (pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
+    q = torch.where(real, q, 0.0)
     k = torch.where(real, k, 0.0)
     v = torch.where(real, v, 0.0)
     allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1)) & (pos.view(1, 1, n) < seq_lens.view(-1, 1, 1))  # [B, N, N]

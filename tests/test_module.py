@@ -319,3 +319,53 @@ def test_compiled_module_matches_eager_on_gpu(n):
     expected = {"dense_full_selection": 1} if dense else {}
     assert eager.fallback_counts == expected
     assert compiled_mod.fallback_counts == expected, "fallback counting must work inside the compiled graph"
+
+
+# ------------------------------------------------------------------------------------ padding garbage
+def _poison_padding(t, seq_lens, value):
+    t = t.detach().clone()
+    for b, length in enumerate(seq_lens.tolist()):
+        t[b, :, length:] = value
+    return t
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e30], ids=["nan", "inf", "huge"])
+@pytest.mark.parametrize("n,distill", [(48, "sampled"), (150, "sampled"), (150, "sparse"), (150, "dense")],
+                         ids=["dense-path", "sparse-sampled", "sparse-sparse", "sparse-dense"])
+def test_garbage_past_seq_lens_never_reaches_outputs_gradients_or_selector_loss(n, distill, value):
+    """Whatever sits past seq_lens (NaN, inf, huge) changes nothing: valid outputs, input gradients
+    and the selector loss equal those of a run with clean (zero) padding."""
+    seq_lens = torch.tensor([n, n - 37])
+    clean = qkv(2, n, dtype=torch.float64)
+    clean = [_poison_padding(t, seq_lens, 0.0) for t in clean]
+    dirty = [_poison_padding(t, seq_lens, value) for t in clean]
+
+    def run(tensors):
+        torch.manual_seed(0)
+        module = make(distill=distill, distill_query_blocks=3).double()
+        q, k, v = [t.clone().requires_grad_(True) for t in tensors]
+        o = module(q, k, v, seq_lens=seq_lens)
+        valid = (torch.arange(n).view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
+        (torch.where(valid, o, 0.0).sum() + module.selector_loss).backward()
+        return torch.where(valid, o, 0.0), module.selector_loss, [torch.where(valid, t.grad, 0.0) for t in (q, k, v)]
+
+    o_clean, loss_clean, grads_clean = run(clean)
+    o_dirty, loss_dirty, grads_dirty = run(dirty)
+    assert torch.isfinite(loss_dirty) and torch.isfinite(o_dirty).all()
+    torch.testing.assert_close(o_dirty, o_clean)
+    torch.testing.assert_close(loss_dirty, loss_clean)
+    for a, b in zip(grads_dirty, grads_clean):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("distill", ["sampled", "sparse", "dense"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("n", [48, 150], ids=["dense-path", "sparse-path"])
+def test_batch_of_zero_sequences(n, training, distill):
+    module = make(metrics_every=1, distill=distill).train(training)
+    q, k, v = qkv(0, n, grad=True)
+    o = module(q, k, v)
+    assert o.shape == (0, HQ, n, D)
+    loss = o.sum() + st.collect_selector_losses(module)
+    loss.backward()
+    assert q.grad.shape == q.shape

@@ -181,16 +181,16 @@ def sparse_block_mass(
         blocks = index.indices[:, :, start:stop].to(torch.int64)  # [B, HKV, C, K]
         slot_ok = blocks >= 0
         key_pos = blocks.clamp(min=0).unsqueeze(-1) * block_k + key_offsets  # [B, HKV, C, K, BK]
-        flat_pos = key_pos.clamp(max=seq_len - 1).reshape(batch, num_kv_heads, -1, 1)
+        flat_pos = key_pos.clamp(max=seq_len - 1).reshape(batch, num_kv_heads, chunk * capacity * block_k, 1)
         keys = k.gather(2, flat_pos.expand(-1, -1, -1, k.shape[-1]))
-        keys = keys.view(batch, num_kv_heads, chunk, capacity * block_k, -1)
+        keys = keys.view(batch, num_kv_heads, chunk, capacity * block_k, k.shape[-1])
         key_ok = slot_ok.unsqueeze(-1) & (key_pos < key_limit.view(-1, 1, 1, 1, 1))
         key_ok = key_ok.reshape(batch, num_kv_heads, chunk, 1, capacity * block_k)
         keys = torch.where(key_ok.transpose(-1, -2), keys, 0.0)
         # fp32 logits straight from the matmul (scale folded into the small query operand); the
         # element-wise steps below run in place to keep the passes over this large buffer few
         logits = torch.matmul(q_rows.to(torch.float32) * scale, keys.to(torch.float32).transpose(-1, -2))
-        causal = key_pos.reshape(batch, num_kv_heads, chunk, 1, -1) <= pos_rows.view(1, 1, chunk, -1, 1)
+        causal = key_pos.reshape(batch, num_kv_heads, chunk, 1, capacity * block_k) <= pos_rows.view(1, 1, chunk, -1, 1)
         logits.masked_fill_(~(key_ok & causal), float("-inf"))
         if lse is None:
             row_lse = torch.logsumexp(logits, dim=-1)
@@ -200,7 +200,7 @@ def sparse_block_mass(
         # rows that are not real queries subtract +inf, so their probabilities become exactly 0
         shift = torch.where(row_ok, row_lse, float("inf")).unsqueeze(-1)
         probs = logits.sub_(shift).exp_()
-        row_mass = probs.view(batch, num_kv_heads, chunk, -1, capacity, block_k).sum(dim=-1)  # [B, HKV, C, G*R, K]
+        row_mass = probs.view(batch, num_kv_heads, chunk, group * rows, capacity, block_k).sum(dim=-1)  # [B, HKV, C, G*R, K]
         target = pool_rows(row_mass, row_ok, row_pool)
         targets.append(target)
         valids.append(row_ok.any(dim=3) & (target.sum(dim=-1) > 0))
@@ -242,7 +242,7 @@ def _dense_row_mass_chunks(q, k, *, block_q, block_k, scale, seq_lens, rows_per_
         probs = torch.where(row_ok.unsqueeze(-1), probs, 0.0)
         if nkb * block_k > seq_len:
             probs = torch.nn.functional.pad(probs, (0, nkb * block_k - seq_len))
-        yield probs.view(batch, num_kv_heads, chunk, -1, nkb, block_k).sum(dim=-1), row_ok
+        yield probs.view(batch, num_kv_heads, chunk, group * rows, nkb, block_k).sum(dim=-1), row_ok
 
 
 @torch.no_grad()
