@@ -113,10 +113,11 @@ def dense_causal_attention(
     n = q.shape[2]
     pos = torch.arange(n, device=q.device)
     # Padding may hold anything (NaN included). A masked logit still multiplies its value by a zero
-    # probability, and a padded query row's NaN output reaches the keys' gradients through the
-    # backward's row sums (0 * NaN = NaN), so padded rows of q, k and v are replaced, not masked.
+    # probability (0 * NaN = NaN), so padded keys and values are replaced, not masked. A padded query
+    # row with a non-finite entry would reach the keys' gradients through the backward's row sums, so
+    # it is replaced too; finite padded rows keep the reference's semantics (they attend valid keys).
     real = (pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
-    q = torch.where(real, q, 0.0)
+    q = torch.where(real | torch.isfinite(q), q, 0.0)
     k = torch.where(real, k, 0.0)
     v = torch.where(real, v, 0.0)
     allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1)) & (pos.view(1, 1, n) < seq_lens.view(-1, 1, 1))  # [B, N, N]

@@ -57,11 +57,14 @@ class SparseAttentionConfig:
     forward (a reparametrisation; under plain SGD the factor is squared). 10x was measured to be
     needed for the selector to keep up with the model's moving attention; 1.0 = the model's pace."""
 
-    dense_warmup_steps: int = 0
+    dense_warmup_steps: int = 500
     """Run dense causal attention for the first this-many training forwards while the selector
     distills from it (its target then covers every causal block), then switch to sparse attention and
-    keep distilling. The count is a buffer in the state dict (``selector_steps``), so a resumed run
-    continues where it stopped. Eval forwards during the warm-up are dense too. 0 = sparse from the start."""
+    keep distilling. Measured on the 4K retrieval demo (480 steps): no warm-up reaches 0.86 of the
+    dense twin's accuracy, a 400-step warm-up 0.98-1.0; a selector that has never seen where the
+    trained attention looks cannot pick it. The count is a buffer in the state dict
+    (``selector_steps``), so a resumed run continues where it stopped; eval forwards during the
+    warm-up are dense too. 0 = sparse from the first step (a selector loaded from a checkpoint)."""
 
     r0: int | None = None
     """Reuse threshold of the hybrid dK/dV backward; ``None`` = ``sparse_train.index.DEFAULT_R0``."""

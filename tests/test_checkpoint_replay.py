@@ -17,7 +17,7 @@ HQ, HKV, D, N = 4, 2, 16, 160
 
 def make(replay=True, **overrides):
     base = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8, replay=replay,
-                dense_fallback=False)
+                dense_fallback=False, dense_warmup_steps=0)
     base.update(overrides)
     torch.manual_seed(0)
     return st.SparseAttention(st.SparseAttentionConfig(**base), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
@@ -164,7 +164,7 @@ def _hf_grads(replay, checkpointing, scramble_between):
     from sparse_train.integrations import hf
 
     model = _tiny_llama()
-    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=1, window=1, sinks=1, selector_dim=8,
+    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=1, window=1, sinks=1, selector_dim=8, dense_warmup_steps=0,
                                    replay=replay, dense_fallback=False, distill="sparse")
     hf.enable(model, cfg)
     model.train()

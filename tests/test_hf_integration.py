@@ -26,8 +26,8 @@ def build(family):
 
 
 FAMILIES = [pytest.param("llama", id="llama"), pytest.param("qwen2", id="qwen2")]
-FULL = dict(block_q=16, block_k=16, top_k=64, window=1, sinks=1, selector_dim=8)
-SPARSE = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8,
+FULL = dict(block_q=16, block_k=16, top_k=64, window=1, sinks=1, selector_dim=8, dense_warmup_steps=0)
+SPARSE = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8, dense_warmup_steps=0,
               dense_enter_density=1.0, dense_exit_density=1.0)
 
 

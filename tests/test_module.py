@@ -17,7 +17,7 @@ HQ, HKV, D = 4, 2, 16
 
 
 def make(**overrides):
-    base = dict(block_q=16, block_k=16, top_k=2, window=2, sinks=1, selector_dim=8)
+    base = dict(block_q=16, block_k=16, top_k=2, window=2, sinks=1, selector_dim=8, dense_warmup_steps=0)
     base.update(overrides)
     return st.SparseAttention(st.SparseAttentionConfig(**base), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
 
@@ -296,7 +296,7 @@ def test_compiled_module_matches_eager_on_gpu(n):
     plan (host-side sizes), so it compiles with fullgraph=False; the dense path must compile fullgraph."""
     torch._dynamo.reset()
     device = torch.device("cuda")
-    cfg = st.SparseAttentionConfig(top_k=8, window=4, sinks=1, distill="off")
+    cfg = st.SparseAttentionConfig(top_k=8, window=4, sinks=1, distill="off", dense_warmup_steps=0)
     eager = st.SparseAttention(cfg, num_heads=8, num_kv_heads=2, head_dim=64).to(device)
     compiled_mod = st.SparseAttention(cfg, num_heads=8, num_kv_heads=2, head_dim=64).to(device)
     compiled_mod.load_state_dict(eager.state_dict())

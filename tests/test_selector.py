@@ -248,7 +248,7 @@ def test_distillation_training_improves_selector():
     q.requires_grad_(True)
     k.requires_grad_(True)
     cfg = st.SparseAttentionConfig(block_q=block, block_k=block, top_k=2, window=1, sinks=1, selector_dim=16,
-                                   distill="dense", dense_fallback=False, backend="reference",
+                                   distill="dense", dense_fallback=False, backend="reference", dense_warmup_steps=0,
                                    selector_lr_multiplier=1.0)
     attn = st.SparseAttention(cfg, num_heads=4, num_kv_heads=2, head_dim=dim)
     with torch.no_grad():
@@ -292,7 +292,7 @@ def test_selector_lr_multiplier_is_an_adam_learning_rate_factor():
     def run(multiplier, lr):
         torch.manual_seed(3)
         cfg = st.SparseAttentionConfig(block_q=block, block_k=block, top_k=2, window=1, sinks=1, selector_dim=8,
-                                       distill="dense", dense_fallback=False, backend="reference",
+                                       distill="dense", dense_fallback=False, backend="reference", dense_warmup_steps=0,
                                        selector_lr_multiplier=multiplier)
         attn = st.SparseAttention(cfg, num_heads=4, num_kv_heads=2, head_dim=dim)
         opt = torch.optim.Adam(attn.scorer.parameters(), lr=lr)

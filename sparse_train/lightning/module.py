@@ -173,7 +173,8 @@ class SparseLMModule(LightningModule):
         pairs = dm.needle_positions(batch["tokens"].cpu(), batch["labels"].cpu())
         if pairs.numel() == 0:
             return
-        for layer, core in enumerate(self.model.sparse_cores()):
+        cores = [m for m in self.model.modules() if isinstance(m, st.SparseAttention)]
+        for layer, core in enumerate(cores):
             index = core.last_selection
             if index is None:  # dense path: every block was read
                 continue
@@ -233,7 +234,7 @@ class SparseLMModule(LightningModule):
         parts = [f"{k} = {v:.4f}" for k, v in sorted(self.final_metrics.items()) if "/layer" not in k]
         if chance is not None:
             parts.append(f"chance = {chance:.4f}")
-        twin = self.hparams.dense_twin_acc
+        twin = self.hparams.get("dense_twin_acc")
         if twin is not None and "val/acc" in self.final_metrics:
             parts.append(f"dense twin val/acc = {twin:.4f} (this run: {self.final_metrics['val/acc'] / twin:.1%} of it)")
         rank_zero_info(f"[sparse-train] done: {self.global_step} steps in {minutes:.1f} min; " + ", ".join(parts))
