@@ -20,6 +20,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 import sparse_train as st
 
+from .._validation import check_bool, check_int
+
 __all__ = ["StepTimer"]
 
 _PHASES = ("start", "forward_end", "backward_end", "optimizer_start", "end")
@@ -46,7 +48,10 @@ class StepTimer(Callback):
 
     def __init__(self, every_n_steps: int = 1, attention_stats: bool = True, prog_bar: bool = True) -> None:
         super().__init__()
-        self.every_n_steps = max(1, every_n_steps)
+        check_int("StepTimer.every_n_steps", every_n_steps, minimum=1)
+        check_bool("StepTimer.attention_stats", attention_stats)
+        check_bool("StepTimer.prog_bar", prog_bar)
+        self.every_n_steps = every_n_steps
         self.attention_stats = attention_stats
         self.prog_bar = prog_bar
         self._marks: dict[str, Any] = {}
