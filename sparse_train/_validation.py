@@ -45,8 +45,11 @@ def check_float(label: str, value: Any, *, minimum: Optional[float] = None, maxi
     None when ``optional``."""
     if optional and value is None:
         return
-    low = f"[{minimum:g}" if minimum is not None else f"({exclusive_minimum:g}" if exclusive_minimum is not None else None
-    high = f"{maximum:g}]" if maximum is not None else f"{exclusive_maximum:g})" if exclusive_maximum is not None else None
+    low = high = None
+    if minimum is not None or exclusive_minimum is not None:
+        low = f"[{minimum:g}" if minimum is not None else f"({exclusive_minimum:g}"
+    if maximum is not None or exclusive_maximum is not None:
+        high = f"{maximum:g}]" if maximum is not None else f"{exclusive_maximum:g})"
     if low and high:
         domain = f" in {low}, {high}"
     elif low:
