@@ -6,9 +6,9 @@
     sparse-train validate --config retrieval --ckpt_path runs/retrieval/.../last.ckpt
     sparse-train recipes                                # list built-in recipes
 
-Bare recipe names resolve through ``importlib.resources`` on the package ``sparse_train.recipes``
-(the top-level ``recipes/`` directory, shipped in the wheel); a source checkout without install falls
-back to ``<repo>/recipes``.
+Bare recipe names resolve to ``<repo>/recipes`` when the package runs from a source checkout
+(editable install or ``PYTHONPATH``), otherwise through ``importlib.resources`` on the package
+``sparse_train.recipes`` (the top-level ``recipes/`` directory, shipped in the wheel).
 
 Logging never touches the network: ``WANDB_MODE`` is forced to ``offline`` before wandb can be
 imported. Unless a recipe or flag names a logger, the run logs to CSV (always; the plot script reads
@@ -32,13 +32,17 @@ _LOGGER_CHOICES = ("auto", "csv", "wandb", "none")
 
 
 def _recipe_dirs() -> list[Path]:
+    # A source checkout uses its own recipes only: with another checkout installed in editable mode,
+    # importlib.resources resolves sparse_train.recipes to *that* checkout's recipes/, whose fields may
+    # not exist in the code being run.
+    repo = Path(__file__).resolve().parents[1]
+    if (repo / "pyproject.toml").is_file() and (repo / "recipes").is_dir():
+        return [repo / "recipes"]
     dirs: list[Path] = []
     with contextlib.suppress(ModuleNotFoundError, TypeError):
         root = resources.files("sparse_train.recipes")
         if isinstance(root, Path) or hasattr(root, "iterdir"):
             dirs.append(Path(str(root)))
-    # Source checkout without install: <repo>/recipes next to the package directory.
-    dirs.append(Path(__file__).resolve().parents[1] / "recipes")
     return [d for d in dict.fromkeys(dirs) if d.is_dir()]
 
 
