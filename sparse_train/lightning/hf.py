@@ -133,9 +133,8 @@ class HFCausalLMModule(SparseLMModule):
             kwargs["attn_implementation"] = attn_implementation
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
-    def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        need = getattr(dm, "vocab_size", None)
+    def check_data(self, datamodule: Any) -> None:
+        need = getattr(datamodule, "vocab_size", None)
         if need is not None and need > self.model_config.vocab_size:
             raise ValueError(f"data needs vocab_size >= {need} but the checkpoint {self.hparams.pretrained_path} "
                              f"has vocab_size = {self.model_config.vocab_size}")

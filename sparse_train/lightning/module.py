@@ -205,12 +205,16 @@ class SparseLMModule(LightningModule):
         self._eval_epoch_end("test")
 
     # ------------------------------------------------------------------ lifecycle
-    def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        need = getattr(dm, "vocab_size", None)
+    def check_data(self, datamodule: Any) -> None:
+        """Raise ``ValueError`` when ``datamodule`` produces token ids the model cannot embed. Called by
+        ``setup`` and, before training starts, by the ``sparse-train`` CLI (so it reports a config error)."""
+        need = getattr(datamodule, "vocab_size", None)
         if need is not None and need > self.model_config.vocab_size:
             raise ValueError(f"data needs vocab_size >= {need} but model.vocab_size = "
                              f"{self.model_config.vocab_size}; set --model.init_args.model.vocab_size={need}")
+
+    def setup(self, stage: str) -> None:
+        self.check_data(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None)
 
     def on_fit_start(self) -> None:
         self._fit_start = time.perf_counter()
