@@ -209,14 +209,16 @@ def test_selector_lr_zero_is_zero_not_lr():
         pytest.param({"lr": NAN}, r"HFCausalLMModule\.lr must be a finite number >= 0, got nan", id="lr-nan"),
         pytest.param({"gradient_checkpointing": 1}, r"HFCausalLMModule\.gradient_checkpointing must be a bool",
                      id="gradient-checkpointing-int"),
-        pytest.param({"pretrained_path": None}, r"HFCausalLMModule\.pretrained_path must be a local directory",
-                     id="pretrained-path-none"),
+        pytest.param({"pretrained_path": None}, r"HFCausalLMModule\.pretrained_path must be a local checkpoint "
+                     r"directory \(config\.json \+ weights\), got None", id="pretrained-path-none"),
+        pytest.param({"pretrained_path": "/no/such/dir"}, r"HFCausalLMModule\.pretrained_path must be a local "
+                     r"checkpoint directory .*got '/no/such/dir'", id="pretrained-path-missing-was-hub-repo-id-error"),
     ],
 )
 def test_hf_module_rejects_bad_arguments_before_loading(kwargs, message, tmp_path):
-    # The path does not exist: every check must fire before transformers tries to load it.
+    # An empty directory: every check must fire before transformers tries to load from it.
     with pytest.raises(ValueError, match=message):
-        HFCausalLMModule(**{"pretrained_path": str(tmp_path / "missing"), **kwargs})
+        HFCausalLMModule(**{"pretrained_path": str(tmp_path), **kwargs})
 
 
 def test_hf_enable_rejects_a_dict_config():
@@ -286,6 +288,8 @@ def test_retrieval_task_and_stage_check_their_own_arguments():
                      id="paths-single-string-read-per-character"),
         pytest.param({"paths": [3]}, r"ByteLMDataModule\.paths must be a list of files or directories or None",
                      id="paths-int-entry"),
+        pytest.param({"paths": ["/no/such/corpus"]}, r"ByteLMDataModule\.paths: '/no/such/corpus' does not exist",
+                     id="paths-missing-was-raised-mid-fit"),
         pytest.param({"seq_len": 0}, r"ByteLMDataModule\.seq_len must be a positive int, got 0", id="seq-len-zero"),
         pytest.param({"batch_size": 0}, r"ByteLMDataModule\.batch_size must be a positive int, got 0",
                      id="batch-size-zero"),

@@ -363,6 +363,9 @@ class ByteLMDataModule(LightningDataModule):
         if paths is not None and (not isinstance(paths, (list, tuple))
                                   or not all(isinstance(p, (str, os.PathLike)) for p in paths)):
             raise ValueError(f"ByteLMDataModule.paths must be a list of files or directories or None, got {paths!r}")
+        missing = [str(p) for p in paths or [] if not Path(p).exists()]
+        if missing:
+            raise ValueError(f"ByteLMDataModule.paths: {', '.join(map(repr, missing))} does not exist")
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("max_bytes", max_bytes),
                             ("train_samples", train_samples)):
             check_int(f"ByteLMDataModule.{name}", value, minimum=1)

@@ -92,8 +92,11 @@ class HFCausalLMModule(SparseLMModule):
                             betas=betas, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
                             selector_loss_weight=selector_loss_weight, train_only_selector=train_only_selector,
                             init_from=init_from)
-        if not isinstance(pretrained_path, (str, os.PathLike)):
-            raise ValueError(f"HFCausalLMModule.pretrained_path must be a local directory, got {pretrained_path!r}")
+        # Loading is local-only: without this check a missing directory is reported by huggingface_hub as
+        # an invalid *hub repo id*, which sends the user looking in the wrong place.
+        if not isinstance(pretrained_path, (str, os.PathLike)) or not os.path.isdir(pretrained_path):
+            raise ValueError(f"HFCausalLMModule.pretrained_path must be a local checkpoint directory "
+                             f"(config.json + weights), got {pretrained_path!r}")
         check_choice("HFCausalLMModule.attention", attention, ("sparse", "dense"))
         if dtype is not None:
             check_choice("HFCausalLMModule.dtype", dtype, _DTYPES)
