@@ -7,9 +7,10 @@ rather than deep inside a training step.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from ._validation import check_bool, check_choice, check_float, check_int
 
 __all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "DISTILL_ROW_POOLS", "DISTILL_SUPPORTS",
            "INDEX_CHECKS", "KEY_POOLINGS"]
@@ -20,6 +21,23 @@ DISTILL_ROW_POOLS = ("max", "mean")
 DISTILL_SUPPORTS = ("dynamic", "causal")
 INDEX_CHECKS = ("none", "cheap", "full")
 KEY_POOLINGS = ("mean", "mean_max")
+
+
+# One line per field in __post_init__: the label is the field's qualified name, the value its attribute.
+def _check_int(cfg: Any, name: str, **bounds: Any) -> None:
+    check_int(f"SparseAttentionConfig.{name}", getattr(cfg, name), **bounds)
+
+
+def _check_float(cfg: Any, name: str, **bounds: Any) -> None:
+    check_float(f"SparseAttentionConfig.{name}", getattr(cfg, name), **bounds)
+
+
+def _check_bool(cfg: Any, name: str) -> None:
+    check_bool(f"SparseAttentionConfig.{name}", getattr(cfg, name))
+
+
+def _check_choice(cfg: Any, name: str, choices: tuple[str, ...]) -> None:
+    check_choice(f"SparseAttentionConfig.{name}", getattr(cfg, name), choices)
 
 
 @dataclass
@@ -150,62 +168,39 @@ class SparseAttentionConfig:
     ``perf_counter`` on CPU); reported by ``stats()`` under ``time/...``."""
 
     def __post_init__(self) -> None:
-        def positive_int(name: str) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"SparseAttentionConfig.{name} must be a positive int, got {value!r}")
-
-        def non_negative_int(name: str) -> None:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"SparseAttentionConfig.{name} must be an int >= 0, got {value!r}")
-
-        def one_of(name: str, choices: tuple[str, ...]) -> None:
-            value = getattr(self, name)
-            if value not in choices:
-                raise ValueError(f"SparseAttentionConfig.{name} must be one of {choices}, got {value!r}")
-
         for name in ("block_q", "block_k", "selector_dim", "distill_every", "distill_query_blocks",
                      "distill_chunk_mb", "metrics_query_blocks"):
-            positive_int(name)
+            _check_int(self, name, minimum=1)
         for name in ("top_k", "window", "sinks", "metrics_every", "dense_warmup_steps"):
-            non_negative_int(name)
-        multiplier = self.selector_lr_multiplier
-        if isinstance(multiplier, bool) or not isinstance(multiplier, (int, float)) or not math.isfinite(multiplier) \
-                or multiplier <= 0:
-            raise ValueError(f"SparseAttentionConfig.selector_lr_multiplier must be a finite number > 0, got {multiplier!r}")
+            _check_int(self, name, minimum=0)
         if self.top_k + self.window + self.sinks == 0:
             raise ValueError("SparseAttentionConfig: top_k + window + sinks must be > 0 (nothing would be selected)")
-        if self.r0 is not None:
-            non_negative_int("r0")
-        if self.distill_query_rows is not None:
-            positive_int("distill_query_rows")
-            if self.distill_query_rows > self.block_q:
-                raise ValueError(
-                    f"SparseAttentionConfig.distill_query_rows={self.distill_query_rows} exceeds "
-                    f"block_q={self.block_q}"
-                )
-        if not isinstance(self.dropout_p, (int, float)) or not 0.0 <= float(self.dropout_p) < 1.0:
-            raise ValueError(f"SparseAttentionConfig.dropout_p must lie in [0, 1), got {self.dropout_p!r}")
-        if self.scale is not None and (not isinstance(self.scale, (int, float)) or self.scale <= 0):
-            raise ValueError(f"SparseAttentionConfig.scale must be a positive number or None, got {self.scale!r}")
-        if not isinstance(self.distill_weight, (int, float)) or self.distill_weight < 0:
-            raise ValueError(f"SparseAttentionConfig.distill_weight must be >= 0, got {self.distill_weight!r}")
-        one_of("backend", BACKENDS)
-        one_of("distill", DISTILL_MODES)
-        one_of("distill_row_pool", DISTILL_ROW_POOLS)
-        one_of("distill_support", DISTILL_SUPPORTS)
-        one_of("key_pooling", KEY_POOLINGS)
-        one_of("index_check", INDEX_CHECKS)
+        _check_int(self, "r0", minimum=0, optional=True)
+        _check_int(self, "distill_query_rows", minimum=1, optional=True)
+        if self.distill_query_rows is not None and self.distill_query_rows > self.block_q:
+            raise ValueError(
+                f"SparseAttentionConfig.distill_query_rows={self.distill_query_rows} exceeds block_q={self.block_q}"
+            )
+        _check_float(self, "dropout_p", minimum=0.0, exclusive_maximum=1.0)
+        _check_float(self, "scale", exclusive_minimum=0.0, optional=True)
+        _check_float(self, "distill_weight", minimum=0.0)
+        _check_float(self, "selector_lr_multiplier", exclusive_minimum=0.0)
+        _check_choice(self, "backend", BACKENDS)
+        _check_choice(self, "distill", DISTILL_MODES)
+        _check_choice(self, "distill_row_pool", DISTILL_ROW_POOLS)
+        _check_choice(self, "distill_support", DISTILL_SUPPORTS)
+        _check_choice(self, "key_pooling", KEY_POOLINGS)
+        _check_choice(self, "index_check", INDEX_CHECKS)
+        _check_float(self, "dense_enter_density", minimum=0.0, maximum=1.0)
+        _check_float(self, "dense_exit_density", minimum=0.0, maximum=1.0)
         lo, hi = self.dense_exit_density, self.dense_enter_density
-        if not (0.0 <= lo <= hi <= 1.0):
+        if not lo <= hi:
             raise ValueError(
                 "SparseAttentionConfig needs 0 <= dense_exit_density <= dense_enter_density <= 1 "
                 f"(hysteresis band), got exit={lo!r}, enter={hi!r}"
             )
         for name in ("replay", "dense_fallback", "profile", "deterministic"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"SparseAttentionConfig.{name} must be a bool, got {getattr(self, name)!r}")
+            _check_bool(self, name)
 
     @property
     def capacity(self) -> int:

@@ -79,6 +79,13 @@ def test_resolve_recipe_by_name_and_path():
     assert set(RECIPES) <= set(cli.list_recipes())
 
 
+def test_source_checkout_resolves_its_own_recipes():
+    """With another checkout installed in editable mode, importlib.resources pointed ``--config retrieval``
+    at *that* checkout's recipes, so this checkout's code ran (and was tested) with foreign recipes."""
+    assert Path(cli.resolve_recipe("retrieval")) == RECIPES_DIR / "retrieval.yaml"
+    assert set(cli.list_recipes().values()) == set(RECIPES_DIR.glob("*.yaml"))
+
+
 @pytest.fixture(scope="module")
 def tiny_hf_checkpoint(tmp_path_factory) -> Path:
     """A tiny Llama checkpoint directory (config.json + safetensors), built offline."""

@@ -162,7 +162,10 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
     The selector inherits the model's logit scale unless ``config.scale`` is set; existing selectors
     are kept (calling ``enable`` twice does not reset trained selectors).
     """
-    config = config or SparseAttentionConfig()
+    config = SparseAttentionConfig() if config is None else config
+    if not isinstance(config, SparseAttentionConfig):
+        raise ValueError(f"hf.enable: config must be a SparseAttentionConfig or None, got {type(config).__name__} "
+                         "(for a dict use SparseAttentionConfig(**mapping))")
     register()
     hf_config = model.config
     num_heads = hf_config.num_attention_heads

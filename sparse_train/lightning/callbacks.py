@@ -17,10 +17,13 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
 
 import sparse_train as st
 
-__all__ = ["StepTimer"]
+from .._validation import check_bool, check_int
+
+__all__ = ["StepTimer", "StepRichProgressBar", "StepTQDMProgressBar", "step_progress_bar", "step_description"]
 
 _PHASES = ("start", "forward_end", "backward_end", "optimizer_start", "end")
 
@@ -46,7 +49,10 @@ class StepTimer(Callback):
 
     def __init__(self, every_n_steps: int = 1, attention_stats: bool = True, prog_bar: bool = True) -> None:
         super().__init__()
-        self.every_n_steps = max(1, every_n_steps)
+        check_int("StepTimer.every_n_steps", every_n_steps, minimum=1)
+        check_bool("StepTimer.attention_stats", attention_stats)
+        check_bool("StepTimer.prog_bar", prog_bar)
+        self.every_n_steps = every_n_steps
         self.attention_stats = attention_stats
         self.prog_bar = prog_bar
         self._marks: dict[str, Any] = {}
@@ -123,3 +129,55 @@ class StepTimer(Callback):
         if self.prog_bar and "throughput/tokens_per_s" in metrics:
             pl_module.log("tok/s", metrics["throughput/tokens_per_s"], prog_bar=True, logger=False,
                           on_step=True, on_epoch=False, batch_size=1)
+
+
+def step_description(trainer: Trainer) -> Optional[str]:
+    """``"step s/max_steps"`` for a run bounded by ``trainer.max_steps``, else None (epoch-based runs
+    keep Lightning's ``Epoch e``). Lightning's own label reads ``Epoch 0/-2`` there: ``max_epochs`` is -1."""
+    max_steps = trainer.max_steps
+    if max_steps is None or max_steps <= 0:
+        return None
+    return f"step {trainer.global_step}/{max_steps}"
+
+
+class StepRichProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, labelled ``step s/max_steps`` when the run is step-based."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        text = step_description(self.trainer)
+        if text is None:
+            return super()._get_train_description(current_epoch)
+        return f"{text:{len(self.validation_description)}}"  # padded like Lightning's, so the bar does not jump
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        bar_id = self.train_progress_bar_id
+        if step_description(trainer) is not None and self.progress is not None and bar_id is not None:
+            text = self._get_train_description(trainer.current_epoch)
+            style = self.theme.description
+            self.progress.update(bar_id, description=f"[{style}]{text}" if style else text)
+
+
+class StepTQDMProgressBar(TQDMProgressBar):
+    """Lightning's tqdm progress bar, labelled ``step s/max_steps`` when the run is step-based."""
+
+    def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        text = step_description(trainer)
+        if text is not None:
+            self.train_progress_bar.set_description(text)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        text = step_description(trainer)
+        if text is not None and self.train_progress_bar is not None:
+            self.train_progress_bar.set_description(text, refresh=False)
+
+
+def step_progress_bar() -> ProgressBar:
+    """The step-labelled variant of the bar Lightning would pick itself (rich when installed, else tqdm)."""
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    return StepRichProgressBar() if _RICH_AVAILABLE else StepTQDMProgressBar()

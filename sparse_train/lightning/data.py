@@ -20,6 +20,8 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from .._validation import check_choice, check_float, check_int, check_keys
+
 __all__ = ["RetrievalTask", "RetrievalDataset", "RetrievalDataModule", "CurriculumStage", "ByteLMDataModule",
            "default_corpus_root", "IGNORE_INDEX"]
 
@@ -31,6 +33,13 @@ def _generator(seed: int, index: int) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(zlib.crc32(f"{seed}:{index}".encode()) * 2654435761 % (2**63 - 1))
     return g
+
+
+def _check_task_args(owner: str, *, filler: str, **sizes: int) -> None:
+    # Shared by RetrievalTask and RetrievalDataModule so the message names the class the user configured.
+    for name, value in sizes.items():
+        check_int(f"{owner}.{name}", value, minimum=1)
+    check_choice(f"{owner}.filler", filler, ("repeat", "random"))
 
 
 class RetrievalTask:
@@ -59,11 +68,10 @@ class RetrievalTask:
 
     def __init__(self, seq_len: int = 4096, num_pairs: int = 8, num_queries: int = 8, num_keys: int = 8,
                  num_values: int = 8, num_filler: int = 32, filler: str = "repeat", needle_len: int = 1) -> None:
-        if needle_len < 1:
-            raise ValueError(f"needle_len must be >= 1, got {needle_len}")
+        _check_task_args("RetrievalTask", seq_len=seq_len, num_pairs=num_pairs, num_queries=num_queries,
+                         num_keys=num_keys, num_values=num_values, num_filler=num_filler, filler=filler,
+                         needle_len=needle_len)
         self.needle_len = needle_len
-        if filler not in ("repeat", "random"):
-            raise ValueError(f"filler must be 'repeat' or 'random', got {filler!r}")
         self.filler = filler
         if num_queries > num_pairs:
             raise ValueError(f"num_queries={num_queries} exceeds num_pairs={num_pairs}")
@@ -166,6 +174,11 @@ class CurriculumStage:
     batch_size: int
     """Samples per batch in the stage (shorter contexts afford larger batches)."""
 
+    def __post_init__(self) -> None:
+        check_int("CurriculumStage.steps", self.steps, minimum=0)
+        check_int("CurriculumStage.seq_len", self.seq_len, minimum=1)
+        check_int("CurriculumStage.batch_size", self.batch_size, minimum=1)
+
 
 class _CurriculumBatches(Sampler):
     """Batches of ``(sample_index, seq_len)``: the curriculum stages, then the final length until
@@ -245,14 +258,34 @@ class RetrievalDataModule(LightningDataModule):
                  train_seed: int = 0, val_seed: int = 1, test_seed: int = 2, train_steps: int = 1000,
                  val_samples: int = 128, test_samples: int = 256, num_workers: int = 0) -> None:
         super().__init__()
+        for name, value in (("batch_size", batch_size), ("train_steps", train_steps)):
+            check_int(f"RetrievalDataModule.{name}", value, minimum=1)
+        check_int("RetrievalDataModule.eval_batch_size", eval_batch_size, minimum=1, optional=True)
+        for name, value in (("val_samples", val_samples), ("test_samples", test_samples), ("num_workers", num_workers)):
+            check_int(f"RetrievalDataModule.{name}", value, minimum=0)
+        for name, value in (("train_seed", train_seed), ("val_seed", val_seed), ("test_seed", test_seed)):
+            check_int(f"RetrievalDataModule.{name}", value)
+        _check_task_args("RetrievalDataModule", seq_len=seq_len, num_pairs=num_pairs, num_queries=num_queries,
+                         num_keys=num_keys, num_values=num_values, num_filler=num_filler, filler=filler,
+                         needle_len=needle_len)
         if len({train_seed, val_seed, test_seed}) != 3:
             raise ValueError("train_seed, val_seed and test_seed must differ so evaluation is held out")
         self.save_hyperparameters()
         self.task = RetrievalTask(seq_len, num_pairs, num_queries, num_keys, num_values, num_filler, filler,
                                   needle_len)
-        self.curriculum = [c if isinstance(c, CurriculumStage) else CurriculumStage(**c) for c in (curriculum or [])]
+        self.curriculum = [self._stage(i, c) for i, c in enumerate(curriculum or [])]
         for c in self.curriculum:
             self.task.haystack_len(c.seq_len)
+
+    @staticmethod
+    def _stage(i: int, stage: Union[CurriculumStage, dict]) -> CurriculumStage:
+        if isinstance(stage, CurriculumStage):
+            return stage
+        check_keys(f"RetrievalDataModule.curriculum[{i}]", stage, CurriculumStage.__dataclass_fields__)
+        missing = [k for k in CurriculumStage.__dataclass_fields__ if k not in stage]
+        if missing:
+            raise ValueError(f"RetrievalDataModule.curriculum[{i}] lacks {', '.join(missing)}, got {stage!r}")
+        return CurriculumStage(**stage)
 
     @property
     def vocab_size(self) -> int:
@@ -348,6 +381,23 @@ class ByteLMDataModule(LightningDataModule):
                  batch_size: int = 8, val_fraction: float = 0.05, max_bytes: int = 32_000_000, seed: int = 0,
                  train_samples: int = 10_000_000, val_samples: int = 64, num_workers: int = 0) -> None:
         super().__init__()
+        # A bare string is a Sequence[str] too: iterating it would read one "path" per character.
+        if isinstance(paths, (str, os.PathLike)):
+            raise ValueError(f"ByteLMDataModule.paths must be a list of files or directories, got the single path "
+                             f"{paths!r}; write [{str(paths)!r}]")
+        if paths is not None and (not isinstance(paths, (list, tuple))
+                                  or not all(isinstance(p, (str, os.PathLike)) for p in paths)):
+            raise ValueError(f"ByteLMDataModule.paths must be a list of files or directories or None, got {paths!r}")
+        missing = [str(p) for p in paths or [] if not Path(p).exists()]
+        if missing:
+            raise ValueError(f"ByteLMDataModule.paths: {', '.join(map(repr, missing))} does not exist")
+        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("max_bytes", max_bytes),
+                            ("train_samples", train_samples)):
+            check_int(f"ByteLMDataModule.{name}", value, minimum=1)
+        for name, value in (("val_samples", val_samples), ("num_workers", num_workers)):
+            check_int(f"ByteLMDataModule.{name}", value, minimum=0)
+        check_int("ByteLMDataModule.seed", seed)
+        check_float("ByteLMDataModule.val_fraction", val_fraction, minimum=0.0, exclusive_maximum=1.0)
         self.save_hyperparameters()
         self.train_bytes: Optional[torch.Tensor] = None
         self.val_bytes: Optional[torch.Tensor] = None
@@ -380,6 +430,9 @@ class ByteLMDataModule(LightningDataModule):
             total += len(data)
             if total >= self.hparams.max_bytes:
                 break
+        if not train and not val:
+            raise FileNotFoundError(f"none of the corpus files under {self.hparams.paths or default_corpus_root()} "
+                                    "could be read")
         if not val:  # tiny corpora: hold out the last file so validation still exists
             val.append(train.pop())
         self.train_bytes = torch.frombuffer(bytearray(b"".join(train)), dtype=torch.uint8)

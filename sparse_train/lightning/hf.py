@@ -18,13 +18,18 @@ are. The HF model's own ``labels=`` loss is deliberately not used: it shifts lab
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Literal, Optional
 
 import torch
 import torch.nn as nn
 
+from .._validation import check_bool, check_choice, check_keys
 from ..config import SparseAttentionConfig
-from .module import SparseLMModule
+from .module import SparseLMModule, check_training_args
+
+# Parameter dtypes worth loading a causal LM in; a typo would otherwise surface as an AttributeError of torch.
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 __all__ = ["HFCausalLMModule", "HFCausalLM", "HFModelSummary"]
 
@@ -83,11 +88,28 @@ class HFCausalLMModule(SparseLMModule):
         # SparseLMModule.__init__ builds our Transformer; only LightningModule.__init__ is wanted here.
         # (Calling it through super() also gives this frame the __class__ cell save_hyperparameters needs.)
         super(SparseLMModule, self).__init__()
-        if attention not in ("sparse", "dense"):
-            raise ValueError(f"attention must be 'sparse' or 'dense', got {attention!r}")
+        check_training_args("HFCausalLMModule", lr=lr, selector_lr=selector_lr, weight_decay=weight_decay,
+                            betas=betas, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
+                            selector_loss_weight=selector_loss_weight, train_only_selector=train_only_selector,
+                            init_from=init_from)
+        # Loading is local-only: without this check a missing directory is reported by huggingface_hub as
+        # an invalid *hub repo id*, which sends the user looking in the wrong place.
+        if not isinstance(pretrained_path, (str, os.PathLike)) or not os.path.isdir(pretrained_path):
+            raise ValueError(f"HFCausalLMModule.pretrained_path must be a local checkpoint directory "
+                             f"(config.json + weights), got {pretrained_path!r}")
+        check_choice("HFCausalLMModule.attention", attention, ("sparse", "dense"))
+        if dtype is not None:
+            check_choice("HFCausalLMModule.dtype", dtype, _DTYPES)
+        check_bool("HFCausalLMModule.gradient_checkpointing", gradient_checkpointing)
         if isinstance(sparse, SparseAttentionConfig):
             sparse = dataclasses.asdict(sparse)
+        if sparse is not None and not isinstance(sparse, dict):
+            raise ValueError(f"HFCausalLMModule.sparse must be a dict of SparseAttentionConfig fields, a "
+                             f"SparseAttentionConfig or None, got {sparse!r}")
         sparse = dict(sparse or {})
+        if attention == "sparse":
+            check_keys("HFCausalLMModule.sparse", sparse, SparseAttentionConfig.__dataclass_fields__)
+            SparseAttentionConfig(**sparse)  # names a bad value before the checkpoint is loaded
         self.save_hyperparameters()
         lm = self._load_pretrained(pretrained_path, dtype, attn_implementation)
         # from_pretrained returns the model in eval mode and Lightning keeps submodules' modes as they
@@ -114,9 +136,8 @@ class HFCausalLMModule(SparseLMModule):
             kwargs["attn_implementation"] = attn_implementation
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
-    def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        need = getattr(dm, "vocab_size", None)
+    def check_data(self, datamodule: Any) -> None:
+        need = getattr(datamodule, "vocab_size", None)
         if need is not None and need > self.model_config.vocab_size:
             raise ValueError(f"data needs vocab_size >= {need} but the checkpoint {self.hparams.pretrained_path} "
                              f"has vocab_size = {self.model_config.vocab_size}")

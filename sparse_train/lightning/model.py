@@ -19,6 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 import sparse_train as st
 
+from .._validation import check_bool, check_choice, check_float, check_int, check_keys
+
 __all__ = ["TransformerConfig", "Transformer", "RMSNorm", "dense_causal_attention"]
 
 
@@ -54,6 +56,37 @@ class TransformerConfig:
     """Recompute each block in the backward (saves activation memory; the module replays selections)."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"):
+            check_int(f"TransformerConfig.{name}", getattr(self, name), minimum=1)
+        # Checked here rather than left to ``x or default``: 0 would silently mean "default".
+        check_int("TransformerConfig.head_dim", self.head_dim, minimum=1, optional=True)
+        check_int("TransformerConfig.ffn_hidden", self.ffn_hidden, minimum=1, optional=True)
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"TransformerConfig.n_heads={self.n_heads} must be a multiple of "
+                             f"n_kv_heads={self.n_kv_heads} (grouped-query attention)")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"TransformerConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                             "change one of them or set head_dim")
+        if self.resolved_head_dim % 2:
+            raise ValueError(f"TransformerConfig: the head dim must be even for RoPE (it rotates pairs), got "
+                             f"{self.resolved_head_dim} (head_dim={self.head_dim}, d_model={self.d_model}, "
+                             f"n_heads={self.n_heads})")
+        check_float("TransformerConfig.rope_theta", self.rope_theta, exclusive_minimum=0.0)
+        check_float("TransformerConfig.norm_eps", self.norm_eps, exclusive_minimum=0.0)
+        check_float("TransformerConfig.init_std", self.init_std, minimum=0.0)
+        check_bool("TransformerConfig.tie_embeddings", self.tie_embeddings)
+        check_bool("TransformerConfig.activation_checkpointing", self.activation_checkpointing)
+        check_choice("TransformerConfig.attention", self.attention, ("sparse", "dense"))
+        if self.attention == "sparse":
+            check_keys("TransformerConfig.sparse", self.sparse, st.SparseAttentionConfig.__dataclass_fields__)
+            st.SparseAttentionConfig(**self.sparse)  # its own __post_init__ names a bad value
+
+    @property
+    def resolved_head_dim(self) -> int:
+        """Per-head width D actually used: ``head_dim``, or ``d_model // n_heads`` when it is None."""
+        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
 
 class RMSNorm(nn.Module):
@@ -98,10 +131,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
-        if cfg.n_heads % cfg.n_kv_heads:
-            raise ValueError(f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads={cfg.n_kv_heads}")
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        self.head_dim = cfg.head_dim or cfg.d_model // cfg.n_heads
+        self.head_dim = cfg.resolved_head_dim
         self.wq = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
@@ -114,7 +145,7 @@ class Attention(nn.Module):
                 num_kv_heads=self.n_kv_heads,
                 head_dim=self.head_dim,
             )
-        elif cfg.attention != "dense":
+        elif cfg.attention != "dense":  # a config mutated after its checks ran
             raise ValueError(f"attention must be 'sparse' or 'dense', got {cfg.attention!r}")
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -149,7 +180,7 @@ class Block(nn.Module):
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
-        hidden = cfg.ffn_hidden or 64 * math.ceil(cfg.d_model * 8 / 3 / 64)
+        hidden = cfg.ffn_hidden if cfg.ffn_hidden is not None else 64 * math.ceil(cfg.d_model * 8 / 3 / 64)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -166,6 +197,9 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
+        if not isinstance(cfg, TransformerConfig):
+            raise ValueError(f"Transformer needs a TransformerConfig, got {type(cfg).__name__} "
+                             "(build one with TransformerConfig(**mapping))")
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -187,7 +221,7 @@ class Transformer(nn.Module):
 
     def rope(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached RoPE cos/sin tables for positions ``0..n-1``."""
-        head_dim = self.cfg.head_dim or self.cfg.d_model // self.cfg.n_heads
+        head_dim = self.cfg.resolved_head_dim
         c = self._rope_cache
         if c is None or c[0] < n or c[1] != device:
             cos, sin = _rope_tables(max(n, c[0] if c else 0), head_dim, self.cfg.rope_theta, device)

@@ -16,6 +16,7 @@ Lightning's ``--ckpt_path``, which restores the model (selectors included), opti
 from __future__ import annotations
 
 import math
+import os
 import time
 from typing import Any, Optional
 
@@ -27,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 import sparse_train as st
 
+from .._validation import check_bool, check_float, check_int, check_keys
 from ..selectors.metrics import needle_block_recall
 from .data import IGNORE_INDEX
 from .model import Transformer, TransformerConfig
@@ -75,6 +77,26 @@ def load_weights(model: nn.Module, path: str, prefix: str = "model.") -> dict[st
     return {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
 
 
+def check_training_args(owner: str, *, lr: Any, selector_lr: Any, weight_decay: Any, betas: Any, warmup_steps: Any,
+                        min_lr_ratio: Any, selector_loss_weight: Any, train_only_selector: Any,
+                        init_from: Any) -> None:
+    """Validate the optimisation arguments every LM module shares; messages name ``<owner>.<argument>``.
+    Run before anything is built, so a NaN learning rate or a float warm-up fails before the model loads."""
+    check_float(f"{owner}.lr", lr, minimum=0.0)
+    check_float(f"{owner}.selector_lr", selector_lr, minimum=0.0, optional=True)
+    check_float(f"{owner}.weight_decay", weight_decay, minimum=0.0)
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{owner}.betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        check_float(f"{owner}.betas[{i}]", beta, minimum=0.0, exclusive_maximum=1.0)
+    check_int(f"{owner}.warmup_steps", warmup_steps, minimum=0)
+    check_float(f"{owner}.min_lr_ratio", min_lr_ratio, minimum=0.0, maximum=1.0)
+    check_float(f"{owner}.selector_loss_weight", selector_loss_weight, minimum=0.0)
+    check_bool(f"{owner}.train_only_selector", train_only_selector)
+    if init_from is not None and not isinstance(init_from, (str, os.PathLike)):
+        raise ValueError(f"{owner}.init_from must be a checkpoint path or None, got {init_from!r}")
+
+
 class SparseLMModule(LightningModule):
     """Trains :class:`~sparse_train.lightning.model.Transformer` (sparse or dense attention).
 
@@ -99,9 +121,18 @@ class SparseLMModule(LightningModule):
                  selector_loss_weight: float = 1.0, train_only_selector: bool = False,
                  init_from: Optional[str] = None, dense_twin_acc: Optional[float] = None) -> None:
         super().__init__()
+        check_training_args("SparseLMModule", lr=lr, selector_lr=selector_lr, weight_decay=weight_decay, betas=betas,
+                            warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
+                            selector_loss_weight=selector_loss_weight, train_only_selector=train_only_selector,
+                            init_from=init_from)
+        check_float("SparseLMModule.dense_twin_acc", dense_twin_acc, minimum=0.0, maximum=1.0, optional=True)
         self.save_hyperparameters()
         if isinstance(model, dict):  # from a checkpoint's hparams or a plain YAML mapping
+            check_keys("SparseLMModule.model", model, TransformerConfig.__dataclass_fields__)
             model = TransformerConfig(**model)
+        if not isinstance(model, TransformerConfig):
+            raise ValueError(f"SparseLMModule.model must be a TransformerConfig or a dict of its fields, "
+                             f"got {model!r}")
         self.model_config = model
         self.model = Transformer(model)
         self._attach_model_state(init_from, train_only_selector, "model.attention: sparse")
@@ -213,12 +244,16 @@ class SparseLMModule(LightningModule):
         self._eval_epoch_end("test")
 
     # ------------------------------------------------------------------ lifecycle
-    def setup(self, stage: str) -> None:
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
-        need = getattr(dm, "vocab_size", None)
+    def check_data(self, datamodule: Any) -> None:
+        """Raise ``ValueError`` when ``datamodule`` produces token ids the model cannot embed. Called by
+        ``setup`` and, before training starts, by the ``sparse-train`` CLI (so it reports a config error)."""
+        need = getattr(datamodule, "vocab_size", None)
         if need is not None and need > self.model_config.vocab_size:
             raise ValueError(f"data needs vocab_size >= {need} but model.vocab_size = "
                              f"{self.model_config.vocab_size}; set --model.init_args.model.vocab_size={need}")
+
+    def setup(self, stage: str) -> None:
+        self.check_data(getattr(self.trainer, "datamodule", None) if self._trainer is not None else None)
 
     def on_fit_start(self) -> None:
         self._fit_start = time.perf_counter()
@@ -255,7 +290,7 @@ class SparseLMModule(LightningModule):
         groups = [
             {"params": decay, "weight_decay": hp.weight_decay, "lr": hp.lr},
             {"params": no_decay, "weight_decay": 0.0, "lr": hp.lr},
-            {"params": selector, "weight_decay": 0.0, "lr": hp.selector_lr or hp.lr},
+            {"params": selector, "weight_decay": 0.0, "lr": hp.lr if hp.selector_lr is None else hp.selector_lr},
         ]
         groups = [g for g in groups if g["params"]]
         optimizer = torch.optim.AdamW(groups, betas=tuple(hp.betas))
