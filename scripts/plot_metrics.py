@@ -113,7 +113,8 @@ PANELS = {
     "loss": ["train/loss", "train/lm_loss", "val/loss"],
     "accuracy": ["train/acc", "val/acc"],
     "step_time": ["time/forward_ms", "time/backward_ms", "time/optimizer_ms", "time/step_ms"],
-    "attention": ["attn/density", "attn/recall", "attn/mass_captured", "attn/selector_loss"],
+    "attention": ["attn/density", "attn/mass_recall_mean", "attn/mass_recall_p5", "attn/selector_loss"],
+    "selection": ["val/needle_recall", "val/needle_recall/layer0", "val/needle_recall/layer1"],
     "throughput": ["throughput/tokens_per_s", "throughput/tokens_per_s_wall"],
 }
 
