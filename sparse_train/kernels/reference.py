@@ -127,7 +127,8 @@ def reference_sparse_attention(
         scale: logit scale, default ``1 / sqrt(D)``.
         dropout_p: attention-probability dropout in [0, 1); needs ``dropout_seed`` when > 0.
         dropout_seed: int seed of the counter-based keep bits.
-        seq_lens: optional int ``[B]``; keys at positions >= seq_lens[b] are masked.
+        seq_lens: optional int ``[B]``; keys at positions >= seq_lens[b] are masked, by selection:
+            their values (even NaN/inf) reach no output and no gradient.
         upcast: compute fp16/bf16 inputs in fp32 (default). False computes in the input dtype, which
             tests use as the "same computation in the kernel's precision" baseline.
         chunk_q_blocks: query blocks per chunk (default: sized to ~8M logits per chunk).
@@ -175,22 +176,22 @@ def reference_sparse_attention(
         c1 = min(nqb, c0 + step)
         chunk = c1 - c0
         sel_rows = rows[:, :, c0:c1].reshape(-1)
-        k_sel = kp.index_select(0, sel_rows).view(batch, hkv, chunk, cap * bk, d)  # [B, HKV, C, K*BK, D]
-        v_sel = vp.index_select(0, sel_rows).view(batch, hkv, chunk, cap * bk, d)
-        q_chunk = qp[:, :, :, c0:c1]  # [B, HKV, G, C, BQ, D]
-        logits = torch.einsum("bhgcqd,bhckd->bhgcqk", q_chunk, k_sel) * scale  # [B, HKV, G, C, BQ, K*BK]
-
         key_pos = (idx[:, :, c0:c1, :, None] * bk + torch.arange(bk, device=device)).reshape(
             batch, hkv, chunk, cap * bk
         )
         q_pos = (torch.arange(c0, c1, device=device).view(-1, 1) * bq + torch.arange(bq, device=device)).view(
             1, 1, chunk, bq, 1
         )
-        # Values of masked keys never enter the sum: zero them so garbage (even NaN) in padding after
-        # a sequence's length cannot leak through 0 * NaN.
         key_ok = slot_valid[:, :, c0:c1, :, None].expand(-1, -1, -1, -1, bk).reshape(batch, hkv, chunk, cap * bk)
         key_ok = key_ok & (key_pos < lens)  # [B, HKV, C, K*BK]
-        v_sel = v_sel.masked_fill(~key_ok.unsqueeze(-1), 0.0)
+        # Masked keys and values are replaced (selected away, not multiplied by 0) before any product:
+        # garbage in them (even NaN/inf past a sequence's length) would otherwise leak through 0 * NaN,
+        # into o via P @ V and into dQ via dS @ K in the backward of the logits.
+        keep = key_ok.unsqueeze(-1)
+        k_sel = torch.where(keep, kp.index_select(0, sel_rows).view(batch, hkv, chunk, cap * bk, d), 0.0)
+        v_sel = torch.where(keep, vp.index_select(0, sel_rows).view(batch, hkv, chunk, cap * bk, d), 0.0)
+        q_chunk = qp[:, :, :, c0:c1]  # [B, HKV, G, C, BQ, D]
+        logits = torch.einsum("bhgcqd,bhckd->bhgcqk", q_chunk, k_sel) * scale  # [B, HKV, G, C, BQ, K*BK]
         valid = (key_ok.unsqueeze(3) & (key_pos.unsqueeze(3) <= q_pos)).unsqueeze(2)  # [B, HKV, 1, C, BQ, K*BK]
 
         logits = logits.masked_fill(~valid, float("-inf"))
@@ -237,10 +238,15 @@ def dense_block_mask_attention(
     elem = elem.repeat_interleave(group, dim=1)  # [B, HQ, N, N]
     pos = torch.arange(n, device=q.device)
     elem = elem & (pos.view(1, 1, 1, n) <= pos.view(1, 1, n, 1))
-    if seq_lens is not None:
-        elem = elem & (pos.view(1, 1, 1, n) < seq_lens.view(-1, 1, 1, 1))
     kk = k.repeat_interleave(group, dim=1)
     vv = v.repeat_interleave(group, dim=1)
+    if seq_lens is not None:
+        elem = elem & (pos.view(1, 1, 1, n) < seq_lens.view(-1, 1, 1, 1))
+        # keys past a sequence's length are selected away, not multiplied by 0: NaN/inf there must
+        # not leak into o (P @ V) or into dQ (the backward of Q K^T)
+        key_in = pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1)
+        kk = torch.where(key_in, kk, 0.0)
+        vv = torch.where(key_in, vv, 0.0)
     s = (q @ kk.transpose(-1, -2)) * scale
     s = s.masked_fill(~elem, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
