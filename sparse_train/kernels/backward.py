@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import LAST_COMPILED, LOG2E, default_heads_per_program, launch
+from .forward import LAST_COMPILED, LOG2E, default_heads_per_program, kernel_seq_lens, launch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,7 +381,10 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     """Launch the backward.  `slots` from `cold_slots` (int32 [B*HKV*NKB]); `num_cold` = number of
     slots >= 0 (0 in deterministic mode).  Returns (dq, dk, dv) in q/k/v dtypes.
     `stage_events`: optional 4 CUDA events recorded at start / after preprocess+scheduling+workspace
-    zeroing / after the dQ(+atomic) kernel / after the KV-centric and finish kernels."""
+    zeroing / after the dQ(+atomic) kernel / after the KV-centric and finish kernels.
+    No validation here (op.py validates), but every tensor argument is either passed with its strides
+    (q, k, v, o, do, indices, counts) or made contiguous here (lse, dlse, seq_lens and the plan arrays
+    kv_indptr, kv_qblocks, slots, which the kernels index without strides)."""
     from .reference import dropout_threshold
 
     B, HQ, N, D = q.shape
@@ -403,7 +406,10 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if not do.is_contiguous():
         do = do.contiguous()
     lse = lse.contiguous()
-    seql = seq_lens if seq_lens is not None else counts
+    kv_indptr = kv_indptr.contiguous()
+    kv_qblocks = kv_qblocks.contiguous()
+    slots = slots.contiguous()
+    seql = kernel_seq_lens(seq_lens, N, counts)
 
     if stage_events:
         stage_events[0].record()

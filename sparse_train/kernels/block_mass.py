@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .forward import LOG2E, default_heads_per_program, launch
+from .forward import LOG2E, default_heads_per_program, kernel_seq_lens, launch
 
 __all__ = ["triton_block_mass"]
 
@@ -96,7 +96,8 @@ def _block_mass_kernel(
 # ----------------------------------------------------------------------------------------------
 def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts: Tensor, *, block_q: int,
                       block_k: int, scale: float, seq_lens: Tensor | None = None) -> Tensor:
-    """Unnormalised mass float32 ``[B, HKV, NQB, K]`` (zeros in empty slots). No validation."""
+    """Unnormalised mass float32 ``[B, HKV, NQB, K]`` (zeros in empty slots). No validation; q, k, lse,
+    indices, counts are passed with their strides, seq_lens made contiguous (`kernel_seq_lens`)."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     G = HQ // HKV
@@ -104,7 +105,7 @@ def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts
     hpp = default_heads_per_program(G, block_q, D)
     nsub = G // hpp
     out = torch.zeros((B, HKV, nsub, NQB, KCAP), device=q.device, dtype=torch.float32)
-    seq_arg = seq_lens.to(torch.int32).contiguous() if seq_lens is not None else counts
+    seq_arg = kernel_seq_lens(seq_lens, N, counts)
     launch(
         _block_mass_kernel, (NQB * nsub, B * HKV),
         q, k, lse, indices, counts, seq_arg, out,
