@@ -283,3 +283,19 @@ def test_nonfinite_padding_reaches_no_output_or_gradient(poison):
     for name, x, y in zip(("dq", "dk", "dv"), dirty, clean):
         assert torch.equal(x, y), name
 
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_caller_seq_lens_mutation_after_forward_does_not_change_grads(dtype):
+    """seq_lens is copied at forward time like the index (an int32 one used to be saved by reference)."""
+    B, HQ, HKV, N, D = 2, 2, 1, 64, 16
+    idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=33, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=33, device=DEV)
+    do = torch.randn_like(q)
+    lens = torch.tensor([64, 29], dtype=dtype, device=DEV)
+    g_ref = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, seq_lens=lens), q, k, v, do)
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o, _ = triton_sparse_attention(qs, ks, vs, idx, seq_lens=lens)
+    lens.fill_(3)
+    g = torch.autograd.grad(o, (qs, ks, vs), do)
+    for a, b in zip(g, g_ref):
+        assert torch.equal(a, b)

@@ -11,11 +11,11 @@ Layers: kernels live in forward.py / backward.py; this file holds (3) the autogr
 (`sparse_train::sparse_attn_fwd` / `sparse_train::sparse_attn_bwd` custom ops with fake impls and
 `register_autograd`) and (4) the public functions `triton_sparse_attention` and `triton_supports`.
 
-Ownership of the index: `indices` and `counts` are **copied** (cloned) when the forward runs, and the
-copy is what the backward reads, so a caller that mutates or reuses its index tensors after the forward
-cannot change the gradients (cost: 4 bytes per index slot, one small device copy).  The plan tensors
-(`BlockPlan.kv_indptr`, `kv_qblocks`, `hot`, `reuse`) are referenced, not copied: a plan is a derived,
-immutable view built by `BlockIndex.plan` at forward time.
+Ownership of the index: `indices`, `counts` and `seq_lens` are **copied** when the forward runs, and
+the copy is what the backward reads, so a caller that mutates or reuses these tensors after the forward
+cannot change the gradients (cost: 4 bytes per index slot and per sequence, small device copies).  The
+plan tensors (`BlockPlan.kv_indptr`, `kv_qblocks`, `hot`, `reuse`) are referenced, not copied: a plan is
+a derived, immutable view built by `BlockIndex.plan` at forward time.
 
 Known limits: CUDA tensors in bf16/fp16 (fp32 only under TRITON_INTERPRET=1, for tests); head dims
 16/32/64/128; BQ, BK in {16, 32, 64, 128}; N < 2^31.  dropout_seed=None draws a seed from torch's
@@ -197,11 +197,11 @@ def triton_sparse_attention(
         programs = index.num_q_blocks * (G // hpp) * B * k.shape[1]
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         num_splits = choose_num_splits(programs, int(plan.max_count), sms)
-    if seq_lens is not None:
-        seq_lens = seq_lens.to(torch.int32)
-    # copies: the backward must see the forward's selection whatever the caller does afterwards
+    # copies: the backward must see the forward's selection and lengths whatever the caller does afterwards
     indices = index.indices.clone()
     counts = index.counts.clone()
+    if seq_lens is not None:
+        seq_lens = seq_lens.to(torch.int32, copy=True)
     return torch.ops.sparse_train.sparse_attn_fwd(
         q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, slots, seq_lens,
         num_cold, index.block_q, index.block_k, scale, dropout_p, seed, int(num_splits))
