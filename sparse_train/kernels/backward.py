@@ -385,7 +385,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     No validation here (op.py validates), but every tensor argument is either passed with its strides
     (q, k, v, o, do, indices, counts) or made contiguous here (lse, dlse, seq_lens and the plan arrays
     kv_indptr, kv_qblocks, slots, which the kernels index without strides)."""
-    from .reference import dropout_threshold
+    from .reference import dropout_threshold, philox_key
 
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
@@ -410,6 +410,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     kv_qblocks = kv_qblocks.contiguous()
     slots = slots.contiguous()
     seql = kernel_seq_lens(seq_lens, N, counts)
+    seed = philox_key(dropout_seed)
 
     if stage_events:
         stage_events[0].record()
@@ -446,7 +447,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         _dq_kernel, (NQB * (G // hpp), B * HKV), q, k, v, do, lse, delta, indices, counts, seql, slots, dq, dkw, dvw,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *indices.stride(), *counts.stride(),
-        N, HQ, HKV, NQB, NKB, float(scale * LOG2E), float(scale), int(dropout_seed), threshold, inv_keep,
+        N, HQ, HKV, NQB, NKB, float(scale * LOG2E), float(scale), seed, threshold, inv_keep,
         G=G, HPP=hpp, BQ=block_q, BK=block_k, D=D, HAS_SEQLENS=seq_lens is not None,
         DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee, num_warps=nw_dq, num_stages=ns_dq,
     )
@@ -457,7 +458,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
             _dkdv_kernel, (item_row.numel(),), q, k, v, do, lse, delta, kv_indptr, kv_qblocks, seql, item_row, item_t0, item_t1, item_part,
             dk, dv, pkw, pvw,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-            N, HQ, HKV, NKB, float(scale * LOG2E), float(scale), int(dropout_seed), threshold, inv_keep,
+            N, HQ, HKV, NKB, float(scale * LOG2E), float(scale), seed, threshold, inv_keep,
             G=G, HPP=hpp_kv, BQ=block_q, BK=block_k, D=D, HAS_SEQLENS=seq_lens is not None,
             DROPOUT=dropout, IEEE=ieee, num_warps=nw_kv, num_stages=ns_kv,
         )

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..validation import check_scale
 from .forward import LOG2E, default_heads_per_program, kernel_seq_lens, launch
 
 __all__ = ["triton_block_mass"]
@@ -130,8 +131,9 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
         q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]`` (any strides; detached here).
         lse: ``[B, HQ, N]`` float32 natural-log row log-sum-exp of the main attention over ``index``.
         index: the :class:`~sparse_train.BlockIndex` the attention used.
-        scale: logit scale of the main attention.
-        seq_lens: optional int ``[B]``; keys and query rows at positions >= seq_lens[b] are dead.
+        scale: logit scale of the main attention (finite).
+        seq_lens: optional int ``[B]``, values in ``[0, N]``; keys and query rows at positions >=
+            seq_lens[b] are dead (never loaded: NaN/inf there cannot reach the target).
 
     Returns:
         ``target`` float32 ``[B, HKV, NQB, K]`` (each valid row sums to 1 over its selected slots,
@@ -141,6 +143,7 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
         ValueError: shapes that do not match the index, or an lse of the wrong shape/dtype/device.
     """
     index.check_compatible(q, k, k, seq_lens)
+    scale = check_scale(scale, q.shape[-1])
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(
             f"lse must be float32 {tuple(q.shape[:3])} on {q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}"

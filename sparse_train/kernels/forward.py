@@ -247,8 +247,9 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
     counts int32 [B, HKV, NQB]; seq_lens int [B] or None.  Returns (o [B, HQ, N, D] q.dtype,
     lse [B, HQ, N] float32).  `out=(o, lse)` writes into given buffers (tests poison them with NaN
     to prove every element is written).  No validation here (op.py validates before calling), but
-    every tensor argument is either passed with its strides or made contiguous here."""
-    from .reference import dropout_threshold  # the one definition of the keep threshold
+    every tensor argument is either passed with its strides or made contiguous here, and
+    `dropout_seed` may be any int whose low 64 bits are the Philox key."""
+    from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
@@ -280,7 +281,7 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
         _fwd_kernel, grid, q, k, v, o, lse, indices, counts, seql, po, pm, pl,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         *indices.stride(), *counts.stride(),
-        N, HQ, HKV, NQB, float(scale * LOG2E), int(dropout_seed), threshold, inv_keep,
+        N, HQ, HKV, NQB, float(scale * LOG2E), philox_key(dropout_seed), threshold, inv_keep,
         G=G, HPP=hpp, BQ=block_q, BK=block_k, D=D,
         HAS_SEQLENS=seq_lens is not None, DROPOUT=dropout, NSPLIT=num_splits, IEEE=ieee,
         num_warps=nw, num_stages=ns,

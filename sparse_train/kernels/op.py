@@ -17,19 +17,23 @@ cannot change the gradients (cost: 4 bytes per index slot and per sequence, smal
 plan tensors (`BlockPlan.kv_indptr`, `kv_qblocks`, `hot`, `reuse`) are referenced, not copied: a plan is
 a derived, immutable view built by `BlockIndex.plan` at forward time.
 
+Dropout seeds are ints in [0, 2**64) (validated once, for both backends, in sparse_train.validation);
+the op's `dropout_seed: int` is an int64, so seeds >= 2**63 travel as their two's-complement value
+and the launchers recover the unsigned Philox key (`reference.philox_key`).
+
 Known limits: CUDA tensors in bf16/fp16 (fp32 only under TRITON_INTERPRET=1, for tests); head dims
 16/32/64/128; BQ, BK in {16, 32, 64, 128}; N < 2^31.  dropout_seed=None draws a seed from torch's
 global CPU generator (a graph break under torch.compile: pass an int seed when compiling).
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..validation import as_int, check_attention_args, check_bool
 from .backward import cold_slots, sparse_attn_backward
 from .forward import choose_num_splits, default_heads_per_program, sparse_attn_forward
 
@@ -147,11 +151,13 @@ def triton_sparse_attention(
         dropout_p: dropout on attention probabilities, in [0, 1).  The keep bit of (b, h, q, k) is
             ``philox(seed, ((b*HQ+h)*N+q)*N+k) >= floor(p*2^32)``, the same bits as the reference;
             the softmax denominator (and lse) excludes dropout; kept weights are scaled by 1/(1-p).
-        dropout_seed: int seed; default (None with dropout_p > 0): drawn from torch's CPU generator.
+        dropout_seed: int seed in ``[0, 2**64)``; default (None with dropout_p > 0): drawn from torch's
+            CPU generator.
         deterministic: every dK/dV block through the KV-centric kernel in fixed order (no atomics),
             bitwise-identical gradients run to run.  Switched on automatically when
             ``torch.are_deterministic_algorithms_enabled()``.
-        seq_lens: optional int ``[B]``: keys at positions >= seq_lens[b] are masked.
+        seq_lens: optional int ``[B]`` (any strides), values in ``[0, N]``: keys at positions >=
+            seq_lens[b] are masked (never loaded).
         plan: a ``BlockPlan`` of this index (default ``index.plan(r0)``, cached on the index).
         r0: reuse threshold of the hybrid backward (default ``sparse_train.index.DEFAULT_R0``).
         num_splits: split-KV count of the forward (default: the plan-time rule
@@ -165,29 +171,28 @@ def triton_sparse_attention(
     gradients (see the module docstring).
 
     Raises:
-        ValueError: unsupported dtype/device/head dim/block size (reason from ``triton_supports``),
+        ValueError: unsupported dtype/device/head dim/block size (reason from ``triton_supports``);
+            any argument outside its domain (``sparse_train.validation.check_attention_args``):
             shape/batch/head/length mismatch with the index, bad seq_lens, dropout_p outside [0, 1),
-            num_splits outside 1..64, index tensors of the wrong dtype.
+            dropout_seed outside [0, 2**64); num_splits outside 1..64.
     """
-    index.check_compatible(q, k, v, seq_lens)
+    args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                seq_lens=seq_lens, r0=r0)
     ok, reason = triton_supports(q, k, v, index)
     if not ok:
         raise ValueError(f"triton_sparse_attention does not support this input: {reason}")
-    if index.indices.dtype != torch.int32 or index.counts.dtype != torch.int32:
-        raise ValueError("index.indices and index.counts must be int32 (build the index with BlockIndex)")
-    if not (0.0 <= float(dropout_p) < 1.0):
-        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
-    if num_splits is not None and not (1 <= int(num_splits) <= 64):
-        raise ValueError(f"num_splits must lie in 1..64, got {num_splits}")
+    if num_splits is not None:
+        num_splits = as_int("num_splits", num_splits, minimum=1, maximum=64)
     D = q.shape[-1]
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
+    scale, dropout_p, dropout_seed = args.scale, args.dropout_p, args.dropout_seed
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
-    seed = int(dropout_seed) if dropout_p > 0.0 else 0
-    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    seed = dropout_seed if dropout_p > 0.0 else 0
+    # the op's int is an int64: seeds >= 2**63 travel as their two's complement (same 64 bits)
+    seed = seed - (1 << 64) if seed >= 1 << 63 else seed
+    deterministic = check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
     if plan is None:
-        plan = index.plan(r0)
+        plan = index.plan(args.r0)
     slots = cold_slots(plan.hot, plan.reuse, deterministic)
     num_cold = 0 if deterministic else int(plan.num_cold)
     if num_splits is None:
