@@ -91,8 +91,9 @@ def sparse_attention(
         seq_lens: optional int ``[B]`` (any strides), values in ``[0, N]``: keys at positions >=
             seq_lens[b] are masked (right padding); whatever they hold (even NaN/inf) never reaches
             an output or gradient of the keys before it.
-        plan: a precomputed ``index.plan(r0)`` to reuse across layers; r0: reuse threshold of the
-            hybrid backward (default :data:`sparse_train.index.DEFAULT_R0`).
+        plan: a precomputed ``index.plan(r0)`` of this very index (refused otherwise) to reuse across
+            layers; r0: reuse threshold of the hybrid backward (default
+            :data:`sparse_train.index.DEFAULT_R0`; must equal ``plan.r0`` when both are given).
 
     Returns:
         ``o`` ``[B, HQ, N, D]`` in q's dtype, or ``(o, lse)`` with ``return_lse=True``. Rows with no
@@ -101,13 +102,13 @@ def sparse_attention(
     Raises:
         ValueError: any argument outside its domain (see :mod:`sparse_train.validation`), naming it:
             shape/dtype/device mismatch between q, k, v, index and seq_lens; seq_lens values outside
-            [0, N]; dropout_p outside [0, 1); dropout_seed outside [0, 2**64); unknown backend;
-            ``backend="triton"`` on input the kernels do not support.
+            [0, N]; dropout_p outside [0, 1); dropout_seed outside [0, 2**64); a plan of another
+            index; unknown backend; ``backend="triton"`` on input the kernels do not support.
     """
     # Everything but the seq_lens values (a host sync) before choosing a backend; the backend that
     # runs validates again, values included, so the sync happens once per call.
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, r0=r0, seq_lens_values=False)
+                                seq_lens=seq_lens, plan=plan, r0=r0, seq_lens_values=False)
     dropout_p, dropout_seed = args.dropout_p, args.dropout_seed
     check_bool("deterministic", deterministic)
     check_bool("return_lse", return_lse)

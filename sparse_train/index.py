@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .validation import (
+    PlanSource,
     as_int,
     check_block_index,
     check_capacity,
@@ -37,6 +38,8 @@ from .validation import (
     check_r0,
     check_seq_lens,
     check_window_sinks,
+    plan_source,
+    source_is_current,
 )
 
 __all__ = [
@@ -300,6 +303,10 @@ class BlockPlan:
     """Longest query-block row (blocks)."""
     max_reuse: int
     """Largest reuse count of any KV block."""
+    source: PlanSource | None = field(default=None, compare=False)
+    """The index this plan was built from (its tensors, held weakly, their version counters and the
+    geometry). ``sparse_attention(..., plan=)`` refuses a plan whose source is not the index passed:
+    the backward would read another selection's arrays (out of bounds when shapes differ)."""
 
     def __repr__(self) -> str:
         return (
@@ -329,6 +336,9 @@ class BlockIndex:
     block_q: int
     block_k: int
     _cache: dict = field(default_factory=dict, compare=False)
+    _external: bool = field(default=False, compare=False)
+    """The tensors belong to the caller (:meth:`from_canonical`), who may rewrite them in place at any
+    time: nothing derived from their values is cached."""
 
     def __post_init__(self) -> None:
         seq_len, block_q, block_k = check_geometry(self.seq_len, self.block_q, self.block_k)
@@ -460,12 +470,18 @@ class BlockIndex:
         cls, indices: Tensor, counts: Tensor, *, seq_len: int, block_q: int, block_k: int, check: str = "full"
     ) -> "BlockIndex":
         """Wrap tensors that are already canonical (e.g. a CUDA-graph-owned buffer). ``check="full"``
-        verifies every invariant; ``"none"`` trusts the caller, who then owns the safety of the reads."""
+        verifies every invariant; ``"none"`` trusts the caller, who then owns the safety of the reads.
+
+        The tensors stay the caller's: they are not copied, and the index caches nothing derived from
+        them (:meth:`plan` rebuilds on every call), because the caller may rewrite them in place at
+        any time, including through a CUDA-graph replay that no version counter sees. A plan built
+        from this index is refused by ``sparse_attention`` after an eager in-place write (version
+        counters); after a graph replay the caller must rebuild it."""
         seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
         _check_mode(check)
         if check != "none":
             _verify_canonical(indices, counts, seq_len, block_q, block_k)
-        return cls(indices, counts, seq_len, block_q, block_k)
+        return cls(indices, counts, seq_len, block_q, block_k, _external=True)
 
     # ---------------------------------------------------------------- geometry
     @property
@@ -493,7 +509,10 @@ class BlockIndex:
         return self.indices.device
 
     def to(self, device) -> "BlockIndex":
-        return BlockIndex(self.indices.to(device), self.counts.to(device), self.seq_len, self.block_q, self.block_k)
+        indices, counts = self.indices.to(device), self.counts.to(device)
+        # same device: the same (possibly caller-owned) tensors
+        external = self._external and indices is self.indices
+        return BlockIndex(indices, counts, self.seq_len, self.block_q, self.block_k, _external=external)
 
     def validate(self) -> None:
         """Exhaustive re-check of every canonical invariant (ValueError naming the first bad row)."""
@@ -547,12 +566,16 @@ class BlockIndex:
         return bool((self.counts.to(torch.int64) == (last + 1).view(1, 1, -1)).all())
 
     def plan(self, r0: int | None = None) -> BlockPlan:
-        """Derived views for the backward, cached per ``r0`` on this (immutable) index."""
+        """Derived views for the backward, cached per ``r0``. The cache is used only while the index
+        tensors are the unmodified ones it was built from (version counters): an in-place write to
+        ``indices`` / ``counts`` makes the next call rebuild. Indices wrapping caller-owned buffers
+        (:meth:`from_canonical`) never cache."""
         r0 = check_r0(r0)
         r0 = DEFAULT_R0 if r0 is None else r0
-        cached = self._cache.get(("plan", r0))
-        if cached is not None:
+        cached = None if self._external else self._cache.get(("plan", r0))
+        if cached is not None and source_is_current(cached.source, self):
             return cached
+        source = plan_source(self)
         b, h, nqb, cap = self.indices.shape
         nkb = self.num_k_blocks
         idx = self.indices.to(torch.int64)
@@ -587,8 +610,10 @@ class BlockIndex:
             nnz=int(key.numel()),
             max_count=int(stats[2]),
             max_reuse=int(stats[3]),
+            source=source,
         )
-        self._cache[("plan", r0)] = plan
+        if not self._external:
+            self._cache[("plan", r0)] = plan
         return plan
 
     def __repr__(self) -> str:

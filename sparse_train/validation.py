@@ -10,6 +10,8 @@ Cost: every check reads shapes, dtypes, devices and Python scalars only, except 
 ``seq_lens`` values, which is one host sync per call (a reduction over B elements). It is skipped while
 ``torch.compile`` traces (a data-dependent branch would break the graph); the kernel launchers clamp
 ``seq_lens`` to ``[0, N]`` on the device, so an unchecked value can never make a kernel read outside q/k/v.
+Derived state is checked by cheap identity: a `BlockPlan` must come from the index it is used with, and
+from its current contents (tensor version counters; skipped while compiling).
 
 Domains defined here: dropout seeds are ints in ``[0, 2**64)`` (the 64-bit Philox key, two 32-bit
 words); dropout_p is a float in ``[0, 1)``; block sizes, seq_len, capacity are ints >= 1; window,
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -40,11 +43,14 @@ __all__ = [
     "check_geometry",
     "check_index_matches",
     "check_integer_tensor",
+    "check_plan",
     "check_qkv",
     "check_r0",
     "check_scale",
     "check_seq_lens",
     "check_window_sinks",
+    "plan_source",
+    "source_is_current",
 ]
 
 DROPOUT_SEED_LIMIT = 1 << 64
@@ -210,7 +216,7 @@ def check_seq_lens(seq_lens, batch: int, seq_len: int, device, *, values: bool =
             )
 
 
-# ---------------------------------------------------------------------------------------- index
+# ---------------------------------------------------------------------------------------- index, plan
 def check_block_index(index) -> None:
     """Metadata of a BlockIndex (no data read): int32 ``indices [B, HKV, NQB, K>=1]`` and ``counts
     [B, HKV, NQB]`` on one device, NQB = ceil(seq_len / block_q). The canonical invariants of the
@@ -254,6 +260,66 @@ def check_index_matches(index, q: Tensor, k: Tensor) -> None:
         raise ValueError(f"block index is for seq_len={index.seq_len} but q/k/v have N={nq}")
 
 
+class PlanSource(NamedTuple):
+    """What a plan remembers of the index it was built from."""
+
+    indices: weakref.ref
+    counts: weakref.ref
+    versions: tuple
+    """Version counters of indices and counts (an in-place write bumps them; None for inference
+    tensors, which have none). A CUDA-graph replay writes without bumping them: see
+    `BlockIndex.from_canonical`."""
+    shape: tuple
+    geometry: tuple
+    """(seq_len, block_q, block_k)."""
+
+
+def _versions(index) -> tuple:
+    return tuple(None if t.is_inference() else t._version for t in (index.indices, index.counts))
+
+
+def plan_source(index) -> PlanSource:
+    return PlanSource(weakref.ref(index.indices), weakref.ref(index.counts), _versions(index),
+                      tuple(index.indices.shape), (index.seq_len, index.block_q, index.block_k))
+
+
+def source_is_current(source: PlanSource, index) -> bool:
+    """The index tensors are the ones ``source`` was taken from, unmodified since."""
+    return (source.indices() is index.indices and source.counts() is index.counts
+            and source.versions == _versions(index))
+
+
+def check_plan(plan, index, r0=None) -> None:
+    """``plan`` was built by ``index.plan(r0)`` from the index's current contents. A plan of another
+    index would make the backward read past its arrays."""
+    from .index import BlockPlan
+
+    if not isinstance(plan, BlockPlan):
+        raise ValueError(f"plan must be a sparse_train.BlockPlan (from index.plan(r0)), got {type(plan).__name__}")
+    if r0 is not None and r0 != plan.r0:
+        raise ValueError(f"plan was built with r0={plan.r0} but r0={r0} was passed; pass one of them")
+    source = plan.source
+    if source is None:
+        raise ValueError("plan has no source index; build plans with index.plan(r0)")
+    geometry = (index.seq_len, index.block_q, index.block_k)
+    if source.shape != tuple(index.indices.shape) or source.geometry != geometry:
+        raise ValueError(
+            f"plan was built for an index of shape {source.shape} and (seq_len, block_q, block_k)="
+            f"{source.geometry}, but this index has shape {tuple(index.indices.shape)} and {geometry}; "
+            "build it with index.plan(r0)"
+        )
+    if plan.reuse.device != index.device:
+        raise ValueError(f"plan is on {plan.reuse.device} but the block index is on {index.device}")
+    if _compiling():
+        return
+    if source.indices() is not index.indices or source.counts() is not index.counts:
+        raise ValueError("plan was built from a different BlockIndex than the one passed; build it with index.plan(r0)")
+    if source.versions != _versions(index):
+        raise ValueError(
+            "the index tensors were modified in place after this plan was built; rebuild it with index.plan(r0)"
+        )
+
+
 # ---------------------------------------------------------------------------------------- one call
 class AttentionArgs(NamedTuple):
     """Normalised arguments of an attention call."""
@@ -274,6 +340,7 @@ def check_attention_args(
     dropout_p=0.0,
     dropout_seed=None,
     seq_lens=None,
+    plan=None,
     r0=None,
     seq_lens_values: bool = True,
 ) -> AttentionArgs:
@@ -286,4 +353,6 @@ def check_attention_args(
     check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
     p, seed = check_dropout(dropout_p, dropout_seed)
     r0 = check_r0(r0)
+    if plan is not None:
+        check_plan(plan, index, r0)
     return AttentionArgs(check_scale(scale, head_dim), p, seed, r0)

@@ -318,7 +318,38 @@ def test_cuda_index_matches_cpu():
     assert math.isclose(gpu.density(), cpu.density(), rel_tol=1e-12)
 
 
-# --------------------------------------------------------------------------- issue 11: domains
+# --------------------------------------------------------------------------- issue 11: stale state, domains
+def test_plan_cache_follows_in_place_writes_to_the_index():
+    """A cached plan is reused only while the index tensors are unmodified (version counters)."""
+    a = st.BlockIndex.from_selection(random_selection(1, 2, 512, 64, 64, 3, seed=1), seq_len=512, window=1, capacity=8)
+    b = st.BlockIndex.from_selection(random_selection(1, 2, 512, 64, 64, 3, seed=2), seq_len=512, window=1, capacity=8)
+    first = a.plan(2)
+    assert a.plan(2) is first
+    a.indices.copy_(b.indices)
+    a.counts.copy_(b.counts)
+    again = a.plan(2)
+    assert again is not first
+    want = b.plan(2)
+    for name in ("kv_indptr", "kv_qblocks", "reuse", "hot"):
+        assert torch.equal(getattr(again, name), getattr(want, name)), name
+
+
+def test_from_canonical_buffers_rewritten_in_place_never_give_a_stale_plan():
+    """Issue 11: from_canonical (buffers a CUDA graph updates in place) cached its plan; after
+    buf.copy_(new) the backward used the plan of the old selection."""
+    a = st.BlockIndex.from_selection(random_selection(2, 2, 640, 64, 64, 4, seed=3), seq_len=640, sinks=1, capacity=8)
+    b = st.BlockIndex.from_selection(random_selection(2, 2, 640, 64, 64, 4, seed=4), seq_len=640, sinks=1, capacity=8)
+    buf_i, buf_c = a.indices.clone(), a.counts.clone()
+    idx = st.BlockIndex.from_canonical(buf_i, buf_c, seq_len=640, block_q=64, block_k=64)
+    assert torch.equal(idx.plan().kv_qblocks, a.plan().kv_qblocks)
+    buf_i.copy_(b.indices)
+    buf_c.copy_(b.counts)
+    assert torch.equal(idx.plan().kv_qblocks, b.plan().kv_qblocks)
+    assert torch.equal(idx.plan().kv_indptr, b.plan().kv_indptr)
+    # nothing is cached on caller-owned buffers (a graph replay would not bump any version counter)
+    assert idx.plan() is not idx.plan()
+
+
 def test_capacity_zero_is_rejected():
     """Issue 11: capacity=0 was accepted and then crashed the reference."""
     sel = torch.full((1, 1, 4, 1), -1, dtype=torch.int64)

@@ -266,6 +266,26 @@ def test_block_mass_launcher_honours_strides():
     assert torch.equal(got, want)
 
 
+def test_from_canonical_buffer_rewritten_in_place_gives_fresh_gradients():
+    """Issue 11: from_canonical cached the plan of its buffers; after buf.copy_(new) the backward used
+    the old plan (dK off by ~110%). The gradients must equal those of an index built from `new`."""
+    B, HQ, HKV, N, D = 1, 2, 1, 96, 16
+    a = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=51, device=DEV)
+    b = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=52, device=DEV)
+    assert a.indices.shape == b.indices.shape and not torch.equal(a.indices, b.indices)
+    buf_i, buf_c = a.indices.clone(), a.counts.clone()
+    idx = BlockIndex.from_canonical(buf_i, buf_c, seq_len=N, block_q=16, block_k=16)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=51, device=DEV)
+    do = torch.randn_like(q)
+    f = lambda i: lambda x, y, z: triton_sparse_attention(x, y, z, i, r0=2)  # noqa: E731
+    for x, y in zip(_grads(f(idx), q, k, v, do), _grads(f(a), q, k, v, do)):
+        assert torch.equal(x, y)
+    buf_i.copy_(b.indices)
+    buf_c.copy_(b.counts)
+    for x, y in zip(_grads(f(idx), q, k, v, do), _grads(f(b), q, k, v, do)):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "neg-inf"])
 def test_nonfinite_padding_reaches_no_output_or_gradient(poison):
     """Keys/values past seq_lens are never loaded: outputs and gradients equal a clean-padding run."""

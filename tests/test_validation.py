@@ -1,6 +1,7 @@
 """Argument validation of the public index / attention API (issue 11): every bad argument gets a
-ValueError naming it, the same on both backends; the dropout seed domain [0, 2**64) gives the same
-bits on both backends up to its top."""
+ValueError naming it, the same on both backends; state that does not belong to the call (a plan of
+another index, of index tensors modified since) is refused; the dropout seed domain [0, 2**64) gives
+the same bits on both backends up to its top."""
 
 import math
 import os
@@ -136,6 +137,42 @@ def test_block_index_constructor_checks_metadata(make, match):
         make(idx)
 
 
+# ------------------------------------------------------------------------------ plans bound to their index
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plan_of_another_index_is_refused(backend):
+    """Issue 11: a plan from another index was accepted and the backward read past its arrays."""
+    q, k, v, idx_a = _inputs(seed=1)
+    _, _, _, idx_b = _inputs(seed=2)
+    assert idx_a.indices.shape == idx_b.indices.shape
+    with pytest.raises(ValueError, match="plan was built from a different BlockIndex"):
+        st.sparse_attention(q, k, v, idx_a, plan=idx_b.plan(), backend=backend)
+    coarser = st.BlockIndex.full(2, 1, 64, 32, 32, device=DEV)
+    with pytest.raises(ValueError, match="plan was built for an index of shape"):
+        st.sparse_attention(q, k, v, idx_a, plan=coarser.plan(), backend=backend)
+    with pytest.raises(ValueError, match="plan must be a sparse_train.BlockPlan"):
+        st.sparse_attention(q, k, v, idx_a, plan=(idx_a.plan(),), backend=backend)
+    with pytest.raises(ValueError, match="plan was built with r0=1 but r0=3"):
+        st.sparse_attention(q, k, v, idx_a, plan=idx_a.plan(1), r0=3, backend=backend)
+    st.sparse_attention(q, k, v, idx_a, plan=idx_a.plan(3), r0=3, backend=backend)
+    same_tensors = st.BlockIndex(idx_a.indices, idx_a.counts, 64, 16, 16)
+    st.sparse_attention(q, k, v, same_tensors, plan=idx_a.plan(), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plan_of_index_modified_in_place_is_refused(backend):
+    q, k, v, idx = _inputs(seed=3)
+    _, _, _, other = _inputs(seed=4)
+    plan = idx.plan()
+    idx.indices.copy_(other.indices)
+    idx.counts.copy_(other.counts)
+    with pytest.raises(ValueError, match="modified in place after this plan was built"):
+        st.sparse_attention(q, k, v, idx, plan=plan, backend=backend)
+    fresh = idx.plan()
+    assert fresh is not plan
+    assert torch.equal(fresh.kv_qblocks, other.plan().kv_qblocks)
+    st.sparse_attention(q, k, v, idx, plan=fresh, backend=backend)
+
+
 # ------------------------------------------------------------------------------ dropout seed domain
 SEEDS_AT_THE_TOP = [2**63 - 1, 2**63, 2**64 - 2**31, 2**64 - 1]
 
@@ -173,8 +210,8 @@ def test_seed_domain_constant():
 # ------------------------------------------------------------------------------ torch.compile
 @pytest.mark.skipif(not TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
 def test_validation_traces_without_graph_break():
-    """The validation (seed domain, seq_lens) must not break a fullgraph trace: the seq_lens range
-    check (a host sync) is skipped while compiling."""
+    """The validation (plan binding, seed domain, seq_lens) must not break a fullgraph trace: the
+    seq_lens range check (a host sync) and the plan's version check are skipped while compiling."""
     q, k, v, idx = _inputs(seed=5)
     plan = idx.plan(2)
     lens = torch.tensor([64, 41], device=DEV)

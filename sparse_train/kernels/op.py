@@ -17,6 +17,9 @@ cannot change the gradients (cost: 4 bytes per index slot and per sequence, smal
 plan tensors (`BlockPlan.kv_indptr`, `kv_qblocks`, `hot`, `reuse`) are referenced, not copied: a plan is
 a derived, immutable view built by `BlockIndex.plan` at forward time.
 
+Plans are checked against the index they are used with (`sparse_train.validation.check_plan`): a
+plan of another index would make the backward read past its arrays.
+
 Dropout seeds are ints in [0, 2**64) (validated once, for both backends, in sparse_train.validation);
 the op's `dropout_seed: int` is an int64, so seeds >= 2**63 travel as their two's-complement value
 and the launchers recover the unsigned Philox key (`reference.philox_key`).
@@ -158,8 +161,10 @@ def triton_sparse_attention(
             ``torch.are_deterministic_algorithms_enabled()``.
         seq_lens: optional int ``[B]`` (any strides), values in ``[0, N]``: keys at positions >=
             seq_lens[b] are masked (never loaded).
-        plan: a ``BlockPlan`` of this index (default ``index.plan(r0)``, cached on the index).
-        r0: reuse threshold of the hybrid backward (default ``sparse_train.index.DEFAULT_R0``).
+        plan: a ``BlockPlan`` built by ``index.plan(r0)`` from this very index (default: that call,
+            cached on the index); a plan of another index, or of modified index tensors, raises.
+        r0: reuse threshold of the hybrid backward (default ``sparse_train.index.DEFAULT_R0``); must
+            equal ``plan.r0`` when both are given.
         num_splits: split-KV count of the forward (default: the plan-time rule
             ``forward.choose_num_splits``); results agree with the unsplit path up to rounding.
 
@@ -174,10 +179,10 @@ def triton_sparse_attention(
         ValueError: unsupported dtype/device/head dim/block size (reason from ``triton_supports``);
             any argument outside its domain (``sparse_train.validation.check_attention_args``):
             shape/batch/head/length mismatch with the index, bad seq_lens, dropout_p outside [0, 1),
-            dropout_seed outside [0, 2**64); num_splits outside 1..64.
+            dropout_seed outside [0, 2**64), a plan of another index; num_splits outside 1..64.
     """
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, r0=r0)
+                                seq_lens=seq_lens, plan=plan, r0=r0)
     ok, reason = triton_supports(q, k, v, index)
     if not ok:
         raise ValueError(f"triton_sparse_attention does not support this input: {reason}")
