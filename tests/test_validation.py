@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from _kernel_testutils import check_close
 import sparse_train as st
 from sparse_train.kernels.reference import dropout_keep_mask, reference_sparse_attention
 from sparse_train.validation import DROPOUT_SEED_LIMIT
@@ -174,7 +175,7 @@ def test_plan_of_index_modified_in_place_is_refused(backend):
 
 
 # ------------------------------------------------------------------------------ dropout seed domain
-SEEDS_AT_THE_TOP = [2**63 - 1, 2**63, 2**64 - 2**31, 2**64 - 1]
+SEEDS_AT_THE_TOP = [2**63 - 1, 2**63, 2**64 - 2**31, DROPOUT_SEED_LIMIT - 1]
 
 
 @pytest.mark.skipif(not TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -184,27 +185,31 @@ def test_dropout_seed_at_the_top_of_the_domain_same_bits_both_backends(seed):
     Recover the kernel's keep bits with q = 0 (uniform P) and V = identity, forward and backward."""
     B, HQ, HKV, N, D, p = 1, 2, 1, 32, 16, 0.4
     idx = st.BlockIndex.full(B, HKV, N, 16, 16, device=DEV)
-    q = torch.zeros(B, HQ, N, D, device=DEV, dtype=torch.float32)
-    k = torch.randn(B, HKV, N, D, device=DEV)
-    v = torch.eye(N, D, device=DEV).expand(B, HKV, N, D).contiguous()
+    q = torch.zeros(B, HQ, N, D, device=DEV, dtype=DTYPE)
+    k = torch.randn(B, HKV, N, D, device=DEV, dtype=DTYPE)
+    v = torch.eye(N, D, device=DEV, dtype=DTYPE).expand(B, HKV, N, D).contiguous()
     o = st.sparse_attention(q, k, v, idx, dropout_p=p, dropout_seed=seed, backend="triton")
     pos = torch.arange(N, device=DEV)
     keep = dropout_keep_mask(seed, torch.zeros(1, 1, 1, 1, dtype=torch.long, device=DEV),
                              torch.arange(HQ, device=DEV).view(1, HQ, 1, 1), pos.view(1, 1, N, 1),
                              pos.view(1, 1, 1, N), HQ, N, p) & (pos.view(1, 1, 1, N) <= pos.view(1, 1, N, 1))
     assert torch.equal(o > 0, keep[..., :D])  # V = identity: o[..., j] > 0 iff key j was kept
-    qs, ks, vs = (torch.randn(B, h, N, D, device=DEV, requires_grad=True) for h in (HQ, HKV, HKV))
-    do = torch.randn(B, HQ, N, D, device=DEV)
-    got = torch.autograd.grad(st.sparse_attention(qs, ks, vs, idx, dropout_p=p, dropout_seed=seed, backend="triton"),
-                              (qs, ks, vs), do)
-    want = torch.autograd.grad(reference_sparse_attention(qs, ks, vs, idx, dropout_p=p, dropout_seed=seed)[0],
-                               (qs, ks, vs), do)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    q, k, v, _ = _inputs(b=1, n=N, seed=6)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(DEV, DTYPE)
 
+    def grads(fn, *inputs):
+        leaves = [t.detach().clone().requires_grad_() for t in inputs]
+        return torch.autograd.grad(fn(*leaves), leaves, do.to(inputs[0].dtype))
 
-def test_seed_domain_constant():
-    assert DROPOUT_SEED_LIMIT == 2**64
+    got = grads(lambda a, b, c: st.sparse_attention(a, b, c, idx, dropout_p=p, dropout_seed=seed, backend="triton"),
+                q, k, v)
+    def reference(**kw):
+        return lambda a, b, c: reference_sparse_attention(a, b, c, idx, dropout_p=p, dropout_seed=seed, **kw)[0]
+
+    want = grads(reference(), q.double(), k.double(), v.double())
+    lowp = grads(reference(upcast=False), q, k, v)
+    for name, a, w, lo in zip(("dq", "dk", "dv"), got, want, lowp):
+        check_close(name, a, w, lo, DTYPE)
 
 
 # ------------------------------------------------------------------------------ torch.compile
