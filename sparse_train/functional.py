@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from .index import BlockIndex, BlockPlan
-from .kernels.reference import dropout_threshold, reference_sparse_attention
+from .kernels.reference import reference_sparse_attention
+from .validation import check_attention_args, check_block_index, check_bool, check_qkv
 
 __all__ = ["sparse_attention", "resolve_backend", "BACKENDS"]
 
@@ -27,8 +28,10 @@ def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend:
     ``"auto"`` picks Triton for CUDA tensors the kernels support and the reference otherwise (the
     reason names what was unsupported). ``"triton"`` on CPU tensors requires ``TRITON_INTERPRET=1``.
     """
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_block_index(index)
+    check_qkv(q, k, v, device=index.device)
     if backend == "reference":
         return "reference", "requested"
     on_cpu = q.device.type == "cpu"
@@ -77,31 +80,38 @@ def sparse_attention(
         scale: logit scale, default ``1 / sqrt(D)``.
         dropout_p: dropout on attention probabilities, in [0, 1). The softmax denominator excludes
             dropout; kept probabilities are scaled by ``1 / (1 - p)``.
-        dropout_seed: seed of the counter-based keep bits. ``None`` draws one from torch's global
-            generator (so ``torch.manual_seed`` and checkpoint RNG replay reproduce it).
+        dropout_seed: seed of the counter-based keep bits, an int in ``[0, 2**64)`` (both backends
+            give the same bits for every seed). ``None`` draws one from torch's global generator (so
+            ``torch.manual_seed`` and checkpoint RNG replay reproduce it).
         deterministic: bitwise-reproducible gradients (every dK/dV block KV-centric). Also switched on
             by ``torch.use_deterministic_algorithms(True)``.
         return_lse: also return the row log-sum-exp ``[B, HQ, N]`` (fp32, natural log, -inf on empty rows).
         backend: ``"auto"`` (Triton on supported CUDA inputs, reference otherwise), ``"triton"``,
             ``"reference"``.
-        seq_lens: optional int ``[B]``: keys at positions >= seq_lens[b] are masked (right padding).
-        plan: a precomputed ``index.plan(r0)`` to reuse across layers; r0: reuse threshold of the
-            hybrid backward (default :data:`sparse_train.index.DEFAULT_R0`).
+        seq_lens: optional int ``[B]`` (any strides), values in ``[0, N]``: keys at positions >=
+            seq_lens[b] are masked (right padding); whatever they hold (even NaN/inf) never reaches
+            an output or gradient of the keys before it.
+        plan: a precomputed ``index.plan(r0)`` of this very index (refused otherwise) to reuse across
+            layers; r0: reuse threshold of the hybrid backward (default
+            :data:`sparse_train.index.DEFAULT_R0`; must equal ``plan.r0`` when both are given).
 
     Returns:
         ``o`` ``[B, HQ, N, D]`` in q's dtype, or ``(o, lse)`` with ``return_lse=True``. Rows with no
         valid key give zeros (and ``lse = -inf``), never NaN.
 
     Raises:
-        ValueError: shape/dtype/device mismatch between q, k, v, index and seq_lens; dropout_p outside
-            [0, 1); unknown backend; ``backend="triton"`` on input the kernels do not support.
+        ValueError: any argument outside its domain (see :mod:`sparse_train.validation`), naming it:
+            shape/dtype/device mismatch between q, k, v, index and seq_lens; seq_lens values outside
+            [0, N]; dropout_p outside [0, 1); dropout_seed outside [0, 2**64); a plan of another
+            index; unknown backend; ``backend="triton"`` on input the kernels do not support.
     """
-    if not isinstance(index, BlockIndex):
-        raise ValueError(f"index must be a sparse_train.BlockIndex, got {type(index).__name__}")
-    # Shapes only (no host sync) before choosing a backend; seq_lens values are checked once, by the
-    # backend that runs (both call index.check_compatible with them).
-    index.check_compatible(q, k, v)
-    dropout_threshold(dropout_p)
+    # Everything but the seq_lens values (a host sync) before choosing a backend; the backend that
+    # runs validates again, values included, so the sync happens once per call.
+    args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                seq_lens=seq_lens, plan=plan, r0=r0, seq_lens_values=False)
+    dropout_p, dropout_seed = args.dropout_p, args.dropout_seed
+    check_bool("deterministic", deterministic)
+    check_bool("return_lse", return_lse)
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
     chosen, _ = resolve_backend(q, k, v, index, backend)

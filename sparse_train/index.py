@@ -26,6 +26,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .validation import (
+    PlanSource,
+    as_int,
+    check_block_index,
+    check_capacity,
+    check_geometry,
+    check_index_matches,
+    check_integer_tensor,
+    check_qkv,
+    check_r0,
+    check_seq_lens,
+    check_window_sinks,
+    plan_source,
+    source_is_current,
+)
+
 __all__ = [
     "BlockIndex",
     "BlockPlan",
@@ -73,10 +89,7 @@ def _first_offender(bad: Tensor) -> tuple[int, ...]:
 
 
 def _check_selection_tensor(selected: Tensor, num_q_blocks: int, name: str) -> None:
-    if not isinstance(selected, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(selected).__name__}")
-    if selected.dtype not in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
-        raise ValueError(f"{name} must have an integer dtype, got {selected.dtype}")
+    check_integer_tensor(name, selected)
     if selected.dim() != 4:
         raise ValueError(
             f"{name} must have shape [B, HKV, NQB, k] (4 dims), got {tuple(selected.shape)}"
@@ -86,12 +99,6 @@ def _check_selection_tensor(selected: Tensor, num_q_blocks: int, name: str) -> N
             f"{name} has {selected.shape[2]} query blocks in dim 2, but seq_len and block_q give "
             f"NQB = {num_q_blocks}"
         )
-
-
-def _check_geometry(seq_len: int, block_q: int, block_k: int) -> None:
-    for name, value in (("seq_len", seq_len), ("block_q", block_q), ("block_k", block_k)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def canonicalize(
@@ -113,29 +120,36 @@ def canonicalize(
         seq_len: N. block_q / block_k: BQ / BK.
         window: number of local key blocks ending at the block that holds the query block's last
             query (clipped at 0). sinks: key blocks ``0 .. sinks-1`` (clipped to what is causal).
-        capacity: K of the result; ``None`` picks :func:`capacity_tier` of the longest row. A given
-            capacity smaller than the longest row raises rather than dropping candidates (except
-            with ``check="none"``, where the caller guarantees it and no host sync is made).
+        capacity: K of the result, an int >= 1; ``None`` picks :func:`capacity_tier` of the longest
+            row. A capacity above NKB is clamped to NKB (no row can hold more distinct blocks; the
+            automatic tier has the same cap). A given capacity smaller than the longest row raises
+            rather than dropping candidates, except with ``check="none"``, where the caller
+            guarantees it and no host sync is made: a longer row is then cut to its ``capacity``
+            lowest blocks (its count too), so no consumer reads past the row.
         check: ``"cheap"`` (default) rejects out-of-range and non-causal candidates; ``"full"`` also
             re-verifies the produced invariants; ``"none"`` trusts the caller (candidates outside
             ``[0, NKB)`` or beyond the causal limit are then dropped silently).
+
+    ``window`` and ``sinks`` above NKB mean the same as NKB (both are clipped to what is causal).
 
     Returns:
         ``indices`` int32 ``[B, HKV, NQB, K]`` and ``counts`` int32 ``[B, HKV, NQB]``, on the device of
         ``selected``.
 
     Raises:
-        ValueError: wrong dtype/shape, negative window/sinks, a candidate ``< -1``, ``>= NKB`` or not
-            causally reachable (naming the first offending row and value), capacity too small.
+        ValueError: wrong dtype/shape, window/sinks not ints >= 0, capacity not an int >= 1, a
+            candidate ``< -1``, ``>= NKB`` or not causally reachable (naming the first offending row and
+            value), capacity too small.
     """
-    _check_geometry(seq_len, block_q, block_k)
-    if check not in _CHECK_MODES:
-        raise ValueError(f"check must be one of {_CHECK_MODES}, got {check!r}")
+    seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
+    _check_mode(check)
     num_q_blocks = math.ceil(seq_len / block_q)
     num_k_blocks = math.ceil(seq_len / block_k)
     _check_selection_tensor(selected, num_q_blocks, "selected")
-    if window < 0 or sinks < 0:
-        raise ValueError(f"window and sinks must be >= 0, got window={window}, sinks={sinks}")
+    window, sinks = check_window_sinks(window, sinks)
+    capacity = check_capacity(capacity, num_k_blocks)
+    # Beyond NKB both select every causal block: clamp so a huge value cannot size a huge tensor.
+    window, sinks = min(window, num_k_blocks), min(sinks, num_k_blocks)
 
     device = selected.device
     batch, kv_heads = selected.shape[0], selected.shape[1]
@@ -196,6 +210,7 @@ def canonicalize(
             )
     if merged.shape[-1] >= capacity:
         merged = merged[..., :capacity]
+        counts = counts.clamp(max=capacity)
     else:
         pad = torch.full(
             (*merged.shape[:-1], capacity - merged.shape[-1]), sentinel, device=device, dtype=torch.int64
@@ -206,6 +221,11 @@ def canonicalize(
     if check == "full":
         _verify_canonical(indices, counts, seq_len, block_q, block_k)
     return indices.contiguous(), counts.contiguous()
+
+
+def _check_mode(check) -> None:
+    if check not in _CHECK_MODES:
+        raise ValueError(f"check must be one of {_CHECK_MODES}, got {check!r}")
 
 
 def _verify_canonical(indices: Tensor, counts: Tensor, seq_len: int, block_q: int, block_k: int) -> None:
@@ -283,6 +303,10 @@ class BlockPlan:
     """Longest query-block row (blocks)."""
     max_reuse: int
     """Largest reuse count of any KV block."""
+    source: PlanSource | None = field(default=None, compare=False)
+    """The index this plan was built from (its tensors, held weakly, their version counters and the
+    geometry). ``sparse_attention(..., plan=)`` refuses a plan whose source is not the index passed:
+    the backward would read another selection's arrays (out of bounds when shapes differ)."""
 
     def __repr__(self) -> str:
         return (
@@ -301,6 +325,9 @@ class BlockIndex:
         counts: int32 ``[B, HKV, NQB]``.
         seq_len: N, the (padded) sequence length the index was built for.
         block_q / block_k: BQ / BK.
+
+    Construction checks the metadata (dtypes, shapes, device, geometry; no data read); the canonical
+    invariants of the values are checked by the constructors (or :meth:`validate`).
     """
 
     indices: Tensor
@@ -309,6 +336,17 @@ class BlockIndex:
     block_q: int
     block_k: int
     _cache: dict = field(default_factory=dict, compare=False)
+    _external: bool = field(default=False, compare=False)
+    """The tensors belong to the caller (:meth:`from_canonical`), who may rewrite them in place at any
+    time: nothing derived from their values is cached."""
+
+    def __post_init__(self) -> None:
+        seq_len, block_q, block_k = check_geometry(self.seq_len, self.block_q, self.block_k)
+        # frozen: store the normalised ints (e.g. numpy ints become Python ints)
+        object.__setattr__(self, "seq_len", seq_len)
+        object.__setattr__(self, "block_q", block_q)
+        object.__setattr__(self, "block_k", block_k)
+        check_block_index(self)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -343,7 +381,7 @@ class BlockIndex:
         cls, mask: Tensor, *, seq_len: int, block_q: int = 64, block_k: int = 64, capacity: int | None = None
     ) -> "BlockIndex":
         """From a bool block mask ``[B, HKV, NQB, NKB]``. A True entry above the causal limit raises."""
-        _check_geometry(seq_len, block_q, block_k)
+        seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
         num_q_blocks = math.ceil(seq_len / block_q)
         num_k_blocks = math.ceil(seq_len / block_k)
         if not isinstance(mask, Tensor) or mask.dtype != torch.bool:
@@ -363,10 +401,12 @@ class BlockIndex:
         cls, batch: int, num_kv_heads: int, seq_len: int, block_q: int = 64, block_k: int = 64, device=None
     ) -> "BlockIndex":
         """Every causally reachable block for every query block (dense causal attention)."""
-        _check_geometry(seq_len, block_q, block_k)
+        seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
+        batch = as_int("batch", batch, minimum=0)
+        num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
         num_q_blocks = math.ceil(seq_len / block_q)
-        last = causal_last_block(num_q_blocks, seq_len, block_q, block_k, device)
-        window = int(last.max()) + 1
+        # the last query block reaches key block NKB - 1, so a window of NKB covers every causal block
+        window = math.ceil(seq_len / block_k)
         empty = torch.empty(batch, num_kv_heads, num_q_blocks, 0, dtype=torch.int32, device=device)
         return cls.from_selection(empty, seq_len=seq_len, block_q=block_q, block_k=block_k, window=window)
 
@@ -386,8 +426,13 @@ class BlockIndex:
         capacity: int | None = None,
     ) -> "BlockIndex":
         """From a ragged CSR over rows ``r = (b*HKV + h)*NQB + i``: row r's candidates are
-        ``col_indices[indptr[r]:indptr[r+1]]`` (any order, duplicates allowed)."""
-        _check_geometry(seq_len, block_q, block_k)
+        ``col_indices[indptr[r]:indptr[r+1]]`` (any order, duplicates allowed). Both are integer
+        tensors (a float would be truncated, so it raises)."""
+        seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
+        batch = as_int("batch", batch, minimum=0)
+        num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
+        check_integer_tensor("indptr", indptr)
+        check_integer_tensor("col_indices", col_indices)
         num_q_blocks = math.ceil(seq_len / block_q)
         rows = batch * num_kv_heads * num_q_blocks
         if indptr.dim() != 1 or indptr.numel() != rows + 1:
@@ -425,13 +470,18 @@ class BlockIndex:
         cls, indices: Tensor, counts: Tensor, *, seq_len: int, block_q: int, block_k: int, check: str = "full"
     ) -> "BlockIndex":
         """Wrap tensors that are already canonical (e.g. a CUDA-graph-owned buffer). ``check="full"``
-        verifies every invariant; ``"none"`` trusts the caller, who then owns the safety of the reads."""
-        _check_geometry(seq_len, block_q, block_k)
-        if check not in _CHECK_MODES:
-            raise ValueError(f"check must be one of {_CHECK_MODES}, got {check!r}")
+        verifies every invariant; ``"none"`` trusts the caller, who then owns the safety of the reads.
+
+        The tensors stay the caller's: they are not copied, and the index caches nothing derived from
+        them (:meth:`plan` rebuilds on every call), because the caller may rewrite them in place at
+        any time, including through a CUDA-graph replay that no version counter sees. A plan built
+        from this index is refused by ``sparse_attention`` after an eager in-place write (version
+        counters); after a graph replay the caller must rebuild it."""
+        seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
+        _check_mode(check)
         if check != "none":
             _verify_canonical(indices, counts, seq_len, block_q, block_k)
-        return cls(indices, counts, seq_len, block_q, block_k)
+        return cls(indices, counts, seq_len, block_q, block_k, _external=True)
 
     # ---------------------------------------------------------------- geometry
     @property
@@ -459,7 +509,10 @@ class BlockIndex:
         return self.indices.device
 
     def to(self, device) -> "BlockIndex":
-        return BlockIndex(self.indices.to(device), self.counts.to(device), self.seq_len, self.block_q, self.block_k)
+        indices, counts = self.indices.to(device), self.counts.to(device)
+        # same device: the same (possibly caller-owned) tensors
+        external = self._external and indices is self.indices
+        return BlockIndex(indices, counts, self.seq_len, self.block_q, self.block_k, _external=external)
 
     def validate(self) -> None:
         """Exhaustive re-check of every canonical invariant (ValueError naming the first bad row)."""
@@ -467,43 +520,10 @@ class BlockIndex:
 
     def check_compatible(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None = None) -> None:
         """Raise ValueError unless q ``[B, HQ, N, D]``, k/v ``[B, HKV, N, D]`` and ``seq_lens`` (int
-        ``[B]``, values in ``[0, N]``) match this index and each other."""
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, Tensor) or t.dim() != 4:
-                raise ValueError(f"{name} must be a 4-D tensor [B, H, N, D], got {getattr(t, 'shape', type(t))}")
-            if not t.is_floating_point():
-                raise ValueError(f"{name} must be floating point, got {t.dtype}")
-            if t.device != self.indices.device:
-                raise ValueError(f"{name} is on {t.device} but the block index is on {self.indices.device}")
-        if not (q.dtype == k.dtype == v.dtype):
-            raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-        bq, hq, nq, dq = q.shape
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        bk, hkv, nk, dk = k.shape
-        if bq != bk or nq != nk or dq != dk:
-            raise ValueError(
-                f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, length or head dim "
-                "(expected q [B, HQ, N, D], k/v [B, HKV, N, D])"
-            )
-        if hkv == 0 or hq % hkv != 0:
-            raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
-        if bq != self.batch or hkv != self.num_kv_heads:
-            raise ValueError(
-                f"block index is for batch={self.batch}, kv_heads={self.num_kv_heads} but k has "
-                f"batch={bk}, kv_heads={hkv}"
-            )
-        if nq != self.seq_len:
-            raise ValueError(f"block index is for seq_len={self.seq_len} but q/k/v have N={nq}")
-        if seq_lens is not None:
-            if not isinstance(seq_lens, Tensor) or seq_lens.dtype.is_floating_point or seq_lens.dim() != 1:
-                raise ValueError("seq_lens must be a 1-D integer tensor [B]")
-            if seq_lens.numel() != bq:
-                raise ValueError(f"seq_lens has {seq_lens.numel()} entries for batch {bq}")
-            if seq_lens.device != q.device:
-                raise ValueError(f"seq_lens is on {seq_lens.device} but q is on {q.device}")
-            if bool(((seq_lens < 0) | (seq_lens > nq)).any()):
-                raise ValueError(f"seq_lens values must lie in [0, N={nq}], got {seq_lens.tolist()}")
+        ``[B]``, values in ``[0, N]``: one host sync) match this index and each other."""
+        check_qkv(q, k, v, device=self.device)
+        check_index_matches(self, q, k)
+        check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device)
 
     # ---------------------------------------------------------------- views
     def to_dense(self) -> Tensor:
@@ -546,13 +566,16 @@ class BlockIndex:
         return bool((self.counts.to(torch.int64) == (last + 1).view(1, 1, -1)).all())
 
     def plan(self, r0: int | None = None) -> BlockPlan:
-        """Derived views for the backward, cached per ``r0`` on this (immutable) index."""
-        r0 = DEFAULT_R0 if r0 is None else int(r0)
-        if r0 < 0:
-            raise ValueError(f"r0 must be >= 0, got {r0}")
-        cached = self._cache.get(("plan", r0))
-        if cached is not None:
+        """Derived views for the backward, cached per ``r0``. The cache is used only while the index
+        tensors are the unmodified ones it was built from (version counters): an in-place write to
+        ``indices`` / ``counts`` makes the next call rebuild. Indices wrapping caller-owned buffers
+        (:meth:`from_canonical`) never cache."""
+        r0 = check_r0(r0)
+        r0 = DEFAULT_R0 if r0 is None else r0
+        cached = None if self._external else self._cache.get(("plan", r0))
+        if cached is not None and source_is_current(cached.source, self):
             return cached
+        source = plan_source(self)
         b, h, nqb, cap = self.indices.shape
         nkb = self.num_k_blocks
         idx = self.indices.to(torch.int64)
@@ -587,8 +610,10 @@ class BlockIndex:
             nnz=int(key.numel()),
             max_count=int(stats[2]),
             max_reuse=int(stats[3]),
+            source=source,
         )
-        self._cache[("plan", r0)] = plan
+        if not self._external:
+            self._cache[("plan", r0)] = plan
         return plan
 
     def __repr__(self) -> str:

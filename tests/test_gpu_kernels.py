@@ -166,3 +166,57 @@ def test_opcheck_on_gpu():
             plan.num_cold, 64, 64, 0.125, 0.0, 0, 1)
     torch.library.opcheck(torch.ops.sparse_train.sparse_attn_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.parametrize("seed", [2**63 + 12345, 2**64 - 1], ids=["seed-2^63+12345", "seed-2^64-1"])
+def test_strided_seq_lens_nan_padding_and_top_seeds(seed):
+    """Issue 11 on the GPU: seq_lens as a strided int32 column (the kernels index it without a stride),
+    NaN in k/v past it (never loaded), and dropout seeds at the top of [0, 2**64) (a u64 kernel
+    argument): forward and backward against the fp32 reference on the clean inputs."""
+    from sparse_train.kernels.op import triton_sparse_attention
+    from sparse_train.kernels.reference import reference_sparse_attention
+
+    B, HQ, HKV, N, D, cut = 2, 8, 2, 2051, 64, 1300
+    idx = _random_index(B, HKV, N, 64, 64, 6, 2, 1, seed=11)
+    lens = torch.tensor([[N, 7], [cut, 7]], dtype=torch.int32, device=DEV)[:, 0]
+    assert not lens.is_contiguous()
+    q, k, v = _inputs(B, HQ, HKV, N, D, torch.bfloat16, seed=11)
+    do = torch.randn_like(q)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[1, :, cut:] = float("nan")
+    v_nan[1, :, cut:] = float("nan")
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k_nan, v_nan))
+    o, _ = triton_sparse_attention(qs, ks, vs, idx, seq_lens=lens, dropout_p=0.1, dropout_seed=seed)
+    grads = torch.autograd.grad(o, (qs, ks, vs), do)
+    for t in (o, *grads):
+        assert torch.isfinite(t).all()
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o32, _ = reference_sparse_attention(q32, k32, v32, idx, seq_lens=lens, dropout_p=0.1, dropout_seed=seed)
+    g32 = torch.autograd.grad(o32, (q32, k32, v32), do.float())
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ol, _ = reference_sparse_attention(ql, kl, vl, idx, seq_lens=lens, dropout_p=0.1, dropout_seed=seed, upcast=False)
+    gl = torch.autograd.grad(ol, (ql, kl, vl), do)
+    _check("o", o, o32, ol)
+    for name, a, r, l in zip(("dq", "dk", "dv"), grads, g32, gl):
+        _check(name, a, r, l)
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64 - 1], ids=["seed-2^63", "seed-2^64-1"])
+def test_dropout_bits_at_the_top_of_the_seed_domain(seed):
+    """The u64 seed path of the kernels gives the reference's keep bits exactly: with q = 0 (uniform P)
+    and V = identity, o[b, h, q, j] > 0 iff key j was kept."""
+    from sparse_train.kernels.op import triton_sparse_attention
+    from sparse_train.kernels.reference import dropout_keep_mask
+
+    B, HQ, HKV, N, D, p = 1, 4, 2, 128, 64, 0.3
+    idx = BlockIndex.full(B, HKV, N, 64, 64, device=DEV)
+    q = torch.zeros(B, HQ, N, D, device=DEV, dtype=torch.float16)
+    k = torch.randn(B, HKV, N, D, device=DEV, dtype=torch.float16)
+    v = torch.eye(N, D, device=DEV, dtype=torch.float16).expand(B, HKV, N, D).contiguous()
+    o, _ = triton_sparse_attention(q, k, v, idx, dropout_p=p, dropout_seed=seed)
+    pos = torch.arange(N, device=DEV)
+    keep = dropout_keep_mask(seed, torch.zeros(1, 1, 1, 1, dtype=torch.long, device=DEV),
+                             torch.arange(HQ, device=DEV).view(1, HQ, 1, 1), pos.view(1, 1, N, 1),
+                             pos.view(1, 1, 1, N), HQ, N, p) & (pos.view(1, 1, 1, N) <= pos.view(1, 1, N, 1))
+    got = o > 0
+    assert torch.equal(got, keep[..., :D]), f"{(got != keep[..., :D]).sum().item()} keep bits differ"

@@ -316,3 +316,127 @@ def test_cuda_index_matches_cpu():
     pc, pg = cpu.plan(3), gpu.plan(3)
     assert torch.equal(pg.kv_indptr.cpu(), pc.kv_indptr) and torch.equal(pg.kv_qblocks.cpu(), pc.kv_qblocks)
     assert math.isclose(gpu.density(), cpu.density(), rel_tol=1e-12)
+
+
+# --------------------------------------------------------------------------- issue 11: stale state, domains
+def test_plan_cache_follows_in_place_writes_to_the_index():
+    """A cached plan is reused only while the index tensors are unmodified (version counters)."""
+    a = st.BlockIndex.from_selection(random_selection(1, 2, 512, 64, 64, 3, seed=1), seq_len=512, window=1, capacity=8)
+    b = st.BlockIndex.from_selection(random_selection(1, 2, 512, 64, 64, 3, seed=2), seq_len=512, window=1, capacity=8)
+    first = a.plan(2)
+    assert a.plan(2) is first
+    a.indices.copy_(b.indices)
+    a.counts.copy_(b.counts)
+    again = a.plan(2)
+    assert again is not first
+    want = b.plan(2)
+    for name in ("kv_indptr", "kv_qblocks", "reuse", "hot"):
+        assert torch.equal(getattr(again, name), getattr(want, name)), name
+
+
+def test_from_canonical_buffers_rewritten_in_place_never_give_a_stale_plan():
+    """Issue 11: from_canonical (buffers a CUDA graph updates in place) cached its plan; after
+    buf.copy_(new) the backward used the plan of the old selection."""
+    a = st.BlockIndex.from_selection(random_selection(2, 2, 640, 64, 64, 4, seed=3), seq_len=640, sinks=1, capacity=8)
+    b = st.BlockIndex.from_selection(random_selection(2, 2, 640, 64, 64, 4, seed=4), seq_len=640, sinks=1, capacity=8)
+    buf_i, buf_c = a.indices.clone(), a.counts.clone()
+    idx = st.BlockIndex.from_canonical(buf_i, buf_c, seq_len=640, block_q=64, block_k=64)
+    assert torch.equal(idx.plan().kv_qblocks, a.plan().kv_qblocks)
+    buf_i.copy_(b.indices)
+    buf_c.copy_(b.counts)
+    assert torch.equal(idx.plan().kv_qblocks, b.plan().kv_qblocks)
+    assert torch.equal(idx.plan().kv_indptr, b.plan().kv_indptr)
+    # nothing is cached on caller-owned buffers (a graph replay would not bump any version counter)
+    assert idx.plan() is not idx.plan()
+
+
+def test_capacity_zero_is_rejected():
+    """Issue 11: capacity=0 was accepted and then crashed the reference."""
+    sel = torch.full((1, 1, 4, 1), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+        st.BlockIndex.from_selection(sel, seq_len=256, capacity=0)
+    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+        st.BlockIndex.from_selection(sel, seq_len=256, capacity=0, check="none")
+
+
+def test_capacity_above_nkb_is_clamped_to_nkb():
+    """Issue 11: a huge explicit capacity crashed the allocator. A row never holds more than NKB
+    blocks, so capacity is clamped to NKB (the same cap capacity_tier applies)."""
+    sel = torch.tensor([[[[0], [0], [1], [2]]]])
+    exact = st.BlockIndex.from_selection(sel, seq_len=256, window=3, capacity=4)
+    for capacity in (5, 2**40):
+        idx = st.BlockIndex.from_selection(sel, seq_len=256, window=3, capacity=capacity, check="full")
+        assert idx.capacity == 4
+        assert torch.equal(idx.indices, exact.indices) and torch.equal(idx.counts, exact.counts)
+
+
+def test_huge_window_and_sinks_mean_every_causal_block():
+    sel = torch.full((1, 2, 5, 1), -1, dtype=torch.int64)
+    full = st.BlockIndex.full(1, 2, 300, block_q=64, block_k=64)
+    for window, sinks in ((10**12, 0), (0, 10**12), (5, 5)):
+        idx = st.BlockIndex.from_selection(sel, seq_len=300, window=window, sinks=sinks)
+        assert torch.equal(idx.indices, full.indices) and torch.equal(idx.counts, full.counts)
+
+
+def test_trusted_capacity_too_small_truncates_rows_consistently():
+    """check="none" skips the host sync that would catch a capacity below the longest row: the row is
+    cut to its lowest blocks and its count with it, so no consumer reads past the row."""
+    sel = torch.tensor([[[[0], [0], [1], [2]]]])
+    idx = st.BlockIndex.from_selection(sel, seq_len=256, window=3, capacity=2, check="none")
+    assert idx.capacity == 2 and int(idx.counts.max()) == 2
+    idx.validate()
+    assert idx.indices[0, 0, 3].tolist() == [1, 2]  # row {1, 2, 3} keeps its two lowest blocks
+
+
+def test_from_csr_rejects_float_col_indices():
+    """Issue 11: float col_indices were truncated silently (2.7 -> 2)."""
+    indptr = torch.tensor([0, 1, 2, 3, 4])
+    with pytest.raises(ValueError, match="col_indices must have an integer dtype, got torch.float32"):
+        st.BlockIndex.from_csr(indptr, torch.tensor([0.0, 0.9, 1.5, 2.7]), batch=1, num_kv_heads=1, seq_len=256)
+    with pytest.raises(ValueError, match="indptr must have an integer dtype, got torch.float64"):
+        st.BlockIndex.from_csr(indptr.double(), torch.tensor([0, 0, 1, 2]), batch=1, num_kv_heads=1, seq_len=256)
+    with pytest.raises(ValueError, match="col_indices must have an integer dtype, got torch.bool"):
+        st.BlockIndex.from_csr(indptr, torch.tensor([0, 0, 1, 1]).bool(), batch=1, num_kv_heads=1, seq_len=256)
+
+
+SEL = torch.zeros(1, 1, 4, 1, dtype=torch.int64)
+
+
+@pytest.mark.parametrize(
+    "build,match",
+    [
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, window=1.5), r"window and sinks must be ints >= 0, got window=1.5"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, window=True), "window and sinks must be ints >= 0, got window=True"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, sinks=-2), "sinks=-2"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256.0), "seq_len must be an int, got 256.0"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, block_q=True), "block_q must be an int, got True"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, block_k=-64), "block_k must be >= 1, got -64"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, capacity=2.0), "capacity must be an int, got 2.0"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, capacity=True), "capacity must be an int, got True"),
+        (lambda: st.BlockIndex.from_selection(SEL.bool(), seq_len=256), "selected must have an integer dtype, got torch.bool"),
+        (lambda: st.BlockIndex.from_selection(SEL.tolist(), seq_len=256), "selected must be a torch.Tensor, got list"),
+        (lambda: st.BlockIndex.full(-1, 1, 256), "batch must be >= 0, got -1"),
+        (lambda: st.BlockIndex.full(1, 0, 256), "num_kv_heads must be >= 1, got 0"),
+        (lambda: st.BlockIndex.full(1, 2.0, 256), "num_kv_heads must be an int, got 2.0"),
+        (lambda: st.BlockIndex.from_csr(torch.tensor([0, 1]), torch.tensor([0]), batch=1.0, num_kv_heads=1, seq_len=64),
+         "batch must be an int, got 1.0"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(1.5), "r0 must be an int, got 1.5"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(True), "r0 must be an int, got True"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(-1), "r0 must be >= 0, got -1"),
+        (lambda: st.BlockIndex.from_canonical(SEL.int(), SEL[..., 0].int(), seq_len=256, block_q=64, block_k=64, check=None),
+         "check must be one of"),
+    ],
+    ids=["window-float", "window-bool", "sinks-negative", "seq_len-float", "block_q-bool", "block_k-negative",
+         "capacity-float", "capacity-bool", "selected-bool", "selected-list", "full-batch-negative",
+         "full-kv-heads-zero", "full-kv-heads-float", "csr-batch-float", "plan-r0-float", "plan-r0-bool",
+         "plan-r0-negative", "canonical-check-none-object"],
+)
+def test_index_api_rejects_bad_arguments(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_index_api_accepts_numpy_ints():
+    np = pytest.importorskip("numpy")
+    idx = st.BlockIndex.from_selection(SEL, seq_len=np.int64(256), block_q=np.int32(64), window=np.int64(2))
+    assert idx.seq_len == 256 and type(idx.seq_len) is int and type(idx.block_q) is int

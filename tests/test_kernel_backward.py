@@ -168,3 +168,154 @@ def test_kv_schedule_chunks_and_parts():
     assert t0.tolist() == [0, 1, 3, 5] and t1.tolist() == [1, 3, 5, 6]
     assert part.tolist() == [-1, 0, 1, 2] and num_parts == 3
     assert nparts.tolist() == [-1, 0, 3, 0, -1] and pstart.tolist()[2] == 0
+
+
+# ---------------------------------------------------------------------------------------------- issue 11
+def test_strided_seq_lens_column():
+    """Issue 11: seq_lens = t[:, 0] of an int32 [B, 2] tensor (stride 2) was read as if contiguous:
+    outputs off by ~70% and wrong gradients. Forward and backward against the fp64 reference."""
+    B, HQ, HKV, N, D = 3, 2, 1, 80, 16
+    idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=41, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=41, device=DEV)
+    table = torch.tensor([[80, 5], [33, 5], [57, 5]], dtype=torch.int32, device=DEV)
+    lens = table[:, 0]
+    assert not lens.is_contiguous()
+    o, lse = triton_sparse_attention(q, k, v, idx, seq_lens=lens)
+    o64, lse64 = reference_sparse_attention(q.double(), k.double(), v.double(), idx, seq_lens=lens)
+    olp, lselp = reference_sparse_attention(q, k, v, idx, seq_lens=lens, upcast=False)
+    check_close("o", o, o64, olp, torch.float32)
+    check_close("lse", lse, lse64, lselp, torch.float32)
+    _compare(idx, q, k, v, dtype=torch.float32, seq_lens=lens, r0=2)
+
+
+def _strided(t, filler):
+    """The same values in a non-contiguous tensor (stride 2 in every dim, `filler` in between), so a
+    kernel that ignores strides reads `filler`."""
+    both = torch.stack([t, torch.full_like(t, filler)], dim=-1)
+    out = both[..., 0]
+    assert torch.equal(out, t) and (t.numel() <= 1 or not out.is_contiguous())
+    return out
+
+
+# argument of a launcher -> filler value that is in range (a stride bug reads it instead of the value)
+LAUNCHER_ARGS = ["seq_lens", "indices", "counts", "kv_indptr", "kv_qblocks", "slots", "lse", "o", "do", "dlse"]
+FILLERS = {"seq_lens": 5, "indices": 0, "counts": 1, "kv_indptr": 0, "kv_qblocks": 0, "slots": -1,
+           "lse": 0.0, "o": 0.0, "do": 0.0, "dlse": 0.0}
+
+
+B_, HQ_, HKV_, N_, D_, BS_ = 2, 2, 1, 56, 16, 16
+
+
+def _launch_all(args, strided=None):
+    """Forward + backward launchers on `args`; `strided` names one argument (or output of the forward,
+    "o" / "lse") to hand over as a strided copy."""
+    from sparse_train.kernels.forward import sparse_attn_forward
+
+    a = dict(args)
+    if strided in a:
+        a[strided] = _strided(a[strided], FILLERS[strided])
+    o, lse = sparse_attn_forward(a["q"], a["k"], a["v"], a["indices"], a["counts"], block_q=BS_, block_k=BS_,
+                                 scale=0.25, seq_lens=a["seq_lens"], dropout_p=0.2, dropout_seed=3, num_splits=2)
+    if strided in ("o", "lse"):
+        o, lse = (_strided(o, FILLERS["o"]), lse) if strided == "o" else (o, _strided(lse, FILLERS["lse"]))
+    grads = kb.sparse_attn_backward(a["do"], a["q"], a["k"], a["v"], o, lse, a["indices"], a["counts"],
+                                    a["kv_indptr"], a["kv_qblocks"], a["slots"], a["num_cold"], block_q=BS_,
+                                    block_k=BS_, scale=0.25, seq_lens=a["seq_lens"], dlse=a["dlse"], dropout_p=0.2,
+                                    dropout_seed=3)
+    return (o, lse, *grads)
+
+
+@pytest.fixture(scope="module")
+def launcher_baseline():
+    idx = random_index(B_, HKV_, N_, BS_, BS_, 2, 1, 1, seed=43, device=DEV)
+    plan = idx.plan(2)
+    assert plan.num_cold > 0 and plan.num_hot > 0, "both dK/dV paths must run"
+    q, k, v = make_qkv(B_, HQ_, HKV_, N_, D_, torch.float32, seed=43, device=DEV)
+    g = torch.Generator().manual_seed(44)
+    args = dict(q=q, k=k, v=v, seq_lens=torch.tensor([56, 37], dtype=torch.int32, device=DEV), indices=idx.indices,
+                counts=idx.counts, kv_indptr=plan.kv_indptr, kv_qblocks=plan.kv_qblocks,
+                slots=kb.cold_slots(plan.hot, plan.reuse, False), num_cold=plan.num_cold,
+                do=torch.randn(q.shape, generator=g).to(DEV), dlse=torch.randn(q.shape[:3], generator=g).to(DEV))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kb, "KV_CHUNK", 2)
+        return args, _launch_all(args)
+
+
+@pytest.mark.parametrize("name", LAUNCHER_ARGS)
+def test_launchers_honour_strides_of_every_tensor_argument(launcher_baseline, name):
+    """Every tensor a launcher hands to a kernel is either passed with its strides or made contiguous:
+    a strided copy of any argument gives bitwise the same forward and backward (issue 11: seq_lens,
+    kv_qblocks and slots were indexed as if contiguous)."""
+    args, want = launcher_baseline
+    got = _launch_all(args, strided=name)
+    for label, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), f"{label} differs with a strided {name}"
+
+
+def test_block_mass_launcher_honours_strides():
+    from sparse_train.kernels.block_mass import block_mass_launch
+
+    B, HQ, HKV, N, D, BS = 2, 4, 2, 70, 16, 16
+    idx = random_index(B, HKV, N, BS, BS, 3, 1, 1, seed=45, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=45, device=DEV)
+    lens = torch.tensor([70, 37], dtype=torch.int32, device=DEV)
+    _, lse = reference_sparse_attention(q, k, v, idx, seq_lens=lens)
+    want = block_mass_launch(q, k, lse, idx.indices, idx.counts, block_q=BS, block_k=BS, scale=0.25, seq_lens=lens)
+    got = block_mass_launch(q, k, _strided(lse, 0.0), _strided(idx.indices, 0), _strided(idx.counts, 1),
+                            block_q=BS, block_k=BS, scale=0.25, seq_lens=_strided(lens, 5))
+    assert torch.equal(got, want)
+
+
+def test_from_canonical_buffer_rewritten_in_place_gives_fresh_gradients():
+    """Issue 11: from_canonical cached the plan of its buffers; after buf.copy_(new) the backward used
+    the old plan (dK off by ~110%). The gradients must equal those of an index built from `new`."""
+    B, HQ, HKV, N, D = 1, 2, 1, 96, 16
+    a = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=51, device=DEV)
+    b = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=52, device=DEV)
+    assert a.indices.shape == b.indices.shape and not torch.equal(a.indices, b.indices)
+    buf_i, buf_c = a.indices.clone(), a.counts.clone()
+    idx = BlockIndex.from_canonical(buf_i, buf_c, seq_len=N, block_q=16, block_k=16)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=51, device=DEV)
+    do = torch.randn_like(q)
+    f = lambda i: lambda x, y, z: triton_sparse_attention(x, y, z, i, r0=2)  # noqa: E731
+    for x, y in zip(_grads(f(idx), q, k, v, do), _grads(f(a), q, k, v, do)):
+        assert torch.equal(x, y)
+    buf_i.copy_(b.indices)
+    buf_c.copy_(b.counts)
+    for x, y in zip(_grads(f(idx), q, k, v, do), _grads(f(b), q, k, v, do)):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "neg-inf"])
+def test_nonfinite_padding_reaches_no_output_or_gradient(poison):
+    """Keys/values past seq_lens are never loaded: outputs and gradients equal a clean-padding run."""
+    B, HQ, HKV, N, D = 2, 2, 1, 64, 16
+    idx = random_index(B, HKV, N, 16, 32, 2, 1, 1, seed=53, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=53, device=DEV)
+    lens = torch.tensor([64, 45], device=DEV)
+    do = torch.randn_like(q)
+    f = lambda x, y, z: triton_sparse_attention(x, y, z, idx, seq_lens=lens, r0=2, dropout_p=0.1, dropout_seed=8)  # noqa: E731
+    clean = _grads(f, q, k, v, do)
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, 45:] = poison
+    v2[1, :, 45:] = poison
+    dirty = _grads(f, q, k2, v2, do)
+    for name, x, y in zip(("dq", "dk", "dv"), dirty, clean):
+        assert torch.equal(x, y), name
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_caller_seq_lens_mutation_after_forward_does_not_change_grads(dtype):
+    """seq_lens is copied at forward time like the index (an int32 one used to be saved by reference)."""
+    B, HQ, HKV, N, D = 2, 2, 1, 64, 16
+    idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=33, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=33, device=DEV)
+    do = torch.randn_like(q)
+    lens = torch.tensor([64, 29], dtype=dtype, device=DEV)
+    g_ref = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, seq_lens=lens), q, k, v, do)
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o, _ = triton_sparse_attention(qs, ks, vs, idx, seq_lens=lens)
+    lens.fill_(3)
+    g = torch.autograd.grad(o, (qs, ks, vs), do)
+    for a, b in zip(g, g_ref):
+        assert torch.equal(a, b)

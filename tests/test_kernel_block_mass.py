@@ -76,3 +76,27 @@ def test_block_mass_gpu_real_size(dtype):
     print(f"{dtype}: block mass max abs err {err:.2e}")
     assert torch.equal(valid.cpu(), ref_valid)
     assert err < 1e-3  # same bf16/fp16 inputs on both sides: only fp32 accumulation order differs
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_block_mass_ignores_nonfinite_padding(poison):
+    """Query rows and keys past seq_lens are never loaded: garbage there leaves the target unchanged."""
+    idx = random_index(2, 1, 96, 32, 32, 2, 1, 1, seed=9, device=DEV)
+    q, k, v = make_qkv(2, 2, 1, 96, 16, torch.float32, seed=9, device=DEV)
+    lens = torch.tensor([96, 50], device=DEV)
+    _, lse = reference_sparse_attention(q, k, v, idx, seq_lens=lens)
+    clean = triton_block_mass(q, k, lse, idx, scale=0.25, seq_lens=lens)
+    q2, k2, lse2 = q.clone(), k.clone(), lse.clone()
+    q2[1, :, 50:] = poison
+    k2[1, :, 50:] = poison
+    lse2[1, :, 50:] = poison
+    dirty = triton_block_mass(q2, k2, lse2, idx, scale=0.25, seq_lens=lens)
+    assert torch.equal(dirty[0], clean[0]) and torch.equal(dirty[1], clean[1])
+
+
+def test_block_mass_rejects_non_finite_scale():
+    idx = random_index(1, 1, 64, 32, 32, 1, 1, 0, seed=1, device=DEV)
+    q, k, v = make_qkv(1, 2, 1, 64, 16, torch.float32, seed=1, device=DEV)
+    _, lse = reference_sparse_attention(q, k, v, idx)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        triton_block_mass(q, k, lse, idx, scale=float("nan"))

@@ -215,3 +215,18 @@ def test_opcheck_fake_impl():
             plan.num_cold, 16, 16, 0.25, 0.0, 0, 1)
     torch.library.opcheck(torch.ops.sparse_train.sparse_attn_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_launcher_clamps_unvalidated_seq_lens():
+    """The launchers take seq_lens unvalidated (e.g. under torch.compile, where the range check is
+    skipped); values are clamped to [0, N] on the device, so a masked load can never reach past the
+    end of K/V (the last key block of N = 70 extends to 80)."""
+    B, HQ, HKV, N, D = 2, 2, 1, 70, 16
+    idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=61, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=61, device=DEV)
+    wild = torch.tensor([N + 10**6, -5], device=DEV)
+    sane = torch.tensor([N, 0], device=DEV)
+    got = _run_poisoned(q, k, v, idx, scale=0.25, seq_lens=wild)
+    want = _run_poisoned(q, k, v, idx, scale=0.25, seq_lens=sane)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.all(got[0][1] == 0) and torch.all(torch.isneginf(got[1][1]))

@@ -184,3 +184,48 @@ def test_functional_draws_reproducible_seed():
     b = st.sparse_attention(q, k, v, idx, dropout_p=0.5)
     c = st.sparse_attention(q, k, v, idx, dropout_p=0.5)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf"), 1e300],
+                         ids=["nan", "inf", "neg-inf", "huge"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=["nodrop", "drop0.3"])
+def test_nonfinite_padding_reaches_no_output_or_gradient(poison, dropout_p):
+    """Issue 11: NaN in k/v past seq_lens made dQ of valid rows NaN (0 x NaN in the backward of the
+    gathered keys). Outputs and q/k/v gradients must equal a run with clean padding, bit for bit, and
+    the padded keys get zero gradient."""
+    b, hq, hkv, n, d = 2, 4, 2, 150, 8
+    q, k, v = make_qkv(b, hq, hkv, n, d, seed=12)
+    idx = random_index(b, hkv, n, 32, 16, 3, 1, 1, seed=12)
+    lens = torch.tensor([150, 61])
+    do = torch.randn(b, hq, n, d, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+    def run(kk, vv):
+        qs, ks, vs = (t.clone().requires_grad_() for t in (q, kk, vv))
+        o, lse = reference_sparse_attention(qs, ks, vs, idx, seq_lens=lens, dropout_p=dropout_p, dropout_seed=5)
+        return (o, lse, *torch.autograd.grad((o * do).sum() + lse.sum(), (qs, ks, vs)))
+
+    clean = run(k, v)
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, 61:] = poison
+    v2[1, :, 61:] = poison
+    dirty = run(k2, v2)
+    for name, a, c in zip(("o", "lse", "dq", "dk", "dv"), dirty, clean):
+        assert torch.isfinite(a).all(), f"{name} has non-finite values"
+        assert torch.equal(a, c), name
+    assert torch.all(dirty[3][1, :, 61:] == 0) and torch.all(dirty[4][1, :, 61:] == 0)
+
+
+def test_dense_oracle_ignores_nonfinite_padding():
+    """The naive dense oracle too: NaN keys/values past seq_lens reach neither o nor dq."""
+    q, k, v = make_qkv(2, 2, 1, 96, 8, seed=13)
+    idx = random_index(2, 1, 96, 32, 32, 2, 1, 1, seed=13)
+    lens = torch.tensor([96, 50])
+    k2, v2 = k.clone(), v.clone()
+    k2[1, :, 50:] = float("nan")
+    v2[1, :, 50:] = float("nan")
+    qs = q.clone().requires_grad_()
+    o, _ = dense_block_mask_attention(qs, k2, v2, idx, seq_lens=lens)
+    (dq,) = torch.autograd.grad(o.sum(), qs)
+    o_ref, _ = reference_sparse_attention(q, k, v, idx, seq_lens=lens)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    assert torch.isfinite(dq).all()

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import LAST_COMPILED, LOG2E, default_heads_per_program, launch
+from .forward import LAST_COMPILED, LOG2E, default_heads_per_program, kernel_seq_lens, launch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,8 +381,11 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     """Launch the backward.  `slots` from `cold_slots` (int32 [B*HKV*NKB]); `num_cold` = number of
     slots >= 0 (0 in deterministic mode).  Returns (dq, dk, dv) in q/k/v dtypes.
     `stage_events`: optional 4 CUDA events recorded at start / after preprocess+scheduling+workspace
-    zeroing / after the dQ(+atomic) kernel / after the KV-centric and finish kernels."""
-    from .reference import dropout_threshold
+    zeroing / after the dQ(+atomic) kernel / after the KV-centric and finish kernels.
+    No validation here (op.py validates), but every tensor argument is either passed with its strides
+    (q, k, v, o, do, indices, counts) or made contiguous here (lse, dlse, seq_lens and the plan arrays
+    kv_indptr, kv_qblocks, slots, which the kernels index without strides)."""
+    from .reference import dropout_threshold, philox_key
 
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
@@ -403,7 +406,11 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if not do.is_contiguous():
         do = do.contiguous()
     lse = lse.contiguous()
-    seql = seq_lens if seq_lens is not None else counts
+    kv_indptr = kv_indptr.contiguous()
+    kv_qblocks = kv_qblocks.contiguous()
+    slots = slots.contiguous()
+    seql = kernel_seq_lens(seq_lens, N, counts)
+    seed = philox_key(dropout_seed)
 
     if stage_events:
         stage_events[0].record()
@@ -440,7 +447,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         _dq_kernel, (NQB * (G // hpp), B * HKV), q, k, v, do, lse, delta, indices, counts, seql, slots, dq, dkw, dvw,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *indices.stride(), *counts.stride(),
-        N, HQ, HKV, NQB, NKB, float(scale * LOG2E), float(scale), int(dropout_seed), threshold, inv_keep,
+        N, HQ, HKV, NQB, NKB, float(scale * LOG2E), float(scale), seed, threshold, inv_keep,
         G=G, HPP=hpp, BQ=block_q, BK=block_k, D=D, HAS_SEQLENS=seq_lens is not None,
         DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee, num_warps=nw_dq, num_stages=ns_dq,
     )
@@ -451,7 +458,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
             _dkdv_kernel, (item_row.numel(),), q, k, v, do, lse, delta, kv_indptr, kv_qblocks, seql, item_row, item_t0, item_t1, item_part,
             dk, dv, pkw, pvw,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-            N, HQ, HKV, NKB, float(scale * LOG2E), float(scale), int(dropout_seed), threshold, inv_keep,
+            N, HQ, HKV, NKB, float(scale * LOG2E), float(scale), seed, threshold, inv_keep,
             G=G, HPP=hpp_kv, BQ=block_q, BK=block_k, D=D, HAS_SEQLENS=seq_lens is not None,
             DROPOUT=dropout, IEEE=ieee, num_warps=nw_kv, num_stages=ns_kv,
         )

@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .forward import LOG2E, default_heads_per_program, launch
+from ..validation import check_scale
+from .forward import LOG2E, default_heads_per_program, kernel_seq_lens, launch
 
 __all__ = ["triton_block_mass"]
 
@@ -102,7 +103,8 @@ def _block_mass_kernel(
 def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts: Tensor, *, block_q: int,
                       block_k: int, scale: float, seq_lens: Tensor | None = None, row_max: bool = True) -> Tensor:
     """Unnormalised mass float32 ``[B, HKV, NQB, K]`` pooled over rows by max (``row_max``) or sum
-    (zeros in empty slots). No validation."""
+    (zeros in empty slots). No validation; q, k, lse, indices, counts are passed with their strides,
+    seq_lens made contiguous (`kernel_seq_lens`)."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     G = HQ // HKV
@@ -110,7 +112,7 @@ def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts
     hpp = default_heads_per_program(G, block_q, D)
     nsub = G // hpp
     out = torch.zeros((B, HKV, nsub, NQB, KCAP), device=q.device, dtype=torch.float32)
-    seq_arg = seq_lens.to(torch.int32).contiguous() if seq_lens is not None else counts
+    seq_arg = kernel_seq_lens(seq_lens, N, counts)
     launch(
         _block_mass_kernel, (NQB * nsub, B * HKV),
         q, k, lse, indices, counts, seq_arg, out,
@@ -135,8 +137,9 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
         q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]`` (any strides; detached here).
         lse: ``[B, HQ, N]`` float32 natural-log row log-sum-exp of the main attention over ``index``.
         index: the :class:`~sparse_train.BlockIndex` the attention used.
-        scale: logit scale of the main attention.
-        seq_lens: optional int ``[B]``; keys and query rows at positions >= seq_lens[b] are dead.
+        scale: logit scale of the main attention (finite).
+        seq_lens: optional int ``[B]``, values in ``[0, N]``; keys and query rows at positions >=
+            seq_lens[b] are dead (never loaded: NaN/inf there cannot reach the target).
         row_pool: ``"max"`` (default: each slot's largest single-row mass) or ``"mean"``.
 
     Returns:
@@ -150,6 +153,7 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
     if row_pool not in ("max", "mean"):
         raise ValueError(f"row_pool must be 'max' or 'mean', got {row_pool!r}")
     index.check_compatible(q, k, k, seq_lens)
+    scale = check_scale(scale, q.shape[-1])
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(
             f"lse must be float32 {tuple(q.shape[:3])} on {q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}"

@@ -216,6 +216,16 @@ def _fwd_config(block_q, block_k, head_dim, hpp, dtype):
     return 4, 3
 
 
+def kernel_seq_lens(seq_lens, seq_len: int, fallback):
+    """The SEQLENS argument of the kernels: int32, contiguous (the kernels index it as `SEQLENS + b`,
+    without a stride), values clamped to [0, N] on the device (no host sync: an unvalidated value,
+    e.g. under torch.compile, can never widen a masked load past the end of K/V).  ``fallback`` is the
+    dummy pointer passed when there are no seq_lens."""
+    if seq_lens is None:
+        return fallback
+    return seq_lens.to(torch.int64).clamp(0, seq_len).to(torch.int32).contiguous()
+
+
 def launch(kernel, grid, *args, num_warps, num_stages, **meta):
     """Launch a @triton.jit kernel; if the config exceeds shared memory on this GPU, retry with one
     pipeline stage less (same results: stages only change prefetch depth)."""
@@ -236,8 +246,10 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
     """Launch the forward.  q [B, HQ, N, D]; k, v [B, HKV, N, D]; indices int32 [B, HKV, NQB, K];
     counts int32 [B, HKV, NQB]; seq_lens int [B] or None.  Returns (o [B, HQ, N, D] q.dtype,
     lse [B, HQ, N] float32).  `out=(o, lse)` writes into given buffers (tests poison them with NaN
-    to prove every element is written).  No validation here (op.py validates before calling)."""
-    from .reference import dropout_threshold  # the one definition of the keep threshold
+    to prove every element is written).  No validation here (op.py validates before calling), but
+    every tensor argument is either passed with its strides or made contiguous here, and
+    `dropout_seed` may be any int whose low 64 bits are the Philox key."""
+    from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
@@ -257,7 +269,7 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
     ns = num_stages or ns
     ieee = q.dtype == torch.float32
     grid = (NQB * (G // hpp), B * HKV, num_splits)
-    seql = seq_lens if seq_lens is not None else counts  # dummy pointer when absent
+    seql = kernel_seq_lens(seq_lens, N, counts)
     if num_splits > 1:
         rows = B * HQ * N
         po = torch.empty((num_splits, rows, D), device=q.device, dtype=torch.float32)
@@ -269,7 +281,7 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
         _fwd_kernel, grid, q, k, v, o, lse, indices, counts, seql, po, pm, pl,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         *indices.stride(), *counts.stride(),
-        N, HQ, HKV, NQB, float(scale * LOG2E), int(dropout_seed), threshold, inv_keep,
+        N, HQ, HKV, NQB, float(scale * LOG2E), philox_key(dropout_seed), threshold, inv_keep,
         G=G, HPP=hpp, BQ=block_q, BK=block_k, D=D,
         HAS_SEQLENS=seq_lens is not None, DROPOUT=dropout, NSPLIT=num_splits, IEEE=ieee,
         num_warps=nw, num_stages=ns,

@@ -11,11 +11,18 @@ Layers: kernels live in forward.py / backward.py; this file holds (3) the autogr
 (`sparse_train::sparse_attn_fwd` / `sparse_train::sparse_attn_bwd` custom ops with fake impls and
 `register_autograd`) and (4) the public functions `triton_sparse_attention` and `triton_supports`.
 
-Ownership of the index: `indices` and `counts` are **copied** (cloned) when the forward runs, and the
-copy is what the backward reads, so a caller that mutates or reuses its index tensors after the forward
-cannot change the gradients (cost: 4 bytes per index slot, one small device copy).  The plan tensors
-(`BlockPlan.kv_indptr`, `kv_qblocks`, `hot`, `reuse`) are referenced, not copied: a plan is a derived,
-immutable view built by `BlockIndex.plan` at forward time.
+Ownership of the index: `indices`, `counts` and `seq_lens` are **copied** when the forward runs, and
+the copy is what the backward reads, so a caller that mutates or reuses these tensors after the forward
+cannot change the gradients (cost: 4 bytes per index slot and per sequence, small device copies).  The
+plan tensors (`BlockPlan.kv_indptr`, `kv_qblocks`, `hot`, `reuse`) are referenced, not copied: a plan is
+a derived, immutable view built by `BlockIndex.plan` at forward time.
+
+Plans are checked against the index they are used with (`sparse_train.validation.check_plan`): a
+plan of another index would make the backward read past its arrays.
+
+Dropout seeds are ints in [0, 2**64) (validated once, for both backends, in sparse_train.validation);
+the op's `dropout_seed: int` is an int64, so seeds >= 2**63 travel as their two's-complement value
+and the launchers recover the unsigned Philox key (`reference.philox_key`).
 
 Known limits: CUDA tensors in bf16/fp16 (fp32 only under TRITON_INTERPRET=1, for tests); head dims
 16/32/64/128; BQ, BK in {16, 32, 64, 128}; N < 2^31.  dropout_seed=None draws a seed from torch's
@@ -23,13 +30,13 @@ global CPU generator (a graph break under torch.compile: pass an int seed when c
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from ..validation import as_int, check_attention_args, check_bool
 from .backward import cold_slots, sparse_attn_backward
 from .forward import choose_num_splits, default_heads_per_program, sparse_attn_forward
 
@@ -147,13 +154,17 @@ def triton_sparse_attention(
         dropout_p: dropout on attention probabilities, in [0, 1).  The keep bit of (b, h, q, k) is
             ``philox(seed, ((b*HQ+h)*N+q)*N+k) >= floor(p*2^32)``, the same bits as the reference;
             the softmax denominator (and lse) excludes dropout; kept weights are scaled by 1/(1-p).
-        dropout_seed: int seed; default (None with dropout_p > 0): drawn from torch's CPU generator.
+        dropout_seed: int seed in ``[0, 2**64)``; default (None with dropout_p > 0): drawn from torch's
+            CPU generator.
         deterministic: every dK/dV block through the KV-centric kernel in fixed order (no atomics),
             bitwise-identical gradients run to run.  Switched on automatically when
             ``torch.are_deterministic_algorithms_enabled()``.
-        seq_lens: optional int ``[B]``: keys at positions >= seq_lens[b] are masked.
-        plan: a ``BlockPlan`` of this index (default ``index.plan(r0)``, cached on the index).
-        r0: reuse threshold of the hybrid backward (default ``sparse_train.index.DEFAULT_R0``).
+        seq_lens: optional int ``[B]`` (any strides), values in ``[0, N]``: keys at positions >=
+            seq_lens[b] are masked (never loaded).
+        plan: a ``BlockPlan`` built by ``index.plan(r0)`` from this very index (default: that call,
+            cached on the index); a plan of another index, or of modified index tensors, raises.
+        r0: reuse threshold of the hybrid backward (default ``sparse_train.index.DEFAULT_R0``); must
+            equal ``plan.r0`` when both are given.
         num_splits: split-KV count of the forward (default: the plan-time rule
             ``forward.choose_num_splits``); results agree with the unsplit path up to rounding.
 
@@ -165,29 +176,28 @@ def triton_sparse_attention(
     gradients (see the module docstring).
 
     Raises:
-        ValueError: unsupported dtype/device/head dim/block size (reason from ``triton_supports``),
+        ValueError: unsupported dtype/device/head dim/block size (reason from ``triton_supports``);
+            any argument outside its domain (``sparse_train.validation.check_attention_args``):
             shape/batch/head/length mismatch with the index, bad seq_lens, dropout_p outside [0, 1),
-            num_splits outside 1..64, index tensors of the wrong dtype.
+            dropout_seed outside [0, 2**64), a plan of another index; num_splits outside 1..64.
     """
-    index.check_compatible(q, k, v, seq_lens)
+    args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                seq_lens=seq_lens, plan=plan, r0=r0)
     ok, reason = triton_supports(q, k, v, index)
     if not ok:
         raise ValueError(f"triton_sparse_attention does not support this input: {reason}")
-    if index.indices.dtype != torch.int32 or index.counts.dtype != torch.int32:
-        raise ValueError("index.indices and index.counts must be int32 (build the index with BlockIndex)")
-    if not (0.0 <= float(dropout_p) < 1.0):
-        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p}")
-    if num_splits is not None and not (1 <= int(num_splits) <= 64):
-        raise ValueError(f"num_splits must lie in 1..64, got {num_splits}")
+    if num_splits is not None:
+        num_splits = as_int("num_splits", num_splits, minimum=1, maximum=64)
     D = q.shape[-1]
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
-    dropout_p = float(dropout_p)
+    scale, dropout_p, dropout_seed = args.scale, args.dropout_p, args.dropout_seed
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
-    seed = int(dropout_seed) if dropout_p > 0.0 else 0
-    deterministic = bool(deterministic) or torch.are_deterministic_algorithms_enabled()
+    seed = dropout_seed if dropout_p > 0.0 else 0
+    # the op's int is an int64: seeds >= 2**63 travel as their two's complement (same 64 bits)
+    seed = seed - (1 << 64) if seed >= 1 << 63 else seed
+    deterministic = check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
     if plan is None:
-        plan = index.plan(r0)
+        plan = index.plan(args.r0)
     slots = cold_slots(plan.hot, plan.reuse, deterministic)
     num_cold = 0 if deterministic else int(plan.num_cold)
     if num_splits is None:
@@ -197,11 +207,11 @@ def triton_sparse_attention(
         programs = index.num_q_blocks * (G // hpp) * B * k.shape[1]
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
         num_splits = choose_num_splits(programs, int(plan.max_count), sms)
-    if seq_lens is not None:
-        seq_lens = seq_lens.to(torch.int32)
-    # copies: the backward must see the forward's selection whatever the caller does afterwards
+    # copies: the backward must see the forward's selection and lengths whatever the caller does afterwards
     indices = index.indices.clone()
     counts = index.counts.clone()
+    if seq_lens is not None:
+        seq_lens = seq_lens.to(torch.int32, copy=True)
     return torch.ops.sparse_train.sparse_attn_fwd(
         q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, slots, seq_lens,
         num_cold, index.block_q, index.block_k, scale, dropout_p, seed, int(num_splits))

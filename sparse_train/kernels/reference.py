@@ -23,10 +23,12 @@ import torch
 from torch import Tensor
 
 from ..index import BlockIndex
+from ..validation import check_attention_args, check_dropout_p
 
 __all__ = [
     "reference_sparse_attention",
     "philox4x32_10",
+    "philox_key",
     "dropout_offsets",
     "dropout_threshold",
     "dropout_keep_mask",
@@ -34,6 +36,7 @@ __all__ = [
 ]
 
 _MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
 _PHILOX_M0 = 0xD2511F53  # multiplier applied to counter word 0 (Triton: PHILOX_ROUND_A)
 _PHILOX_M1 = 0xCD9E8D57  # multiplier applied to counter word 2 (Triton: PHILOX_ROUND_B)
 _PHILOX_W0 = 0x9E3779B9  # key schedule increments (golden ratio, sqrt(3) - 1)
@@ -52,6 +55,12 @@ def _mul32(a: int, b: Tensor) -> tuple[Tensor, Tensor]:
     return high, low
 
 
+def philox_key(seed: int) -> int:
+    """The 64-bit Philox key (as an unsigned int) of a dropout seed in ``[0, 2**64)``, or of its int64
+    two's-complement form, which is how the torch.library op carries seeds >= 2**63."""
+    return int(seed) & _MASK64
+
+
 def philox4x32_10(seed: int, c0: Tensor, c1: Tensor, c2: Tensor | None = None, c3: Tensor | None = None,
                   rounds: int = 10) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Philox4x32 with 10 rounds (Salmon et al., SC'11), counter (c0, c1, c2, c3), key = the 64-bit
@@ -61,7 +70,7 @@ def philox4x32_10(seed: int, c0: Tensor, c1: Tensor, c2: Tensor | None = None, c
     output words as int64 tensors holding uint32 values; ``tl.randint(seed, offset)`` is word 0 with
     ``c0, c1`` the low and high halves of the offset and ``c2 = c3 = 0``.
     """
-    seed = int(seed) & ((1 << 64) - 1)
+    seed = philox_key(seed)
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     c0 = c0.to(torch.int64) & _MASK32
     c1 = c1.to(torch.int64) & _MASK32
@@ -88,9 +97,7 @@ def dropout_offsets(b: Tensor, h: Tensor, q_pos: Tensor, k_pos: Tensor, num_q_he
 def dropout_threshold(p: float) -> int:
     """Keep iff ``randint_u32 >= threshold``, ``threshold = floor(p * 2**32)``: P(keep) = 1 - p up to
     2**-32. Raises ValueError unless 0 <= p < 1."""
-    if not (0.0 <= float(p) < 1.0):
-        raise ValueError(f"dropout_p must lie in [0, 1), got {p}")
-    return min(int(math.floor(float(p) * 2.0**32)), _MASK32)
+    return min(int(math.floor(check_dropout_p(p) * 2.0**32)), _MASK32)
 
 
 def dropout_keep_mask(seed: int, b: Tensor, h: Tensor, q_pos: Tensor, k_pos: Tensor,
@@ -126,8 +133,9 @@ def reference_sparse_attention(
         index: the canonical :class:`BlockIndex` for (B, HKV, N).
         scale: logit scale, default ``1 / sqrt(D)``.
         dropout_p: attention-probability dropout in [0, 1); needs ``dropout_seed`` when > 0.
-        dropout_seed: int seed of the counter-based keep bits.
-        seq_lens: optional int ``[B]``; keys at positions >= seq_lens[b] are masked.
+        dropout_seed: int seed of the counter-based keep bits, in ``[0, 2**64)``.
+        seq_lens: optional int ``[B]``, values in ``[0, N]``; keys at positions >= seq_lens[b] are
+            masked, by selection: their values (even NaN/inf) reach no output and no gradient.
         upcast: compute fp16/bf16 inputs in fp32 (default). False computes in the input dtype, which
             tests use as the "same computation in the kernel's precision" baseline.
         chunk_q_blocks: query blocks per chunk (default: sized to ~8M logits per chunk).
@@ -137,9 +145,13 @@ def reference_sparse_attention(
         for fp64 inputs), ``-inf`` for rows with no valid key (whose o is 0 and gradients are 0).
 
     Raises:
-        ValueError: shape/dtype/device mismatch with the index, bad seq_lens, dropout without seed.
+        ValueError: any argument outside its domain (:func:`sparse_train.validation.check_attention_args`):
+            shape/dtype/device mismatch with the index, bad seq_lens, dropout_p or dropout_seed;
+            dropout without seed.
     """
-    index.check_compatible(q, k, v, seq_lens)
+    args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                seq_lens=seq_lens)
+    scale, dropout_p, dropout_seed = args.scale, args.dropout_p, args.dropout_seed
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs an explicit dropout_seed in the reference")
     threshold = dropout_threshold(dropout_p)
@@ -149,7 +161,6 @@ def reference_sparse_attention(
     group = hq // hkv
     bq, bk = index.block_q, index.block_k
     nqb, nkb, cap = index.num_q_blocks, index.num_k_blocks, index.capacity
-    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out_dtype = q.dtype
     compute = q.dtype
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
@@ -175,22 +186,22 @@ def reference_sparse_attention(
         c1 = min(nqb, c0 + step)
         chunk = c1 - c0
         sel_rows = rows[:, :, c0:c1].reshape(-1)
-        k_sel = kp.index_select(0, sel_rows).view(batch, hkv, chunk, cap * bk, d)  # [B, HKV, C, K*BK, D]
-        v_sel = vp.index_select(0, sel_rows).view(batch, hkv, chunk, cap * bk, d)
-        q_chunk = qp[:, :, :, c0:c1]  # [B, HKV, G, C, BQ, D]
-        logits = torch.einsum("bhgcqd,bhckd->bhgcqk", q_chunk, k_sel) * scale  # [B, HKV, G, C, BQ, K*BK]
-
         key_pos = (idx[:, :, c0:c1, :, None] * bk + torch.arange(bk, device=device)).reshape(
             batch, hkv, chunk, cap * bk
         )
         q_pos = (torch.arange(c0, c1, device=device).view(-1, 1) * bq + torch.arange(bq, device=device)).view(
             1, 1, chunk, bq, 1
         )
-        # Values of masked keys never enter the sum: zero them so garbage (even NaN) in padding after
-        # a sequence's length cannot leak through 0 * NaN.
         key_ok = slot_valid[:, :, c0:c1, :, None].expand(-1, -1, -1, -1, bk).reshape(batch, hkv, chunk, cap * bk)
         key_ok = key_ok & (key_pos < lens)  # [B, HKV, C, K*BK]
-        v_sel = v_sel.masked_fill(~key_ok.unsqueeze(-1), 0.0)
+        # Masked keys and values are replaced (selected away, not multiplied by 0) before any product:
+        # garbage in them (even NaN/inf past a sequence's length) would otherwise leak through 0 * NaN,
+        # into o via P @ V and into dQ via dS @ K in the backward of the logits.
+        keep = key_ok.unsqueeze(-1)
+        k_sel = torch.where(keep, kp.index_select(0, sel_rows).view(batch, hkv, chunk, cap * bk, d), 0.0)
+        v_sel = torch.where(keep, vp.index_select(0, sel_rows).view(batch, hkv, chunk, cap * bk, d), 0.0)
+        q_chunk = qp[:, :, :, c0:c1]  # [B, HKV, G, C, BQ, D]
+        logits = torch.einsum("bhgcqd,bhckd->bhgcqk", q_chunk, k_sel) * scale  # [B, HKV, G, C, BQ, K*BK]
         valid = (key_ok.unsqueeze(3) & (key_pos.unsqueeze(3) <= q_pos)).unsqueeze(2)  # [B, HKV, 1, C, BQ, K*BK]
 
         logits = logits.masked_fill(~valid, float("-inf"))
@@ -237,10 +248,15 @@ def dense_block_mask_attention(
     elem = elem.repeat_interleave(group, dim=1)  # [B, HQ, N, N]
     pos = torch.arange(n, device=q.device)
     elem = elem & (pos.view(1, 1, 1, n) <= pos.view(1, 1, n, 1))
-    if seq_lens is not None:
-        elem = elem & (pos.view(1, 1, 1, n) < seq_lens.view(-1, 1, 1, 1))
     kk = k.repeat_interleave(group, dim=1)
     vv = v.repeat_interleave(group, dim=1)
+    if seq_lens is not None:
+        elem = elem & (pos.view(1, 1, 1, n) < seq_lens.view(-1, 1, 1, 1))
+        # keys past a sequence's length are selected away, not multiplied by 0: NaN/inf there must
+        # not leak into o (P @ V) or into dQ (the backward of Q K^T)
+        key_in = pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1)
+        kk = torch.where(key_in, kk, 0.0)
+        vv = torch.where(key_in, vv, 0.0)
     s = (q @ kk.transpose(-1, -2)) * scale
     s = s.masked_fill(~elem, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)

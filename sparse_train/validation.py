@@ -1,0 +1,358 @@
+"""Argument validation of the public index and attention API: every rule is written once, here.
+
+`BlockIndex` constructors, `sparse_attention`, the reference and the Triton entry points all call these
+functions, so a bad argument gets the same ``ValueError`` (naming the argument and its value) on every
+path. Small named validators (`check_qkv`, `check_seq_lens`, `check_dropout`, ...) compose into
+`check_attention_args`, the one call each attention backend makes; another module (e.g. the
+``SparseAttention`` module's input check) can call the small ones directly.
+
+Cost: every check reads shapes, dtypes, devices and Python scalars only, except the range check of
+``seq_lens`` values, which is one host sync per call (a reduction over B elements). It is skipped while
+``torch.compile`` traces (a data-dependent branch would break the graph); the kernel launchers clamp
+``seq_lens`` to ``[0, N]`` on the device, so an unchecked value can never make a kernel read outside q/k/v.
+Derived state is checked by cheap identity: a `BlockPlan` must come from the index it is used with, and
+from its current contents (tensor version counters; skipped while compiling).
+
+Domains defined here: dropout seeds are ints in ``[0, 2**64)`` (the 64-bit Philox key, two 32-bit
+words); dropout_p is a float in ``[0, 1)``; block sizes, seq_len, capacity are ints >= 1; window,
+sinks, r0 are ints >= 0; seq_lens values lie in ``[0, N]``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+import weakref
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "DROPOUT_SEED_LIMIT",
+    "AttentionArgs",
+    "as_int",
+    "check_attention_args",
+    "check_block_index",
+    "check_bool",
+    "check_capacity",
+    "check_dropout",
+    "check_dropout_p",
+    "check_dropout_seed",
+    "check_geometry",
+    "check_index_matches",
+    "check_integer_tensor",
+    "check_plan",
+    "check_qkv",
+    "check_r0",
+    "check_scale",
+    "check_seq_lens",
+    "check_window_sinks",
+    "plan_source",
+    "source_is_current",
+]
+
+DROPOUT_SEED_LIMIT = 1 << 64
+"""Dropout seeds are ints in ``[0, DROPOUT_SEED_LIMIT)``: the Philox4x32 key is two 32-bit words."""
+
+_INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+# ---------------------------------------------------------------------------------------- scalars
+def as_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as a Python int (numpy ints accepted; bool, float and str rejected), within bounds."""
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if not isinstance(value, torch.SymInt):
+        value = operator.index(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _as_real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def check_geometry(seq_len, block_q, block_k) -> tuple[int, int, int]:
+    """seq_len (N), block_q (BQ), block_k (BK): ints >= 1."""
+    return (as_int("seq_len", seq_len, minimum=1), as_int("block_q", block_q, minimum=1),
+            as_int("block_k", block_k, minimum=1))
+
+
+def check_window_sinks(window, sinks) -> tuple[int, int]:
+    for value in (window, sinks):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"window and sinks must be ints >= 0, got window={window!r}, sinks={sinks!r}")
+    return operator.index(window), operator.index(sinks)
+
+
+def check_capacity(capacity, num_k_blocks: int) -> int | None:
+    """None (automatic tier) or an int >= 1, clamped to NKB: a row never holds more than NKB distinct
+    blocks, so a larger capacity would only be -1 padding (and a huge one an allocator crash); the
+    automatic tier (`capacity_tier`) has the same cap."""
+    if capacity is None:
+        return None
+    return min(as_int("capacity", capacity, minimum=1), max(1, num_k_blocks))
+
+
+def check_r0(r0) -> int | None:
+    return None if r0 is None else as_int("r0", r0, minimum=0)
+
+
+def check_scale(scale, head_dim: int) -> float:
+    """None -> ``1 / sqrt(D)``; otherwise a finite real number."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    value = _as_real("scale", scale)
+    if not math.isfinite(value):
+        raise ValueError(f"scale must be finite, got {scale!r}")
+    return value
+
+
+def check_dropout_p(dropout_p) -> float:
+    value = _as_real("dropout_p", dropout_p)
+    if not (0.0 <= value < 1.0):
+        raise ValueError(f"dropout_p must lie in [0, 1), got {dropout_p!r}")
+    return value
+
+
+def check_dropout_seed(dropout_seed) -> int | None:
+    """None or an int in ``[0, 2**64)``; both backends derive the same Philox key from it."""
+    if dropout_seed is None:
+        return None
+    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, numbers.Integral):
+        raise ValueError(
+            f"dropout_seed must be an int in [0, 2**64), got {dropout_seed!r} ({type(dropout_seed).__name__})"
+        )
+    seed = operator.index(dropout_seed)
+    if not (0 <= seed < DROPOUT_SEED_LIMIT):
+        raise ValueError(f"dropout_seed must lie in [0, 2**64), got {seed}")
+    return seed
+
+
+def check_dropout(dropout_p, dropout_seed) -> tuple[float, int | None]:
+    return check_dropout_p(dropout_p), check_dropout_seed(dropout_seed)
+
+
+# ---------------------------------------------------------------------------------------- tensors
+def check_integer_tensor(name: str, value, *, dim: int | None = None) -> Tensor:
+    """A tensor of an integer dtype (not bool, not floating: a float would be truncated silently)."""
+    if not isinstance(value, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in _INTEGER_DTYPES:
+        raise ValueError(f"{name} must have an integer dtype, got {value.dtype}")
+    if dim is not None and value.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(value.shape)}")
+    return value
+
+
+def check_qkv(q, k, v, *, device=None) -> tuple[int, int, int, int, int]:
+    """q ``[B, HQ, N, D]``, k/v ``[B, HKV, N, D]``: floating point, one dtype, one device (``device``,
+    the block index's, when given), HQ a positive multiple of HKV, D >= 1. Returns (B, HQ, HKV, N, D).
+    Any strides."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor [B, H, N, D], got {getattr(t, 'shape', type(t))}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+        if device is not None and t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the block index is on {device}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    bq, hq, nq, dq = q.shape
+    bk, hkv, nk, dk = k.shape
+    if bq != bk or nq != nk or dq != dk:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, length or head dim "
+            "(expected q [B, HQ, N, D], k/v [B, HKV, N, D])"
+        )
+    if hkv == 0 or hq == 0 or hq % hkv != 0:
+        raise ValueError(f"query heads ({hq}) must be a positive multiple of key/value heads ({hkv})")
+    if dq == 0:
+        raise ValueError(f"head dim must be >= 1, got q of shape {tuple(q.shape)}")
+    return bq, hq, hkv, nq, dq
+
+
+def check_seq_lens(seq_lens, batch: int, seq_len: int, device, *, values: bool = True) -> None:
+    """Optional int ``[B]`` on ``device`` with values in ``[0, N]``. ``values=False`` skips the range
+    check, the only host sync of the validation (also skipped while torch.compile traces)."""
+    if seq_lens is None:
+        return
+    if not isinstance(seq_lens, Tensor) or seq_lens.dtype not in _INTEGER_DTYPES or seq_lens.dim() != 1:
+        raise ValueError(
+            "seq_lens must be a 1-D integer tensor [B], got "
+            f"{getattr(seq_lens, 'dtype', type(seq_lens).__name__)} {tuple(getattr(seq_lens, 'shape', ()))}"
+        )
+    if seq_lens.numel() != batch:
+        raise ValueError(f"seq_lens has {seq_lens.numel()} entries for batch {batch}")
+    if seq_lens.device != torch.device(device):
+        raise ValueError(f"seq_lens is on {seq_lens.device} but q is on {device}")
+    if values and not _compiling():
+        bad = (seq_lens < 0) | (seq_lens > seq_len)
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"seq_lens values must lie in [0, N={seq_len}], got seq_lens[{first}] = {int(seq_lens[first])}"
+            )
+
+
+# ---------------------------------------------------------------------------------------- index, plan
+def check_block_index(index) -> None:
+    """Metadata of a BlockIndex (no data read): int32 ``indices [B, HKV, NQB, K>=1]`` and ``counts
+    [B, HKV, NQB]`` on one device, NQB = ceil(seq_len / block_q). The canonical invariants of the
+    values are `BlockIndex.validate`'s job (exhaustive, a host sync)."""
+    from .index import BlockIndex
+
+    if not isinstance(index, BlockIndex):
+        raise ValueError(f"index must be a sparse_train.BlockIndex, got {type(index).__name__}")
+    seq_len, block_q, _ = check_geometry(index.seq_len, index.block_q, index.block_k)
+    indices, counts = index.indices, index.counts
+    for name, t in (("indices", indices), ("counts", counts)):
+        if not isinstance(t, Tensor) or t.dtype != torch.int32:
+            raise ValueError(
+                f"index.{name} must be an int32 tensor (build the index with BlockIndex.from_*), got "
+                f"{getattr(t, 'dtype', type(t).__name__)}"
+            )
+    num_q_blocks = -(-seq_len // block_q)
+    if indices.dim() != 4 or indices.shape[2] != num_q_blocks or indices.shape[3] < 1:
+        raise ValueError(
+            f"index.indices must have shape [B, HKV, NQB={num_q_blocks}, K>=1] for seq_len={seq_len}, "
+            f"block_q={block_q}, got {tuple(indices.shape)}"
+        )
+    if counts.shape != indices.shape[:3]:
+        raise ValueError(f"index.counts must have shape {tuple(indices.shape[:3])}, got {tuple(counts.shape)}")
+    if counts.device != indices.device:
+        raise ValueError(f"index.indices is on {indices.device} but index.counts on {counts.device}")
+
+
+def check_index_matches(index, q: Tensor, k: Tensor) -> None:
+    """The index was built for q/k's batch, KV heads, length and device."""
+    bq, _, nq, _ = q.shape
+    hkv = k.shape[1]
+    if q.device != index.device:
+        raise ValueError(f"q is on {q.device} but the block index is on {index.device}")
+    if bq != index.batch or hkv != index.num_kv_heads:
+        raise ValueError(
+            f"block index is for batch={index.batch}, kv_heads={index.num_kv_heads} but k has "
+            f"batch={bq}, kv_heads={hkv}"
+        )
+    if nq != index.seq_len:
+        raise ValueError(f"block index is for seq_len={index.seq_len} but q/k/v have N={nq}")
+
+
+class PlanSource(NamedTuple):
+    """What a plan remembers of the index it was built from."""
+
+    indices: weakref.ref
+    counts: weakref.ref
+    versions: tuple
+    """Version counters of indices and counts (an in-place write bumps them; None for inference
+    tensors, which have none). A CUDA-graph replay writes without bumping them: see
+    `BlockIndex.from_canonical`."""
+    shape: tuple
+    geometry: tuple
+    """(seq_len, block_q, block_k)."""
+
+
+def _versions(index) -> tuple:
+    return tuple(None if t.is_inference() else t._version for t in (index.indices, index.counts))
+
+
+def plan_source(index) -> PlanSource:
+    return PlanSource(weakref.ref(index.indices), weakref.ref(index.counts), _versions(index),
+                      tuple(index.indices.shape), (index.seq_len, index.block_q, index.block_k))
+
+
+def source_is_current(source: PlanSource, index) -> bool:
+    """The index tensors are the ones ``source`` was taken from, unmodified since."""
+    return (source.indices() is index.indices and source.counts() is index.counts
+            and source.versions == _versions(index))
+
+
+def check_plan(plan, index, r0=None) -> None:
+    """``plan`` was built by ``index.plan(r0)`` from the index's current contents. A plan of another
+    index would make the backward read past its arrays."""
+    from .index import BlockPlan
+
+    if not isinstance(plan, BlockPlan):
+        raise ValueError(f"plan must be a sparse_train.BlockPlan (from index.plan(r0)), got {type(plan).__name__}")
+    if r0 is not None and r0 != plan.r0:
+        raise ValueError(f"plan was built with r0={plan.r0} but r0={r0} was passed; pass one of them")
+    source = plan.source
+    if source is None:
+        raise ValueError("plan has no source index; build plans with index.plan(r0)")
+    geometry = (index.seq_len, index.block_q, index.block_k)
+    if source.shape != tuple(index.indices.shape) or source.geometry != geometry:
+        raise ValueError(
+            f"plan was built for an index of shape {source.shape} and (seq_len, block_q, block_k)="
+            f"{source.geometry}, but this index has shape {tuple(index.indices.shape)} and {geometry}; "
+            "build it with index.plan(r0)"
+        )
+    if plan.reuse.device != index.device:
+        raise ValueError(f"plan is on {plan.reuse.device} but the block index is on {index.device}")
+    if _compiling():
+        return
+    if source.indices() is not index.indices or source.counts() is not index.counts:
+        raise ValueError("plan was built from a different BlockIndex than the one passed; build it with index.plan(r0)")
+    if source.versions != _versions(index):
+        raise ValueError(
+            "the index tensors were modified in place after this plan was built; rebuild it with index.plan(r0)"
+        )
+
+
+# ---------------------------------------------------------------------------------------- one call
+class AttentionArgs(NamedTuple):
+    """Normalised arguments of an attention call."""
+
+    scale: float
+    dropout_p: float
+    dropout_seed: int | None
+    r0: int | None
+
+
+def check_attention_args(
+    q,
+    k,
+    v,
+    index,
+    *,
+    scale=None,
+    dropout_p=0.0,
+    dropout_seed=None,
+    seq_lens=None,
+    plan=None,
+    r0=None,
+    seq_lens_values: bool = True,
+) -> AttentionArgs:
+    """Every argument of `sparse_attention` that has a meaning for both backends. The backends call it
+    with ``seq_lens_values=True`` (one host sync, see the module docstring); the dispatcher calls it
+    before choosing a backend with ``False``."""
+    check_block_index(index)
+    _, _, _, _, head_dim = check_qkv(q, k, v, device=index.device)
+    check_index_matches(index, q, k)
+    check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
+    p, seed = check_dropout(dropout_p, dropout_seed)
+    r0 = check_r0(r0)
+    if plan is not None:
+        check_plan(plan, index, r0)
+    return AttentionArgs(check_scale(scale, head_dim), p, seed, r0)
