@@ -24,7 +24,7 @@ python3 scripts/retrieval_ab.py --plan "$plan" --parallel 16 --threads 1 --timeo
 cp /tmp/ab/summary.md /tmp/ab/summary.json "$OUT/" 2>/dev/null
 
 lm="--trainer.accelerator=gpu --trainer.precision=bf16-mixed --data.init_args.seq_len=8192 --data.init_args.batch_size=4
-    --trainer.max_steps=60 --trainer.limit_val_batches=0 --trainer.enable_progress_bar=false"
+    --trainer.max_steps=40 --trainer.limit_val_batches=0 --trainer.enable_progress_bar=false"
 sp="--model.init_args.model.sparse.top_k=8 --model.init_args.model.sparse.window=4"
 i=0
 for variant in "lm_bytes_dense:" "lm_bytes:$sp" "lm_bytes:$sp --model.init_args.model.sparse.distill=off"; do
@@ -32,7 +32,7 @@ for variant in "lm_bytes_dense:" "lm_bytes:$sp" "lm_bytes:$sp --model.init_args.
   dir=/tmp/steptime/$i-$config
   mkdir -p "$dir"
   # shellcheck disable=SC2086
-  timeout 120 python3 -m sparse_train.cli fit --config "$config" $lm $extra --trainer.default_root_dir="$dir" > "$dir.log" 2>&1
+  timeout 60 python3 -m sparse_train.cli fit --config "$config" $lm $extra --trainer.default_root_dir="$dir" > "$dir.log" 2>&1
   python3 - "$dir" "$config $extra" >> "$OUT/step_times.txt" <<'EOF'
 import csv, pathlib, statistics, sys
 rows = [r for p in pathlib.Path(sys.argv[1]).rglob("metrics.csv") for r in csv.DictReader(open(p))]

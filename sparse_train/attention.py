@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import SparseAttentionConfig
-from .functional import resolve_backend, sparse_attention
+from .functional import finite_padded_queries, resolve_backend, sparse_attention
 from .index import BlockIndex
 from .selectors.distill import block_kl, dense_block_mass, sparse_block_mass
 from .selectors.metrics import sample_query_blocks, selection_quality
@@ -113,11 +113,9 @@ def dense_causal_attention(
     n = q.shape[2]
     pos = torch.arange(n, device=q.device)
     # Padding may hold anything (NaN included). A masked logit still multiplies its value by a zero
-    # probability (0 * NaN = NaN), so padded keys and values are replaced, not masked. A padded query
-    # row with a non-finite entry would reach the keys' gradients through the backward's row sums, so
-    # it is replaced too; finite padded rows keep the reference's semantics (they attend valid keys).
+    # probability (0 * NaN = NaN), so padded keys and values are replaced, not masked.
     real = (pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
-    q = torch.where(real | torch.isfinite(q), q, 0.0)
+    q = finite_padded_queries(q, seq_lens)
     k = torch.where(real, k, 0.0)
     v = torch.where(real, v, 0.0)
     allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1)) & (pos.view(1, 1, n) < seq_lens.view(-1, 1, 1))  # [B, N, N]

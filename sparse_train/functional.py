@@ -22,6 +22,17 @@ def _triton_op():
     return op
 
 
+def finite_padded_queries(q: Tensor, seq_lens: Tensor) -> Tensor:
+    """q ``[B, H, N, D]`` with the non-finite entries of rows at positions >= seq_lens[b] set to 0.
+
+    Rows past seq_lens are padding and are computed like any other row (they attend the valid
+    keys), but a NaN there would reach the keys' gradients through the backward's row sums
+    (0 * NaN = NaN); finite padding is left as it is, so results on finite input do not change."""
+    pos = torch.arange(q.shape[2], device=q.device)
+    real = pos.view(1, 1, -1, 1) < seq_lens.view(-1, 1, 1, 1)
+    return torch.where(real | torch.isfinite(q), q, 0.0)
+
+
 def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend: str = "auto") -> tuple[str, str]:
     """Which backend ``sparse_attention`` will run, and why: ``("triton" | "reference", reason)``.
 
@@ -90,7 +101,8 @@ def sparse_attention(
             ``"reference"``.
         seq_lens: optional int ``[B]`` (any strides), values in ``[0, N]``: keys at positions >=
             seq_lens[b] are masked (right padding); whatever they hold (even NaN/inf) never reaches
-            an output or gradient of the keys before it.
+            an output or gradient of the keys before it. Query rows past it are computed like any
+            row (finite padding) or from a zeroed query (non-finite padding).
         plan: a precomputed ``index.plan(r0)`` of this very index (refused otherwise) to reuse across
             layers; r0: reuse threshold of the hybrid backward (default
             :data:`sparse_train.index.DEFAULT_R0`; must equal ``plan.r0`` when both are given).
@@ -114,6 +126,8 @@ def sparse_attention(
     check_bool("return_lse", return_lse)
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
+    if seq_lens is not None:
+        q = finite_padded_queries(q, seq_lens)
     chosen, _ = resolve_backend(q, k, v, index, backend)
     if chosen == "triton":
         o, lse = _triton_op().triton_sparse_attention(
