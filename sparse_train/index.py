@@ -28,7 +28,7 @@ from torch import Tensor
 
 from .validation import (
     PlanSource,
-    as_int,
+    check_int,
     check_block_index,
     check_capacity,
     check_geometry,
@@ -402,8 +402,8 @@ class BlockIndex:
     ) -> "BlockIndex":
         """Every causally reachable block for every query block (dense causal attention)."""
         seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
-        batch = as_int("batch", batch, minimum=0)
-        num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
+        batch = check_int("batch", batch, minimum=0)
+        num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
         num_q_blocks = math.ceil(seq_len / block_q)
         # the last query block reaches key block NKB - 1, so a window of NKB covers every causal block
         window = math.ceil(seq_len / block_k)
@@ -429,8 +429,8 @@ class BlockIndex:
         ``col_indices[indptr[r]:indptr[r+1]]`` (any order, duplicates allowed). Both are integer
         tensors (a float would be truncated, so it raises)."""
         seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
-        batch = as_int("batch", batch, minimum=0)
-        num_kv_heads = as_int("num_kv_heads", num_kv_heads, minimum=1)
+        batch = check_int("batch", batch, minimum=0)
+        num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
         check_integer_tensor("indptr", indptr)
         check_integer_tensor("col_indices", col_indices)
         num_q_blocks = math.ceil(seq_len / block_q)

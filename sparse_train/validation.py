@@ -20,6 +20,7 @@ sinks, r0 are ints >= 0; seq_lens values lie in ``[0, N]``.
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 import operator
@@ -32,10 +33,13 @@ from torch import Tensor
 __all__ = [
     "DROPOUT_SEED_LIMIT",
     "AttentionArgs",
-    "as_int",
     "check_attention_args",
     "check_block_index",
     "check_bool",
+    "check_choice",
+    "check_float",
+    "check_int",
+    "check_keys",
     "check_capacity",
     "check_dropout",
     "check_dropout_p",
@@ -64,23 +68,98 @@ def _compiling() -> bool:
 
 
 # ---------------------------------------------------------------------------------------- scalars
-def as_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
-    """``value`` as a Python int (numpy ints accepted; bool, float and str rejected), within bounds."""
+# Each check raises a ValueError whose message starts with the argument's label (``top_k``,
+# ``SparseAttentionConfig.top_k``, ``SparseLMModule.lr``) and ends with the offending value; ValueError
+# for wrong types too (one exception type for every rejected value, as the configs document).
+def _got(value, wrong_type: bool) -> str:
+    # The type is named when it is the problem: 1.0 and True print like valid ints to a casual reader.
+    return f"got {value!r} ({type(value).__name__})" if wrong_type else f"got {value!r}"
+
+
+def check_int(label: str, value, *, minimum: int | None = None, maximum: int | None = None,
+              optional: bool = False) -> int | None:
+    """``value`` as a Python int (numpy ints accepted; bool, float and str rejected) in
+    ``[minimum, maximum]``, or None when ``optional``."""
+    if optional and value is None:
+        return None
+    if minimum == 1 and maximum is None:
+        domain = "a positive int"
+    else:
+        bounds = ([f">= {minimum}"] if minimum is not None else []) + ([f"<= {maximum}"] if maximum is not None else [])
+        domain = " ".join(["an int", " and ".join(bounds)]).strip()
+    domain += " or None" if optional else ""
     if isinstance(value, bool) or not isinstance(value, (numbers.Integral, torch.SymInt)):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{label} must be {domain}, {_got(value, True)}")
     if not isinstance(value, torch.SymInt):
         value = operator.index(value)
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        raise ValueError(f"{label} must be {domain}, {_got(value, False)}")
     return value
 
 
-def check_bool(name: str, value) -> bool:
+def check_float(label: str, value, *, minimum: float | None = None, maximum: float | None = None,
+                exclusive_minimum: float | None = None, exclusive_maximum: float | None = None,
+                finite: bool = True, optional: bool = False) -> float | None:
+    """``value`` as a float: a real number (bool excluded), finite unless ``finite=False``, within the
+    given bounds (``minimum``/``maximum`` inclusive, ``exclusive_*`` strict), or None when ``optional``."""
+    if optional and value is None:
+        return None
+    low = high = None
+    if minimum is not None or exclusive_minimum is not None:
+        low = f"[{minimum:g}" if minimum is not None else f"({exclusive_minimum:g}"
+    if maximum is not None or exclusive_maximum is not None:
+        high = f"{maximum:g}]" if maximum is not None else f"{exclusive_maximum:g})"
+    if low and high:
+        domain = f" in {low}, {high}"
+    elif low:
+        domain = f" {'>=' if minimum is not None else '>'} {low[1:]}"
+    elif high:
+        domain = f" {'<=' if maximum is not None else '<'} {high[:-1]}"
+    else:
+        domain = ""
+    domain = ("a finite number" if finite else "a number") + domain + (" or None" if optional else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{label} must be {domain}, {_got(value, True)}")
+    value = float(value)
+    # NaN fails every comparison, so each bound is written as "inside" and negated.
+    outside = (
+        (finite and not math.isfinite(value))
+        or math.isnan(value)
+        or (minimum is not None and not value >= minimum)
+        or (maximum is not None and not value <= maximum)
+        or (exclusive_minimum is not None and not value > exclusive_minimum)
+        or (exclusive_maximum is not None and not value < exclusive_maximum)
+    )
+    if outside:
+        raise ValueError(f"{label} must be {domain}, {_got(value, False)}")
+    return value
+
+
+def check_bool(label: str, value) -> bool:
+    """``value`` is a bool (not 0/1, not a string such as ``"false"``, which is truthy)."""
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{label} must be a bool, {_got(value, True)}")
     return value
+
+
+def check_choice(label: str, value, choices):
+    """``value`` is one of ``choices`` (compared with type, so 1 never matches True)."""
+    if not any(isinstance(value, type(c)) and value == c for c in choices):
+        raise ValueError(f"{label} must be one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def check_keys(label: str, mapping, allowed) -> None:
+    """``mapping`` is a dict whose keys are all in ``allowed``; an unknown key is named together with
+    the closest allowed key and the full list."""
+    allowed = list(allowed)
+    if not isinstance(mapping, dict):
+        raise ValueError(f"{label} must be a dict with keys among {', '.join(allowed)}, {_got(mapping, True)}")
+    for key in mapping:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{label} has no key {key!r}{hint}; allowed keys: {', '.join(allowed)}")
 
 
 def _as_real(name: str, value) -> float:
@@ -91,8 +170,8 @@ def _as_real(name: str, value) -> float:
 
 def check_geometry(seq_len, block_q, block_k) -> tuple[int, int, int]:
     """seq_len (N), block_q (BQ), block_k (BK): ints >= 1."""
-    return (as_int("seq_len", seq_len, minimum=1), as_int("block_q", block_q, minimum=1),
-            as_int("block_k", block_k, minimum=1))
+    return (check_int("seq_len", seq_len, minimum=1), check_int("block_q", block_q, minimum=1),
+            check_int("block_k", block_k, minimum=1))
 
 
 def check_window_sinks(window, sinks) -> tuple[int, int]:
@@ -108,11 +187,11 @@ def check_capacity(capacity, num_k_blocks: int) -> int | None:
     automatic tier (`capacity_tier`) has the same cap."""
     if capacity is None:
         return None
-    return min(as_int("capacity", capacity, minimum=1), max(1, num_k_blocks))
+    return min(check_int("capacity", capacity, minimum=1), max(1, num_k_blocks))
 
 
 def check_r0(r0) -> int | None:
-    return None if r0 is None else as_int("r0", r0, minimum=0)
+    return None if r0 is None else check_int("r0", r0, minimum=0)
 
 
 def check_scale(scale, head_dim: int) -> float:

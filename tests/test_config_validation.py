@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sparse_train as st
-from sparse_train._validation import check_float, check_int
+from sparse_train.validation import check_float, check_int
 from sparse_train.lightning import ByteLMDataModule, HFCausalLMModule, RetrievalDataModule, SparseLMModule, StepTimer, \
     Transformer, TransformerConfig
 from sparse_train.lightning.data import CurriculumStage, RetrievalTask

@@ -353,9 +353,9 @@ def test_from_canonical_buffers_rewritten_in_place_never_give_a_stale_plan():
 def test_capacity_zero_is_rejected():
     """Issue 11: capacity=0 was accepted and then crashed the reference."""
     sel = torch.full((1, 1, 4, 1), -1, dtype=torch.int64)
-    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="capacity must be a positive int, got 0"):
         st.BlockIndex.from_selection(sel, seq_len=256, capacity=0)
-    with pytest.raises(ValueError, match="capacity must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="capacity must be a positive int, got 0"):
         st.BlockIndex.from_selection(sel, seq_len=256, capacity=0, check="none")
 
 
@@ -408,21 +408,21 @@ SEL = torch.zeros(1, 1, 4, 1, dtype=torch.int64)
         (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, window=1.5), r"window and sinks must be ints >= 0, got window=1.5"),
         (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, window=True), "window and sinks must be ints >= 0, got window=True"),
         (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, sinks=-2), "sinks=-2"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256.0), "seq_len must be an int, got 256.0"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, block_q=True), "block_q must be an int, got True"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, block_k=-64), "block_k must be >= 1, got -64"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, capacity=2.0), "capacity must be an int, got 2.0"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, capacity=True), "capacity must be an int, got True"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256.0), r"seq_len must be (an int|a positive int)\b.*, got 256\.0"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, block_q=True), r"block_q must be (an int|a positive int)\b.*, got True"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, block_k=-64), "block_k must be a positive int, got -64"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, capacity=2.0), r"capacity must be (an int|a positive int)\b.*, got 2\.0"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, capacity=True), r"capacity must be (an int|a positive int)\b.*, got True"),
         (lambda: st.BlockIndex.from_selection(SEL.bool(), seq_len=256), "selected must have an integer dtype, got torch.bool"),
         (lambda: st.BlockIndex.from_selection(SEL.tolist(), seq_len=256), "selected must be a torch.Tensor, got list"),
-        (lambda: st.BlockIndex.full(-1, 1, 256), "batch must be >= 0, got -1"),
-        (lambda: st.BlockIndex.full(1, 0, 256), "num_kv_heads must be >= 1, got 0"),
-        (lambda: st.BlockIndex.full(1, 2.0, 256), "num_kv_heads must be an int, got 2.0"),
+        (lambda: st.BlockIndex.full(-1, 1, 256), "batch must be an int >= 0, got -1"),
+        (lambda: st.BlockIndex.full(1, 0, 256), "num_kv_heads must be a positive int, got 0"),
+        (lambda: st.BlockIndex.full(1, 2.0, 256), r"num_kv_heads must be (an int|a positive int)\b.*, got 2\.0"),
         (lambda: st.BlockIndex.from_csr(torch.tensor([0, 1]), torch.tensor([0]), batch=1.0, num_kv_heads=1, seq_len=64),
-         "batch must be an int, got 1.0"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(1.5), "r0 must be an int, got 1.5"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(True), "r0 must be an int, got True"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(-1), "r0 must be >= 0, got -1"),
+         r"batch must be (an int|a positive int)\b.*, got 1\.0"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(1.5), r"r0 must be (an int|a positive int)\b.*, got 1\.5"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(True), r"r0 must be (an int|a positive int)\b.*, got True"),
+        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(-1), "r0 must be an int >= 0, got -1"),
         (lambda: st.BlockIndex.from_canonical(SEL.int(), SEL[..., 0].int(), seq_len=256, block_q=64, block_k=64, check=None),
          "check must be one of"),
     ],

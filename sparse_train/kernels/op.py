@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..validation import as_int, check_attention_args, check_bool
+from ..validation import check_int, check_attention_args, check_bool
 from .backward import cold_slots, sparse_attn_backward
 from .forward import choose_num_splits, default_heads_per_program, sparse_attn_forward
 
@@ -187,7 +187,7 @@ def triton_sparse_attention(
     if not ok:
         raise ValueError(f"triton_sparse_attention does not support this input: {reason}")
     if num_splits is not None:
-        num_splits = as_int("num_splits", num_splits, minimum=1, maximum=64)
+        num_splits = check_int("num_splits", num_splits, minimum=1, maximum=64)
     D = q.shape[-1]
     scale, dropout_p, dropout_seed = args.scale, args.dropout_p, args.dropout_seed
     if dropout_p > 0.0 and dropout_seed is None:

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgre
 
 import sparse_train as st
 
-from .._validation import check_bool, check_int
+from ..validation import check_bool, check_int
 
 __all__ = ["StepTimer", "StepRichProgressBar", "StepTQDMProgressBar", "step_progress_bar", "step_description"]
 

@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from .._validation import check_choice, check_float, check_int, check_keys
+from ..validation import check_choice, check_float, check_int, check_keys
 
 __all__ = ["RetrievalTask", "RetrievalDataset", "RetrievalDataModule", "CurriculumStage", "ByteLMDataModule",
            "default_corpus_root", "IGNORE_INDEX"]

@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional
 import torch
 import torch.nn as nn
 
-from .._validation import check_bool, check_choice, check_keys
+from ..validation import check_bool, check_choice, check_keys
 from ..config import SparseAttentionConfig
 from .module import SparseLMModule, check_training_args
 

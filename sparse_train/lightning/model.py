@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 import sparse_train as st
 
-from .._validation import check_bool, check_choice, check_float, check_int, check_keys
+from ..validation import check_bool, check_choice, check_float, check_int, check_keys
 
 __all__ = ["TransformerConfig", "Transformer", "RMSNorm", "dense_causal_attention"]
 

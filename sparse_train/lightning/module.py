@@ -28,7 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 import sparse_train as st
 
-from .._validation import check_bool, check_float, check_int, check_keys
+from ..validation import check_bool, check_float, check_int, check_keys
 from ..selectors.metrics import needle_block_recall
 from .data import IGNORE_INDEX
 from .model import Transformer, TransformerConfig
