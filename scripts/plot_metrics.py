@@ -113,7 +113,8 @@ PANELS = {
     "loss": ["train/loss", "train/lm_loss", "val/loss"],
     "accuracy": ["train/acc", "val/acc"],
     "step_time": ["time/forward_ms", "time/backward_ms", "time/optimizer_ms", "time/step_ms"],
-    "attention": ["attn/density", "attn/mass_recall_mean", "attn/mass_recall_p5", "attn/selector_loss"],
+    "attention": ["attn/density", "attn/mass_recall_mean", "attn/mass_recall_p5", "attn/oracle_mass_recall_mean",
+                  "attn/selector_loss"],
     "selection": ["val/needle_recall", "val/needle_recall/layer0", "val/needle_recall/layer1"],
     "throughput": ["throughput/tokens_per_s", "throughput/tokens_per_s_wall"],
 }
@@ -157,8 +158,8 @@ def plot(runs: list[tuple[str, Series]], out_dir: Path, smooth: int = 1) -> list
             ax.set_title(key)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-            if len(runs) > 1:
-                ax.legend()
+        if len(runs) > 1:  # one legend beside the last panel, so long run labels never hide a curve
+            axes[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False)
         fig.tight_layout()
         path = out_dir / f"{panel}.png"
         fig.savefig(path, dpi=110)

@@ -529,7 +529,7 @@ def collect_selector_losses(model: nn.Module) -> Tensor:
     return torch.zeros((), device=device)
 
 
-_PER_LAYER_STATS = ("mass_recall_mean", "mass_recall_p5")
+_PER_LAYER_STATS = ("mass_recall_mean", "mass_recall_p5", "oracle_mass_recall_mean")
 """Stats also reported per layer (``layers/<i>/<name>``, i = the module's order in ``model``): a
 selector that fails in one layer hides in the average over layers."""
 

@@ -331,11 +331,26 @@ def test_selection_quality_is_per_row_dense_mass_inside_selection(with_lengths):
     rows = [(b, h, r) for b in range(2) for h in range(4) for r in range(n)
             if r // block in picks.tolist() and r < int(limit[b])]
     expected = torch.stack([per_row[b, h, r] for b, h, r in rows])
+    # oracle: per (batch, kv head, query block), the same number of key blocks with the most row mass
+    mass_on_block = torch.stack([p[..., pos // block == j].sum(-1) for j in range(n // block)], dim=-1)  # [B, HQ, N, NKB]
+    oracle_rows = []
+    for b, h, r in rows:
+        i, kv = r // block, h // 2
+        group_rows = [(hh, rr) for hh in (2 * kv, 2 * kv + 1) for rr in range(i * block, (i + 1) * block)
+                      if rr < int(limit[b])]
+        totals = sum(mass_on_block[b, hh, rr] for hh, rr in group_rows)
+        best = torch.topk(totals, int(index.to_dense()[b, kv, i].sum())).indices
+        oracle_rows.append(mass_on_block[b, h, r, best].sum())
+    oracle = torch.stack(oracle_rows)
     got = selection_quality(q, k, index, scale=0.5, query_blocks=picks, seq_lens=seq_lens)
-    print(f"mass recall mean {float(got['mass_recall_mean']):.4f}, p5 {float(got['mass_recall_p5']):.4f}")
+    print(f"mass recall mean {float(got['mass_recall_mean']):.4f}, p5 {float(got['mass_recall_p5']):.4f}; "
+          f"oracle mean {float(got['oracle_mass_recall_mean']):.4f}")
     assert float(got["mass_recall_mean"]) == pytest.approx(float(expected.mean()), rel=1e-6)
     assert float(got["mass_recall_p5"]) == pytest.approx(float(torch.quantile(expected, 0.05)), rel=1e-6)
     assert float(got["mass_recall_p5"]) < float(got["mass_recall_mean"]) < 1.0
+    assert float(got["oracle_mass_recall_mean"]) == pytest.approx(float(oracle.mean()), rel=1e-6)
+    assert float(got["oracle_mass_recall_p5"]) == pytest.approx(float(torch.quantile(oracle, 0.05)), rel=1e-6)
+    assert float(got["oracle_mass_recall_mean"]) >= float(got["mass_recall_mean"]) - 1e-9
 
 
 def test_selection_quality_of_full_selection_is_one():
@@ -343,5 +358,5 @@ def test_selection_quality_of_full_selection_is_one():
     q, k = _rand_qk(1, 2, 1, n, 8, seed=6)
     index = st.BlockIndex.full(1, 1, n, block_q=block, block_k=block)
     got = selection_quality(q, k, index, scale=0.5, query_blocks=torch.arange(index.num_q_blocks))
-    assert float(got["mass_recall_mean"]) == pytest.approx(1.0, abs=1e-6)
-    assert float(got["mass_recall_p5"]) == pytest.approx(1.0, abs=1e-6)
+    for key in ("mass_recall_mean", "mass_recall_p5", "oracle_mass_recall_mean", "oracle_mass_recall_p5"):
+        assert float(got[key]) == pytest.approx(1.0, abs=1e-6), key

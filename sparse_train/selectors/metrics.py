@@ -44,8 +44,14 @@ def row_mass_recall(
     scale: float,
     query_blocks: Tensor,
     seq_lens: Tensor | None = None,
-) -> Tensor:
-    """Attention-mass recall of every real query row of the sampled blocks.
+) -> tuple[Tensor, Tensor]:
+    """Attention-mass recall of every real query row of the sampled blocks, for the index and for the
+    best selection of the same size.
+
+    The *oracle* selection takes, per (batch, KV head, query block), as many key blocks as the index
+    selected, choosing those with the largest mean row mass (which maximises the mean recall of the
+    block's rows): what a perfect selector could reach with this budget. Comparing both tells whether
+    the selector or the budget (top_k, window, sinks) limits the recall.
 
     Args:
         q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]``; index: the selection to grade.
@@ -53,15 +59,21 @@ def row_mass_recall(
         seq_lens: optional int ``[B]`` (rows and keys past it are not real).
 
     Returns:
-        float32 ``[R]`` recall of each real row (rows of all batches, heads and sampled blocks).
+        float32 ``[R]`` recall of each real row (rows of all batches, heads and sampled blocks) under
+        the index, and ``[R]`` under the oracle selection.
     """
     query_blocks = query_blocks.to(q.device)
     row_mass, row_ok = dense_row_block_mass(
         q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
-    selected = index.to_dense()[:, :, query_blocks].unsqueeze(3)  # [B, HKV, S, 1, NKB]
-    recall = torch.where(selected, row_mass, 0.0).sum(dim=-1)
-    return recall[row_ok]
+    selected = index.to_dense()[:, :, query_blocks]  # [B, HKV, S, NKB]
+    recall = torch.where(selected.unsqueeze(3), row_mass, 0.0).sum(dim=-1)
+    block_mass = torch.where(row_ok.unsqueeze(-1), row_mass, 0.0).sum(dim=3)  # [B, HKV, S, NKB]
+    order = torch.argsort(block_mass, dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=q.device).expand_as(order))
+    oracle = rank < selected.sum(dim=-1, keepdim=True)
+    oracle_recall = torch.where(oracle.unsqueeze(3), row_mass, 0.0).sum(dim=-1)
+    return recall[row_ok], oracle_recall[row_ok]
 
 
 @torch.no_grad()
@@ -94,14 +106,19 @@ def selection_quality(
     query_blocks: Tensor,
     seq_lens: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """Mean and 5th percentile of the per-row attention-mass recall (:func:`row_mass_recall`).
+    """Mean and 5th percentile of the per-row attention-mass recall (:func:`row_mass_recall`), for
+    the index and for the oracle selection of the same size.
 
     Returns:
-        ``{"mass_recall_mean": scalar, "mass_recall_p5": scalar}`` float32 tensors on q's device
-        (NaN when no sampled row holds a real query).
+        ``{"mass_recall_mean", "mass_recall_p5", "oracle_mass_recall_mean", "oracle_mass_recall_p5"}``
+        scalar float32 tensors on q's device (NaN when no sampled row holds a real query).
     """
-    recall = row_mass_recall(q, k, index, scale=scale, query_blocks=query_blocks, seq_lens=seq_lens)
-    if recall.numel() == 0:
-        nan = torch.full((), float("nan"), device=q.device)
-        return {"mass_recall_mean": nan, "mass_recall_p5": nan.clone()}
-    return {"mass_recall_mean": recall.mean(), "mass_recall_p5": torch.quantile(recall, RECALL_QUANTILE)}
+    recall, oracle = row_mass_recall(q, k, index, scale=scale, query_blocks=query_blocks, seq_lens=seq_lens)
+    out = {}
+    for prefix, values in (("", recall), ("oracle_", oracle)):
+        if values.numel() == 0:
+            out[f"{prefix}mass_recall_mean"] = out[f"{prefix}mass_recall_p5"] = torch.full((), float("nan"), device=q.device)
+        else:
+            out[f"{prefix}mass_recall_mean"] = values.mean()
+            out[f"{prefix}mass_recall_p5"] = torch.quantile(values, RECALL_QUANTILE)
+    return out
