@@ -103,7 +103,9 @@ class SparseLMModule(LightningModule):
     Args:
         model: Architecture and attention configuration.
         lr: Peak learning rate of the base model (AdamW).
-        selector_lr: Learning rate of the selector parameters (``None`` = ``lr``).
+        selector_lr: Learning rate of the selector parameter group (``None`` = ``lr``). The selector's
+            own ``selector_lr_multiplier`` (a reparametrisation, default 10) applies on top of it, so
+            the selector's effective Adam step is ``selector_lr * selector_lr_multiplier``.
         weight_decay: AdamW weight decay on matrices (norm gains and embeddings are not decayed).
         betas: AdamW betas.
         warmup_steps: Linear warm-up steps before the cosine decay.
@@ -269,6 +271,10 @@ class SparseLMModule(LightningModule):
         parts = [f"{k} = {v:.4f}" for k, v in sorted(self.final_metrics.items()) if "/layer" not in k]
         if chance is not None:
             parts.append(f"chance = {chance:.4f}")
+        for key in ("attn/mass_recall_mean", "attn/mass_recall_p5", "attn/oracle_mass_recall_mean"):
+            value = self.trainer.callback_metrics.get(key)
+            if value is not None:  # the last training-time measurement (sparse config metrics_every)
+                parts.append(f"{key.split('/', 1)[1]} = {float(value):.4f}")
         twin = self.hparams.get("dense_twin_acc")
         if twin is not None and "val/acc" in self.final_metrics:
             parts.append(f"dense twin val/acc = {twin:.4f} (this run: {self.final_metrics['val/acc'] / twin:.1%} of it)")
