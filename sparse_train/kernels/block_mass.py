@@ -26,9 +26,17 @@ import triton.language as tl
 from torch import Tensor
 
 from ..validation import check_scale
-from .forward import LOG2E, default_heads_per_program, kernel_seq_lens, launch
+from .forward import (
+    LOG2E,
+    choose_num_splits,
+    default_heads_per_program,
+    device_sm_count,
+    kernel_seq_lens,
+    launch,
+    sparse_attn_forward,
+)
 
-__all__ = ["triton_block_mass"]
+__all__ = ["triton_block_mass", "triton_dense_block_mass"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,3 +174,54 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
     row_valid = total.squeeze(-1) > 0
     target = torch.where(total > 0, mass / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     return target, row_valid
+
+
+@torch.no_grad()
+def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block_q: int, block_k: int, scale: float,
+                            seq_lens: Tensor | None = None, row_pool: str = "max") -> tuple[Tensor, Tensor]:
+    """Dense causal attention mass of a few query blocks on every key block, through the kernels.
+
+    The index used here gives each query block of ``query_blocks`` every causally reachable key
+    block (so its slot t holds key block t) and the other query blocks nothing; the forward kernel
+    then yields the rows' dense lse (its output is discarded; empty rows cost nothing) and the
+    block-mass kernel the pooled, renormalised mass per slot. Cost: two passes over S query blocks x N
+    keys, never an N x N buffer (the PyTorch reference materialises S x G x BQ x N fp32 logits).
+
+    Args:
+        q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]`` (kernel-supported dtype, head dim and blocks).
+        query_blocks: int ``[S]`` distinct query-block ids.
+        block_q, block_k, scale, seq_lens, row_pool: as :func:`triton_block_mass`.
+
+    Returns:
+        ``target`` float32 ``[B, HKV, S, NKB]`` (each valid row sums to 1 over its causal blocks) and
+        ``row_valid`` bool ``[B, HKV, S]``: the semantics of
+        :func:`sparse_train.selectors.distill.dense_block_mass` (its reference) with all rows.
+    """
+    from ..index import BlockIndex, causal_last_block  # the index layer sits above the kernels
+
+    batch, _, seq_len, _ = q.shape
+    num_kv_heads = k.shape[1]
+    num_q_blocks = -(-seq_len // block_q)
+    num_k_blocks = -(-seq_len // block_k)
+    picks = query_blocks.to(device=q.device, dtype=torch.int64)
+    reach = causal_last_block(num_q_blocks, seq_len, block_q, block_k, q.device) + 1  # [NQB]
+    counts = torch.zeros(num_q_blocks, dtype=torch.int32, device=q.device)
+    counts[picks] = reach[picks].to(torch.int32)
+    capacity = num_k_blocks  # the last query block reaches every key block
+    slots = torch.arange(capacity, device=q.device, dtype=torch.int32)
+    indices = torch.where(slots.view(1, -1) < counts.view(-1, 1), slots.view(1, -1), -1)  # [NQB, K]
+    index = BlockIndex.from_canonical(
+        indices.expand(batch, num_kv_heads, -1, -1).contiguous(),
+        counts.expand(batch, num_kv_heads, -1).contiguous(),
+        seq_len=seq_len, block_q=block_q, block_k=block_k, check="none",
+    )
+    scale = check_scale(scale, q.shape[-1])
+    group = q.shape[1] // num_kv_heads
+    live_programs = picks.numel() * batch * num_kv_heads * (group // default_heads_per_program(group, block_q, q.shape[-1]))
+    _, lse = sparse_attn_forward(q, k, k, index.indices, index.counts, block_q=block_q, block_k=block_k,
+                                 scale=scale, seq_lens=seq_lens,
+                                 num_splits=choose_num_splits(live_programs, capacity, device_sm_count(q.device)))
+    target, row_valid = triton_block_mass(q, k, lse, index, scale=scale, seq_lens=seq_lens, row_pool=row_pool)
+    out = torch.zeros(batch, num_kv_heads, picks.numel(), num_k_blocks, device=q.device, dtype=torch.float32)
+    out[..., :capacity] = target[:, :, picks]
+    return out, row_valid[:, :, picks]

@@ -196,6 +196,12 @@ def default_heads_per_program(group: int, block_q: int, head_dim: int, rows: int
     return min(hpp, group)
 
 
+def device_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on an H200); 132 elsewhere (the interpreter)."""
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 def choose_num_splits(num_programs: int, max_count: int, num_sms: int = 132) -> int:
     """Plan-time split rule: split a row only when the grid is too small to fill the GPU
     (fewer than 2 waves of programs) and rows are long enough (>= 8 blocks per split) to amortise

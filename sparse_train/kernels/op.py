@@ -38,7 +38,7 @@ from torch import Tensor
 
 from ..validation import check_int, check_attention_args, check_bool
 from .backward import cold_slots, sparse_attn_backward
-from .forward import choose_num_splits, default_heads_per_program, sparse_attn_forward
+from .forward import choose_num_splits, default_heads_per_program, device_sm_count, sparse_attn_forward
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -205,8 +205,7 @@ def triton_sparse_attention(
         G = HQ // k.shape[1]
         hpp = default_heads_per_program(G, index.block_q, D)
         programs = index.num_q_blocks * (G // hpp) * B * k.shape[1]
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 132
-        num_splits = choose_num_splits(programs, int(plan.max_count), sms)
+        num_splits = choose_num_splits(programs, int(plan.max_count), device_sm_count(q.device))
     # copies: the backward must see the forward's selection and lengths whatever the caller does afterwards
     indices = index.indices.clone()
     counts = index.counts.clone()

@@ -29,6 +29,7 @@ gradients from the selector's objective. Shapes: q ``[B, HQ, N, D]``, k ``[B, HK
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import torch
 from torch import Tensor
@@ -105,15 +106,15 @@ def _row_validity(pos_rows: Tensor, seq_len: int, seq_lens: Tensor | None, batch
     return inside.unsqueeze(1)
 
 
-def _use_triton(q: Tensor, k: Tensor, index: BlockIndex) -> bool:
-    """The block-mass kernel runs where the attention kernels run: supported CUDA inputs."""
+def _use_triton(q: Tensor, k: Tensor, block_q: int, block_k: int) -> bool:
+    """The block-mass kernels run where the attention kernels run: supported CUDA inputs."""
     if q.device.type != "cuda":
         return False
     try:
         from ..kernels.op import triton_supports
     except ImportError:
         return False
-    return triton_supports(q, k, k, index)[0]
+    return triton_supports(q, k, k, SimpleNamespace(block_q=block_q, block_k=block_k))[0]
 
 
 @torch.no_grad()
@@ -154,7 +155,8 @@ def sparse_block_mass(
     if row_pool not in ROW_POOLS:
         raise ValueError(f"row_pool must be one of {ROW_POOLS}, got {row_pool!r}")
     q, k = q.detach(), k.detach()
-    if lse is not None and (rows_per_block is None or rows_per_block >= index.block_q) and _use_triton(q, k, index):
+    if lse is not None and (rows_per_block is None or rows_per_block >= index.block_q) and \
+            _use_triton(q, k, index.block_q, index.block_k):
         from ..kernels.block_mass import triton_block_mass
 
         return triton_block_mass(q, k, lse, index, scale=scale, seq_lens=seq_lens, row_pool=row_pool)
@@ -297,12 +299,22 @@ def dense_block_mass(
         row_pool: ``"max"`` (default) or ``"mean"`` over rows and group heads (module docstring).
         chunk_mb: memory budget of one chunk of logits.
 
+    On supported CUDA inputs with ``query_blocks`` given and all rows, the forward and block-mass
+    kernels compute the same target (:func:`sparse_train.kernels.block_mass.triton_dense_block_mass`;
+    this PyTorch body is its reference) without the S x G x BQ x N logits buffer.
+
     Returns:
         ``target`` float32 ``[B, HKV, S, NKB]`` (each valid row sums to 1 over its causal blocks) and
         ``row_valid`` bool ``[B, HKV, S]``.
     """
     if row_pool not in ROW_POOLS:
         raise ValueError(f"row_pool must be one of {ROW_POOLS}, got {row_pool!r}")
+    if query_blocks is not None and (rows_per_block is None or rows_per_block >= block_q) and \
+            _use_triton(q, k, block_q, block_k):
+        from ..kernels.block_mass import triton_dense_block_mass
+
+        return triton_dense_block_mass(q.detach(), k.detach(), query_blocks, block_q=block_q, block_k=block_k,
+                                       scale=scale, seq_lens=seq_lens, row_pool=row_pool)
     targets, valids = [], []
     for row_mass, row_ok in _dense_row_mass_chunks(
         q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, rows_per_block=rows_per_block,
