@@ -50,6 +50,36 @@ def test_retrieval_answer_is_in_the_needle_and_only_there(filler):
         assert task.recover_answers(hay, labels) == [None] * 4
 
 
+@pytest.mark.parametrize("needle_len", [1, 3], ids=["single-token", "three-tokens"])
+def test_needle_positions_point_at_the_answers(needle_len):
+    task = RetrievalTask(seq_len=300, num_pairs=5, num_queries=3, num_keys=8, num_values=8, filler="random",
+                         needle_len=needle_len)
+    batch = [task.sample(4, i) for i in range(3)]
+    tokens = torch.stack([b["tokens"] for b in batch])
+    labels = torch.stack([b["labels"] for b in batch])
+    pairs = task.needle_positions(tokens, labels)
+    assert pairs.shape == (3 * 3 * needle_len, 3)
+    for b, query_pos, needle_pos in pairs.tolist():
+        assert labels[b, query_pos] != IGNORE_INDEX and tokens[b, needle_pos] == labels[b, query_pos]
+        assert needle_pos < query_pos
+
+
+def test_validation_reports_needle_block_recall_per_layer(tmp_path):
+    from lightning.pytorch import Trainer
+
+    module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=dict(SPARSE, dense_warmup_steps=0)))
+    dm = RetrievalDataModule(seq_len=256, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2,
+                             val_samples=4)
+    trainer = Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      num_sanity_val_steps=0, accelerator="cpu", default_root_dir=tmp_path)
+    trainer.fit(module, dm)
+    got = module.final_metrics
+    layers = [got["val/needle_recall/layer0"], got["val/needle_recall/layer1"]]
+    assert all(0.0 <= x <= 1.0 for x in layers)
+    assert got["val/needle_recall"] == pytest.approx(sum(layers) / 2)
+    assert got["val/needle_recall_best_layer"] == max(layers)
+
+
 def test_needles_cover_the_whole_context():
     task = RetrievalTask(seq_len=512, num_pairs=4, num_queries=4, num_keys=4, num_values=8)
     positions = []

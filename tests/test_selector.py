@@ -11,6 +11,7 @@ import torch
 import sparse_train as st
 from sparse_train.kernels.reference import reference_sparse_attention
 from sparse_train.selectors import (
+    needle_block_recall,
     BlockScorer,
     allowed_dynamic_blocks,
     block_kl,
@@ -360,3 +361,12 @@ def test_selection_quality_of_full_selection_is_one():
     got = selection_quality(q, k, index, scale=0.5, query_blocks=torch.arange(index.num_q_blocks))
     for key in ("mass_recall_mean", "mass_recall_p5", "oracle_mass_recall_mean", "oracle_mass_recall_p5"):
         assert float(got[key]) == pytest.approx(1.0, abs=1e-6), key
+
+
+def test_needle_block_recall_counts_selected_needle_blocks():
+    # N=64, blocks of 16; kv head 0 selects key block 1 for query block 3, kv head 1 selects block 2
+    selected = torch.tensor([[[[-1], [-1], [-1], [1]], [[-1], [-1], [-1], [2]]]])
+    index = st.BlockIndex.from_selection(selected, seq_len=64, block_q=16, block_k=16, window=1, sinks=0)
+    pairs = torch.tensor([[0, 60, 20], [0, 61, 40], [0, 62, 63]])  # needles in key blocks 1, 2 and 3 (window)
+    recall = needle_block_recall(index, pairs)
+    torch.testing.assert_close(recall, torch.tensor([2 / 3, 2 / 3]))

@@ -227,8 +227,11 @@ class SparseLMModule(LightningModule):
         # Exact token-weighted means over the whole held-out set (not a mean of batch means).
         metrics = {f"{prefix}/loss": loss_sum / count, f"{prefix}/acc": correct / count}
         if needle:
+            # Mean over layers, and the best layer: retrieval usually happens in one layer, and the
+            # others have no reason to look at the needle (their recall stays near random).
             metrics.update(needle)
             metrics[f"{prefix}/needle_recall"] = sum(needle.values()) / len(needle)
+            metrics[f"{prefix}/needle_recall_best_layer"] = max(needle.values())
         self.log_dict(metrics, prog_bar=True, sync_dist=True)
         if not self.trainer.sanity_checking:
             self.final_metrics.update(metrics)
