@@ -5,8 +5,8 @@ The module is the attention *core* (no projections): it takes post-RoPE ``q [B, 
 
 Per call:
 
-1. **Path.** During the dense warm-up, dense. Otherwise, from N alone (no device sync) the selection geometry says how many blocks each query
-   block will select. A full selection (every causal block; short sequences) takes dense causal SDPA,
+1. **Path.** Dense during the warm-up (``dense_warmup_steps``). Otherwise, from N alone (no device
+   sync) the selection geometry says how many blocks each query block will select. A full selection (every causal block; short sequences) takes dense causal SDPA,
    which computes the same function faster. Near-full selections use hysteresis: the dense path is
    entered when the selected fraction of causal blocks reaches ``dense_enter_density`` and left only
    when it falls to ``dense_exit_density``, so sequence lengths wobbling around the crossover do not
@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from .config import SparseAttentionConfig
 from .functional import finite_padded_queries, resolve_backend, sparse_attention
 from .index import BlockIndex
-from .selectors.distill import block_kl, dense_block_mass, sparse_block_mass
+from .selectors.distill import block_kl, dense_block_mass, renormalise, sparse_block_mass
 from .selectors.metrics import sample_query_blocks, selection_quality
 from .selectors.replay import SelectionRecord, SelectionReplay, in_backward_pass
 from .selectors.scorer import (
@@ -228,7 +228,8 @@ class SparseAttention(nn.Module):
     def stats(self) -> dict[str, float]:
         """Floats for logging: ``density`` (fraction of the causal area the last call attended),
         ``dense_path``, ``selector_loss``, ``mass_recall_mean`` / ``mass_recall_p5`` (attention-mass
-        recall per query row, when measured), ``warmup`` (1 while the dense warm-up runs),
+        recall per query row, when measured) and ``oracle_mass_recall_*`` (the same for the best
+        selection of that size), ``warmup`` (1 while the dense warm-up runs),
         ``fallbacks/<reason>`` for every reason, ``replay/*`` and, with ``profile``, ``time/*_ms``.
         Reading it synchronises the device (call it once per logged step, not per layer call)."""
         out: dict[str, float] = {}
@@ -492,10 +493,8 @@ class SparseAttention(nn.Module):
             scores = scores.gather(-1, slots.clamp(min=0))
             slot_support = support.view(1, 1, nqb, -1).expand(*slots.shape[:2], -1, -1).gather(-1, slots.clamp(min=0))
             allowed = (slots >= 0) & slot_support
-        target = torch.where(allowed, target, 0.0)
-        total = target.sum(dim=-1, keepdim=True)
-        target = torch.where(total > 0, target / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-        row_valid = row_valid & (total.squeeze(-1) > 0)
+        target = renormalise(torch.where(allowed, target, 0.0))
+        row_valid = row_valid & (target.sum(dim=-1) > 0)
         return block_kl(target, scores, allowed, row_valid) * cfg.distill_weight
 
     def _hook_backward_timing(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor) -> None:

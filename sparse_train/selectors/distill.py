@@ -37,8 +37,8 @@ from torch import Tensor
 from ..config import DISTILL_ROW_POOLS as ROW_POOLS
 from ..index import BlockIndex
 
-__all__ = ["query_row_positions", "pool_rows", "sparse_block_mass", "dense_block_mass", "dense_row_block_mass",
-           "block_kl"]
+__all__ = ["query_row_positions", "pool_rows", "renormalise", "sparse_block_mass", "dense_block_mass",
+           "dense_row_block_mass", "block_kl"]
 
 
 def pool_rows(row_mass: Tensor, row_ok: Tensor, row_pool: str) -> Tensor:
@@ -57,9 +57,13 @@ def pool_rows(row_mass: Tensor, row_ok: Tensor, row_pool: str) -> Tensor:
     live = row_ok.unsqueeze(-1)
     # selection, not multiplication: a dead row may hold NaN from padded inputs
     row_mass = torch.where(live, row_mass, 0.0)
-    pooled = row_mass.amax(dim=-2) if row_pool == "max" else row_mass.sum(dim=-2)
-    total = pooled.sum(dim=-1, keepdim=True)
-    return torch.where(total > 0, pooled / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return renormalise(row_mass.amax(dim=-2) if row_pool == "max" else row_mass.sum(dim=-2))
+
+
+def renormalise(mass: Tensor) -> Tensor:
+    """``mass`` ``[..., M]`` (non-negative) divided by its sum over M; rows without mass stay zero."""
+    total = mass.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, mass / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
 
 
 def query_row_positions(num_q_blocks: int, block_q: int, rows_per_block: int | None, device=None) -> Tensor:
