@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from .config import SparseAttentionConfig
 from .functional import finite_padded_queries, resolve_backend, sparse_attention
 from .index import BlockIndex
+from .validation import check_dropout_p, check_float, check_qkv, check_seq_lens
 from .selectors.distill import block_kl, dense_block_mass, renormalise, sparse_block_mass
 from .selectors.metrics import sample_query_blocks, selection_quality
 from .selectors.replay import SelectionRecord, SelectionReplay, in_backward_pass
@@ -260,39 +261,22 @@ class SparseAttention(nn.Module):
 
     # ------------------------------------------------------------------------------------ checks
     def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None) -> None:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, Tensor):
-                raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 4:
-                raise ValueError(f"{name} must be 4-D [B, H, N, D], got shape {tuple(t.shape)}")
-            if t.dtype not in _SUPPORTED_DTYPES:
-                raise ValueError(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, _SUPPORTED_DTYPES))}")
-        if not (q.dtype == k.dtype == v.dtype):
-            raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-        if not (q.device == k.device == v.device):
-            raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-        b, hq, n, d = q.shape
-        if hq != self.num_heads:
-            raise ValueError(f"q has {hq} heads in dim 1, this module was built for num_heads={self.num_heads} "
-                             "(expected q [B, HQ, N, D])")
+        """The shared API rules (:mod:`sparse_train.validation`), then what this module was built for.
+        The seq_lens *values* are checked by the path that runs (one host sync per call)."""
+        if isinstance(q, Tensor) and q.dim() == 4 and q.shape[1] != self.num_heads:
+            raise ValueError(f"q has {q.shape[1]} heads in dim 1, this module was built for "
+                             f"num_heads={self.num_heads} (expected q [B, HQ, N, D])")
+        batch, _, hkv, n, d = check_qkv(q, k, v)
+        if q.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"q has dtype {q.dtype}; supported: {', '.join(map(str, _SUPPORTED_DTYPES))}")
         if d != self.head_dim:
             raise ValueError(f"q has head dim {d}, this module was built for head_dim={self.head_dim}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-        if k.shape != (b, self.num_kv_heads, n, d):
-            raise ValueError(f"k/v must have shape [B={b}, HKV={self.num_kv_heads}, N={n}, D={d}], got {tuple(k.shape)}")
+        if hkv != self.num_kv_heads:
+            raise ValueError(f"k/v must have shape [B={batch}, HKV={self.num_kv_heads}, N={n}, D={d}], "
+                             f"got {tuple(k.shape)}")
         if n == 0:
             raise ValueError("sequence length N must be > 0")
-        if seq_lens is not None:
-            if not isinstance(seq_lens, Tensor) or seq_lens.dim() != 1 or seq_lens.dtype.is_floating_point \
-                    or seq_lens.dtype == torch.bool:
-                raise ValueError("seq_lens must be a 1-D integer tensor [B]")
-            if seq_lens.shape[0] != b:
-                raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries for batch size {b}")
-            if seq_lens.device != q.device:
-                raise ValueError(f"seq_lens is on {seq_lens.device} but q is on {q.device}")
-            if not torch.compiler.is_compiling() and bool(((seq_lens < 0) | (seq_lens > n)).any()):
-                raise ValueError(f"seq_lens values must lie in [0, N={n}], got {seq_lens.tolist()}")
+        check_seq_lens(seq_lens, batch, n, q.device, values=False)
 
     # ------------------------------------------------------------------------------------ policy
     @property
@@ -347,8 +331,9 @@ class SparseAttention(nn.Module):
         self._check_inputs(q, k, v, seq_lens)
         cfg = self.config
         batch, _, seq_len, _ = q.shape
-        scale = self.scale if scale is None else float(scale)
-        dropout_p = (cfg.dropout_p if dropout_p is None else float(dropout_p)) if self.training else 0.0
+        scale = self.scale if scale is None else check_float("scale", scale, exclusive_minimum=0.0)
+        dropout_p = cfg.dropout_p if dropout_p is None else check_dropout_p(dropout_p)
+        dropout_p = dropout_p if self.training else 0.0
         compiling = torch.compiler.is_compiling()
         recomputing = not compiling and in_backward_pass()
         first_pass = not recomputing
@@ -419,6 +404,7 @@ class SparseAttention(nn.Module):
             self._timings.mark("attn_fwd", 0, device)
         lse = None
         if path == "dense":
+            check_seq_lens(seq_lens, batch, seq_len, q.device)  # the sparse path checks inside sparse_attention
             o = dense_causal_attention(q, k, v, scale=scale, dropout_p=dropout_p, seq_lens=seq_lens)
         else:
             o, lse = sparse_attention(

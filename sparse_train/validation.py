@@ -249,7 +249,7 @@ def check_qkv(q, k, v, *, device=None) -> tuple[int, int, int, int, int]:
         if not isinstance(t, Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor [B, H, N, D], got {getattr(t, 'shape', type(t))}")
         if not t.is_floating_point():
-            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+            raise ValueError(f"{name} must have a floating-point dtype, got {t.dtype}")
         if device is not None and t.device != device:
             raise ValueError(f"{name} is on {t.device} but the block index is on {device}")
     if not (q.dtype == k.dtype == v.dtype):

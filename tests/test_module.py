@@ -88,9 +88,29 @@ def test_bad_inputs_raise(mutate, message):
         pytest.param(torch.tensor([41, 3]), "lie in", id="too-long"),
     ],
 )
-def test_bad_seq_lens_raise(seq_lens, message):
+@pytest.mark.parametrize("n", [40, 150], ids=["dense-path", "sparse-path"])
+def test_bad_seq_lens_raise(seq_lens, message, n):
+    if message == "lie in":
+        seq_lens = torch.tensor([n + 1, 3])
     with pytest.raises(ValueError, match=message):
-        make()(*qkv(2, 40), seq_lens=seq_lens)
+        make()(*qkv(2, n), seq_lens=seq_lens)
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        pytest.param({"scale": float("nan")}, "scale must be a finite number > 0, got nan", id="scale-nan"),
+        pytest.param({"scale": -1.0}, "scale must be a finite number > 0, got -1.0", id="scale-negative"),
+        pytest.param({"dropout_p": float("nan")}, r"dropout_p must lie in \[0, 1\)", id="dropout-nan"),
+        pytest.param({"dropout_p": 1.0}, r"dropout_p must lie in \[0, 1\)", id="dropout-one"),
+        pytest.param({"dropout_p": -0.5}, r"dropout_p must lie in \[0, 1\)", id="dropout-negative"),
+    ],
+)
+def test_per_call_overrides_are_validated(override, message):
+    """The Hugging Face integration passes the model's own scale and dropout per call: a bad value is
+    an error naming it, not a NaN output or an unrelated SDPA message."""
+    with pytest.raises(ValueError, match=message):
+        make()(*qkv(1, 150), **override)
 
 
 def test_constructor_rejects_bad_heads():
