@@ -80,7 +80,7 @@ TENSOR_ERRORS = [
     pytest.param(lambda q, k, v, i: (q[:, :0], k, v, i), r"query heads \(0\) must be a positive multiple", id="zero-query-heads"),
     pytest.param(lambda q, k, v, i: (q[..., :0], k[..., :0], v[..., :0], i), "head dim must be >= 1", id="zero-head-dim"),
     pytest.param(lambda q, k, v, i: (q, k.to("meta"), v, i), "k is on meta", id="k-device"),
-    pytest.param(lambda q, k, v, i: (q.to(torch.complex64), k, v, i), "q must be floating point", id="q-complex"),
+    pytest.param(lambda q, k, v, i: (q.to(torch.complex64), k, v, i), "q must have a floating-point dtype", id="q-complex"),
     pytest.param(lambda q, k, v, i: (q, k, v, "index"), "index must be a sparse_train.BlockIndex, got str", id="index-type"),
     pytest.param(lambda q, k, v, i: (q[:1], k[:1], v[:1], i), "block index is for batch=2", id="index-other-batch"),
     pytest.param(lambda q, k, v, i: (q, k, v, st.BlockIndex.full(2, 1, 48, 16, 16, device=DEV)),

@@ -275,7 +275,7 @@ def _qkv(b=1, hq=4, hkv=2, n=256, d=16, dtype=torch.float32):
         (lambda q, k, v: (q[..., :8], k, v), "disagree on batch, length or head dim"),
         (lambda q, k, v: (q[:, :, :128], k[:, :, :128], v[:, :, :128]), "seq_len=256"),
         (lambda q, k, v: (q, k, v[..., :8]), "same shape"),
-        (lambda q, k, v: (q.long(), k, v), "floating point"),
+        (lambda q, k, v: (q.long(), k, v), "floating-point dtype"),
         (lambda q, k, v: (q[0], k, v), "4-D"),
         (lambda q, k, v: (torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v])), "batch=1"),
     ],
