@@ -308,6 +308,17 @@ def test_state_dict_holds_selector_only():
                     "selector_steps"}
 
 
+def test_input_checks_trace_without_graph_breaks():
+    """The module's input checks (shared validators, per-call overrides) are shape/Python-level:
+    dynamo traces the dense path in one graph (backend "eager": tracing only, no compiler needed)."""
+    torch._dynamo.reset()
+    module = make(distill="off", block_q=16, block_k=16)
+    q, k, v = qkv(2, 48)
+    lens = torch.tensor([48, 30])
+    compiled = torch.compile(module, fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(q, k, v, seq_lens=lens, scale=0.3), module(q, k, v, seq_lens=lens, scale=0.3))
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [4096, 256], ids=["sparse-path", "dense-path"])
