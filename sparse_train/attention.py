@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import SparseAttentionConfig
-from .functional import finite_padded_queries, resolve_backend, sparse_attention
+from .functional import BACKEND_REASONS, finite_padded_queries, resolve_backend, sparse_attention
 from .index import BlockIndex
 from .validation import check_dropout_p, check_float, check_qkv, check_seq_lens
 from .selectors.distill import block_kl, dense_block_mass, renormalise, sparse_block_mass
@@ -65,39 +65,13 @@ __all__ = [
     "dense_causal_attention",
 ]
 
-FALLBACK_REASONS = (
-    "dense_warmup",
-    "dense_full_selection",
-    "dense_hysteresis",
-    "reference_cpu",
-    "reference_triton_unavailable",
-    "reference_unsupported_dtype",
-    "reference_unsupported_head_dim",
-    "reference_unsupported_block_size",
-    "reference_unsupported_device",
-    "reference_unsupported_other",
+FALLBACK_REASONS = ("dense_warmup", "dense_full_selection", "dense_hysteresis") + tuple(
+    f"reference_{code}" for code in BACKEND_REASONS if code not in ("requested", "supported")
 )
-"""Every reason a call leaves the Triton sparse path; ``fallback_counts`` and ``stats()`` use these names."""
+"""Every reason a call leaves the Triton sparse path; ``fallback_counts`` and ``stats()`` use these names
+(the reference ones are ``resolve_backend``'s codes, so a new code cannot be miscounted)."""
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _reference_reason(reason: str) -> str:
-    """Map ``resolve_backend``'s free-text reason to one of :data:`FALLBACK_REASONS`."""
-    text = reason.lower()
-    if text.startswith("cpu"):
-        return "reference_cpu"
-    if "triton unavailable" in text:
-        return "reference_triton_unavailable"
-    if "dtype" in text:
-        return "reference_unsupported_dtype"
-    if "head dim" in text:
-        return "reference_unsupported_head_dim"
-    if "block size" in text:
-        return "reference_unsupported_block_size"
-    if "device" in text:
-        return "reference_unsupported_device"
-    return "reference_unsupported_other"
 
 
 def dense_causal_attention(
@@ -389,7 +363,7 @@ class SparseAttention(nn.Module):
         if path == "sparse" and record is None:
             backend, backend_reason = resolve_backend(q, k, v, index, cfg.backend)
             if backend == "reference" and backend_reason != "requested":
-                reason = _reference_reason(backend_reason)
+                reason = f"reference_{backend_reason}"
         if profile:
             self._timings.mark("plan", 0, device)
         if path == "sparse" and backend == "triton" and plan is None:

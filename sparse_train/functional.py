@@ -7,13 +7,13 @@ import os
 import torch
 from torch import Tensor
 
+from .config import BACKENDS
 from .index import BlockIndex, BlockPlan
 from .kernels.reference import reference_sparse_attention
 from .validation import check_attention_args, check_block_index, check_bool, check_qkv
 
-__all__ = ["sparse_attention", "resolve_backend", "BACKENDS"]
+__all__ = ["sparse_attention", "resolve_backend", "BACKENDS", "BACKEND_REASONS", "finite_padded_queries"]
 
-BACKENDS = ("auto", "triton", "reference")
 
 
 def _triton_op():
@@ -33,11 +33,27 @@ def finite_padded_queries(q: Tensor, seq_lens: Tensor) -> Tensor:
     return torch.where(real | torch.isfinite(q), q, 0.0)
 
 
+BACKEND_REASONS = (
+    "requested",
+    "supported",
+    "cpu",
+    "triton_unavailable",
+    "unsupported_dtype",
+    "unsupported_head_dim",
+    "unsupported_block_size",
+    "unsupported_device",
+    "unsupported_other",
+)
+"""Why :func:`resolve_backend` chose its backend: fixed codes, usable as metric keys (the module
+counts ``reference_<code>`` fallbacks), never free text to be matched."""
+
+
 def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend: str = "auto") -> tuple[str, str]:
-    """Which backend ``sparse_attention`` will run, and why: ``("triton" | "reference", reason)``.
+    """Which backend ``sparse_attention`` will run, and why: ``("triton" | "reference", code)`` with
+    ``code`` in :data:`BACKEND_REASONS`.
 
     ``"auto"`` picks Triton for CUDA tensors the kernels support and the reference otherwise (the
-    reason names what was unsupported). ``"triton"`` on CPU tensors requires ``TRITON_INTERPRET=1``.
+    code names what was unsupported). ``"triton"`` on CPU tensors requires ``TRITON_INTERPRET=1``.
     """
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -52,20 +68,20 @@ def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend:
                 "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before sparse_train's "
                 "kernels are imported; use backend='reference' or move the tensors to CUDA"
             )
-        supported, reason = _triton_op().triton_supports(q, k, v, index)
-        if not supported:
-            raise ValueError(f"backend='triton' cannot run this input: {reason}")
+        support = _triton_op().triton_supports(q, k, v, index)
+        if not support.ok:
+            raise ValueError(f"backend='triton' cannot run this input: {support.message}")
         return "triton", "requested"
     if on_cpu:
-        return "reference", "cpu tensors"
+        return "reference", "cpu"
     if q.device.type != "cuda":
-        return "reference", f"device {q.device.type}"
+        return "reference", "unsupported_device"
     try:
         op = _triton_op()
-    except ImportError as err:  # triton missing or broken on this machine
-        return "reference", f"triton unavailable ({err})"
-    supported, reason = op.triton_supports(q, k, v, index)
-    return ("triton", "supported") if supported else ("reference", reason)
+    except ImportError:  # triton missing or broken on this machine
+        return "reference", "triton_unavailable"
+    support = op.triton_supports(q, k, v, index)
+    return ("triton", "supported") if support.ok else ("reference", support.code)
 
 
 def sparse_attention(

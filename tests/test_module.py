@@ -308,6 +308,16 @@ def test_state_dict_holds_selector_only():
                     "selector_steps"}
 
 
+def test_every_backend_reason_is_a_counted_fallback():
+    """resolve_backend's codes are the fallback keys: a reference run is counted under its code."""
+    for code in st.functional.BACKEND_REASONS:
+        if code not in ("requested", "supported"):
+            assert f"reference_{code}" in FALLBACK_REASONS
+    module = make(dense_fallback=False)
+    module(*qkv(1, 150))
+    assert module.fallback_counts == {"reference_cpu": 1}
+
+
 def test_input_checks_trace_without_graph_breaks():
     """The module's input checks (shared validators, per-call overrides) are shape/Python-level:
     dynamo traces the dense path in one graph (backend "eager": tracing only, no compiler needed)."""

@@ -30,8 +30,9 @@ global CPU generator (a graph break under torch.compile: pass an int seed when c
 """
 from __future__ import annotations
 
+
 import os
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -113,28 +114,40 @@ def _interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def triton_supports(q: Tensor, k: Tensor, v: Tensor, index) -> tuple[bool, str]:
-    """Whether the Triton kernels handle these inputs; `(False, reason)` names what does not fit
-    (the caller then takes the reference path).  Shape mismatches are not checked here: they are
-    errors, raised by `triton_sparse_attention`."""
+class Support(NamedTuple):
+    """Answer of :func:`triton_supports`: ``code`` is one of
+    :data:`sparse_train.functional.BACKEND_REASONS` (a stable key for metrics), ``message`` the
+    human-readable detail for errors."""
+
+    ok: bool
+    code: str
+    message: str
+
+
+def triton_supports(q: Tensor, k: Tensor, v: Tensor, index) -> Support:
+    """Whether the Triton kernels handle these inputs (the caller takes the reference path when
+    not).  Shape mismatches are not checked here: they are errors, raised by
+    `triton_sparse_attention`."""
     if q.device.type == "cuda":
         if q.dtype not in (torch.float16, torch.bfloat16):
-            return False, f"dtype {q.dtype} on CUDA (kernels support bfloat16 and float16)"
+            return Support(False, "unsupported_dtype", f"dtype {q.dtype} on CUDA (kernels support bfloat16 and float16)")
     elif q.device.type == "cpu":
         if not _interpreter():
-            return False, "CPU tensors need TRITON_INTERPRET=1 for the Triton kernels"
+            return Support(False, "cpu", "CPU tensors need TRITON_INTERPRET=1 for the Triton kernels")
         if q.dtype not in (torch.float16, torch.float32):
-            return False, f"dtype {q.dtype} under the Triton interpreter (float16/float32 only: bf16 math is wrong there)"
+            return Support(False, "unsupported_dtype",
+                           f"dtype {q.dtype} under the Triton interpreter (float16/float32 only: bf16 math is wrong there)")
     else:
-        return False, f"device type {q.device.type} (CUDA only)"
+        return Support(False, "unsupported_device", f"device type {q.device.type} (CUDA only)")
     d = q.shape[-1]
     if d not in _SUPPORTED_HEAD_DIMS:
-        return False, f"head dim {d} (supported: {_SUPPORTED_HEAD_DIMS})"
+        return Support(False, "unsupported_head_dim", f"head dim {d} (supported: {_SUPPORTED_HEAD_DIMS})")
     if index.block_q not in _SUPPORTED_BLOCKS or index.block_k not in _SUPPORTED_BLOCKS:
-        return False, f"block sizes BQ={index.block_q}, BK={index.block_k} (supported: {_SUPPORTED_BLOCKS})"
+        return Support(False, "unsupported_block_size",
+                       f"block sizes BQ={index.block_q}, BK={index.block_k} (supported: {_SUPPORTED_BLOCKS})")
     if q.shape[2] >= 2**31:
-        return False, "sequence length >= 2^31"
-    return True, "ok"
+        return Support(False, "unsupported_other", "sequence length >= 2^31")
+    return Support(True, "supported", "ok")
 
 
 def triton_sparse_attention(
@@ -183,9 +196,9 @@ def triton_sparse_attention(
     """
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 seq_lens=seq_lens, plan=plan, r0=r0)
-    ok, reason = triton_supports(q, k, v, index)
-    if not ok:
-        raise ValueError(f"triton_sparse_attention does not support this input: {reason}")
+    support = triton_supports(q, k, v, index)
+    if not support.ok:
+        raise ValueError(f"triton_sparse_attention does not support this input: {support.message}")
     if num_splits is not None:
         num_splits = check_int("num_splits", num_splits, minimum=1, maximum=64)
     D = q.shape[-1]
