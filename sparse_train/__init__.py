@@ -8,18 +8,21 @@ Public API::
     attn = st.SparseAttention(st.SparseAttentionConfig(...), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
 """
 
+from .attention import SparseAttention, collect_attention_stats, collect_selector_losses
+from .config import SparseAttentionConfig
 from .functional import sparse_attention
 from .index import DEFAULT_R0, BlockIndex, BlockPlan
 
 __version__ = "0.1.0"
 
-__all__ = ["BlockIndex", "BlockPlan", "DEFAULT_R0", "sparse_attention", "__version__"]
-
-try:  # the module layer lands with the selector; keep the core importable without it
-    from .attention import SparseAttention, collect_attention_stats, collect_selector_losses  # noqa: F401
-    from .config import SparseAttentionConfig  # noqa: F401
-
-    __all__ += ["SparseAttention", "SparseAttentionConfig", "collect_attention_stats", "collect_selector_losses"]
-except ImportError as _err:  # pragma: no cover - only while the module layer is absent
-    if "sparse_train.attention" not in str(_err) and "sparse_train.config" not in str(_err):
-        raise
+__all__ = [
+    "BlockIndex",
+    "BlockPlan",
+    "DEFAULT_R0",
+    "SparseAttention",
+    "SparseAttentionConfig",
+    "collect_attention_stats",
+    "collect_selector_losses",
+    "sparse_attention",
+    "__version__",
+]

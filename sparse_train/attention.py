@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from .config import SparseAttentionConfig
 from .functional import BACKEND_REASONS, finite_padded_queries, resolve_backend, sparse_attention
 from .index import BlockIndex
-from .validation import check_dropout_p, check_float, check_qkv, check_seq_lens
+from .validation import check_dropout_p, check_float, check_qkv, check_seq_lens, draw_dropout_seed
 from .selectors.distill import block_kl, dense_block_mass, renormalise, sparse_block_mass
 from .selectors.metrics import sample_query_blocks, selection_quality
 from .selectors.replay import SelectionRecord, SelectionReplay, in_backward_pass
@@ -371,7 +371,7 @@ class SparseAttention(nn.Module):
         if profile:
             self._timings.mark("plan", 1, device)
         if path == "sparse" and dropout_p > 0.0 and dropout_seed is None:
-            dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
+            dropout_seed = draw_dropout_seed()
 
         # ---- attention
         if profile:

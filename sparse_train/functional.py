@@ -10,7 +10,7 @@ from torch import Tensor
 from .config import BACKENDS
 from .index import BlockIndex, BlockPlan
 from .kernels.reference import reference_sparse_attention
-from .validation import check_attention_args, check_block_index, check_bool, check_qkv
+from .validation import check_attention_args, check_block_index, check_bool, check_qkv, draw_dropout_seed
 
 __all__ = ["sparse_attention", "resolve_backend", "BACKENDS", "BACKEND_REASONS", "finite_padded_queries"]
 
@@ -141,7 +141,7 @@ def sparse_attention(
     check_bool("deterministic", deterministic)
     check_bool("return_lse", return_lse)
     if dropout_p > 0.0 and dropout_seed is None:
-        dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
+        dropout_seed = draw_dropout_seed()
     if seq_lens is not None:
         q = finite_padded_queries(q, seq_lens)
     chosen, _ = resolve_backend(q, k, v, index, backend)

@@ -53,6 +53,7 @@ __all__ = [
     "check_scale",
     "check_seq_lens",
     "check_window_sinks",
+    "draw_dropout_seed",
     "plan_source",
     "source_is_current",
 ]
@@ -223,6 +224,12 @@ def check_dropout_seed(dropout_seed) -> int | None:
     if not (0 <= seed < DROPOUT_SEED_LIMIT):
         raise ValueError(f"dropout_seed must lie in [0, 2**64), got {seed}")
     return seed
+
+
+def draw_dropout_seed() -> int:
+    """A fresh dropout seed from torch's global CPU generator (so ``torch.manual_seed`` makes runs
+    reproducible), within the seed domain; drawn below 2**62 so it also fits a signed int64."""
+    return int(torch.randint(0, 2**62, (1,)).item())
 
 
 def check_dropout(dropout_p, dropout_seed) -> tuple[float, int | None]:

@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..validation import check_int, check_attention_args, check_bool
+from ..validation import check_attention_args, check_bool, check_int, draw_dropout_seed
 from .backward import cold_slots, sparse_attn_backward
 from .forward import choose_num_splits, default_heads_per_program, device_sm_count, sparse_attn_forward
 
@@ -204,7 +204,7 @@ def triton_sparse_attention(
     D = q.shape[-1]
     scale, dropout_p, dropout_seed = args.scale, args.dropout_p, args.dropout_seed
     if dropout_p > 0.0 and dropout_seed is None:
-        dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
+        dropout_seed = draw_dropout_seed()
     seed = dropout_seed if dropout_p > 0.0 else 0
     # the op's int is an int64: seeds >= 2**63 travel as their two's complement (same 64 bits)
     seed = seed - (1 << 64) if seed >= 1 << 63 else seed

@@ -25,8 +25,6 @@ from ..validation import check_bool, check_int
 
 __all__ = ["StepTimer", "StepRichProgressBar", "StepTQDMProgressBar", "step_progress_bar", "step_description"]
 
-_PHASES = ("start", "forward_end", "backward_end", "optimizer_start", "end")
-
 
 class StepTimer(Callback):
     """Logs forward/backward/optimizer time, tokens/s and the attention breakdown every few steps.

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import KEY_POOLINGS
-from ..index import capacity_tier
+from ..index import capacity_tier, causal_last_block
 
 __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_mean", "block_max",
            "selection_candidates", "allowed_dynamic_blocks", "causal_block_mask"]
@@ -100,16 +100,15 @@ def selection_geometry(seq_len: int, block_q: int, block_k: int, top_k: int, win
 
 def causal_block_mask(geometry: SelectionGeometry, device=None) -> Tensor:
     """bool ``[NQB, NKB]``: key block j is causally reachable from query block i."""
-    i = torch.arange(geometry.num_q_blocks, device=device)
-    last = (torch.clamp((i + 1) * geometry.block_q, max=geometry.seq_len) - 1) // geometry.block_k
+    last = causal_last_block(geometry.num_q_blocks, geometry.seq_len, geometry.block_q, geometry.block_k, device)
     j = torch.arange(geometry.num_k_blocks, device=device)
     return j.view(1, -1) <= last.view(-1, 1)
 
 
 def allowed_dynamic_blocks(geometry: SelectionGeometry, window: int, sinks: int, device=None) -> Tensor:
     """bool ``[NQB, NKB]``: causal blocks that neither the window nor the sinks already cover."""
-    i = torch.arange(geometry.num_q_blocks, device=device)
-    last = ((torch.clamp((i + 1) * geometry.block_q, max=geometry.seq_len) - 1) // geometry.block_k).view(-1, 1)
+    last = causal_last_block(geometry.num_q_blocks, geometry.seq_len, geometry.block_q, geometry.block_k,
+                             device).view(-1, 1)
     j = torch.arange(geometry.num_k_blocks, device=device).view(1, -1)
     causal = j <= last
     in_window = (j > last - window) if window > 0 else torch.zeros_like(causal)
