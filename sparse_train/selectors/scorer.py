@@ -139,25 +139,33 @@ def block_max(x: Tensor, block: int, group: int = 1, valid_len: Tensor | None = 
 
 
 def _block_pool(x: Tensor, block: int, group: int, valid_len: Tensor | None, how: str) -> Tensor:
+    # Runs on q and k every step: reduce straight from the input dtype (fp32 accumulation for the
+    # mean, exact max in the input dtype) without materialising an fp32 copy of q.
     batch, heads_total, seq_len, dim = x.shape
     heads = heads_total // group
-    num_blocks = -(-seq_len // block)
-    x = x.reshape(batch, heads, group, seq_len, dim).to(torch.float32)
-    pad = num_blocks * block - seq_len
+    x = x.reshape(batch, heads, group, seq_len, dim)
     limit = torch.full((batch,), seq_len, device=x.device) if valid_len is None else valid_len.clamp(max=seq_len)
-    keep = torch.arange(num_blocks * block, device=x.device).view(1, -1) < limit.view(-1, 1)  # [B, NB*block]
-    keep = keep.view(batch, 1, 1, num_blocks * block, 1)
-    fill = 0.0 if how == "mean" else float("-inf")
-    if pad:
-        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
-    # selection, not multiplication: padded rows may hold NaN or inf
-    x = torch.where(keep, x, fill).view(batch, heads, group, num_blocks, block, dim)
-    rows = keep.view(batch, 1, 1, num_blocks, block).sum(dim=(2, 4)) * group  # [B, 1, NB]
+    if valid_len is not None:
+        keep = torch.arange(seq_len, device=x.device).view(1, -1) < limit.view(-1, 1)  # [B, N]
+        # selection, not multiplication: padded rows may hold NaN or inf
+        x = torch.where(keep.view(batch, 1, 1, seq_len, 1), x, 0.0 if how == "mean" else float("-inf"))
+
+    def reduce(t: Tensor, dims: tuple[int, int]) -> Tensor:
+        return t.sum(dim=dims, dtype=torch.float32) if how == "mean" else t.amax(dim=dims).to(torch.float32)
+
+    full = seq_len // block
+    parts = []
+    if full > 0:
+        parts.append(reduce(x[:, :, :, : full * block].reshape(batch, heads, group, full, block, dim), (2, 4)))
+    if seq_len > full * block:
+        parts.append(reduce(x[:, :, :, full * block:], (2, 3)).unsqueeze(2))
+    pooled = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [B, H, NB, D]
+    starts = torch.arange(pooled.shape[2], device=x.device) * block
+    rows = torch.clamp(torch.minimum(limit.view(-1, 1), starts.view(1, -1) + block) - starts.view(1, -1), min=0)
+    rows = (rows * group).view(batch, 1, pooled.shape[2], 1)  # valid rows per block, [B, 1, NB, 1]
     if how == "mean":
-        pooled = x.sum(dim=(2, 4)) / rows.clamp(min=1).to(torch.float32).unsqueeze(-1)
-    else:
-        pooled = x.amax(dim=(2, 4))
-    return torch.where(rows.unsqueeze(-1) > 0, pooled, 0.0)
+        pooled = pooled / rows.clamp(min=1).to(torch.float32)
+    return torch.where(rows > 0, pooled, 0.0)
 
 
 class BlockScorer(nn.Module):
