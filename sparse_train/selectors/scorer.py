@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from ..config import KEY_POOLINGS
 from ..index import capacity_tier, causal_last_block
+from ..validation import check_choice, check_float
 
 __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_mean", "block_max",
            "selection_candidates", "allowed_dynamic_blocks", "causal_block_mask"]
@@ -185,10 +186,8 @@ class BlockScorer(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, selector_dim: int,
                  lr_multiplier: float = 1.0, key_pooling: str = "mean") -> None:
         super().__init__()
-        if key_pooling not in KEY_POOLINGS:
-            raise ValueError(f"key_pooling must be one of {KEY_POOLINGS}, got {key_pooling!r}")
-        if not (isinstance(lr_multiplier, (int, float)) and math.isfinite(lr_multiplier) and lr_multiplier > 0):
-            raise ValueError(f"lr_multiplier must be a finite number > 0, got {lr_multiplier!r}")
+        check_choice("key_pooling", key_pooling, KEY_POOLINGS)
+        lr_multiplier = check_float("lr_multiplier", lr_multiplier, exclusive_minimum=0.0)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
