@@ -53,6 +53,7 @@ from .selectors.scorer import (
     BlockScorer,
     allowed_dynamic_blocks,
     causal_block_mask,
+    rope_inverse_frequencies,
     selection_candidates,
     selection_geometry,
 )
@@ -162,6 +163,8 @@ class SparseAttention(nn.Module):
         self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim)
         self.scorer = BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim,
                                   lr_multiplier=config.selector_lr_multiplier, key_pooling=config.key_pooling)
+        if config.selector_rope_theta is not None:
+            self.scorer.set_rope(rope_inverse_frequencies(config.selector_rope_theta, head_dim))
         # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every).
         # The Python int is the source of truth (reading a CUDA buffer would sync every call); the
         # buffer mirrors it for the state dict so a resumed run continues its schedule.

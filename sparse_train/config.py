@@ -69,6 +69,12 @@ class SparseAttentionConfig:
     element-wise max (a single key that stands out survives the max, while the mean dilutes it 1/BK;
     measured on 4K retrieval: needle-task accuracy 1.00 vs 0.76 with the mean alone), or ``"mean"``."""
 
+    selector_rope_theta: float | None = None
+    """RoPE base of the q and k this layer receives (rotate-half convention over the whole head dim).
+    When set, the selector un-rotates q and k before pooling, so its block scores compare content and
+    do not depend on absolute position. ``None`` = pool the rotated q and k as given. The Hugging Face
+    integration sets the model's exact frequencies itself (``SparseAttention.set_rope``)."""
+
     selector_lr_multiplier: float = 10.0
     """The selector learns this many times faster than the model under one Adam-type optimizer and
     one learning rate: its weights are stored divided by the multiplier and multiplied back in the
@@ -183,6 +189,7 @@ class SparseAttentionConfig:
             )
         _check_float(self, "dropout_p", minimum=0.0, exclusive_maximum=1.0)
         _check_float(self, "scale", exclusive_minimum=0.0, optional=True)
+        _check_float(self, "selector_rope_theta", exclusive_minimum=0.0, optional=True)
         _check_float(self, "distill_weight", minimum=0.0)
         _check_float(self, "selector_lr_multiplier", exclusive_minimum=0.0)
         _check_choice(self, "backend", BACKENDS)

@@ -129,6 +129,48 @@ def test_scorer_init_tracks_pooled_logit():
     assert corr > 0.95, f"correlation {corr:.3f}"
 
 
+def _rotate_half_rope(x, theta):
+    """RoPE as the Llama / Hugging Face models apply it (pairs (i, i + D/2), position n turns by n * f_i)."""
+    n, dim = x.shape[-2], x.shape[-1]
+    freqs = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.arange(n, dtype=torch.float64).view(-1, 1) * freqs
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
+    return torch.cat((x1 * angles.cos() - x2 * angles.sin(), x2 * angles.cos() + x1 * angles.sin()), dim=-1)
+
+
+@pytest.mark.parametrize("key_pooling", ["mean", "mean_max"], ids=["mean", "mean-max"])
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["no-lengths", "lengths"])
+def test_rope_aware_scorer_pools_the_unrotated_content(key_pooling, with_lengths):
+    """With RoPE frequencies set, the pooled features are those of the pre-rotation q and k."""
+    theta, block = 500.0, 8
+    q_content, k_content = _rand_qk(2, 6, 2, 45, 16, dtype=torch.float32)
+    lengths = torch.tensor([45, 20]) if with_lengths else None
+    scorer = BlockScorer(num_heads=6, num_kv_heads=2, head_dim=16, selector_dim=8, key_pooling=key_pooling)
+    scorer.set_rope(st.selectors.rope_inverse_frequencies(theta, 16))
+    qbar, kbar = scorer.pool(_rotate_half_rope(q_content.double(), theta).float(),
+                             _rotate_half_rope(k_content.double(), theta).float(), block, block, lengths)
+    plain = BlockScorer(num_heads=6, num_kv_heads=2, head_dim=16, selector_dim=8, key_pooling=key_pooling)
+    want_q, want_k = plain.pool(q_content, k_content, block, block, lengths)
+    torch.testing.assert_close(qbar, want_q, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kbar, want_k, rtol=1e-4, atol=1e-5)
+    # without the frequencies the same rotated inputs pool to something else
+    rotated_q, _ = plain.pool(_rotate_half_rope(q_content.double(), theta).float(), k_content, block, block, lengths)
+    assert (rotated_q - want_q).abs().max() > 0.1
+
+
+def test_rope_aware_scorer_rejects_bad_frequencies():
+    scorer = BlockScorer(num_heads=2, num_kv_heads=1, head_dim=8, selector_dim=4)
+    with pytest.raises(ValueError, match="at most head_dim/2=4"):
+        scorer.set_rope(torch.ones(5))
+    with pytest.raises(ValueError, match="finite"):
+        scorer.set_rope(torch.tensor([1.0, float("nan")]))
+    with pytest.raises(ValueError, match="selector_rope_theta"):
+        st.SparseAttentionConfig(selector_rope_theta=0.0)
+    layer = st.SparseAttention(st.SparseAttentionConfig(selector_rope_theta=1e4), 2, 1, 8)
+    torch.testing.assert_close(layer.scorer.rope_inv_freq, 1e4 ** (-torch.arange(0, 8, 2) / 8.0))
+    assert "scorer.rope_inv_freq" not in layer.state_dict()
+
+
 def _brute_block_mass(q, k, allowed_keys, block_q, block_k, scale, seq_lens=None, row_pool="mean"):
     """Pooled mass per (b, kv head, query block, key block) from an explicit [B, HKV, N, N] mask;
     ``row_pool="max"`` takes each block's largest single-row mass, renormalised over the blocks."""

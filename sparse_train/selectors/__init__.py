@@ -14,8 +14,10 @@ from .scorer import (
     allowed_dynamic_blocks,
     block_mean,
     causal_block_mask,
+    rope_inverse_frequencies,
     selection_candidates,
     selection_geometry,
+    unrotate,
 )
 
 __all__ = [
@@ -31,10 +33,12 @@ __all__ = [
     "in_backward_pass",
     "needle_block_recall",
     "row_mass_recall",
+    "rope_inverse_frequencies",
     "query_row_positions",
     "sample_query_blocks",
     "selection_candidates",
     "selection_geometry",
     "selection_quality",
     "sparse_block_mass",
+    "unrotate",
 ]

@@ -34,7 +34,8 @@ from ..index import capacity_tier, causal_last_block
 from ..validation import check_choice, check_float
 
 __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_mean", "block_max",
-           "selection_candidates", "allowed_dynamic_blocks", "causal_block_mask"]
+           "rope_inverse_frequencies", "unrotate", "selection_candidates", "allowed_dynamic_blocks",
+           "causal_block_mask"]
 
 _EMPTY_BLOCK_SCORE = -1.0e30
 """Score of key blocks without any valid key: below every real score, yet finite so top-k still
@@ -169,6 +170,32 @@ def _block_pool(x: Tensor, block: int, group: int, valid_len: Tensor | None, how
     return torch.where(rows > 0, pooled, 0.0)
 
 
+def rope_inverse_frequencies(theta: float, rotary_dim: int) -> Tensor:
+    """float32 ``[rotary_dim // 2]``: the standard RoPE frequencies ``theta ** (-2i / rotary_dim)``."""
+    check_float("rope_theta", theta, exclusive_minimum=0.0)
+    if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
+        raise ValueError(f"rotary_dim must be a positive even int, got {rotary_dim!r}")
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+
+
+def unrotate(x: Tensor, inv_freq: Tensor) -> Tensor:
+    """Undo rotate-half RoPE at positions ``0..N-1``: float32 ``[B, H, N, D]`` from ``x [B, H, N, D]``.
+
+    RoPE turns the pair ``(x[i], x[i + R/2])`` of the first ``R = 2 * len(inv_freq)`` channels by the
+    angle ``n * inv_freq[i]`` at position n (the Llama / Hugging Face convention; channels past R are
+    not rotated); this applies the opposite turn, which recovers the content the model wrote before
+    the rotation."""
+    half = inv_freq.shape[0]
+    dim = x.shape[-1]
+    if 2 * half > dim:
+        raise ValueError(f"{half} RoPE frequencies rotate {2 * half} channels but the head dim is {dim}")
+    angles = torch.arange(x.shape[2], device=x.device, dtype=torch.float32).view(-1, 1) * inv_freq.to(x.device, torch.float32)
+    cos, sin = angles.cos(), angles.sin()  # [N, R/2]
+    x = x.float()
+    x1, x2, rest = x[..., :half], x[..., half: 2 * half], x[..., 2 * half:]
+    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, rest), dim=-1)
+
+
 class BlockScorer(nn.Module):
     """Per-KV-head learned projections of pooled queries and keys -> block logits.
 
@@ -181,6 +208,11 @@ class BlockScorer(nn.Module):
     behind it (measured: selector-only fit at lr 3e-3 reached needle recall 0.5, at 3e-2 0.99). Under
     plain SGD the factor is ``lr_multiplier**2``. The multiplier is a buffer saved in the state dict,
     so loaded weights mean the same function whatever the loading config says.
+
+    With RoPE frequencies set (:meth:`set_rope`), queries and keys are un-rotated before pooling, so
+    the scores compare what the model wrote into q and k, independent of where in the sequence the
+    blocks sit (a free projection of rotated vectors cannot stay relative-position-invariant once the
+    slowest rotary frequency turns by radians across the context). The window covers locality.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, selector_dim: int,
@@ -198,7 +230,23 @@ class BlockScorer(nn.Module):
         self.query_proj = nn.Parameter(torch.empty(num_kv_heads, head_dim, selector_dim))
         self.key_proj = nn.Parameter(torch.empty(num_kv_heads, key_features, selector_dim))
         self.log_temperature = nn.Parameter(torch.zeros(num_kv_heads))
+        # Not persistent: the frequencies are a property of the model the scorer sits in, set again by
+        # whoever builds it (config.selector_rope_theta, the Hugging Face integration).
+        self.register_buffer("rope_inv_freq", torch.zeros(0), persistent=False)
         self.reset_parameters()
+
+    def set_rope(self, inv_freq: Tensor | None) -> None:
+        """Un-rotate q and k by these RoPE frequencies (``[R/2]``, rotate-half convention over the
+        first R channels) before pooling; ``None`` pools the rotated q and k as given."""
+        if inv_freq is None:
+            self.rope_inv_freq = torch.zeros(0, device=self.query_proj.device)
+            return
+        if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or not 0 < 2 * inv_freq.shape[0] <= self.head_dim:
+            raise ValueError(f"RoPE inv_freq must be a 1-D tensor of at most head_dim/2={self.head_dim // 2} "
+                             f"frequencies, got {getattr(inv_freq, 'shape', inv_freq)!r}")
+        if not torch.isfinite(inv_freq).all():
+            raise ValueError("RoPE inv_freq must be finite")
+        self.rope_inv_freq = inv_freq.detach().to(self.query_proj.device, torch.float32)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -217,10 +265,16 @@ class BlockScorer(nn.Module):
         """Detached pooled inputs: ``qbar`` float32 ``[B, HKV, NQB, D]``, ``kbar`` ``[B, HKV, NKB, P*D]``."""
         group = self.num_heads // self.num_kv_heads
         with torch.no_grad():
-            qbar = block_mean(q.detach(), block_q, group, seq_lens)
-            kbar = block_mean(k.detach(), block_k, 1, seq_lens)
+            q, k = q.detach(), k.detach()
+            if self.rope_inv_freq.numel():
+                # the rotation is the same for every head of a group: average the group first
+                batch, _, seq_len, dim = q.shape
+                q = q.reshape(batch, self.num_kv_heads, group, seq_len, dim).mean(2, dtype=torch.float32)
+                q, k, group = unrotate(q, self.rope_inv_freq), unrotate(k, self.rope_inv_freq), 1
+            qbar = block_mean(q, block_q, group, seq_lens)
+            kbar = block_mean(k, block_k, 1, seq_lens)
             if self.key_pooling == "mean_max":
-                kbar = torch.cat([kbar, block_max(k.detach(), block_k, 1, seq_lens)], dim=-1)
+                kbar = torch.cat([kbar, block_max(k, block_k, 1, seq_lens)], dim=-1)
         return qbar, kbar
 
     def forward(self, qbar: Tensor, kbar: Tensor, scale: float) -> Tensor:
