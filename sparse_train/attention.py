@@ -162,7 +162,8 @@ class SparseAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim)
         self.scorer = BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim,
-                                  lr_multiplier=config.selector_lr_multiplier, key_pooling=config.key_pooling)
+                                  lr_multiplier=config.selector_lr_multiplier, key_pooling=config.key_pooling,
+                                  distance_bias=config.selector_distance_bias)
         if config.selector_rope_theta is not None:
             self.scorer.set_rope(rope_inverse_frequencies(config.selector_rope_theta, head_dim))
         # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every).
@@ -352,7 +353,7 @@ class SparseAttention(nn.Module):
         if need_selection or distill_now:
             qbar, kbar = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens)
             with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
-                scores = self.scorer(qbar, kbar, scale)
+                scores = self.scorer(qbar, kbar, scale, geometry)
         if need_selection:
             candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks, seq_lens=seq_lens)
             index = BlockIndex.from_selection(

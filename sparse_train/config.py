@@ -75,6 +75,10 @@ class SparseAttentionConfig:
     do not depend on absolute position. ``None`` = pool the rotated q and k as given. The Hugging Face
     integration sets the model's exact frequencies itself (``SparseAttention.set_rope``)."""
 
+    selector_distance_bias: bool = True
+    """Add a learned bias per KV head and log2 bucket of block distance to the selector's scores
+    (starts at zero): lets content-only scores (``selector_rope_theta``) keep a head's recency."""
+
     selector_lr_multiplier: float = 10.0
     """The selector learns this many times faster than the model under one Adam-type optimizer and
     one learning rate: its weights are stored divided by the multiplier and multiplied back in the
@@ -206,7 +210,7 @@ class SparseAttentionConfig:
                 "SparseAttentionConfig needs 0 <= dense_exit_density <= dense_enter_density <= 1 "
                 f"(hysteresis band), got exit={lo!r}, enter={hi!r}"
             )
-        for name in ("replay", "dense_fallback", "profile", "deterministic"):
+        for name in ("replay", "dense_fallback", "profile", "deterministic", "selector_distance_bias"):
             _check_bool(self, name)
 
     @property

@@ -23,7 +23,7 @@ CONFIG_INT_FIELDS = ["block_q", "block_k", "top_k", "window", "sinks", "selector
                      "metrics_query_blocks", "dense_warmup_steps"]
 CONFIG_FLOAT_FIELDS = ["dropout_p", "scale", "distill_weight", "dense_enter_density", "dense_exit_density",
                        "selector_lr_multiplier", "selector_rope_theta"]
-CONFIG_BOOL_FIELDS = ["deterministic", "replay", "dense_fallback", "profile"]
+CONFIG_BOOL_FIELDS = ["deterministic", "replay", "dense_fallback", "profile", "selector_distance_bias"]
 CONFIG_CHOICE_FIELDS = ["backend", "distill", "index_check", "distill_row_pool", "distill_support", "key_pooling"]
 
 

@@ -122,8 +122,9 @@ def test_state_dict_round_trip_includes_selector():
             layer.sparse_attention.scorer.query_proj.mul_(-2.0)  # distinguishable from a fresh init
     state = model.state_dict()
     selector_keys = [k for k in state if "sparse_attention." in k]
-    # per layer: query_proj, key_proj, log_temperature, the lr multiplier and the warm-up step count
-    assert len(selector_keys) == 2 * 5, selector_keys
+    # per layer: query_proj, key_proj, log_temperature, distance_bias, the lr multiplier and the
+    # warm-up step count
+    assert len(selector_keys) == 2 * 6, selector_keys
     restored = build("llama")
     hf.enable(restored, st.SparseAttentionConfig(**SPARSE))
     restored.load_state_dict(state, strict=True)
@@ -150,3 +151,36 @@ def test_enable_is_idempotent_and_requires_selectors():
     bare.set_attn_implementation("sparse_train")
     with pytest.raises(RuntimeError, match="enable"):
         bare(tokens(1, 20))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_selector_unrotates_by_the_models_own_rope(family):
+    """enable() hands the model's RoPE frequencies to every selector, so the pooled q/k it scores are
+    the pre-rotation projections (checked against q_proj/k_proj outputs captured by hooks)."""
+    model = build(family)
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    layer = hf.attention_layers(model)[0]
+    scorer = layer.sparse_attention.scorer
+    torch.testing.assert_close(scorer.rope_inv_freq, hf.rope_frequencies(model).float())
+    captured = {}
+    layer.q_proj.register_forward_hook(lambda m, i, o: captured.__setitem__("q", o))
+    layer.k_proj.register_forward_hook(lambda m, i, o: captured.__setitem__("k", o))
+    pooled = {}
+    original_pool = scorer.pool
+
+    def spy(q, k, *args, **kwargs):
+        pooled["got"] = original_pool(q, k, *args, **kwargs)
+        return pooled["got"]
+
+    scorer.pool = spy
+    model.eval()
+    with torch.no_grad():
+        model(tokens(1, 160, seed=3))  # 10 query blocks: a sparse selection, so the selector runs
+    head_dim = layer.head_dim
+    q_pre = captured["q"].view(1, 160, -1, head_dim).transpose(1, 2)
+    k_pre = captured["k"].view(1, 160, -1, head_dim).transpose(1, 2)
+    plain = st.selectors.BlockScorer(scorer.num_heads, scorer.num_kv_heads, head_dim, 8, key_pooling=scorer.key_pooling)
+    want_q, want_k = plain.pool(q_pre, k_pre, SPARSE["block_q"], SPARSE["block_k"])
+    torch.testing.assert_close(pooled["got"][0], want_q, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(pooled["got"][1], want_k, rtol=1e-4, atol=1e-5)
+    assert hf.rope_frequencies(torch.nn.Linear(2, 2)) is None

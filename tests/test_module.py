@@ -304,7 +304,8 @@ def test_stats_metrics_profile_and_collect():
 def test_state_dict_holds_selector_only():
     attn = make()
     keys = set(attn.state_dict())
-    assert keys == {"scorer.query_proj", "scorer.key_proj", "scorer.log_temperature", "scorer.lr_multiplier",
+    assert keys == {"scorer.query_proj", "scorer.key_proj", "scorer.log_temperature", "scorer.distance_bias",
+                    "scorer.lr_multiplier",
                     "selector_steps"}
 
 

@@ -10,6 +10,7 @@ import torch
 
 import sparse_train as st
 from sparse_train.kernels.reference import reference_sparse_attention
+from sparse_train.selectors.scorer import DISTANCE_BUCKETS, block_distance_buckets
 from sparse_train.selectors import (
     needle_block_recall,
     BlockScorer,
@@ -169,6 +170,34 @@ def test_rope_aware_scorer_rejects_bad_frequencies():
     layer = st.SparseAttention(st.SparseAttentionConfig(selector_rope_theta=1e4), 2, 1, 8)
     torch.testing.assert_close(layer.scorer.rope_inv_freq, 1e4 ** (-torch.arange(0, 8, 2) / 8.0))
     assert "scorer.rope_inv_freq" not in layer.state_dict()
+
+
+def test_distance_buckets_are_log2_of_blocks_behind_the_causal_edge():
+    geometry = selection_geometry(100, 16, 8, 4, 1, 0)  # 7 query blocks, 13 key blocks
+    buckets = block_distance_buckets(geometry)
+    for i in range(geometry.num_q_blocks):
+        last = (min((i + 1) * 16, 100) - 1) // 8
+        for j in range(geometry.num_k_blocks):
+            behind = max(0, last - j)
+            assert buckets[i, j] == min(behind.bit_length(), DISTANCE_BUCKETS - 1), (i, j)
+
+
+def test_distance_bias_starts_at_zero_and_adds_per_bucket():
+    torch.manual_seed(0)
+    geometry = selection_geometry(96, 16, 16, 2, 1, 0)
+    scorer = BlockScorer(num_heads=4, num_kv_heads=2, head_dim=8, selector_dim=4, lr_multiplier=10.0,
+                         distance_bias=True)
+    q, k = _rand_qk(1, 4, 2, 96, 8, dtype=torch.float32)
+    qbar, kbar = scorer.pool(q, k, 16, 16)
+    plain = scorer(qbar, kbar, 0.5)
+    torch.testing.assert_close(scorer(qbar, kbar, 0.5, geometry), plain)
+    with torch.no_grad():
+        scorer.distance_bias.copy_(torch.arange(2 * DISTANCE_BUCKETS, dtype=torch.float32).view(2, -1))
+    got = scorer(qbar, kbar, 0.5, geometry) - plain
+    buckets = block_distance_buckets(geometry)
+    want = 10.0 * torch.stack([buckets.float(), buckets.float() + DISTANCE_BUCKETS])  # multiplier 10
+    torch.testing.assert_close(got[0], want)
+    assert BlockScorer(4, 2, 8, 4).distance_bias is None  # off unless asked for
 
 
 def _brute_block_mass(q, k, allowed_keys, block_q, block_k, scale, seq_lens=None, row_pool="mean"):

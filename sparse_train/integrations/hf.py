@@ -148,6 +148,15 @@ def attention_layers(model: nn.Module) -> list[nn.Module]:
     ]
 
 
+def rope_frequencies(model: nn.Module) -> Tensor | None:
+    """The model's RoPE ``inv_freq`` (``[R/2]``): the buffer of its rotary-embedding module, which
+    already includes any rope scaling; None when the model has none or several different ones."""
+    found = [m.inv_freq for m in model.modules() if isinstance(getattr(m, "inv_freq", None), Tensor)]
+    if not found or any(f.shape != found[0].shape or not torch.equal(f, found[0]) for f in found[1:]):
+        return None
+    return found[0]
+
+
 def _set_implementation(model: nn.Module, name: str) -> None:
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
@@ -159,8 +168,10 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
     """Attach a ``SparseAttention`` (``<layer>.sparse_attention``) to every attention layer and switch
     the model to ``attn_implementation="sparse_train"``. Returns the model.
 
-    The selector inherits the model's logit scale unless ``config.scale`` is set; existing selectors
-    are kept (calling ``enable`` twice does not reset trained selectors).
+    The selector inherits the model's logit scale unless ``config.scale`` is set, and un-rotates q
+    and k by the model's own RoPE frequencies before scoring (:func:`rope_frequencies`) unless
+    ``config.selector_rope_theta`` is set; existing selectors are kept (calling ``enable`` twice does
+    not reset trained selectors).
     """
     config = SparseAttentionConfig() if config is None else config
     if not isinstance(config, SparseAttentionConfig):
@@ -171,6 +182,7 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     layers = attention_layers(model)
+    inv_freq = rope_frequencies(model)
     if not layers:
         raise ValueError(f"found no attention layers (q_proj/k_proj/v_proj/o_proj) in {type(model).__name__}")
     for layer in layers:
@@ -180,6 +192,8 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
         if config.scale is None and getattr(layer, "scaling", None) is not None:
             layer_config = dataclasses.replace(config, scale=float(layer.scaling))
         sparse = SparseAttention(layer_config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=layer.head_dim)
+        if config.selector_rope_theta is None:
+            sparse.scorer.set_rope(inv_freq)
         sparse.to(device=layer.q_proj.weight.device)
         sparse.train(layer.training)
         layer.add_module(SUBMODULE_NAME, sparse)

@@ -51,7 +51,9 @@ class TransformerConfig:
     attention: Literal["sparse", "dense"] = "sparse"
     """Attention core: ``sparse`` = ``st.SparseAttention``; ``dense`` = causal SDPA (the A/B twin)."""
     sparse: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of ``st.SparseAttentionConfig`` (ignored when ``attention`` is ``dense``)."""
+    """Keyword arguments of ``st.SparseAttentionConfig`` (ignored when ``attention`` is ``dense``).
+    ``selector_rope_theta`` defaults to ``rope_theta`` (the selector scores un-rotated q and k); set it
+    to null to score the rotated ones."""
     activation_checkpointing: bool = False
     """Recompute each block in the backward (saves activation memory; the module replays selections)."""
     init_std: float = 0.02
@@ -140,7 +142,7 @@ class Attention(nn.Module):
         self.core: Optional[nn.Module] = None
         if cfg.attention == "sparse":
             self.core = st.SparseAttention(
-                st.SparseAttentionConfig(**cfg.sparse),
+                st.SparseAttentionConfig(**{"selector_rope_theta": cfg.rope_theta, **cfg.sparse}),
                 num_heads=self.n_heads,
                 num_kv_heads=self.n_kv_heads,
                 head_dim=self.head_dim,

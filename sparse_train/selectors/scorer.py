@@ -2,12 +2,13 @@
 
 For every (batch b, KV head h, query block i, key block j) the selector scores
 
-    s[b, h, i, j] = exp(t_h) * scale * <qbar[b, h, i] W_q[h], kbar[b, h, j] W_k[h]>
+    s[b, h, i, j] = exp(t_h) * scale * <qbar[b, h, i] W_q[h], kbar[b, h, j] W_k[h]> + beta[h, bucket(d_ij)]
 
 where ``qbar`` is the mean of the queries of block i over its rows *and* over the G query heads of
 the group (one selection per KV head, shared by the group), ``kbar`` the mean key of block j,
-``W_q[h], W_k[h]`` are ``[D, S]`` projections (S = ``selector_dim``) and ``t_h`` a learned
-log-temperature. Cost: O(N D) for pooling plus O(NQB * NKB * S) for the scores, against the
+``W_q[h], W_k[h]`` are ``[D, S]`` projections (S = ``selector_dim``), ``t_h`` a learned
+log-temperature and ``beta[h]`` a learned bias per log2 bucket of the block distance ``d_ij`` (key
+blocks between block j and the last key block query block i reaches; 0 for the diagonal block). Cost: O(N D) for pooling plus O(NQB * NKB * S) for the scores, against the
 kernels' O(N * K * BK * D).
 
 Initialisation: ``W_q = W_k = P`` with P ~ N(0, 1/S) (a Johnson-Lindenstrauss projection), so from
@@ -34,8 +35,11 @@ from ..index import capacity_tier, causal_last_block
 from ..validation import check_choice, check_float
 
 __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_mean", "block_max",
-           "rope_inverse_frequencies", "unrotate", "selection_candidates", "allowed_dynamic_blocks",
+           "rope_inverse_frequencies", "unrotate", "block_distance_buckets", "DISTANCE_BUCKETS", "selection_candidates", "allowed_dynamic_blocks",
            "causal_block_mask"]
+
+DISTANCE_BUCKETS = 16
+"""Buckets of the distance bias: 0, 1, 2-3, 4-7, ..., and everything from 2**14 blocks on."""
 
 _EMPTY_BLOCK_SCORE = -1.0e30
 """Score of key blocks without any valid key: below every real score, yet finite so top-k still
@@ -196,6 +200,15 @@ def unrotate(x: Tensor, inv_freq: Tensor) -> Tensor:
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, rest), dim=-1)
 
 
+def block_distance_buckets(geometry: SelectionGeometry, device=None) -> Tensor:
+    """int64 ``[NQB, NKB]``: log2 bucket of how many key blocks block j lies behind the last key
+    block query block i reaches (0 on and past the causal edge, 1 for one block back, 2 for 2-3, ...)."""
+    last = causal_last_block(geometry.num_q_blocks, geometry.seq_len, geometry.block_q, geometry.block_k, device)
+    behind = (last.view(-1, 1) - torch.arange(geometry.num_k_blocks, device=device).view(1, -1)).clamp(min=0)
+    edges = 2 ** torch.arange(DISTANCE_BUCKETS - 1, device=device)
+    return torch.bucketize(behind, edges, right=True)
+
+
 class BlockScorer(nn.Module):
     """Per-KV-head learned projections of pooled queries and keys -> block logits.
 
@@ -209,6 +222,11 @@ class BlockScorer(nn.Module):
     plain SGD the factor is ``lr_multiplier**2``. The multiplier is a buffer saved in the state dict,
     so loaded weights mean the same function whatever the loading config says.
 
+    ``distance_bias`` (``[HKV, DISTANCE_BUCKETS]``, zero at start, same multiplier) adds a learned
+    preference per log2 bucket of block distance: what content scores cannot express, such as a
+    head's recency, without tying scores to absolute positions. It applies when ``forward`` is
+    given the selection geometry.
+
     With RoPE frequencies set (:meth:`set_rope`), queries and keys are un-rotated before pooling, so
     the scores compare what the model wrote into q and k, independent of where in the sequence the
     blocks sit (a free projection of rotated vectors cannot stay relative-position-invariant once the
@@ -216,7 +234,7 @@ class BlockScorer(nn.Module):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, selector_dim: int,
-                 lr_multiplier: float = 1.0, key_pooling: str = "mean") -> None:
+                 lr_multiplier: float = 1.0, key_pooling: str = "mean", distance_bias: bool = False) -> None:
         super().__init__()
         check_choice("key_pooling", key_pooling, KEY_POOLINGS)
         lr_multiplier = check_float("lr_multiplier", lr_multiplier, exclusive_minimum=0.0)
@@ -230,6 +248,7 @@ class BlockScorer(nn.Module):
         self.query_proj = nn.Parameter(torch.empty(num_kv_heads, head_dim, selector_dim))
         self.key_proj = nn.Parameter(torch.empty(num_kv_heads, key_features, selector_dim))
         self.log_temperature = nn.Parameter(torch.zeros(num_kv_heads))
+        self.distance_bias = nn.Parameter(torch.zeros(num_kv_heads, DISTANCE_BUCKETS)) if distance_bias else None
         # Not persistent: the frequencies are a property of the model the scorer sits in, set again by
         # whoever builds it (config.selector_rope_theta, the Hugging Face integration).
         self.register_buffer("rope_inv_freq", torch.zeros(0), persistent=False)
@@ -260,6 +279,8 @@ class BlockScorer(nn.Module):
         self.key_proj.zero_()
         self.key_proj[:, : self.head_dim].copy_(projection / multiplier)
         self.log_temperature.zero_()
+        if self.distance_bias is not None:
+            self.distance_bias.zero_()
 
     def pool(self, q: Tensor, k: Tensor, block_q: int, block_k: int, seq_lens: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Detached pooled inputs: ``qbar`` float32 ``[B, HKV, NQB, D]``, ``kbar`` ``[B, HKV, NKB, P*D]``."""
@@ -277,15 +298,21 @@ class BlockScorer(nn.Module):
                 kbar = torch.cat([kbar, block_max(k, block_k, 1, seq_lens)], dim=-1)
         return qbar, kbar
 
-    def forward(self, qbar: Tensor, kbar: Tensor, scale: float) -> Tensor:
-        """Block logits float32 ``[B, HKV, NQB, NKB]`` (gradients reach only this module's parameters)."""
+    def forward(self, qbar: Tensor, kbar: Tensor, scale: float, geometry: SelectionGeometry | None = None) -> Tensor:
+        """Block logits float32 ``[B, HKV, NQB, NKB]`` (gradients reach only this module's parameters);
+        the distance bias is added when ``geometry`` (of the pooled call) is given."""
         multiplier = self.lr_multiplier.to(torch.float32)
         wq = self.query_proj.to(torch.float32) * multiplier
         wk = self.key_proj.to(torch.float32) * multiplier
         qs = torch.einsum("bhnd,hds->bhns", qbar, wq)
         ks = torch.einsum("bhmd,hds->bhms", kbar, wk)
         temperature = torch.exp(self.log_temperature.to(torch.float32) * multiplier) * scale
-        return torch.matmul(qs, ks.transpose(-1, -2)) * temperature.view(1, -1, 1, 1)
+        logits = torch.matmul(qs, ks.transpose(-1, -2)) * temperature.view(1, -1, 1, 1)
+        if self.distance_bias is None or geometry is None:
+            return logits
+        buckets = block_distance_buckets(geometry, logits.device)  # [NQB, NKB]
+        bias = self.distance_bias.to(torch.float32) * multiplier  # [HKV, DISTANCE_BUCKETS]
+        return logits + bias[:, buckets].unsqueeze(0)
 
 
 def selection_candidates(
