@@ -441,3 +441,27 @@ def test_needle_block_recall_counts_selected_needle_blocks():
     pairs = torch.tensor([[0, 60, 20], [0, 61, 40], [0, 62, 63]])  # needles in key blocks 1, 2 and 3 (window)
     recall = needle_block_recall(index, pairs)
     torch.testing.assert_close(recall, torch.tensor([2 / 3, 2 / 3]))
+
+
+def test_building_a_selector_leaves_the_global_rng_alone():
+    """A sparse model and its dense twin built from one seed get identical weights."""
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    BlockScorer(num_heads=4, num_kv_heads=2, head_dim=16, selector_dim=8, key_pooling="mean_max", distance_bias=True)
+    st.SparseAttention(st.SparseAttentionConfig(), 4, 2, 16)
+    assert torch.equal(torch.rand(3), before)
+
+
+def test_sparse_transformer_and_dense_twin_start_from_the_same_weights():
+    from sparse_train.lightning import Transformer, TransformerConfig
+
+    models = {}
+    for attention in ("sparse", "dense"):
+        torch.manual_seed(7)
+        models[attention] = Transformer(TransformerConfig(vocab_size=32, d_model=32, n_layers=2, attention=attention))
+    dense_state = models["dense"].state_dict()
+    sparse_state = models["sparse"].state_dict()
+    assert set(dense_state) < set(sparse_state)
+    for name, tensor in dense_state.items():
+        assert torch.equal(sparse_state[name], tensor), name

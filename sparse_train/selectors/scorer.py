@@ -38,6 +38,9 @@ __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_mean
            "rope_inverse_frequencies", "unrotate", "block_distance_buckets", "DISTANCE_BUCKETS", "selection_candidates", "allowed_dynamic_blocks",
            "causal_block_mask"]
 
+_PROJECTION_SEED = 20261130
+"""Seed of the initial random projection (the same in every layer; layers differ by their q and k)."""
+
 DISTANCE_BUCKETS = 16
 """Buckets of the distance bias: 0, 1, 2-3, 4-7, ..., and everything from 2**14 blocks on."""
 
@@ -272,8 +275,11 @@ class BlockScorer(nn.Module):
         """Shared JL projection for queries and mean keys (score ~ pooled logit), temperature 1;
         the max-key half of ``key_proj`` (``mean_max``) starts at zero, so the initial scores are the
         same for both poolings."""
-        projection = torch.randn(self.num_kv_heads, self.head_dim, self.selector_dim,
-                                 device=self.query_proj.device) / math.sqrt(self.selector_dim)
+        # A private generator: building a selector must not advance the global RNG, so a model with
+        # sparse attention gets exactly the weights of its dense twin built from the same seed.
+        generator = torch.Generator().manual_seed(_PROJECTION_SEED)
+        projection = torch.randn(self.num_kv_heads, self.head_dim, self.selector_dim, generator=generator)
+        projection = projection.to(self.query_proj.device) / math.sqrt(self.selector_dim)
         multiplier = float(self.lr_multiplier)
         self.query_proj.copy_(projection / multiplier)
         self.key_proj.zero_()
