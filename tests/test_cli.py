@@ -1,4 +1,4 @@
-"""The ``sparse-train`` CLI (issue 11, "Reliability"): a bad override is reported in one line naming the key
+"""The ``sparse-train`` CLI: a bad override is reported in one line naming the key
 (and what it accepts), with a non-zero exit and no traceback; errors raised while training keep their
 traceback; ``SPARSE_TRAIN_DEBUG=1`` shows the traceback of the short ones; no warning about ``args`` on
 every run; step-based runs label the progress bar ``step s/max_steps``. The failure paths stop before
