@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from ..tasks import (
     IGNORE_INDEX,
@@ -33,6 +33,11 @@ from ..validation import check_float, check_int, check_keys
 # The task-side names stay importable from here (the path they had before sparse_train.tasks existed).
 __all__ = ["RetrievalDataModule", "ByteLMDataModule", "RetrievalTask", "RetrievalDataset", "CurriculumStage",
            "default_corpus_root", "IGNORE_INDEX"]
+
+
+def _loader(dataset: Dataset, num_workers: int, **kwargs: Any) -> DataLoader:
+    # Workers, when there are any, persist across epochs: no re-spawn for every validation run.
+    return DataLoader(dataset, num_workers=num_workers, persistent_workers=num_workers > 0, **kwargs)
 
 
 class RetrievalDataModule(LightningDataModule):
@@ -131,13 +136,12 @@ class RetrievalDataModule(LightningDataModule):
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
         sampler = CurriculumBatches(self.curriculum, self.hparams.seq_len, self.hparams.batch_size, total, start,
                                     rank, world)
-        return DataLoader(RetrievalDataset(self.task, self.hparams.train_seed, 0), batch_sampler=sampler,
-                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+        return _loader(RetrievalDataset(self.task, self.hparams.train_seed, 0), self.hparams.num_workers,
+                       batch_sampler=sampler)
 
     def _eval_loader(self, seed: int, length: int) -> DataLoader:
-        return DataLoader(RetrievalDataset(self.task, seed, length),
-                          batch_size=self.hparams.eval_batch_size or self.hparams.batch_size,
-                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+        return _loader(RetrievalDataset(self.task, seed, length), self.hparams.num_workers,
+                       batch_size=self.hparams.eval_batch_size or self.hparams.batch_size)
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader(self.hparams.val_seed, self.hparams.val_samples)
@@ -198,15 +202,15 @@ class ByteLMDataModule(LightningDataModule):
             self.train_bytes, self.val_bytes = read_byte_corpus(self.hparams.paths, self.hparams.pattern,
                                                                 self.hparams.val_fraction, self.hparams.max_bytes)
 
-    def _loader(self, data: torch.Tensor, seed: int, length: int) -> DataLoader:
-        return DataLoader(ByteCrops(data, self.hparams.seq_len, seed, length), batch_size=self.hparams.batch_size,
-                          num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
+    def _crops_loader(self, data: torch.Tensor, seed: int, length: int) -> DataLoader:
+        return _loader(ByteCrops(data, self.hparams.seq_len, seed, length), self.hparams.num_workers,
+                       batch_size=self.hparams.batch_size)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_bytes, self.hparams.seed, self.hparams.train_samples)
+        return self._crops_loader(self.train_bytes, self.hparams.seed, self.hparams.train_samples)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_bytes, self.hparams.seed + 1, self.hparams.val_samples)
+        return self._crops_loader(self.val_bytes, self.hparams.seed + 1, self.hparams.val_samples)
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()

@@ -18,7 +18,7 @@ import dataclasses
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -36,22 +36,22 @@ __all__ = ["TrainingArgs", "CausalLMTraining", "load_weights", "selector_paramet
            "attached_datamodule"]
 
 
-def selector_parameter_names(model: nn.Module) -> set[str]:
-    """Names (relative to ``model``) of every parameter that lives inside an ``st.SparseAttention``."""
+def _names_inside_sparse_attention(model: nn.Module, names_of: Callable[[nn.Module], Iterable[str]]) -> set[str]:
     names: set[str] = set()
     for mod_name, mod in model.named_modules():
         if isinstance(mod, st.SparseAttention):
-            names.update(f"{mod_name}.{p}" if mod_name else p for p, _ in mod.named_parameters())
+            names.update(f"{mod_name}.{n}" if mod_name else n for n in names_of(mod))
     return names
+
+
+def selector_parameter_names(model: nn.Module) -> set[str]:
+    """Names (relative to ``model``) of every parameter that lives inside an ``st.SparseAttention``."""
+    return _names_inside_sparse_attention(model, lambda mod: (name for name, _ in mod.named_parameters()))
 
 
 def selector_state_names(model: nn.Module) -> set[str]:
     """Every state-dict key (parameters and buffers) that lives inside an ``st.SparseAttention``."""
-    names: set[str] = set()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, st.SparseAttention):
-            names.update(f"{mod_name}.{key}" if mod_name else key for key in mod.state_dict())
-    return names
+    return _names_inside_sparse_attention(model, lambda mod: mod.state_dict().keys())
 
 
 def load_weights(model: nn.Module, path: str, prefix: str = "model.") -> dict[str, list[str]]:
