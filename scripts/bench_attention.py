@@ -1,7 +1,7 @@
 """Benchmark: Triton block-sparse attention vs dense causal SDPA (cuDNN, flash) vs compiled
 FlexAttention on the SAME block indices, on one GPU, in one process.
 
-Protocol (DESIGN.md "Benchmarks"): ceilings first (device copy bandwidth, bf16 matmul, random data);
+Protocol (CONTRIBUTING.md, "Benchmarks"): ceilings first (device copy bandwidth, bf16 matmul, random data);
 then per sequence length N and pattern: index build + plan time, our fwd / bwd / fwd+bwd (and
 deterministic fwd+bwd), dense causal SDPA (cuDNN and flash backends), FlexAttention compiled with a
 BlockMask built from our indices (diagonal blocks partial with a causal mask_mod, the rest full).

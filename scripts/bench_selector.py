@@ -12,8 +12,8 @@ BQ=BK=64, top_k=16, window=8, sinks=1):
 * ``attention/fwd_bwd``     ``st.sparse_attention(..., backend="auto")`` forward + backward
 * ``module/fwd_bwd``        ``st.SparseAttention`` end to end (selector, plan, kernels, distillation)
 
-and prints a table with each cost as a fraction of the attention forward+backward (the issue's
-budgets: selector <= 10 %, sparse distillation <= 15 %). CUDA events, warm-up, median and p95.
+and prints a table with each cost as a fraction of the attention forward+backward, against the
+budgets the table checks: selector <= 10 %, sparse distillation <= 15 %. CUDA events, warm-up, median and p95.
 If the Triton backend is unavailable the script says so, still times the selector, and skips the
 attention timings unless ``--allow-reference`` (the reference backend is far slower, so ratios
 against it mean little).

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 import sparse_train as st  # noqa: E402
 from sparse_train.lightning import model as model_lib  # noqa: E402
 from sparse_train.lightning.model import Transformer, TransformerConfig  # noqa: E402
+from sparse_train.timing import Marks  # noqa: E402
 
 
 def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
@@ -77,31 +78,6 @@ def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
     return attend
 
 
-class _Clock:
-    """Phase marks: CUDA events on GPU, perf_counter on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: dict[str, Any] = {}
-
-    def mark(self, name: str) -> None:
-        if self.cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.marks[name] = ev
-        else:
-            self.marks[name] = time.perf_counter()
-
-    def ms(self, a: str, b: str) -> float:
-        if self.cuda:
-            return float(self.marks[a].elapsed_time(self.marks[b]))
-        return (self.marks[b] - self.marks[a]) * 1e3
-
-    def sync(self) -> None:
-        if self.cuda:
-            self.marks["end"].synchronize()
-
-
 def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
@@ -125,7 +101,7 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
     tokens = torch.randint(args.vocab, (1, n + 1), device=device)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    clock = _Clock(device)
+    clock = Marks(device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
 
     def step() -> dict[str, float]:
@@ -141,7 +117,6 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
         opt.step()
         opt.zero_grad(set_to_none=True)
         clock.mark("end")
-        clock.sync()
         return {"forward_ms": clock.ms("start", "forward"), "backward_ms": clock.ms("forward", "backward"),
                 "optimizer_ms": clock.ms("backward", "end"), "step_ms": clock.ms("start", "end")}
 

@@ -1,25 +1,22 @@
 #!/usr/bin/env bash
-# Every GPU check and benchmark of the project, planned for one device call per phase on
-# `nvidia-h200-x2` (two GPUs run two tracks side by side; on one GPU the tracks run in turn and the
-# DDP step is skipped). Logs and results are tarred to $OUT/results-<phase>.tar.gz; a summary prints last.
+# Every GPU check and benchmark of the project, one phase per invocation, on a machine with one or two
+# GPUs (two GPUs run two tracks side by side; on one GPU the tracks run in turn and the DDP step is
+# skipped). Each command has its own timeout so a phase ends in about ten minutes. Logs and results are
+# tarred to $OUT/results-<phase>.tar.gz, the main result files are also copied to $OUT, and a summary
+# prints last.
 #
 #   OUT=/tmp/out bash scripts/gpu_all.sh checks      # DDP smoke, GPU tests, attention/selector/step benchmarks
 #   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
 #                                                     # then block-mass GPU tests, selector and step benchmarks
 #
-# Python wheels that the device image lacks (jsonargparse for LightningCLI) are installed from .whl/
-# when present (see README, "Running on the H200").
+# Environment (PYTHONPATH, NVLink multicast off, wheels from .whl/): scripts/gpu_env.sh.
 set -uo pipefail
 phase=${1:-checks}
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh
 OUT=${OUT:-/tmp/gpu_out}
-R=/tmp/gpu_work_$$   # everything goes here; $OUT gets the tarball and a few key files (the tool returns 8)
+R=/tmp/gpu_work_$$   # everything goes here; $OUT gets the tarball and the main result files only
 mkdir -p "$R" "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
 ngpu=$(nvidia-smi -L | wc -l)
 { nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$R/env_$phase.txt" 2>&1

@@ -1,23 +1,21 @@
 #!/usr/bin/env bash
-# One device call for the selector-quality evidence on the H200: the GPU tests, then the learning
-# A/B plan (runs side by side on the one GPU), then the step time of each LM variant measured alone
-# (runs that share a GPU do not give step times worth reporting). Results go to $OUT.
+# The selector-quality evidence in one run on a GPU machine (the committed evidence is from an H200):
+# the GPU tests, then the learning A/B plan (runs side by side on the one GPU), then the step time of
+# each LM variant measured alone (runs that share a GPU do not give step times worth reporting).
+# Results go to $OUT.
 #
 #   OUT=/tmp/out bash scripts/gpu_selector_evidence.sh docs/benchmarks/plans/gpu_ab_round4.json
 #
 # BENCH=1 also runs the attention benchmark at 64K (ours and cuDNN, no Flex) after the tests, to check
 # kernel timings against the committed ones; STEP_TIMES=0 skips the LM step times.
 #
-# jsonargparse (LightningCLI needs it; the GPU image lacks it) is installed from .whl/ when present.
+# Environment (PYTHONPATH, NVLink multicast off, wheels from .whl/): scripts/gpu_env.sh.
 set -uo pipefail
 plan=${1:?plan JSON}
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+# shellcheck source=scripts/gpu_env.sh
+source scripts/gpu_env.sh
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rfEs -m gpu tests > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
 tail -3 "$OUT/gpu_tests.log"

@@ -8,7 +8,7 @@ run, the last value of every metric that tells whether sparse attention learns w
 ``val/acc``, ``val/needle_recall`` (and per layer), ``attn/mass_recall_mean`` / ``attn/mass_recall_p5``
 (and per layer), ``attn/density``, the step time, plus the wall time and the final line.
 
-    python scripts/retrieval_ab.py --plan docs/benchmarks/plans/retrieval_4k.json --seeds 0 1 \\
+    python scripts/retrieval_ab.py --plan docs/benchmarks/plans/cpu_demo_ab.json --seeds 0 1 \\
         --parallel 8 --out runs/ab
 
 The plan is a JSON list of ``{"name": ..., "config": <recipe name or path>, "args": [overrides]}``

@@ -35,7 +35,6 @@ The plan (``BlockIndex.plan``) reads sizes on the host, so the sparse path has g
 from __future__ import annotations
 
 import math
-import time
 from typing import Iterable
 
 import torch
@@ -45,6 +44,7 @@ from torch import Tensor, nn
 from .config import SparseAttentionConfig
 from .functional import BACKEND_REASONS, finite_padded_queries, resolve_backend, sparse_attention
 from .index import BlockIndex
+from .timing import PhaseTimer
 from .validation import check_dropout_p, check_float, check_qkv, check_seq_lens, draw_dropout_seed
 from .selectors.distill import block_kl, dense_block_mass, renormalise, sparse_block_mass
 from .selectors.metrics import sample_query_blocks, selection_quality
@@ -104,34 +104,6 @@ def dense_causal_attention(
     return o.masked_fill(empty_row.view(q.shape[0], 1, n, 1), 0.0)
 
 
-class _Timings:
-    """Start/stop marks per phase: CUDA events on GPU, ``perf_counter`` on CPU; read lazily."""
-
-    def __init__(self) -> None:
-        self.marks: dict[str, list] = {}
-
-    def mark(self, name: str, which: int, device: torch.device) -> None:
-        slot = self.marks.setdefault(name, [None, None])
-        if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            slot[which] = event
-        else:
-            slot[which] = time.perf_counter()
-
-    def elapsed_ms(self) -> dict[str, float]:
-        out = {}
-        for name, (start, stop) in self.marks.items():
-            if start is None or stop is None:
-                continue
-            if isinstance(start, float):
-                out[f"time/{name}_ms"] = (stop - start) * 1e3
-            else:
-                stop.synchronize()
-                out[f"time/{name}_ms"] = start.elapsed_time(stop)
-        return out
-
-
 class SparseAttention(nn.Module):
     """Learned block-sparse causal attention core (see module docstring).
 
@@ -181,7 +153,7 @@ class SparseAttention(nn.Module):
         self._last_path = "sparse"
         self._last_quality: dict[str, Tensor] = {}
         self._replay = SelectionReplay()
-        self._timings = _Timings()
+        self._timings = PhaseTimer()
         self._metrics_rng = torch.Generator().manual_seed(0)
         self._distill_rng = torch.Generator().manual_seed(1)
 
@@ -202,7 +174,7 @@ class SparseAttention(nn.Module):
         self.fallback_counter.zero_()
         self._replay.hits = self._replay.misses = self._replay.ambiguous = 0
         self._last_quality = {}
-        self._timings = _Timings()
+        self._timings = PhaseTimer()
 
     def stats(self) -> dict[str, float]:
         """Floats for logging: ``density`` (fraction of the causal area the last call attended),

@@ -16,7 +16,8 @@ traceback); errors raised while training keep their traceback. Step-based runs l
 
 Logging never touches the network: ``WANDB_MODE`` is forced to ``offline`` before wandb can be
 imported. Unless a recipe or flag names a logger, the run logs to CSV (always; the plot script reads
-it) and, when wandb is installed, also to an offline W&B run (``wandb sync`` uploads it later).
+it) and, when wandb is installed, also to an offline W&B run (``wandb sync`` uploads it later), both
+under the trainer's ``default_root_dir`` (the recipe's, or ``runs/<recipe>`` when unset).
 ``--logger_backend`` (or ``$SPARSE_TRAIN_LOGGER``) picks ``auto`` | ``csv`` | ``wandb`` | ``none``.
 """
 
@@ -228,18 +229,20 @@ def _print_recipes() -> None:
         print(f"{name:28s} {purpose}")
 
 
-def _make_default_loggers(backend: str, save_dir: str, name: str) -> Any:
+def _make_default_loggers(backend: str, root: str, name: str) -> Any:
+    """CSV (``<root>/logs/version_N/metrics.csv``) and, per ``backend``, an offline W&B run
+    (``<root>/wandb/offline-run-*``); ``False`` (no logger) for ``"none"``."""
     from lightning.pytorch.loggers import CSVLogger
 
     if backend == "none":
         return False
-    loggers: list[Any] = [CSVLogger(save_dir=save_dir, name="logs")]
+    loggers: list[Any] = [CSVLogger(save_dir=root, name="logs")]
     want_wandb = backend == "wandb" or (backend == "auto" and importlib.util.find_spec("wandb") is not None)
     if want_wandb:
         from lightning.pytorch.loggers import WandbLogger
 
         # CSV stays first: checkpoints default to the first logger's directory, next to metrics.csv.
-        loggers.append(WandbLogger(save_dir=save_dir, project="sparse-train", name=name, offline=True))
+        loggers.append(WandbLogger(save_dir=root, project="sparse-train", name=name, offline=True))
     return loggers
 
 
@@ -331,8 +334,12 @@ def _cli_class() -> type:
                 if backend not in _LOGGER_CHOICES:
                     _fail(self.subcommand, f"--logger_backend must be one of {_LOGGER_CHOICES}, got {backend!r}")
                 if not config.get("fast_dev_run"):
-                    save_dir = config.get("default_root_dir") or os.path.join("runs", self.recipe_name)
-                    config["logger"] = _make_default_loggers(backend, save_dir, self.recipe_name)
+                    # One directory per run, the trainer's own default_root_dir: the recipe's, or
+                    # runs/<recipe> when unset (not the working directory). The CSV metrics, the offline
+                    # W&B run (<root>/wandb/) and the checkpoints all go under it.
+                    root = config.get("default_root_dir") or os.path.join("runs", self.recipe_name)
+                    config["default_root_dir"] = root
+                    config["logger"] = _make_default_loggers(backend, root, self.recipe_name)
             configured = config.get("callbacks") or []
             configured = configured if isinstance(configured, list) else [configured]
             if config.get("enable_progress_bar") is not False and not any(

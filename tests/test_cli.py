@@ -1,4 +1,4 @@
-"""The ``sparse-train`` CLI (issue 11, "Reliability"): a bad override is reported in one line naming the key
+"""The ``sparse-train`` CLI: a bad override is reported in one line naming the key
 (and what it accepts), with a non-zero exit and no traceback; errors raised while training keep their
 traceback; ``SPARSE_TRAIN_DEBUG=1`` shows the traceback of the short ones; no warning about ``args`` on
 every run; step-based runs label the progress bar ``step s/max_steps``. The failure paths stop before
@@ -184,3 +184,33 @@ def test_short_config_flag_takes_a_recipe_name(tmp_path, monkeypatch):
     built = cli.run_cli(["-c", "retrieval", *TINY], run=False)
     assert built.model.model_config.d_model == 32 and built.datamodule.hparams.seq_len == 128
     assert torch.is_tensor(next(iter(built.datamodule.val_dataloader()))["tokens"])
+
+
+@pytest.mark.parametrize("root_flag,expected", [
+    pytest.param([], "runs/retrieval", id="recipe-root"),
+    pytest.param(["--trainer.default_root_dir=null"], "runs/retrieval", id="unset-root-is-runs-recipe-not-cwd"),
+    pytest.param(["--trainer.default_root_dir=elsewhere/run1"], "elsewhere/run1", id="flag-root"),
+])
+def test_default_loggers_write_under_the_trainers_root(root_flag, expected, tmp_path, monkeypatch):
+    """The CSV metrics and the offline W&B run directory (``<root>/wandb``) go under the trainer's
+    default_root_dir, never the working directory. wandb need not be installed: a stand-in records the
+    directory the W&B logger is given."""
+    import lightning.pytorch.loggers as loggers
+
+    given: list[str] = []
+
+    class RecordingWandb(loggers.CSVLogger):
+        def __init__(self, save_dir, project, name, offline):
+            assert offline is True
+            given.append(save_dir)
+            super().__init__(save_dir=save_dir, name="wandb_stand_in")
+
+    monkeypatch.setattr(loggers, "WandbLogger", RecordingWandb)
+    monkeypatch.chdir(tmp_path)
+    built = cli.run_cli(["--config", "retrieval", *TINY, "--logger_backend=wandb", *root_flag], run=False)
+    trainer = built.trainer
+    root = os.path.abspath(expected)
+    assert os.path.abspath(trainer.default_root_dir) == root
+    assert [os.path.abspath(d) for d in given] == [root]
+    assert [os.path.abspath(lg.save_dir) for lg in trainer.loggers] == [root, root]
+    assert type(trainer.loggers[0]).__name__ == "CSVLogger"  # first: checkpoints sit next to metrics.csv

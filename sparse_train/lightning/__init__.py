@@ -1,14 +1,20 @@
-"""Lightning training stack: model, LightningModule, data modules, timing and progress-bar callbacks.
+"""Lightning training stack: model, LightningModules, data modules, timing and progress-bar callbacks.
 
 Run it through the ``sparse-train`` console script (:mod:`sparse_train.cli`) with a recipe from
-``recipes/``; the classes are importable for custom scripts.
+``recipes/``; the classes are importable for custom scripts. The two LightningModules
+(:class:`SparseLMModule` for our ``Transformer``, :class:`HFCausalLMModule` for a Hugging Face checkpoint)
+build their model and hold one :class:`~sparse_train.lightning.training.CausalLMTraining` (loss, metrics,
+optimiser). The data behind the data modules is :mod:`sparse_train.tasks`, which needs no Lightning.
 """
 
+from ..tasks import RetrievalTask
 from .callbacks import StepRichProgressBar, StepTimer, StepTQDMProgressBar
-from .data import ByteLMDataModule, RetrievalDataModule, RetrievalTask
+from .data import ByteLMDataModule, RetrievalDataModule
 from .model import Transformer, TransformerConfig
 from .hf import HFCausalLMModule
-from .module import SparseLMModule, load_weights
+from .module import SparseLMModule
+from .training import CausalLMTraining, load_weights
 
 __all__ = ["StepTimer", "StepRichProgressBar", "StepTQDMProgressBar", "ByteLMDataModule", "RetrievalDataModule",
-           "RetrievalTask", "Transformer", "TransformerConfig", "SparseLMModule", "HFCausalLMModule", "load_weights"]
+           "RetrievalTask", "Transformer", "TransformerConfig", "SparseLMModule", "HFCausalLMModule",
+           "CausalLMTraining", "load_weights"]

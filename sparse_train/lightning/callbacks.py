@@ -5,9 +5,9 @@ Phases of one optimisation step under Lightning's automatic optimisation, delimi
     on_train_batch_start -> training_step (forward + loss) -> on_before_backward -> backward
     -> on_after_backward -> on_before_optimizer_step -> optimizer.step -> on_train_batch_end
 
-Marks are CUDA events on GPU (recorded on the current stream, read after the step's end event has
-completed, so the host does not stall between phases) and ``time.perf_counter`` on CPU, where kernels
-run synchronously and the wall clock is the device clock.
+Marks come from :class:`sparse_train.timing.Marks`: CUDA events on GPU (recorded on the current
+stream and read after the step's end event has completed, so the host does not stall between phases)
+and ``time.perf_counter`` on CPU, where kernels run synchronously and the wall clock is the device clock.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgre
 
 import sparse_train as st
 
+from ..timing import Marks
 from ..validation import check_bool, check_int
 
 __all__ = ["StepTimer", "StepRichProgressBar", "StepTQDMProgressBar", "step_progress_bar", "step_description"]
@@ -53,30 +54,20 @@ class StepTimer(Callback):
         self.every_n_steps = every_n_steps
         self.attention_stats = attention_stats
         self.prog_bar = prog_bar
-        self._marks: dict[str, Any] = {}
+        self._marks = Marks()
         self._active = False
-        self._cuda = False
         self._tokens = 0
         self._last_start: Optional[float] = None
         self._wall_tokens = 0
         self.last_metrics: dict[str, float] = {}
 
     def _mark(self, name: str) -> None:
-        if not self._active:
-            return
-        if self._cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._marks[name] = ev
-        else:
-            self._marks[name] = time.perf_counter()
+        if self._active:
+            self._marks.mark(name)
 
     def _elapsed_ms(self, a: str, b: str) -> float:
-        if a not in self._marks or b not in self._marks:
-            return 0.0
-        if self._cuda:
-            return float(self._marks[a].elapsed_time(self._marks[b]))
-        return (self._marks[b] - self._marks[a]) * 1e3
+        ms = self._marks.ms(a, b)
+        return 0.0 if ms is None else ms
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         now = time.perf_counter()
@@ -85,8 +76,7 @@ class StepTimer(Callback):
         self._wall_tokens_prev, self._wall_tokens = self._wall_tokens, tokens
         self._last_start = now
         self._active = batch_idx % self.every_n_steps == 0
-        self._cuda = pl_module.device.type == "cuda"
-        self._marks = {}
+        self._marks = Marks(pl_module.device)
         self._tokens = tokens
         self._mark("start")
 
@@ -104,8 +94,6 @@ class StepTimer(Callback):
         if not self._active:
             return
         self._mark("end")
-        if self._cuda:
-            self._marks["end"].synchronize()
         step_ms = self._elapsed_ms("start", "end")
         metrics = {
             "time/forward_ms": self._elapsed_ms("start", "forward_end"),

@@ -9,7 +9,8 @@ Stage 1 (the dense model) is the Hugging Face checkpoint itself: a local directo
 
 ``attention: dense`` keeps the model's own attention implementation (SDPA by default) and attaches no
 selector. Everything after the model is built (loss, metrics, optimizer groups, schedule, logging) is
-:class:`~sparse_train.lightning.module.SparseLMModule`'s: the HF model is wrapped so that it maps
+:class:`~sparse_train.lightning.training.CausalLMTraining`, the same component
+:class:`~sparse_train.lightning.module.SparseLMModule` holds: the HF model is wrapped so that it maps
 ``tokens [B, N]`` to ``logits [B, N, V]`` like our ``Transformer``, and the data modules' batches
 (``{"tokens", "labels"}`` with labels already aligned to positions, ``-100`` = no loss) are used as they
 are. The HF model's own ``labels=`` loss is deliberately not used: it shifts labels by one position.
@@ -23,15 +24,16 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn as nn
+from lightning.pytorch import LightningModule
 
-from ..validation import check_bool, check_choice, check_keys
 from ..config import SparseAttentionConfig
-from .module import SparseLMModule, check_training_args
+from ..validation import check_bool, check_choice, check_keys
+from .training import CausalLMTraining, TrainingArgs, attached_datamodule
 
 # Parameter dtypes worth loading a causal LM in; a typo would otherwise surface as an AttributeError of torch.
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 
-__all__ = ["HFCausalLMModule", "HFCausalLM", "HFModelSummary"]
+__all__ = ["HFCausalLMModule", "HFCausalLM"]
 
 
 class HFCausalLM(nn.Module):
@@ -50,15 +52,7 @@ class HFCausalLM(nn.Module):
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
 
-@dataclasses.dataclass
-class HFModelSummary:
-    """What SparseLMModule reads from ``self.model_config`` (vocabulary size and attention choice)."""
-
-    vocab_size: int
-    attention: str
-
-
-class HFCausalLMModule(SparseLMModule):
+class HFCausalLMModule(LightningModule):
     """Fine-tunes a local Hugging Face causal LM with (or without) learned block-sparse attention.
 
     Args:
@@ -85,13 +79,11 @@ class HFCausalLMModule(SparseLMModule):
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
                  selector_loss_weight: float = 1.0, train_only_selector: bool = False,
                  init_from: Optional[str] = None) -> None:
-        # SparseLMModule.__init__ builds our Transformer; only LightningModule.__init__ is wanted here.
-        # (Calling it through super() also gives this frame the __class__ cell save_hyperparameters needs.)
-        super(SparseLMModule, self).__init__()
-        check_training_args("HFCausalLMModule", lr=lr, selector_lr=selector_lr, weight_decay=weight_decay,
-                            betas=betas, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
-                            selector_loss_weight=selector_loss_weight, train_only_selector=train_only_selector,
-                            init_from=init_from)
+        super().__init__()
+        args = TrainingArgs.checked("HFCausalLMModule", lr=lr, selector_lr=selector_lr, weight_decay=weight_decay,
+                                    betas=betas, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
+                                    selector_loss_weight=selector_loss_weight,
+                                    train_only_selector=train_only_selector, init_from=init_from)
         # Loading is local-only: without this check a missing directory is reported by huggingface_hub as
         # an invalid *hub repo id*, which sends the user looking in the wrong place.
         if not isinstance(pretrained_path, (str, os.PathLike)) or not os.path.isdir(pretrained_path):
@@ -122,8 +114,11 @@ class HFCausalLMModule(SparseLMModule):
         if gradient_checkpointing:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = HFCausalLM(lm)
-        self.model_config = HFModelSummary(vocab_size=int(lm.config.vocab_size), attention=attention)
-        self._attach_model_state(init_from, train_only_selector, "attention: sparse")
+        path = str(pretrained_path).replace("{", "{{").replace("}", "}}")  # literal inside the format string
+        self.training_logic = CausalLMTraining(
+            self, args, vocab_size=int(lm.config.vocab_size), attention=attention,
+            vocab_error=f"data needs vocab_size >= {{need}} but the checkpoint {path} has vocab_size = {{have}}",
+            sparse_hint="attention: sparse")
 
     @staticmethod
     def _load_pretrained(path: str, dtype: Optional[str], attn_implementation: Optional[str]) -> nn.Module:
@@ -136,8 +131,43 @@ class HFCausalLMModule(SparseLMModule):
             kwargs["attn_implementation"] = attn_implementation
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
+    # ------------------------------------------------------------------ hooks (CausalLMTraining does the work)
+    @property
+    def final_metrics(self) -> dict[str, float]:
+        """The last validation/test metrics of the fit (what the final line prints)."""
+        return self.training_logic.final_metrics
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
     def check_data(self, datamodule: Any) -> None:
-        need = getattr(datamodule, "vocab_size", None)
-        if need is not None and need > self.model_config.vocab_size:
-            raise ValueError(f"data needs vocab_size >= {need} but the checkpoint {self.hparams.pretrained_path} "
-                             f"has vocab_size = {self.model_config.vocab_size}")
+        """Raise ``ValueError`` when ``datamodule`` produces token ids the checkpoint cannot embed (also
+        called by the ``sparse-train`` CLI before training, so it reports a config error)."""
+        self.training_logic.check_data(datamodule)
+
+    def setup(self, stage: str) -> None:
+        self.check_data(attached_datamodule(self))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.training_logic.training_step(self, batch)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.training_logic.eval_step(self, batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self.training_logic.eval_epoch_end(self, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.training_logic.eval_step(self, batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self.training_logic.eval_epoch_end(self, "test")
+
+    def on_fit_start(self) -> None:
+        self.training_logic.on_fit_start(self)
+
+    def on_fit_end(self) -> None:
+        self.training_logic.on_fit_end(self)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        return self.training_logic.configure_optimizers(self)

@@ -1,0 +1,305 @@
+"""What a causal-LM LightningModule does with its model, written once and shared by composition.
+
+:class:`~sparse_train.lightning.module.SparseLMModule` (our ``Transformer``) and
+:class:`~sparse_train.lightning.hf.HFCausalLMModule` (a local Hugging Face checkpoint) differ only in how
+they build ``module.model``, a ``tokens [B, N] -> logits [B, N, V]`` network. Each holds one
+:class:`CausalLMTraining` and forwards its Lightning hooks to it, one line per hook; neither module
+inherits the other's behaviour. The component reaches the model through the module passed to each call
+(never a stored reference), so a strategy that wraps ``module.model``'s submodules (FSDP) is seen.
+
+Loss = next-token cross-entropy on labelled positions + ``selector_loss_weight`` x the selectors'
+distillation loss (``st.collect_selector_losses``); with ``train_only_selector`` every non-selector weight
+is frozen and the loss is the selector loss alone (fine-tuning stage 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_info
+
+import sparse_train as st
+
+from ..selectors.metrics import needle_block_recall
+from ..tasks import IGNORE_INDEX
+from ..validation import check_bool, check_float, check_int
+
+__all__ = ["TrainingArgs", "CausalLMTraining", "load_weights", "selector_parameter_names", "selector_state_names",
+           "attached_datamodule"]
+
+
+def _names_inside_sparse_attention(model: nn.Module, names_of: Callable[[nn.Module], Iterable[str]]) -> set[str]:
+    names: set[str] = set()
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, st.SparseAttention):
+            names.update(f"{mod_name}.{n}" if mod_name else n for n in names_of(mod))
+    return names
+
+
+def selector_parameter_names(model: nn.Module) -> set[str]:
+    """Names (relative to ``model``) of every parameter that lives inside an ``st.SparseAttention``."""
+    return _names_inside_sparse_attention(model, lambda mod: (name for name, _ in mod.named_parameters()))
+
+
+def selector_state_names(model: nn.Module) -> set[str]:
+    """Every state-dict key (parameters and buffers) that lives inside an ``st.SparseAttention``."""
+    return _names_inside_sparse_attention(model, lambda mod: mod.state_dict().keys())
+
+
+def load_weights(model: nn.Module, path: str, prefix: str = "model.") -> dict[str, list[str]]:
+    """Load a Lightning checkpoint (or a plain state dict) into ``model``.
+
+    Selector parameters may be missing (dense -> sparse) or unexpected (sparse -> dense); any other
+    mismatch is an error, because silently keeping random weights would train a different model.
+    Returns the missing/unexpected key lists for logging.
+    """
+    blob = torch.load(path, map_location="cpu", weights_only=False)
+    state = blob.get("state_dict", blob) if isinstance(blob, dict) else blob
+    if any(k.startswith(prefix) for k in state):
+        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    selector = selector_state_names(model)
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if k not in selector]
+    # Unexpected keys are tolerated only when they are selector weights (a sparse checkpoint read by
+    # a dense twin); their names contain the attention core's attribute name.
+    unexpected = [k for k in result.unexpected_keys if ".core." not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing[:8]} "
+                           f"unexpected={unexpected[:8]}")
+    return {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
+
+
+def attached_datamodule(module: LightningModule) -> Any:
+    """The data module of the trainer ``module`` is attached to, or None (no trainer, or plain loaders)."""
+    return getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingArgs:
+    """The optimisation arguments every LM module takes (documented in ``SparseLMModule``)."""
+
+    lr: float
+    selector_lr: Optional[float]
+    weight_decay: float
+    betas: tuple[float, float]
+    warmup_steps: int
+    min_lr_ratio: float
+    selector_loss_weight: float
+    train_only_selector: bool
+    init_from: Optional[str]
+
+    @classmethod
+    def checked(cls, owner: str, **values: Any) -> "TrainingArgs":
+        """The arguments, validated; messages name ``<owner>.<argument>``. Modules call it before they
+        build anything, so a NaN learning rate or a float warm-up fails before the model loads."""
+        check_float(f"{owner}.lr", values["lr"], minimum=0.0)
+        check_float(f"{owner}.selector_lr", values["selector_lr"], minimum=0.0, optional=True)
+        check_float(f"{owner}.weight_decay", values["weight_decay"], minimum=0.0)
+        betas = values["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"{owner}.betas must be a pair (beta1, beta2), got {betas!r}")
+        for i, beta in enumerate(betas):
+            check_float(f"{owner}.betas[{i}]", beta, minimum=0.0, exclusive_maximum=1.0)
+        check_int(f"{owner}.warmup_steps", values["warmup_steps"], minimum=0)
+        check_float(f"{owner}.min_lr_ratio", values["min_lr_ratio"], minimum=0.0, maximum=1.0)
+        check_float(f"{owner}.selector_loss_weight", values["selector_loss_weight"], minimum=0.0)
+        check_bool(f"{owner}.train_only_selector", values["train_only_selector"])
+        init_from = values["init_from"]
+        if init_from is not None and not isinstance(init_from, (str, os.PathLike)):
+            raise ValueError(f"{owner}.init_from must be a checkpoint path or None, got {init_from!r}")
+        return cls(**{**values, "betas": tuple(betas)})
+
+
+class CausalLMTraining:
+    """Loss, metrics, evaluation, optimiser and schedule, data check and run messages of a causal-LM
+    LightningModule whose ``model`` already exists (see the module docstring).
+
+    Construction finishes the module: selector bookkeeping, the previous stage's weights
+    (``args.init_from``), and the stage-2 freeze (``args.train_only_selector``).
+
+    Args:
+        module: The LightningModule, with ``module.model`` built.
+        args: Its validated optimisation arguments.
+        vocab_size: Token ids the model accepts.
+        attention: ``"sparse"`` or ``"dense"`` (the start-of-fit message).
+        vocab_error: Message when the data needs more token ids than the model has, formatted with
+            ``need`` and ``have``.
+        sparse_hint: How to ask for sparse attention in this module's config (the error message when
+            ``train_only_selector`` finds no selector).
+        dense_twin_acc: The dense twin's ``val/acc``, printed in the final line (reporting only).
+    """
+
+    def __init__(self, module: LightningModule, args: TrainingArgs, *, vocab_size: int, attention: str,
+                 vocab_error: str, sparse_hint: str, dense_twin_acc: Optional[float] = None) -> None:
+        self.args = args
+        self.vocab_size = vocab_size
+        self.attention = attention
+        self.vocab_error = vocab_error
+        self.dense_twin_acc = dense_twin_acc
+        self.selector_names = {f"model.{n}" for n in selector_parameter_names(module.model)}
+        if args.train_only_selector and not self.selector_names:
+            raise ValueError(f"train_only_selector needs sparse attention ({sparse_hint})")
+        if args.init_from:
+            info = load_weights(module.model, args.init_from)
+            rank_zero_info(f"[sparse-train] initialised from {args.init_from} "
+                           f"(new selector tensors: {len(info['missing'])}, dropped: {len(info['unexpected'])})")
+        if args.train_only_selector:
+            for name, p in module.named_parameters():
+                p.requires_grad_(name in self.selector_names)
+        self.final_metrics: dict[str, float] = {}
+        self._eval_counts: dict[str, list[float]] = {}
+        self._fit_start = 0.0
+
+    # ------------------------------------------------------------------ data
+    def check_data(self, datamodule: Any) -> None:
+        """Raise ``ValueError`` when ``datamodule`` produces token ids the model cannot embed. Called from
+        ``setup`` and, before training starts, by the ``sparse-train`` CLI (so it reports a config error)."""
+        need = getattr(datamodule, "vocab_size", None)
+        if need is not None and need > self.vocab_size:
+            raise ValueError(self.vocab_error.format(need=need, have=self.vocab_size))
+
+    # ------------------------------------------------------------------ steps
+    @staticmethod
+    def _lm_loss(module: LightningModule,
+                 batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = module.model(batch["tokens"])
+        labels = batch["labels"]
+        mask = labels != IGNORE_INDEX
+        # Only labelled positions are projected through the loss, which matters for retrieval (a few
+        # answers per 4K tokens) and costs nothing for LM (all positions labelled).
+        sel_logits = logits[mask].float()
+        sel_labels = labels[mask]
+        loss = F.cross_entropy(sel_logits, sel_labels, reduction="sum")
+        correct = (sel_logits.argmax(-1) == sel_labels).sum()
+        return loss, correct, mask.sum()
+
+    def training_step(self, module: LightningModule, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss_sum, correct, count = self._lm_loss(module, batch)
+        lm_loss = loss_sum / count.clamp_min(1)
+        sel_loss = st.collect_selector_losses(module.model) if self.selector_names else None
+        if self.args.train_only_selector:
+            loss = sel_loss * self.args.selector_loss_weight
+        elif sel_loss is not None:
+            loss = lm_loss + self.args.selector_loss_weight * sel_loss
+        else:
+            loss = lm_loss
+        bs = batch["tokens"].shape[0]
+        module.log("train/loss", loss, prog_bar=True, batch_size=bs)
+        module.log("train/lm_loss", lm_loss.detach(), batch_size=bs)
+        module.log("train/acc", correct.float() / count.clamp_min(1), prog_bar=True, batch_size=bs)
+        if sel_loss is not None:
+            module.log("train/selector_loss", sel_loss.detach(), batch_size=bs)
+        return loss
+
+    def eval_step(self, module: LightningModule, batch: dict[str, torch.Tensor], prefix: str) -> None:
+        """Accumulate loss, correct answers and labelled positions of a validation/test batch."""
+        loss_sum, correct, count = self._lm_loss(module, batch)
+        acc = self._eval_counts.setdefault(prefix, [0.0, 0.0, 0.0])
+        acc[0] += float(loss_sum)
+        acc[1] += float(correct)
+        acc[2] += float(count)
+        self._count_needle_hits(module, batch, prefix)
+
+    def _count_needle_hits(self, module: LightningModule, batch: dict[str, torch.Tensor], prefix: str) -> None:
+        """Needle-block recall of each sparse layer on tasks that know where the answers are."""
+        dm = attached_datamodule(module)
+        if not hasattr(dm, "needle_positions"):
+            return
+        pairs = dm.needle_positions(batch["tokens"].cpu(), batch["labels"].cpu())
+        if pairs.numel() == 0:
+            return
+        cores = [m for m in module.model.modules() if isinstance(m, st.SparseAttention)]
+        for layer, core in enumerate(cores):
+            index = core.last_selection
+            if index is None:  # dense path: every block was read
+                continue
+            hits = needle_block_recall(index, pairs)
+            slot = self._eval_counts.setdefault(f"{prefix}/needle_recall/layer{layer}", [0.0, 0.0])
+            slot[0] += float(hits.sum()) * pairs.shape[0]
+            slot[1] += hits.numel() * pairs.shape[0]
+
+    def eval_epoch_end(self, module: LightningModule, prefix: str) -> None:
+        """Log the epoch's exact metrics (and keep them as ``final_metrics`` outside the sanity check)."""
+        needle = {}
+        for key in [key for key in self._eval_counts if key.startswith(f"{prefix}/needle_recall/")]:
+            hits, total = self._eval_counts.pop(key)
+            needle[key] = hits / max(total, 1.0)
+        loss_sum, correct, count = self._eval_counts.pop(prefix, [0.0, 0.0, 0.0])
+        if count == 0:
+            return
+        # Exact token-weighted means over the whole held-out set (not a mean of batch means).
+        metrics = {f"{prefix}/loss": loss_sum / count, f"{prefix}/acc": correct / count}
+        if needle:
+            # Mean over layers, and the best layer: retrieval usually happens in one layer, and the
+            # others have no reason to look at the needle (their recall stays near random).
+            metrics.update(needle)
+            metrics[f"{prefix}/needle_recall"] = sum(needle.values()) / len(needle)
+            metrics[f"{prefix}/needle_recall_best_layer"] = max(needle.values())
+        module.log_dict(metrics, prog_bar=True, sync_dist=True)
+        if not module.trainer.sanity_checking:
+            self.final_metrics.update(metrics)
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_fit_start(self, module: LightningModule) -> None:
+        self._fit_start = time.perf_counter()
+        n = module.model.num_parameters()
+        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        rank_zero_info(f"[sparse-train] {self.attention} attention, {n / 1e6:.2f}M parameters, "
+                       f"{trainable / 1e6:.3f}M trainable")
+
+    def on_fit_end(self, module: LightningModule) -> None:
+        minutes = (time.perf_counter() - self._fit_start) / 60
+        chance = getattr(attached_datamodule(module), "chance", None)
+        parts = [f"{k} = {v:.4f}" for k, v in sorted(self.final_metrics.items()) if "/layer" not in k]
+        if chance is not None:
+            parts.append(f"chance = {chance:.4f}")
+        for key in ("attn/mass_recall_mean", "attn/mass_recall_p5", "attn/oracle_mass_recall_mean"):
+            value = module.trainer.callback_metrics.get(key)
+            if value is not None:  # the last training-time measurement (sparse config metrics_every)
+                parts.append(f"{key.split('/', 1)[1]} = {float(value):.4f}")
+        twin = self.dense_twin_acc
+        if twin is not None and "val/acc" in self.final_metrics:
+            parts.append(f"dense twin val/acc = {twin:.4f} (this run: {self.final_metrics['val/acc'] / twin:.1%} of it)")
+        rank_zero_info(f"[sparse-train] done: {module.global_step} steps in {minutes:.1f} min; " + ", ".join(parts))
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self, module: LightningModule) -> dict[str, Any]:
+        """AdamW with three groups (decayed matrices; norms and embeddings; selectors at ``selector_lr``),
+        linear warm-up then cosine decay to ``min_lr_ratio`` at ``trainer.max_steps``, stepped per step."""
+        hp = self.args
+        decay, no_decay, selector = [], [], []
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if name in self.selector_names:
+                selector.append(p)
+            elif p.dim() < 2 or "embed" in name:
+                no_decay.append(p)
+            else:
+                decay.append(p)
+        groups = [
+            {"params": decay, "weight_decay": hp.weight_decay, "lr": hp.lr},
+            {"params": no_decay, "weight_decay": 0.0, "lr": hp.lr},
+            {"params": selector, "weight_decay": 0.0, "lr": hp.lr if hp.selector_lr is None else hp.selector_lr},
+        ]
+        groups = [g for g in groups if g["params"]]
+        optimizer = torch.optim.AdamW(groups, betas=tuple(hp.betas))
+        max_steps = module.trainer.max_steps
+        total = max_steps if max_steps and max_steps > 0 else 10_000
+
+        def schedule(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            t = min(1.0, (step - hp.warmup_steps) / max(1, total - hp.warmup_steps))
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
