@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from .config import BACKENDS
-from .index import BlockIndex, BlockPlan
+from .index import BlockIndex
+from .plan import BlockPlan
 from .kernels.reference import reference_sparse_attention
 from .validation import check_attention_args, check_block_index, check_bool, check_qkv, draw_dropout_seed
 
@@ -121,7 +122,7 @@ def sparse_attention(
             row (finite padding) or from a zeroed query (non-finite padding).
         plan: a precomputed ``index.plan(r0)`` of this very index (refused otherwise) to reuse across
             layers; r0: reuse threshold of the hybrid backward (default
-            :data:`sparse_train.index.DEFAULT_R0`; must equal ``plan.r0`` when both are given).
+            :data:`sparse_train.plan.DEFAULT_R0`; must equal ``plan.r0`` when both are given).
 
     Returns:
         ``o`` ``[B, HQ, N, D]`` in q's dtype, or ``(o, lse)`` with ``return_lse=True``. Rows with no

@@ -26,39 +26,33 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .plan import BlockPlan, build_plan, resolve_r0
 from .validation import (
-    PlanSource,
-    check_int,
     check_block_index,
     check_capacity,
+    check_choice,
     check_geometry,
     check_index_matches,
+    check_int,
     check_integer_tensor,
     check_qkv,
-    check_r0,
     check_seq_lens,
     check_window_sinks,
-    plan_source,
     source_is_current,
 )
 
 __all__ = [
+    "INDEX_CHECKS",
     "BlockIndex",
-    "BlockPlan",
-    "DEFAULT_R0",
     "canonicalize",
     "capacity_tier",
     "causal_last_block",
 ]
 
-DEFAULT_R0 = 1
-"""Default reuse threshold of the hybrid backward: KV blocks selected by at least this many query
-blocks take the KV-centric dK/dV kernel, the others accumulate with fp32 atomics from the dQ pass.
-The r0 sweep on the H200 (docs/benchmarks/2026-11-30_h200_attention.md, N = 64K, P64 and P128) found
-r0 = 1 fastest (every selected block KV-centric: 15.3 ms vs 16.2-17.2 ms for r0 in 2..64 at P64),
-so the atomic path is off by default; it stays available per call and in the module config."""
-
-_CHECK_MODES = ("none", "cheap", "full")
+INDEX_CHECKS = ("none", "cheap", "full")
+"""Validation levels of :func:`canonicalize` / :meth:`BlockIndex.from_canonical`: ``"none"`` trusts the
+caller, ``"cheap"`` rejects out-of-range and non-causal candidates, ``"full"`` also re-verifies every
+canonical invariant of the result."""
 
 
 def capacity_tier(count: int, num_k_blocks: int) -> int:
@@ -224,8 +218,7 @@ def canonicalize(
 
 
 def _check_mode(check) -> None:
-    if check not in _CHECK_MODES:
-        raise ValueError(f"check must be one of {_CHECK_MODES}, got {check!r}")
+    check_choice("check", check, INDEX_CHECKS)
 
 
 def _verify_canonical(indices: Tensor, counts: Tensor, seq_len: int, block_q: int, block_k: int) -> None:
@@ -272,47 +265,6 @@ def _valid_pairs(q_start: Tensor, q_end: Tensor, k_start: Tensor, k_end: Tensor)
         return torch.where(t <= 0, torch.zeros_like(t), torch.where(t <= width, inside, beyond))
 
     return prefix(q_end - 1) - prefix(q_start - 1)
-
-
-@dataclass(frozen=True)
-class BlockPlan:
-    """Derived views of a :class:`BlockIndex`, built once per step and shared by forward and backward.
-
-    All views are computed by sorting (no atomics), so they are identical run to run.
-    """
-
-    reuse: Tensor
-    """int32 ``[B, HKV, NKB]``: how many query blocks selected each KV block."""
-    kv_indptr: Tensor
-    """int64 ``[B*HKV*NKB + 1]``: row pointers of the transposed (KV-major) CSR; row
-    ``r = (b*HKV + h)*NKB + j`` lists the query blocks that selected KV block j."""
-    kv_qblocks: Tensor
-    """int32 ``[nnz]``: query-block ids of the transposed CSR, ascending within each row."""
-    hot: Tensor
-    """bool ``[B, HKV, NKB]``: ``reuse >= r0``; hot blocks get the KV-centric dK/dV kernel, cold ones
-    are accumulated with atomics from the query-centric pass."""
-    r0: int
-    """The reuse threshold this plan was built with."""
-    num_hot: int
-    """Number of KV blocks (over all batches and heads) with ``reuse >= r0`` and reuse > 0."""
-    num_cold: int
-    """Number of selected KV blocks with ``0 < reuse < r0``."""
-    nnz: int
-    """Total number of selected (query block, key block) pairs."""
-    max_count: int
-    """Longest query-block row (blocks)."""
-    max_reuse: int
-    """Largest reuse count of any KV block."""
-    source: PlanSource | None = field(default=None, compare=False)
-    """The index this plan was built from (its tensors, held weakly, their version counters and the
-    geometry). ``sparse_attention(..., plan=)`` refuses a plan whose source is not the index passed:
-    the backward would read another selection's arrays (out of bounds when shapes differ)."""
-
-    def __repr__(self) -> str:
-        return (
-            f"BlockPlan(r0={self.r0}, hot={self.num_hot}, cold={self.num_cold}, nnz={self.nnz}, "
-            f"max_count={self.max_count}, max_reuse={self.max_reuse}, device={self.reuse.device})"
-        )
 
 
 @dataclass(frozen=True, repr=False)
@@ -570,48 +522,11 @@ class BlockIndex:
         tensors are the unmodified ones it was built from (version counters): an in-place write to
         ``indices`` / ``counts`` makes the next call rebuild. Indices wrapping caller-owned buffers
         (:meth:`from_canonical`) never cache."""
-        r0 = check_r0(r0)
-        r0 = DEFAULT_R0 if r0 is None else r0
+        r0 = resolve_r0(r0)
         cached = None if self._external else self._cache.get(("plan", r0))
         if cached is not None and source_is_current(cached.source, self):
             return cached
-        source = plan_source(self)
-        b, h, nqb, cap = self.indices.shape
-        nkb = self.num_k_blocks
-        idx = self.indices.to(torch.int64)
-        valid = idx >= 0
-        bh = torch.arange(b * h, device=idx.device).view(b, h, 1, 1)
-        qi = torch.arange(nqb, device=idx.device).view(1, 1, nqb, 1)
-        kv_row = bh * nkb + idx  # [B, HKV, NQB, K]
-        # Each (kv_row, query block) pair occurs at most once, so sorting this key gives the KV-major
-        # order with query blocks ascending, deterministically and without atomics.
-        key = (kv_row * nqb + qi)[valid]
-        key, _ = torch.sort(key)
-        rows = b * h * nkb
-        kv_indptr = torch.searchsorted(key, torch.arange(rows + 1, device=idx.device) * nqb)
-        reuse = (kv_indptr[1:] - kv_indptr[:-1]).view(b, h, nkb)
-        hot = (reuse >= r0) & (reuse > 0)
-        stats = torch.stack(
-            [
-                hot.sum(),
-                ((reuse > 0) & ~hot).sum(),
-                self.counts.to(torch.int64).max() if self.counts.numel() else reuse.new_zeros(()),
-                reuse.max() if reuse.numel() else reuse.new_zeros(()),
-            ]
-        ).tolist()
-        plan = BlockPlan(
-            reuse=reuse.to(torch.int32),
-            kv_indptr=kv_indptr.to(torch.int64),
-            kv_qblocks=(key % nqb).to(torch.int32),
-            hot=hot,
-            r0=r0,
-            num_hot=int(stats[0]),
-            num_cold=int(stats[1]),
-            nnz=int(key.numel()),
-            max_count=int(stats[2]),
-            max_reuse=int(stats[3]),
-            source=source,
-        )
+        plan = build_plan(self, r0)
         if not self._external:
             self._cache[("plan", r0)] = plan
         return plan

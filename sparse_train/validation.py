@@ -378,7 +378,7 @@ def source_is_current(source: PlanSource, index) -> bool:
 def check_plan(plan, index, r0=None) -> None:
     """``plan`` was built by ``index.plan(r0)`` from the index's current contents. A plan of another
     index would make the backward read past its arrays."""
-    from .index import BlockPlan
+    from .plan import BlockPlan
 
     if not isinstance(plan, BlockPlan):
         raise ValueError(f"plan must be a sparse_train.BlockPlan (from index.plan(r0)), got {type(plan).__name__}")

@@ -152,7 +152,7 @@ def test_torch_compile_no_graph_break():
 
 
 def test_opcheck_on_gpu():
-    from sparse_train.kernels.backward import cold_slots
+    from sparse_train.plan import cold_slots
 
     B, HQ, HKV, N, D = 1, 4, 2, 512, 64
     idx = _random_index(B, HKV, N, 64, 64, 3, 2, 1, seed=9)

@@ -15,6 +15,7 @@ from sparse_train.kernels.reference import reference_sparse_attention
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
+from sparse_train import plan as plan_mod  # noqa: E402
 from sparse_train.kernels import backward as kb  # noqa: E402
 from sparse_train.kernels import op as kop  # noqa: E402
 from sparse_train.kernels.op import triton_sparse_attention  # noqa: E402
@@ -27,7 +28,7 @@ def _poison_and_small_chunks(monkeypatch):
     # NaN-poison dq/dk/dv before every launch; chunk KV rows after 2 query blocks so the chunked
     # KV-centric path (partials + ordered finish) runs on tiny shapes
     monkeypatch.setattr(kb, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(kb, "KV_CHUNK", 2)
+    monkeypatch.setattr(plan_mod, "KV_CHUNK", 2)
 
 
 def _grads(fn, q, k, v, do, dlse_w=0.0):
@@ -159,17 +160,6 @@ def test_caller_index_mutation_after_forward_does_not_change_grads():
         assert torch.equal(a, b)
 
 
-def test_kv_schedule_chunks_and_parts():
-    reuse = torch.tensor([0, 1, 5, 2, 0], dtype=torch.int64)
-    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(reuse, 0)])
-    slots = torch.tensor([-1, -1, -1, 0, -1], dtype=torch.int32)  # block 3 is cold (atomics)
-    rows, t0, t1, part, pstart, nparts, num_parts = kb.kv_schedule(reuse, indptr, slots, chunk=2)
-    assert rows.tolist() == [1, 2, 2, 2]
-    assert t0.tolist() == [0, 1, 3, 5] and t1.tolist() == [1, 3, 5, 6]
-    assert part.tolist() == [-1, 0, 1, 2] and num_parts == 3
-    assert nparts.tolist() == [-1, 0, 3, 0, -1] and pstart.tolist()[2] == 0
-
-
 # ---------------------------------------------------------------------------------------------- issue 11
 def test_strided_seq_lens_column():
     """Issue 11: seq_lens = t[:, 0] of an int32 [B, 2] tensor (stride 2) was read as if contiguous:
@@ -234,10 +224,10 @@ def launcher_baseline():
     g = torch.Generator().manual_seed(44)
     args = dict(q=q, k=k, v=v, seq_lens=torch.tensor([56, 37], dtype=torch.int32, device=DEV), indices=idx.indices,
                 counts=idx.counts, kv_indptr=plan.kv_indptr, kv_qblocks=plan.kv_qblocks,
-                slots=kb.cold_slots(plan.hot, plan.reuse, False), num_cold=plan.num_cold,
+                slots=plan_mod.cold_slots(plan.hot, plan.reuse, False), num_cold=plan.num_cold,
                 do=torch.randn(q.shape, generator=g).to(DEV), dlse=torch.randn(q.shape[:3], generator=g).to(DEV))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kb, "KV_CHUNK", 2)
+        mp.setattr(plan_mod, "KV_CHUNK", 2)
         return args, _launch_all(args)
 
 

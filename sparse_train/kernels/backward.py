@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import LAST_COMPILED, LOG2E, default_heads_per_program, kernel_seq_lens, launch
+from ..plan import backward_config, kv_schedule
+from .forward import LAST_COMPILED, LOG2E, kernel_seq_lens, launch
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,76 +311,16 @@ def _dkdv_finish_kernel(
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def cold_slots(hot: torch.Tensor, reuse: torch.Tensor, deterministic: bool):
-    """int32 [B*HKV*NKB]: compact workspace slot of every cold block (0 < reuse, not hot), -1 otherwise.
-    Deterministic mode makes every block KV-centric (all -1)."""
-    cold = ((reuse > 0) & ~hot).reshape(-1)
-    if deterministic:
-        return torch.full_like(cold, -1, dtype=torch.int32)
-    slot = torch.cumsum(cold.to(torch.int32), 0, dtype=torch.int32) - 1
-    return torch.where(cold, slot, -1).to(torch.int32)
-
-
 # tests set this to fill dq/dk/dv with NaN before the launches, proving every element is written
 POISON_OUTPUTS = False
-KV_CHUNK = 64  # query blocks per KV-centric work item (rows with more reuse are chunked)
-
-
-def kv_schedule(reuse: torch.Tensor, kv_indptr: torch.Tensor, slots: torch.Tensor, chunk: int = KV_CHUNK):
-    """Work items of the KV-centric kernel: every KV block with reuse > 0 and no cold slot, its
-    transposed row cut into chunks of `chunk` query blocks.  Returns (item_row, item_t0, item_t1,
-    item_part int32 [I], part_start int32 [R], nparts int32 [R], num_parts int) where nparts is
-    -1 for unselected blocks, 0 for rows written directly (one chunk or cold), else the number of
-    fp32 partials that the finish kernel sums in chunk order.  Pure function of its inputs (sorting-
-    free, no atomics), so the schedule and the reduction order are identical run to run."""
-    reuse = reuse.reshape(-1).to(torch.int64)
-    R = reuse.numel()
-    dev = reuse.device
-    kv = (slots < 0) & (reuse > 0)
-    nch = torch.where(kv, (reuse + chunk - 1) // chunk, 0)
-    multi = nch >= 2
-    nmulti = torch.where(multi, nch, 0)
-    totals = torch.stack([nch.sum(), nmulti.sum()]).tolist()  # one host sync
-    total, num_parts = int(totals[0]), int(totals[1])
-    rows = torch.repeat_interleave(torch.arange(R, device=dev), nch, output_size=total)
-    first = torch.cumsum(nch, 0) - nch
-    c = torch.arange(total, device=dev) - first[rows]
-    start = kv_indptr[:-1][rows] + c * chunk
-    end = torch.minimum(start + chunk, kv_indptr[1:][rows])
-    part_start = torch.cumsum(nmulti, 0) - nmulti
-    item_part = torch.where(multi[rows], part_start[rows] + c, -1)
-    nparts = torch.where(reuse > 0, nmulti, -1)
-    return (rows.to(torch.int32), start.to(torch.int32), end.to(torch.int32), item_part.to(torch.int32),
-            torch.where(multi, part_start, -1).to(torch.int32), nparts.to(torch.int32), num_parts)
-
-
-def default_kv_heads_per_program(group: int, block_q: int) -> int:
-    """Heads stacked per KV-centric iteration: 1 (the 64K sweep on the H200: stacking 2 or 4 heads
-    spills registers, because the [BK, D] dK/dV accumulators already live in registers)."""
-    return 1
-
-
-def _bwd_config(block_q, block_k, head_dim, hpp, has_cold):
-    """(dQ warps, dQ stages, KV warps, KV stages), from the 64K sweeps on the H200 (docs/benchmarks):
-    P64 dQ 128-row tiles 8 warps / 3 stages, KV-centric 4 warps / 2 stages; P128 dQ 8 / 2 (1 with the
-    atomic dK/dV products: shared memory), KV-centric 8 / 2.  `launch` lowers stages if needed."""
-    m = hpp * block_q
-    nw_dq = 8 if m * head_dim > 64 * 128 else 4
-    if block_k * head_dim >= 128 * 128:
-        ns_dq = 1 if has_cold else 2
-    else:
-        ns_dq = 3 if nw_dq == 8 else 2
-    nw_kv = 8 if block_k * head_dim >= 128 * 128 else 4
-    ns_kv = 2
-    return nw_dq, ns_dq, nw_kv, ns_kv
 
 
 def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, num_cold,
                          *, block_q, block_k, scale, seq_lens=None, dlse=None, dropout_p=0.0, dropout_seed=0,
-                         heads_per_program=None, kv_heads_per_program=None, num_warps=None, num_stages=None,
-                         kv_num_warps=None, kv_num_stages=None, kv_chunk=None, stage_events=None):
-    """Launch the backward.  `slots` from `cold_slots` (int32 [B*HKV*NKB]); `num_cold` = number of
-    slots >= 0 (0 in deterministic mode).  Returns (dq, dk, dv) in q/k/v dtypes.
+                         config=None, stage_events=None):
+    """Launch the backward.  `slots` from `plan.cold_slots` (int32 [B*HKV*NKB]); `num_cold` = number of
+    slots >= 0 (0 in deterministic mode).  `config`: a `plan.BackwardConfig` (default
+    `plan.backward_config`).  Returns (dq, dk, dv) in q/k/v dtypes.
     `stage_events`: optional 4 CUDA events recorded at start / after preprocess+scheduling+workspace
     zeroing / after the dQ(+atomic) kernel / after the KV-centric and finish kernels.
     No validation here (op.py validates), but every tensor argument is either passed with its strides
@@ -392,17 +333,15 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     G = HQ // HKV
     NQB = indices.shape[2]
     NKB = triton.cdiv(N, block_k)
-    hpp = heads_per_program or default_heads_per_program(G, block_q, D, rows=128)
-    hpp_kv = kv_heads_per_program or default_kv_heads_per_program(G, block_q)
+    if config is None:
+        config = backward_config(G, block_q, block_k, D, num_cold > 0)
+    hpp = config.dq_heads_per_program
+    hpp_kv = config.kv_heads_per_program
     dropout = dropout_p > 0.0
     threshold = int(dropout_threshold(dropout_p)) if dropout else 0
     inv_keep = 1.0 / (1.0 - dropout_p) if dropout else 1.0
     ieee = q.dtype == torch.float32
-    nw_dq, ns_dq, nw_kv, ns_kv = _bwd_config(block_q, block_k, D, hpp, num_cold > 0)
-    nw_dq = num_warps or nw_dq
-    ns_dq = num_stages or ns_dq
-    nw_kv = kv_num_warps or nw_kv
-    ns_kv = kv_num_stages or ns_kv
+    nw_dq, ns_dq, nw_kv, ns_kv = config.dq_num_warps, config.dq_num_stages, config.kv_num_warps, config.kv_num_stages
     if not do.is_contiguous():
         do = do.contiguous()
     lse = lse.contiguous()
@@ -422,7 +361,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         o, do, delta, dlse if dlse is not None else delta, *o.stride(), *do.stride(), N, HQ,
         BR=BR, D=D, HAS_DLSE=dlse is not None, num_warps=4)
     reuse = kv_indptr[1:] - kv_indptr[:-1]
-    item_row, item_t0, item_t1, item_part, part_start, nparts, num_parts = kv_schedule(reuse, kv_indptr, slots, kv_chunk or KV_CHUNK)
+    item_row, item_t0, item_t1, item_part, part_start, nparts, num_parts = kv_schedule(reuse, kv_indptr, slots, config.kv_chunk)
 
     has_cold = num_cold > 0
     if has_cold:

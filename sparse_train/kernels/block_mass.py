@@ -25,16 +25,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..plan import block_mass_config, forward_config, forward_num_splits
 from ..validation import check_scale
-from .forward import (
-    LOG2E,
-    choose_num_splits,
-    default_heads_per_program,
-    device_sm_count,
-    kernel_seq_lens,
-    launch,
-    sparse_attn_forward,
-)
+from .forward import LOG2E, kernel_seq_lens, launch, sparse_attn_forward
 
 __all__ = ["triton_block_mass", "triton_dense_block_mass"]
 
@@ -117,7 +110,8 @@ def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts
     HKV = k.shape[1]
     G = HQ // HKV
     NQB, KCAP = indices.shape[2], indices.shape[3]
-    hpp = default_heads_per_program(G, block_q, D)
+    config = block_mass_config(G, block_q)
+    hpp = config.heads_per_program
     nsub = G // hpp
     out = torch.zeros((B, HKV, nsub, NQB, KCAP), device=q.device, dtype=torch.float32)
     seq_arg = kernel_seq_lens(seq_lens, N, counts)
@@ -128,7 +122,7 @@ def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts
         N, HKV, NQB, KCAP, float(scale * LOG2E),
         G=G, HPP=hpp, BQ=block_q, BK=block_k, D=D,
         HAS_SEQLENS=seq_lens is not None, IEEE=q.dtype == torch.float32, ROW_MAX=row_max,
-        num_warps=8 if hpp * block_q >= 128 else 4, num_stages=3,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out.amax(dim=2) if row_max else out.sum(dim=2)
 
@@ -217,10 +211,11 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     )
     scale = check_scale(scale, q.shape[-1])
     group = q.shape[1] // num_kv_heads
-    live_programs = picks.numel() * batch * num_kv_heads * (group // default_heads_per_program(group, block_q, q.shape[-1]))
+    config = forward_config(group, block_q, block_k, q.shape[-1])
+    num_splits = forward_num_splits(picks.numel(), batch, num_kv_heads, group, config.heads_per_program, capacity,
+                                    q.device)
     _, lse = sparse_attn_forward(q, k, k, index.indices, index.counts, block_q=block_q, block_k=block_k,
-                                 scale=scale, seq_lens=seq_lens,
-                                 num_splits=choose_num_splits(live_programs, capacity, device_sm_count(q.device)))
+                                 scale=scale, seq_lens=seq_lens, num_splits=num_splits, config=config)
     target, row_valid = triton_block_mass(q, k, lse, index, scale=scale, seq_lens=seq_lens, row_pool=row_pool)
     out = torch.zeros(batch, num_kv_heads, picks.numel(), num_k_blocks, device=q.device, dtype=torch.float32)
     out[..., :capacity] = target[:, :, picks]

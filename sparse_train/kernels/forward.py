@@ -12,10 +12,8 @@ NSPLIT = number of programs that share one row of the index (split-KV).
 
 Layers: (1) @triton.jit kernels `_fwd_kernel` (online softmax over the selected blocks, optionally a
 slice of them) and `_merge_kernel` (exact merge of split partials); (2) launchers `sparse_attn_forward`,
-`launch` (retries with fewer pipeline stages when a config exceeds shared memory), the plan-time split
-rule `choose_num_splits` and the tile rules `default_heads_per_program` / `_fwd_config` (from the 64K
-sweeps on the H200: P64 -> 4 heads x 64 rows = 256-row tiles, 8 warps, 3 stages; P128 -> 128-row
-tiles, 8 warps, 3 stages).  The autograd op lives in op.py.  Compiled output checked on the H200:
+`launch` (retries with fewer pipeline stages when a config exceeds shared memory); the split count and
+the tile configuration come from sparse_train/plan.py.  The autograd op lives in op.py.  Compiled output checked on the H200:
 `wgmma.mma_async` in the PTX of every kernel (forward 16, dQ 24, KV-centric 32 sites), no mma.sync.
 
 Known limits: head dims 16/32/64/128 (power of two); BQ, BK in {16, 32, 64, 128}; fp32 inputs are
@@ -29,6 +27,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ..plan import forward_config
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -187,41 +187,6 @@ def _merge_kernel(
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launchers
 # ----------------------------------------------------------------------------------------------
-def default_heads_per_program(group: int, block_q: int, head_dim: int, rows: int = 256) -> int:
-    """Query heads stacked into one program's row tile: aim for M = HPP*BQ = `rows` rows (forward:
-    256 for BQ=64, the fastest of the 64K sweep on the H200: K/V loaded once for 4 heads)."""
-    hpp = max(1, rows // block_q) if block_q < 128 else 1
-    while hpp > 1 and group % hpp:
-        hpp //= 2
-    return min(hpp, group)
-
-
-def device_sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (132 on an H200); 132 elsewhere (the interpreter)."""
-    device = torch.device(device)
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-def choose_num_splits(num_programs: int, max_count: int, num_sms: int = 132) -> int:
-    """Plan-time split rule: split a row only when the grid is too small to fill the GPU
-    (fewer than 2 waves of programs) and rows are long enough (>= 8 blocks per split) to amortise
-    the partial write-back and the merge kernel.  Returns a power of two in {1, 2, 4, 8}."""
-    splits = 1
-    while splits < 8 and num_programs * splits < 2 * num_sms and max_count >= 16 * splits:
-        splits *= 2
-    return splits
-
-
-def _fwd_config(block_q, block_k, head_dim, hpp, dtype):
-    """(num_warps, num_stages) from the 64K sweeps on the H200 (docs/benchmarks): 8 warps / 3 stages
-    for 256x128 (P64) and 128x128 (P128) row tiles; 256-row tiles with 128-key blocks need 2 stages
-    (shared memory).  `launch` lowers the stage count further if a config still does not fit."""
-    m = hpp * block_q
-    if m * head_dim >= 128 * 128:
-        return 8, 2 if (m >= 256 and block_k >= 128) else 3
-    return 4, 3
-
-
 def kernel_seq_lens(seq_lens, seq_len: int, fallback):
     """The SEQLENS argument of the kernels: int32, contiguous (the kernels index it as `SEQLENS + b`,
     without a stride), values clamped to [0, N] on the device (no host sync: an unvalidated value,
@@ -247,11 +212,10 @@ def launch(kernel, grid, *args, num_warps, num_stages, **meta):
 
 
 def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, seq_lens=None,
-                        dropout_p=0.0, dropout_seed=0, num_splits=1, heads_per_program=None,
-                        num_warps=None, num_stages=None, out=None):
+                        dropout_p=0.0, dropout_seed=0, num_splits=1, config=None, out=None):
     """Launch the forward.  q [B, HQ, N, D]; k, v [B, HKV, N, D]; indices int32 [B, HKV, NQB, K];
     counts int32 [B, HKV, NQB]; seq_lens int [B] or None.  Returns (o [B, HQ, N, D] q.dtype,
-    lse [B, HQ, N] float32).  `out=(o, lse)` writes into given buffers (tests poison them with NaN
+    lse [B, HQ, N] float32).  `config`: a `plan.ForwardConfig` (default `plan.forward_config`).  `out=(o, lse)` writes into given buffers (tests poison them with NaN
     to prove every element is written).  No validation here (op.py validates before calling), but
     every tensor argument is either passed with its strides or made contiguous here, and
     `dropout_seed` may be any int whose low 64 bits are the Philox key."""
@@ -261,7 +225,9 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
     HKV = k.shape[1]
     G = HQ // HKV
     NQB = indices.shape[2]
-    hpp = heads_per_program or default_heads_per_program(G, block_q, D)
+    if config is None:
+        config = forward_config(G, block_q, block_k, D)
+    hpp = config.heads_per_program
     if out is not None:
         o, lse = out
     else:
@@ -270,9 +236,7 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
     dropout = dropout_p > 0.0
     threshold = int(dropout_threshold(dropout_p)) if dropout else 0
     inv_keep = 1.0 / (1.0 - dropout_p) if dropout else 1.0
-    nw, ns = _fwd_config(block_q, block_k, D, hpp, q.dtype)
-    nw = num_warps or nw
-    ns = num_stages or ns
+    nw, ns = config.num_warps, config.num_stages
     ieee = q.dtype == torch.float32
     grid = (NQB * (G // hpp), B * HKV, num_splits)
     seql = kernel_seq_lens(seq_lens, N, counts)

@@ -38,8 +38,9 @@ import torch
 from torch import Tensor
 
 from ..validation import check_attention_args, check_bool, check_int, draw_dropout_seed
-from .backward import cold_slots, sparse_attn_backward
-from .forward import choose_num_splits, default_heads_per_program, device_sm_count, sparse_attn_forward
+from ..plan import cold_slots, forward_config, forward_num_splits
+from .backward import sparse_attn_backward
+from .forward import sparse_attn_forward
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -176,10 +177,10 @@ def triton_sparse_attention(
             seq_lens[b] are masked (never loaded).
         plan: a ``BlockPlan`` built by ``index.plan(r0)`` from this very index (default: that call,
             cached on the index); a plan of another index, or of modified index tensors, raises.
-        r0: reuse threshold of the hybrid backward (default ``sparse_train.index.DEFAULT_R0``); must
+        r0: reuse threshold of the hybrid backward (default ``sparse_train.plan.DEFAULT_R0``); must
             equal ``plan.r0`` when both are given.
         num_splits: split-KV count of the forward (default: the plan-time rule
-            ``forward.choose_num_splits``); results agree with the unsplit path up to rounding.
+            ``plan.choose_num_splits``); results agree with the unsplit path up to rounding.
 
     Returns:
         ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype, lse ``[B, HQ, N]`` float32 natural log;
@@ -216,9 +217,9 @@ def triton_sparse_attention(
     if num_splits is None:
         B, HQ = q.shape[:2]
         G = HQ // k.shape[1]
-        hpp = default_heads_per_program(G, index.block_q, D)
-        programs = index.num_q_blocks * (G // hpp) * B * k.shape[1]
-        num_splits = choose_num_splits(programs, int(plan.max_count), device_sm_count(q.device))
+        config = forward_config(G, index.block_q, index.block_k, D)
+        num_splits = forward_num_splits(index.num_q_blocks, B, k.shape[1], G, config.heads_per_program,
+                                        int(plan.max_count), q.device)
     # copies: the backward must see the forward's selection and lengths whatever the caller does afterwards
     indices = index.indices.clone()
     counts = index.counts.clone()
