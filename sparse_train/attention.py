@@ -39,11 +39,10 @@ import time
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import SparseAttentionConfig
-from .functional import BACKEND_REASONS, finite_padded_queries, resolve_backend, sparse_attention
+from .functional import BACKEND_REASONS, dense_causal_attention, resolve_backend, sparse_attention
 from .index import BlockIndex
 from .validation import check_dropout_p, check_float, check_qkv, check_seq_lens, draw_dropout_seed
 from .selectors.distill import block_kl, dense_block_mass, renormalise, sparse_block_mass
@@ -72,35 +71,6 @@ FALLBACK_REASONS = ("dense_warmup", "dense_full_selection", "dense_hysteresis") 
 (the reference ones are ``resolve_backend``'s codes, so a new code cannot be miscounted)."""
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def dense_causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: float, dropout_p: float = 0.0, seq_lens: Tensor | None = None
-) -> Tensor:
-    """Dense causal SDPA with GQA and the same masks as the sparse path.
-
-    q ``[B, HQ, N, D]``, k/v ``[B, HKV, N, D]``; with ``seq_lens`` keys at positions >= seq_lens[b]
-    are masked (an explicit boolean mask; rows without any valid key output zeros, as in the kernels).
-    """
-    gqa = q.shape[1] != k.shape[1]
-    if seq_lens is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-    n = q.shape[2]
-    pos = torch.arange(n, device=q.device)
-    # Padding may hold anything (NaN included). A masked logit still multiplies its value by a zero
-    # probability (0 * NaN = NaN), so padded keys and values are replaced, not masked.
-    real = (pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
-    q = finite_padded_queries(q, seq_lens)
-    k = torch.where(real, k, 0.0)
-    v = torch.where(real, v, 0.0)
-    allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1)) & (pos.view(1, 1, n) < seq_lens.view(-1, 1, 1))  # [B, N, N]
-    empty_row = ~allowed.any(dim=-1)  # only when seq_lens[b] == 0
-    # give empty rows one harmless key so SDPA has a finite softmax, then zero their output
-    allowed = allowed | (empty_row.unsqueeze(-1) & (pos.view(1, 1, n) == 0))
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale, enable_gqa=gqa
-    )
-    return o.masked_fill(empty_row.view(q.shape[0], 1, n, 1), 0.0)
 
 
 class _Timings:

@@ -1,20 +1,48 @@
-"""``sparse_attention``: the functional entry point, dispatching to the Triton kernels or the reference."""
+"""``sparse_attention``: the functional entry point, and the one place that chooses between the Triton
+kernels and their PyTorch references (``resolve_backend``; the selector's block-mass targets use the
+same decision through :func:`choose_backend`). Also the dense causal path with the same masks
+(:func:`dense_causal_attention`), which the module takes when a selection is full."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .config import BACKENDS
 from .index import BlockIndex
-from .plan import BlockPlan
 from .kernels.reference import reference_sparse_attention
-from .validation import check_attention_args, check_block_index, check_bool, check_qkv, draw_dropout_seed
+from .plan import BlockPlan
+from .validation import check_attention_args, check_bool, check_choice, check_inputs, draw_dropout_seed
 
-__all__ = ["sparse_attention", "resolve_backend", "BACKENDS", "BACKEND_REASONS", "finite_padded_queries"]
+__all__ = [
+    "BACKENDS",
+    "BACKEND_REASONS",
+    "dense_causal_attention",
+    "finite_padded_queries",
+    "choose_backend",
+    "resolve_backend",
+    "sparse_attention",
+]
 
+BACKENDS = ("auto", "triton", "reference")
+"""Values of ``backend``: ``"auto"`` (Triton on supported CUDA input, the reference otherwise),
+``"triton"`` (raises on input the kernels do not support), ``"reference"`` (PyTorch)."""
+
+BACKEND_REASONS = (
+    "requested",
+    "supported",
+    "cpu",
+    "triton_unavailable",
+    "unsupported_dtype",
+    "unsupported_head_dim",
+    "unsupported_block_size",
+    "unsupported_device",
+    "unsupported_other",
+)
+"""Why :func:`resolve_backend` chose its backend: fixed codes, usable as metric keys (the module
+counts ``reference_<code>`` fallbacks), never free text to be matched."""
 
 
 def _triton_op():
@@ -34,32 +62,42 @@ def finite_padded_queries(q: Tensor, seq_lens: Tensor) -> Tensor:
     return torch.where(real | torch.isfinite(q), q, 0.0)
 
 
-BACKEND_REASONS = (
-    "requested",
-    "supported",
-    "cpu",
-    "triton_unavailable",
-    "unsupported_dtype",
-    "unsupported_head_dim",
-    "unsupported_block_size",
-    "unsupported_device",
-    "unsupported_other",
-)
-"""Why :func:`resolve_backend` chose its backend: fixed codes, usable as metric keys (the module
-counts ``reference_<code>`` fallbacks), never free text to be matched."""
+def dense_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, dropout_p: float = 0.0,
+    seq_lens: Tensor | None = None
+) -> Tensor:
+    """Dense causal SDPA with GQA and the same masks as the sparse path.
+
+    q ``[B, HQ, N, D]``, k/v ``[B, HKV, N, D]``; ``scale`` default ``1 / sqrt(D)``; with ``seq_lens``
+    keys at positions >= seq_lens[b] are masked (an explicit boolean mask; rows without any valid key
+    output zeros, as in the kernels). Dropout uses SDPA's own RNG, not the counter-based bits."""
+    gqa = q.shape[1] != k.shape[1]
+    if seq_lens is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+    n = q.shape[2]
+    pos = torch.arange(n, device=q.device)
+    # Padding may hold anything (NaN included). A masked logit still multiplies its value by a zero
+    # probability (0 * NaN = NaN), so padded keys and values are replaced, not masked.
+    real = (pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
+    q = finite_padded_queries(q, seq_lens)
+    k = torch.where(real, k, 0.0)
+    v = torch.where(real, v, 0.0)
+    allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1)) & (pos.view(1, 1, n) < seq_lens.view(-1, 1, 1))  # [B, N, N]
+    empty_row = ~allowed.any(dim=-1)  # only when seq_lens[b] == 0
+    # give empty rows one harmless key so SDPA has a finite softmax, then zero their output
+    allowed = allowed | (empty_row.unsqueeze(-1) & (pos.view(1, 1, n) == 0))
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    )
+    return o.masked_fill(empty_row.view(q.shape[0], 1, n, 1), 0.0)
 
 
-def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend: str = "auto") -> tuple[str, str]:
-    """Which backend ``sparse_attention`` will run, and why: ``("triton" | "reference", code)`` with
-    ``code`` in :data:`BACKEND_REASONS`.
-
-    ``"auto"`` picks Triton for CUDA tensors the kernels support and the reference otherwise (the
-    code names what was unsupported). ``"triton"`` on CPU tensors requires ``TRITON_INTERPRET=1``.
-    """
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_block_index(index)
-    check_qkv(q, k, v, device=index.device)
+def choose_backend(q: Tensor, block_q: int, block_k: int, backend: str = "auto") -> tuple[str, str]:
+    """The backend decision from what it depends on (q's device, dtype, length and head dim; the block
+    sizes): ``("triton" | "reference", code)`` with ``code`` in :data:`BACKEND_REASONS`. Attention goes
+    through :func:`resolve_backend` (which validates the whole input first); the selector's block-mass
+    targets call this directly."""
+    check_choice("backend", backend, BACKENDS)
     if backend == "reference":
         return "reference", "requested"
     on_cpu = q.device.type == "cpu"
@@ -69,7 +107,7 @@ def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend:
                 "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before sparse_train's "
                 "kernels are imported; use backend='reference' or move the tensors to CUDA"
             )
-        support = _triton_op().triton_supports(q, k, v, index)
+        support = _triton_op().triton_supports(q, block_q, block_k)
         if not support.ok:
             raise ValueError(f"backend='triton' cannot run this input: {support.message}")
         return "triton", "requested"
@@ -81,8 +119,20 @@ def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend:
         op = _triton_op()
     except ImportError:  # triton missing or broken on this machine
         return "reference", "triton_unavailable"
-    support = op.triton_supports(q, k, v, index)
+    support = op.triton_supports(q, block_q, block_k)
     return ("triton", "supported") if support.ok else ("reference", support.code)
+
+
+def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend: str = "auto") -> tuple[str, str]:
+    """Which backend ``sparse_attention`` will run, and why: ``("triton" | "reference", code)`` with
+    ``code`` in :data:`BACKEND_REASONS`.
+
+    ``"auto"`` picks Triton for CUDA tensors the kernels support and the reference otherwise (the
+    code names what was unsupported). ``"triton"`` on CPU tensors requires ``TRITON_INTERPRET=1``.
+    """
+    check_choice("backend", backend, BACKENDS)
+    check_inputs(q, k, v, index, seq_lens_values=False)
+    return choose_backend(q, index.block_q, index.block_k, backend)
 
 
 def sparse_attention(

@@ -32,11 +32,9 @@ from .validation import (
     check_capacity,
     check_choice,
     check_geometry,
-    check_index_matches,
+    check_inputs,
     check_int,
     check_integer_tensor,
-    check_qkv,
-    check_seq_lens,
     check_window_sinks,
     source_is_current,
 )
@@ -473,9 +471,7 @@ class BlockIndex:
     def check_compatible(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None = None) -> None:
         """Raise ValueError unless q ``[B, HQ, N, D]``, k/v ``[B, HKV, N, D]`` and ``seq_lens`` (int
         ``[B]``, values in ``[0, N]``: one host sync) match this index and each other."""
-        check_qkv(q, k, v, device=self.device)
-        check_index_matches(self, q, k)
-        check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device)
+        check_inputs(q, k, v, self, seq_lens)
 
     # ---------------------------------------------------------------- views
     def to_dense(self) -> Tensor:

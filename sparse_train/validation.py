@@ -46,6 +46,7 @@ __all__ = [
     "check_dropout_seed",
     "check_geometry",
     "check_index_matches",
+    "check_inputs",
     "check_integer_tensor",
     "check_plan",
     "check_qkv",
@@ -331,6 +332,17 @@ def check_block_index(index) -> None:
         raise ValueError(f"index.indices is on {indices.device} but index.counts on {counts.device}")
 
 
+def check_inputs(q, k, v, index, seq_lens=None, *, seq_lens_values: bool = True) -> int:
+    """The compatibility rule of an attention input: ``index`` a well-formed BlockIndex, q/k/v valid
+    (`check_qkv`) and built for it (`check_index_matches`), ``seq_lens`` valid for them
+    (`check_seq_lens`; ``seq_lens_values=False`` skips its host sync). Returns the head dim D."""
+    check_block_index(index)
+    _, _, _, _, head_dim = check_qkv(q, k, v, device=index.device)
+    check_index_matches(index, q, k)
+    check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
+    return head_dim
+
+
 def check_index_matches(index, q: Tensor, k: Tensor) -> None:
     """The index was built for q/k's batch, KV heads, length and device."""
     bq, _, nq, _ = q.shape
@@ -433,10 +445,7 @@ def check_attention_args(
     """Every argument of `sparse_attention` that has a meaning for both backends. The backends call it
     with ``seq_lens_values=True`` (one host sync, see the module docstring); the dispatcher calls it
     before choosing a backend with ``False``."""
-    check_block_index(index)
-    _, _, _, _, head_dim = check_qkv(q, k, v, device=index.device)
-    check_index_matches(index, q, k)
-    check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
+    head_dim = check_inputs(q, k, v, index, seq_lens, seq_lens_values=seq_lens_values)
     p, seed = check_dropout(dropout_p, dropout_seed)
     r0 = check_r0(r0)
     if plan is not None:

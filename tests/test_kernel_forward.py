@@ -188,7 +188,7 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="multiple"):
         q3, k3, v3 = make_qkv(B, 3, 2, N, D, torch.float32, device=DEV)
         triton_sparse_attention(q3, k3, v3, BlockIndex.full(1, 2, N, 16, 16, device=DEV))
-    support = triton_supports(q.to(torch.bfloat16), k, v, idx)
+    support = triton_supports(q.to(torch.bfloat16), idx.block_q, idx.block_k)
     if DEV == "cpu":
         assert not support.ok and support.code == "unsupported_dtype" and "bfloat16" in support.message
 

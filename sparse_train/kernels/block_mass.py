@@ -10,7 +10,8 @@ Notation: B batch, HQ/HKV query/KV heads, G = HQ/HKV, N length, D head dim, BQ/B
 K index capacity, HPP query heads stacked into one program's rows (M_ROWS = HPP*BQ), NSUB = G/HPP.
 A row is live when it is a real query (q < N and q < seq_lens[b]) with a finite lse; a key is valid
 when k <= q and k < seq_lens[b]. The PyTorch reference is
-:func:`sparse_train.selectors.distill.sparse_block_mass` (same semantics, any rows_per_block).
+:func:`sparse_train.kernels.reference_block_mass.reference_sparse_block_mass` (same semantics, any
+rows_per_block); the dense one :func:`~sparse_train.kernels.reference_block_mass.reference_dense_block_mass`.
 
 Cost: one QK^T tile product per (query tile, selected block), half of the forward's two, and no
 softmax state: the forward's lse already normalises every row. Known limits: the forward kernel's
@@ -26,8 +27,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..plan import block_mass_config, forward_config, forward_num_splits
-from ..validation import check_scale
+from ..validation import check_choice, check_inputs, check_scale
 from .forward import LOG2E, kernel_seq_lens, launch, sparse_attn_forward
+from .reference_block_mass import ROW_POOLS
 
 __all__ = ["triton_block_mass", "triton_dense_block_mass"]
 
@@ -152,9 +154,8 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
         ValueError: shapes that do not match the index, an lse of the wrong shape/dtype/device, or an
             unknown ``row_pool``.
     """
-    if row_pool not in ("max", "mean"):
-        raise ValueError(f"row_pool must be 'max' or 'mean', got {row_pool!r}")
-    index.check_compatible(q, k, k, seq_lens)
+    check_choice("row_pool", row_pool, ROW_POOLS)
+    check_inputs(q, k, k, index, seq_lens)
     scale = check_scale(scale, q.shape[-1])
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(
@@ -189,7 +190,7 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     Returns:
         ``target`` float32 ``[B, HKV, S, NKB]`` (each valid row sums to 1 over its causal blocks) and
         ``row_valid`` bool ``[B, HKV, S]``: the semantics of
-        :func:`sparse_train.selectors.distill.dense_block_mass` (its reference) with all rows.
+        :func:`sparse_train.kernels.reference_block_mass.reference_dense_block_mass` with all rows.
     """
     from ..index import BlockIndex, causal_last_block  # the index layer sits above the kernels
 

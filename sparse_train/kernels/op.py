@@ -125,10 +125,10 @@ class Support(NamedTuple):
     message: str
 
 
-def triton_supports(q: Tensor, k: Tensor, v: Tensor, index) -> Support:
-    """Whether the Triton kernels handle these inputs (the caller takes the reference path when
-    not).  Shape mismatches are not checked here: they are errors, raised by
-    `triton_sparse_attention`."""
+def triton_supports(q: Tensor, block_q: int, block_k: int) -> Support:
+    """Whether the Triton kernels handle q ``[B, HQ, N, D]`` (device, dtype, head dim, length) with
+    blocks of ``block_q`` x ``block_k`` (the caller takes the reference path when not).  Shape
+    mismatches are not checked here: they are errors, raised by `triton_sparse_attention`."""
     if q.device.type == "cuda":
         if q.dtype not in (torch.float16, torch.bfloat16):
             return Support(False, "unsupported_dtype", f"dtype {q.dtype} on CUDA (kernels support bfloat16 and float16)")
@@ -143,9 +143,9 @@ def triton_supports(q: Tensor, k: Tensor, v: Tensor, index) -> Support:
     d = q.shape[-1]
     if d not in _SUPPORTED_HEAD_DIMS:
         return Support(False, "unsupported_head_dim", f"head dim {d} (supported: {_SUPPORTED_HEAD_DIMS})")
-    if index.block_q not in _SUPPORTED_BLOCKS or index.block_k not in _SUPPORTED_BLOCKS:
+    if block_q not in _SUPPORTED_BLOCKS or block_k not in _SUPPORTED_BLOCKS:
         return Support(False, "unsupported_block_size",
-                       f"block sizes BQ={index.block_q}, BK={index.block_k} (supported: {_SUPPORTED_BLOCKS})")
+                       f"block sizes BQ={block_q}, BK={block_k} (supported: {_SUPPORTED_BLOCKS})")
     if q.shape[2] >= 2**31:
         return Support(False, "unsupported_other", "sequence length >= 2^31")
     return Support(True, "supported", "ok")
@@ -197,7 +197,7 @@ def triton_sparse_attention(
     """
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 seq_lens=seq_lens, plan=plan, r0=r0)
-    support = triton_supports(q, k, v, index)
+    support = triton_supports(q, index.block_q, index.block_k)
     if not support.ok:
         raise ValueError(f"triton_sparse_attention does not support this input: {support.message}")
     if num_splits is not None:
