@@ -160,15 +160,15 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do):
     row = dict(kind="ours", N=N, pattern=pat_name, density=idx.density(), mean_blocks=float(idx.counts.float().mean()),
                index_plan_ms=t_idx, index_plan_p95_ms=t_idx95, num_hot=plan.num_hot, num_cold=plan.num_cold,
                r0=plan.r0, max_reuse=plan.max_reuse)
-    t, t95, n = timeit(lambda: triton_sparse_attention(q, k, v, idx, plan=plan))
+    t, t95, n = timeit(lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan}))
     row.update(fwd_ms=t, fwd_p95_ms=t95, fwd_TFLOPs=f_fwd / t / 1e9, fwd_frac_ceiling=f_fwd / t / 1e9 / ceil)
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
     for det in (False, True):
-        o, _ = triton_sparse_attention(qg, kg, vg, idx, plan=plan, deterministic=det)
+        o, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options={"plan": plan})
         tb, tb95, _ = timeit(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
 
         def fb():
-            oo, _ = triton_sparse_attention(qg, kg, vg, idx, plan=plan, deterministic=det)
+            oo, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options={"plan": plan})
             torch.autograd.grad(oo, (qg, kg, vg), do)
 
         tfb, tfb95, _ = timeit(fb)

@@ -354,7 +354,7 @@ class SparseAttention(nn.Module):
             o, lse = sparse_attention(
                 q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                 deterministic=cfg.deterministic, return_lse=True, backend=backend, seq_lens=seq_lens,
-                plan=plan, r0=cfg.r0,
+                kernel_options={"plan": plan, "r0": cfg.r0},
             )
         if profile:
             self._timings.mark("attn_fwd", 1, device)

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .index import BlockIndex
 from .kernels.reference import reference_sparse_attention
-from .plan import BlockPlan
+from .plan import KernelOptions
 from .validation import check_attention_args, check_bool, check_choice, check_inputs, draw_dropout_seed
 
 __all__ = [
@@ -140,17 +140,20 @@ def sparse_attention(
     k: Tensor,
     v: Tensor,
     index: BlockIndex,
+    *,
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
-    deterministic: bool = False,
-    return_lse: bool = False,
-    backend: str = "auto",
     seq_lens: Tensor | None = None,
-    plan: BlockPlan | None = None,
-    r0: int | None = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+    backend: str = "auto",
+    kernel_options: dict | KernelOptions | None = None,
 ):
     """Exact softmax attention restricted to the blocks of ``index`` (plus causal and length masks).
+
+    The named arguments are the semantics; ``kernel_options`` holds the performance choices, which
+    never change the result beyond floating-point order.
 
     Args:
         q: ``[B, HQ, N, D]``; k, v: ``[B, HKV, N, D]`` with HQ a multiple of HKV (GQA). Any strides.
@@ -161,18 +164,23 @@ def sparse_attention(
         dropout_seed: seed of the counter-based keep bits, an int in ``[0, 2**64)`` (both backends
             give the same bits for every seed). ``None`` draws one from torch's global generator (so
             ``torch.manual_seed`` and checkpoint RNG replay reproduce it).
-        deterministic: bitwise-reproducible gradients (every dK/dV block KV-centric). Also switched on
-            by ``torch.use_deterministic_algorithms(True)``.
-        return_lse: also return the row log-sum-exp ``[B, HQ, N]`` (fp32, natural log, -inf on empty rows).
-        backend: ``"auto"`` (Triton on supported CUDA inputs, reference otherwise), ``"triton"``,
-            ``"reference"``.
         seq_lens: optional int ``[B]`` (any strides), values in ``[0, N]``: keys at positions >=
             seq_lens[b] are masked (right padding); whatever they hold (even NaN/inf) never reaches
             an output or gradient of the keys before it. Query rows past it are computed like any
             row (finite padding) or from a zeroed query (non-finite padding).
-        plan: a precomputed ``index.plan(r0)`` of this very index (refused otherwise) to reuse across
-            layers; r0: reuse threshold of the hybrid backward (default
-            :data:`sparse_train.plan.DEFAULT_R0`; must equal ``plan.r0`` when both are given).
+        return_lse: also return the row log-sum-exp ``[B, HQ, N]`` (fp32, natural log, -inf on empty rows).
+        deterministic: bitwise-reproducible gradients (every dK/dV block KV-centric). Also switched on
+            by ``torch.use_deterministic_algorithms(True)``.
+        backend: one of :data:`BACKENDS`: ``"auto"`` (Triton on supported CUDA inputs, reference
+            otherwise), ``"triton"``, ``"reference"``.
+        kernel_options: ``None`` or a dict with keys among :data:`sparse_train.plan.KERNEL_OPTIONS`,
+            each None (default) or: ``plan`` a precomputed ``index.plan(r0)`` of this very index, to
+            reuse across layers; ``r0`` the reuse threshold of the hybrid backward (default
+            :data:`sparse_train.plan.DEFAULT_R0`; must equal ``plan.r0`` when both are given);
+            ``num_splits`` the forward's split-KV count (1..64); ``{fwd,dq,kv}_heads_per_program``,
+            ``{fwd,dq,kv}_num_warps``, ``{fwd,dq,kv}_num_stages`` the tiles of the forward, dQ and
+            KV-centric kernels; ``kv_chunk`` query blocks per KV-centric work item. Validated on both
+            backends; only the Triton backend uses them.
 
     Returns:
         ``o`` ``[B, HQ, N, D]`` in q's dtype, or ``(o, lse)`` with ``return_lse=True``. Rows with no
@@ -181,13 +189,14 @@ def sparse_attention(
     Raises:
         ValueError: any argument outside its domain (see :mod:`sparse_train.validation`), naming it:
             shape/dtype/device mismatch between q, k, v, index and seq_lens; seq_lens values outside
-            [0, N]; dropout_p outside [0, 1); dropout_seed outside [0, 2**64); a plan of another
-            index; unknown backend; ``backend="triton"`` on input the kernels do not support.
+            [0, N]; dropout_p outside [0, 1); dropout_seed outside [0, 2**64); an unknown
+            kernel_options key or a value of the wrong type; a plan of another index; unknown
+            backend; ``backend="triton"`` on input the kernels do not support.
     """
     # Everything but the seq_lens values (a host sync) before choosing a backend; the backend that
     # runs validates again, values included, so the sync happens once per call.
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, plan=plan, r0=r0, seq_lens_values=False)
+                                seq_lens=seq_lens, kernel_options=kernel_options, seq_lens_values=False)
     dropout_p, dropout_seed = args.dropout_p, args.dropout_seed
     check_bool("deterministic", deterministic)
     check_bool("return_lse", return_lse)
@@ -198,17 +207,9 @@ def sparse_attention(
     chosen, _ = resolve_backend(q, k, v, index, backend)
     if chosen == "triton":
         o, lse = _triton_op().triton_sparse_attention(
-            q,
-            k,
-            v,
-            index,
-            scale=scale,
-            dropout_p=dropout_p,
-            dropout_seed=dropout_seed,
+            q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
             deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
-            seq_lens=seq_lens,
-            plan=plan,
-            r0=r0,
+            kernel_options=args.kernel_options,
         )
     else:
         o, lse = reference_sparse_attention(

@@ -35,6 +35,7 @@ from .validation import PlanSource, check_int, check_keys, check_r0, plan_source
 
 __all__ = [
     "DEFAULT_R0",
+    "AttentionSchedule",
     "KERNEL_OPTIONS",
     "KV_CHUNK",
     "BackwardConfig",
@@ -42,6 +43,7 @@ __all__ = [
     "ForwardConfig",
     "KVSchedule",
     "KernelOptions",
+    "attention_schedule",
     "backward_config",
     "block_mass_config",
     "build_plan",
@@ -405,6 +407,37 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
         kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or 2,
         options.kv_chunk or KV_CHUNK,
     )
+
+
+class AttentionSchedule(NamedTuple):
+    """Everything the Triton attention needs besides the tensors (see :func:`attention_schedule`)."""
+
+    plan: BlockPlan
+    slots: Tensor
+    """:func:`cold_slots` of the plan (all -1 in deterministic mode)."""
+    num_cold: int
+    """Cold blocks routed to the atomic path (0 in deterministic mode)."""
+    num_splits: int
+    forward: ForwardConfig
+    backward: BackwardConfig
+
+
+def attention_schedule(index, group: int, head_dim: int, device, kernel_options=None,
+                       deterministic: bool = False) -> AttentionSchedule:
+    """The launch schedule of one attention call over ``index``: its plan (``kernel_options.plan``, or
+    ``index.plan(r0)``), the cold slots (none in deterministic mode: every block KV-centric), the
+    split count (``kernel_options.num_splits`` or :func:`forward_num_splits` from the longest row) and
+    the tiles of every kernel. ``group`` = HQ / HKV, ``device`` the one the kernels run on."""
+    options = normalize_kernel_options(kernel_options)
+    plan = options.plan if options.plan is not None else index.plan(options.r0)
+    slots = cold_slots(plan.hot, plan.reuse, deterministic)
+    num_cold = 0 if deterministic else int(plan.num_cold)
+    forward = forward_config(group, index.block_q, index.block_k, head_dim, options)
+    backward = backward_config(group, index.block_q, index.block_k, head_dim, num_cold > 0, options)
+    num_splits = options.num_splits or forward_num_splits(
+        index.num_q_blocks, index.batch, index.num_kv_heads, group, forward.heads_per_program,
+        int(plan.max_count), device)
+    return AttentionSchedule(plan, slots, num_cold, num_splits, forward, backward)
 
 
 def block_mass_config(group: int, block_q: int) -> ForwardConfig:

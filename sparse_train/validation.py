@@ -25,10 +25,13 @@ import math
 import numbers
 import operator
 import weakref
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .plan import KernelOptions
 
 __all__ = [
     "DROPOUT_SEED_LIMIT",
@@ -425,7 +428,8 @@ class AttentionArgs(NamedTuple):
     scale: float
     dropout_p: float
     dropout_seed: int | None
-    r0: int | None
+    kernel_options: KernelOptions
+    """`sparse_train.plan.KernelOptions`; a plan among them belongs to the index."""
 
 
 def check_attention_args(
@@ -438,16 +442,18 @@ def check_attention_args(
     dropout_p=0.0,
     dropout_seed=None,
     seq_lens=None,
-    plan=None,
-    r0=None,
+    kernel_options=None,
     seq_lens_values: bool = True,
 ) -> AttentionArgs:
     """Every argument of `sparse_attention` that has a meaning for both backends. The backends call it
     with ``seq_lens_values=True`` (one host sync, see the module docstring); the dispatcher calls it
-    before choosing a backend with ``False``."""
+    before choosing a backend with ``False``. ``kernel_options`` are normalised by
+    `sparse_train.plan.normalize_kernel_options`; a plan among them must belong to ``index``."""
+    from .plan import normalize_kernel_options
+
     head_dim = check_inputs(q, k, v, index, seq_lens, seq_lens_values=seq_lens_values)
     p, seed = check_dropout(dropout_p, dropout_seed)
-    r0 = check_r0(r0)
-    if plan is not None:
-        check_plan(plan, index, r0)
-    return AttentionArgs(check_scale(scale, head_dim), p, seed, r0)
+    options = normalize_kernel_options(kernel_options)
+    if options.plan is not None:
+        check_plan(options.plan, index, options.r0)
+    return AttentionArgs(check_scale(scale, head_dim), p, seed, options)

@@ -116,7 +116,7 @@ def test_bitwise_determinism_and_hybrid_agree(r0):
 
     def grads(det):
         qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        o, _ = triton_sparse_attention(qs, ks, vs, idx, deterministic=det, r0=r0)
+        o, _ = triton_sparse_attention(qs, ks, vs, idx, deterministic=det, kernel_options={"r0": r0})
         return torch.autograd.grad(o, (qs, ks, vs), do)
 
     a, b = grads(True), grads(True)
@@ -136,7 +136,7 @@ def test_torch_compile_no_graph_break():
     q, k, v = _inputs(B, HQ, HKV, N, D, torch.bfloat16, seed=5)
 
     def f(q, k, v):
-        o, lse = triton_sparse_attention(q, k, v, idx, plan=plan)
+        o, lse = triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan})
         return (o.float() ** 2).sum() + lse.sum()
 
     cf = torch.compile(f, fullgraph=True)  # fullgraph: any graph break raises
@@ -152,7 +152,7 @@ def test_torch_compile_no_graph_break():
 
 
 def test_opcheck_on_gpu():
-    from sparse_train.plan import cold_slots
+    from sparse_train.plan import backward_config, cold_slots, forward_config
 
     B, HQ, HKV, N, D = 1, 4, 2, 512, 64
     idx = _random_index(B, HKV, N, 64, 64, 3, 2, 1, seed=9)
@@ -162,8 +162,9 @@ def test_opcheck_on_gpu():
     k.requires_grad_()
     v.requires_grad_()
     slots = cold_slots(plan.hot, plan.reuse, False)
+    launch_config = [*forward_config(HQ // HKV, 64, 64, D), *backward_config(HQ // HKV, 64, 64, D, plan.num_cold > 0)]
     args = (q, k, v, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks, slots, None,
-            plan.num_cold, 64, 64, 0.125, 0.0, 0, 1)
+            plan.num_cold, 64, 64, 0.125, 0.0, 0, 1, launch_config)
     torch.library.opcheck(torch.ops.sparse_train.sparse_attn_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 

@@ -40,8 +40,10 @@ def _grads(fn, q, k, v, do, dlse_w=0.0):
     return torch.autograd.grad(loss, (qs, ks, vs))
 
 
-def _compare(idx, q, k, v, *, dtype, dlse_w=0.0, **kw):
+def _compare(idx, q, k, v, *, dtype, dlse_w=0.0, kernel_options=None, **kw):
+    """Gradients of the Triton op (``kw`` and ``kernel_options``) against the fp64 reference (``kw``)."""
     ref_kw = {x: kw[x] for x in ("dropout_p", "dropout_seed", "seq_lens") if x in kw}
+    kw["kernel_options"] = kernel_options
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(99)).to(q)
     g = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, **kw), q, k, v, do, dlse_w)
     g64 = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, idx, **ref_kw),
@@ -68,7 +70,7 @@ BWD_CASES = [
 def test_backward_vs_fp64_reference(B, HQ, HKV, N, D, BQ, BK, topk, window, sinks, r0, dropout_p):
     idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N + BQ, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float32, r0=r0, dropout_p=dropout_p, dropout_seed=77)
+    _compare(idx, q, k, v, dtype=torch.float32, dropout_p=dropout_p, dropout_seed=77, kernel_options={"r0": r0})
 
 
 @pytest.mark.parametrize("r0", [1, 10**6], ids=["hot-kv-centric-chunked", "cold-atomics"])
@@ -79,20 +81,21 @@ def test_block_selected_by_every_query_block(r0):
     idx = BlockIndex.full(B, HKV, N, block_q=16, block_k=16, device=DEV)
     assert int(idx.plan(1).max_reuse) == 8
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=4, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float32, r0=r0)
+    _compare(idx, q, k, v, dtype=torch.float32, kernel_options={"r0": r0})
 
 
 def test_fp16_backward():
     idx = random_index(1, 1, 80, 16, 16, 2, 1, 1, seed=8, device=DEV)
     q, k, v = make_qkv(1, 2, 1, 80, 16, torch.float16, seed=8, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float16, r0=2)
+    _compare(idx, q, k, v, dtype=torch.float16, kernel_options={"r0": 2})
 
 
 def test_lse_gradient_and_seq_lens():
     B, HQ, HKV, N, D = 2, 2, 1, 70, 16
     idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=6, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=6, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float32, dlse_w=0.3, seq_lens=torch.tensor([70, 41], device=DEV), r0=2)
+    _compare(idx, q, k, v, dtype=torch.float32, dlse_w=0.3, seq_lens=torch.tensor([70, 41], device=DEV),
+             kernel_options={"r0": 2})
 
 
 def test_empty_rows_have_zero_grads():
@@ -101,7 +104,7 @@ def test_empty_rows_have_zero_grads():
     mask[0, 0, 2, :3] = True
     idx = BlockIndex.from_dense(mask.to(DEV), seq_len=N, block_q=16, block_k=16)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=2, device=DEV)
-    dq, dk, dv = _compare(idx, q, k, v, dtype=torch.float32, r0=1)
+    dq, dk, dv = _compare(idx, q, k, v, dtype=torch.float32, kernel_options={"r0": 1})
     assert (dq[:, :, :32] == 0).all() and (dq[:, :, 48:] == 0).all()
     assert (dk[:, :, 48:] == 0).all() and (dv[:, :, 48:] == 0).all()
 
@@ -109,7 +112,7 @@ def test_empty_rows_have_zero_grads():
 def test_split_forward_then_backward():
     idx = random_index(1, 1, 96, 16, 16, 4, 1, 1, seed=12, device=DEV)
     q, k, v = make_qkv(1, 2, 1, 96, 16, torch.float32, seed=12, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float32, num_splits=4, r0=2)
+    _compare(idx, q, k, v, dtype=torch.float32, kernel_options={"num_splits": 4, "r0": 2})
 
 
 def test_deterministic_bitwise_and_auto_switch(monkeypatch):
@@ -125,7 +128,7 @@ def test_deterministic_bitwise_and_auto_switch(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(kop, "sparse_attn_backward", spy)
-    f = lambda a, b, c: triton_sparse_attention(a, b, c, idx, deterministic=True, r0=4)  # noqa: E731
+    f = lambda a, b, c: triton_sparse_attention(a, b, c, idx, deterministic=True, kernel_options={"r0": 4})  # noqa: E731
     g1, g2 = _grads(f, q, k, v, do), _grads(f, q, k, v, do)
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
@@ -133,16 +136,45 @@ def test_deterministic_bitwise_and_auto_switch(monkeypatch):
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        g3 = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, r0=4), q, k, v, do)
+        g3 = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, kernel_options={"r0": 4}), q, k, v, do)
     finally:
         torch.use_deterministic_algorithms(prev)
     assert seen[-1] == 0, "use_deterministic_algorithms must route every block KV-centric"
     for a, b in zip(g1, g3):
         assert torch.equal(a, b)
-    g4 = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, r0=4), q, k, v, do)
+    g4 = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, kernel_options={"r0": 4}), q, k, v, do)
     assert seen[-1] > 0, "default mode at r0=4 should use the atomic path for cold blocks"
     for a, b in zip(g1, g4):
         assert rel_err(a, b) < 1e-5
+
+
+def test_kernel_options_reach_the_launchers_and_keep_the_result(monkeypatch):
+    """Every tile option travels through the custom op to its launcher; other tiles (stacked heads in
+    the dQ and KV-centric kernels, one-block chunks, split rows) give the same function."""
+    from sparse_train.plan import BackwardConfig, ForwardConfig
+
+    B, HQ, HKV, N, D = 1, 4, 1, 96, 16
+    idx = random_index(B, HKV, N, 16, 16, 3, 1, 1, seed=23, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=23, device=DEV)
+    seen = {}
+    real_fwd, real_bwd = kop.sparse_attn_forward, kop.sparse_attn_backward
+
+    def fwd(*args, **kw):
+        seen["fwd"] = (kw["config"], kw["num_splits"])
+        return real_fwd(*args, **kw)
+
+    def bwd(*args, **kw):
+        seen["bwd"] = kw["config"]
+        return real_bwd(*args, **kw)
+
+    monkeypatch.setattr(kop, "sparse_attn_forward", fwd)
+    monkeypatch.setattr(kop, "sparse_attn_backward", bwd)
+    options = dict(r0=2, num_splits=2, fwd_heads_per_program=2, fwd_num_warps=2, fwd_num_stages=1,
+                   dq_heads_per_program=4, dq_num_warps=2, dq_num_stages=1, kv_heads_per_program=2,
+                   kv_num_warps=2, kv_num_stages=1, kv_chunk=1)
+    _compare(idx, q, k, v, dtype=torch.float32, kernel_options=options)
+    assert seen["fwd"] == (ForwardConfig(2, 2, 1), 2)
+    assert seen["bwd"] == BackwardConfig(4, 2, 1, 2, 2, 1, 1)
 
 
 def test_caller_index_mutation_after_forward_does_not_change_grads():
@@ -150,9 +182,9 @@ def test_caller_index_mutation_after_forward_does_not_change_grads():
     idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=31, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=31, device=DEV)
     do = torch.randn_like(q)
-    g_ref = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, r0=2), q, k, v, do)
+    g_ref = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, kernel_options={"r0": 2}), q, k, v, do)
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o, _ = triton_sparse_attention(qs, ks, vs, idx, r0=2)
+    o, _ = triton_sparse_attention(qs, ks, vs, idx, kernel_options={"r0": 2})
     idx.indices.fill_(0)       # caller scribbles over its index between forward and backward
     idx.counts.fill_(1)
     g = torch.autograd.grad(o, (qs, ks, vs), do)
@@ -175,7 +207,7 @@ def test_strided_seq_lens_column():
     olp, lselp = reference_sparse_attention(q, k, v, idx, seq_lens=lens, upcast=False)
     check_close("o", o, o64, olp, torch.float32)
     check_close("lse", lse, lse64, lselp, torch.float32)
-    _compare(idx, q, k, v, dtype=torch.float32, seq_lens=lens, r0=2)
+    _compare(idx, q, k, v, dtype=torch.float32, seq_lens=lens, kernel_options={"r0": 2})
 
 
 def _strided(t, filler):
@@ -267,7 +299,7 @@ def test_from_canonical_buffer_rewritten_in_place_gives_fresh_gradients():
     idx = BlockIndex.from_canonical(buf_i, buf_c, seq_len=N, block_q=16, block_k=16)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=51, device=DEV)
     do = torch.randn_like(q)
-    f = lambda i: lambda x, y, z: triton_sparse_attention(x, y, z, i, r0=2)  # noqa: E731
+    f = lambda i: lambda x, y, z: triton_sparse_attention(x, y, z, i, kernel_options={"r0": 2})  # noqa: E731
     for x, y in zip(_grads(f(idx), q, k, v, do), _grads(f(a), q, k, v, do)):
         assert torch.equal(x, y)
     buf_i.copy_(b.indices)
@@ -284,7 +316,10 @@ def test_nonfinite_padding_reaches_no_output_or_gradient(poison):
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=53, device=DEV)
     lens = torch.tensor([64, 45], device=DEV)
     do = torch.randn_like(q)
-    f = lambda x, y, z: triton_sparse_attention(x, y, z, idx, seq_lens=lens, r0=2, dropout_p=0.1, dropout_seed=8)  # noqa: E731
+    def f(x, y, z):
+        return triton_sparse_attention(x, y, z, idx, seq_lens=lens, dropout_p=0.1, dropout_seed=8,
+                                       kernel_options={"r0": 2})
+
     clean = _grads(f, q, k, v, do)
     k2, v2 = k.clone(), v.clone()
     k2[1, :, 45:] = poison

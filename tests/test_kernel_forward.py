@@ -195,7 +195,7 @@ def test_rejects_bad_input():
 
 def test_opcheck_fake_impl():
     """Schema, fake (meta) impl and autograd registration of the custom op (torch.library.opcheck)."""
-    from sparse_train.plan import cold_slots
+    from sparse_train.plan import backward_config, cold_slots, forward_config
 
     B, HQ, HKV, N, D = 1, 2, 1, 48, 16
     idx = random_index(B, HKV, N, 16, 16, 1, 1, 1, seed=2, device=DEV)
@@ -203,8 +203,9 @@ def test_opcheck_fake_impl():
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, device=DEV)
     q.requires_grad_()
     slots = cold_slots(plan.hot, plan.reuse, False)
+    launch_config = [*forward_config(HQ // HKV, 16, 16, D), *backward_config(HQ // HKV, 16, 16, D, plan.num_cold > 0)]
     args = (q, k, v, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks, slots, None,
-            plan.num_cold, 16, 16, 0.25, 0.0, 0, 1)
+            plan.num_cold, 16, 16, 0.25, 0.0, 0, 1, launch_config)
     torch.library.opcheck(torch.ops.sparse_train.sparse_attn_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
