@@ -1,35 +1,35 @@
-"""torch.library custom op and public entry point for the Triton block-sparse attention kernels.
+"""The autograd op and the public entry point of the Triton block-sparse attention kernels.
 
-Math (per query row q of head h over the selected key blocks; see forward.py / backward.py):
-    s_qk = scale <Q_q, K_k> (masked: selected, k <= q, k < seq_len[b]);  lse_q = log sum_k exp(s_qk)
-    O_q = sum_k keep_qk / (1-p) exp(s_qk - lse_q) V_k;  gradients dQ, dK, dV exact for this O and lse.
+Math, per query row q of head h over the selected key blocks (forward.py / backward.py for the kernels):
+    s_qk = scale <Q_q, K_k>, -inf unless k <= q and k < seq_len[b];  lse_q = log sum_k exp(s_qk)
+    O_q = sum_k keep_qk / (1 - p) exp(s_qk - lse_q) V_k;  dQ, dK, dV exact for this O and lse.
 
 Notation: B batch, HQ/HKV heads, N length, D head dim, BQ/BK block sizes, r0 reuse threshold of the
-hybrid backward (KV blocks selected by >= r0 query blocks are reduced KV-centric, others by atomics).
+hybrid backward (KV blocks selected by >= r0 query blocks are reduced KV-centric, the others by atomics).
 
-Layers: kernels live in forward.py / backward.py; this file holds (3) the autograd op
-(`sparse_train::sparse_attn_fwd` / `sparse_train::sparse_attn_bwd` custom ops with fake impls and
-`register_autograd`) and (4) the public functions `triton_sparse_attention` and `triton_supports`.
+Layers: the kernels (1) and their launchers (2) are in forward.py and backward.py; this file holds (3)
+the autograd op (``sparse_train::sparse_attn_fwd`` / ``sparse_train::sparse_attn_bwd`` custom ops with
+fake impls and ``register_autograd``) and (4) the public functions ``triton_sparse_attention`` and
+``triton_supports``. The launch schedule (plan, cold slots, split count, tiles) is
+``sparse_train.plan.attention_schedule`` of the call's ``kernel_options``.
 
-Ownership of the index: `indices`, `counts` and `seq_lens` are **copied** when the forward runs, and
+Ownership of the index: ``indices``, ``counts`` and ``seq_lens`` are **copied** when the forward runs, and
 the copy is what the backward reads, so a caller that mutates or reuses these tensors after the forward
-cannot change the gradients (cost: 4 bytes per index slot and per sequence, small device copies).  The
-plan tensors (`BlockPlan.kv_indptr`, `kv_qblocks`, `hot`, `reuse`) are referenced, not copied: a plan is
-a derived, immutable view built by `BlockIndex.plan` at forward time.
-
-Plans are checked against the index they are used with (`sparse_train.validation.check_plan`): a
-plan of another index would make the backward read past its arrays.
+cannot change the gradients (cost: 4 bytes per index slot and per sequence, small device copies). The
+plan tensors (``BlockPlan.kv_indptr``, ``kv_qblocks``, ``hot``, ``reuse``) are referenced, not copied: a
+plan is a derived, immutable view, checked against the index it is used with
+(``sparse_train.validation.check_plan``: a plan of another index would make the backward read past
+its arrays).
 
 Dropout seeds are ints in [0, 2**64) (validated once, for both backends, in sparse_train.validation);
-the op's `dropout_seed: int` is an int64, so seeds >= 2**63 travel as their two's-complement value
-and the launchers recover the unsigned Philox key (`reference.philox_key`).
+the op's ``dropout_seed: int`` is an int64, so seeds >= 2**63 travel as their two's-complement value
+and the launchers recover the unsigned Philox key (``reference.philox_key``).
 
 Known limits: CUDA tensors in bf16/fp16 (fp32 only under TRITON_INTERPRET=1, for tests); head dims
-16/32/64/128; BQ, BK in {16, 32, 64, 128}; N < 2^31.  dropout_seed=None draws a seed from torch's
+16/32/64/128; BQ, BK in {16, 32, 64, 128}; N < 2^31. dropout_seed=None draws a seed from torch's
 global CPU generator (a graph break under torch.compile: pass an int seed when compiling).
 """
 from __future__ import annotations
-
 
 import os
 from typing import NamedTuple, Optional
