@@ -3,13 +3,12 @@ ValueError naming it, the same on both backends; state that does not belong to t
 another index, of index tensors modified since) is refused; the dropout seed domain [0, 2**64) gives
 the same bits on both backends up to its top."""
 
-import math
 import os
 
 import pytest
 import torch
 
-from _kernel_testutils import check_close
+from builders import check_close, make_qkv, random_index
 import sparse_train as st
 from sparse_train.kernels.reference import dropout_keep_mask, reference_sparse_attention
 from sparse_train.validation import DROPOUT_SEED_LIMIT
@@ -24,14 +23,8 @@ BACKENDS = [
 
 
 def _inputs(b=2, hq=2, hkv=1, n=64, d=16, block=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, n, d, generator=g).to(DEV, DTYPE)
-    k = torch.randn(b, hkv, n, d, generator=g).to(DEV, DTYPE)
-    v = torch.randn(b, hkv, n, d, generator=g).to(DEV, DTYPE)
-    nqb = math.ceil(n / block)
-    last = (torch.clamp((torch.arange(nqb) + 1) * block, max=n) - 1) // block
-    sel = (torch.rand(b, hkv, nqb, 2, generator=g) * (last.view(1, 1, -1, 1) + 1)).long()
-    idx = st.BlockIndex.from_selection(sel.to(DEV), seq_len=n, block_q=block, block_k=block, window=1, sinks=1)
+    q, k, v = make_qkv(b, hq, hkv, n, d, DTYPE, seed=seed, device=DEV)
+    idx = random_index(b, hkv, n, block, block, 2, 1, 1, seed=seed, device=DEV, distinct=False)
     return q, k, v, idx
 
 

@@ -1,12 +1,12 @@
 """BlockIndex canonicalization, validation, plan and CSR views against slow per-row Python oracles."""
 
 import math
-import random
 
 import pytest
 import torch
 
 import sparse_train as st
+from builders import make_qkv, random_selection
 from sparse_train.index import capacity_tier
 
 
@@ -18,18 +18,9 @@ def oracle_row(cands, i, seq_len, bq, bk, window, sinks):
     return sorted(chosen)
 
 
-def random_selection(batch, heads, seq_len, bq, bk, k, seed):
-    rng = random.Random(seed)
-    nqb = math.ceil(seq_len / bq)
-    sel = torch.full((batch, heads, nqb, k), -1, dtype=torch.int64)
-    for b in range(batch):
-        for h in range(heads):
-            for i in range(nqb):
-                last = (min((i + 1) * bq, seq_len) - 1) // bk
-                used = rng.randint(0, k)  # ragged: some rows have fewer candidates, some none
-                for s in range(used):
-                    sel[b, h, i, s] = rng.randint(0, last)  # duplicates happen often
-    return sel
+def ragged_selection(batch, heads, seq_len, bq, bk, k, seed):
+    """Uniform causal candidates (duplicates common), 40% of the slots empty (-1): ragged rows, some empty."""
+    return random_selection(batch, heads, seq_len, bq, bk, k, seed=seed, distinct=False, drop=0.4)
 
 
 CASES = [
@@ -47,7 +38,7 @@ CASES = [
 
 @pytest.mark.parametrize("batch,heads,seq_len,bq,bk,k,window,sinks", CASES)
 def test_canonicalize_matches_oracle(batch, heads, seq_len, bq, bk, k, window, sinks):
-    sel = random_selection(batch, heads, seq_len, bq, bk, k, seed=seq_len * 7 + k)
+    sel = ragged_selection(batch, heads, seq_len, bq, bk, k, seed=seq_len * 7 + k)
     idx = st.BlockIndex.from_selection(
         sel, seq_len=seq_len, block_q=bq, block_k=bk, window=window, sinks=sinks, check="full"
     )
@@ -82,7 +73,7 @@ def test_capacity_stable_across_steps():
 
 
 def test_to_dense_from_dense_roundtrip():
-    sel = random_selection(2, 2, 700, 64, 64, 5, seed=3)
+    sel = ragged_selection(2, 2, 700, 64, 64, 5, seed=3)
     idx = st.BlockIndex.from_selection(sel, seq_len=700, window=1, sinks=1)
     dense = idx.to_dense()
     assert dense.shape == (2, 2, 11, 11) and dense.dtype == torch.bool
@@ -118,7 +109,7 @@ def brute_density(idx):
 
 @pytest.mark.parametrize("seq_len,bq,bk", [(130, 64, 64), (200, 32, 64), (190, 64, 32)], ids=str)
 def test_density_matches_brute_force(seq_len, bq, bk):
-    sel = random_selection(1, 2, seq_len, bq, bk, 2, seed=seq_len)
+    sel = ragged_selection(1, 2, seq_len, bq, bk, 2, seed=seq_len)
     idx = st.BlockIndex.from_selection(sel, seq_len=seq_len, block_q=bq, block_k=bk, window=1)
     assert math.isclose(idx.density(), brute_density(idx), rel_tol=1e-12)
 
@@ -132,7 +123,7 @@ def test_repr_is_readable():
 
 @pytest.mark.parametrize("r0", [0, 1, 3, 100], ids=lambda r: f"r0={r}")
 def test_plan_matches_oracle(r0):
-    sel = random_selection(2, 2, 640, 64, 64, 4, seed=11)
+    sel = ragged_selection(2, 2, 640, 64, 64, 4, seed=11)
     idx = st.BlockIndex.from_selection(sel, seq_len=640, window=2, sinks=1)
     plan = idx.plan(r0)
     b, h, nqb, _ = idx.indices.shape
@@ -155,7 +146,7 @@ def test_plan_matches_oracle(r0):
 
 
 def test_plan_deterministic_and_cached():
-    sel = random_selection(1, 2, 512, 64, 64, 4, seed=5)
+    sel = ragged_selection(1, 2, 512, 64, 64, 4, seed=5)
     idx = st.BlockIndex.from_selection(sel, seq_len=512, window=2)
     first = idx.plan(2)
     assert idx.plan(2) is first
@@ -164,7 +155,7 @@ def test_plan_deterministic_and_cached():
 
 
 def test_csr_roundtrip_with_ragged_rows():
-    sel = random_selection(2, 2, 450, 64, 64, 5, seed=21)
+    sel = ragged_selection(2, 2, 450, 64, 64, 5, seed=21)
     idx = st.BlockIndex.from_selection(sel, seq_len=450, sinks=1)
     indptr, cols = idx.to_csr()
     assert indptr.dtype == torch.int64 and cols.dtype == torch.int32
@@ -261,11 +252,6 @@ def test_from_csr_rejects_bad_indptr():
                                batch=1, num_kv_heads=1, seq_len=256)
 
 
-def _qkv(b=1, hq=4, hkv=2, n=256, d=16, dtype=torch.float32):
-    return (torch.randn(b, hq, n, d, dtype=dtype), torch.randn(b, hkv, n, d, dtype=dtype),
-            torch.randn(b, hkv, n, d, dtype=dtype))
-
-
 @pytest.mark.parametrize(
     "mutate,match",
     [
@@ -283,14 +269,14 @@ def _qkv(b=1, hq=4, hkv=2, n=256, d=16, dtype=torch.float32):
 )
 def test_check_compatible_errors(mutate, match):
     idx = st.BlockIndex.full(1, 2, 256)
-    q, k, v = mutate(*_qkv())
+    q, k, v = mutate(*make_qkv(1, 4, 2, 256, 16))
     with pytest.raises(ValueError, match=match):
         st.sparse_attention(q, k, v, idx)
 
 
 def test_check_compatible_device_and_seq_lens():
     idx = st.BlockIndex.full(1, 2, 256)
-    q, k, v = _qkv()
+    q, k, v = make_qkv(1, 4, 2, 256, 16)
     meta = torch.empty(1, 4, 256, 16, device="meta")
     with pytest.raises(ValueError, match="is on meta"):
         idx.check_compatible(meta, k, v)
@@ -308,7 +294,7 @@ def test_import_from_repo_root_does_not_shadow_stdlib():
 
 @pytest.mark.gpu
 def test_cuda_index_matches_cpu():
-    sel = random_selection(2, 4, 4000, 64, 64, 8, seed=13)
+    sel = ragged_selection(2, 4, 4000, 64, 64, 8, seed=13)
     cpu = st.BlockIndex.from_selection(sel, seq_len=4000, window=4, sinks=1)
     gpu = st.BlockIndex.from_selection(sel.cuda(), seq_len=4000, window=4, sinks=1)
     assert gpu.device.type == "cuda"
@@ -321,8 +307,8 @@ def test_cuda_index_matches_cpu():
 # --------------------------------------------------------------------------- issue 11: stale state, domains
 def test_plan_cache_follows_in_place_writes_to_the_index():
     """A cached plan is reused only while the index tensors are unmodified (version counters)."""
-    a = st.BlockIndex.from_selection(random_selection(1, 2, 512, 64, 64, 3, seed=1), seq_len=512, window=1, capacity=8)
-    b = st.BlockIndex.from_selection(random_selection(1, 2, 512, 64, 64, 3, seed=2), seq_len=512, window=1, capacity=8)
+    a = st.BlockIndex.from_selection(ragged_selection(1, 2, 512, 64, 64, 3, seed=1), seq_len=512, window=1, capacity=8)
+    b = st.BlockIndex.from_selection(ragged_selection(1, 2, 512, 64, 64, 3, seed=2), seq_len=512, window=1, capacity=8)
     first = a.plan(2)
     assert a.plan(2) is first
     a.indices.copy_(b.indices)
@@ -337,8 +323,8 @@ def test_plan_cache_follows_in_place_writes_to_the_index():
 def test_from_canonical_buffers_rewritten_in_place_never_give_a_stale_plan():
     """Issue 11: from_canonical (buffers a CUDA graph updates in place) cached its plan; after
     buf.copy_(new) the backward used the plan of the old selection."""
-    a = st.BlockIndex.from_selection(random_selection(2, 2, 640, 64, 64, 4, seed=3), seq_len=640, sinks=1, capacity=8)
-    b = st.BlockIndex.from_selection(random_selection(2, 2, 640, 64, 64, 4, seed=4), seq_len=640, sinks=1, capacity=8)
+    a = st.BlockIndex.from_selection(ragged_selection(2, 2, 640, 64, 64, 4, seed=3), seq_len=640, sinks=1, capacity=8)
+    b = st.BlockIndex.from_selection(ragged_selection(2, 2, 640, 64, 64, 4, seed=4), seq_len=640, sinks=1, capacity=8)
     buf_i, buf_c = a.indices.clone(), a.counts.clone()
     idx = st.BlockIndex.from_canonical(buf_i, buf_c, seq_len=640, block_q=64, block_k=64)
     assert torch.equal(idx.plan().kv_qblocks, a.plan().kv_qblocks)

@@ -3,13 +3,14 @@
 import pytest
 import torch
 
-from _kernel_testutils import make_qkv, random_index
+from builders import make_qkv, random_index
 from sparse_train.kernels.block_mass import triton_block_mass, triton_dense_block_mass
 from sparse_train.kernels.reference import reference_sparse_attention
 from sparse_train.kernels.reference_block_mass import reference_dense_block_mass, reference_sparse_block_mass
 from sparse_train.selectors.distill import dense_block_mass, sparse_block_mass
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")  # fresh outputs start as NaN
 
 CASES = [
     # (B, HQ, HKV, N, D, BQ, BK, topk, window, sinks, seq_lens)

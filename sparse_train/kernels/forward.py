@@ -163,11 +163,11 @@ def _merge_kernel(
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
 def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, seq_lens=None,
-                        dropout_p=0.0, dropout_seed=0, num_splits=1, config=None, out=None):
+                        dropout_p=0.0, dropout_seed=0, num_splits=1, config=None):
     """Launch the forward.  q ``[B, HQ, N, D]``; k, v ``[B, HKV, N, D]``; indices int32 ``[B, HKV, NQB, K]``;
     counts int32 ``[B, HKV, NQB]``; seq_lens int ``[B]`` or None.  Returns (o ``[B, HQ, N, D]`` in q's
     dtype, lse ``[B, HQ, N]`` float32).  ``config``: a ``plan.ForwardConfig`` (default
-    ``plan.forward_config``).  ``out=(o, lse)`` writes into given buffers.  No validation here (op.py
+    ``plan.forward_config``).  No validation here (op.py
     validates before calling), but every tensor argument is either passed with its strides or made
     contiguous here, and ``dropout_seed`` may be any int whose low 64 bits are the Philox key."""
     B, HQ, N, D = q.shape
@@ -177,11 +177,8 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
     if config is None:
         config = forward_config(group, block_q, block_k, D)
     heads_per_program = config.heads_per_program
-    if out is not None:
-        o, lse = out
-    else:
-        o = torch.empty((B, HQ, N, D), device=q.device, dtype=q.dtype)
-        lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
+    o = torch.empty((B, HQ, N, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
     dropout = dropout_p > 0.0
     threshold = int(dropout_threshold(dropout_p)) if dropout else 0
     inv_keep = 1.0 / (1.0 - dropout_p) if dropout else 1.0
