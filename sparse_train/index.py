@@ -21,6 +21,8 @@ block sizes, NQB = ceil(N / BQ), NKB = ceil(N / BK).
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +48,9 @@ __all__ = [
     "capacity_tier",
     "causal_last_block",
 ]
+
+_REPR_GRID_BLOCKS = 16  # repr draws the block grid (to_string) up to this many query blocks ...
+_REPR_GRID_PAIRS = 2  # ... and (batch, KV head) pairs
 
 INDEX_CHECKS = ("none", "cheap", "full")
 """Validation levels of :func:`canonicalize` / :meth:`BlockIndex.from_canonical`: ``"none"`` trusts the
@@ -527,13 +532,68 @@ class BlockIndex:
             self._cache[("plan", r0)] = plan
         return plan
 
+    # ---------------------------------------------------------------- inspection
+    def __getitem__(self, key) -> "BlockIndex":
+        """The index restricted to some batches and/or KV heads: ``index[b]``, ``index[b, h]``,
+        ``index[:, h]``, ``index[1:3]``, ... (ints and slices, negative ints allowed). The result is
+        still a 4-D ``BlockIndex`` (an int keeps its dimension, with size 1) over the same sequence,
+        block sizes and capacity; its tensors are views of this index's, like tensor slicing."""
+        key = key if isinstance(key, tuple) else (key,)
+        if len(key) > 2:
+            raise IndexError(f"BlockIndex takes [batch] or [batch, kv_head], got {len(key)} indices")
+        picks = []
+        for name, item, size in zip(("batch", "kv_head"), key, (self.batch, self.num_kv_heads)):
+            if isinstance(item, slice):
+                picks.append(item)
+                continue
+            if isinstance(item, bool) or not isinstance(item, numbers.Integral):
+                raise TypeError(f"BlockIndex {name} index must be an int or a slice, got {type(item).__name__}")
+            position = operator.index(item)
+            if not -size <= position < size:
+                raise IndexError(f"{name} index {position} is out of range for {size} {name} entries")
+            position %= size
+            picks.append(slice(position, position + 1))
+        picks += [slice(None)] * (2 - len(picks))
+        return BlockIndex(self.indices[picks[0], picks[1]], self.counts[picks[0], picks[1]], self.seq_len,
+                          self.block_q, self.block_k, _external=self._external)
+
+    def to_string(self, max_blocks: int = 32, max_pairs: int = 4) -> str:
+        """The selection as a block grid per (batch, KV head): one line per query block, one character
+        per key block: ``'█'`` selected, ``'.'`` causally reachable but not selected, nothing past the
+        causal limit. At most ``max_blocks`` query and key blocks and ``max_pairs`` (batch, KV head)
+        pairs are drawn; a last line says what was left out. One device-to-host copy of the selection."""
+        max_blocks = check_int("max_blocks", max_blocks, minimum=1)
+        max_pairs = check_int("max_pairs", max_pairs, minimum=1)
+        nqb, nkb = self.num_q_blocks, self.num_k_blocks
+        shown_q, shown_k = min(nqb, max_blocks), min(nkb, max_blocks)
+        pairs = [(b, h) for b in range(self.batch) for h in range(self.num_kv_heads)]
+        drawn_batches = min(self.batch, -(-max_pairs // max(1, self.num_kv_heads)))
+        selected = self[:drawn_batches].to_dense()[..., :shown_q, :shown_k].cpu()
+        last = causal_last_block(nqb, self.seq_len, self.block_q, self.block_k).tolist()
+        lines = []
+        for b, h in pairs[:max_pairs]:
+            lines.append(f"batch {b}, kv_head {h}:")
+            grid = selected[b, h].tolist()
+            for i in range(shown_q):
+                cells = ("█" if grid[i][j] else "." for j in range(min(shown_k, last[i] + 1)))
+                lines.append("  " + "".join(cells))
+        if not pairs:
+            lines.append("(no batches)")
+        if shown_q < nqb or shown_k < nkb:
+            lines.append(f"(first {shown_q} of {nqb} query blocks and {shown_k} of {nkb} key blocks shown)")
+        if len(pairs) > max_pairs:
+            lines.append(f"({len(pairs) - max_pairs} more (batch, kv_head) pairs not shown)")
+        return "\n".join(lines)
+
     def __repr__(self) -> str:
         counts = self.counts.to(torch.float64)
         mean = float(counts.mean()) if counts.numel() else 0.0
         longest = int(self.counts.max()) if self.counts.numel() else 0
-        return (
+        summary = (
             f"BlockIndex(B={self.batch}, HKV={self.num_kv_heads}, N={self.seq_len}, "
             f"BQ={self.block_q}, BK={self.block_k}, NQB={self.num_q_blocks}, NKB={self.num_k_blocks}, "
             f"K={self.capacity}, blocks/row mean={mean:.1f} max={longest}, "
             f"density={self.density():.2%}, device={self.device})"
         )
+        small = self.num_q_blocks <= _REPR_GRID_BLOCKS and self.batch * self.num_kv_heads <= _REPR_GRID_PAIRS
+        return summary + "\n" + self.to_string(_REPR_GRID_BLOCKS, _REPR_GRID_PAIRS) if small else summary

@@ -426,3 +426,87 @@ def test_index_api_accepts_numpy_ints():
     np = pytest.importorskip("numpy")
     idx = st.BlockIndex.from_selection(SEL, seq_len=np.int64(256), block_q=np.int32(64), window=np.int64(2))
     assert idx.seq_len == 256 and type(idx.seq_len) is int and type(idx.block_q) is int
+
+
+# ---------------------------------------------------------------------------------------------- inspection
+def _two_heads():
+    # batch 0, head 0 selects block 0 / 0 / 1 / nothing, head 1 nothing / 0 / 0 / 2; window 1 adds the diagonal
+    sel = torch.tensor([[[[0], [0], [1], [-1]], [[-1], [0], [0], [2]]]])
+    return st.BlockIndex.from_selection(sel, seq_len=256, window=1)
+
+
+def test_to_string_draws_one_character_per_block():
+    text = _two_heads().to_string()
+    assert text == "\n".join([
+        "batch 0, kv_head 0:",
+        "  █",
+        "  ██",
+        "  .██",
+        "  ...█",
+        "batch 0, kv_head 1:",
+        "  █",
+        "  ██",
+        "  █.█",
+        "  ..██",
+    ])
+
+
+def test_to_string_truncates_large_grids_with_a_note():
+    idx = st.BlockIndex.full(2, 3, 40 * 16, 16, 16)
+    text = idx.to_string(max_blocks=5, max_pairs=2)
+    lines = text.splitlines()
+    assert lines[:7] == ["batch 0, kv_head 0:", "  █", "  ██", "  ███", "  ████", "  █████", "batch 0, kv_head 1:"]
+    assert "(first 5 of 40 query blocks and 5 of 40 key blocks shown)" in lines
+    assert lines[-1] == "(4 more (batch, kv_head) pairs not shown)"
+    assert len(lines) == 2 * 6 + 2
+    with pytest.raises(ValueError, match="max_blocks must be a positive int"):
+        idx.to_string(max_blocks=0)
+
+
+def test_repr_shows_the_grid_of_small_indices_only():
+    small = _two_heads()
+    assert repr(small).splitlines()[1:] == small.to_string().splitlines()
+    large = st.BlockIndex.full(1, 1, 64 * 17)
+    assert "\n" not in repr(large) and "NQB=17" in repr(large)
+    many_heads = st.BlockIndex.full(1, 3, 256)
+    assert "\n" not in repr(many_heads)
+
+
+def test_getitem_restricts_to_batches_and_heads():
+    sel = ragged_selection(3, 2, 300, 64, 64, 4, seed=7)
+    idx = st.BlockIndex.from_selection(sel, seq_len=300, window=1, sinks=1)
+    capacity = idx.capacity
+    for key, (bs, hs) in [
+        (1, ([1], [0, 1])),
+        (-1, ([2], [0, 1])),
+        ((0, 1), ([0], [1])),
+        ((slice(None), 0), ([0, 1, 2], [0])),
+        (slice(1, 3), ([1, 2], [0, 1])),
+        ((slice(0, 3, 2), -2), ([0, 2], [0])),
+    ]:
+        part = idx[key]
+        assert isinstance(part, st.BlockIndex)
+        assert (part.batch, part.num_kv_heads, part.capacity) == (len(bs), len(hs), capacity)
+        assert (part.seq_len, part.block_q, part.block_k) == (idx.seq_len, idx.block_q, idx.block_k)
+        want = st.BlockIndex.from_selection(sel[bs][:, hs], seq_len=300, window=1, sinks=1, capacity=capacity)
+        assert torch.equal(part.indices, want.indices) and torch.equal(part.counts, want.counts)
+        part.validate()
+    with pytest.raises(IndexError, match="batch index 3 is out of range for 3 batch entries"):
+        idx[3]
+    with pytest.raises(IndexError, match="kv_head index -3 is out of range"):
+        idx[0, -3]
+    with pytest.raises(IndexError, match="takes \\[batch\\] or \\[batch, kv_head\\]"):
+        idx[0, 0, 0]
+    with pytest.raises(TypeError, match="batch index must be an int or a slice, got float"):
+        idx[1.0]
+
+
+def test_attention_over_a_batch_of_the_index_is_that_batch_of_the_attention():
+    q, k, v = make_qkv(3, 4, 2, 150, 16, torch.float64, seed=9)
+    idx = st.BlockIndex.from_selection(ragged_selection(3, 2, 150, 32, 32, 3, seed=9), seq_len=150, block_q=32,
+                                       block_k=32, window=1)
+    full = st.sparse_attention(q, k, v, idx, backend="reference")
+    one = st.sparse_attention(q[1:2], k[1:2], v[1:2], idx[1], backend="reference")
+    assert torch.equal(one, full[1:2])
+    head = st.sparse_attention(q[:, 2:4], k[:, 1:2], v[:, 1:2], idx[:, 1], backend="reference")
+    assert torch.equal(head, full[:, 2:4])
