@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from sparse_train import plan as planning  # noqa: E402
 from sparse_train.index import BlockIndex  # noqa: E402
 from sparse_train.kernels import backward as kb  # noqa: E402
 from sparse_train.kernels import forward as kf  # noqa: E402
@@ -159,15 +160,15 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do):
     row = dict(kind="ours", N=N, pattern=pat_name, density=idx.density(), mean_blocks=float(idx.counts.float().mean()),
                index_plan_ms=t_idx, index_plan_p95_ms=t_idx95, num_hot=plan.num_hot, num_cold=plan.num_cold,
                r0=plan.r0, max_reuse=plan.max_reuse)
-    t, t95, n = timeit(lambda: triton_sparse_attention(q, k, v, idx, plan=plan))
+    t, t95, n = timeit(lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan}))
     row.update(fwd_ms=t, fwd_p95_ms=t95, fwd_TFLOPs=f_fwd / t / 1e9, fwd_frac_ceiling=f_fwd / t / 1e9 / ceil)
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
     for det in (False, True):
-        o, _ = triton_sparse_attention(qg, kg, vg, idx, plan=plan, deterministic=det)
+        o, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options={"plan": plan})
         tb, tb95, _ = timeit(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
 
         def fb():
-            oo, _ = triton_sparse_attention(qg, kg, vg, idx, plan=plan, deterministic=det)
+            oo, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options={"plan": plan})
             torch.autograd.grad(oo, (qg, kg, vg), do)
 
         tfb, tfb95, _ = timeit(fb)
@@ -294,7 +295,7 @@ def r0_sweep(N, pat_name, pat, sel, results, q, k, v, do):
     for det in (False, True):
         for r0 in (r0s if not det else [max_reuse + 1]):
             plan = idx.plan(r0)
-            slots = kb.cold_slots(plan.hot, plan.reuse, det)
+            slots = planning.cold_slots(plan.hot, plan.reuse, det)
             num_cold = 0 if det else plan.num_cold
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
 
@@ -331,16 +332,16 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do):
     for hpp, nw, ns in fwd_cfgs:
         cfg = dict(kind="tune_fwd", N=N, pattern=pat_name, hpp=hpp, num_warps=nw, num_stages=ns)
         try:
+            config = planning.ForwardConfig(hpp, nw, ns)
             t, _, _ = timeit(lambda: kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs,
-                                                            scale=scale, heads_per_program=hpp, num_warps=nw,
-                                                            num_stages=ns), budget_ms=100)
+                                                            scale=scale, config=config), budget_ms=100)
             ck = kf.LAST_COMPILED["fwd"]
             cfg.update(ms=t, TFLOPs=4 * D * pairs / t / 1e9, regs=ck.n_regs, spills=ck.n_spills)
         except Exception as exc:
             cfg["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rec(results, cfg)
     o, lse = kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale)
-    slots = kb.cold_slots(plan.hot, plan.reuse, True)
+    slots = planning.cold_slots(plan.hot, plan.reuse, True)
     if bs == 64:
         dq_cfgs = [(1, 4, 2), (2, 8, 3), (2, 8, 2), (1, 8, 2), (2, 4, 2)]
         kv_cfgs = [(h, w, s) for h in (1, 2, 4) for w in (4, 8) for s in (1, 2)]
@@ -352,18 +353,20 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do):
         dqc, kvc, chunk = var.get("dq"), var.get("kv"), var.get("chunk")
         cfg = dict(kind="tune_bwd_det", N=N, pattern=pat_name, dq_cfg=str(dqc), kv_cfg=str(kvc), kv_chunk=chunk)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        kw = {}
+        options = {}
         if dqc:
-            kw.update(heads_per_program=dqc[0], num_warps=dqc[1], num_stages=dqc[2])
+            options.update(dq_heads_per_program=dqc[0], dq_num_warps=dqc[1], dq_num_stages=dqc[2])
         if kvc:
-            kw.update(kv_heads_per_program=kvc[0], kv_num_warps=kvc[1], kv_num_stages=kvc[2])
+            options.update(kv_heads_per_program=kvc[0], kv_num_warps=kvc[1], kv_num_stages=kvc[2])
         if chunk:
-            kw.update(kv_chunk=chunk)
+            options.update(kv_chunk=chunk)
         try:
+            config = planning.backward_config(HQ // HKV, bs, bs, D, False, options)
+
             def bwd():
                 kb.sparse_attn_backward(do, q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr,
                                         plan.kv_qblocks, slots, 0, block_q=bs, block_k=bs, scale=scale,
-                                        stage_events=ev, **kw)
+                                        stage_events=ev, config=config)
             t, _, _ = timeit(bwd, budget_ms=100)
             torch.cuda.synchronize()
             cfg.update(ms=t, dq_ms=ev[1].elapsed_time(ev[2]), kv_ms=ev[2].elapsed_time(ev[3]),

@@ -14,6 +14,7 @@ import statistics
 
 import torch
 
+from sparse_train.kernels.reference_block_mass import reference_dense_block_mass
 from sparse_train.selectors.distill import dense_block_mass
 
 
@@ -46,7 +47,8 @@ def main() -> None:
     scale = args.head_dim ** -0.5
     kernels = median_ms(lambda: dense_block_mass(q, k, block_q=64, block_k=64, scale=scale, query_blocks=picks))
     qf, kf = q.float(), k.float()
-    reference = median_ms(lambda: dense_block_mass(qf, kf, block_q=64, block_k=64, scale=scale, query_blocks=picks))
+    reference = median_ms(lambda: reference_dense_block_mass(qf, kf, block_q=64, block_k=64, scale=scale,
+                                                             query_blocks=picks))
     print(f"N={args.n} HQ={hq} HKV={hkv} D={args.head_dim} sampled query blocks={args.blocks}: "
           f"kernels {kernels:.2f} ms, PyTorch reference {reference:.2f} ms ({reference / kernels:.1f}x)")
 

@@ -180,7 +180,8 @@ def main(argv=None) -> int:
 
         def attention():
             q.grad = k.grad = v.grad = None
-            out = st.sparse_attention(q, k, v, index, scale=scale, backend="auto", plan=fixed_plan)
+            out = st.sparse_attention(q, k, v, index, scale=scale, backend="auto",
+                                     kernel_options={"plan": fixed_plan})
             out.backward(grad_out)
 
         timings["attention/fwd_bwd"] = measure(attention, device, args.warmup, args.repeats)

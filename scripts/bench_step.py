@@ -56,7 +56,7 @@ def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
     def ctx() -> contextlib.AbstractContextManager:
         return sdpa_kernel(backends[backend]) if backend != "auto" else contextlib.nullcontext()
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
         groups = q.shape[1] // k.shape[1]
         if groups > 1 and state["expand"] is None:
             try:
@@ -70,10 +70,10 @@ def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
         with ctx():
             if groups > 1 and state["expand"]:
                 k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
             if groups > 1:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
     return attend
 

@@ -11,7 +11,8 @@ Public API::
 from .attention import SparseAttention, collect_attention_stats, collect_selector_losses
 from .config import SparseAttentionConfig
 from .functional import sparse_attention
-from .index import DEFAULT_R0, BlockIndex, BlockPlan
+from .index import BlockIndex
+from .plan import DEFAULT_R0, BlockPlan
 
 __version__ = "0.1.0"
 

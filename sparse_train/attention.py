@@ -38,11 +38,10 @@ import math
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import SparseAttentionConfig
-from .functional import BACKEND_REASONS, finite_padded_queries, resolve_backend, sparse_attention
+from .functional import BACKEND_REASONS, dense_causal_attention, resolve_backend, sparse_attention
 from .index import BlockIndex
 from .timing import PhaseTimer
 from .validation import check_dropout_p, check_float, check_qkv, check_seq_lens, draw_dropout_seed
@@ -63,7 +62,6 @@ __all__ = [
     "FALLBACK_REASONS",
     "collect_selector_losses",
     "collect_attention_stats",
-    "dense_causal_attention",
 ]
 
 FALLBACK_REASONS = ("dense_warmup", "dense_full_selection", "dense_hysteresis") + tuple(
@@ -75,33 +73,6 @@ FALLBACK_REASONS = ("dense_warmup", "dense_full_selection", "dense_hysteresis") 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def dense_causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: float, dropout_p: float = 0.0, seq_lens: Tensor | None = None
-) -> Tensor:
-    """Dense causal SDPA with GQA and the same masks as the sparse path.
-
-    q ``[B, HQ, N, D]``, k/v ``[B, HKV, N, D]``; with ``seq_lens`` keys at positions >= seq_lens[b]
-    are masked (an explicit boolean mask; rows without any valid key output zeros, as in the kernels).
-    """
-    gqa = q.shape[1] != k.shape[1]
-    if seq_lens is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
-    n = q.shape[2]
-    pos = torch.arange(n, device=q.device)
-    # Padding may hold anything (NaN included). A masked logit still multiplies its value by a zero
-    # probability (0 * NaN = NaN), so padded keys and values are replaced, not masked.
-    real = (pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
-    q = finite_padded_queries(q, seq_lens)
-    k = torch.where(real, k, 0.0)
-    v = torch.where(real, v, 0.0)
-    allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1)) & (pos.view(1, 1, n) < seq_lens.view(-1, 1, 1))  # [B, N, N]
-    empty_row = ~allowed.any(dim=-1)  # only when seq_lens[b] == 0
-    # give empty rows one harmless key so SDPA has a finite softmax, then zero their output
-    allowed = allowed | (empty_row.unsqueeze(-1) & (pos.view(1, 1, n) == 0))
-    o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale, enable_gqa=gqa
-    )
-    return o.masked_fill(empty_row.view(q.shape[0], 1, n, 1), 0.0)
 
 
 class SparseAttention(nn.Module):
@@ -360,7 +331,7 @@ class SparseAttention(nn.Module):
             o, lse = sparse_attention(
                 q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                 deterministic=cfg.deterministic, return_lse=True, backend=backend, seq_lens=seq_lens,
-                plan=plan, r0=cfg.r0,
+                kernel_options={"plan": plan, "r0": cfg.r0},
             )
         if profile:
             self._timings.mark("attn_fwd", 1, device)

@@ -10,16 +10,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .functional import BACKENDS
+from .index import INDEX_CHECKS
+from .kernels.reference_block_mass import ROW_POOLS as DISTILL_ROW_POOLS
 from .validation import check_bool, check_choice, check_float, check_int
 
 __all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "DISTILL_ROW_POOLS", "DISTILL_SUPPORTS",
            "INDEX_CHECKS", "KEY_POOLINGS"]
 
-BACKENDS = ("auto", "triton", "reference")
 DISTILL_MODES = ("sparse", "sampled", "dense", "off")
-DISTILL_ROW_POOLS = ("max", "mean")
 DISTILL_SUPPORTS = ("dynamic", "causal")
-INDEX_CHECKS = ("none", "cheap", "full")
 KEY_POOLINGS = ("mean", "mean_max")
 
 
@@ -95,7 +95,7 @@ class SparseAttentionConfig:
     warm-up are dense too. 0 = sparse from the first step (a selector loaded from a checkpoint)."""
 
     r0: int | None = None
-    """Reuse threshold of the hybrid dK/dV backward; ``None`` = ``sparse_train.index.DEFAULT_R0``."""
+    """Reuse threshold of the hybrid dK/dV backward; ``None`` = ``sparse_train.plan.DEFAULT_R0``."""
 
     dropout_p: float = 0.0
     """Dropout on attention probabilities during training, in [0, 1) (ignored in eval mode)."""

@@ -1,19 +1,48 @@
-"""``sparse_attention``: the functional entry point, dispatching to the Triton kernels or the reference."""
+"""``sparse_attention``: the functional entry point, and the one place that chooses between the Triton
+kernels and their PyTorch references (``resolve_backend``; the selector's block-mass targets use the
+same decision through :func:`choose_backend`). Also the dense causal path with the same masks
+(:func:`dense_causal_attention`), which the module takes when a selection is full."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from .config import BACKENDS
-from .index import BlockIndex, BlockPlan
+from .index import BlockIndex
 from .kernels.reference import reference_sparse_attention
-from .validation import check_attention_args, check_block_index, check_bool, check_qkv, draw_dropout_seed
+from .plan import KernelOptions
+from .validation import check_attention_args, check_bool, check_choice, check_inputs, draw_dropout_seed
 
-__all__ = ["sparse_attention", "resolve_backend", "BACKENDS", "BACKEND_REASONS", "finite_padded_queries"]
+__all__ = [
+    "BACKENDS",
+    "BACKEND_REASONS",
+    "dense_causal_attention",
+    "finite_padded_queries",
+    "choose_backend",
+    "resolve_backend",
+    "sparse_attention",
+]
 
+BACKENDS = ("auto", "triton", "reference")
+"""Values of ``backend``: ``"auto"`` (Triton on supported CUDA input, the reference otherwise),
+``"triton"`` (raises on input the kernels do not support), ``"reference"`` (PyTorch)."""
+
+BACKEND_REASONS = (
+    "requested",
+    "supported",
+    "cpu",
+    "triton_unavailable",
+    "unsupported_dtype",
+    "unsupported_head_dim",
+    "unsupported_block_size",
+    "unsupported_device",
+    "unsupported_other",
+)
+"""Why :func:`resolve_backend` chose its backend: fixed codes, usable as metric keys (the module
+counts ``reference_<code>`` fallbacks), never free text to be matched."""
 
 
 def _triton_op():
@@ -33,32 +62,42 @@ def finite_padded_queries(q: Tensor, seq_lens: Tensor) -> Tensor:
     return torch.where(real | torch.isfinite(q), q, 0.0)
 
 
-BACKEND_REASONS = (
-    "requested",
-    "supported",
-    "cpu",
-    "triton_unavailable",
-    "unsupported_dtype",
-    "unsupported_head_dim",
-    "unsupported_block_size",
-    "unsupported_device",
-    "unsupported_other",
-)
-"""Why :func:`resolve_backend` chose its backend: fixed codes, usable as metric keys (the module
-counts ``reference_<code>`` fallbacks), never free text to be matched."""
+def dense_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, dropout_p: float = 0.0,
+    seq_lens: Tensor | None = None
+) -> Tensor:
+    """Dense causal SDPA with GQA and the same masks as the sparse path.
+
+    q ``[B, HQ, N, D]``, k/v ``[B, HKV, N, D]``; ``scale`` default ``1 / sqrt(D)``; with ``seq_lens``
+    keys at positions >= seq_lens[b] are masked (an explicit boolean mask; rows without any valid key
+    output zeros, as in the kernels). Dropout uses SDPA's own RNG, not the counter-based bits."""
+    gqa = q.shape[1] != k.shape[1]
+    if seq_lens is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
+    n = q.shape[2]
+    pos = torch.arange(n, device=q.device)
+    # Padding may hold anything (NaN included). A masked logit still multiplies its value by a zero
+    # probability (0 * NaN = NaN), so padded keys and values are replaced, not masked.
+    real = (pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
+    q = finite_padded_queries(q, seq_lens)
+    k = torch.where(real, k, 0.0)
+    v = torch.where(real, v, 0.0)
+    allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1)) & (pos.view(1, 1, n) < seq_lens.view(-1, 1, 1))  # [B, N, N]
+    empty_row = ~allowed.any(dim=-1)  # only when seq_lens[b] == 0
+    # give empty rows one harmless key so SDPA has a finite softmax, then zero their output
+    allowed = allowed | (empty_row.unsqueeze(-1) & (pos.view(1, 1, n) == 0))
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    )
+    return o.masked_fill(empty_row.view(q.shape[0], 1, n, 1), 0.0)
 
 
-def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend: str = "auto") -> tuple[str, str]:
-    """Which backend ``sparse_attention`` will run, and why: ``("triton" | "reference", code)`` with
-    ``code`` in :data:`BACKEND_REASONS`.
-
-    ``"auto"`` picks Triton for CUDA tensors the kernels support and the reference otherwise (the
-    code names what was unsupported). ``"triton"`` on CPU tensors requires ``TRITON_INTERPRET=1``.
-    """
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_block_index(index)
-    check_qkv(q, k, v, device=index.device)
+def choose_backend(q: Tensor, block_q: int, block_k: int, backend: str = "auto") -> tuple[str, str]:
+    """The backend decision from what it depends on (q's device, dtype, length and head dim; the block
+    sizes): ``("triton" | "reference", code)`` with ``code`` in :data:`BACKEND_REASONS`. Attention goes
+    through :func:`resolve_backend` (which validates the whole input first); the selector's block-mass
+    targets call this directly."""
+    check_choice("backend", backend, BACKENDS)
     if backend == "reference":
         return "reference", "requested"
     on_cpu = q.device.type == "cpu"
@@ -68,7 +107,7 @@ def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend:
                 "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before sparse_train's "
                 "kernels are imported; use backend='reference' or move the tensors to CUDA"
             )
-        support = _triton_op().triton_supports(q, k, v, index)
+        support = _triton_op().triton_supports(q, block_q, block_k)
         if not support.ok:
             raise ValueError(f"backend='triton' cannot run this input: {support.message}")
         return "triton", "requested"
@@ -80,8 +119,20 @@ def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend:
         op = _triton_op()
     except ImportError:  # triton missing or broken on this machine
         return "reference", "triton_unavailable"
-    support = op.triton_supports(q, k, v, index)
+    support = op.triton_supports(q, block_q, block_k)
     return ("triton", "supported") if support.ok else ("reference", support.code)
+
+
+def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend: str = "auto") -> tuple[str, str]:
+    """Which backend ``sparse_attention`` will run, and why: ``("triton" | "reference", code)`` with
+    ``code`` in :data:`BACKEND_REASONS`.
+
+    ``"auto"`` picks Triton for CUDA tensors the kernels support and the reference otherwise (the
+    code names what was unsupported). ``"triton"`` on CPU tensors requires ``TRITON_INTERPRET=1``.
+    """
+    check_choice("backend", backend, BACKENDS)
+    check_inputs(q, k, v, index, seq_lens_values=False)
+    return choose_backend(q, index.block_q, index.block_k, backend)
 
 
 def sparse_attention(
@@ -89,17 +140,20 @@ def sparse_attention(
     k: Tensor,
     v: Tensor,
     index: BlockIndex,
+    *,
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
-    deterministic: bool = False,
-    return_lse: bool = False,
-    backend: str = "auto",
     seq_lens: Tensor | None = None,
-    plan: BlockPlan | None = None,
-    r0: int | None = None,
+    return_lse: bool = False,
+    deterministic: bool = False,
+    backend: str = "auto",
+    kernel_options: dict | KernelOptions | None = None,
 ):
     """Exact softmax attention restricted to the blocks of ``index`` (plus causal and length masks).
+
+    The named arguments are the semantics; ``kernel_options`` holds the performance choices, which
+    never change the result beyond floating-point order.
 
     Args:
         q: ``[B, HQ, N, D]``; k, v: ``[B, HKV, N, D]`` with HQ a multiple of HKV (GQA). Any strides.
@@ -110,18 +164,23 @@ def sparse_attention(
         dropout_seed: seed of the counter-based keep bits, an int in ``[0, 2**64)`` (both backends
             give the same bits for every seed). ``None`` draws one from torch's global generator (so
             ``torch.manual_seed`` and checkpoint RNG replay reproduce it).
-        deterministic: bitwise-reproducible gradients (every dK/dV block KV-centric). Also switched on
-            by ``torch.use_deterministic_algorithms(True)``.
-        return_lse: also return the row log-sum-exp ``[B, HQ, N]`` (fp32, natural log, -inf on empty rows).
-        backend: ``"auto"`` (Triton on supported CUDA inputs, reference otherwise), ``"triton"``,
-            ``"reference"``.
         seq_lens: optional int ``[B]`` (any strides), values in ``[0, N]``: keys at positions >=
             seq_lens[b] are masked (right padding); whatever they hold (even NaN/inf) never reaches
             an output or gradient of the keys before it. Query rows past it are computed like any
             row (finite padding) or from a zeroed query (non-finite padding).
-        plan: a precomputed ``index.plan(r0)`` of this very index (refused otherwise) to reuse across
-            layers; r0: reuse threshold of the hybrid backward (default
-            :data:`sparse_train.index.DEFAULT_R0`; must equal ``plan.r0`` when both are given).
+        return_lse: also return the row log-sum-exp ``[B, HQ, N]`` (fp32, natural log, -inf on empty rows).
+        deterministic: bitwise-reproducible gradients (every dK/dV block KV-centric). Also switched on
+            by ``torch.use_deterministic_algorithms(True)``.
+        backend: one of :data:`BACKENDS`: ``"auto"`` (Triton on supported CUDA inputs, reference
+            otherwise), ``"triton"``, ``"reference"``.
+        kernel_options: ``None`` or a dict with keys among :data:`sparse_train.plan.KERNEL_OPTIONS`,
+            each None (default) or: ``plan`` a precomputed ``index.plan(r0)`` of this very index, to
+            reuse across layers; ``r0`` the reuse threshold of the hybrid backward (default
+            :data:`sparse_train.plan.DEFAULT_R0`; must equal ``plan.r0`` when both are given);
+            ``num_splits`` the forward's split-KV count (1..64); ``{fwd,dq,kv}_heads_per_program``,
+            ``{fwd,dq,kv}_num_warps``, ``{fwd,dq,kv}_num_stages`` the tiles of the forward, dQ and
+            KV-centric kernels; ``kv_chunk`` query blocks per KV-centric work item. Validated on both
+            backends; only the Triton backend uses them.
 
     Returns:
         ``o`` ``[B, HQ, N, D]`` in q's dtype, or ``(o, lse)`` with ``return_lse=True``. Rows with no
@@ -130,13 +189,14 @@ def sparse_attention(
     Raises:
         ValueError: any argument outside its domain (see :mod:`sparse_train.validation`), naming it:
             shape/dtype/device mismatch between q, k, v, index and seq_lens; seq_lens values outside
-            [0, N]; dropout_p outside [0, 1); dropout_seed outside [0, 2**64); a plan of another
-            index; unknown backend; ``backend="triton"`` on input the kernels do not support.
+            [0, N]; dropout_p outside [0, 1); dropout_seed outside [0, 2**64); an unknown
+            kernel_options key or a value of the wrong type; a plan of another index; unknown
+            backend; ``backend="triton"`` on input the kernels do not support.
     """
     # Everything but the seq_lens values (a host sync) before choosing a backend; the backend that
     # runs validates again, values included, so the sync happens once per call.
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, plan=plan, r0=r0, seq_lens_values=False)
+                                seq_lens=seq_lens, kernel_options=kernel_options, seq_lens_values=False)
     dropout_p, dropout_seed = args.dropout_p, args.dropout_seed
     check_bool("deterministic", deterministic)
     check_bool("return_lse", return_lse)
@@ -147,17 +207,9 @@ def sparse_attention(
     chosen, _ = resolve_backend(q, k, v, index, backend)
     if chosen == "triton":
         o, lse = _triton_op().triton_sparse_attention(
-            q,
-            k,
-            v,
-            index,
-            scale=scale,
-            dropout_p=dropout_p,
-            dropout_seed=dropout_seed,
+            q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
             deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
-            seq_lens=seq_lens,
-            plan=plan,
-            r0=r0,
+            kernel_options=args.kernel_options,
         )
     else:
         o, lse = reference_sparse_attention(

@@ -21,44 +21,41 @@ block sizes, NQB = ceil(N / BQ), NKB = ceil(N / BK).
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from .plan import BlockPlan, build_plan, resolve_r0
 from .validation import (
-    PlanSource,
-    check_int,
     check_block_index,
     check_capacity,
+    check_choice,
     check_geometry,
-    check_index_matches,
+    check_inputs,
+    check_int,
     check_integer_tensor,
-    check_qkv,
-    check_r0,
-    check_seq_lens,
     check_window_sinks,
-    plan_source,
     source_is_current,
 )
 
 __all__ = [
+    "INDEX_CHECKS",
     "BlockIndex",
-    "BlockPlan",
-    "DEFAULT_R0",
     "canonicalize",
     "capacity_tier",
     "causal_last_block",
 ]
 
-DEFAULT_R0 = 1
-"""Default reuse threshold of the hybrid backward: KV blocks selected by at least this many query
-blocks take the KV-centric dK/dV kernel, the others accumulate with fp32 atomics from the dQ pass.
-The r0 sweep on the H200 (docs/benchmarks/2026-11-30_h200_attention.md, N = 64K, P64 and P128) found
-r0 = 1 fastest (every selected block KV-centric: 15.3 ms vs 16.2-17.2 ms for r0 in 2..64 at P64),
-so the atomic path is off by default; it stays available per call and in the module config."""
+_REPR_GRID_BLOCKS = 16  # repr draws the block grid (to_string) up to this many query blocks ...
+_REPR_GRID_PAIRS = 2  # ... and (batch, KV head) pairs
 
-_CHECK_MODES = ("none", "cheap", "full")
+INDEX_CHECKS = ("none", "cheap", "full")
+"""Validation levels of :func:`canonicalize` / :meth:`BlockIndex.from_canonical`: ``"none"`` trusts the
+caller, ``"cheap"`` rejects out-of-range and non-causal candidates, ``"full"`` also re-verifies every
+canonical invariant of the result."""
 
 
 def capacity_tier(count: int, num_k_blocks: int) -> int:
@@ -224,8 +221,7 @@ def canonicalize(
 
 
 def _check_mode(check) -> None:
-    if check not in _CHECK_MODES:
-        raise ValueError(f"check must be one of {_CHECK_MODES}, got {check!r}")
+    check_choice("check", check, INDEX_CHECKS)
 
 
 def _verify_canonical(indices: Tensor, counts: Tensor, seq_len: int, block_q: int, block_k: int) -> None:
@@ -272,47 +268,6 @@ def _valid_pairs(q_start: Tensor, q_end: Tensor, k_start: Tensor, k_end: Tensor)
         return torch.where(t <= 0, torch.zeros_like(t), torch.where(t <= width, inside, beyond))
 
     return prefix(q_end - 1) - prefix(q_start - 1)
-
-
-@dataclass(frozen=True)
-class BlockPlan:
-    """Derived views of a :class:`BlockIndex`, built once per step and shared by forward and backward.
-
-    All views are computed by sorting (no atomics), so they are identical run to run.
-    """
-
-    reuse: Tensor
-    """int32 ``[B, HKV, NKB]``: how many query blocks selected each KV block."""
-    kv_indptr: Tensor
-    """int64 ``[B*HKV*NKB + 1]``: row pointers of the transposed (KV-major) CSR; row
-    ``r = (b*HKV + h)*NKB + j`` lists the query blocks that selected KV block j."""
-    kv_qblocks: Tensor
-    """int32 ``[nnz]``: query-block ids of the transposed CSR, ascending within each row."""
-    hot: Tensor
-    """bool ``[B, HKV, NKB]``: ``reuse >= r0``; hot blocks get the KV-centric dK/dV kernel, cold ones
-    are accumulated with atomics from the query-centric pass."""
-    r0: int
-    """The reuse threshold this plan was built with."""
-    num_hot: int
-    """Number of KV blocks (over all batches and heads) with ``reuse >= r0`` and reuse > 0."""
-    num_cold: int
-    """Number of selected KV blocks with ``0 < reuse < r0``."""
-    nnz: int
-    """Total number of selected (query block, key block) pairs."""
-    max_count: int
-    """Longest query-block row (blocks)."""
-    max_reuse: int
-    """Largest reuse count of any KV block."""
-    source: PlanSource | None = field(default=None, compare=False)
-    """The index this plan was built from (its tensors, held weakly, their version counters and the
-    geometry). ``sparse_attention(..., plan=)`` refuses a plan whose source is not the index passed:
-    the backward would read another selection's arrays (out of bounds when shapes differ)."""
-
-    def __repr__(self) -> str:
-        return (
-            f"BlockPlan(r0={self.r0}, hot={self.num_hot}, cold={self.num_cold}, nnz={self.nnz}, "
-            f"max_count={self.max_count}, max_reuse={self.max_reuse}, device={self.reuse.device})"
-        )
 
 
 @dataclass(frozen=True, repr=False)
@@ -521,9 +476,7 @@ class BlockIndex:
     def check_compatible(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None = None) -> None:
         """Raise ValueError unless q ``[B, HQ, N, D]``, k/v ``[B, HKV, N, D]`` and ``seq_lens`` (int
         ``[B]``, values in ``[0, N]``: one host sync) match this index and each other."""
-        check_qkv(q, k, v, device=self.device)
-        check_index_matches(self, q, k)
-        check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device)
+        check_inputs(q, k, v, self, seq_lens)
 
     # ---------------------------------------------------------------- views
     def to_dense(self) -> Tensor:
@@ -570,59 +523,77 @@ class BlockIndex:
         tensors are the unmodified ones it was built from (version counters): an in-place write to
         ``indices`` / ``counts`` makes the next call rebuild. Indices wrapping caller-owned buffers
         (:meth:`from_canonical`) never cache."""
-        r0 = check_r0(r0)
-        r0 = DEFAULT_R0 if r0 is None else r0
+        r0 = resolve_r0(r0)
         cached = None if self._external else self._cache.get(("plan", r0))
         if cached is not None and source_is_current(cached.source, self):
             return cached
-        source = plan_source(self)
-        b, h, nqb, cap = self.indices.shape
-        nkb = self.num_k_blocks
-        idx = self.indices.to(torch.int64)
-        valid = idx >= 0
-        bh = torch.arange(b * h, device=idx.device).view(b, h, 1, 1)
-        qi = torch.arange(nqb, device=idx.device).view(1, 1, nqb, 1)
-        kv_row = bh * nkb + idx  # [B, HKV, NQB, K]
-        # Each (kv_row, query block) pair occurs at most once, so sorting this key gives the KV-major
-        # order with query blocks ascending, deterministically and without atomics.
-        key = (kv_row * nqb + qi)[valid]
-        key, _ = torch.sort(key)
-        rows = b * h * nkb
-        kv_indptr = torch.searchsorted(key, torch.arange(rows + 1, device=idx.device) * nqb)
-        reuse = (kv_indptr[1:] - kv_indptr[:-1]).view(b, h, nkb)
-        hot = (reuse >= r0) & (reuse > 0)
-        stats = torch.stack(
-            [
-                hot.sum(),
-                ((reuse > 0) & ~hot).sum(),
-                self.counts.to(torch.int64).max() if self.counts.numel() else reuse.new_zeros(()),
-                reuse.max() if reuse.numel() else reuse.new_zeros(()),
-            ]
-        ).tolist()
-        plan = BlockPlan(
-            reuse=reuse.to(torch.int32),
-            kv_indptr=kv_indptr.to(torch.int64),
-            kv_qblocks=(key % nqb).to(torch.int32),
-            hot=hot,
-            r0=r0,
-            num_hot=int(stats[0]),
-            num_cold=int(stats[1]),
-            nnz=int(key.numel()),
-            max_count=int(stats[2]),
-            max_reuse=int(stats[3]),
-            source=source,
-        )
+        plan = build_plan(self, r0)
         if not self._external:
             self._cache[("plan", r0)] = plan
         return plan
+
+    # ---------------------------------------------------------------- inspection
+    def __getitem__(self, key) -> "BlockIndex":
+        """The index restricted to some batches and/or KV heads: ``index[b]``, ``index[b, h]``,
+        ``index[:, h]``, ``index[1:3]``, ... (ints and slices, negative ints allowed). The result is
+        still a 4-D ``BlockIndex`` (an int keeps its dimension, with size 1) over the same sequence,
+        block sizes and capacity; its tensors are views of this index's, like tensor slicing."""
+        key = key if isinstance(key, tuple) else (key,)
+        if len(key) > 2:
+            raise IndexError(f"BlockIndex takes [batch] or [batch, kv_head], got {len(key)} indices")
+        picks = []
+        for name, item, size in zip(("batch", "kv_head"), key, (self.batch, self.num_kv_heads)):
+            if isinstance(item, slice):
+                picks.append(item)
+                continue
+            if isinstance(item, bool) or not isinstance(item, numbers.Integral):
+                raise TypeError(f"BlockIndex {name} index must be an int or a slice, got {type(item).__name__}")
+            position = operator.index(item)
+            if not -size <= position < size:
+                raise IndexError(f"{name} index {position} is out of range for {size} {name} entries")
+            position %= size
+            picks.append(slice(position, position + 1))
+        picks += [slice(None)] * (2 - len(picks))
+        return BlockIndex(self.indices[picks[0], picks[1]], self.counts[picks[0], picks[1]], self.seq_len,
+                          self.block_q, self.block_k, _external=self._external)
+
+    def to_string(self, max_blocks: int = 32, max_pairs: int = 4) -> str:
+        """The selection as a block grid per (batch, KV head): one line per query block, one character
+        per key block: ``'█'`` selected, ``'.'`` causally reachable but not selected, nothing past the
+        causal limit. At most ``max_blocks`` query and key blocks and ``max_pairs`` (batch, KV head)
+        pairs are drawn; a last line says what was left out. One device-to-host copy of the selection."""
+        max_blocks = check_int("max_blocks", max_blocks, minimum=1)
+        max_pairs = check_int("max_pairs", max_pairs, minimum=1)
+        nqb, nkb = self.num_q_blocks, self.num_k_blocks
+        shown_q, shown_k = min(nqb, max_blocks), min(nkb, max_blocks)
+        pairs = [(b, h) for b in range(self.batch) for h in range(self.num_kv_heads)]
+        drawn_batches = min(self.batch, -(-max_pairs // max(1, self.num_kv_heads)))
+        selected = self[:drawn_batches].to_dense()[..., :shown_q, :shown_k].cpu()
+        last = causal_last_block(nqb, self.seq_len, self.block_q, self.block_k).tolist()
+        lines = []
+        for b, h in pairs[:max_pairs]:
+            lines.append(f"batch {b}, kv_head {h}:")
+            grid = selected[b, h].tolist()
+            for i in range(shown_q):
+                cells = ("█" if grid[i][j] else "." for j in range(min(shown_k, last[i] + 1)))
+                lines.append("  " + "".join(cells))
+        if not pairs:
+            lines.append("(no batches)")
+        if shown_q < nqb or shown_k < nkb:
+            lines.append(f"(first {shown_q} of {nqb} query blocks and {shown_k} of {nkb} key blocks shown)")
+        if len(pairs) > max_pairs:
+            lines.append(f"({len(pairs) - max_pairs} more (batch, kv_head) pairs not shown)")
+        return "\n".join(lines)
 
     def __repr__(self) -> str:
         counts = self.counts.to(torch.float64)
         mean = float(counts.mean()) if counts.numel() else 0.0
         longest = int(self.counts.max()) if self.counts.numel() else 0
-        return (
+        summary = (
             f"BlockIndex(B={self.batch}, HKV={self.num_kv_heads}, N={self.seq_len}, "
             f"BQ={self.block_q}, BK={self.block_k}, NQB={self.num_q_blocks}, NKB={self.num_k_blocks}, "
             f"K={self.capacity}, blocks/row mean={mean:.1f} max={longest}, "
             f"density={self.density():.2%}, device={self.device})"
         )
+        small = self.num_q_blocks <= _REPR_GRID_BLOCKS and self.batch * self.num_kv_heads <= _REPR_GRID_PAIRS
+        return summary + "\n" + self.to_string(_REPR_GRID_BLOCKS, _REPR_GRID_PAIRS) if small else summary

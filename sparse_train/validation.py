@@ -25,10 +25,13 @@ import math
 import numbers
 import operator
 import weakref
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from .plan import KernelOptions
 
 __all__ = [
     "DROPOUT_SEED_LIMIT",
@@ -46,6 +49,7 @@ __all__ = [
     "check_dropout_seed",
     "check_geometry",
     "check_index_matches",
+    "check_inputs",
     "check_integer_tensor",
     "check_plan",
     "check_qkv",
@@ -331,6 +335,17 @@ def check_block_index(index) -> None:
         raise ValueError(f"index.indices is on {indices.device} but index.counts on {counts.device}")
 
 
+def check_inputs(q, k, v, index, seq_lens=None, *, seq_lens_values: bool = True) -> int:
+    """The compatibility rule of an attention input: ``index`` a well-formed BlockIndex, q/k/v valid
+    (`check_qkv`) and built for it (`check_index_matches`), ``seq_lens`` valid for them
+    (`check_seq_lens`; ``seq_lens_values=False`` skips its host sync). Returns the head dim D."""
+    check_block_index(index)
+    _, _, _, _, head_dim = check_qkv(q, k, v, device=index.device)
+    check_index_matches(index, q, k)
+    check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
+    return head_dim
+
+
 def check_index_matches(index, q: Tensor, k: Tensor) -> None:
     """The index was built for q/k's batch, KV heads, length and device."""
     bq, _, nq, _ = q.shape
@@ -378,7 +393,7 @@ def source_is_current(source: PlanSource, index) -> bool:
 def check_plan(plan, index, r0=None) -> None:
     """``plan`` was built by ``index.plan(r0)`` from the index's current contents. A plan of another
     index would make the backward read past its arrays."""
-    from .index import BlockPlan
+    from .plan import BlockPlan
 
     if not isinstance(plan, BlockPlan):
         raise ValueError(f"plan must be a sparse_train.BlockPlan (from index.plan(r0)), got {type(plan).__name__}")
@@ -413,7 +428,8 @@ class AttentionArgs(NamedTuple):
     scale: float
     dropout_p: float
     dropout_seed: int | None
-    r0: int | None
+    kernel_options: KernelOptions
+    """`sparse_train.plan.KernelOptions`; a plan among them belongs to the index."""
 
 
 def check_attention_args(
@@ -426,19 +442,18 @@ def check_attention_args(
     dropout_p=0.0,
     dropout_seed=None,
     seq_lens=None,
-    plan=None,
-    r0=None,
+    kernel_options=None,
     seq_lens_values: bool = True,
 ) -> AttentionArgs:
     """Every argument of `sparse_attention` that has a meaning for both backends. The backends call it
     with ``seq_lens_values=True`` (one host sync, see the module docstring); the dispatcher calls it
-    before choosing a backend with ``False``."""
-    check_block_index(index)
-    _, _, _, _, head_dim = check_qkv(q, k, v, device=index.device)
-    check_index_matches(index, q, k)
-    check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
+    before choosing a backend with ``False``. ``kernel_options`` are normalised by
+    `sparse_train.plan.normalize_kernel_options`; a plan among them must belong to ``index``."""
+    from .plan import normalize_kernel_options
+
+    head_dim = check_inputs(q, k, v, index, seq_lens, seq_lens_values=seq_lens_values)
     p, seed = check_dropout(dropout_p, dropout_seed)
-    r0 = check_r0(r0)
-    if plan is not None:
-        check_plan(plan, index, r0)
-    return AttentionArgs(check_scale(scale, head_dim), p, seed, r0)
+    options = normalize_kernel_options(kernel_options)
+    if options.plan is not None:
+        check_plan(options.plan, index, options.r0)
+    return AttentionArgs(check_scale(scale, head_dim), p, seed, options)

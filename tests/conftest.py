@@ -1,6 +1,8 @@
 """Test configuration. Without a CUDA device, Triton kernels run through the interpreter, which must be
 switched on before any ``@triton.jit`` function is decorated, i.e. before sparse_train's kernel modules
-are imported; conftest runs first, so this is the place."""
+are imported; conftest runs first, so this is the place. Also: the hypothesis profiles, the ``gpu``
+marker's skip without CUDA, and the NaN-poisoning fixture of the kernel tests. Input builders are in
+``builders.py``."""
 
 import os
 
@@ -24,6 +26,23 @@ if settings is not None:
     settings.register_profile("explore", derandomize=False, database=None, deadline=None, print_blob=True,
                               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def poison_fresh_outputs(monkeypatch):
+    """While the test runs, every floating-point tensor made by ``torch.empty`` comes filled with NaN, so
+    an element a kernel leaves unwritten in a fresh output (or workspace) shows up as NaN instead of
+    stale memory. Test modules of the kernels use it for every test (``pytestmark``)."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            with torch.no_grad():
+                t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -3,13 +3,12 @@ ValueError naming it, the same on both backends; state that does not belong to t
 another index, of index tensors modified since) is refused; the dropout seed domain [0, 2**64) gives
 the same bits on both backends up to its top."""
 
-import math
 import os
 
 import pytest
 import torch
 
-from _kernel_testutils import check_close
+from builders import check_close, make_qkv, random_index
 import sparse_train as st
 from sparse_train.kernels.reference import dropout_keep_mask, reference_sparse_attention
 from sparse_train.validation import DROPOUT_SEED_LIMIT
@@ -24,14 +23,8 @@ BACKENDS = [
 
 
 def _inputs(b=2, hq=2, hkv=1, n=64, d=16, block=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, n, d, generator=g).to(DEV, DTYPE)
-    k = torch.randn(b, hkv, n, d, generator=g).to(DEV, DTYPE)
-    v = torch.randn(b, hkv, n, d, generator=g).to(DEV, DTYPE)
-    nqb = math.ceil(n / block)
-    last = (torch.clamp((torch.arange(nqb) + 1) * block, max=n) - 1) // block
-    sel = (torch.rand(b, hkv, nqb, 2, generator=g) * (last.view(1, 1, -1, 1) + 1)).long()
-    idx = st.BlockIndex.from_selection(sel.to(DEV), seq_len=n, block_q=block, block_k=block, window=1, sinks=1)
+    q, k, v = make_qkv(b, hq, hkv, n, d, DTYPE, seed=seed, device=DEV)
+    idx = random_index(b, hkv, n, block, block, 2, 1, 1, seed=seed, device=DEV, distinct=False)
     return q, k, v, idx
 
 
@@ -59,9 +52,9 @@ ATTENTION_ERRORS = [
     pytest.param({"scale": float("inf")}, "scale must be finite", id="scale-inf"),
     pytest.param({"scale": True}, "scale must be a real number", id="scale-bool"),
     pytest.param({"scale": "0.5"}, "scale must be a real number", id="scale-str"),
-    pytest.param({"r0": 1.5}, r"r0 must be (an int|a positive int)\b.*, got 1\.5", id="r0-float"),
-    pytest.param({"r0": True}, "r0 must be an int", id="r0-bool"),
-    pytest.param({"r0": -1}, "r0 must be an int >= 0, got -1", id="r0-negative"),
+    pytest.param({"kernel_options": {"r0": 1.5}}, r"r0 must be (an int|a positive int)\b.*, got 1\.5", id="r0-float"),
+    pytest.param({"kernel_options": {"r0": True}}, "r0 must be an int", id="r0-bool"),
+    pytest.param({"kernel_options": {"r0": -1}}, "r0 must be an int >= 0, got -1", id="r0-negative"),
     pytest.param({"deterministic": "yes"}, "deterministic must be a bool", id="deterministic-str"),
     pytest.param({"return_lse": 1}, "return_lse must be a bool", id="return_lse-int"),
 ]
@@ -116,7 +109,58 @@ def test_triton_rejects_bad_num_splits(num_splits, match):
 
     q, k, v, idx = _inputs()
     with pytest.raises(ValueError, match=match):
-        triton_sparse_attention(q, k, v, idx, num_splits=num_splits)
+        triton_sparse_attention(q, k, v, idx, kernel_options={"num_splits": num_splits})
+
+
+KERNEL_OPTION_ERRORS = [
+    # (kernel_options, text the message must contain)
+    pytest.param({"num_split": 2}, r"kernel_options has no key 'num_split' \(did you mean 'num_splits'\?\); allowed keys: "
+                 r"plan, r0, num_splits, fwd_heads_per_program", id="unknown-key"),
+    pytest.param({"BLOCK_M": 64}, r"kernel_options has no key 'BLOCK_M'.*allowed keys: plan, r0", id="unknown-key-no-hint"),
+    pytest.param([("r0", 1)], "kernel_options must be a dict with keys among plan, r0", id="not-a-dict"),
+    pytest.param({"num_splits": "2"}, "kernel_options.num_splits must be an int", id="num_splits-str"),
+    pytest.param({"num_splits": 65}, r"kernel_options.num_splits must be an int >= 1 and <= 64, got 65", id="num_splits-65"),
+    pytest.param({"fwd_num_warps": 3}, "kernel_options.fwd_num_warps must be a power of two, got 3", id="warps-3"),
+    pytest.param({"kv_num_warps": 64}, r"kernel_options.kv_num_warps must be one of \(1, 2, 4, 8, 16\), got 64", id="warps-64"),
+    pytest.param({"dq_num_stages": 0}, r"kernel_options.dq_num_stages must be an int >= 1 and <= 8, got 0", id="stages-0"),
+    pytest.param({"fwd_num_stages": 2.0}, "kernel_options.fwd_num_stages must be an int", id="stages-float"),
+    pytest.param({"dq_heads_per_program": 3}, "kernel_options.dq_heads_per_program must be a power of two, got 3",
+                 id="heads-3"),
+    pytest.param({"kv_heads_per_program": True}, "kernel_options.kv_heads_per_program must be a positive int", id="heads-bool"),
+    pytest.param({"kv_chunk": 0}, "kernel_options.kv_chunk must be a positive int, got 0", id="chunk-0"),
+    pytest.param({"plan": "plan"}, "kernel_options.plan must be a sparse_train.BlockPlan", id="plan-str"),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("options,match", KERNEL_OPTION_ERRORS)
+def test_sparse_attention_rejects_bad_kernel_options(backend, options, match):
+    """kernel_options is checked by one function on both backends: unknown keys are named with the
+    allowed ones, values of the wrong type or range raise."""
+    q, k, v, idx = _inputs()
+    with pytest.raises(ValueError, match=match):
+        st.sparse_attention(q, k, v, idx, backend=backend, kernel_options=options)
+
+
+@pytest.mark.skipif(not TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("key", ["fwd_heads_per_program", "dq_heads_per_program", "kv_heads_per_program"])
+def test_heads_per_program_must_divide_the_group(key):
+    q, k, v, idx = _inputs(hq=2, hkv=1)
+    with pytest.raises(ValueError, match=f"kernel_options.{key}=4 must divide the GQA group size 2"):
+        st.sparse_attention(q, k, v, idx, backend="triton", kernel_options={key: 4})
+
+
+def test_sparse_attention_takes_semantics_by_keyword_and_tuning_in_kernel_options():
+    q, k, v, idx = _inputs()
+    with pytest.raises(TypeError):
+        st.sparse_attention(q, k, v, idx, 0.25)  # scale: keyword-only after the index
+    for old in ({"plan": idx.plan()}, {"r0": 1}, {"num_splits": 2}):
+        with pytest.raises(TypeError):
+            st.sparse_attention(q, k, v, idx, **old)  # tuning goes through kernel_options
+    ref = st.sparse_attention(q, k, v, idx, backend="reference")
+    options = {"plan": idx.plan(3), "r0": 3, "num_splits": 2, "kv_chunk": 1, "fwd_num_warps": 2, "kv_num_stages": 1}
+    assert torch.equal(st.sparse_attention(q, k, v, idx, backend="reference", kernel_options=options), ref)
+    assert torch.equal(st.sparse_attention(q, k, v, idx, backend="reference", kernel_options=None), ref)
 
 
 @pytest.mark.parametrize(
@@ -146,17 +190,17 @@ def test_plan_of_another_index_is_refused(backend):
     _, _, _, idx_b = _inputs(seed=2)
     assert idx_a.indices.shape == idx_b.indices.shape
     with pytest.raises(ValueError, match="plan was built from a different BlockIndex"):
-        st.sparse_attention(q, k, v, idx_a, plan=idx_b.plan(), backend=backend)
+        st.sparse_attention(q, k, v, idx_a, kernel_options={"plan": idx_b.plan()}, backend=backend)
     coarser = st.BlockIndex.full(2, 1, 64, 32, 32, device=DEV)
     with pytest.raises(ValueError, match="plan was built for an index of shape"):
-        st.sparse_attention(q, k, v, idx_a, plan=coarser.plan(), backend=backend)
+        st.sparse_attention(q, k, v, idx_a, kernel_options={"plan": coarser.plan()}, backend=backend)
     with pytest.raises(ValueError, match="plan must be a sparse_train.BlockPlan"):
-        st.sparse_attention(q, k, v, idx_a, plan=(idx_a.plan(),), backend=backend)
+        st.sparse_attention(q, k, v, idx_a, kernel_options={"plan": (idx_a.plan(),)}, backend=backend)
     with pytest.raises(ValueError, match="plan was built with r0=1 but r0=3"):
-        st.sparse_attention(q, k, v, idx_a, plan=idx_a.plan(1), r0=3, backend=backend)
-    st.sparse_attention(q, k, v, idx_a, plan=idx_a.plan(3), r0=3, backend=backend)
+        st.sparse_attention(q, k, v, idx_a, kernel_options={"plan": idx_a.plan(1), "r0": 3}, backend=backend)
+    st.sparse_attention(q, k, v, idx_a, kernel_options={"plan": idx_a.plan(3), "r0": 3}, backend=backend)
     same_tensors = st.BlockIndex(idx_a.indices, idx_a.counts, 64, 16, 16)
-    st.sparse_attention(q, k, v, same_tensors, plan=idx_a.plan(), backend=backend)
+    st.sparse_attention(q, k, v, same_tensors, kernel_options={"plan": idx_a.plan()}, backend=backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -167,11 +211,11 @@ def test_plan_of_index_modified_in_place_is_refused(backend):
     idx.indices.copy_(other.indices)
     idx.counts.copy_(other.counts)
     with pytest.raises(ValueError, match="modified in place after this plan was built"):
-        st.sparse_attention(q, k, v, idx, plan=plan, backend=backend)
+        st.sparse_attention(q, k, v, idx, kernel_options={"plan": plan}, backend=backend)
     fresh = idx.plan()
     assert fresh is not plan
     assert torch.equal(fresh.kv_qblocks, other.plan().kv_qblocks)
-    st.sparse_attention(q, k, v, idx, plan=fresh, backend=backend)
+    st.sparse_attention(q, k, v, idx, kernel_options={"plan": fresh}, backend=backend)
 
 
 # ------------------------------------------------------------------------------ dropout seed domain
@@ -222,7 +266,7 @@ def test_validation_traces_without_graph_break():
     lens = torch.tensor([64, 41], device=DEV)
 
     def f(q, k, v):
-        o = st.sparse_attention(q, k, v, idx, plan=plan, r0=2, seq_lens=lens, dropout_p=0.1, dropout_seed=2**64 - 5,
+        o = st.sparse_attention(q, k, v, idx, kernel_options={"plan": plan, "r0": 2}, seq_lens=lens, dropout_p=0.1, dropout_seed=2**64 - 5,
                                 backend="triton")
         return o.float().square().sum()
 

@@ -1,12 +1,12 @@
 """BlockIndex canonicalization, validation, plan and CSR views against slow per-row Python oracles."""
 
 import math
-import random
 
 import pytest
 import torch
 
 import sparse_train as st
+from builders import make_qkv, random_selection
 from sparse_train.index import capacity_tier
 
 
@@ -18,18 +18,9 @@ def oracle_row(cands, i, seq_len, bq, bk, window, sinks):
     return sorted(chosen)
 
 
-def random_selection(batch, heads, seq_len, bq, bk, k, seed):
-    rng = random.Random(seed)
-    nqb = math.ceil(seq_len / bq)
-    sel = torch.full((batch, heads, nqb, k), -1, dtype=torch.int64)
-    for b in range(batch):
-        for h in range(heads):
-            for i in range(nqb):
-                last = (min((i + 1) * bq, seq_len) - 1) // bk
-                used = rng.randint(0, k)  # ragged: some rows have fewer candidates, some none
-                for s in range(used):
-                    sel[b, h, i, s] = rng.randint(0, last)  # duplicates happen often
-    return sel
+def ragged_selection(batch, heads, seq_len, bq, bk, k, seed):
+    """Uniform causal candidates (duplicates common), 40% of the slots empty (-1): ragged rows, some empty."""
+    return random_selection(batch, heads, seq_len, bq, bk, k, seed=seed, distinct=False, drop=0.4)
 
 
 CASES = [
@@ -47,7 +38,7 @@ CASES = [
 
 @pytest.mark.parametrize("batch,heads,seq_len,bq,bk,k,window,sinks", CASES)
 def test_canonicalize_matches_oracle(batch, heads, seq_len, bq, bk, k, window, sinks):
-    sel = random_selection(batch, heads, seq_len, bq, bk, k, seed=seq_len * 7 + k)
+    sel = ragged_selection(batch, heads, seq_len, bq, bk, k, seed=seq_len * 7 + k)
     idx = st.BlockIndex.from_selection(
         sel, seq_len=seq_len, block_q=bq, block_k=bk, window=window, sinks=sinks, check="full"
     )
@@ -82,7 +73,7 @@ def test_capacity_stable_across_steps():
 
 
 def test_to_dense_from_dense_roundtrip():
-    sel = random_selection(2, 2, 700, 64, 64, 5, seed=3)
+    sel = ragged_selection(2, 2, 700, 64, 64, 5, seed=3)
     idx = st.BlockIndex.from_selection(sel, seq_len=700, window=1, sinks=1)
     dense = idx.to_dense()
     assert dense.shape == (2, 2, 11, 11) and dense.dtype == torch.bool
@@ -118,7 +109,7 @@ def brute_density(idx):
 
 @pytest.mark.parametrize("seq_len,bq,bk", [(130, 64, 64), (200, 32, 64), (190, 64, 32)], ids=str)
 def test_density_matches_brute_force(seq_len, bq, bk):
-    sel = random_selection(1, 2, seq_len, bq, bk, 2, seed=seq_len)
+    sel = ragged_selection(1, 2, seq_len, bq, bk, 2, seed=seq_len)
     idx = st.BlockIndex.from_selection(sel, seq_len=seq_len, block_q=bq, block_k=bk, window=1)
     assert math.isclose(idx.density(), brute_density(idx), rel_tol=1e-12)
 
@@ -132,7 +123,7 @@ def test_repr_is_readable():
 
 @pytest.mark.parametrize("r0", [0, 1, 3, 100], ids=lambda r: f"r0={r}")
 def test_plan_matches_oracle(r0):
-    sel = random_selection(2, 2, 640, 64, 64, 4, seed=11)
+    sel = ragged_selection(2, 2, 640, 64, 64, 4, seed=11)
     idx = st.BlockIndex.from_selection(sel, seq_len=640, window=2, sinks=1)
     plan = idx.plan(r0)
     b, h, nqb, _ = idx.indices.shape
@@ -155,7 +146,7 @@ def test_plan_matches_oracle(r0):
 
 
 def test_plan_deterministic_and_cached():
-    sel = random_selection(1, 2, 512, 64, 64, 4, seed=5)
+    sel = ragged_selection(1, 2, 512, 64, 64, 4, seed=5)
     idx = st.BlockIndex.from_selection(sel, seq_len=512, window=2)
     first = idx.plan(2)
     assert idx.plan(2) is first
@@ -164,7 +155,7 @@ def test_plan_deterministic_and_cached():
 
 
 def test_csr_roundtrip_with_ragged_rows():
-    sel = random_selection(2, 2, 450, 64, 64, 5, seed=21)
+    sel = ragged_selection(2, 2, 450, 64, 64, 5, seed=21)
     idx = st.BlockIndex.from_selection(sel, seq_len=450, sinks=1)
     indptr, cols = idx.to_csr()
     assert indptr.dtype == torch.int64 and cols.dtype == torch.int32
@@ -261,11 +252,6 @@ def test_from_csr_rejects_bad_indptr():
                                batch=1, num_kv_heads=1, seq_len=256)
 
 
-def _qkv(b=1, hq=4, hkv=2, n=256, d=16, dtype=torch.float32):
-    return (torch.randn(b, hq, n, d, dtype=dtype), torch.randn(b, hkv, n, d, dtype=dtype),
-            torch.randn(b, hkv, n, d, dtype=dtype))
-
-
 @pytest.mark.parametrize(
     "mutate,match",
     [
@@ -283,14 +269,14 @@ def _qkv(b=1, hq=4, hkv=2, n=256, d=16, dtype=torch.float32):
 )
 def test_check_compatible_errors(mutate, match):
     idx = st.BlockIndex.full(1, 2, 256)
-    q, k, v = mutate(*_qkv())
+    q, k, v = mutate(*make_qkv(1, 4, 2, 256, 16))
     with pytest.raises(ValueError, match=match):
         st.sparse_attention(q, k, v, idx)
 
 
 def test_check_compatible_device_and_seq_lens():
     idx = st.BlockIndex.full(1, 2, 256)
-    q, k, v = _qkv()
+    q, k, v = make_qkv(1, 4, 2, 256, 16)
     meta = torch.empty(1, 4, 256, 16, device="meta")
     with pytest.raises(ValueError, match="is on meta"):
         idx.check_compatible(meta, k, v)
@@ -308,7 +294,7 @@ def test_import_from_repo_root_does_not_shadow_stdlib():
 
 @pytest.mark.gpu
 def test_cuda_index_matches_cpu():
-    sel = random_selection(2, 4, 4000, 64, 64, 8, seed=13)
+    sel = ragged_selection(2, 4, 4000, 64, 64, 8, seed=13)
     cpu = st.BlockIndex.from_selection(sel, seq_len=4000, window=4, sinks=1)
     gpu = st.BlockIndex.from_selection(sel.cuda(), seq_len=4000, window=4, sinks=1)
     assert gpu.device.type == "cuda"
@@ -321,8 +307,8 @@ def test_cuda_index_matches_cpu():
 # --------------------------------------------------------------------------- issue 11: stale state, domains
 def test_plan_cache_follows_in_place_writes_to_the_index():
     """A cached plan is reused only while the index tensors are unmodified (version counters)."""
-    a = st.BlockIndex.from_selection(random_selection(1, 2, 512, 64, 64, 3, seed=1), seq_len=512, window=1, capacity=8)
-    b = st.BlockIndex.from_selection(random_selection(1, 2, 512, 64, 64, 3, seed=2), seq_len=512, window=1, capacity=8)
+    a = st.BlockIndex.from_selection(ragged_selection(1, 2, 512, 64, 64, 3, seed=1), seq_len=512, window=1, capacity=8)
+    b = st.BlockIndex.from_selection(ragged_selection(1, 2, 512, 64, 64, 3, seed=2), seq_len=512, window=1, capacity=8)
     first = a.plan(2)
     assert a.plan(2) is first
     a.indices.copy_(b.indices)
@@ -337,8 +323,8 @@ def test_plan_cache_follows_in_place_writes_to_the_index():
 def test_from_canonical_buffers_rewritten_in_place_never_give_a_stale_plan():
     """Issue 11: from_canonical (buffers a CUDA graph updates in place) cached its plan; after
     buf.copy_(new) the backward used the plan of the old selection."""
-    a = st.BlockIndex.from_selection(random_selection(2, 2, 640, 64, 64, 4, seed=3), seq_len=640, sinks=1, capacity=8)
-    b = st.BlockIndex.from_selection(random_selection(2, 2, 640, 64, 64, 4, seed=4), seq_len=640, sinks=1, capacity=8)
+    a = st.BlockIndex.from_selection(ragged_selection(2, 2, 640, 64, 64, 4, seed=3), seq_len=640, sinks=1, capacity=8)
+    b = st.BlockIndex.from_selection(ragged_selection(2, 2, 640, 64, 64, 4, seed=4), seq_len=640, sinks=1, capacity=8)
     buf_i, buf_c = a.indices.clone(), a.counts.clone()
     idx = st.BlockIndex.from_canonical(buf_i, buf_c, seq_len=640, block_q=64, block_k=64)
     assert torch.equal(idx.plan().kv_qblocks, a.plan().kv_qblocks)
@@ -440,3 +426,87 @@ def test_index_api_accepts_numpy_ints():
     np = pytest.importorskip("numpy")
     idx = st.BlockIndex.from_selection(SEL, seq_len=np.int64(256), block_q=np.int32(64), window=np.int64(2))
     assert idx.seq_len == 256 and type(idx.seq_len) is int and type(idx.block_q) is int
+
+
+# ---------------------------------------------------------------------------------------------- inspection
+def _two_heads():
+    # batch 0, head 0 selects block 0 / 0 / 1 / nothing, head 1 nothing / 0 / 0 / 2; window 1 adds the diagonal
+    sel = torch.tensor([[[[0], [0], [1], [-1]], [[-1], [0], [0], [2]]]])
+    return st.BlockIndex.from_selection(sel, seq_len=256, window=1)
+
+
+def test_to_string_draws_one_character_per_block():
+    text = _two_heads().to_string()
+    assert text == "\n".join([
+        "batch 0, kv_head 0:",
+        "  █",
+        "  ██",
+        "  .██",
+        "  ...█",
+        "batch 0, kv_head 1:",
+        "  █",
+        "  ██",
+        "  █.█",
+        "  ..██",
+    ])
+
+
+def test_to_string_truncates_large_grids_with_a_note():
+    idx = st.BlockIndex.full(2, 3, 40 * 16, 16, 16)
+    text = idx.to_string(max_blocks=5, max_pairs=2)
+    lines = text.splitlines()
+    assert lines[:7] == ["batch 0, kv_head 0:", "  █", "  ██", "  ███", "  ████", "  █████", "batch 0, kv_head 1:"]
+    assert "(first 5 of 40 query blocks and 5 of 40 key blocks shown)" in lines
+    assert lines[-1] == "(4 more (batch, kv_head) pairs not shown)"
+    assert len(lines) == 2 * 6 + 2
+    with pytest.raises(ValueError, match="max_blocks must be a positive int"):
+        idx.to_string(max_blocks=0)
+
+
+def test_repr_shows_the_grid_of_small_indices_only():
+    small = _two_heads()
+    assert repr(small).splitlines()[1:] == small.to_string().splitlines()
+    large = st.BlockIndex.full(1, 1, 64 * 17)
+    assert "\n" not in repr(large) and "NQB=17" in repr(large)
+    many_heads = st.BlockIndex.full(1, 3, 256)
+    assert "\n" not in repr(many_heads)
+
+
+def test_getitem_restricts_to_batches_and_heads():
+    sel = ragged_selection(3, 2, 300, 64, 64, 4, seed=7)
+    idx = st.BlockIndex.from_selection(sel, seq_len=300, window=1, sinks=1)
+    capacity = idx.capacity
+    for key, (bs, hs) in [
+        (1, ([1], [0, 1])),
+        (-1, ([2], [0, 1])),
+        ((0, 1), ([0], [1])),
+        ((slice(None), 0), ([0, 1, 2], [0])),
+        (slice(1, 3), ([1, 2], [0, 1])),
+        ((slice(0, 3, 2), -2), ([0, 2], [0])),
+    ]:
+        part = idx[key]
+        assert isinstance(part, st.BlockIndex)
+        assert (part.batch, part.num_kv_heads, part.capacity) == (len(bs), len(hs), capacity)
+        assert (part.seq_len, part.block_q, part.block_k) == (idx.seq_len, idx.block_q, idx.block_k)
+        want = st.BlockIndex.from_selection(sel[bs][:, hs], seq_len=300, window=1, sinks=1, capacity=capacity)
+        assert torch.equal(part.indices, want.indices) and torch.equal(part.counts, want.counts)
+        part.validate()
+    with pytest.raises(IndexError, match="batch index 3 is out of range for 3 batch entries"):
+        idx[3]
+    with pytest.raises(IndexError, match="kv_head index -3 is out of range"):
+        idx[0, -3]
+    with pytest.raises(IndexError, match="takes \\[batch\\] or \\[batch, kv_head\\]"):
+        idx[0, 0, 0]
+    with pytest.raises(TypeError, match="batch index must be an int or a slice, got float"):
+        idx[1.0]
+
+
+def test_attention_over_a_batch_of_the_index_is_that_batch_of_the_attention():
+    q, k, v = make_qkv(3, 4, 2, 150, 16, torch.float64, seed=9)
+    idx = st.BlockIndex.from_selection(ragged_selection(3, 2, 150, 32, 32, 3, seed=9), seq_len=150, block_q=32,
+                                       block_k=32, window=1)
+    full = st.sparse_attention(q, k, v, idx, backend="reference")
+    one = st.sparse_attention(q[1:2], k[1:2], v[1:2], idx[1], backend="reference")
+    assert torch.equal(one, full[1:2])
+    head = st.sparse_attention(q[:, 2:4], k[:, 1:2], v[:, 1:2], idx[:, 1], backend="reference")
+    assert torch.equal(head, full[:, 2:4])

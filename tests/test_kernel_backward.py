@@ -1,20 +1,23 @@
 """Backward Triton kernels (dQ query-centric, hybrid atomic / KV-centric dK,dV, deterministic mode)
-vs the PyTorch reference in fp64 (CPU: Triton interpreter, fp32).
+vs the PyTorch reference in fp64 (CPU: Triton interpreter, fp32); the forward + backward GPU tests
+(marker ``gpu``: real sizes in bf16/fp16 against the reference in fp32 on the GPU).
 
-Tolerance: err(kernel vs fp64) <= 4 * err(PyTorch reference in the kernel's dtype vs fp64) + floor.
+Tolerance: err(kernel vs reference) <= c * err(PyTorch reference in the kernel's dtype vs reference) +
+floor, c = 4 on the interpreter (fp64 reference), c = 3 on the GPU (fp32 reference).
 """
 import os
 
 import pytest
 import torch
 
-from _kernel_testutils import check_close, make_qkv, random_index, rel_err
+from builders import check_close, make_qkv, random_index, rel_err
 from sparse_train.index import BlockIndex
 from sparse_train.kernels.reference import reference_sparse_attention
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
+from sparse_train import plan as plan_mod  # noqa: E402
 from sparse_train.kernels import backward as kb  # noqa: E402
 from sparse_train.kernels import op as kop  # noqa: E402
 from sparse_train.kernels.op import triton_sparse_attention  # noqa: E402
@@ -22,12 +25,15 @@ from sparse_train.kernels.op import triton_sparse_attention  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")  # fresh outputs start as NaN
+
+
 @pytest.fixture(autouse=True)
-def _poison_and_small_chunks(monkeypatch):
-    # NaN-poison dq/dk/dv before every launch; chunk KV rows after 2 query blocks so the chunked
-    # KV-centric path (partials + ordered finish) runs on tiny shapes
-    monkeypatch.setattr(kb, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(kb, "KV_CHUNK", 2)
+def _small_chunks(request, monkeypatch):
+    # chunk KV rows after 2 query blocks so the chunked KV-centric path (partials + ordered finish)
+    # runs on the interpreter's tiny shapes; GPU tests keep the default chunk
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr(plan_mod, "KV_CHUNK", 2)
 
 
 def _grads(fn, q, k, v, do, dlse_w=0.0):
@@ -39,8 +45,10 @@ def _grads(fn, q, k, v, do, dlse_w=0.0):
     return torch.autograd.grad(loss, (qs, ks, vs))
 
 
-def _compare(idx, q, k, v, *, dtype, dlse_w=0.0, **kw):
+def _compare(idx, q, k, v, *, dtype, dlse_w=0.0, kernel_options=None, **kw):
+    """Gradients of the Triton op (``kw`` and ``kernel_options``) against the fp64 reference (``kw``)."""
     ref_kw = {x: kw[x] for x in ("dropout_p", "dropout_seed", "seq_lens") if x in kw}
+    kw["kernel_options"] = kernel_options
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(99)).to(q)
     g = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, **kw), q, k, v, do, dlse_w)
     g64 = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, idx, **ref_kw),
@@ -67,7 +75,7 @@ BWD_CASES = [
 def test_backward_vs_fp64_reference(B, HQ, HKV, N, D, BQ, BK, topk, window, sinks, r0, dropout_p):
     idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N + BQ, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float32, r0=r0, dropout_p=dropout_p, dropout_seed=77)
+    _compare(idx, q, k, v, dtype=torch.float32, dropout_p=dropout_p, dropout_seed=77, kernel_options={"r0": r0})
 
 
 @pytest.mark.parametrize("r0", [1, 10**6], ids=["hot-kv-centric-chunked", "cold-atomics"])
@@ -78,20 +86,21 @@ def test_block_selected_by_every_query_block(r0):
     idx = BlockIndex.full(B, HKV, N, block_q=16, block_k=16, device=DEV)
     assert int(idx.plan(1).max_reuse) == 8
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=4, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float32, r0=r0)
+    _compare(idx, q, k, v, dtype=torch.float32, kernel_options={"r0": r0})
 
 
 def test_fp16_backward():
     idx = random_index(1, 1, 80, 16, 16, 2, 1, 1, seed=8, device=DEV)
     q, k, v = make_qkv(1, 2, 1, 80, 16, torch.float16, seed=8, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float16, r0=2)
+    _compare(idx, q, k, v, dtype=torch.float16, kernel_options={"r0": 2})
 
 
 def test_lse_gradient_and_seq_lens():
     B, HQ, HKV, N, D = 2, 2, 1, 70, 16
     idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=6, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=6, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float32, dlse_w=0.3, seq_lens=torch.tensor([70, 41], device=DEV), r0=2)
+    _compare(idx, q, k, v, dtype=torch.float32, dlse_w=0.3, seq_lens=torch.tensor([70, 41], device=DEV),
+             kernel_options={"r0": 2})
 
 
 def test_empty_rows_have_zero_grads():
@@ -100,7 +109,7 @@ def test_empty_rows_have_zero_grads():
     mask[0, 0, 2, :3] = True
     idx = BlockIndex.from_dense(mask.to(DEV), seq_len=N, block_q=16, block_k=16)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=2, device=DEV)
-    dq, dk, dv = _compare(idx, q, k, v, dtype=torch.float32, r0=1)
+    dq, dk, dv = _compare(idx, q, k, v, dtype=torch.float32, kernel_options={"r0": 1})
     assert (dq[:, :, :32] == 0).all() and (dq[:, :, 48:] == 0).all()
     assert (dk[:, :, 48:] == 0).all() and (dv[:, :, 48:] == 0).all()
 
@@ -108,7 +117,7 @@ def test_empty_rows_have_zero_grads():
 def test_split_forward_then_backward():
     idx = random_index(1, 1, 96, 16, 16, 4, 1, 1, seed=12, device=DEV)
     q, k, v = make_qkv(1, 2, 1, 96, 16, torch.float32, seed=12, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float32, num_splits=4, r0=2)
+    _compare(idx, q, k, v, dtype=torch.float32, kernel_options={"num_splits": 4, "r0": 2})
 
 
 def test_deterministic_bitwise_and_auto_switch(monkeypatch):
@@ -124,7 +133,7 @@ def test_deterministic_bitwise_and_auto_switch(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(kop, "sparse_attn_backward", spy)
-    f = lambda a, b, c: triton_sparse_attention(a, b, c, idx, deterministic=True, r0=4)  # noqa: E731
+    f = lambda a, b, c: triton_sparse_attention(a, b, c, idx, deterministic=True, kernel_options={"r0": 4})  # noqa: E731
     g1, g2 = _grads(f, q, k, v, do), _grads(f, q, k, v, do)
     for a, b in zip(g1, g2):
         assert torch.equal(a, b)
@@ -132,16 +141,45 @@ def test_deterministic_bitwise_and_auto_switch(monkeypatch):
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        g3 = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, r0=4), q, k, v, do)
+        g3 = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, kernel_options={"r0": 4}), q, k, v, do)
     finally:
         torch.use_deterministic_algorithms(prev)
     assert seen[-1] == 0, "use_deterministic_algorithms must route every block KV-centric"
     for a, b in zip(g1, g3):
         assert torch.equal(a, b)
-    g4 = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, r0=4), q, k, v, do)
+    g4 = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, kernel_options={"r0": 4}), q, k, v, do)
     assert seen[-1] > 0, "default mode at r0=4 should use the atomic path for cold blocks"
     for a, b in zip(g1, g4):
         assert rel_err(a, b) < 1e-5
+
+
+def test_kernel_options_reach_the_launchers_and_keep_the_result(monkeypatch):
+    """Every tile option travels through the custom op to its launcher; other tiles (stacked heads in
+    the dQ and KV-centric kernels, one-block chunks, split rows) give the same function."""
+    from sparse_train.plan import BackwardConfig, ForwardConfig
+
+    B, HQ, HKV, N, D = 1, 4, 1, 96, 16
+    idx = random_index(B, HKV, N, 16, 16, 3, 1, 1, seed=23, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=23, device=DEV)
+    seen = {}
+    real_fwd, real_bwd = kop.sparse_attn_forward, kop.sparse_attn_backward
+
+    def fwd(*args, **kw):
+        seen["fwd"] = (kw["config"], kw["num_splits"])
+        return real_fwd(*args, **kw)
+
+    def bwd(*args, **kw):
+        seen["bwd"] = kw["config"]
+        return real_bwd(*args, **kw)
+
+    monkeypatch.setattr(kop, "sparse_attn_forward", fwd)
+    monkeypatch.setattr(kop, "sparse_attn_backward", bwd)
+    options = dict(r0=2, num_splits=2, fwd_heads_per_program=2, fwd_num_warps=2, fwd_num_stages=1,
+                   dq_heads_per_program=4, dq_num_warps=2, dq_num_stages=1, kv_heads_per_program=2,
+                   kv_num_warps=2, kv_num_stages=1, kv_chunk=1)
+    _compare(idx, q, k, v, dtype=torch.float32, kernel_options=options)
+    assert seen["fwd"] == (ForwardConfig(2, 2, 1), 2)
+    assert seen["bwd"] == BackwardConfig(4, 2, 1, 2, 2, 1, 1)
 
 
 def test_caller_index_mutation_after_forward_does_not_change_grads():
@@ -149,25 +187,14 @@ def test_caller_index_mutation_after_forward_does_not_change_grads():
     idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=31, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=31, device=DEV)
     do = torch.randn_like(q)
-    g_ref = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, r0=2), q, k, v, do)
+    g_ref = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, kernel_options={"r0": 2}), q, k, v, do)
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    o, _ = triton_sparse_attention(qs, ks, vs, idx, r0=2)
+    o, _ = triton_sparse_attention(qs, ks, vs, idx, kernel_options={"r0": 2})
     idx.indices.fill_(0)       # caller scribbles over its index between forward and backward
     idx.counts.fill_(1)
     g = torch.autograd.grad(o, (qs, ks, vs), do)
     for a, b in zip(g, g_ref):
         assert torch.equal(a, b)
-
-
-def test_kv_schedule_chunks_and_parts():
-    reuse = torch.tensor([0, 1, 5, 2, 0], dtype=torch.int64)
-    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(reuse, 0)])
-    slots = torch.tensor([-1, -1, -1, 0, -1], dtype=torch.int32)  # block 3 is cold (atomics)
-    rows, t0, t1, part, pstart, nparts, num_parts = kb.kv_schedule(reuse, indptr, slots, chunk=2)
-    assert rows.tolist() == [1, 2, 2, 2]
-    assert t0.tolist() == [0, 1, 3, 5] and t1.tolist() == [1, 3, 5, 6]
-    assert part.tolist() == [-1, 0, 1, 2] and num_parts == 3
-    assert nparts.tolist() == [-1, 0, 3, 0, -1] and pstart.tolist()[2] == 0
 
 
 # ---------------------------------------------------------------------------------------------- issue 11
@@ -185,7 +212,7 @@ def test_strided_seq_lens_column():
     olp, lselp = reference_sparse_attention(q, k, v, idx, seq_lens=lens, upcast=False)
     check_close("o", o, o64, olp, torch.float32)
     check_close("lse", lse, lse64, lselp, torch.float32)
-    _compare(idx, q, k, v, dtype=torch.float32, seq_lens=lens, r0=2)
+    _compare(idx, q, k, v, dtype=torch.float32, seq_lens=lens, kernel_options={"r0": 2})
 
 
 def _strided(t, filler):
@@ -234,10 +261,10 @@ def launcher_baseline():
     g = torch.Generator().manual_seed(44)
     args = dict(q=q, k=k, v=v, seq_lens=torch.tensor([56, 37], dtype=torch.int32, device=DEV), indices=idx.indices,
                 counts=idx.counts, kv_indptr=plan.kv_indptr, kv_qblocks=plan.kv_qblocks,
-                slots=kb.cold_slots(plan.hot, plan.reuse, False), num_cold=plan.num_cold,
+                slots=plan_mod.cold_slots(plan.hot, plan.reuse, False), num_cold=plan.num_cold,
                 do=torch.randn(q.shape, generator=g).to(DEV), dlse=torch.randn(q.shape[:3], generator=g).to(DEV))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(kb, "KV_CHUNK", 2)
+        mp.setattr(plan_mod, "KV_CHUNK", 2)
         return args, _launch_all(args)
 
 
@@ -277,7 +304,7 @@ def test_from_canonical_buffer_rewritten_in_place_gives_fresh_gradients():
     idx = BlockIndex.from_canonical(buf_i, buf_c, seq_len=N, block_q=16, block_k=16)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=51, device=DEV)
     do = torch.randn_like(q)
-    f = lambda i: lambda x, y, z: triton_sparse_attention(x, y, z, i, r0=2)  # noqa: E731
+    f = lambda i: lambda x, y, z: triton_sparse_attention(x, y, z, i, kernel_options={"r0": 2})  # noqa: E731
     for x, y in zip(_grads(f(idx), q, k, v, do), _grads(f(a), q, k, v, do)):
         assert torch.equal(x, y)
     buf_i.copy_(b.indices)
@@ -294,7 +321,10 @@ def test_nonfinite_padding_reaches_no_output_or_gradient(poison):
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=53, device=DEV)
     lens = torch.tensor([64, 45], device=DEV)
     do = torch.randn_like(q)
-    f = lambda x, y, z: triton_sparse_attention(x, y, z, idx, seq_lens=lens, r0=2, dropout_p=0.1, dropout_seed=8)  # noqa: E731
+    def f(x, y, z):
+        return triton_sparse_attention(x, y, z, idx, seq_lens=lens, dropout_p=0.1, dropout_seed=8,
+                                       kernel_options={"r0": 2})
+
     clean = _grads(f, q, k, v, do)
     k2, v2 = k.clone(), v.clone()
     k2[1, :, 45:] = poison
@@ -319,3 +349,128 @@ def test_caller_seq_lens_mutation_after_forward_does_not_change_grads(dtype):
     g = torch.autograd.grad(o, (qs, ks, vs), do)
     for a, b in zip(g, g_ref):
         assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+GPU_CASES = [
+    # B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks
+    pytest.param(2, 8, 2, 4099, 128, 64, 64, torch.bfloat16, 8, 4, 1, id="bf16-d128-b64-odd4099-gqa4"),
+    pytest.param(1, 8, 8, 8192, 64, 128, 128, torch.float16, 6, 2, 1, id="fp16-d64-b128-8k-mha"),
+    pytest.param(1, 8, 2, 5000, 128, 128, 64, torch.bfloat16, 8, 4, 1, id="bf16-d128-bq128-bk64-odd"),
+    pytest.param(1, 4, 1, 3000, 64, 64, 128, torch.float16, 5, 2, 1, id="fp16-d64-bq64-bk128-gqa4"),
+]
+
+
+def _gpu_compare(idx, q, k, v, do, **kw):
+    """Triton forward + backward against the reference in fp32 and in the inputs' dtype (c = 3)."""
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o, lse = triton_sparse_attention(qs, ks, vs, idx, **kw)
+    grads = torch.autograd.grad(o, (qs, ks, vs), do)
+    ref_kw = {x: kw[x] for x in ("dropout_p", "dropout_seed", "seq_lens") if x in kw}
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o32, lse32 = reference_sparse_attention(q32, k32, v32, idx, **ref_kw)
+    g32 = torch.autograd.grad(o32, (q32, k32, v32), do.float())
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ol, _ = reference_sparse_attention(ql, kl, vl, idx, upcast=False, **ref_kw)
+    gl = torch.autograd.grad(ol, (ql, kl, vl), do)
+    for name, a, r, l in zip(("o", "dq", "dk", "dv"), (o, *grads), (o32, *g32), (ol, *gl)):
+        check_close(name, a, r, l, q.dtype, c=3.0, floor=1e-4)
+    return o, lse, lse32, grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,dtype,topk,window,sinks", GPU_CASES)
+def test_forward_backward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks):
+    idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N, device="cuda")
+    q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
+    o, lse, lse32, _ = _gpu_compare(idx, q, k, v, do)
+    assert torch.isfinite(o).all()
+    fin = torch.isfinite(lse32)
+    assert torch.equal(torch.isfinite(lse), fin)
+    assert (lse[fin] - lse32[fin]).abs().max().item() < 2e-2
+
+
+@pytest.mark.gpu
+def test_long_sequence_131072_forward_backward():
+    """N = 131072 (int64 dropout counters and addressing past 2^31 elements of the score space)."""
+    B, HQ, HKV, N, D, BQ, BK = 1, 4, 1, 131072, 128, 128, 128
+    idx = random_index(B, HKV, N, BQ, BK, 8, 4, 1, seed=1, device="cuda")
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.bfloat16, seed=1, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q)
+    _gpu_compare(idx, q, k, v, do, dropout_p=0.1, dropout_seed=7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r0", [1, 4, 10**6], ids=["r0-1", "r0-4", "r0-huge"])
+def test_bitwise_determinism_and_hybrid_agree(r0):
+    B, HQ, HKV, N, D = 1, 16, 4, 16384, 128
+    idx = random_index(B, HKV, N, 64, 64, 16, 8, 1, seed=3, device="cuda")
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.bfloat16, seed=3, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(q)
+
+    def grads(det):
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o, _ = triton_sparse_attention(qs, ks, vs, idx, deterministic=det, kernel_options={"r0": r0})
+        return torch.autograd.grad(o, (qs, ks, vs), do)
+
+    a, b = grads(True), grads(True)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y), "deterministic mode must be bitwise reproducible"
+    h = grads(False)
+    for x, y in zip(a, h):
+        assert rel_err(x, y) < 1e-2
+
+
+@pytest.mark.gpu
+def test_torch_compile_no_graph_break():
+    B, HQ, HKV, N, D = 1, 8, 2, 4096, 128
+    idx = random_index(B, HKV, N, 64, 64, 8, 4, 1, seed=5, device="cuda")
+    plan = idx.plan(4)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.bfloat16, seed=5, device="cuda")
+
+    def f(q, k, v):
+        o, lse = triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan})
+        return (o.float() ** 2).sum() + lse.sum()
+
+    cf = torch.compile(f, fullgraph=True)  # fullgraph: any graph break raises
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = cf(qs, ks, vs)
+    g = torch.autograd.grad(out, (qs, ks, vs))
+    qe, ke, ve = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    oute = f(qe, ke, ve)
+    ge = torch.autograd.grad(oute, (qe, ke, ve))
+    assert torch.allclose(out, oute, rtol=1e-3)
+    for x, y in zip(g, ge):
+        assert rel_err(x, y) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [2**63 + 12345, 2**64 - 1], ids=["seed-2^63+12345", "seed-2^64-1"])
+def test_strided_seq_lens_nan_padding_and_top_seeds_on_gpu(seed):
+    """Issue 11 on the GPU: seq_lens as a strided int32 column (the kernels index it without a stride),
+    NaN in k/v past it (never loaded), and dropout seeds at the top of [0, 2**64) (a u64 kernel
+    argument): forward and backward against the fp32 reference on the clean inputs."""
+    B, HQ, HKV, N, D, cut = 2, 8, 2, 2051, 64, 1300
+    idx = random_index(B, HKV, N, 64, 64, 6, 2, 1, seed=11, device="cuda")
+    lens = torch.tensor([[N, 7], [cut, 7]], dtype=torch.int32, device="cuda")[:, 0]
+    assert not lens.is_contiguous()
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.bfloat16, seed=11, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(12)).to(q)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[1, :, cut:] = float("nan")
+    v_nan[1, :, cut:] = float("nan")
+    qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k_nan, v_nan))
+    o, _ = triton_sparse_attention(qs, ks, vs, idx, seq_lens=lens, dropout_p=0.1, dropout_seed=seed)
+    grads = torch.autograd.grad(o, (qs, ks, vs), do)
+    for t in (o, *grads):
+        assert torch.isfinite(t).all()
+    kw = dict(seq_lens=lens, dropout_p=0.1, dropout_seed=seed)
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    o32, _ = reference_sparse_attention(q32, k32, v32, idx, **kw)
+    g32 = torch.autograd.grad(o32, (q32, k32, v32), do.float())
+    ql, kl, vl = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ol, _ = reference_sparse_attention(ql, kl, vl, idx, upcast=False, **kw)
+    gl = torch.autograd.grad(ol, (ql, kl, vl), do)
+    for name, a, r, l in zip(("o", "dq", "dk", "dv"), (o, *grads), (o32, *g32), (ol, *gl)):
+        check_close(name, a, r, l, torch.bfloat16, c=3.0, floor=1e-4)

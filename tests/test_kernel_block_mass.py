@@ -3,12 +3,14 @@
 import pytest
 import torch
 
-from _kernel_testutils import make_qkv, random_index
+from builders import make_qkv, random_index
 from sparse_train.kernels.block_mass import triton_block_mass, triton_dense_block_mass
 from sparse_train.kernels.reference import reference_sparse_attention
+from sparse_train.kernels.reference_block_mass import reference_dense_block_mass, reference_sparse_block_mass
 from sparse_train.selectors.distill import dense_block_mass, sparse_block_mass
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")  # fresh outputs start as NaN
 
 CASES = [
     # (B, HQ, HKV, N, D, BQ, BK, topk, window, sinks, seq_lens)
@@ -27,8 +29,8 @@ def test_block_mass_matches_reference(B, HQ, HKV, N, D, BQ, BK, topk, window, si
     scale = D ** -0.5
     _, lse = reference_sparse_attention(q, k, v, idx, scale=scale, seq_lens=lens)
     target, valid = triton_block_mass(q, k, lse, idx, scale=scale, seq_lens=lens, row_pool=row_pool)
-    ref_target, ref_valid = sparse_block_mass(q.double(), k.double(), idx, scale=scale, lse=lse.double(), seq_lens=lens,
-                                              row_pool=row_pool)
+    ref_target, ref_valid = reference_sparse_block_mass(q.double(), k.double(), idx, scale=scale, lse=lse.double(),
+                                                        seq_lens=lens, row_pool=row_pool)
     err = (target.double() - ref_target).abs().max().item()
     print(f"block mass max abs err vs fp64 reference: {err:.2e}")
     assert torch.equal(valid, ref_valid)
@@ -70,8 +72,8 @@ def test_block_mass_gpu_real_size(dtype):
     _, lse = triton_sparse_attention(q, k, v, idx)
     target, valid = sparse_block_mass(q, k, idx, scale=D ** -0.5, lse=lse)  # dispatches to the kernel
     idx_cpu = idx.to("cpu")
-    ref, ref_valid = sparse_block_mass(q.cpu().double(), k.cpu().double(), idx_cpu, scale=D ** -0.5,
-                                       lse=lse.cpu().double())
+    ref, ref_valid = reference_sparse_block_mass(q.cpu().double(), k.cpu().double(), idx_cpu, scale=D ** -0.5,
+                                                 lse=lse.cpu().double())
     err = (target.cpu().double() - ref).abs().max().item()
     print(f"{dtype}: block mass max abs err {err:.2e}")
     assert torch.equal(valid.cpu(), ref_valid)
@@ -125,9 +127,9 @@ def test_dense_block_mass_kernels_match_reference(B, HQ, HKV, N, D, BQ, BK, bloc
     scale = D ** -0.5
     target, valid = triton_dense_block_mass(q, k, picks, block_q=BQ, block_k=BK, scale=scale, seq_lens=lens,
                                             row_pool=row_pool)
-    ref, ref_valid = dense_block_mass(q.cpu().double(), k.cpu().double(), block_q=BQ, block_k=BK, scale=scale,
-                                      seq_lens=None if lens is None else lens.cpu(), query_blocks=picks,
-                                      row_pool=row_pool)
+    ref, ref_valid = reference_dense_block_mass(q.cpu().double(), k.cpu().double(), block_q=BQ, block_k=BK,
+                                                scale=scale, seq_lens=None if lens is None else lens.cpu(),
+                                                query_blocks=picks, row_pool=row_pool)
     err = (target.cpu().double() - ref).abs().max().item()
     print(f"dense block mass ({row_pool}) max abs err vs fp64 reference: {err:.2e}")
     assert torch.equal(valid.cpu(), ref_valid)
@@ -141,8 +143,8 @@ def test_dense_block_mass_dispatches_to_kernels_on_gpu(dtype):
     q, k, _ = make_qkv(B, HQ, HKV, N, D, dtype, seed=5, device="cuda")
     picks = torch.tensor([0, 17, 40, 64])
     target, valid = dense_block_mass(q, k, block_q=64, block_k=64, scale=D ** -0.5, query_blocks=picks)
-    ref, ref_valid = dense_block_mass(q.cpu().double(), k.cpu().double(), block_q=64, block_k=64, scale=D ** -0.5,
-                                      query_blocks=picks)
+    ref, ref_valid = reference_dense_block_mass(q.cpu().double(), k.cpu().double(), block_q=64, block_k=64,
+                                                scale=D ** -0.5, query_blocks=picks)
     err = (target.cpu().double() - ref).abs().max().item()
     print(f"{dtype}: sampled dense block mass max abs err {err:.2e}")
     assert torch.equal(valid.cpu(), ref_valid)

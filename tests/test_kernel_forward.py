@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from _kernel_testutils import check_close, make_qkv, random_index, rel_err
+from builders import check_close, make_qkv, random_index, rel_err
 from sparse_train.index import BlockIndex
 from sparse_train.kernels.reference import dropout_keep_mask, reference_sparse_attention
 
@@ -19,18 +19,23 @@ from sparse_train.kernels import forward as kf  # noqa: E402
 from sparse_train.kernels.op import triton_sparse_attention, triton_supports  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")  # fresh outputs start as NaN
 
 
-def _run_poisoned(q, k, v, idx, **kw):
-    """Launcher on NaN-poisoned output buffers: every element must be written."""
-    B, HQ, N, D = q.shape
-    o = torch.full((B, HQ, N, D), float("nan"), dtype=q.dtype, device=q.device)
-    lse = torch.full((B, HQ, N), float("nan"), dtype=torch.float32, device=q.device)
-    kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=idx.block_q, block_k=idx.block_k,
-                           out=(o, lse), **kw)
+def _run_launcher(q, k, v, idx, **kw):
+    """The launcher alone; its fresh (NaN-poisoned) outputs must be written everywhere."""
+    o, lse = kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=idx.block_q, block_k=idx.block_k,
+                                    **kw)
     assert not torch.isnan(o).any(), "unwritten (NaN) output elements"
     assert not torch.isnan(lse).any(), "unwritten (NaN) lse elements"
     return o, lse
+
+
+def test_fresh_outputs_start_as_nan():
+    """The poisoning this module relies on is active: a fresh floating-point buffer holds NaN, so an
+    element a kernel does not write stays NaN and fails the checks below."""
+    assert torch.isnan(torch.empty(8, device=DEV)).all()
+    assert torch.empty(3, dtype=torch.int32).shape == (3,)  # integer buffers are left alone
 
 
 FWD_CASES = [
@@ -47,7 +52,7 @@ def test_forward_vs_fp64_reference(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window
     idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N + D, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, seed=N, device=DEV)
     scale = 1 / math.sqrt(D)
-    o, lse = _run_poisoned(q, k, v, idx, scale=scale)
+    o, lse = _run_launcher(q, k, v, idx, scale=scale)
     o64, lse64 = reference_sparse_attention(q.double(), k.double(), v.double(), idx)
     olp, lselp = reference_sparse_attention(q, k, v, idx, upcast=False)
     check_close("o", o, o64, olp, dtype)
@@ -75,7 +80,7 @@ def test_empty_rows_zero_output_and_neg_inf_lse():
     mask[1, 0, 3, 3] = True     # batch 1: only query block 3
     idx = BlockIndex.from_dense(mask.to(DEV), seq_len=N, block_q=BS, block_k=BS)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=1, device=DEV)
-    o, lse = _run_poisoned(q, k, v, idx, scale=0.25)
+    o, lse = _run_launcher(q, k, v, idx, scale=0.25)
     o64, lse64 = reference_sparse_attention(q.double(), k.double(), v.double(), idx, scale=0.25)
     empty = torch.isinf(lse64)
     assert empty.sum() > 0
@@ -122,7 +127,7 @@ def test_duplicate_candidates_count_once():
     """Duplicates in the input selection go through from_selection and must not double-count keys:
     compare with SDPA under the explicit element mask of the unique block set."""
     B, HQ, HKV, N, D, BS = 1, 2, 1, 80, 16, 16
-    idx = random_index(B, HKV, N, BS, BS, 2, 1, 0, seed=11, device=DEV, dups=True)
+    idx = random_index(B, HKV, N, BS, BS, 2, 1, 0, seed=11, device=DEV, duplicates=True)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=11, device=DEV)
     o, _ = triton_sparse_attention(q, k, v, idx)
     blocks = idx.to_dense()[0, 0]                                       # [NQB, NKB]
@@ -162,7 +167,7 @@ def test_split_counts_agree_with_unsplit(dropout_p):
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=13, device=DEV)
     outs = {}
     for s in (1, 2, 8):
-        outs[s] = _run_poisoned(q, k, v, idx, scale=0.25, num_splits=s, dropout_p=dropout_p, dropout_seed=9)
+        outs[s] = _run_launcher(q, k, v, idx, scale=0.25, num_splits=s, dropout_p=dropout_p, dropout_seed=9)
     o64, lse64 = reference_sparse_attention(q.double(), k.double(), v.double(), idx, scale=0.25,
                                             dropout_p=dropout_p, dropout_seed=9)
     for s in (2, 8):
@@ -170,14 +175,6 @@ def test_split_counts_agree_with_unsplit(dropout_p):
         assert rel_err(outs[s][1], outs[1][1]) < 1e-6
     for s in (1, 2, 8):
         assert rel_err(outs[s][0], o64) < 1e-5
-
-
-def test_split_rule():
-    assert kf.choose_num_splits(10_000, 30) == 1          # big grid: never split
-    assert kf.choose_num_splits(8, 200) == 8              # tiny grid, long rows
-    assert kf.choose_num_splits(8, 12) == 1               # tiny grid, short rows: not worth it
-    assert kf.choose_num_splits(8, 20) == 2               # each split keeps >= 8 blocks
-    assert kf.choose_num_splits(100, 64) in (2, 4)
 
 
 def test_rejects_bad_input():
@@ -196,14 +193,14 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="multiple"):
         q3, k3, v3 = make_qkv(B, 3, 2, N, D, torch.float32, device=DEV)
         triton_sparse_attention(q3, k3, v3, BlockIndex.full(1, 2, N, 16, 16, device=DEV))
-    support = triton_supports(q.to(torch.bfloat16), k, v, idx)
+    support = triton_supports(q.to(torch.bfloat16), idx.block_q, idx.block_k)
     if DEV == "cpu":
         assert not support.ok and support.code == "unsupported_dtype" and "bfloat16" in support.message
 
 
 def test_opcheck_fake_impl():
     """Schema, fake (meta) impl and autograd registration of the custom op (torch.library.opcheck)."""
-    from sparse_train.kernels.backward import cold_slots
+    from sparse_train.plan import backward_config, cold_slots, forward_config
 
     B, HQ, HKV, N, D = 1, 2, 1, 48, 16
     idx = random_index(B, HKV, N, 16, 16, 1, 1, 1, seed=2, device=DEV)
@@ -211,8 +208,9 @@ def test_opcheck_fake_impl():
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, device=DEV)
     q.requires_grad_()
     slots = cold_slots(plan.hot, plan.reuse, False)
+    launch_config = [*forward_config(HQ // HKV, 16, 16, D), *backward_config(HQ // HKV, 16, 16, D, plan.num_cold > 0)]
     args = (q, k, v, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks, slots, None,
-            plan.num_cold, 16, 16, 0.25, 0.0, 0, 1)
+            plan.num_cold, 16, 16, 0.25, 0.0, 0, 1, launch_config)
     torch.library.opcheck(torch.ops.sparse_train.sparse_attn_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
@@ -226,7 +224,43 @@ def test_launcher_clamps_unvalidated_seq_lens():
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=61, device=DEV)
     wild = torch.tensor([N + 10**6, -5], device=DEV)
     sane = torch.tensor([N, 0], device=DEV)
-    got = _run_poisoned(q, k, v, idx, scale=0.25, seq_lens=wild)
-    want = _run_poisoned(q, k, v, idx, scale=0.25, seq_lens=sane)
+    got = _run_launcher(q, k, v, idx, scale=0.25, seq_lens=wild)
+    want = _run_launcher(q, k, v, idx, scale=0.25, seq_lens=sane)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert torch.all(got[0][1] == 0) and torch.all(torch.isneginf(got[1][1]))
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_opcheck_on_gpu():
+    from sparse_train.plan import backward_config, cold_slots, forward_config
+
+    B, HQ, HKV, N, D = 1, 4, 2, 512, 64
+    idx = random_index(B, HKV, N, 64, 64, 3, 2, 1, seed=9, device="cuda")
+    plan = idx.plan(2)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float16, seed=9, device="cuda", requires_grad=True)
+    slots = cold_slots(plan.hot, plan.reuse, False)
+    launch_config = [*forward_config(HQ // HKV, 64, 64, D), *backward_config(HQ // HKV, 64, 64, D, plan.num_cold > 0)]
+    args = (q, k, v, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks, slots, None,
+            plan.num_cold, 64, 64, 0.125, 0.0, 0, 1, launch_config)
+    torch.library.opcheck(torch.ops.sparse_train.sparse_attn_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [2**63, 2**64 - 1], ids=["seed-2^63", "seed-2^64-1"])
+def test_dropout_bits_at_the_top_of_the_seed_domain(seed):
+    """The u64 seed path of the kernels gives the reference's keep bits exactly: with q = 0 (uniform P)
+    and V = identity, o[b, h, q, j] > 0 iff key j was kept."""
+    B, HQ, HKV, N, D, p = 1, 4, 2, 128, 64, 0.3
+    idx = BlockIndex.full(B, HKV, N, 64, 64, device="cuda")
+    q = torch.zeros(B, HQ, N, D, device="cuda", dtype=torch.float16)
+    k = torch.randn(B, HKV, N, D, device="cuda", dtype=torch.float16)
+    v = torch.eye(N, D, device="cuda", dtype=torch.float16).expand(B, HKV, N, D).contiguous()
+    o, _ = triton_sparse_attention(q, k, v, idx, dropout_p=p, dropout_seed=seed)
+    pos = torch.arange(N, device="cuda")
+    keep = dropout_keep_mask(seed, torch.zeros(1, 1, 1, 1, dtype=torch.long, device="cuda"),
+                             torch.arange(HQ, device="cuda").view(1, HQ, 1, 1), pos.view(1, 1, N, 1),
+                             pos.view(1, 1, 1, N), HQ, N, p) & (pos.view(1, 1, 1, N) <= pos.view(1, 1, N, 1))
+    got = o > 0
+    assert torch.equal(got, keep[..., :D]), f"{(got != keep[..., :D]).sum().item()} keep bits differ"

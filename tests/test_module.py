@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import sparse_train as st
-from sparse_train.attention import FALLBACK_REASONS, dense_causal_attention
+from sparse_train.attention import FALLBACK_REASONS
+from sparse_train.functional import dense_causal_attention
 from sparse_train.kernels.reference import reference_sparse_attention
 from sparse_train.selectors import selection_geometry
 

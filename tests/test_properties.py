@@ -10,7 +10,7 @@ examples (profile "ci" in conftest.py), a fixed max_examples per property.
 
 Tolerances: the reference in fp64 matches the oracle to 1e-9; the Triton kernels (interpreter on CPU,
 fp32 / fp16) follow the project rule err(kernel vs fp64) <= 4 * err(same computation by PyTorch in the
-kernel's precision) + floor (`_kernel_testutils.check_close`).
+kernel's precision) + floor (`builders.check_close`).
 """
 
 import math
@@ -23,7 +23,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 
-from _kernel_testutils import check_close  # noqa: E402
+from builders import check_close, make_qkv, random_selection  # noqa: E402
 from sparse_train.index import BlockIndex  # noqa: E402
 from sparse_train.kernels.reference import dropout_keep_mask, reference_sparse_attention  # noqa: E402
 
@@ -81,10 +81,8 @@ def build(case, dtype):
     b, hkv, n, d = case["batch"], case["kv_heads"], case["seq_len"], case["head_dim"]
     hq = hkv * case["group"]
     bq, bk = case["block_q"], case["block_k"]
-    nqb = math.ceil(n / bq)
-    last = (torch.clamp((torch.arange(nqb) + 1) * bq, max=n) - 1) // bk
-    # candidates uniform in [-1, last]: empty slots and duplicates are common
-    sel = (torch.rand(b, hkv, nqb, case["topk"], generator=g) * (last.view(1, 1, -1, 1) + 2)).long() - 1
+    # candidates uniform over the causal blocks, a fifth of the slots -1: empty slots and duplicates are common
+    sel = random_selection(b, hkv, n, bq, bk, case["topk"], generator=g, distinct=False, drop=0.2)
     index = BlockIndex.from_selection(sel.to(DEV), seq_len=n, block_q=bq, block_k=bk, window=case["window"],
                                       sinks=case["sinks"])
     seq_lens = None
@@ -94,7 +92,7 @@ def build(case, dtype):
             seq_lens = torch.stack([lens, torch.full_like(lens, n + 99)], dim=1).to(DEV, torch.int32)[:, 0]
         else:
             seq_lens = lens.to(DEV)
-    clean = [torch.randn(b, h, n, d, generator=g, dtype=torch.float64).to(DEV) for h in (hq, hkv, hkv)]
+    clean = make_qkv(b, hq, hkv, n, d, torch.float64, generator=g, device=DEV)
     run = [_layout(t.to(dtype), case["layout"]) for t in clean]
     poison = POISONS[case["poison"]]
     if poison is not None and seq_lens is not None:

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import builders
 import sparse_train as st
+from builders import make_qkv
 from sparse_train.kernels.reference import (
     dense_block_mask_attention,
     dropout_keep_mask,
@@ -14,24 +16,10 @@ from sparse_train.kernels.reference import (
 )
 
 
-def make_qkv(b, hq, hkv, n, d, dtype=torch.float64, seed=0, requires_grad=False):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, n, d, generator=gen, dtype=dtype)
-    k = torch.randn(b, hkv, n, d, generator=gen, dtype=dtype)
-    v = torch.randn(b, hkv, n, d, generator=gen, dtype=dtype)
-    return [t.requires_grad_(requires_grad) for t in (q, k, v)]
-
-
-def random_index(b, hkv, n, bq, bk, k, window, sinks, seed=0, empty_rows=False):
-    gen = torch.Generator().manual_seed(seed)
-    nqb = math.ceil(n / bq)
-    last = ((torch.clamp((torch.arange(nqb) + 1) * bq, max=n) - 1) // bk).view(1, 1, nqb, 1)
-    sel = (torch.rand(b, hkv, nqb, k, generator=gen) * (last + 1)).long()
-    drop = torch.rand(b, hkv, nqb, k, generator=gen) < 0.3
-    sel = torch.where(drop, -1, sel)
-    if empty_rows:
-        sel[:, :, 1::3] = -1  # with no window/sinks these rows select nothing
-    return st.BlockIndex.from_selection(sel, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks)
+def uniform_index(b, hkv, n, bq, bk, k, window, sinks, seed=0, empty_rows=False):
+    """Uniform candidates (duplicates common), 30% of the slots empty; optionally empty rows."""
+    return builders.random_index(b, hkv, n, bq, bk, k, window, sinks, seed=seed, distinct=False, drop=0.3,
+                                 empty_rows=empty_rows)
 
 
 CASES = [
@@ -46,8 +34,8 @@ CASES = [
 
 @pytest.mark.parametrize("b,hq,hkv,n,d,bq,bk,topk,window,sinks", CASES)
 def test_matches_dense_masked_softmax_fp64(b, hq, hkv, n, d, bq, bk, topk, window, sinks):
-    q, k, v = make_qkv(b, hq, hkv, n, d, requires_grad=True)
-    idx = random_index(b, hkv, n, bq, bk, topk, window, sinks, seed=n)
+    q, k, v = make_qkv(b, hq, hkv, n, d, requires_grad=True, dtype=torch.float64)
+    idx = uniform_index(b, hkv, n, bq, bk, topk, window, sinks, seed=n)
     o, lse = reference_sparse_attention(q, k, v, idx, chunk_q_blocks=2)
     o_ref, lse_ref = dense_block_mask_attention(q, k, v, idx)
     assert o.dtype == torch.float64 and lse.dtype == torch.float64
@@ -61,8 +49,8 @@ def test_matches_dense_masked_softmax_fp64(b, hq, hkv, n, d, bq, bk, topk, windo
 
 
 def test_gradcheck_small():
-    q, k, v = make_qkv(1, 4, 2, 45, 4, requires_grad=True, seed=3)
-    idx = random_index(1, 2, 45, 16, 16, 2, 1, 1, seed=3)
+    q, k, v = make_qkv(1, 4, 2, 45, 4, requires_grad=True, seed=3, dtype=torch.float64)
+    idx = uniform_index(1, 2, 45, 16, 16, 2, 1, 1, seed=3)
     seq_lens = torch.tensor([40])
 
     def fn(q, k, v):
@@ -73,7 +61,7 @@ def test_gradcheck_small():
 
 
 def test_full_selection_equals_causal_sdpa():
-    q, k, v = make_qkv(2, 4, 2, 300, 16, seed=1)
+    q, k, v = make_qkv(2, 4, 2, 300, 16, seed=1, dtype=torch.float64)
     idx = st.BlockIndex.full(2, 2, 300, block_q=64, block_k=32)
     o, _ = reference_sparse_attention(q, k, v, idx)
     expected = F.scaled_dot_product_attention(
@@ -83,8 +71,8 @@ def test_full_selection_equals_causal_sdpa():
 
 
 def test_empty_rows_are_zero_with_zero_grads_and_no_nan():
-    q, k, v = make_qkv(1, 4, 2, 200, 8, requires_grad=True, seed=2)
-    idx = random_index(1, 2, 200, 32, 32, 2, 0, 0, seed=2, empty_rows=True)
+    q, k, v = make_qkv(1, 4, 2, 200, 8, requires_grad=True, seed=2, dtype=torch.float64)
+    idx = uniform_index(1, 2, 200, 32, 32, 2, 0, 0, seed=2, empty_rows=True)
     assert bool((idx.counts == 0).any())
     o, lse = reference_sparse_attention(q, k, v, idx)
     (o.sum() + torch.where(torch.isfinite(lse), lse, 0).sum()).backward()
@@ -98,16 +86,16 @@ def test_empty_rows_are_zero_with_zero_grads_and_no_nan():
 
 
 def test_lse_gradient_is_finite_on_empty_rows():
-    q, k, v = make_qkv(1, 2, 1, 96, 8, requires_grad=True, seed=4)
-    idx = random_index(1, 1, 96, 32, 32, 1, 0, 0, seed=4, empty_rows=True)
+    q, k, v = make_qkv(1, 2, 1, 96, 8, requires_grad=True, seed=4, dtype=torch.float64)
+    idx = uniform_index(1, 1, 96, 32, 32, 1, 0, 0, seed=4, empty_rows=True)
     _, lse = reference_sparse_attention(q, k, v, idx)
     lse.masked_fill(torch.isinf(lse), 0).sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
 
 
 def test_seq_lens_mask_keys_like_truncation():
-    q, k, v = make_qkv(2, 2, 1, 160, 8, seed=5)
-    idx = random_index(2, 1, 160, 32, 32, 3, 1, 1, seed=5)
+    q, k, v = make_qkv(2, 2, 1, 160, 8, seed=5, dtype=torch.float64)
+    idx = uniform_index(2, 1, 160, 32, 32, 3, 1, 1, seed=5)
     lens = torch.tensor([160, 97])
     o, _ = reference_sparse_attention(q, k, v, idx, seq_lens=lens)
     o_ref, _ = dense_block_mask_attention(q, k, v, idx, seq_lens=lens)
@@ -123,8 +111,8 @@ def test_seq_lens_mask_keys_like_truncation():
 @pytest.mark.parametrize("p", [0.2, 0.6], ids=lambda p: f"p{p}")
 def test_dropout_equals_masked_probabilities(p):
     b, hq, hkv, n, d = 1, 4, 2, 150, 8
-    q, k, v = make_qkv(b, hq, hkv, n, d, seed=6)
-    idx = random_index(b, hkv, n, 32, 32, 2, 1, 1, seed=6)
+    q, k, v = make_qkv(b, hq, hkv, n, d, seed=6, dtype=torch.float64)
+    idx = uniform_index(b, hkv, n, 32, 32, 2, 1, 1, seed=6)
     seed = 2**40 + 99
     o, lse = reference_sparse_attention(q, k, v, idx, dropout_p=p, dropout_seed=seed, chunk_q_blocks=3)
     _, lse_nodrop = reference_sparse_attention(q, k, v, idx)
@@ -145,7 +133,7 @@ def test_dropout_equals_masked_probabilities(p):
 
 
 def test_dropout_needs_seed_and_valid_p():
-    q, k, v = make_qkv(1, 2, 1, 64, 8)
+    q, k, v = make_qkv(1, 2, 1, 64, 8, dtype=torch.float64)
     idx = st.BlockIndex.full(1, 1, 64)
     with pytest.raises(ValueError, match="dropout_seed"):
         reference_sparse_attention(q, k, v, idx, dropout_p=0.1)
@@ -156,7 +144,7 @@ def test_dropout_needs_seed_and_valid_p():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_low_precision_upcast_close_to_fp64(dtype):
     q, k, v = make_qkv(1, 4, 2, 130, 16, dtype=torch.float64, seed=7)
-    idx = random_index(1, 2, 130, 32, 32, 2, 1, 1, seed=7)
+    idx = uniform_index(1, 2, 130, 32, 32, 2, 1, 1, seed=7)
     o64, _ = reference_sparse_attention(q, k, v, idx)
     o_lp, lse_lp = reference_sparse_attention(q.to(dtype), k.to(dtype), v.to(dtype), idx)
     assert o_lp.dtype == dtype and lse_lp.dtype == torch.float32
@@ -166,7 +154,7 @@ def test_low_precision_upcast_close_to_fp64(dtype):
 
 def test_functional_dispatch_reference_on_cpu():
     q, k, v = make_qkv(1, 4, 2, 100, 8, dtype=torch.float32, seed=8)
-    idx = random_index(1, 2, 100, 32, 32, 2, 1, 1, seed=8)
+    idx = uniform_index(1, 2, 100, 32, 32, 2, 1, 1, seed=8)
     o, lse = st.sparse_attention(q, k, v, idx, return_lse=True)
     o_ref, lse_ref = reference_sparse_attention(q, k, v, idx)
     assert torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
@@ -194,8 +182,8 @@ def test_nonfinite_padding_reaches_no_output_or_gradient(poison, dropout_p):
     gathered keys). Outputs and q/k/v gradients must equal a run with clean padding, bit for bit, and
     the padded keys get zero gradient."""
     b, hq, hkv, n, d = 2, 4, 2, 150, 8
-    q, k, v = make_qkv(b, hq, hkv, n, d, seed=12)
-    idx = random_index(b, hkv, n, 32, 16, 3, 1, 1, seed=12)
+    q, k, v = make_qkv(b, hq, hkv, n, d, seed=12, dtype=torch.float64)
+    idx = uniform_index(b, hkv, n, 32, 16, 3, 1, 1, seed=12)
     lens = torch.tensor([150, 61])
     do = torch.randn(b, hq, n, d, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
 
@@ -217,8 +205,8 @@ def test_nonfinite_padding_reaches_no_output_or_gradient(poison, dropout_p):
 
 def test_dense_oracle_ignores_nonfinite_padding():
     """The naive dense oracle too: NaN keys/values past seq_lens reach neither o nor dq."""
-    q, k, v = make_qkv(2, 2, 1, 96, 8, seed=13)
-    idx = random_index(2, 1, 96, 32, 32, 2, 1, 1, seed=13)
+    q, k, v = make_qkv(2, 2, 1, 96, 8, seed=13, dtype=torch.float64)
+    idx = uniform_index(2, 1, 96, 32, 32, 2, 1, 1, seed=13)
     lens = torch.tensor([96, 50])
     k2, v2 = k.clone(), v.clone()
     k2[1, :, 50:] = float("nan")

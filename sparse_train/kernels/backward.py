@@ -1,32 +1,30 @@
-"""Triton backward kernels for exact block-sparse attention: dQ query-centric, dK/dV hybrid.
+"""Triton backward of exact block-sparse attention: dQ query-centric, dK/dV hybrid.
 
-Math (P recomputed from the saved lse; Z = keep/(1-p) * P is what multiplied V in the forward):
-    delta_q = sum_d dO_qd O_qd;   dP_qk = keep_qk/(1-p) * <dO_q, V_k>;   dS_qk = P_qk (dP_qk - delta_q)
-    dQ_q = scale * sum_k dS_qk K_k;   dK_k = scale * sum_{h in group} sum_q dS_qk Q_q;   dV_k = sum_{h,q} Z_qk dO_q
-(delta = rowsum(dO * O) equals rowsum(P * dP) also with dropout, because O = Z V.)
+Math (P recomputed from the saved lse; Z = keep / (1 - p) * P is what multiplied V in the forward):
+    delta_q = sum_d dO_qd O_qd - dlse_q;  dP_qk = keep_qk / (1 - p) <dO_q, V_k>;  dS_qk = P_qk (dP_qk - delta_q)
+    dQ_q = scale sum_k dS_qk K_k;  dK_k = scale sum_{h in group, q} dS_qk Q_q;  dV_k = sum_{h in group, q} Z_qk dO_q
+(rowsum(dO * O) equals rowsum(P * dP) also with dropout, because O = Z V.)
 
-Notation: as in forward.py (B, HQ, HKV, G, N, D, BQ, BK, NQB, NKB, HPP, M = HPP*BQ); "hot" KV block:
-reuse (query blocks that selected it) >= r0; "cold": 0 < reuse < r0; cold slot: position of a cold
-block in the compact fp32 atomic workspace [num_cold, BK, D] (-1 for hot or unselected blocks).
+Notation: as in forward.py (B, HQ, HKV, GROUP, N, HEAD_DIM = D, BLOCK_Q / BLOCK_K = BQ/BK, NQB, NKB,
+HEADS_PER_PROGRAM, HEAD_SUBSETS, M rows per tile). A KV block is "hot" when its reuse (query blocks
+that selected it) is >= r0 and "cold" when 0 < reuse < r0; a cold slot is its position in the compact
+fp32 atomic workspace [num_cold, BK, D] (-1 for hot or unselected blocks); a KV-centric work item is a
+KV block and a chunk of at most kv_chunk query blocks of its transposed row (sparse_train/plan.py).
 
-Layers: (1) @triton.jit kernels `_delta_kernel` (delta, minus dLSE when lse is differentiated),
-`_dq_kernel` (query-centric dQ; for cold blocks also their dK/dV contributions by tl.atomic_add into a
-compact fp32 workspace), `_dkdv_kernel` (KV-centric dK/dV: one work item = one KV block and a chunk of
-at most KV_CHUNK query blocks of its transposed row, so popular blocks such as sinks are not one long
-program; single-chunk rows are written directly, multi-chunk rows write fp32 partials),
-`_dkdv_finish_kernel` (per KV block: convert the cold workspace, or sum the partials in chunk order, or
-write zeros for unselected blocks); (2) launchers `kv_schedule` (work items; one host sync per backward)
-and `sparse_attn_backward`.  The autograd op lives in op.py.
+Layers: (1) ``@triton.jit`` kernels ``_delta_kernel`` (delta), ``_dq_kernel`` (query-centric dQ; for
+cold blocks also their dK/dV contributions, by tl.atomic_add into the atomic workspace),
+``_dkdv_kernel`` (KV-centric dK/dV per work item: a row in one item is written directly, a chunked row
+writes fp32 partials) and ``_dkdv_finish_kernel`` (per KV block: convert its atomic workspace, or sum its
+partials in chunk order, or write zeros when unselected); (2) the launcher ``sparse_attn_backward``
+(allocate, schedule, launch). The autograd op is in op.py; the schedules (cold slots, work items) and
+the tile configuration come from sparse_train/plan.py.
 
-Deterministic mode: no block is cold, so no atomics run; every dK/dV element is produced by one program
-or by the fixed-order sum of chunk partials, dQ by one program per tile: gradients are bitwise
-identical run to run.  On the H200 at 64K it is also the fastest routing (r0 = 1, see
-docs/benchmarks/2026-11-30_h200_attention.md), so its overhead over the default is <= 0.
-
-Known limits: same dtypes/head dims/block sizes as forward.py; workspaces: atomic 2 * num_cold * BK * D * 4
-bytes, chunk partials 2 * num_parts * BK * D * 4 bytes (num_parts = chunks of rows with reuse > KV_CHUNK);
-the KV-centric kernel recomputes S and dP (7 tile products per (block, head) pair counting the dQ kernel,
-against 5 for the atomic path); GQA dK/dV are summed over the group's heads inside the programs.
+Deterministic mode: no block is cold, so no atomics run; every dK/dV element comes from one program or
+from the fixed-order sum of chunk partials, dQ from one program per tile: gradients are bitwise
+identical run to run. Known limits: the forward's dtypes, head dims and block sizes; workspaces: atomic
+2 * num_cold * BK * D * 4 bytes, chunk partials 2 * num_parts * BK * D * 4 bytes; S and dP are
+recomputed by both the dQ and the KV-centric kernel (7 tile products per (block, head) pair against 5
+on the atomic path); GQA dK/dV are summed over the group's heads inside the programs.
 """
 from __future__ import annotations
 
@@ -34,437 +32,345 @@ import torch
 import triton
 import triton.language as tl
 
-from .forward import LAST_COMPILED, LOG2E, default_heads_per_program, kernel_seq_lens, launch
+from ..plan import backward_config, kv_schedule
+from ._jit import (
+    LOG2E,
+    dot,
+    dropout_keep,
+    index_row,
+    load_rows,
+    log2_lse,
+    query_tile,
+    sequence_length,
+    tile_pointers,
+    tile_rows,
+)
+from ._launch import LAST_COMPILED, kernel_seq_lens, launch
+from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
+
+__all__ = ["sparse_attn_backward"]
+
+_DELTA_ROWS = 64  # rows per program of the delta kernel
 
 
 # ----------------------------------------------------------------------------------------------
 # Layer 1: kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _delta_kernel(O, DO, DELTA, DLSE, sob, soh, son, sod, sdb, sdh, sdn, sdd, N, HQ,
-                  BR: tl.constexpr, D: tl.constexpr, HAS_DLSE: tl.constexpr):
+def _delta_kernel(
+    O, DO, DELTA, DLSE,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    N, HQ,
+    BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
     # delta [B, HQ, N] fp32 (contiguous) = rowsum(dO * O) - dLSE  (d lse / d s = P, so an lse
     # gradient enters dS = P (dP - delta) exactly like a shift of delta)
-    pid = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // HQ).to(tl.int64)
-    h = (bh % HQ).to(tl.int64)
-    rows = pid * BR + tl.arange(0, BR)
+    batch_head = tl.program_id(1)
+    b64 = (batch_head // HQ).to(tl.int64)
+    h64 = (batch_head % HQ).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     ok = rows < N
-    r64 = rows.to(tl.int64)
-    d = tl.arange(0, D)
-    o = tl.load(O + b * sob + h * soh + r64[:, None] * son + d[None, :] * sod, mask=ok[:, None], other=0.0)
-    do = tl.load(DO + b * sdb + h * sdh + r64[:, None] * sdn + d[None, :] * sdd, mask=ok[:, None], other=0.0)
+    rows64 = rows.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o = tl.load(tile_pointers(O + b64 * stride_ob + h64 * stride_oh, rows64, offs_d, stride_on, stride_od),
+                mask=ok[:, None], other=0.0)
+    do = tl.load(tile_pointers(DO + b64 * stride_dob + h64 * stride_doh, rows64, offs_d, stride_don, stride_dod),
+                 mask=ok[:, None], other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
-        delta -= tl.load(DLSE + bh.to(tl.int64) * N + r64, mask=ok, other=0.0)
-    tl.store(DELTA + bh.to(tl.int64) * N + r64, delta, mask=ok)
+        delta -= tl.load(DLSE + batch_head.to(tl.int64) * N + rows64, mask=ok, other=0.0)
+    tl.store(DELTA + batch_head.to(tl.int64) * N + rows64, delta, mask=ok)
 
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, IDX, CNT, SEQLENS, COLD_SLOT, DQ, DKW, DVW,
-    sqb, sqh, sqn, sqd,
-    skb, skh, skn, skd,
-    svb, svh, svn, svd,
-    sdb, sdh, sdn, sdd,
-    sxb, sxh, sxn, sxd,
-    sib, sih, siq, sik,
-    scb, sch, scq,
+    Q, K, V, DO, LSE, DELTA, INDICES, COUNTS, SEQ_LENS, COLD_SLOTS, DQ, DK_ATOMIC, DV_ATOMIC,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
     N, HQ, HKV, NQB, NKB, scale_log2, scale, seed, threshold, inv_keep,
-    G: tl.constexpr, HPP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, DROPOUT: tl.constexpr, HAS_COLD: tl.constexpr, IEEE: tl.constexpr,
+    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, HAS_COLD: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    NSUB: tl.constexpr = G // HPP
-    M: tl.constexpr = HPP * BQ
-    pid0 = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    qb = NQB - 1 - pid0 // NSUB
-    hsub = pid0 % NSUB
-    b = pid_bh // HKV
-    hkv = pid_bh % HKV
-    offs_m = tl.arange(0, M)
-    offs_d = tl.arange(0, D)
-    offs_k = tl.arange(0, BK)
-    head = hkv * G + hsub * HPP + offs_m // BQ             # [M]
-    qpos = qb * BQ + offs_m % BQ                           # [M]
+    M: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
+    qb, b, hkv, head, qpos = query_tile(NQB, HKV, GROUP, HEADS_PER_PROGRAM, BLOCK_Q, True)  # head, qpos: [M]
+    b64, hkv64, head64, qpos64 = b.to(tl.int64), hkv.to(tl.int64), head.to(tl.int64), qpos.to(tl.int64)
     row_ok = qpos < N
-    b64 = b.to(tl.int64)
-    head64 = head.to(tl.int64)
-    qpos64 = qpos.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_k = tl.arange(0, BLOCK_K)
+    q = load_rows(Q, b64, head64, qpos64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, row_ok)  # [M, D]
+    do = load_rows(DO, b64, head64, qpos64, offs_d, stride_dob, stride_doh, stride_don, stride_dod, row_ok)  # [M, D]
+    row = (b64 * HQ + head64) * N + qpos64  # [M] row of lse / delta (contiguous [B, HQ, N])
+    lse2 = log2_lse(tl.load(LSE + row, mask=row_ok, other=float("-inf")))
+    delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
+    seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
+    selected, count = index_row(INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq,
+                             stride_cb, stride_ch, stride_cq)
+    k_base = K + b64 * stride_kb + hkv64 * stride_kh
+    v_base = V + b64 * stride_vb + hkv64 * stride_vh
+    cold_slot_row = COLD_SLOTS + (b64 * HKV + hkv64) * NKB
+    q_first = qb * BLOCK_Q
+    row_counter = row * N  # [M] dropout counter of (row, key 0)
 
-    q = tl.load(Q + b64 * sqb + head64[:, None] * sqh + qpos64[:, None] * sqn + offs_d[None, :] * sqd,
-                mask=row_ok[:, None], other=0.0)           # [M, D]
-    do = tl.load(DO + b64 * sdb + head64[:, None] * sdh + qpos64[:, None] * sdn + offs_d[None, :] * sdd,
-                 mask=row_ok[:, None], other=0.0)          # [M, D]
-    rowid = (b64 * HQ + head64) * N + qpos64               # [M] row of lse/delta (contiguous [B,HQ,N])
-    lse = tl.load(LSE + rowid, mask=row_ok, other=float("-inf"))
-    # rows without any valid key (lse = -inf) must give P = 0: use +inf as their log2 base
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(DELTA + rowid, mask=row_ok, other=0.0)
-    if HAS_SEQLENS:
-        seqlen = tl.load(SEQLENS + b).to(tl.int32)
-    else:
-        seqlen = N
-    cnt = tl.load(CNT + b64 * scb + hkv * sch + qb * scq)
-    idx_base = IDX + b64 * sib + hkv * sih + qb * siq
-    k_base = K + b64 * skb + hkv.to(tl.int64) * skh
-    v_base = V + b64 * svb + hkv.to(tl.int64) * svh
-    slot_base = COLD_SLOT + (b64 * HKV + hkv) * NKB
-    q_first = qb * BQ
-    row_off = rowid * N                                    # [M] dropout counter base
-
-    dq = tl.zeros([M, D], tl.float32)
-    for t in range(0, cnt):
-        j = tl.load(idx_base + t * sik)
-        kpos = j * BK + offs_k
+    dq = tl.zeros([M, HEAD_DIM], tl.float32)
+    for t in range(0, count):
+        j = tl.load(selected + t * stride_ik)  # t-th selected key block
+        kpos = j * BLOCK_K + offs_k
         kpos64 = kpos.to(tl.int64)
-        kv_ok = kpos < seqlen                              # padding keys load as 0 (see forward.py)
-        k = tl.load(k_base + kpos64[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok[:, None], other=0.0)  # [BK, D]
-        v = tl.load(v_base + kpos64[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok[:, None], other=0.0)  # [BK, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))                     # [M, BK]
-            dp = tl.dot(do, tl.trans(v))                   # [M, BK]
+        kv_ok = kpos < seqlen  # padding keys load as 0 (see forward.py)
+        k = tl.load(tile_pointers(k_base, kpos64, offs_d, stride_kn, stride_kd), mask=kv_ok[:, None], other=0.0)
+        v = tl.load(tile_pointers(v_base, kpos64, offs_d, stride_vn, stride_vd), mask=kv_ok[:, None], other=0.0)
+        s = dot(q, tl.trans(k), IEEE)  # [M, BK]
+        dp = dot(do, tl.trans(v), IEEE)  # [M, BK]
         s = s * scale_log2
-        if (j * BK + BK - 1 > q_first) | (j * BK + BK > seqlen):
+        if (j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen):
             ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen)
             s = tl.where(ok, s, float("-inf"))
-        p = tl.exp2(s - lse2[:, None])                     # [M, BK] normalised probabilities
+        p = tl.exp2(s - lse2[:, None])  # [M, BK] normalised probabilities
         if DROPOUT:
-            r = tl.randint(seed, row_off[:, None] + kpos64[None, :])
-            keep = r.to(tl.int64) >= threshold
+            keep = dropout_keep(seed, row_counter[:, None] + kpos64[None, :], threshold)
             dp = tl.where(keep, dp * inv_keep, 0.0)
-        ds = p * (dp - delta[:, None])                     # [M, BK]
-        if IEEE:
-            dq += tl.dot(ds.to(k.dtype), k, input_precision="ieee")
-        else:
-            dq += tl.dot(ds.to(k.dtype), k)                # [M, D]
+        ds = p * (dp - delta[:, None])  # [M, BK]
+        dq += dot(ds.to(k.dtype), k, IEEE)  # [M, D]
         if HAS_COLD:
-            slot = tl.load(slot_base + j)
+            slot = tl.load(cold_slot_row + j)
             if slot >= 0:
-                # cold block: add this tile's dK/dV share (summed over its HPP heads by the dot)
+                # cold block: add this tile's dK/dV share (summed over its heads by the dot)
                 if DROPOUT:
                     z = tl.where(keep, p * inv_keep, 0.0)
                 else:
                     z = p
-                if IEEE:
-                    dv_part = tl.dot(tl.trans(z.to(do.dtype)), do, input_precision="ieee")
-                    dk_part = tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision="ieee")
-                else:
-                    dv_part = tl.dot(tl.trans(z.to(do.dtype)), do)   # [BK, D]
-                    dk_part = tl.dot(tl.trans(ds.to(q.dtype)), q)    # [BK, D] (unscaled)
-                w_off = slot.to(tl.int64) * (BK * D) + offs_k[:, None] * D + offs_d[None, :]
-                tl.atomic_add(DKW + w_off, dk_part, sem="relaxed")
-                tl.atomic_add(DVW + w_off, dv_part, sem="relaxed")
+                dv_part = dot(tl.trans(z.to(do.dtype)), do, IEEE)  # [BK, D]
+                dk_part = dot(tl.trans(ds.to(q.dtype)), q, IEEE)  # [BK, D] (unscaled)
+                workspace = slot.to(tl.int64) * (BLOCK_K * HEAD_DIM) + offs_k[:, None] * HEAD_DIM + offs_d[None, :]
+                tl.atomic_add(DK_ATOMIC + workspace, dk_part, sem="relaxed")
+                tl.atomic_add(DV_ATOMIC + workspace, dv_part, sem="relaxed")
     dq = dq * scale
-    tl.store(DQ + b64 * sxb + head64[:, None] * sxh + qpos64[:, None] * sxn + offs_d[None, :] * sxd,
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    dq_ptrs = tile_pointers(DQ + b64 * stride_dqb + head64[:, None] * stride_dqh, qpos64, offs_d, stride_dqn, stride_dqd)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, KV_INDPTR, KV_QB, SEQLENS, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
-    DK, DV, PKW, PVW,
-    sqb, sqh, sqn, sqd,
-    skb, skh, skn, skd,
-    svb, svh, svn, svd,
-    sdb, sdh, sdn, sdd,
-    skgb, skgh, skgn, skgd,
-    svgb, svgh, svgn, svgd,
+    Q, K, V, DO, LSE, DELTA, KV_QBLOCKS, SEQ_LENS, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
+    DK, DV, DK_PARTIAL, DV_PARTIAL,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_don, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     N, HQ, HKV, NKB, scale_log2, scale, seed, threshold, inv_keep,
-    G: tl.constexpr, HPP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    # one work item = one KV block and a chunk [t0, t1) of its transposed row (query blocks that
+    # one work item = one KV block and a chunk [t0, t1) of its transposed row (the query blocks that
     # selected it); long rows (sinks, popular blocks) are chunked so no program becomes the long pole
-    NSUB: tl.constexpr = G // HPP
-    M: tl.constexpr = HPP * BQ
+    HEAD_SUBSETS: tl.constexpr = GROUP // HEADS_PER_PROGRAM
     item = tl.program_id(0)
-    row = tl.load(ITEM_ROW + item)                         # (b*HKV + hkv)*NKB + j
+    kv_row = tl.load(ITEM_ROW + item)  # (b*HKV + hkv)*NKB + j
     t0 = tl.load(ITEM_T0 + item)
     t1 = tl.load(ITEM_T1 + item)
     part = tl.load(ITEM_PART + item)
-    j = row % NKB
-    bh = row // NKB
-    b = bh // HKV
-    hkv = bh % HKV
+    j = kv_row % NKB
+    batch_head = kv_row // NKB
+    b = batch_head // HKV
+    hkv = batch_head % HKV
     b64 = b.to(tl.int64)
     hkv64 = hkv.to(tl.int64)
-    offs_k = tl.arange(0, BK)
-    offs_d = tl.arange(0, D)
-    offs_m = tl.arange(0, M)
-    kpos = j * BK + offs_k
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kpos = j * BLOCK_K + offs_k
     kpos64 = kpos.to(tl.int64)
-    kv_ok = kpos < N                                       # rows of dK/dV this program writes
-    if HAS_SEQLENS:
-        seqlen = tl.load(SEQLENS + b).to(tl.int32)
-    else:
-        seqlen = N
-    kv_in = kpos < seqlen                                  # padding keys load as 0 (see forward.py)
-    k = tl.load(K + b64 * skb + hkv64 * skh + kpos64[:, None] * skn + offs_d[None, :] * skd,
-                mask=kv_in[:, None], other=0.0)            # [BK, D]
-    v = tl.load(V + b64 * svb + hkv64 * svh + kpos64[:, None] * svn + offs_d[None, :] * svd,
-                mask=kv_in[:, None], other=0.0)            # [BK, D]
-    dk = tl.zeros([BK, D], tl.float32)
-    dv = tl.zeros([BK, D], tl.float32)
+    kv_ok = kpos < N  # rows of dK/dV this program writes
+    seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
+    kv_in = kpos < seqlen  # padding keys load as 0 (see forward.py)
+    k = tl.load(tile_pointers(K + b64 * stride_kb + hkv64 * stride_kh, kpos64, offs_d, stride_kn, stride_kd),
+                mask=kv_in[:, None], other=0.0)  # [BK, D]
+    v = tl.load(tile_pointers(V + b64 * stride_vb + hkv64 * stride_vh, kpos64, offs_d, stride_vn, stride_vd),
+                mask=kv_in[:, None], other=0.0)  # [BK, D]
+    dk = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
     # flat loop over (query block, head subset) pairs in fixed order: deterministic and pipelinable;
-    # HPP heads of the group are stacked along the query rows (wider tile products)
-    for u in range(t0 * NSUB, t1 * NSUB):
-        t = u // NSUB
-        hs = u % NSUB
-        qb = tl.load(KV_QB + t)
-        head64 = (hkv * G + hs * HPP + offs_m // BQ).to(tl.int64)   # [M]
-        qpos = qb * BQ + offs_m % BQ                                  # [M]
+    # the subset's heads are stacked along the query rows (wider tile products)
+    for u in range(t0 * HEAD_SUBSETS, t1 * HEAD_SUBSETS):
+        t = u // HEAD_SUBSETS
+        head_subset = u % HEAD_SUBSETS
+        qb = tl.load(KV_QBLOCKS + t)
+        head, qpos = tile_rows(qb, hkv, head_subset, GROUP, HEADS_PER_PROGRAM, BLOCK_Q)  # [M] each
+        head64 = head.to(tl.int64)
         qpos64 = qpos.to(tl.int64)
         q_ok = qpos < N
-        q = tl.load(Q + b64 * sqb + head64[:, None] * sqh + qpos64[:, None] * sqn + offs_d[None, :] * sqd,
-                    mask=q_ok[:, None], other=0.0)         # [M, D]
-        do = tl.load(DO + b64 * sdb + head64[:, None] * sdh + qpos64[:, None] * sdn + offs_d[None, :] * sdd,
-                     mask=q_ok[:, None], other=0.0)        # [M, D]
-        rowid = (b64 * HQ + head64) * N + qpos64            # [M]
-        lse = tl.load(LSE + rowid, mask=q_ok, other=float("-inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-        delta = tl.load(DELTA + rowid, mask=q_ok, other=0.0)
-        if IEEE:
-            st = tl.dot(k, tl.trans(q), input_precision="ieee")
-            dpt = tl.dot(v, tl.trans(do), input_precision="ieee")
-        else:
-            st = tl.dot(k, tl.trans(q))                    # [BK, M] = S^T
-            dpt = tl.dot(v, tl.trans(do))                  # [BK, M] = dP^T before dropout
+        q = load_rows(Q, b64, head64, qpos64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, q_ok)  # [M, D]
+        do = load_rows(DO, b64, head64, qpos64, offs_d, stride_dob, stride_doh, stride_don, stride_dod, q_ok)  # [M, D]
+        row = (b64 * HQ + head64) * N + qpos64  # [M]
+        lse2 = log2_lse(tl.load(LSE + row, mask=q_ok, other=float("-inf")))
+        delta = tl.load(DELTA + row, mask=q_ok, other=0.0)
+        st = dot(k, tl.trans(q), IEEE)  # [BK, M] = S^T
+        dpt = dot(v, tl.trans(do), IEEE)  # [BK, M] = dP^T before dropout
         st = st * scale_log2
-        if (j * BK + BK - 1 > qb * BQ) | (j * BK + BK > seqlen):
+        if (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > seqlen):
             ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < seqlen)
             st = tl.where(ok, st, float("-inf"))
-        pt = tl.exp2(st - lse2[None, :])                   # [BK, M]
+        pt = tl.exp2(st - lse2[None, :])  # [BK, M]
         if DROPOUT:
-            r = tl.randint(seed, rowid[None, :] * N + kpos64[:, None])
-            keep = r.to(tl.int64) >= threshold
+            keep = dropout_keep(seed, row[None, :] * N + kpos64[:, None], threshold)
             zt = tl.where(keep, pt * inv_keep, 0.0)
             dpt = tl.where(keep, dpt * inv_keep, 0.0)
         else:
             zt = pt
-        dst = pt * (dpt - delta[None, :])                  # [BK, M]
-        if IEEE:
-            dv += tl.dot(zt.to(do.dtype), do, input_precision="ieee")
-            dk += tl.dot(dst.to(q.dtype), q, input_precision="ieee")
-        else:
-            dv += tl.dot(zt.to(do.dtype), do)              # [BK, D]
-            dk += tl.dot(dst.to(q.dtype), q)               # [BK, D]
+        dst = pt * (dpt - delta[None, :])  # [BK, M]
+        dv += dot(zt.to(do.dtype), do, IEEE)  # [BK, D]
+        dk += dot(dst.to(q.dtype), q, IEEE)  # [BK, D]
     if part < 0:
         # whole row in this item: write dK/dV once, in the output dtype
-        tl.store(DK + b64 * skgb + hkv64 * skgh + kpos64[:, None] * skgn + offs_d[None, :] * skgd,
-                 (dk * scale).to(DK.dtype.element_ty), mask=kv_ok[:, None])
-        tl.store(DV + b64 * svgb + hkv64 * svgh + kpos64[:, None] * svgn + offs_d[None, :] * svgd,
-                 dv.to(DV.dtype.element_ty), mask=kv_ok[:, None])
+        dk_ptrs = tile_pointers(DK + b64 * stride_dkb + hkv64 * stride_dkh, kpos64, offs_d, stride_dkn, stride_dkd)
+        dv_ptrs = tile_pointers(DV + b64 * stride_dvb + hkv64 * stride_dvh, kpos64, offs_d, stride_dvn, stride_dvd)
+        tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok[:, None])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok[:, None])
     else:
-        w_off = part.to(tl.int64) * (BK * D) + offs_k[:, None] * D + offs_d[None, :]
-        tl.store(PKW + w_off, dk)
-        tl.store(PVW + w_off, dv)
+        workspace = part.to(tl.int64) * (BLOCK_K * HEAD_DIM) + offs_k[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(DK_PARTIAL + workspace, dk)
+        tl.store(DV_PARTIAL + workspace, dv)
 
 
 @triton.jit
 def _dkdv_finish_kernel(
-    COLD_SLOT, PART_START, NPARTS, DK, DV, DKW, DVW, PKW, PVW,
-    skgb, skgh, skgn, skgd, svgb, svgh, svgn, svgd,
+    COLD_SLOTS, PART_START, NUM_PARTS, DK, DV, DK_ATOMIC, DV_ATOMIC, DK_PARTIAL, DV_PARTIAL,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     N, HKV, NKB, scale,
-    BK: tl.constexpr, D: tl.constexpr, HAS_COLD: tl.constexpr, HAS_PARTS: tl.constexpr,
+    BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_COLD: tl.constexpr, HAS_PARTS: tl.constexpr,
 ):
     # per KV block: cold -> convert its atomic workspace; chunked -> sum its partials in chunk order
-    # (fixed order: deterministic); unselected -> zeros; single-item KV-centric rows were written already
+    # (fixed order: deterministic); unselected -> zeros; rows in one work item were written already
     j = tl.program_id(0)
-    bh = tl.program_id(1)
-    b64 = (bh // HKV).to(tl.int64)
-    hkv64 = (bh % HKV).to(tl.int64)
-    row = bh.to(tl.int64) * NKB + j
-    offs_k = tl.arange(0, BK)
-    offs_d = tl.arange(0, D)
-    kpos64 = (j * BK + offs_k).to(tl.int64)
+    batch_head = tl.program_id(1)
+    b64 = (batch_head // HKV).to(tl.int64)
+    hkv64 = (batch_head % HKV).to(tl.int64)
+    kv_row = batch_head.to(tl.int64) * NKB + j
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_d = tl.arange(0, HEAD_DIM)
+    kpos64 = (j * BLOCK_K + offs_k).to(tl.int64)
     kv_ok = kpos64 < N
-    dk_ptr = DK + b64 * skgb + hkv64 * skgh + kpos64[:, None] * skgn + offs_d[None, :] * skgd
-    dv_ptr = DV + b64 * svgb + hkv64 * svgh + kpos64[:, None] * svgn + offs_d[None, :] * svgd
-    inner = offs_k[:, None] * D + offs_d[None, :]
-    slot = tl.load(COLD_SLOT + row)
-    npart = tl.load(NPARTS + row)                          # -1: unselected; 0: written; >= 2: partials
+    dk_ptrs = tile_pointers(DK + b64 * stride_dkb + hkv64 * stride_dkh, kpos64, offs_d, stride_dkn, stride_dkd)
+    dv_ptrs = tile_pointers(DV + b64 * stride_dvb + hkv64 * stride_dvh, kpos64, offs_d, stride_dvn, stride_dvd)
+    in_block = offs_k[:, None] * HEAD_DIM + offs_d[None, :]
+    slot = tl.load(COLD_SLOTS + kv_row)
+    num_parts = tl.load(NUM_PARTS + kv_row)  # -1: unselected; 0: written; >= 2: partials
     if HAS_COLD and slot >= 0:
-        w_off = slot.to(tl.int64) * (BK * D) + inner
-        tl.store(dk_ptr, (tl.load(DKW + w_off) * scale).to(DK.dtype.element_ty), mask=kv_ok[:, None])
-        tl.store(dv_ptr, tl.load(DVW + w_off).to(DV.dtype.element_ty), mask=kv_ok[:, None])
-    elif npart < 0:
-        tl.store(dk_ptr, tl.zeros([BK, D], tl.float32).to(DK.dtype.element_ty), mask=kv_ok[:, None])
-        tl.store(dv_ptr, tl.zeros([BK, D], tl.float32).to(DV.dtype.element_ty), mask=kv_ok[:, None])
-    elif HAS_PARTS and npart > 0:
-        start = tl.load(PART_START + row).to(tl.int64)
-        dk = tl.zeros([BK, D], tl.float32)
-        dv = tl.zeros([BK, D], tl.float32)
-        for c in range(0, npart):
-            w_off = (start + c) * (BK * D) + inner
-            dk += tl.load(PKW + w_off)
-            dv += tl.load(PVW + w_off)
-        tl.store(dk_ptr, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok[:, None])
-        tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=kv_ok[:, None])
+        workspace = slot.to(tl.int64) * (BLOCK_K * HEAD_DIM) + in_block
+        tl.store(dk_ptrs, (tl.load(DK_ATOMIC + workspace) * scale).to(DK.dtype.element_ty), mask=kv_ok[:, None])
+        tl.store(dv_ptrs, tl.load(DV_ATOMIC + workspace).to(DV.dtype.element_ty), mask=kv_ok[:, None])
+    elif num_parts < 0:
+        tl.store(dk_ptrs, tl.zeros([BLOCK_K, HEAD_DIM], tl.float32).to(DK.dtype.element_ty), mask=kv_ok[:, None])
+        tl.store(dv_ptrs, tl.zeros([BLOCK_K, HEAD_DIM], tl.float32).to(DV.dtype.element_ty), mask=kv_ok[:, None])
+    elif HAS_PARTS and num_parts > 0:
+        start = tl.load(PART_START + kv_row).to(tl.int64)
+        dk = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
+        dv = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
+        for c in range(0, num_parts):
+            workspace = (start + c) * (BLOCK_K * HEAD_DIM) + in_block
+            dk += tl.load(DK_PARTIAL + workspace)
+            dv += tl.load(DV_PARTIAL + workspace)
+        tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok[:, None])
+        tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok[:, None])
 
 
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def cold_slots(hot: torch.Tensor, reuse: torch.Tensor, deterministic: bool):
-    """int32 [B*HKV*NKB]: compact workspace slot of every cold block (0 < reuse, not hot), -1 otherwise.
-    Deterministic mode makes every block KV-centric (all -1)."""
-    cold = ((reuse > 0) & ~hot).reshape(-1)
-    if deterministic:
-        return torch.full_like(cold, -1, dtype=torch.int32)
-    slot = torch.cumsum(cold.to(torch.int32), 0, dtype=torch.int32) - 1
-    return torch.where(cold, slot, -1).to(torch.int32)
-
-
-# tests set this to fill dq/dk/dv with NaN before the launches, proving every element is written
-POISON_OUTPUTS = False
-KV_CHUNK = 64  # query blocks per KV-centric work item (rows with more reuse are chunked)
-
-
-def kv_schedule(reuse: torch.Tensor, kv_indptr: torch.Tensor, slots: torch.Tensor, chunk: int = KV_CHUNK):
-    """Work items of the KV-centric kernel: every KV block with reuse > 0 and no cold slot, its
-    transposed row cut into chunks of `chunk` query blocks.  Returns (item_row, item_t0, item_t1,
-    item_part int32 [I], part_start int32 [R], nparts int32 [R], num_parts int) where nparts is
-    -1 for unselected blocks, 0 for rows written directly (one chunk or cold), else the number of
-    fp32 partials that the finish kernel sums in chunk order.  Pure function of its inputs (sorting-
-    free, no atomics), so the schedule and the reduction order are identical run to run."""
-    reuse = reuse.reshape(-1).to(torch.int64)
-    R = reuse.numel()
-    dev = reuse.device
-    kv = (slots < 0) & (reuse > 0)
-    nch = torch.where(kv, (reuse + chunk - 1) // chunk, 0)
-    multi = nch >= 2
-    nmulti = torch.where(multi, nch, 0)
-    totals = torch.stack([nch.sum(), nmulti.sum()]).tolist()  # one host sync
-    total, num_parts = int(totals[0]), int(totals[1])
-    rows = torch.repeat_interleave(torch.arange(R, device=dev), nch, output_size=total)
-    first = torch.cumsum(nch, 0) - nch
-    c = torch.arange(total, device=dev) - first[rows]
-    start = kv_indptr[:-1][rows] + c * chunk
-    end = torch.minimum(start + chunk, kv_indptr[1:][rows])
-    part_start = torch.cumsum(nmulti, 0) - nmulti
-    item_part = torch.where(multi[rows], part_start[rows] + c, -1)
-    nparts = torch.where(reuse > 0, nmulti, -1)
-    return (rows.to(torch.int32), start.to(torch.int32), end.to(torch.int32), item_part.to(torch.int32),
-            torch.where(multi, part_start, -1).to(torch.int32), nparts.to(torch.int32), num_parts)
-
-
-def default_kv_heads_per_program(group: int, block_q: int) -> int:
-    """Heads stacked per KV-centric iteration: 1 (the 64K sweep on the H200: stacking 2 or 4 heads
-    spills registers, because the [BK, D] dK/dV accumulators already live in registers)."""
-    return 1
-
-
-def _bwd_config(block_q, block_k, head_dim, hpp, has_cold):
-    """(dQ warps, dQ stages, KV warps, KV stages), from the 64K sweeps on the H200 (docs/benchmarks):
-    P64 dQ 128-row tiles 8 warps / 3 stages, KV-centric 4 warps / 2 stages; P128 dQ 8 / 2 (1 with the
-    atomic dK/dV products: shared memory), KV-centric 8 / 2.  `launch` lowers stages if needed."""
-    m = hpp * block_q
-    nw_dq = 8 if m * head_dim > 64 * 128 else 4
-    if block_k * head_dim >= 128 * 128:
-        ns_dq = 1 if has_cold else 2
-    else:
-        ns_dq = 3 if nw_dq == 8 else 2
-    nw_kv = 8 if block_k * head_dim >= 128 * 128 else 4
-    ns_kv = 2
-    return nw_dq, ns_dq, nw_kv, ns_kv
-
-
 def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, num_cold,
                          *, block_q, block_k, scale, seq_lens=None, dlse=None, dropout_p=0.0, dropout_seed=0,
-                         heads_per_program=None, kv_heads_per_program=None, num_warps=None, num_stages=None,
-                         kv_num_warps=None, kv_num_stages=None, kv_chunk=None, stage_events=None):
-    """Launch the backward.  `slots` from `cold_slots` (int32 [B*HKV*NKB]); `num_cold` = number of
-    slots >= 0 (0 in deterministic mode).  Returns (dq, dk, dv) in q/k/v dtypes.
-    `stage_events`: optional 4 CUDA events recorded at start / after preprocess+scheduling+workspace
-    zeroing / after the dQ(+atomic) kernel / after the KV-centric and finish kernels.
-    No validation here (op.py validates), but every tensor argument is either passed with its strides
-    (q, k, v, o, do, indices, counts) or made contiguous here (lse, dlse, seq_lens and the plan arrays
-    kv_indptr, kv_qblocks, slots, which the kernels index without strides)."""
-    from .reference import dropout_threshold, philox_key
-
+                         config=None, stage_events=None):
+    """Launch the backward.  ``slots`` from ``plan.cold_slots`` (int32 ``[B*HKV*NKB]``); ``num_cold`` =
+    number of slots >= 0 (0 in deterministic mode); ``config``: a ``plan.BackwardConfig`` (default
+    ``plan.backward_config``).  Returns (dq, dk, dv) in q/k/v dtypes.  ``stage_events``: optional 4 CUDA
+    events recorded at start / after delta, scheduling and workspace zeroing / after the dQ (+atomic)
+    kernel / after the KV-centric and finish kernels.  No validation here (op.py validates), but every
+    tensor argument is either passed with its strides (q, k, v, o, do, indices, counts) or made
+    contiguous here (lse, dlse, seq_lens and the plan arrays kv_indptr, kv_qblocks, slots, which the
+    kernels index without strides)."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
-    G = HQ // HKV
+    group = HQ // HKV
     NQB = indices.shape[2]
     NKB = triton.cdiv(N, block_k)
-    hpp = heads_per_program or default_heads_per_program(G, block_q, D, rows=128)
-    hpp_kv = kv_heads_per_program or default_kv_heads_per_program(G, block_q)
+    if config is None:
+        config = backward_config(group, block_q, block_k, D, num_cold > 0)
     dropout = dropout_p > 0.0
     threshold = int(dropout_threshold(dropout_p)) if dropout else 0
     inv_keep = 1.0 / (1.0 - dropout_p) if dropout else 1.0
     ieee = q.dtype == torch.float32
-    nw_dq, ns_dq, nw_kv, ns_kv = _bwd_config(block_q, block_k, D, hpp, num_cold > 0)
-    nw_dq = num_warps or nw_dq
-    ns_dq = num_stages or ns_dq
-    nw_kv = kv_num_warps or nw_kv
-    ns_kv = kv_num_stages or ns_kv
     if not do.is_contiguous():
         do = do.contiguous()
     lse = lse.contiguous()
     kv_indptr = kv_indptr.contiguous()
     kv_qblocks = kv_qblocks.contiguous()
     slots = slots.contiguous()
-    seql = kernel_seq_lens(seq_lens, N, counts)
+    seq_lens_arg = kernel_seq_lens(seq_lens, N, counts)
     seed = philox_key(dropout_seed)
 
     if stage_events:
         stage_events[0].record()
     delta = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
-    BR = 64
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    _delta_kernel[(triton.cdiv(N, BR), B * HQ)](
+    _delta_kernel[(triton.cdiv(N, _DELTA_ROWS), B * HQ)](
         o, do, delta, dlse if dlse is not None else delta, *o.stride(), *do.stride(), N, HQ,
-        BR=BR, D=D, HAS_DLSE=dlse is not None, num_warps=4)
-    reuse = kv_indptr[1:] - kv_indptr[:-1]
-    item_row, item_t0, item_t1, item_part, part_start, nparts, num_parts = kv_schedule(reuse, kv_indptr, slots, kv_chunk or KV_CHUNK)
+        BLOCK_ROWS=_DELTA_ROWS, HEAD_DIM=D, HAS_DLSE=dlse is not None, num_warps=4)
+    schedule = kv_schedule(kv_indptr[1:] - kv_indptr[:-1], kv_indptr, slots, config.kv_chunk)
 
     has_cold = num_cold > 0
     if has_cold:
-        dkw = torch.zeros((num_cold, block_k, D), device=q.device, dtype=torch.float32)
-        dvw = torch.zeros((num_cold, block_k, D), device=q.device, dtype=torch.float32)
+        dk_atomic = torch.zeros((num_cold, block_k, D), device=q.device, dtype=torch.float32)
+        dv_atomic = torch.zeros((num_cold, block_k, D), device=q.device, dtype=torch.float32)
     else:
-        dkw = dvw = delta  # unused
-    if num_parts > 0:
-        pkw = torch.empty((num_parts, block_k, D), device=q.device, dtype=torch.float32)
-        pvw = torch.empty((num_parts, block_k, D), device=q.device, dtype=torch.float32)
+        dk_atomic = dv_atomic = delta  # unused
+    if schedule.total_parts > 0:
+        dk_partial = torch.empty((schedule.total_parts, block_k, D), device=q.device, dtype=torch.float32)
+        dv_partial = torch.empty((schedule.total_parts, block_k, D), device=q.device, dtype=torch.float32)
     else:
-        pkw = pvw = delta  # unused
+        dk_partial = dv_partial = delta  # unused
     dq = torch.empty((B, HQ, N, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, HKV, N, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, HKV, N, D), device=q.device, dtype=v.dtype)
-    if POISON_OUTPUTS:
-        for t in (dq, dk, dv):
-            t.fill_(float("nan"))
     if stage_events:
         stage_events[1].record()
+    scale_log2 = float(scale * LOG2E.value)
     LAST_COMPILED["dq"] = launch(
-        _dq_kernel, (NQB * (G // hpp), B * HKV), q, k, v, do, lse, delta, indices, counts, seql, slots, dq, dkw, dvw,
+        _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
+        q, k, v, do, lse, delta, indices, counts, seq_lens_arg, slots, dq, dk_atomic, dv_atomic,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *indices.stride(), *counts.stride(),
-        N, HQ, HKV, NQB, NKB, float(scale * LOG2E), float(scale), seed, threshold, inv_keep,
-        G=G, HPP=hpp, BQ=block_q, BK=block_k, D=D, HAS_SEQLENS=seq_lens is not None,
-        DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee, num_warps=nw_dq, num_stages=ns_dq,
+        N, HQ, HKV, NQB, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
+        GROUP=group, HEADS_PER_PROGRAM=config.dq_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
+        HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee,
+        num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
     )
     if stage_events:
         stage_events[2].record()
-    if item_row.numel() > 0:
+    num_items = schedule.item_row.numel()
+    if num_items > 0:
         LAST_COMPILED["dkdv"] = launch(
-            _dkdv_kernel, (item_row.numel(),), q, k, v, do, lse, delta, kv_indptr, kv_qblocks, seql, item_row, item_t0, item_t1, item_part,
-            dk, dv, pkw, pvw,
+            _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, seq_lens_arg,
+            schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv, dk_partial, dv_partial,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-            N, HQ, HKV, NKB, float(scale * LOG2E), float(scale), seed, threshold, inv_keep,
-            G=G, HPP=hpp_kv, BQ=block_q, BK=block_k, D=D, HAS_SEQLENS=seq_lens is not None,
-            DROPOUT=dropout, IEEE=ieee, num_warps=nw_kv, num_stages=ns_kv,
+            N, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
+            GROUP=group, HEADS_PER_PROGRAM=config.kv_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k,
+            HEAD_DIM=D, HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, IEEE=ieee,
+            num_warps=config.kv_num_warps, num_stages=config.kv_num_stages,
         )
     _dkdv_finish_kernel[(NKB, B * HKV)](
-        slots, part_start, nparts, dk, dv, dkw, dvw, pkw, pvw, *dk.stride(), *dv.stride(),
-        N, HKV, NKB, float(scale), BK=block_k, D=D, HAS_COLD=has_cold, HAS_PARTS=num_parts > 0, num_warps=4,
+        slots, schedule.part_start, schedule.num_parts, dk, dv, dk_atomic, dv_atomic, dk_partial, dv_partial,
+        *dk.stride(), *dv.stride(), N, HKV, NKB, float(scale),
+        BLOCK_K=block_k, HEAD_DIM=D, HAS_COLD=has_cold, HAS_PARTS=schedule.total_parts > 0, num_warps=4,
     )
     if stage_events:
         stage_events[3].record()

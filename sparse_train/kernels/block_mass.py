@@ -1,21 +1,23 @@
-"""Triton kernel for the selector's distillation target: attention mass per selected key block.
+"""Triton kernel of the selector's distillation target: attention mass per selected key block.
 
-Math (per KV head group, query block i and selected slot t holding key block j):
-    P[g, r, k] = exp(scale * <Q[g, r], K[k]> - lse[g, r])     (the main attention's own probabilities)
-    m[g, r, t] = sum over valid keys k of block j of P[g, r, k]   (row r's mass on the slot)
-    M[i, t]    = max (ROW_MAX) or sum over live rows r of block i and heads g of the group of m
-    target[i, t] = M[i, t] / sum_t' M[i, t']                  (normalised over the selected set)
+Math, per query block i of KV head h and selected slot t holding key block j (P from the forward's lse):
+    m[g, r, t] = sum over valid keys k of block j of exp(scale <Q[g, r], K[k]> - lse[g, r])
+    M[i, t] = max (ROW_MAX) or sum over the live rows r of block i and the heads g of group h of m[g, r, t]
+    target[i, t] = M[i, t] / sum_t' M[i, t']     (renormalised over the selected set; 0 without mass)
 
-Notation: B batch, HQ/HKV query/KV heads, G = HQ/HKV, N length, D head dim, BQ/BK block sizes,
-K index capacity, HPP query heads stacked into one program's rows (M_ROWS = HPP*BQ), NSUB = G/HPP.
-A row is live when it is a real query (q < N and q < seq_lens[b]) with a finite lse; a key is valid
-when k <= q and k < seq_lens[b]. The PyTorch reference is
-:func:`sparse_train.selectors.distill.sparse_block_mass` (same semantics, any rows_per_block).
+Notation: as in forward.py (B, HQ, HKV, GROUP, N, HEAD_DIM = D, BLOCK_Q / BLOCK_K, NQB, K capacity,
+HEADS_PER_PROGRAM heads stacked into M = HEADS_PER_PROGRAM * BQ rows, HEAD_SUBSETS per group). A row is
+live when it is a real query (q < N and q < seq_lens[b]) with a finite lse; a key is valid when k <= q
+and k < seq_lens[b]. The reference is kernels/reference_block_mass.py (any rows_per_block).
 
-Cost: one QK^T tile product per (query tile, selected block), half of the forward's two, and no
-softmax state: the forward's lse already normalises every row. Known limits: the forward kernel's
-dtypes, head dims and block sizes; all rows of each block are used (no row subsampling); the output
-is float32 and takes no gradient (the target is a constant of the selector's loss).
+Layers: (1) ``@triton.jit`` kernel ``_block_mass_kernel`` (one QK^T tile product per (query tile,
+selected block), no softmax state: the forward's lse already normalises every row); (2) the launcher
+``block_mass_launch``; no autograd op (the target is a constant of the selector's loss); (4) the public
+functions ``triton_block_mass`` (selected blocks) and ``triton_dense_block_mass`` (every causal block
+of a few query blocks, through the forward and this kernel). Tile configuration: sparse_train/plan.py.
+
+Known limits: the forward kernel's dtypes, head dims and block sizes; all rows of each block are used
+(no row subsampling); float32 output, no gradient.
 """
 
 from __future__ import annotations
@@ -25,18 +27,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..validation import check_scale
-from .forward import (
-    LOG2E,
-    choose_num_splits,
-    default_heads_per_program,
-    device_sm_count,
-    kernel_seq_lens,
-    launch,
-    sparse_attn_forward,
-)
+from ..index import BlockIndex, causal_last_block
+from ..plan import block_mass_config, forward_config, forward_num_splits
+from ..validation import check_choice, check_inputs, check_scale
+from ._jit import LOG2E, dot, index_row, load_rows, query_tile, sequence_length, tile_pointers
+from ._launch import kernel_seq_lens, launch
+from .forward import sparse_attn_forward
+from .reference_block_mass import ROW_POOLS, renormalise
 
-__all__ = ["triton_block_mass", "triton_dense_block_mass"]
+__all__ = ["block_mass_launch", "triton_block_mass", "triton_dense_block_mass"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -44,65 +43,50 @@ __all__ = ["triton_block_mass", "triton_dense_block_mass"]
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _block_mass_kernel(
-    Q, K, LSE, IDX, CNT, SEQLENS, OUT,
-    sqb, sqh, sqn, sqd,
-    skb, skh, skn, skd,
-    slb, slh, sln,
-    sib, sih, siq, sik,
-    scb, sch, scq,
-    N, HKV, NQB, KCAP, scale_log2,
-    G: tl.constexpr, HPP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, IEEE: tl.constexpr, ROW_MAX: tl.constexpr,
+    Q, K, LSE, INDICES, COUNTS, SEQ_LENS, OUT,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_lb, stride_lh, stride_ln,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    N, HKV, NQB, CAPACITY, scale_log2,
+    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, IEEE: tl.constexpr, ROW_MAX: tl.constexpr,
 ):
-    NSUB: tl.constexpr = G // HPP
-    M_ROWS: tl.constexpr = HPP * BQ
-    pid0 = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    qb = pid0 // NSUB
-    hsub = pid0 % NSUB
-    b = pid_bh // HKV
-    hkv = pid_bh % HKV
-    b64 = b.to(tl.int64)
-
-    offs_m = tl.arange(0, M_ROWS)
-    offs_d = tl.arange(0, D)
-    offs_k = tl.arange(0, BK)
-    head64 = (hkv * G + hsub * HPP + offs_m // BQ).to(tl.int64)      # [M_ROWS]
-    qpos = qb * BQ + offs_m % BQ                                      # [M_ROWS]
-    if HAS_SEQLENS:
-        seqlen = tl.minimum(tl.load(SEQLENS + b).to(tl.int32), N)
-    else:
-        seqlen = N
+    HEAD_SUBSETS: tl.constexpr = GROUP // HEADS_PER_PROGRAM
+    qb, b, hkv, head, qpos = query_tile(NQB, HKV, GROUP, HEADS_PER_PROGRAM, BLOCK_Q, False)  # head, qpos: [M]
+    b64, hkv64, head64, qpos64 = b.to(tl.int64), hkv.to(tl.int64), head.to(tl.int64), qpos.to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_k = tl.arange(0, BLOCK_K)
+    seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
+    if HAS_SEQ_LENS:
+        seqlen = tl.minimum(seqlen, N)
     row_real = qpos < seqlen
-    qpos64 = qpos.to(tl.int64)
-    q = tl.load(Q + b64 * sqb + head64[:, None] * sqh + qpos64[:, None] * sqn + offs_d[None, :] * sqd,
-                mask=row_real[:, None], other=0.0)                    # [M_ROWS, D]
-    lse = tl.load(LSE + b64 * slb + head64 * slh + qpos64 * sln, mask=row_real, other=float("-inf"))
+    q = load_rows(Q, b64, head64, qpos64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, row_real)  # [M, D]
+    lse = tl.load(LSE + b64 * stride_lb + head64 * stride_lh + qpos64 * stride_ln, mask=row_real, other=float("-inf"))
     # dead rows (padding, empty selection) subtract +inf: their probabilities are exactly 0
     live = row_real & (lse > float("-inf"))
-    lse2 = tl.where(live, lse * 1.4426950408889634, float("inf"))     # [M_ROWS] log2 domain
+    lse2 = tl.where(live, lse * LOG2E, float("inf"))  # [M] log2 domain
 
-    cnt = tl.load(CNT + b64 * scb + hkv * sch + qb * scq)
-    idx_base = IDX + b64 * sib + hkv * sih + qb * siq
-    k_base = K + b64 * skb + hkv.to(tl.int64) * skh
-    out_base = OUT + ((pid_bh.to(tl.int64) * NSUB + hsub) * NQB + qb) * KCAP
-    for t in range(0, cnt):
-        j = tl.load(idx_base + t * sik)
-        kpos = j * BK + offs_k                                        # [BK]
+    selected, count = index_row(INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq,
+                             stride_cb, stride_ch, stride_cq)
+    k_base = K + b64 * stride_kb + hkv64 * stride_kh
+    head_subset = tl.program_id(0) % HEAD_SUBSETS
+    out_row = OUT + ((tl.program_id(1).to(tl.int64) * HEAD_SUBSETS + head_subset) * NQB + qb) * CAPACITY
+    for t in range(0, count):
+        j = tl.load(selected + t * stride_ik)  # t-th selected key block
+        kpos = j * BLOCK_K + offs_k  # [BK]
         key_in = kpos < seqlen
-        k = tl.load(k_base + kpos.to(tl.int64)[:, None] * skn + offs_d[None, :] * skd,
-                    mask=key_in[:, None], other=0.0)                  # [BK, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))                                # [M_ROWS, BK]
+        k = tl.load(tile_pointers(k_base, kpos.to(tl.int64), offs_d, stride_kn, stride_kd),
+                    mask=key_in[:, None], other=0.0)  # [BK, D]
+        s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         ok = (kpos[None, :] <= qpos[:, None]) & key_in[None, :]
         p = tl.where(ok, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
-        row_mass = tl.sum(p, 1)                                       # [M_ROWS]
+        row_mass = tl.sum(p, 1)  # [M]
         if ROW_MAX:
-            tl.store(out_base + t, tl.max(row_mass, 0))
+            tl.store(out_row + t, tl.max(row_mass, 0))
         else:
-            tl.store(out_base + t, tl.sum(row_mass, 0))
+            tl.store(out_row + t, tl.sum(row_mass, 0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,29 +96,28 @@ def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts
                       block_k: int, scale: float, seq_lens: Tensor | None = None, row_max: bool = True) -> Tensor:
     """Unnormalised mass float32 ``[B, HKV, NQB, K]`` pooled over rows by max (``row_max``) or sum
     (zeros in empty slots). No validation; q, k, lse, indices, counts are passed with their strides,
-    seq_lens made contiguous (`kernel_seq_lens`)."""
+    seq_lens made contiguous (``kernel_seq_lens``)."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
-    G = HQ // HKV
-    NQB, KCAP = indices.shape[2], indices.shape[3]
-    hpp = default_heads_per_program(G, block_q, D)
-    nsub = G // hpp
-    out = torch.zeros((B, HKV, nsub, NQB, KCAP), device=q.device, dtype=torch.float32)
-    seq_arg = kernel_seq_lens(seq_lens, N, counts)
+    group = HQ // HKV
+    NQB, capacity = indices.shape[2], indices.shape[3]
+    config = block_mass_config(group, block_q)
+    head_subsets = group // config.heads_per_program
+    out = torch.zeros((B, HKV, head_subsets, NQB, capacity), device=q.device, dtype=torch.float32)
     launch(
-        _block_mass_kernel, (NQB * nsub, B * HKV),
-        q, k, lse, indices, counts, seq_arg, out,
+        _block_mass_kernel, (NQB * head_subsets, B * HKV),
+        q, k, lse, indices, counts, kernel_seq_lens(seq_lens, N, counts), out,
         *q.stride(), *k.stride(), *lse.stride(), *indices.stride(), *counts.stride(),
-        N, HKV, NQB, KCAP, float(scale * LOG2E),
-        G=G, HPP=hpp, BQ=block_q, BK=block_k, D=D,
-        HAS_SEQLENS=seq_lens is not None, IEEE=q.dtype == torch.float32, ROW_MAX=row_max,
-        num_warps=8 if hpp * block_q >= 128 else 4, num_stages=3,
+        N, HKV, NQB, capacity, float(scale * LOG2E.value),
+        GROUP=group, HEADS_PER_PROGRAM=config.heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
+        HAS_SEQ_LENS=seq_lens is not None, IEEE=q.dtype == torch.float32, ROW_MAX=row_max,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out.amax(dim=2) if row_max else out.sum(dim=2)
 
 
 # ----------------------------------------------------------------------------------------------
-# Layer 3/4: public function (no autograd: the target is a constant)
+# Layer 4: public functions (no autograd: the target is a constant)
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
@@ -158,9 +141,8 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
         ValueError: shapes that do not match the index, an lse of the wrong shape/dtype/device, or an
             unknown ``row_pool``.
     """
-    if row_pool not in ("max", "mean"):
-        raise ValueError(f"row_pool must be 'max' or 'mean', got {row_pool!r}")
-    index.check_compatible(q, k, k, seq_lens)
+    check_choice("row_pool", row_pool, ROW_POOLS)
+    check_inputs(q, k, k, index, seq_lens)
     scale = check_scale(scale, q.shape[-1])
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(
@@ -170,10 +152,8 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
         q.detach(), k.detach(), lse.detach(), index.indices, index.counts,
         block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, row_max=row_pool == "max",
     )
-    total = mass.sum(dim=-1, keepdim=True)
-    row_valid = total.squeeze(-1) > 0
-    target = torch.where(total > 0, mass / total.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    return target, row_valid
+    target = renormalise(mass)
+    return target, mass.sum(dim=-1) > 0
 
 
 @torch.no_grad()
@@ -195,10 +175,8 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     Returns:
         ``target`` float32 ``[B, HKV, S, NKB]`` (each valid row sums to 1 over its causal blocks) and
         ``row_valid`` bool ``[B, HKV, S]``: the semantics of
-        :func:`sparse_train.selectors.distill.dense_block_mass` (its reference) with all rows.
+        :func:`sparse_train.kernels.reference_block_mass.reference_dense_block_mass` with all rows.
     """
-    from ..index import BlockIndex, causal_last_block  # the index layer sits above the kernels
-
     batch, _, seq_len, _ = q.shape
     num_kv_heads = k.shape[1]
     num_q_blocks = -(-seq_len // block_q)
@@ -217,10 +195,11 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     )
     scale = check_scale(scale, q.shape[-1])
     group = q.shape[1] // num_kv_heads
-    live_programs = picks.numel() * batch * num_kv_heads * (group // default_heads_per_program(group, block_q, q.shape[-1]))
+    config = forward_config(group, block_q, block_k, q.shape[-1])
+    num_splits = forward_num_splits(picks.numel(), batch, num_kv_heads, group, config.heads_per_program, capacity,
+                                    q.device)
     _, lse = sparse_attn_forward(q, k, k, index.indices, index.counts, block_q=block_q, block_k=block_k,
-                                 scale=scale, seq_lens=seq_lens,
-                                 num_splits=choose_num_splits(live_programs, capacity, device_sm_count(q.device)))
+                                 scale=scale, seq_lens=seq_lens, num_splits=num_splits, config=config)
     target, row_valid = triton_block_mass(q, k, lse, index, scale=scale, seq_lens=seq_lens, row_pool=row_pool)
     out = torch.zeros(batch, num_kv_heads, picks.numel(), num_k_blocks, device=q.device, dtype=torch.float32)
     out[..., :capacity] = target[:, :, picks]

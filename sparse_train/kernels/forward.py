@@ -1,39 +1,40 @@
-"""Triton forward kernel for exact block-sparse attention over a canonical block index.
+"""Triton forward of exact block-sparse attention over a canonical block index.
 
-Math (per query row q of head h, over the selected key blocks S of its query block):
-    s_qk = scale * <Q_q, K_k>, masked to -inf unless (k in a selected block, k <= q, k < seq_len[b])
-    lse_q = log sum_k exp(s_qk);  P_qk = exp(s_qk - lse_q)   (denominator never sees dropout)
-    O_q = sum_k keep_qk / (1 - p) * P_qk V_k;  keep_qk = philox(seed, ((b*HQ+h)*N+q)*N+k) >= thr(p)
+Math, per query row q of head h over the keys k of its query block's selected key blocks:
+    s_qk = scale <Q_q, K_k>, -inf unless k <= q and k < seq_len[b];  lse_q = log sum_k exp(s_qk)
+    O_q = sum_k keep_qk / (1 - p) exp(s_qk - lse_q) V_k;  keep_qk = philox(seed, ((b*HQ+h)*N+q)*N+k) >= p 2^32
 
-Notation: B batch, HQ/HKV query/KV heads, G = HQ/HKV (GQA group), N sequence length, D head dim,
-BQ/BK query/key block sizes, NQB/NKB number of query/key blocks, K index capacity, M = HPP*BQ rows
-of one program (HPP = query heads of the group handled by one program, stacked along rows),
-NSPLIT = number of programs that share one row of the index (split-KV).
+Notation: B batch, HQ/HKV query/KV heads, GROUP = HQ/HKV (GQA), N length, HEAD_DIM = D, BLOCK_Q /
+BLOCK_K = BQ/BK block sizes, NQB query blocks, K index capacity; one program owns one query block of
+HEADS_PER_PROGRAM heads of a group, stacked into M = HEADS_PER_PROGRAM * BQ rows (the group's
+HEAD_SUBSETS = GROUP / HEADS_PER_PROGRAM subsets are separate programs); NUM_SPLITS programs share a
+row of the index (split-KV). The softmax runs in base 2 (m, l, exp2) with an online running max m and
+sum l; the denominator never sees dropout.
 
-Layers: (1) @triton.jit kernels `_fwd_kernel` (online softmax over the selected blocks, optionally a
-slice of them) and `_merge_kernel` (exact merge of split partials); (2) launchers `sparse_attn_forward`,
-`launch` (retries with fewer pipeline stages when a config exceeds shared memory), the plan-time split
-rule `choose_num_splits` and the tile rules `default_heads_per_program` / `_fwd_config` (from the 64K
-sweeps on the H200: P64 -> 4 heads x 64 rows = 256-row tiles, 8 warps, 3 stages; P128 -> 128-row
-tiles, 8 warps, 3 stages).  The autograd op lives in op.py.  Compiled output checked on the H200:
-`wgmma.mma_async` in the PTX of every kernel (forward 16, dQ 24, KV-centric 32 sites), no mma.sync.
+Layers: (1) ``@triton.jit`` kernels ``_fwd_kernel`` (online softmax over the selected blocks, or over
+one split of them) and ``_merge_kernel`` (exact merge of split partials); (2) the launcher
+``sparse_attn_forward`` (allocate, grid, launch). The autograd op and the public function
+(``triton_sparse_attention``) are in op.py, shared with the backward; the split count and the tile
+configuration come from sparse_train/plan.py; the PyTorch reference is reference.py.
 
-Known limits: head dims 16/32/64/128 (power of two); BQ, BK in {16, 32, 64, 128}; fp32 inputs are
-supported for the interpreter and tests (fp32 dots use input_precision="ieee"), bf16/fp16 are the GPU
-dtypes.  Rows are processed in the order of the index (ascending key blocks).  Split partials use an
-fp32 workspace of NSPLIT * B * HQ * N * (D + 2) * 4 bytes.
+Known limits: head dims 16/32/64/128; BQ, BK in {16, 32, 64, 128}; bf16/fp16 on the GPU, fp32 only for
+the interpreter and tests (its dots use input_precision="ieee"); rows are walked in index order
+(ascending key blocks); split partials use an fp32 workspace of NUM_SPLITS * B * HQ * N * (D + 2) * 4 bytes.
 """
 from __future__ import annotations
-
 
 import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-# last compiled kernel per launcher (for inspecting registers/PTX in benchmarks; not used for compute)
-LAST_COMPILED: dict = {}
+from ..plan import forward_config
+from ._jit import LN2, LOG2E, dot, dropout_keep, index_row, load_rows, query_tile, sequence_length, tile_pointers
+from ._launch import LAST_COMPILED, kernel_seq_lens, launch
+from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
+
+__all__ = ["sparse_attn_forward"]
+
+_MERGE_ROWS = 32  # rows per program of the merge kernel
 
 
 # ----------------------------------------------------------------------------------------------
@@ -41,262 +42,167 @@ LAST_COMPILED: dict = {}
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, IDX, CNT, SEQLENS, PO, PM, PL,
-    sqb, sqh, sqn, sqd,
-    skb, skh, skn, skd,
-    svb, svh, svn, svd,
-    sob, soh, son, sod,
-    slb, slh, sln,
-    sib, sih, siq, sik,
-    scb, sch, scq,
+    Q, K, V, O, LSE, INDICES, COUNTS, SEQ_LENS, PARTIAL_O, PARTIAL_M, PARTIAL_L,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
     N, HQ, HKV, NQB, scale_log2, seed, threshold, inv_keep,
-    G: tl.constexpr, HPP: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, D: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, DROPOUT: tl.constexpr, NSPLIT: tl.constexpr, IEEE: tl.constexpr,
+    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    NSUB: tl.constexpr = G // HPP
-    M: tl.constexpr = HPP * BQ
-    pid0 = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    # programs that share K/V (same query block, different head subsets) are adjacent in launch
-    # order so the second one finds K/V in L2; late (long) query blocks start first.
-    qb = NQB - 1 - pid0 // NSUB
-    hsub = pid0 % NSUB
-    b = pid_bh // HKV
-    hkv = pid_bh % HKV
-
-    offs_m = tl.arange(0, M)
-    offs_d = tl.arange(0, D)
-    offs_k = tl.arange(0, BK)
-    head = hkv * G + hsub * HPP + offs_m // BQ            # [M] query head of each stacked row
-    qpos = qb * BQ + offs_m % BQ                          # [M] query position
+    M: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
+    qb, b, hkv, head, qpos = query_tile(NQB, HKV, GROUP, HEADS_PER_PROGRAM, BLOCK_Q, True)  # head, qpos: [M]
+    split = tl.program_id(2)
+    b64, hkv64, head64, qpos64 = b.to(tl.int64), hkv.to(tl.int64), head.to(tl.int64), qpos.to(tl.int64)
     row_ok = qpos < N
-    b64 = b.to(tl.int64)
-    head64 = head.to(tl.int64)
-    qpos64 = qpos.to(tl.int64)
-
-    q_ptr = Q + b64 * sqb + head64[:, None] * sqh + qpos64[:, None] * sqn + offs_d[None, :] * sqd
-    q = tl.load(q_ptr, mask=row_ok[:, None], other=0.0)   # [M, D]
-
-    if HAS_SEQLENS:
-        seqlen = tl.load(SEQLENS + b).to(tl.int32)
-    else:
-        seqlen = N
-    cnt = tl.load(CNT + b64 * scb + hkv * sch + qb * scq)
-    # split-KV: this program walks slots [lo, hi) of the row
-    per = tl.cdiv(cnt, NSPLIT)
-    lo = pid_s * per
-    hi = tl.minimum(lo + per, cnt)
-    idx_base = IDX + b64 * sib + hkv * sih + qb * siq
-    k_base = K + b64 * skb + hkv.to(tl.int64) * skh
-    v_base = V + b64 * svb + hkv.to(tl.int64) * svh
-    q_first = qb * BQ                                     # first query of the tile
-    # dropout counter of (row, key) = row_off + k ; row_off = ((b*HQ+h)*N + q)*N
-    row_off = ((b64 * HQ + head64) * N + qpos64) * N      # [M] int64
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_k = tl.arange(0, BLOCK_K)
+    q = load_rows(Q, b64, head64, qpos64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, row_ok)  # [M, D]
+    seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
+    selected, count = index_row(INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq,
+                             stride_cb, stride_ch, stride_cq)
+    # split-KV: this program walks slots [lo, hi) of its index row
+    per_split = tl.cdiv(count, NUM_SPLITS)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, count)
+    k_base = K + b64 * stride_kb + hkv64 * stride_kh
+    v_base = V + b64 * stride_vb + hkv64 * stride_vh
+    q_first = qb * BLOCK_Q  # first query of the tile
+    # dropout counter of (row, key) = row_counter + k, row_counter = ((b*HQ + h)*N + q)*N
+    row_counter = ((b64 * HQ + head64) * N + qpos64) * N  # [M]
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
-    acc = tl.zeros([M, D], tl.float32)
+    acc = tl.zeros([M, HEAD_DIM], tl.float32)
     for t in range(lo, hi):
-        j = tl.load(idx_base + t * sik)
-        kpos = j * BK + offs_k                            # [BK]
+        j = tl.load(selected + t * stride_ik)  # t-th selected key block
+        kpos = j * BLOCK_K + offs_k  # [BK]
         kpos64 = kpos.to(tl.int64)
         # keys past the sequence length load as 0: masked logits alone would let garbage (even NaN)
         # in the padding reach the output through 0 * NaN in the P @ V product
         kv_ok = kpos < seqlen
-        k = tl.load(k_base + kpos64[:, None] * skn + offs_d[None, :] * skd, mask=kv_ok[:, None], other=0.0)  # [BK, D]
-        v = tl.load(v_base + kpos64[:, None] * svn + offs_d[None, :] * svd, mask=kv_ok[:, None], other=0.0)  # [BK, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))                    # [M, BK]
-        s = s * scale_log2                                # log2 domain: exp(x) = exp2(x * log2 e)
+        k = tl.load(tile_pointers(k_base, kpos64, offs_d, stride_kn, stride_kd), mask=kv_ok[:, None], other=0.0)
+        v = tl.load(tile_pointers(v_base, kpos64, offs_d, stride_vn, stride_vd), mask=kv_ok[:, None], other=0.0)
+        s = dot(q, tl.trans(k), IEEE)  # [M, BK]
+        s = s * scale_log2  # log2 domain: exp(x) = exp2(x * log2 e)
         # masks before max/exp; only blocks that cross the diagonal or the sequence end need them
-        if (j * BK + BK - 1 > q_first) | (j * BK + BK > seqlen):
+        if (j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen):
             ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen)
             s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with nothing valid so far keeps m = -inf; use 0 as base so exp2 gives 0, not NaN
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_base)
-        p = tl.exp2(s - m_base[:, None])                  # [M, BK] unnormalised probabilities
-        l_i = l_i * alpha + tl.sum(p, 1)                  # denominator without dropout
+        p = tl.exp2(s - m_base[:, None])  # [M, BK] unnormalised probabilities
+        l_i = l_i * alpha + tl.sum(p, 1)  # denominator without dropout
         acc = acc * alpha[:, None]
         if DROPOUT:
-            r = tl.randint(seed, row_off[:, None] + kpos64[None, :])
-            p = tl.where(r.to(tl.int64) >= threshold, p, 0.0)
-        if IEEE:
-            acc += tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc += tl.dot(p.to(v.dtype), v)              # [M, D]
+            p = tl.where(dropout_keep(seed, row_counter[:, None] + kpos64[None, :], threshold), p, 0.0)
+        acc += dot(p.to(v.dtype), v, IEEE)  # [M, D]
         m_i = m_new
 
-    if NSPLIT == 1:
+    if NUM_SPLITS == 1:
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc * (inv_keep / l_safe)[:, None]
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-        o_ptr = O + b64 * sob + head64[:, None] * soh + qpos64[:, None] * son + offs_d[None, :] * sod
-        tl.store(o_ptr, o.to(O.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + b64 * slb + head64 * slh + qpos64 * sln, lse, mask=row_ok)
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+        o_ptrs = tile_pointers(O + b64 * stride_ob + head64[:, None] * stride_oh, qpos64, offs_d, stride_on, stride_od)
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + b64 * stride_lb + head64 * stride_lh + qpos64 * stride_ln, lse, mask=row_ok)
     else:
-        # partial state (m in log2 domain, l, unnormalised acc); workspace [NSPLIT, B*HQ, N, (D)]
-        prow = (pid_s * (tl.num_programs(1) // HKV) * HQ + b64 * HQ + head64) * N + qpos64   # [M]
-        tl.store(PO + prow[:, None] * D + offs_d[None, :], acc, mask=row_ok[:, None])
-        tl.store(PM + prow, m_i, mask=row_ok)
-        tl.store(PL + prow, l_i, mask=row_ok)
+        # partial state (m in the log2 domain, l, unnormalised acc) in workspaces [NUM_SPLITS, B*HQ*N(, D)]
+        partial_row = (split * (tl.num_programs(1) // HKV) * HQ + b64 * HQ + head64) * N + qpos64  # [M]
+        tl.store(PARTIAL_O + partial_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(PARTIAL_M + partial_row, m_i, mask=row_ok)
+        tl.store(PARTIAL_L + partial_row, l_i, mask=row_ok)
 
 
 @triton.jit
 def _merge_kernel(
-    O, LSE, PO, PM, PL,
-    sob, soh, son, sod, slb, slh, sln,
-    N, HQ, inv_keep, ROWS_TOTAL,
-    NSPLIT: tl.constexpr, BR: tl.constexpr, D: tl.constexpr,
+    O, LSE, PARTIAL_O, PARTIAL_M, PARTIAL_L,
+    stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
+    N, HQ, inv_keep, TOTAL_ROWS,
+    NUM_SPLITS: tl.constexpr, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    # exact merge of split partials: m = max m_s; l = sum 2^(m_s-m) l_s; o = sum 2^(m_s-m) o_s / l
-    pid = tl.program_id(0)
-    rows = pid * BR + tl.arange(0, BR)                    # [BR] global row = (b*HQ+h)*N + q
-    ok = rows < ROWS_TOTAL
+    # exact merge of split partials: m = max_s m_s; l = sum_s 2^(m_s - m) l_s; o = sum_s 2^(m_s - m) o_s / l
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # global row (b*HQ + h)*N + q
+    ok = rows < TOTAL_ROWS
     rows64 = rows.to(tl.int64)
-    offs_d = tl.arange(0, D)
-    m = tl.full([BR], float("-inf"), tl.float32)
-    for s in tl.static_range(NSPLIT):
-        m = tl.maximum(m, tl.load(PM + s * ROWS_TOTAL + rows64, mask=ok, other=float("-inf")))
+    offs_d = tl.arange(0, HEAD_DIM)
+    m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(PARTIAL_M + s * TOTAL_ROWS + rows64, mask=ok, other=float("-inf")))
     m_base = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros([BR], tl.float32)
-    acc = tl.zeros([BR, D], tl.float32)
-    for s in tl.static_range(NSPLIT):
-        w = tl.exp2(tl.load(PM + s * ROWS_TOTAL + rows64, mask=ok, other=float("-inf")) - m_base)
-        l += w * tl.load(PL + s * ROWS_TOTAL + rows64, mask=ok, other=0.0)
-        acc += w[:, None] * tl.load(PO + (s * ROWS_TOTAL + rows64)[:, None] * D + offs_d[None, :],
+    l = tl.zeros([BLOCK_ROWS], tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, HEAD_DIM], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.exp2(tl.load(PARTIAL_M + s * TOTAL_ROWS + rows64, mask=ok, other=float("-inf")) - m_base)
+        l += w * tl.load(PARTIAL_L + s * TOTAL_ROWS + rows64, mask=ok, other=0.0)
+        acc += w[:, None] * tl.load(PARTIAL_O + (s * TOTAL_ROWS + rows64)[:, None] * HEAD_DIM + offs_d[None, :],
                                     mask=ok[:, None], other=0.0)
     empty = l == 0.0
     l_safe = tl.where(empty, 1.0, l)
     o = acc * (inv_keep / l_safe)[:, None]
-    lse = tl.where(empty, float("-inf"), (m + tl.log2(l_safe)) * 0.6931471805599453)
-    bh = rows64 // N
+    lse = tl.where(empty, float("-inf"), (m + tl.log2(l_safe)) * LN2)
+    batch_head = rows64 // N
     qpos = rows64 % N
-    bb = bh // HQ
-    hh = bh % HQ
-    o_ptr = O + bb[:, None] * sob + hh[:, None] * soh + qpos[:, None] * son + offs_d[None, :] * sod
-    tl.store(o_ptr, o.to(O.dtype.element_ty), mask=ok[:, None])
-    tl.store(LSE + bb * slb + hh * slh + qpos * sln, lse, mask=ok)
+    batch = batch_head // HQ
+    head = batch_head % HQ
+    o_ptrs = tile_pointers(O + batch[:, None] * stride_ob + head[:, None] * stride_oh, qpos, offs_d, stride_on, stride_od)
+    tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=ok[:, None])
+    tl.store(LSE + batch * stride_lb + head * stride_lh + qpos * stride_ln, lse, mask=ok)
 
 
 # ----------------------------------------------------------------------------------------------
-# Layer 2: launchers
+# Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def default_heads_per_program(group: int, block_q: int, head_dim: int, rows: int = 256) -> int:
-    """Query heads stacked into one program's row tile: aim for M = HPP*BQ = `rows` rows (forward:
-    256 for BQ=64, the fastest of the 64K sweep on the H200: K/V loaded once for 4 heads)."""
-    hpp = max(1, rows // block_q) if block_q < 128 else 1
-    while hpp > 1 and group % hpp:
-        hpp //= 2
-    return min(hpp, group)
-
-
-def device_sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (132 on an H200); 132 elsewhere (the interpreter)."""
-    device = torch.device(device)
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
-def choose_num_splits(num_programs: int, max_count: int, num_sms: int = 132) -> int:
-    """Plan-time split rule: split a row only when the grid is too small to fill the GPU
-    (fewer than 2 waves of programs) and rows are long enough (>= 8 blocks per split) to amortise
-    the partial write-back and the merge kernel.  Returns a power of two in {1, 2, 4, 8}."""
-    splits = 1
-    while splits < 8 and num_programs * splits < 2 * num_sms and max_count >= 16 * splits:
-        splits *= 2
-    return splits
-
-
-def _fwd_config(block_q, block_k, head_dim, hpp, dtype):
-    """(num_warps, num_stages) from the 64K sweeps on the H200 (docs/benchmarks): 8 warps / 3 stages
-    for 256x128 (P64) and 128x128 (P128) row tiles; 256-row tiles with 128-key blocks need 2 stages
-    (shared memory).  `launch` lowers the stage count further if a config still does not fit."""
-    m = hpp * block_q
-    if m * head_dim >= 128 * 128:
-        return 8, 2 if (m >= 256 and block_k >= 128) else 3
-    return 4, 3
-
-
-def kernel_seq_lens(seq_lens, seq_len: int, fallback):
-    """The SEQLENS argument of the kernels: int32, contiguous (the kernels index it as `SEQLENS + b`,
-    without a stride), values clamped to [0, N] on the device (no host sync: an unvalidated value,
-    e.g. under torch.compile, can never widen a masked load past the end of K/V).  ``fallback`` is the
-    dummy pointer passed when there are no seq_lens."""
-    if seq_lens is None:
-        return fallback
-    return seq_lens.to(torch.int64).clamp(0, seq_len).to(torch.int32).contiguous()
-
-
-def launch(kernel, grid, *args, num_warps, num_stages, **meta):
-    """Launch a @triton.jit kernel; if the config exceeds shared memory on this GPU, retry with one
-    pipeline stage less (same results: stages only change prefetch depth)."""
-    from triton.runtime.errors import OutOfResources
-
-    while True:
-        try:
-            return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **meta)
-        except OutOfResources:
-            if num_stages <= 1:
-                raise
-            num_stages -= 1
-
-
 def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, seq_lens=None,
-                        dropout_p=0.0, dropout_seed=0, num_splits=1, heads_per_program=None,
-                        num_warps=None, num_stages=None, out=None):
-    """Launch the forward.  q [B, HQ, N, D]; k, v [B, HKV, N, D]; indices int32 [B, HKV, NQB, K];
-    counts int32 [B, HKV, NQB]; seq_lens int [B] or None.  Returns (o [B, HQ, N, D] q.dtype,
-    lse [B, HQ, N] float32).  `out=(o, lse)` writes into given buffers (tests poison them with NaN
-    to prove every element is written).  No validation here (op.py validates before calling), but
-    every tensor argument is either passed with its strides or made contiguous here, and
-    `dropout_seed` may be any int whose low 64 bits are the Philox key."""
-    from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
-
+                        dropout_p=0.0, dropout_seed=0, num_splits=1, config=None):
+    """Launch the forward.  q ``[B, HQ, N, D]``; k, v ``[B, HKV, N, D]``; indices int32 ``[B, HKV, NQB, K]``;
+    counts int32 ``[B, HKV, NQB]``; seq_lens int ``[B]`` or None.  Returns (o ``[B, HQ, N, D]`` in q's
+    dtype, lse ``[B, HQ, N]`` float32).  ``config``: a ``plan.ForwardConfig`` (default
+    ``plan.forward_config``).  No validation here (op.py
+    validates before calling), but every tensor argument is either passed with its strides or made
+    contiguous here, and ``dropout_seed`` may be any int whose low 64 bits are the Philox key."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
-    G = HQ // HKV
+    group = HQ // HKV
     NQB = indices.shape[2]
-    hpp = heads_per_program or default_heads_per_program(G, block_q, D)
-    if out is not None:
-        o, lse = out
-    else:
-        o = torch.empty((B, HQ, N, D), device=q.device, dtype=q.dtype)
-        lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
+    if config is None:
+        config = forward_config(group, block_q, block_k, D)
+    heads_per_program = config.heads_per_program
+    o = torch.empty((B, HQ, N, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
     dropout = dropout_p > 0.0
     threshold = int(dropout_threshold(dropout_p)) if dropout else 0
     inv_keep = 1.0 / (1.0 - dropout_p) if dropout else 1.0
-    nw, ns = _fwd_config(block_q, block_k, D, hpp, q.dtype)
-    nw = num_warps or nw
-    ns = num_stages or ns
-    ieee = q.dtype == torch.float32
-    grid = (NQB * (G // hpp), B * HKV, num_splits)
-    seql = kernel_seq_lens(seq_lens, N, counts)
+    grid = (NQB * (group // heads_per_program), B * HKV, num_splits)
+    seq_lens_arg = kernel_seq_lens(seq_lens, N, counts)
+    total_rows = B * HQ * N
     if num_splits > 1:
-        rows = B * HQ * N
-        po = torch.empty((num_splits, rows, D), device=q.device, dtype=torch.float32)
-        pm = torch.empty((num_splits, rows), device=q.device, dtype=torch.float32)
-        pl = torch.empty((num_splits, rows), device=q.device, dtype=torch.float32)
+        partial_o = torch.empty((num_splits, total_rows, D), device=q.device, dtype=torch.float32)
+        partial_m = torch.empty((num_splits, total_rows), device=q.device, dtype=torch.float32)
+        partial_l = torch.empty((num_splits, total_rows), device=q.device, dtype=torch.float32)
     else:
-        po = pm = pl = lse  # unused
+        partial_o = partial_m = partial_l = lse  # unused
     LAST_COMPILED["fwd"] = launch(
-        _fwd_kernel, grid, q, k, v, o, lse, indices, counts, seql, po, pm, pl,
+        _fwd_kernel, grid, q, k, v, o, lse, indices, counts, seq_lens_arg, partial_o, partial_m, partial_l,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         *indices.stride(), *counts.stride(),
-        N, HQ, HKV, NQB, float(scale * LOG2E), philox_key(dropout_seed), threshold, inv_keep,
-        G=G, HPP=hpp, BQ=block_q, BK=block_k, D=D,
-        HAS_SEQLENS=seq_lens is not None, DROPOUT=dropout, NSPLIT=num_splits, IEEE=ieee,
-        num_warps=nw, num_stages=ns,
+        N, HQ, HKV, NQB, float(scale * LOG2E.value), philox_key(dropout_seed), threshold, inv_keep,
+        GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
+        HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
-        BR = 32
-        rows = B * HQ * N
-        _merge_kernel[(triton.cdiv(rows, BR),)](
-            o, lse, po, pm, pl, *o.stride(), *lse.stride(), N, HQ, inv_keep, rows,
-            NSPLIT=num_splits, BR=BR, D=D, num_warps=4,
+        _merge_kernel[(triton.cdiv(total_rows, _MERGE_ROWS),)](
+            o, lse, partial_o, partial_m, partial_l, *o.stride(), *lse.stride(), N, HQ, inv_keep, total_rows,
+            NUM_SPLITS=num_splits, BLOCK_ROWS=_MERGE_ROWS, HEAD_DIM=D, num_warps=4,
         )
     return o, lse

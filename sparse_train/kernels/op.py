@@ -1,35 +1,35 @@
-"""torch.library custom op and public entry point for the Triton block-sparse attention kernels.
+"""The autograd op and the public entry point of the Triton block-sparse attention kernels.
 
-Math (per query row q of head h over the selected key blocks; see forward.py / backward.py):
-    s_qk = scale <Q_q, K_k> (masked: selected, k <= q, k < seq_len[b]);  lse_q = log sum_k exp(s_qk)
-    O_q = sum_k keep_qk / (1-p) exp(s_qk - lse_q) V_k;  gradients dQ, dK, dV exact for this O and lse.
+Math, per query row q of head h over the selected key blocks (forward.py / backward.py for the kernels):
+    s_qk = scale <Q_q, K_k>, -inf unless k <= q and k < seq_len[b];  lse_q = log sum_k exp(s_qk)
+    O_q = sum_k keep_qk / (1 - p) exp(s_qk - lse_q) V_k;  dQ, dK, dV exact for this O and lse.
 
 Notation: B batch, HQ/HKV heads, N length, D head dim, BQ/BK block sizes, r0 reuse threshold of the
-hybrid backward (KV blocks selected by >= r0 query blocks are reduced KV-centric, others by atomics).
+hybrid backward (KV blocks selected by >= r0 query blocks are reduced KV-centric, the others by atomics).
 
-Layers: kernels live in forward.py / backward.py; this file holds (3) the autograd op
-(`sparse_train::sparse_attn_fwd` / `sparse_train::sparse_attn_bwd` custom ops with fake impls and
-`register_autograd`) and (4) the public functions `triton_sparse_attention` and `triton_supports`.
+Layers: the kernels (1) and their launchers (2) are in forward.py and backward.py; this file holds (3)
+the autograd op (``sparse_train::sparse_attn_fwd`` / ``sparse_train::sparse_attn_bwd`` custom ops with
+fake impls and ``register_autograd``) and (4) the public functions ``triton_sparse_attention`` and
+``triton_supports``. The launch schedule (plan, cold slots, split count, tiles) is
+``sparse_train.plan.attention_schedule`` of the call's ``kernel_options``.
 
-Ownership of the index: `indices`, `counts` and `seq_lens` are **copied** when the forward runs, and
+Ownership of the index: ``indices``, ``counts`` and ``seq_lens`` are **copied** when the forward runs, and
 the copy is what the backward reads, so a caller that mutates or reuses these tensors after the forward
-cannot change the gradients (cost: 4 bytes per index slot and per sequence, small device copies).  The
-plan tensors (`BlockPlan.kv_indptr`, `kv_qblocks`, `hot`, `reuse`) are referenced, not copied: a plan is
-a derived, immutable view built by `BlockIndex.plan` at forward time.
-
-Plans are checked against the index they are used with (`sparse_train.validation.check_plan`): a
-plan of another index would make the backward read past its arrays.
+cannot change the gradients (cost: 4 bytes per index slot and per sequence, small device copies). The
+plan tensors (``BlockPlan.kv_indptr``, ``kv_qblocks``, ``hot``, ``reuse``) are referenced, not copied: a
+plan is a derived, immutable view, checked against the index it is used with
+(``sparse_train.validation.check_plan``: a plan of another index would make the backward read past
+its arrays).
 
 Dropout seeds are ints in [0, 2**64) (validated once, for both backends, in sparse_train.validation);
-the op's `dropout_seed: int` is an int64, so seeds >= 2**63 travel as their two's-complement value
-and the launchers recover the unsigned Philox key (`reference.philox_key`).
+the op's ``dropout_seed: int`` is an int64, so seeds >= 2**63 travel as their two's-complement value
+and the launchers recover the unsigned Philox key (``reference.philox_key``).
 
 Known limits: CUDA tensors in bf16/fp16 (fp32 only under TRITON_INTERPRET=1, for tests); head dims
-16/32/64/128; BQ, BK in {16, 32, 64, 128}; N < 2^31.  dropout_seed=None draws a seed from torch's
+16/32/64/128; BQ, BK in {16, 32, 64, 128}; N < 2^31. dropout_seed=None draws a seed from torch's
 global CPU generator (a graph break under torch.compile: pass an int seed when compiling).
 """
 from __future__ import annotations
-
 
 import os
 from typing import NamedTuple, Optional
@@ -37,9 +37,10 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ..validation import check_attention_args, check_bool, check_int, draw_dropout_seed
-from .backward import cold_slots, sparse_attn_backward
-from .forward import choose_num_splits, default_heads_per_program, device_sm_count, sparse_attn_forward
+from ..plan import BackwardConfig, ForwardConfig, attention_schedule
+from ..validation import check_attention_args, check_bool, draw_dropout_seed
+from .backward import sparse_attn_backward
+from .forward import sparse_attn_forward
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -48,23 +49,28 @@ _SUPPORTED_BLOCKS = (16, 32, 64, 128)
 # ----------------------------------------------------------------------------------------------
 # Layer 3: autograd op
 # ----------------------------------------------------------------------------------------------
+# The launch configurations travel as int lists (custom-op arguments): `launch_config` is the
+# ForwardConfig followed by the BackwardConfig, both resolved by `plan.attention_schedule`.
+_FWD_FIELDS = len(ForwardConfig._fields)
+
+
 @torch.library.custom_op("sparse_train::sparse_attn_fwd", mutates_args=())
 def _sparse_attn_fwd(
     q: Tensor, k: Tensor, v: Tensor, indices: Tensor, counts: Tensor,
     kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor, seq_lens: Optional[Tensor],
     num_cold: int, block_q: int, block_k: int, scale: float, dropout_p: float, dropout_seed: int,
-    num_splits: int,
+    num_splits: int, launch_config: list[int],
 ) -> tuple[Tensor, Tensor]:
-    # kv_indptr / kv_qblocks / slots / num_cold are not read here; they are inputs so that
-    # setup_context can save them for the backward (custom ops save only inputs and outputs).
+    # kv_indptr / kv_qblocks / slots / num_cold and the backward half of launch_config are not read
+    # here; they are inputs so that setup_context can save them (custom ops save only inputs and outputs).
     return sparse_attn_forward(q, k, v, indices, counts, block_q=block_q, block_k=block_k, scale=scale,
                                seq_lens=seq_lens, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                               num_splits=num_splits)
+                               num_splits=num_splits, config=ForwardConfig(*launch_config[:_FWD_FIELDS]))
 
 
 @_sparse_attn_fwd.register_fake
 def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold, block_q, block_k,
-      scale, dropout_p, dropout_seed, num_splits):
+      scale, dropout_p, dropout_seed, num_splits, launch_config):
     B, HQ, N, D = q.shape
     return q.new_empty((B, HQ, N, D)), q.new_empty((B, HQ, N), dtype=torch.float32)
 
@@ -74,34 +80,35 @@ def _sparse_attn_bwd(
     do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     indices: Tensor, counts: Tensor, kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor,
     seq_lens: Optional[Tensor], num_cold: int, block_q: int, block_k: int, scale: float,
-    dropout_p: float, dropout_seed: int,
+    dropout_p: float, dropout_seed: int, backward_config: list[int],
 ) -> tuple[Tensor, Tensor, Tensor]:
     return sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, num_cold,
                                 block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, dlse=dlse,
-                                dropout_p=dropout_p, dropout_seed=dropout_seed)
+                                dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                config=BackwardConfig(*backward_config))
 
 
 @_sparse_attn_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold,
-      block_q, block_k, scale, dropout_p, dropout_seed):
+      block_q, block_k, scale, dropout_p, dropout_seed, backward_config):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold, block_q, block_k,
-     scale, dropout_p, dropout_seed, num_splits) = inputs
+     scale, dropout_p, dropout_seed, num_splits, launch_config) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens)
-    ctx.meta = (num_cold, block_q, block_k, scale, dropout_p, dropout_seed)
+    ctx.meta = (num_cold, block_q, block_k, scale, dropout_p, dropout_seed, list(launch_config[_FWD_FIELDS:]))
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens = ctx.saved_tensors
-    num_cold, block_q, block_k, scale, dropout_p, dropout_seed = ctx.meta
+    num_cold, block_q, block_k, scale, dropout_p, dropout_seed, backward_config = ctx.meta
     dq, dk, dv = torch.ops.sparse_train.sparse_attn_bwd(
         do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens,
-        num_cold, block_q, block_k, scale, dropout_p, dropout_seed)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None
+        num_cold, block_q, block_k, scale, dropout_p, dropout_seed, backward_config)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 _sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -124,10 +131,10 @@ class Support(NamedTuple):
     message: str
 
 
-def triton_supports(q: Tensor, k: Tensor, v: Tensor, index) -> Support:
-    """Whether the Triton kernels handle these inputs (the caller takes the reference path when
-    not).  Shape mismatches are not checked here: they are errors, raised by
-    `triton_sparse_attention`."""
+def triton_supports(q: Tensor, block_q: int, block_k: int) -> Support:
+    """Whether the Triton kernels handle q ``[B, HQ, N, D]`` (device, dtype, head dim, length) with
+    blocks of ``block_q`` x ``block_k`` (the caller takes the reference path when not).  Shape
+    mismatches are not checked here: they are errors, raised by `triton_sparse_attention`."""
     if q.device.type == "cuda":
         if q.dtype not in (torch.float16, torch.bfloat16):
             return Support(False, "unsupported_dtype", f"dtype {q.dtype} on CUDA (kernels support bfloat16 and float16)")
@@ -142,9 +149,9 @@ def triton_supports(q: Tensor, k: Tensor, v: Tensor, index) -> Support:
     d = q.shape[-1]
     if d not in _SUPPORTED_HEAD_DIMS:
         return Support(False, "unsupported_head_dim", f"head dim {d} (supported: {_SUPPORTED_HEAD_DIMS})")
-    if index.block_q not in _SUPPORTED_BLOCKS or index.block_k not in _SUPPORTED_BLOCKS:
+    if block_q not in _SUPPORTED_BLOCKS or block_k not in _SUPPORTED_BLOCKS:
         return Support(False, "unsupported_block_size",
-                       f"block sizes BQ={index.block_q}, BK={index.block_k} (supported: {_SUPPORTED_BLOCKS})")
+                       f"block sizes BQ={block_q}, BK={block_k} (supported: {_SUPPORTED_BLOCKS})")
     if q.shape[2] >= 2**31:
         return Support(False, "unsupported_other", "sequence length >= 2^31")
     return Support(True, "supported", "ok")
@@ -152,8 +159,8 @@ def triton_supports(q: Tensor, k: Tensor, v: Tensor, index) -> Support:
 
 def triton_sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, index, *, scale: float | None = None, dropout_p: float = 0.0,
-    dropout_seed: int | None = None, deterministic: bool = False, seq_lens: Tensor | None = None,
-    plan=None, r0: int | None = None, num_splits: int | None = None,
+    dropout_seed: int | None = None, seq_lens: Tensor | None = None, deterministic: bool = False,
+    kernel_options=None,
 ) -> tuple[Tensor, Tensor]:
     """Exact block-sparse causal attention through the Triton kernels, differentiable (eager and
     torch.compile).
@@ -169,17 +176,16 @@ def triton_sparse_attention(
             the softmax denominator (and lse) excludes dropout; kept weights are scaled by 1/(1-p).
         dropout_seed: int seed in ``[0, 2**64)``; default (None with dropout_p > 0): drawn from torch's
             CPU generator.
+        seq_lens: optional int ``[B]`` (any strides), values in ``[0, N]``: keys at positions >=
+            seq_lens[b] are masked (never loaded).
         deterministic: every dK/dV block through the KV-centric kernel in fixed order (no atomics),
             bitwise-identical gradients run to run.  Switched on automatically when
             ``torch.are_deterministic_algorithms_enabled()``.
-        seq_lens: optional int ``[B]`` (any strides), values in ``[0, N]``: keys at positions >=
-            seq_lens[b] are masked (never loaded).
-        plan: a ``BlockPlan`` built by ``index.plan(r0)`` from this very index (default: that call,
-            cached on the index); a plan of another index, or of modified index tensors, raises.
-        r0: reuse threshold of the hybrid backward (default ``sparse_train.index.DEFAULT_R0``); must
-            equal ``plan.r0`` when both are given.
-        num_splits: split-KV count of the forward (default: the plan-time rule
-            ``forward.choose_num_splits``); results agree with the unsplit path up to rounding.
+        kernel_options: performance choices (see ``sparse_train.sparse_attention`` and
+            ``sparse_train.plan.KERNEL_OPTIONS``): ``plan`` (built by ``index.plan(r0)`` from this very
+            index; default: that call, cached on the index), ``r0``, ``num_splits`` (default: the
+            rule ``plan.choose_num_splits``) and the tiles of each kernel.  They change results only
+            up to floating-point order.
 
     Returns:
         ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype, lse ``[B, HQ, N]`` float32 natural log;
@@ -192,16 +198,14 @@ def triton_sparse_attention(
         ValueError: unsupported dtype/device/head dim/block size (reason from ``triton_supports``);
             any argument outside its domain (``sparse_train.validation.check_attention_args``):
             shape/batch/head/length mismatch with the index, bad seq_lens, dropout_p outside [0, 1),
-            dropout_seed outside [0, 2**64), a plan of another index; num_splits outside 1..64.
+            dropout_seed outside [0, 2**64), a bad ``kernel_options`` key or value, a plan of another
+            index, heads per program that do not divide the GQA group.
     """
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, plan=plan, r0=r0)
-    support = triton_supports(q, k, v, index)
+                                seq_lens=seq_lens, kernel_options=kernel_options)
+    support = triton_supports(q, index.block_q, index.block_k)
     if not support.ok:
         raise ValueError(f"triton_sparse_attention does not support this input: {support.message}")
-    if num_splits is not None:
-        num_splits = check_int("num_splits", num_splits, minimum=1, maximum=64)
-    D = q.shape[-1]
     scale, dropout_p, dropout_seed = args.scale, args.dropout_p, args.dropout_seed
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed()
@@ -209,21 +213,15 @@ def triton_sparse_attention(
     # the op's int is an int64: seeds >= 2**63 travel as their two's complement (same 64 bits)
     seed = seed - (1 << 64) if seed >= 1 << 63 else seed
     deterministic = check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
-    if plan is None:
-        plan = index.plan(args.r0)
-    slots = cold_slots(plan.hot, plan.reuse, deterministic)
-    num_cold = 0 if deterministic else int(plan.num_cold)
-    if num_splits is None:
-        B, HQ = q.shape[:2]
-        G = HQ // k.shape[1]
-        hpp = default_heads_per_program(G, index.block_q, D)
-        programs = index.num_q_blocks * (G // hpp) * B * k.shape[1]
-        num_splits = choose_num_splits(programs, int(plan.max_count), device_sm_count(q.device))
+    schedule = attention_schedule(index, q.shape[1] // k.shape[1], q.shape[-1], q.device, args.kernel_options,
+                                  deterministic)
+    plan = schedule.plan
     # copies: the backward must see the forward's selection and lengths whatever the caller does afterwards
     indices = index.indices.clone()
     counts = index.counts.clone()
     if seq_lens is not None:
         seq_lens = seq_lens.to(torch.int32, copy=True)
     return torch.ops.sparse_train.sparse_attn_fwd(
-        q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, slots, seq_lens,
-        num_cold, index.block_q, index.block_k, scale, dropout_p, seed, int(num_splits))
+        q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, schedule.slots, seq_lens,
+        schedule.num_cold, index.block_q, index.block_k, scale, dropout_p, seed, schedule.num_splits,
+        [*schedule.forward, *schedule.backward])

@@ -118,11 +118,11 @@ def reference_sparse_attention(
     k: Tensor,
     v: Tensor,
     index: BlockIndex,
+    *,
     scale: float | None = None,
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
     seq_lens: Tensor | None = None,
-    *,
     upcast: bool = True,
     chunk_q_blocks: int | None = None,
 ) -> tuple[Tensor, Tensor]:
@@ -236,7 +236,7 @@ def reference_sparse_attention(
 
 
 def dense_block_mask_attention(
-    q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, scale: float | None = None, seq_lens: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, *, scale: float | None = None, seq_lens: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """The same function computed the naive way: expand the block index to an ``[N, N]`` element mask
     and run a plain masked softmax. O(N^2) memory, for tests on small shapes only."""

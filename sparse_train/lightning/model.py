@@ -19,9 +19,10 @@ from torch.utils.checkpoint import checkpoint
 
 import sparse_train as st
 
+from ..functional import dense_causal_attention
 from ..validation import check_bool, check_choice, check_float, check_int, check_keys
 
-__all__ = ["TransformerConfig", "Transformer", "RMSNorm", "dense_causal_attention"]
+__all__ = ["TransformerConfig", "Transformer", "RMSNorm"]
 
 
 @dataclass
@@ -121,13 +122,6 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return out.type_as(x)
 
 
-def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA on ``[B, H, N, D]`` tensors with GQA (k/v may have fewer heads than q)."""
-    if k.shape[1] != q.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
 class Attention(nn.Module):
     """Multi-head attention with GQA and RoPE; the score/softmax/value core is sparse or dense."""
 
@@ -160,7 +154,8 @@ class Attention(nn.Module):
         if self.core is not None:
             o = self.core(q, k, v, seq_lens=seq_lens)
         else:
-            o = dense_causal_attention(q, k, v)
+            # Right padding needs no key mask here: padded keys sit after every real query.
+            o = dense_causal_attention(q, k, v, scale=self.head_dim ** -0.5)
         return self.wo(o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
 
 

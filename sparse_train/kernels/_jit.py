@@ -1,0 +1,109 @@
+"""Small ``@triton.jit`` helpers and constants shared by the forward, backward and block-mass kernels.
+
+Each helper is a few lines the kernels would otherwise repeat (the program's tile, its index row, row
+and pointer tiles, the IEEE-or-default dot, the dropout keep bit); Triton inlines them, so a kernel
+compiles to the code it had with the lines written out.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+__all__ = ["LN2", "LOG2E", "dot", "dropout_keep", "index_row", "load_rows", "log2_lse", "query_tile",
+           "sequence_length", "tile_pointers", "tile_rows"]
+
+LOG2E = tl.constexpr(math.log2(math.e))
+"""log2(e): the kernels run the softmax in base 2, exp(x) = exp2(x * LOG2E) (host side: ``LOG2E.value``)."""
+LN2 = tl.constexpr(math.log(2.0))
+"""ln(2): converts a base-2 log-sum-exp back to the natural log the API returns."""
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    """``a @ b`` accumulated in fp32; ``IEEE`` keeps fp32 inputs exact (the interpreter tests), otherwise
+    the default precision (tensor cores: bf16/fp16 inputs; tf32 if the inputs were fp32)."""
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def tile_rows(query_block, kv_head, head_subset, GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+              BLOCK_Q: tl.constexpr):
+    """The HEADS_PER_PROGRAM * BLOCK_Q rows of one tile, heads stacked: (query head, query position)
+    of each row, int32."""
+    rows = tl.arange(0, HEADS_PER_PROGRAM * BLOCK_Q)
+    head = kv_head * GROUP + head_subset * HEADS_PER_PROGRAM + rows // BLOCK_Q
+    position = query_block * BLOCK_Q + rows % BLOCK_Q
+    return head, position
+
+
+@triton.jit
+def query_tile(NQB, HKV, GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr,
+               LATE_BLOCKS_FIRST: tl.constexpr):
+    """This program's tile on a grid (NQB * HEAD_SUBSETS, B * HKV): query block, batch, KV head, and per
+    row its query head and position (int32). Programs sharing a query block (and so its K/V blocks)
+    are adjacent in launch order, so the second finds K/V in L2; ``LATE_BLOCKS_FIRST`` starts the late
+    (longest) query blocks first."""
+    HEAD_SUBSETS: tl.constexpr = GROUP // HEADS_PER_PROGRAM
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    if LATE_BLOCKS_FIRST:
+        query_block = NQB - 1 - pid_m // HEAD_SUBSETS
+    else:
+        query_block = pid_m // HEAD_SUBSETS
+    kv_head = pid_bh % HKV
+    head, position = tile_rows(query_block, kv_head, pid_m % HEAD_SUBSETS, GROUP, HEADS_PER_PROGRAM, BLOCK_Q)
+    return query_block, pid_bh // HKV, kv_head, head, position
+
+
+@triton.jit
+def index_row(INDICES, COUNTS, b64, kv_head64, query_block64, stride_ib, stride_ih, stride_iq,
+              stride_cb, stride_ch, stride_cq):
+    """(pointer to the first slot, number of valid slots) of the index row of one query block."""
+    count = tl.load(COUNTS + b64 * stride_cb + kv_head64 * stride_ch + query_block64 * stride_cq)
+    return INDICES + b64 * stride_ib + kv_head64 * stride_ih + query_block64 * stride_iq, count
+
+
+@triton.jit
+def tile_pointers(base, positions, offs_d, stride_n, stride_d):
+    """Pointers of a ``[len(positions), D]`` tile: ``base + positions * stride_n + d * stride_d``
+    (``base`` a pointer or a column of pointers, ``positions`` int64)."""
+    return base + positions[:, None] * stride_n + offs_d[None, :] * stride_d
+
+
+@triton.jit
+def load_rows(X, b64, head64, position64, offs_d, stride_b, stride_h, stride_n, stride_d, mask):
+    """Rows ``X[b, head[r], position[r], :]`` of a ``[B, H, N, D]`` tensor as an ``[R, D]`` tile, 0 where
+    ``mask`` is False (heads and positions int64 ``[R]``)."""
+    pointers = tile_pointers(X + b64 * stride_b + head64[:, None] * stride_h, position64, offs_d, stride_n, stride_d)
+    return tl.load(pointers, mask=mask[:, None], other=0.0)
+
+
+@triton.jit
+def sequence_length(SEQ_LENS, batch, N, HAS_SEQ_LENS: tl.constexpr):
+    """Keys at positions >= this are padding: seq_lens[batch] (clamped to [0, N] by the launcher), or N."""
+    if HAS_SEQ_LENS:
+        length = tl.load(SEQ_LENS + batch).to(tl.int32)
+    else:
+        length = N
+    return length
+
+
+@triton.jit
+def log2_lse(lse):
+    """The forward's natural-log lse in base 2; rows without a valid key (lse = -inf) get +inf, so
+    exp2(s - lse2) = 0 for every key instead of NaN."""
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def dropout_keep(seed, counters, threshold):
+    """Keep bits of the elements with Philox counters ``counters`` (int64, see
+    ``reference.dropout_offsets``): ``randint(seed, counter) >= threshold``, as ``reference.dropout_keep_mask``."""
+    return tl.randint(seed, counters).to(tl.int64) >= threshold

@@ -1,0 +1,34 @@
+"""Host-side helpers shared by the launchers of the forward, backward and block-mass kernels."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+LAST_COMPILED: dict = {}
+"""The last compiled kernel per launcher (``"fwd"``, ``"dq"``, ``"dkdv"``), for benchmarks that read
+registers, spills or PTX; never used for compute."""
+
+
+def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
+    """Launch a ``@triton.jit`` kernel; if the configuration exceeds shared memory on this GPU, retry
+    with one pipeline stage less (same results: stages only change the prefetch depth)."""
+    from triton.runtime.errors import OutOfResources
+
+    while True:
+        try:
+            return kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **meta)
+        except OutOfResources:
+            if num_stages <= 1:
+                raise
+            num_stages -= 1
+
+
+def kernel_seq_lens(seq_lens: Tensor | None, seq_len: int, fallback: Tensor) -> Tensor:
+    """The SEQ_LENS argument of the kernels: int32, contiguous (the kernels index it as
+    ``SEQ_LENS + b``, without a stride), values clamped to [0, N] on the device (no host sync: an
+    unvalidated value, e.g. under torch.compile, can never widen a masked load past the end of K/V).
+    ``fallback`` is the dummy pointer passed when there are no seq_lens."""
+    if seq_lens is None:
+        return fallback
+    return seq_lens.to(torch.int64).clamp(0, seq_len).to(torch.int32).contiguous()

@@ -1,0 +1,447 @@
+"""Launch planning: everything host-side that turns a block index into a kernel launch schedule.
+
+The index (:mod:`sparse_train.index`) says *what* is attended; this module decides *how* the kernels
+walk it, and nothing here changes a result beyond floating-point order:
+
+* :class:`BlockPlan` / :func:`build_plan`: per KV block its reuse count (how many query blocks
+  selected it), the transposed KV-major CSR (for each KV block, the query blocks that selected it) and
+  the hot/cold split of the hybrid backward (``reuse >= r0``: KV-centric kernel; else fp32 atomics
+  from the dQ pass). Built once per step (cached by ``BlockIndex.plan``), shared by forward and backward.
+* The backward's schedules: :func:`cold_slots` (compact atomic-workspace slot of each cold block) and
+  :func:`kv_schedule` (KV-centric work items, long rows cut into chunks of ``KV_CHUNK`` query blocks).
+* The forward's split count :func:`choose_num_splits` (split-KV only when the grid cannot fill the
+  device, whose SM count :func:`device_sm_count` reads).
+* Tile configurations: :func:`forward_config`, :func:`backward_config`, :func:`block_mass_config`
+  (query heads stacked per program, warps, pipeline stages), tuned on an H200 at 64K
+  (``docs/benchmarks/kernel_tuning.md``).
+* The ``kernel_options`` mapping of :func:`sparse_train.sparse_attention`:
+  :func:`normalize_kernel_options` is the one function that validates it (:data:`KERNEL_OPTIONS`).
+
+Every function is a pure function of its inputs (sorting and prefix sums, no atomics), so plans and
+schedules are identical run to run. Notation: B batch, HKV KV heads, G = HQ/HKV, D head dim, BQ/BK
+block sizes, NQB/NKB query/key blocks, r0 reuse threshold.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Mapping, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .validation import PlanSource, check_int, check_keys, check_r0, plan_source
+
+__all__ = [
+    "DEFAULT_R0",
+    "AttentionSchedule",
+    "KERNEL_OPTIONS",
+    "KV_CHUNK",
+    "BackwardConfig",
+    "BlockPlan",
+    "ForwardConfig",
+    "KVSchedule",
+    "KernelOptions",
+    "attention_schedule",
+    "backward_config",
+    "block_mass_config",
+    "build_plan",
+    "choose_num_splits",
+    "cold_slots",
+    "device_sm_count",
+    "forward_config",
+    "forward_num_splits",
+    "kv_schedule",
+    "normalize_kernel_options",
+    "resolve_r0",
+]
+
+DEFAULT_R0 = 1
+"""Default reuse threshold of the hybrid backward: KV blocks selected by at least this many query
+blocks take the KV-centric dK/dV kernel, the others accumulate with fp32 atomics from the dQ pass.
+1 = every selected block KV-centric, no atomics (the fastest routing measured; see
+``docs/benchmarks/kernel_tuning.md``); the atomic path stays available per call and in the config."""
+
+KV_CHUNK = 64
+"""Query blocks per KV-centric work item: a KV block selected by more query blocks (a sink, a popular
+block) is cut into chunks whose fp32 partials are summed in chunk order, so no program is the long pole."""
+
+
+# ---------------------------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class BlockPlan:
+    """Derived views of a :class:`~sparse_train.BlockIndex`, built once per step and shared by forward
+    and backward. All views are computed by sorting (no atomics), so they are identical run to run."""
+
+    reuse: Tensor
+    """int32 ``[B, HKV, NKB]``: how many query blocks selected each KV block."""
+    kv_indptr: Tensor
+    """int64 ``[B*HKV*NKB + 1]``: row pointers of the transposed (KV-major) CSR; row
+    ``r = (b*HKV + h)*NKB + j`` lists the query blocks that selected KV block j."""
+    kv_qblocks: Tensor
+    """int32 ``[nnz]``: query-block ids of the transposed CSR, ascending within each row."""
+    hot: Tensor
+    """bool ``[B, HKV, NKB]``: ``reuse >= r0``; hot blocks get the KV-centric dK/dV kernel, cold ones
+    are accumulated with atomics from the query-centric pass."""
+    r0: int
+    """The reuse threshold this plan was built with."""
+    num_hot: int
+    """Number of KV blocks (over all batches and heads) with ``reuse >= r0`` and reuse > 0."""
+    num_cold: int
+    """Number of selected KV blocks with ``0 < reuse < r0``."""
+    nnz: int
+    """Total number of selected (query block, key block) pairs."""
+    max_count: int
+    """Longest query-block row (blocks)."""
+    max_reuse: int
+    """Largest reuse count of any KV block."""
+    source: PlanSource | None = field(default=None, compare=False)
+    """The index this plan was built from (its tensors, held weakly, their version counters and the
+    geometry). ``sparse_attention`` refuses a plan whose source is not the index passed: the backward
+    would read another selection's arrays (out of bounds when shapes differ)."""
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockPlan(r0={self.r0}, hot={self.num_hot}, cold={self.num_cold}, nnz={self.nnz}, "
+            f"max_count={self.max_count}, max_reuse={self.max_reuse}, device={self.reuse.device})"
+        )
+
+
+def resolve_r0(r0) -> int:
+    """``r0`` checked (an int >= 0), None meaning :data:`DEFAULT_R0`."""
+    r0 = check_r0(r0)
+    return DEFAULT_R0 if r0 is None else r0
+
+
+def build_plan(index, r0: int | None = None) -> BlockPlan:
+    """The :class:`BlockPlan` of ``index`` for reuse threshold ``r0`` (default :data:`DEFAULT_R0`).
+
+    One host sync (the hot/cold counts and maxima). ``BlockIndex.plan`` caches the result; call that.
+    """
+    r0 = resolve_r0(r0)
+    source = plan_source(index)
+    b, h, nqb, _ = index.indices.shape
+    nkb = index.num_k_blocks
+    idx = index.indices.to(torch.int64)
+    valid = idx >= 0
+    bh = torch.arange(b * h, device=idx.device).view(b, h, 1, 1)
+    qi = torch.arange(nqb, device=idx.device).view(1, 1, nqb, 1)
+    kv_row = bh * nkb + idx  # [B, HKV, NQB, K]
+    # Each (kv_row, query block) pair occurs at most once, so sorting this key gives the KV-major
+    # order with query blocks ascending, deterministically and without atomics.
+    key = (kv_row * nqb + qi)[valid]
+    key, _ = torch.sort(key)
+    rows = b * h * nkb
+    kv_indptr = torch.searchsorted(key, torch.arange(rows + 1, device=idx.device) * nqb)
+    reuse = (kv_indptr[1:] - kv_indptr[:-1]).view(b, h, nkb)
+    hot = (reuse >= r0) & (reuse > 0)
+    stats = torch.stack(
+        [
+            hot.sum(),
+            ((reuse > 0) & ~hot).sum(),
+            index.counts.to(torch.int64).max() if index.counts.numel() else reuse.new_zeros(()),
+            reuse.max() if reuse.numel() else reuse.new_zeros(()),
+        ]
+    ).tolist()
+    return BlockPlan(
+        reuse=reuse.to(torch.int32),
+        kv_indptr=kv_indptr.to(torch.int64),
+        kv_qblocks=(key % nqb).to(torch.int32),
+        hot=hot,
+        r0=r0,
+        num_hot=int(stats[0]),
+        num_cold=int(stats[1]),
+        nnz=int(key.numel()),
+        max_count=int(stats[2]),
+        max_reuse=int(stats[3]),
+        source=source,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- backward schedule
+def cold_slots(hot: Tensor, reuse: Tensor, deterministic: bool) -> Tensor:
+    """int32 ``[B*HKV*NKB]``: compact atomic-workspace slot of every cold block (0 < reuse, not hot),
+    -1 otherwise. Deterministic mode makes every block KV-centric (all -1)."""
+    cold = ((reuse > 0) & ~hot).reshape(-1)
+    if deterministic:
+        return torch.full_like(cold, -1, dtype=torch.int32)
+    slot = torch.cumsum(cold.to(torch.int32), 0, dtype=torch.int32) - 1
+    return torch.where(cold, slot, -1).to(torch.int32)
+
+
+class KVSchedule(NamedTuple):
+    """Work items of the KV-centric dK/dV kernel (see :func:`kv_schedule`)."""
+
+    item_row: Tensor
+    """int32 ``[I]``: KV row ``(b*HKV + h)*NKB + j`` of each work item."""
+    item_t0: Tensor
+    """int32 ``[I]``: first position (in ``kv_qblocks``) of the item's chunk."""
+    item_t1: Tensor
+    """int32 ``[I]``: one past its last position."""
+    item_part: Tensor
+    """int32 ``[I]``: fp32 partial slot of the item, -1 when the item covers its whole row."""
+    part_start: Tensor
+    """int32 ``[R]``: first partial slot of each KV row (-1 when the row is not chunked)."""
+    num_parts: Tensor
+    """int32 ``[R]``: -1 unselected, 0 written directly (one chunk, or cold), else partials to sum."""
+    total_parts: int
+    """Number of fp32 partial slots."""
+
+
+def kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int | None = None) -> KVSchedule:
+    """Work items of the KV-centric kernel: every KV block with reuse > 0 and no cold slot, its
+    transposed row cut into chunks of ``chunk`` (default :data:`KV_CHUNK`) query blocks.
+
+    One host sync (the item and partial counts). Sorting-free and atomic-free, so the schedule and the
+    order in which the finish kernel sums partials are identical run to run."""
+    chunk = KV_CHUNK if chunk is None else chunk
+    reuse = reuse.reshape(-1).to(torch.int64)
+    num_rows = reuse.numel()
+    device = reuse.device
+    kv_centric = (slots < 0) & (reuse > 0)
+    num_chunks = torch.where(kv_centric, (reuse + chunk - 1) // chunk, 0)
+    multi = num_chunks >= 2
+    chunks_of_multi = torch.where(multi, num_chunks, 0)
+    totals = torch.stack([num_chunks.sum(), chunks_of_multi.sum()]).tolist()  # one host sync
+    total_items, total_parts = int(totals[0]), int(totals[1])
+    rows = torch.repeat_interleave(torch.arange(num_rows, device=device), num_chunks, output_size=total_items)
+    first_item = torch.cumsum(num_chunks, 0) - num_chunks
+    c = torch.arange(total_items, device=device) - first_item[rows]
+    start = kv_indptr[:-1][rows] + c * chunk
+    end = torch.minimum(start + chunk, kv_indptr[1:][rows])
+    part_start = torch.cumsum(chunks_of_multi, 0) - chunks_of_multi
+    item_part = torch.where(multi[rows], part_start[rows] + c, -1)
+    num_parts = torch.where(reuse > 0, chunks_of_multi, -1)
+    return KVSchedule(rows.to(torch.int32), start.to(torch.int32), end.to(torch.int32), item_part.to(torch.int32),
+                      torch.where(multi, part_start, -1).to(torch.int32), num_parts.to(torch.int32), total_parts)
+
+
+# ---------------------------------------------------------------------------------------------- split count
+_HOST_CORES = os.cpu_count() or 1  # read once: torch.compile cannot trace os.cpu_count
+
+
+def device_sm_count(device) -> int:
+    """Parallel processors of ``device``: the streaming multiprocessors of a CUDA device; the CPU
+    cores elsewhere (the Triton interpreter runs programs on the CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _HOST_CORES
+
+
+def choose_num_splits(num_programs: int, max_count: int, num_sms: int) -> int:
+    """Split rule of the forward: split a row only when the grid is too small to fill the device
+    (fewer than 2 waves of programs) and rows are long enough (>= 8 blocks per split) to amortise the
+    partial write-back and the merge kernel. Returns a power of two in {1, 2, 4, 8}."""
+    splits = 1
+    while splits < 8 and num_programs * splits < 2 * num_sms and max_count >= 16 * splits:
+        splits *= 2
+    return splits
+
+
+def forward_num_splits(query_blocks: int, batch: int, kv_heads: int, group: int, heads_per_program: int,
+                       max_count: int, device) -> int:
+    """:func:`choose_num_splits` for a forward grid of ``query_blocks`` live query blocks per (batch,
+    KV head), each split over ``group // heads_per_program`` head subsets."""
+    programs = query_blocks * (group // heads_per_program) * batch * kv_heads
+    return choose_num_splits(programs, max_count, device_sm_count(device))
+
+
+# ---------------------------------------------------------------------------------------------- kernel options
+_WARPS = (1, 2, 4, 8, 16)
+_MAX_STAGES = 8
+_MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Normalised ``kernel_options`` (see :func:`normalize_kernel_options`); None = default."""
+
+    plan: BlockPlan | None = None
+    """A plan from ``index.plan(r0)`` of this very index, reused across layers (default: that call)."""
+    r0: int | None = None
+    """Reuse threshold of the hybrid backward (default :data:`DEFAULT_R0`); equals ``plan.r0`` if both."""
+    num_splits: int | None = None
+    """Split-KV count of the forward, 1..64 (default :func:`choose_num_splits`)."""
+    fwd_heads_per_program: int | None = None
+    """Query heads of a GQA group stacked along the rows of one forward program (a power of two
+    dividing G; the tile has heads_per_program * BQ rows)."""
+    fwd_num_warps: int | None = None
+    fwd_num_stages: int | None = None
+    dq_heads_per_program: int | None = None
+    dq_num_warps: int | None = None
+    dq_num_stages: int | None = None
+    kv_heads_per_program: int | None = None
+    kv_num_warps: int | None = None
+    kv_num_stages: int | None = None
+    kv_chunk: int | None = None
+    """Query blocks per KV-centric work item (default :data:`KV_CHUNK`)."""
+
+
+KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
+"""Keys of ``sparse_attention(..., kernel_options=)`` (the fields of :class:`KernelOptions`); every
+value may be None (= the default)."""
+
+
+def _check_power_of_two(label: str, value) -> int:
+    value = check_int(label, value, minimum=1)
+    if value & (value - 1):
+        raise ValueError(f"{label} must be a power of two, got {value}")
+    return value
+
+
+def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> KernelOptions:
+    """The one validation of ``kernel_options``: None, a :class:`KernelOptions`, or a dict whose keys
+    are among :data:`KERNEL_OPTIONS` (an unknown key raises ``ValueError`` naming it and the allowed
+    keys) and whose values are None or of the key's type and range (``ValueError`` otherwise).
+
+    Shape-dependent rules (heads per program must divide the GQA group; a plan must belong to the
+    index) are checked where the shapes are known: :func:`forward_config`, :func:`backward_config`,
+    ``validation.check_plan``."""
+    if kernel_options is None:
+        return KernelOptions()
+    if isinstance(kernel_options, KernelOptions):
+        return kernel_options
+    check_keys("kernel_options", kernel_options, KERNEL_OPTIONS)
+    values = {}
+    for name, value in kernel_options.items():
+        label = f"kernel_options.{name}"
+        if value is None:
+            continue
+        if name == "plan":
+            if not isinstance(value, BlockPlan):
+                raise ValueError(
+                    f"{label} must be a sparse_train.BlockPlan (from index.plan(r0)), got {type(value).__name__}"
+                )
+        elif name == "r0":
+            value = check_int(label, value, minimum=0)
+        elif name == "num_splits":
+            value = check_int(label, value, minimum=1, maximum=_MAX_SPLITS)
+        elif name.endswith("heads_per_program"):
+            value = _check_power_of_two(label, value)
+        elif name.endswith("num_warps"):
+            value = _check_power_of_two(label, value)
+            if value not in _WARPS:
+                raise ValueError(f"{label} must be one of {_WARPS}, got {value}")
+        elif name.endswith("num_stages"):
+            value = check_int(label, value, minimum=1, maximum=_MAX_STAGES)
+        elif name == "kv_chunk":
+            value = check_int(label, value, minimum=1)
+        values[name] = value
+    return KernelOptions(**values)
+
+
+# ---------------------------------------------------------------------------------------------- tile configs
+class ForwardConfig(NamedTuple):
+    """Launch configuration of the forward (and block-mass) kernel."""
+
+    heads_per_program: int
+    num_warps: int
+    num_stages: int
+
+
+class BackwardConfig(NamedTuple):
+    """Launch configuration of the backward: the dQ kernel, the KV-centric kernel, its chunk size."""
+
+    dq_heads_per_program: int
+    dq_num_warps: int
+    dq_num_stages: int
+    kv_heads_per_program: int
+    kv_num_warps: int
+    kv_num_stages: int
+    kv_chunk: int
+
+
+def _heads_per_program(group: int, block_q: int, rows: int) -> int:
+    """Query heads stacked into one program's row tile, aiming at ``rows`` = heads * BQ rows (one
+    head for BQ = 128); the largest power of two <= that which divides the group."""
+    heads = max(1, rows // block_q) if block_q < 128 else 1
+    while heads > 1 and group % heads:
+        heads //= 2
+    return min(heads, group)
+
+
+def _divides_group(label: str, heads: int, group: int) -> int:
+    if group % heads:
+        raise ValueError(f"{label}={heads} must divide the GQA group size {group} (query heads per KV head)")
+    return heads
+
+
+def forward_config(group: int, block_q: int, block_k: int, head_dim: int,
+                   kernel_options: Mapping | KernelOptions | None = None) -> ForwardConfig:
+    """Forward tile: heads * BQ = 256 rows (K/V loaded once for 4 heads at BQ = 64); 8 warps and 3
+    stages for tiles of >= 128 x 128 elements (2 stages for 256-row tiles over 128-key blocks: shared
+    memory), 4 warps and 3 stages below. ``kernel_options`` override each field."""
+    options = normalize_kernel_options(kernel_options)
+    heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=256)
+    _divides_group("kernel_options.fwd_heads_per_program", heads, group)
+    rows = heads * block_q
+    if rows * head_dim >= 128 * 128:
+        warps, stages = 8, 2 if (rows >= 256 and block_k >= 128) else 3
+    else:
+        warps, stages = 4, 3
+    return ForwardConfig(heads, options.fwd_num_warps or warps, options.fwd_num_stages or stages)
+
+
+def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_cold: bool,
+                    kernel_options: Mapping | KernelOptions | None = None) -> BackwardConfig:
+    """Backward tiles: dQ with heads * BQ = 128 rows, 8 warps for tiles above 64 x 128 elements, 3
+    stages (2 with 4 warps; with 128 x 128 key tiles 2, or 1 when the atomic dK/dV products also run:
+    shared memory); KV-centric one head per iteration (stacking more spills registers: the [BK, D]
+    dK/dV accumulators already live in registers), 8 warps for 128 x 128 key tiles else 4, 2 stages.
+    ``kernel_options`` override each field."""
+    options = normalize_kernel_options(kernel_options)
+    dq_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=128)
+    _divides_group("kernel_options.dq_heads_per_program", dq_heads, group)
+    kv_heads = options.kv_heads_per_program or 1
+    _divides_group("kernel_options.kv_heads_per_program", kv_heads, group)
+    dq_warps = 8 if dq_heads * block_q * head_dim > 64 * 128 else 4
+    if block_k * head_dim >= 128 * 128:
+        dq_stages = 1 if has_cold else 2
+    else:
+        dq_stages = 3 if dq_warps == 8 else 2
+    kv_warps = 8 if block_k * head_dim >= 128 * 128 else 4
+    return BackwardConfig(
+        dq_heads, options.dq_num_warps or dq_warps, options.dq_num_stages or dq_stages,
+        kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or 2,
+        options.kv_chunk or KV_CHUNK,
+    )
+
+
+class AttentionSchedule(NamedTuple):
+    """Everything the Triton attention needs besides the tensors (see :func:`attention_schedule`)."""
+
+    plan: BlockPlan
+    slots: Tensor
+    """:func:`cold_slots` of the plan (all -1 in deterministic mode)."""
+    num_cold: int
+    """Cold blocks routed to the atomic path (0 in deterministic mode)."""
+    num_splits: int
+    forward: ForwardConfig
+    backward: BackwardConfig
+
+
+def attention_schedule(index, group: int, head_dim: int, device, kernel_options=None,
+                       deterministic: bool = False) -> AttentionSchedule:
+    """The launch schedule of one attention call over ``index``: its plan (``kernel_options.plan``, or
+    ``index.plan(r0)``), the cold slots (none in deterministic mode: every block KV-centric), the
+    split count (``kernel_options.num_splits`` or :func:`forward_num_splits` from the longest row) and
+    the tiles of every kernel. ``group`` = HQ / HKV, ``device`` the one the kernels run on."""
+    options = normalize_kernel_options(kernel_options)
+    plan = options.plan if options.plan is not None else index.plan(options.r0)
+    slots = cold_slots(plan.hot, plan.reuse, deterministic)
+    num_cold = 0 if deterministic else int(plan.num_cold)
+    forward = forward_config(group, index.block_q, index.block_k, head_dim, options)
+    backward = backward_config(group, index.block_q, index.block_k, head_dim, num_cold > 0, options)
+    num_splits = options.num_splits or forward_num_splits(
+        index.num_q_blocks, index.batch, index.num_kv_heads, group, forward.heads_per_program,
+        int(plan.max_count), device)
+    return AttentionSchedule(plan, slots, num_cold, num_splits, forward, backward)
+
+
+def block_mass_config(group: int, block_q: int) -> ForwardConfig:
+    """Block-mass tile: the forward's row tile (heads * BQ = 256 rows), 8 warps from 128 rows, 3 stages."""
+    heads = _heads_per_program(group, block_q, rows=256)
+    return ForwardConfig(heads, 8 if heads * block_q >= 128 else 4, 3)
+

@@ -1,0 +1,74 @@
+"""Shared builders of test inputs and error measures: the one random-selection builder, the one q/k/v
+maker and the error-ratio check every numerical test uses. Imported by the test modules (functions, so
+module-level parameter lists and helpers can call them too); the fixtures are in conftest.py."""
+import math
+
+import torch
+
+from sparse_train.index import BlockIndex
+
+
+def random_selection(batch, kv_heads, seq_len, block_q, block_k, k, *, seed=0, generator=None, distinct=True,
+                     drop=0.0, duplicates=False, empty_rows=False):
+    """Random causal candidate key blocks, int64 ``[B, HKV, NQB, k]`` (``2k`` with ``duplicates``).
+
+    ``distinct=True``: the top-k of random scores over each query block's causal blocks (-1 where a row
+    has fewer than k). ``distinct=False``: k draws uniform over the causal blocks (duplicates common).
+    Then a fraction ``drop`` of the slots becomes -1, ``empty_rows`` empties every third query block
+    (from block 1), and ``duplicates`` lists every candidate twice. Draws come from ``generator`` or a
+    fresh one seeded with ``seed``. The causal limit is computed here, not by the library under test."""
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
+    nqb, nkb = math.ceil(seq_len / block_q), math.ceil(seq_len / block_k)
+    last = ((torch.clamp((torch.arange(nqb) + 1) * block_q, max=seq_len) - 1) // block_k).view(1, 1, nqb, 1)
+    if distinct:
+        causal = torch.arange(nkb).view(1, 1, 1, -1) <= last
+        scores = torch.rand(batch, kv_heads, nqb, nkb, generator=g).masked_fill(~causal, -1.0)
+        values, sel = scores.topk(min(k, nkb), dim=-1)
+        sel = torch.where(values >= 0, sel, -1)
+    else:
+        sel = (torch.rand(batch, kv_heads, nqb, k, generator=g) * (last + 1)).long()
+    if drop:
+        sel = torch.where(torch.rand(sel.shape, generator=g) < drop, -1, sel)
+    if empty_rows:
+        sel[:, :, 1::3] = -1  # with no window and no sinks these rows select nothing
+    if duplicates:
+        sel = torch.cat([sel, sel.flip(-1)], dim=-1)
+    return sel
+
+
+def random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=0, device="cpu", **selection):
+    """Canonical index of a :func:`random_selection` (keyword options passed on) plus window and sinks."""
+    sel = random_selection(B, HKV, N, BQ, BK, topk, seed=seed, **selection)
+    return BlockIndex.from_selection(sel.to(device), seq_len=N, block_q=BQ, block_k=BK, window=window, sinks=sinks)
+
+
+def make_qkv(B, HQ, HKV, N, D, dtype=torch.float32, seed=0, device="cpu", requires_grad=False, generator=None):
+    """q ``[B, HQ, N, D]``, k and v ``[B, HKV, N, D]``: standard normal (drawn in fp32 on the CPU from
+    ``generator`` or a fresh one seeded with ``seed``), then cast and moved."""
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
+    return [torch.randn(B, h, N, D, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)
+            for h in (HQ, HKV, HKV)]
+
+
+def rel_err(a, b):
+    """Relative Frobenius error of ``a`` against ``b`` over the finite entries of ``b`` (both must have
+    the same non-finite pattern)."""
+    a, b = a.double(), b.double()
+    fin = torch.isfinite(b)
+    assert torch.equal(torch.isfinite(a), fin), "non-finite pattern differs"
+    a, b = a[fin], b[fin]
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+# c * err(PyTorch in the kernel's precision) + floor; floors: fp32 ~ 1e-6, fp16 ~ 1e-4
+TOL_C = 4.0
+FLOOR = {torch.float32: 2e-6, torch.float16: 2e-4, torch.bfloat16: 2e-3}
+
+
+def check_close(name, got, ref, ref_lowp, dtype, *, c=TOL_C, floor=None):
+    """The error-ratio rule: err(got vs ref) <= c * err(ref_lowp vs ref) + floor, where ``ref`` is the
+    reference in high precision and ``ref_lowp`` the same computation by PyTorch in the kernel's precision."""
+    floor = FLOOR[dtype] if floor is None else floor
+    e_k, e_r = rel_err(got, ref), rel_err(ref_lowp, ref)
+    print(f"{name}: kernel err {e_k:.3e} | torch-{str(dtype).split('.')[-1]} err {e_r:.3e}")
+    assert e_k <= c * e_r + floor, f"{name}: kernel err {e_k:.3e} > {c} * {e_r:.3e} + {floor}"

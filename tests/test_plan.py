@@ -1,0 +1,31 @@
+"""Launch planning (sparse_train/plan.py): the forward's split rule and the backward's KV-centric
+schedule (the plan of an index itself is tested in test_index.py)."""
+import torch
+
+from sparse_train import plan
+
+
+def test_split_rule():
+    h200 = 132  # streaming multiprocessors of an H200
+    assert plan.choose_num_splits(10_000, 30, h200) == 1          # big grid: never split
+    assert plan.choose_num_splits(8, 200, h200) == 8              # tiny grid, long rows
+    assert plan.choose_num_splits(8, 12, h200) == 1               # tiny grid, short rows: not worth it
+    assert plan.choose_num_splits(8, 20, h200) == 2               # each split keeps >= 8 blocks
+    assert plan.choose_num_splits(100, 64, h200) in (2, 4)
+
+
+def test_sm_count_comes_from_the_device():
+    assert plan.device_sm_count("cpu") >= 1
+    if torch.cuda.is_available():
+        assert plan.device_sm_count("cuda") == torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def test_kv_schedule_chunks_and_parts():
+    reuse = torch.tensor([0, 1, 5, 2, 0], dtype=torch.int64)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(reuse, 0)])
+    slots = torch.tensor([-1, -1, -1, 0, -1], dtype=torch.int32)  # block 3 is cold (atomics)
+    rows, t0, t1, part, pstart, nparts, num_parts = plan.kv_schedule(reuse, indptr, slots, chunk=2)
+    assert rows.tolist() == [1, 2, 2, 2]
+    assert t0.tolist() == [0, 1, 3, 5] and t1.tolist() == [1, 3, 5, 6]
+    assert part.tolist() == [-1, 0, 1, 2] and num_parts == 3
+    assert nparts.tolist() == [-1, 0, 3, 0, -1] and pstart.tolist()[2] == 0
