@@ -465,3 +465,18 @@ def test_sparse_transformer_and_dense_twin_start_from_the_same_weights():
     assert set(dense_state) < set(sparse_state)
     for name, tensor in dense_state.items():
         assert torch.equal(sparse_state[name], tensor), name
+
+
+@pytest.mark.parametrize("unrotate", [True, False], ids=["unrotated", "rotated"])
+def test_transformer_hands_its_rope_to_the_selector(unrotate):
+    from sparse_train.lightning import Transformer, TransformerConfig
+
+    cfg = TransformerConfig(vocab_size=32, d_model=32, n_layers=1, rope_theta=500.0, selector_unrotates_rope=unrotate)
+    scorer = Transformer(cfg).blocks[0].attn.core.scorer
+    if unrotate:
+        torch.testing.assert_close(scorer.rope_inv_freq, st.selectors.rope_inverse_frequencies(500.0, 8))
+    else:
+        assert scorer.rope_inv_freq.numel() == 0
+    explicit = TransformerConfig(vocab_size=32, d_model=32, n_layers=1, sparse={"selector_rope_theta": 9.0})
+    torch.testing.assert_close(Transformer(explicit).blocks[0].attn.core.scorer.rope_inv_freq,
+                               st.selectors.rope_inverse_frequencies(9.0, 8))

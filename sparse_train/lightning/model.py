@@ -52,9 +52,10 @@ class TransformerConfig:
     attention: Literal["sparse", "dense"] = "sparse"
     """Attention core: ``sparse`` = ``st.SparseAttention``; ``dense`` = causal SDPA (the A/B twin)."""
     sparse: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments of ``st.SparseAttentionConfig`` (ignored when ``attention`` is ``dense``).
-    ``selector_rope_theta`` defaults to ``rope_theta`` (the selector scores un-rotated q and k); set it
-    to null to score the rotated ones."""
+    """Keyword arguments of ``st.SparseAttentionConfig`` (ignored when ``attention`` is ``dense``)."""
+    selector_unrotates_rope: bool = True
+    """Give the sparse selector this model's RoPE (``selector_rope_theta = rope_theta`` unless ``sparse``
+    sets it), so it scores un-rotated q and k; False scores the rotated ones (the 16K ablation)."""
     activation_checkpointing: bool = False
     """Recompute each block in the backward (saves activation memory; the module replays selections)."""
     init_std: float = 0.02
@@ -81,6 +82,7 @@ class TransformerConfig:
         check_float("TransformerConfig.init_std", self.init_std, minimum=0.0)
         check_bool("TransformerConfig.tie_embeddings", self.tie_embeddings)
         check_bool("TransformerConfig.activation_checkpointing", self.activation_checkpointing)
+        check_bool("TransformerConfig.selector_unrotates_rope", self.selector_unrotates_rope)
         check_choice("TransformerConfig.attention", self.attention, ("sparse", "dense"))
         if self.attention == "sparse":
             check_keys("TransformerConfig.sparse", self.sparse, st.SparseAttentionConfig.__dataclass_fields__)
@@ -136,13 +138,18 @@ class Attention(nn.Module):
         self.core: Optional[nn.Module] = None
         if cfg.attention == "sparse":
             self.core = st.SparseAttention(
-                st.SparseAttentionConfig(**{"selector_rope_theta": cfg.rope_theta, **cfg.sparse}),
+                st.SparseAttentionConfig(**self._sparse_kwargs(cfg)),
                 num_heads=self.n_heads,
                 num_kv_heads=self.n_kv_heads,
                 head_dim=self.head_dim,
             )
         elif cfg.attention != "dense":  # a config mutated after its checks ran
             raise ValueError(f"attention must be 'sparse' or 'dense', got {cfg.attention!r}")
+
+    @staticmethod
+    def _sparse_kwargs(cfg: TransformerConfig) -> dict[str, Any]:
+        own_rope = {"selector_rope_theta": cfg.rope_theta} if cfg.selector_unrotates_rope else {}
+        return {**own_rope, **cfg.sparse}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
