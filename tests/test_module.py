@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import sparse_train as st
+from builders import make_qkv
 from sparse_train.attention import FALLBACK_REASONS
 from sparse_train.functional import dense_causal_attention
 from sparse_train.kernels.reference import reference_sparse_attention
@@ -24,11 +25,7 @@ def make(**overrides):
 
 
 def qkv(batch, n, dtype=torch.float32, seed=0, grad=False):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, HQ, n, D, generator=g, dtype=dtype)
-    k = torch.randn(batch, HKV, n, D, generator=g, dtype=dtype)
-    v = torch.randn(batch, HKV, n, D, generator=g, dtype=dtype)
-    return [t.requires_grad_(grad) for t in (q, k, v)]
+    return make_qkv(batch, HQ, HKV, n, D, dtype=dtype, seed=seed, requires_grad=grad)
 
 
 # ---------------------------------------------------------------------------------------------- config

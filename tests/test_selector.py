@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sparse_train as st
+from builders import make_qkv
 from sparse_train.kernels.reference import reference_sparse_attention
 from sparse_train.selectors.scorer import DISTANCE_BUCKETS, block_distance_buckets
 from sparse_train.selectors import (
@@ -38,9 +39,7 @@ GEOMETRIES = [
 
 
 def _rand_qk(batch, heads, kv_heads, n, dim, seed=0, dtype=torch.float64):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, n, dim, generator=g, dtype=dtype)
-    k = torch.randn(batch, kv_heads, n, dim, generator=g, dtype=dtype)
+    q, k, _ = make_qkv(batch, heads, kv_heads, n, dim, dtype=dtype, seed=seed)
     return q, k
 
 
