@@ -39,6 +39,7 @@ from typing import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from .config import SparseAttentionConfig
 from .functional import BACKEND_REASONS, dense_causal_attention, resolve_backend, sparse_attention
@@ -64,7 +65,7 @@ __all__ = [
     "collect_attention_stats",
 ]
 
-FALLBACK_REASONS = ("dense_warmup", "dense_full_selection", "dense_hysteresis") + tuple(
+FALLBACK_REASONS = ("dense_warmup", "dense_full_selection", "dense_hysteresis", "decode") + tuple(
     f"reference_{code}" for code in BACKEND_REASONS if code not in ("requested", "supported")
 )
 """Every reason a call leaves the Triton sparse path; ``fallback_counts`` and ``stats()`` use these names
@@ -232,6 +233,54 @@ class SparseAttention(nn.Module):
     def _count(self, reason: str | None) -> None:
         if reason is not None:
             self.fallback_counter[FALLBACK_REASONS.index(reason)] += 1
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = None,
+               scale: float | None = None) -> Tensor:
+        """Attention of the last ``Nq`` positions over ``Nk >= Nq`` keys (KV-cache decoding, chunked
+        prefill): dense causal attention aligned at the end (query i sits at position Nk - Nq + i),
+        counted as the fallback ``"decode"``. No selection is made: with a handful of queries the
+        dense read of the cache is what a selection would cost anyway, and the result is exact.
+
+        Args:
+            q: ``[B, HQ, Nq, D]``; k, v: ``[B, HKV, Nk, D]`` (the whole cache, this step included).
+            key_padding_mask: optional ``[B, Nk]``, nonzero/True = a real key (any padding pattern).
+            scale: logit scale; ``None`` = the module's.
+
+        Raises:
+            ValueError: shapes, dtypes or devices that do not fit, Nq > Nk, or a query row left with
+                no real key.
+        """
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4:
+                raise ValueError(f"decode: {name} must be a 4-D tensor [B, H, N, D], got "
+                                 f"{getattr(t, 'shape', type(t).__name__)}")
+        batch, heads, num_queries, dim = q.shape
+        num_keys = k.shape[2]
+        if heads != self.num_heads or dim != self.head_dim:
+            raise ValueError(f"decode: q must be [B, HQ={self.num_heads}, Nq, D={self.head_dim}], got {tuple(q.shape)}")
+        expected = (batch, self.num_kv_heads, num_keys, dim)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"decode: k and v must both be [B, HKV, Nk, D] = {expected}, got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        if not 0 < num_queries <= num_keys:
+            raise ValueError(f"decode: needs 0 < Nq <= Nk, got Nq={num_queries}, Nk={num_keys}")
+        if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+            raise ValueError(f"decode: q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} "
+                             f"on {q.device}/{k.device}/{v.device}")
+        scale = self.scale if scale is None else check_float("scale", scale, exclusive_minimum=0.0)
+        query_pos = torch.arange(num_keys - num_queries, num_keys, device=q.device)
+        allowed = torch.arange(num_keys, device=q.device).view(1, -1) <= query_pos.view(-1, 1)  # [Nq, Nk]
+        allowed = allowed.view(1, 1, num_queries, num_keys)
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, Tensor) or tuple(key_padding_mask.shape) != (batch, num_keys):
+                raise ValueError(f"decode: key_padding_mask must be [B, Nk] = {(batch, num_keys)}, got "
+                                 f"{getattr(key_padding_mask, 'shape', type(key_padding_mask).__name__)}")
+            allowed = allowed & key_padding_mask.to(device=q.device, dtype=torch.bool).view(batch, 1, 1, num_keys)
+            if not torch.compiler.is_compiling() and not bool(allowed.any(dim=-1).all()):
+                raise ValueError("decode: a query row has no real key to attend (check key_padding_mask)")
+        self._count("decode")
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
 
     # ------------------------------------------------------------------------------------ forward
     def forward(

@@ -91,7 +91,7 @@ def test_padded_batch_equals_unpadded_rows(family, selection):
             torch.testing.assert_close(batched[b:b + 1, :length], alone, rtol=1e-9, atol=1e-9)
 
 
-def test_left_padding_and_decoding_raise_clearly():
+def test_left_padding_raises_clearly():
     model = build("llama")
     hf.enable(model, st.SparseAttentionConfig(**SPARSE))
     ids = tokens(2, 40)
@@ -99,8 +99,29 @@ def test_left_padding_and_decoding_raise_clearly():
     mask[1, :5] = 0
     with pytest.raises(NotImplementedError, match="right padding"):
         model(ids, attention_mask=mask)
-    with pytest.raises(NotImplementedError, match="KV-cache decoding|mask pattern"):
-        model.generate(ids[:1, :8], max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("prompt_len", [40, 170], ids=["short-prompt-full-selection", "long-prompt-sparse-prefill"])
+def test_generate_after_enable(family, prompt_len):
+    """generate() runs without disable(): the prompt takes the module's path, every decoding step the
+    dense decode path (counted as "decode"). With a short prompt (full selection) the tokens equal
+    sdpa's; a long prompt is prefilled sparse (so tokens may differ from sdpa's); the decode step's
+    values are checked against a float64 reference in test_module.py."""
+    model = build(family).eval()
+    ids = tokens(1, prompt_len, seed=5)
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=6, do_sample=False)
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    with torch.no_grad():
+        got = model.generate(ids, max_new_tokens=6, do_sample=False)
+    layers = hf.attention_layers(model)
+    assert got.shape == want.shape
+    assert all(layer.sparse_attention.fallback_counts.get("decode", 0) == 5 for layer in layers)
+    if prompt_len == 40:
+        assert torch.equal(got, want)
+    else:
+        assert layers[0].sparse_attention.fallback_counts.get("dense_full_selection", 0) == 0
 
 
 def test_sliding_window_layers_are_rejected():

@@ -409,3 +409,36 @@ def test_batch_of_zero_sequences(n, training, distill):
     loss = o.sum() + st.collect_selector_losses(module)
     loss.backward()
     assert q.grad.shape == q.shape
+
+
+@pytest.mark.parametrize("num_queries", [1, 5], ids=["one-token", "chunk-of-5"])
+@pytest.mark.parametrize("with_padding", [False, True], ids=["no-padding", "key-padding"])
+def test_decode_is_end_aligned_causal_attention(num_queries, with_padding):
+    module = make()
+    num_keys = 37
+    q, _, _ = make_qkv(2, HQ, HKV, num_queries, D, dtype=torch.float64, seed=3)
+    _, k, v = make_qkv(2, HQ, HKV, num_keys, D, dtype=torch.float64, seed=4)
+    keep = torch.ones(2, num_keys, dtype=torch.bool)
+    if with_padding:
+        keep[1, :6] = False  # left padding of the second row
+    got = module.decode(q, k, v, key_padding_mask=keep if with_padding else None, scale=0.3)
+    group = HQ // HKV
+    logits = torch.einsum("bhqd,bhkd->bhqk", q, k.repeat_interleave(group, 1)) * 0.3
+    query_pos = torch.arange(num_keys - num_queries, num_keys).view(-1, 1)
+    allowed = (torch.arange(num_keys).view(1, -1) <= query_pos) & keep.view(2, 1, 1, num_keys)
+    want = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1) @ v.repeat_interleave(group, 1)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert module.fallback_counts == {"decode": 1}
+
+
+def test_decode_rejects_bad_shapes_and_empty_rows():
+    module = make()
+    q, k, v = make_qkv(1, HQ, HKV, 4, D)
+    with pytest.raises(ValueError, match="Nq <= Nk"):
+        module.decode(q, k[:, :, :2], v[:, :, :2])
+    with pytest.raises(ValueError, match=r"k and v must both be \[B, HKV, Nk, D\]"):
+        module.decode(q, k, v[:, :, :3])
+    with pytest.raises(ValueError, match="key_padding_mask must be"):
+        module.decode(q, k, v, key_padding_mask=torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="no real key"):
+        module.decode(q, k, v, key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))

@@ -18,9 +18,12 @@ What ``enable`` does:
 * switches the implementation (``model.set_attn_implementation`` when available, else the config).
 
 Padding: the 2-D mask must be right padding (ones then zeros per row); it becomes ``seq_lens``.
-Left padding, holes, packed sequences (position ids restarting), sliding-window layers, 4-D custom
-masks and KV-cache decoding (query length != key length) raise ``NotImplementedError`` with a hint,
-instead of computing something else. Only APIs present in transformers 5.17 and 5.24 are used.
+Left padding, holes, packed sequences (position ids restarting), sliding-window layers and 4-D custom
+masks raise ``NotImplementedError`` with a hint, instead of computing something else.
+
+Generation: ``model.generate()`` works after ``enable``. The prompt (query length == key length) takes
+the sparse path like training; each decoding step (fewer queries than cached keys) attends the whole
+cache densely through :meth:`SparseAttention.decode`, counted as the fallback ``"decode"``. Only APIs present in transformers 5.17 and 5.24 are used.
 """
 
 from __future__ import annotations
@@ -121,11 +124,16 @@ def sparse_train_attention_forward(
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("sparse_train attention does not implement sliding-window layers")
     if query.shape[2] != key.shape[2]:
-        raise NotImplementedError(
-            f"sparse_train attention is self-attention over the whole sequence (training/prefill); got "
-            f"{query.shape[2]} queries for {key.shape[2]} keys (KV-cache decoding). Switch back with "
-            "model.set_attn_implementation('sdpa') for generation, or pass use_cache=False."
-        )
+        # KV-cache decoding (generate) or chunked prefill: the new queries over the whole cache, dense
+        if dropout:
+            raise NotImplementedError("sparse_train attention with a KV cache runs without dropout "
+                                      "(call model.eval() for generation)")
+        mask = attention_mask[:, -key.shape[2]:] if attention_mask is not None and attention_mask.dim() == 2 else None
+        if attention_mask is not None and mask is None:
+            raise NotImplementedError(f"sparse_train attention takes a 2-D padding mask; got a "
+                                      f"{attention_mask.dim()}-D mask while decoding")
+        out = sparse.decode(query, key, value, key_padding_mask=mask, scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
     seq_lens = seq_lens_from_padding_mask(attention_mask, key.shape[2])
     out = sparse(query, key, value, seq_lens=seq_lens, scale=scaling, dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
