@@ -355,33 +355,44 @@ class SparseAttention(nn.Module):
         if profile:
             self._timings.mark("selector", 1, device)
 
-        # ---- backend and plan (sparse path only)
-        if path == "sparse" and record is None:
-            backend, backend_reason = resolve_backend(q, k, v, index, cfg.backend)
-            if backend == "reference" and backend_reason != "requested":
+        # ---- what the kernels attend: the selection, or on the dense path with dropout the full causal
+        # index, so the dropout bits come from the same counters on both paths (switching paths never
+        # changes which probabilities drop); dense without dropout stays with SDPA.
+        if path == "sparse":
+            attend_index = index
+        elif dropout_p > 0.0:
+            attend_index = BlockIndex.full(batch, self.num_kv_heads, seq_len, cfg.block_q, cfg.block_k, device=device)
+        else:
+            attend_index = None
+
+        # ---- backend and plan
+        if attend_index is not None and record is None:
+            backend, backend_reason = resolve_backend(q, k, v, attend_index, cfg.backend)
+            if path == "sparse" and backend == "reference" and backend_reason != "requested":
                 reason = f"reference_{backend_reason}"
         if profile:
             self._timings.mark("plan", 0, device)
-        if path == "sparse" and backend == "triton" and plan is None:
-            plan = index.plan(cfg.r0)
+        if attend_index is not None and backend == "triton" and plan is None:
+            plan = attend_index.plan(cfg.r0)
         if profile:
             self._timings.mark("plan", 1, device)
-        if path == "sparse" and dropout_p > 0.0 and dropout_seed is None:
+        if attend_index is not None and dropout_p > 0.0 and dropout_seed is None:
             dropout_seed = draw_dropout_seed()
 
         # ---- attention
         if profile:
             self._timings.mark("attn_fwd", 0, device)
         lse = None
-        if path == "dense":
-            check_seq_lens(seq_lens, batch, seq_len, q.device)  # the sparse path checks inside sparse_attention
-            o = dense_causal_attention(q, k, v, scale=scale, dropout_p=dropout_p, seq_lens=seq_lens)
+        if attend_index is None:
+            check_seq_lens(seq_lens, batch, seq_len, q.device)  # the kernel path checks inside sparse_attention
+            o = dense_causal_attention(q, k, v, scale=scale, seq_lens=seq_lens)
         else:
-            o, lse = sparse_attention(
-                q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+            o, kernel_lse = sparse_attention(
+                q, k, v, attend_index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                 deterministic=cfg.deterministic, return_lse=True, backend=backend, seq_lens=seq_lens,
                 kernel_options={"plan": plan, "r0": cfg.r0},
             )
+            lse = kernel_lse if path == "sparse" else None  # the sparse target reads the selection's lse
         if profile:
             self._timings.mark("attn_fwd", 1, device)
             self._hook_backward_timing(q, k, v, o)

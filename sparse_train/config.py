@@ -98,7 +98,10 @@ class SparseAttentionConfig:
     """Reuse threshold of the hybrid dK/dV backward; ``None`` = ``sparse_train.plan.DEFAULT_R0``."""
 
     dropout_p: float = 0.0
-    """Dropout on attention probabilities during training, in [0, 1) (ignored in eval mode)."""
+    """Dropout on attention probabilities during training, in [0, 1) (ignored in eval mode). The bits
+    come from counters over (seed, batch, head, query, key), also on the dense path (warm-up, full
+    selection), which then runs the kernels on the full causal index instead of SDPA: switching paths
+    never changes which probabilities drop."""
 
     scale: float | None = None
     """Logit scale; ``None`` = ``1 / sqrt(head_dim)``. Also scales the selector logits."""

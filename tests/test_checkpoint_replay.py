@@ -195,7 +195,7 @@ def _all_grads(use_checkpoint, distill, dropout_p, warmup):
     """Input and selector gradients of one step (selector loss included), plain or checkpointed."""
     module = make(distill=distill, dropout_p=dropout_p, dense_warmup_steps=warmup, distill_query_blocks=2)
     q, k, v, w = inputs()
-    torch.manual_seed(123)  # the dropout seed draw and SDPA's dropout read the global generator
+    torch.manual_seed(123)  # the dropout seed draw reads the global generator
     run = layer(module)
     out = checkpoint(run, q, k, v, use_reentrant=False) if use_checkpoint else run(q, k, v)
     loss = (out * w).sum()

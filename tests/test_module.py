@@ -442,3 +442,25 @@ def test_decode_rejects_bad_shapes_and_empty_rows():
         module.decode(q, k, v, key_padding_mask=torch.ones(1, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="no real key"):
         module.decode(q, k, v, key_padding_mask=torch.zeros(1, 4, dtype=torch.bool))
+
+
+def test_dense_path_dropout_uses_the_counter_bits_of_the_sparse_path():
+    """A full selection with dropout: the dense path (fallback) and the sparse path (fallback off)
+    drop the same probabilities, so outputs and gradients are bitwise equal for one seed."""
+    n = 48  # 3 query blocks: top_k 2 + window 2 + sink covers every causal block
+    results = []
+    for dense_fallback in (True, False):
+        module = make(dropout_p=0.3, dense_fallback=dense_fallback).train()
+        q, k, v = qkv(2, n, dtype=torch.float64, seed=9, grad=True)
+        torch.manual_seed(1234)  # the dropout seed is drawn from the global generator
+        out = module(q, k, v)
+        out.square().sum().backward()
+        results.append((out.detach(), q.grad, k.grad, v.grad, module.fallback_counts))
+    (dense_out, *dense_grads, dense_counts), (sparse_out, *sparse_grads, sparse_counts) = results
+    assert dense_counts == {"dense_full_selection": 1} and sparse_counts == {"reference_cpu": 1}
+    assert torch.equal(dense_out, sparse_out)
+    for a, b in zip(dense_grads, sparse_grads):
+        assert torch.equal(a, b)
+    module = make(dropout_p=0.3).eval()
+    q, k, v = qkv(2, n, dtype=torch.float64, seed=9)
+    assert not torch.equal(module(q, k, v), dense_out)  # dropout did act in training mode
