@@ -205,3 +205,39 @@ def test_selector_unrotates_by_the_models_own_rope(family):
     torch.testing.assert_close(pooled["got"][0], want_q, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(pooled["got"][1], want_k, rtol=1e-4, atol=1e-5)
     assert hf.rope_frequencies(torch.nn.Linear(2, 2)) is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_pretrained_round_trip(family, tmp_path):
+    """Model files without selector tensors (they load as the plain model), selectors and config
+    beside them; from_pretrained gives identical logits and selections."""
+    model = build(family)
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    with torch.no_grad():
+        for layer in hf.attention_layers(model):
+            layer.sparse_attention.scorer.query_proj.mul_(-3.0)
+            layer.sparse_attention.selector_steps.fill_(7)
+    hf.save_pretrained(model, tmp_path)
+    assert (tmp_path / hf.SELECTOR_WEIGHTS_NAME).is_file() and (tmp_path / hf.SELECTOR_CONFIG_NAME).is_file()
+    model_class = type(model)
+    plain, info = model_class.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"], info
+    restored = hf.from_pretrained(model_class, tmp_path, torch_dtype=torch.float64)
+    assert restored.config._attn_implementation == hf.ATTENTION_NAME
+    restored_layers = hf.attention_layers(restored)
+    assert restored_layers[0].sparse_attention.config == hf.attention_layers(model)[0].sparse_attention.config
+    assert int(restored_layers[0].sparse_attention.selector_steps) == 7
+    model.eval()
+    restored.eval()
+    ids = tokens(1, 160, seed=6)
+    with torch.no_grad():
+        torch.testing.assert_close(restored(ids).logits, model(ids).logits, rtol=0, atol=0)
+    for a, b in zip(hf.attention_layers(model), restored_layers):
+        assert torch.equal(a.sparse_attention._last_index.indices, b.sparse_attention._last_index.indices)
+
+
+def test_save_and_load_refuse_models_without_selectors(tmp_path):
+    with pytest.raises(ValueError, match="call hf.enable"):
+        hf.save_pretrained(build("llama"), tmp_path)
+    with pytest.raises(FileNotFoundError, match="sparse_train_config.json"):
+        hf.from_pretrained(transformers.LlamaForCausalLM, tmp_path)

@@ -37,11 +37,17 @@ from torch import Tensor, nn
 from ..attention import SparseAttention
 from ..config import SparseAttentionConfig
 
-__all__ = ["ATTENTION_NAME", "register", "enable", "disable", "sparse_train_attention_forward",
-           "sparse_train_mask", "seq_lens_from_padding_mask", "attention_layers"]
+__all__ = ["ATTENTION_NAME", "register", "enable", "disable", "save_pretrained", "from_pretrained",
+           "sparse_train_attention_forward", "sparse_train_mask", "seq_lens_from_padding_mask", "attention_layers",
+           "rope_frequencies", "SELECTOR_WEIGHTS_NAME", "SELECTOR_CONFIG_NAME"]
 
 ATTENTION_NAME = "sparse_train"
 SUBMODULE_NAME = "sparse_attention"
+SELECTOR_WEIGHTS_NAME = "sparse_train.safetensors"
+"""Selector weights file written beside the model's own files by :func:`save_pretrained`."""
+SELECTOR_CONFIG_NAME = "sparse_train_config.json"
+"""The ``SparseAttentionConfig`` (and a format version) written beside the model's ``config.json``."""
+_FORMAT_VERSION = 1
 
 _last_mask: tuple[weakref.ReferenceType, int, Tensor | None] | None = None
 
@@ -212,4 +218,83 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
 def disable(model: nn.Module, implementation: str = "sdpa") -> nn.Module:
     """Switch back to ``implementation`` (selectors stay attached, e.g. for a later ``enable``)."""
     _set_implementation(model, implementation)
+    return model
+
+
+def _selector_state(model: nn.Module) -> dict[str, Tensor]:
+    marker = f".{SUBMODULE_NAME}."
+    return {name: t for name, t in model.state_dict().items() if marker in f".{name}"}
+
+
+def save_pretrained(model: nn.Module, directory, config: SparseAttentionConfig | None = None, **kwargs) -> None:
+    """Save an ``enable``-d model as a Hugging Face model directory plus its selectors.
+
+    ``model.save_pretrained(directory, **kwargs)`` writes the model's own files *without* the
+    selector tensors (so the directory loads as the plain model, no unexpected keys); the selectors
+    go to ``sparse_train.safetensors`` and the layer config to ``sparse_train_config.json`` beside
+    them. :func:`from_pretrained` reads all three back.
+
+    Args:
+        config: the ``SparseAttentionConfig`` to record; ``None`` = the one the first layer was built
+            with (with ``scale`` reset to None when it only holds the model's own scale).
+
+    Raises:
+        ValueError: the model has no selectors (call :func:`enable` first).
+    """
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    layers = [getattr(layer, SUBMODULE_NAME, None) for layer in attention_layers(model)]
+    if not layers or not all(isinstance(layer, SparseAttention) for layer in layers):
+        raise ValueError("save_pretrained: the model has no sparse_train selectors; call hf.enable(model, config) first")
+    if config is None:
+        config = layers[0].config
+        model_scale = getattr(attention_layers(model)[0], "scaling", None)
+        if config.scale is not None and model_scale is not None and float(model_scale) == config.scale:
+            config = dataclasses.replace(config, scale=None)  # enable() fills it from the model again
+    selectors = _selector_state(model)
+    plain_state = {name: t for name, t in model.state_dict().items() if name not in selectors}
+    model.save_pretrained(directory, state_dict=plain_state, **kwargs)
+    save_file({name: t.detach().contiguous().cpu() for name, t in selectors.items()},
+              os.path.join(directory, SELECTOR_WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(os.path.join(directory, SELECTOR_CONFIG_NAME), "w") as f:
+        json.dump({"format_version": _FORMAT_VERSION, "config": config.to_dict()}, f, indent=1)
+
+
+def from_pretrained(model_class, directory, **kwargs) -> nn.Module:
+    """Load a directory written by :func:`save_pretrained`: ``model_class.from_pretrained(directory,
+    **kwargs)`` (e.g. ``AutoModelForCausalLM``), then :func:`enable` with the saved config and the
+    saved selector weights (strict: every selector tensor must be present and no other).
+
+    Raises:
+        FileNotFoundError: the directory has no ``sparse_train_config.json`` / selector weights.
+        ValueError: an unknown format version, or selector tensors that do not match the model.
+    """
+    import json
+    import os
+
+    from safetensors.torch import load_file
+
+    config_path = os.path.join(directory, SELECTOR_CONFIG_NAME)
+    weights_path = os.path.join(directory, SELECTOR_WEIGHTS_NAME)
+    for path in (config_path, weights_path):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} not found: was the directory written by sparse_train.integrations.hf."
+                                    "save_pretrained?")
+    with open(config_path) as f:
+        saved = json.load(f)
+    if saved.get("format_version") != _FORMAT_VERSION:
+        raise ValueError(f"{config_path}: format_version {saved.get('format_version')!r}, this version reads "
+                         f"{_FORMAT_VERSION}")
+    model = model_class.from_pretrained(directory, **kwargs)
+    enable(model, SparseAttentionConfig(**saved["config"]))
+    weights = load_file(weights_path)
+    expected = _selector_state(model)
+    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{weights_path} does not match the model's selectors: missing {missing[:4]}, "
+                         f"unexpected {unexpected[:4]}")
+    model.load_state_dict(weights, strict=False)
     return model
