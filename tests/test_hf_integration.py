@@ -20,12 +20,16 @@ def build(family):
                   attn_implementation="sdpa")
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif family == "phi3":  # fused qkv_proj
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0, bos_token_id=1,
+                                                                     eos_token_id=2))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     return model.to(torch.float64)
 
 
 FAMILIES = [pytest.param("llama", id="llama"), pytest.param("qwen2", id="qwen2")]
+WITH_FUSED_QKV = FAMILIES + [pytest.param("phi3", id="phi3-fused-qkv")]
 FULL = dict(block_q=16, block_k=16, top_k=64, window=1, sinks=1, selector_dim=8, dense_warmup_steps=0)
 SPARSE = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8, dense_warmup_steps=0,
               dense_enter_density=1.0, dense_exit_density=1.0)
@@ -35,7 +39,7 @@ def tokens(batch, n, seed=0):
     return torch.randint(0, VOCAB, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WITH_FUSED_QKV)
 def test_full_selection_loss_and_grads_equal_sdpa(family):
     ids = tokens(2, 96)
     dense = build(family)
@@ -101,7 +105,7 @@ def test_left_padding_raises_clearly():
         model(ids, attention_mask=mask)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WITH_FUSED_QKV)
 @pytest.mark.parametrize("prompt_len", [40, 170], ids=["short-prompt-full-selection", "long-prompt-sparse-prefill"])
 def test_generate_after_enable(family, prompt_len):
     """generate() runs without disable(): the prompt takes the module's path, every decoding step the
@@ -124,15 +128,33 @@ def test_generate_after_enable(family, prompt_len):
         assert layers[0].sparse_attention.fallback_counts.get("dense_full_selection", 0) == 0
 
 
-def test_sliding_window_layers_are_rejected():
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, attn_implementation="sdpa")
+
+
+@pytest.mark.parametrize("make_model,match", [
+    pytest.param(lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **TINY, use_sliding_window=True, sliding_window=32, max_window_layers=0)), "sliding-window", id="qwen2-sliding"),
+    pytest.param(lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=32)),
+                 "sliding-window", id="mistral-sliding"),
+    pytest.param(lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        **{**TINY, "attn_implementation": "eager"}, head_dim=16, pad_token_id=0,
+        layer_types=["full_attention", "full_attention"])), "softcapping", id="gemma2-softcap"),
+])
+def test_unsupported_attention_is_refused_at_enable(make_model, match):
+    """A sliding window or logit softcapping would be silently ignored by causal block-sparse
+    attention: enable() refuses the model and names the reason."""
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, use_sliding_window=True,
-                                      sliding_window=32, max_window_layers=0, attn_implementation="sdpa")
-    model = transformers.Qwen2ForCausalLM(config)
+    model = make_model()
+    with pytest.raises(NotImplementedError, match=match):
+        hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+
+
+def test_mistral_without_window_is_accepted():
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=None))
     hf.enable(model, st.SparseAttentionConfig(**SPARSE))
-    with pytest.raises(NotImplementedError, match="sliding|mask pattern"):
-        model(tokens(1, 64))
+    assert len(hf.attention_layers(model)) == 2
 
 
 def test_state_dict_round_trip_includes_selector():

@@ -18,8 +18,11 @@ What ``enable`` does:
 * switches the implementation (``model.set_attn_implementation`` when available, else the config).
 
 Padding: the 2-D mask must be right padding (ones then zeros per row); it becomes ``seq_lens``.
-Left padding, holes, packed sequences (position ids restarting), sliding-window layers and 4-D custom
-masks raise ``NotImplementedError`` with a hint, instead of computing something else.
+Left padding, holes, packed sequences (position ids restarting) and 4-D custom masks raise
+``NotImplementedError`` with a hint, instead of computing something else. Models with sliding-window
+layers (Mistral, Qwen2 with ``use_sliding_window``, Gemma 2) or logit softcapping (Gemma 2) are refused
+at ``enable`` with the reason. Attention layers are found by the attributes transformers' attention
+interface reads (``layer_idx``, ``head_dim``, ``is_causal``), so fused projections (Phi-3) work.
 
 Generation: ``model.generate()`` works after ``enable``. The prompt (query length == key length) takes
 the sparse path like training; each decoding step (fewer queries than cached keys) attends the whole
@@ -155,11 +158,29 @@ def register() -> None:
 
 
 def attention_layers(model: nn.Module) -> list[nn.Module]:
-    """The self-attention layers of a Llama/Qwen2-style model (modules with q/k/v/o projections)."""
-    return [
-        m for m in model.modules()
-        if all(hasattr(m, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj")) and hasattr(m, "head_dim")
-    ]
+    """The self-attention modules that call transformers' attention interface: the modules carrying
+    ``layer_idx``, ``head_dim`` and ``is_causal`` (the attributes that interface reads), whatever
+    their projections are called (separate q/k/v or Phi-3's fused ``qkv_proj``)."""
+    return [m for m in model.modules() if all(hasattr(m, name) for name in ("layer_idx", "head_dim", "is_causal"))]
+
+
+def _unsupported_reason(model: nn.Module, layer: nn.Module) -> str | None:
+    """Why this layer's attention is not plain causal softmax attention, or None."""
+    config = model.config
+    window = getattr(layer, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None and getattr(config, "sliding_window", None) is not None:
+        # models that pass the config's window at call time (Mistral): sliding unless the layer type says full
+        layer_idx = getattr(layer, "layer_idx", None)
+        if not (layer_types and layer_idx is not None and layer_types[layer_idx] == "full_attention"):
+            window = config.sliding_window
+    if window is not None:
+        return (f"sliding-window attention (window {window}) is a different mask than causal attention; "
+                "sparse_train does not implement it")
+    softcap = getattr(layer, "attn_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        return f"attention logit softcapping ({softcap}) is not implemented by the sparse kernels"
+    return None
 
 
 def rope_frequencies(model: nn.Module) -> Tensor | None:
@@ -198,7 +219,13 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
     layers = attention_layers(model)
     inv_freq = rope_frequencies(model)
     if not layers:
-        raise ValueError(f"found no attention layers (q_proj/k_proj/v_proj/o_proj) in {type(model).__name__}")
+        raise ValueError(f"found no attention layers (modules with layer_idx, head_dim, is_causal) in "
+                         f"{type(model).__name__}")
+    for layer in layers:
+        reason = _unsupported_reason(model, layer)
+        if reason is not None:
+            raise NotImplementedError(f"hf.enable: {type(model).__name__} layer {getattr(layer, 'layer_idx', '?')}: "
+                                      f"{reason}")
     for layer in layers:
         if isinstance(getattr(layer, SUBMODULE_NAME, None), SparseAttention):
             continue
@@ -208,7 +235,7 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
         sparse = SparseAttention(layer_config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=layer.head_dim)
         if config.selector_rope_theta is None:
             sparse.scorer.set_rope(inv_freq)
-        sparse.to(device=layer.q_proj.weight.device)
+        sparse.to(device=next(layer.parameters()).device)
         sparse.train(layer.training)
         layer.add_module(SUBMODULE_NAME, sparse)
     _set_implementation(model, ATTENTION_NAME)
