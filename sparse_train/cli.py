@@ -218,6 +218,34 @@ def _fail(subcommand: Optional[str], detail: str) -> NoReturn:
                      f"(set {DEBUG_ENV}=1 for the traceback; '{help_cmd}' lists the options)")
 
 
+def export_hf(args: Sequence[str]) -> Path:
+    """``sparse-train export --ckpt last.ckpt --out DIR``: a Lightning checkpoint of an
+    ``HFCausalLMModule`` fine-tune -> a Hugging Face model directory (``hf.save_pretrained``: the model's
+    own files plus ``sparse_train.safetensors`` / ``sparse_train_config.json``; a dense fine-tune writes
+    the model files only). Load it with ``hf.from_pretrained(AutoModelForCausalLM, DIR)``."""
+    parser = argparse.ArgumentParser(prog="sparse-train export", description=export_hf.__doc__.split("\n")[0])
+    parser.add_argument("--ckpt", required=True, help="Lightning checkpoint of an HFCausalLMModule run")
+    parser.add_argument("--out", required=True, help="output directory (created)")
+    options = parser.parse_args(list(args))
+    if not Path(options.ckpt).is_file():
+        _fail("export", f"--ckpt {options.ckpt!r} is not a file")
+    with _offline_env():
+        from .integrations import hf
+        from .lightning import HFCausalLMModule
+
+        try:
+            module = HFCausalLMModule.load_from_checkpoint(options.ckpt, map_location="cpu")
+        except (KeyError, TypeError, ValueError) as ex:
+            _fail("export", f"{options.ckpt} is not a checkpoint of an HFCausalLMModule run ({ex})")
+        lm = module.model.lm
+        if module.hparams.attention == "sparse":
+            hf.save_pretrained(lm, options.out)
+        else:
+            lm.save_pretrained(options.out)
+    print(f"[sparse-train] exported {options.ckpt} -> {options.out}")
+    return Path(options.out)
+
+
 def _print_recipes() -> None:
     for name, path in list_recipes().items():
         purpose = ""
@@ -390,6 +418,8 @@ def run_cli(args: Optional[Sequence[str]] = None, run: bool = True) -> Any:
     if argv[:1] in (["recipes"], ["--list-recipes"]):
         _print_recipes()
         return None
+    if argv[:1] == ["export"]:
+        return export_hf(argv[1:])
     with _offline_env():
         from lightning.pytorch import LightningDataModule, LightningModule
 

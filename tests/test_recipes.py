@@ -178,3 +178,17 @@ def test_hf_checkpoint_dense_to_sparse_stages(tiny_hf_checkpoint, tmp_path, monk
     metrics = stage3.trainer.callback_metrics
     for key in ("train/loss", "train/lm_loss", "train/selector_loss", "val/loss"):
         assert math.isfinite(float(metrics[key])), key
+
+    # ---- export: the stage-3 checkpoint becomes a Hugging Face directory that loads with its selectors
+    from sparse_train.integrations import hf
+
+    out = cli.run_cli(["export", "--ckpt", "runs/finetune_hf/stage3/last.ckpt", "--out", "exported"])
+    restored = hf.from_pretrained(AutoModelForCausalLM, out, local_files_only=True)
+    trained = stage3.model.model.lm
+    trained.eval()
+    restored.eval()
+    ids = torch.randint(0, 96, (1, 128), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(restored(ids).logits, trained(ids).logits, rtol=0, atol=0)
+    with pytest.raises(SystemExit):
+        cli.run_cli(["export", "--ckpt", "missing.ckpt", "--out", "x"])
