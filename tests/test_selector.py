@@ -479,3 +479,15 @@ def test_transformer_hands_its_rope_to_the_selector(unrotate):
     explicit = TransformerConfig(vocab_size=32, d_model=32, n_layers=1, sparse={"selector_rope_theta": 9.0})
     torch.testing.assert_close(Transformer(explicit).blocks[0].attn.core.scorer.rope_inv_freq,
                                st.selectors.rope_inverse_frequencies(9.0, 8))
+
+
+def test_selector_saved_without_distance_bias_loads_as_zero_bias():
+    old = st.SparseAttention(st.SparseAttentionConfig(selector_distance_bias=False), 4, 2, 16)
+    state = old.state_dict()
+    assert "scorer.distance_bias" not in state
+    new = st.SparseAttention(st.SparseAttentionConfig(), 4, 2, 16)
+    with torch.no_grad():
+        new.scorer.distance_bias.fill_(1.0)
+    new.load_state_dict(state, strict=True)
+    assert torch.equal(new.scorer.distance_bias, torch.zeros_like(new.scorer.distance_bias))
+    assert torch.equal(new.scorer.query_proj, old.scorer.query_proj)

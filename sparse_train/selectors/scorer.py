@@ -270,6 +270,14 @@ class BlockScorer(nn.Module):
             raise ValueError("RoPE inv_freq must be finite")
         self.rope_inv_freq = inv_freq.detach().to(self.query_proj.device, torch.float32)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # A selector saved before the distance bias existed scored without one, which is a zero bias:
+        # load it as that instead of failing on the missing key.
+        bias_key = prefix + "distance_bias"
+        if self.distance_bias is not None and bias_key not in state_dict and prefix + "query_proj" in state_dict:
+            state_dict[bias_key] = torch.zeros_like(self.distance_bias)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Shared JL projection for queries and mean keys (score ~ pooled logit), temperature 1;
