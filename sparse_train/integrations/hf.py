@@ -26,12 +26,17 @@ interface reads (``layer_idx``, ``head_dim``, ``is_causal``), so fused projectio
 
 Generation: ``model.generate()`` works after ``enable``. The prompt (query length == key length) takes
 the sparse path like training; each decoding step (fewer queries than cached keys) attends the whole
-cache densely through :meth:`SparseAttention.decode`, counted as the fallback ``"decode"``. Only APIs present in transformers 5.17 and 5.24 are used.
+cache densely through :meth:`SparseAttention.decode`, counted as the fallback ``"decode"``.
+
+Saving: :func:`save_pretrained` / :func:`from_pretrained` keep the selectors beside the model's own
+files. Only APIs present in transformers 5.17 and 5.24 are used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import weakref
 
 import torch
@@ -41,8 +46,8 @@ from ..attention import SparseAttention
 from ..config import SparseAttentionConfig
 
 __all__ = ["ATTENTION_NAME", "register", "enable", "disable", "save_pretrained", "from_pretrained",
-           "sparse_train_attention_forward", "sparse_train_mask", "seq_lens_from_padding_mask", "attention_layers",
-           "rope_frequencies", "SELECTOR_WEIGHTS_NAME", "SELECTOR_CONFIG_NAME"]
+           "sparse_train_attention_forward", "sparse_train_mask", "seq_lens_from_padding_mask",
+           "attention_layers", "rope_frequencies", "SELECTOR_WEIGHTS_NAME", "SELECTOR_CONFIG_NAME"]
 
 ATTENTION_NAME = "sparse_train"
 SUBMODULE_NAME = "sparse_attention"
@@ -248,9 +253,8 @@ def disable(model: nn.Module, implementation: str = "sdpa") -> nn.Module:
     return model
 
 
-def _selector_state(model: nn.Module) -> dict[str, Tensor]:
-    marker = f".{SUBMODULE_NAME}."
-    return {name: t for name, t in model.state_dict().items() if marker in f".{name}"}
+def _is_selector_key(name: str) -> bool:
+    return f".{SUBMODULE_NAME}." in f".{name}"
 
 
 def save_pretrained(model: nn.Module, directory, config: SparseAttentionConfig | None = None, **kwargs) -> None:
@@ -268,23 +272,22 @@ def save_pretrained(model: nn.Module, directory, config: SparseAttentionConfig |
     Raises:
         ValueError: the model has no selectors (call :func:`enable` first).
     """
-    import json
-    import os
-
     from safetensors.torch import save_file
 
-    layers = [getattr(layer, SUBMODULE_NAME, None) for layer in attention_layers(model)]
-    if not layers or not all(isinstance(layer, SparseAttention) for layer in layers):
+    layers = attention_layers(model)
+    selectors = [getattr(layer, SUBMODULE_NAME, None) for layer in layers]
+    if not selectors or not all(isinstance(selector, SparseAttention) for selector in selectors):
         raise ValueError("save_pretrained: the model has no sparse_train selectors; call hf.enable(model, config) first")
     if config is None:
-        config = layers[0].config
-        model_scale = getattr(attention_layers(model)[0], "scaling", None)
+        config = selectors[0].config
+        model_scale = getattr(layers[0], "scaling", None)
         if config.scale is not None and model_scale is not None and float(model_scale) == config.scale:
             config = dataclasses.replace(config, scale=None)  # enable() fills it from the model again
-    selectors = _selector_state(model)
-    plain_state = {name: t for name, t in model.state_dict().items() if name not in selectors}
+    state = model.state_dict()
+    selector_state = {name: t for name, t in state.items() if _is_selector_key(name)}
+    plain_state = {name: t for name, t in state.items() if not _is_selector_key(name)}
     model.save_pretrained(directory, state_dict=plain_state, **kwargs)
-    save_file({name: t.detach().contiguous().cpu() for name, t in selectors.items()},
+    save_file({name: t.detach().contiguous().cpu() for name, t in selector_state.items()},
               os.path.join(directory, SELECTOR_WEIGHTS_NAME), metadata={"format": "pt"})
     with open(os.path.join(directory, SELECTOR_CONFIG_NAME), "w") as f:
         json.dump({"format_version": _FORMAT_VERSION, "config": config.to_dict()}, f, indent=1)
@@ -299,9 +302,6 @@ def from_pretrained(model_class, directory, **kwargs) -> nn.Module:
         FileNotFoundError: the directory has no ``sparse_train_config.json`` / selector weights.
         ValueError: an unknown format version, or selector tensors that do not match the model.
     """
-    import json
-    import os
-
     from safetensors.torch import load_file
 
     config_path = os.path.join(directory, SELECTOR_CONFIG_NAME)
@@ -318,7 +318,7 @@ def from_pretrained(model_class, directory, **kwargs) -> nn.Module:
     model = model_class.from_pretrained(directory, **kwargs)
     enable(model, SparseAttentionConfig(**saved["config"]))
     weights = load_file(weights_path)
-    expected = _selector_state(model)
+    expected = [name for name in model.state_dict() if _is_selector_key(name)]
     missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or unexpected:
         raise ValueError(f"{weights_path} does not match the model's selectors: missing {missing[:4]}, "

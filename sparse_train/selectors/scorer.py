@@ -8,8 +8,8 @@ where ``qbar`` is the mean of the queries of block i over its rows *and* over th
 the group (one selection per KV head, shared by the group), ``kbar`` the mean key of block j,
 ``W_q[h], W_k[h]`` are ``[D, S]`` projections (S = ``selector_dim``), ``t_h`` a learned
 log-temperature and ``beta[h]`` a learned bias per log2 bucket of the block distance ``d_ij`` (key
-blocks between block j and the last key block query block i reaches; 0 for the diagonal block). Cost: O(N D) for pooling plus O(NQB * NKB * S) for the scores, against the
-kernels' O(N * K * BK * D).
+blocks between block j and the last key block query block i reaches; 0 for the diagonal block).
+Cost: O(N D) for pooling plus O(NQB * NKB * S) for the scores, against the kernels' O(N * K * BK * D).
 
 Initialisation: ``W_q = W_k = P`` with P ~ N(0, 1/S) (a Johnson-Lindenstrauss projection), so from
 step 0 the score approximates the pooled logit ``scale * <qbar, kbar>``: a sensible selector before
@@ -35,8 +35,8 @@ from ..index import capacity_tier, causal_last_block
 from ..validation import check_choice, check_float
 
 __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_mean", "block_max",
-           "rope_inverse_frequencies", "unrotate", "block_distance_buckets", "DISTANCE_BUCKETS", "selection_candidates", "allowed_dynamic_blocks",
-           "causal_block_mask"]
+           "rope_inverse_frequencies", "unrotate", "block_distance_buckets", "DISTANCE_BUCKETS",
+           "selection_candidates", "allowed_dynamic_blocks", "causal_block_mask"]
 
 _PROJECTION_SEED = 20261130
 """Seed of the initial random projection (the same in every layer; layers differ by their q and k)."""
