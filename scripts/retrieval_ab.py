@@ -29,7 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-KEEP_PREFIXES = ("val/", "attn/mass_recall", "attn/oracle_mass_recall", "attn/layers/", "attn/density", "attn/warmup", "train/acc",
+KEEP_PREFIXES = ("val/", "attn/mass_recall", "attn/oracle_mass_recall", "attn/oracle_density", "attn/layers/", "attn/density", "attn/warmup", "train/acc",
                  "time/step_ms", "throughput/tokens_per_s")
 
 
@@ -74,7 +74,7 @@ def run_one(job: dict, out: Path, timeout: float, extra_env: dict[str, str]) -> 
 
 def summarise(results: list[dict]) -> str:
     keys = ["val/acc", "val/loss", "val/needle_recall", "attn/mass_recall_mean", "attn/mass_recall_p5",
-            "attn/oracle_mass_recall_mean", "attn/oracle_mass_recall_p5", "attn/density"]
+            "attn/oracle_mass_recall_mean", "attn/oracle_mass_recall_p5", "attn/oracle_density_r90", "attn/density"]
     lines = ["| run | seed | " + " | ".join(keys) + " | minutes |", "|" + "---|" * (len(keys) + 3)]
     for r in results:
         cells = [f"{r['metrics'][k]:.3f}" if k in r["metrics"] else "-" for k in keys]

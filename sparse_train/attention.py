@@ -152,7 +152,8 @@ class SparseAttention(nn.Module):
         """Floats for logging: ``density`` (fraction of the causal area the last call attended),
         ``dense_path``, ``selector_loss``, ``mass_recall_mean`` / ``mass_recall_p5`` (attention-mass
         recall per query row, when measured) and ``oracle_mass_recall_*`` (the same for the best
-        selection of that size), ``warmup`` (1 while the dense warm-up runs),
+        selection of that size), ``oracle_density_r90`` (the density a perfect selector needs for a mean
+        recall of 0.90), ``warmup`` (1 while the dense warm-up runs),
         ``fallbacks/<reason>`` for every reason, ``replay/*`` and, with ``profile``, ``time/*_ms``.
         Reading it synchronises the device (call it once per logged step, not per layer call)."""
         out: dict[str, float] = {}
@@ -347,7 +348,8 @@ class SparseAttention(nn.Module):
             with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
                 scores = self.scorer(qbar, kbar, scale, geometry)
         if need_selection:
-            candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks, seq_lens=seq_lens)
+            candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks, seq_lens=seq_lens,
+                                              top_p=cfg.top_p)
             index = BlockIndex.from_selection(
                 candidates, seq_len=seq_len, block_q=cfg.block_q, block_k=cfg.block_k, window=cfg.window,
                 sinks=cfg.sinks, capacity=geometry.capacity, check=cfg.index_check,
@@ -495,7 +497,7 @@ def collect_selector_losses(model: nn.Module) -> Tensor:
     return torch.zeros((), device=device)
 
 
-_PER_LAYER_STATS = ("mass_recall_mean", "mass_recall_p5", "oracle_mass_recall_mean")
+_PER_LAYER_STATS = ("mass_recall_mean", "mass_recall_p5", "oracle_mass_recall_mean", "oracle_density_r90")
 """Stats also reported per layer (``layers/<i>/<name>``, i = the module's order in ``model``): a
 selector that fails in one layer hides in the average over layers."""
 

@@ -54,6 +54,13 @@ class SparseAttentionConfig:
     """Learned (dynamic) key blocks per query block, chosen among the causal blocks that the window and
     sinks do not already cover; the selection holds at most ``top_k + window + sinks`` blocks."""
 
+    top_p: float | None = None
+    """Adaptive budget: ``None`` = every query block takes its ``top_k`` best dynamic blocks. A float in
+    (0, 1] = each query block takes the fewest of its ``top_k`` best blocks whose mass *predicted by
+    the selector* (softmax of its scores over the blocks it chooses from) reaches ``top_p``; ``top_k``
+    is then the cap, so the index keeps its capacity and density can only drop. Rows with one
+    dominant block stop early, rows with spread attention take up to the cap."""
+
     window: int = 8
     """Local window in key blocks: the block holding the query block's last query and the
     ``window - 1`` blocks before it are always selected."""
@@ -197,6 +204,7 @@ class SparseAttentionConfig:
         _check_float(self, "dropout_p", minimum=0.0, exclusive_maximum=1.0)
         _check_float(self, "scale", exclusive_minimum=0.0, optional=True)
         _check_float(self, "selector_rope_theta", exclusive_minimum=0.0, optional=True)
+        _check_float(self, "top_p", exclusive_minimum=0.0, maximum=1.0, optional=True)
         _check_float(self, "distill_weight", minimum=0.0)
         _check_float(self, "selector_lr_multiplier", exclusive_minimum=0.0)
         _check_choice(self, "backend", BACKENDS)

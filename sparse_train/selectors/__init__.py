@@ -6,7 +6,7 @@ library module of that name and break ``import torch`` when Python runs from the
 """
 
 from .distill import block_kl, dense_block_mass, query_row_positions, sparse_block_mass
-from .metrics import needle_block_recall, row_mass_recall, sample_query_blocks, selection_quality
+from .metrics import needle_block_recall, oracle_budget, row_mass_recall, sample_query_blocks, selection_quality
 from .replay import SelectionRecord, SelectionReplay, in_backward_pass
 from .scorer import (
     BlockScorer,
@@ -32,6 +32,7 @@ __all__ = [
     "dense_block_mass",
     "in_backward_pass",
     "needle_block_recall",
+    "oracle_budget",
     "row_mass_recall",
     "rope_inverse_frequencies",
     "query_row_positions",

@@ -16,16 +16,22 @@ Each sampled block costs one dense row-block of attention (``O(G * BQ * N * D)``
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from ..index import BlockIndex
+from ..index import BlockIndex, causal_last_block
 from .distill import dense_row_block_mass
 
-__all__ = ["selection_quality", "sample_query_blocks", "row_mass_recall", "needle_block_recall", "RECALL_QUANTILE"]
+__all__ = ["selection_quality", "sample_query_blocks", "row_mass_recall", "needle_block_recall", "oracle_budget",
+           "RECALL_QUANTILE", "ORACLE_RECALL_GOAL"]
 
 RECALL_QUANTILE = 0.05
 """The low quantile of per-row recall that is reported next to the mean (``mass_recall_p5``)."""
+
+ORACLE_RECALL_GOAL = 0.90
+"""Mean row recall for which :func:`oracle_budget` reports the density a perfect selector needs."""
 
 
 def sample_query_blocks(num_q_blocks: int, count: int, generator: torch.Generator | None = None) -> Tensor:
@@ -66,14 +72,71 @@ def row_mass_recall(
     row_mass, row_ok = dense_row_block_mass(
         q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
+    return _recalls(row_mass, row_ok, index, query_blocks)
+
+
+def _recalls(row_mass: Tensor, row_ok: Tensor, index: BlockIndex, query_blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`row_mass_recall` from the sampled blocks' row masses."""
     selected = index.to_dense()[:, :, query_blocks]  # [B, HKV, S, NKB]
     recall = torch.where(selected.unsqueeze(3), row_mass, 0.0).sum(dim=-1)
     block_mass = torch.where(row_ok.unsqueeze(-1), row_mass, 0.0).sum(dim=3)  # [B, HKV, S, NKB]
     order = torch.argsort(block_mass, dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=q.device).expand_as(order))
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=row_mass.device).expand_as(order))
     oracle = rank < selected.sum(dim=-1, keepdim=True)
     oracle_recall = torch.where(oracle.unsqueeze(3), row_mass, 0.0).sum(dim=-1)
     return recall[row_ok], oracle_recall[row_ok]
+
+
+@torch.no_grad()
+def oracle_budget(
+    q: Tensor,
+    k: Tensor,
+    *,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    query_blocks: Tensor,
+    seq_lens: Tensor | None = None,
+    goal: float = ORACLE_RECALL_GOAL,
+) -> Tensor:
+    """Block density a perfect selector needs for a mean row recall of ``goal``: a property of the
+    model's attention, not of any selector.
+
+    For each sampled (batch, KV head, query block) the oracle adds key blocks in order of their mean
+    row mass (the order that raises the mean recall of the block's rows fastest) until the mean recall
+    of its real rows reaches ``goal``; the result is the number of blocks it needed, summed over the
+    sampled query blocks, over their causally reachable blocks. Every row reaches recall 1 on its
+    reachable blocks, so the count never exceeds them. A value above the configured density says the
+    budget (``top_k``, ``window``, ``sinks``), not the selector, keeps the recall below ``goal``.
+
+    Args: as :func:`row_mass_recall`, with the block sizes given directly; ``goal`` in (0, 1].
+
+    Returns:
+        float32 scalar on q's device (NaN when no sampled query block holds a real row).
+    """
+    query_blocks = query_blocks.to(q.device)
+    row_mass, row_ok = dense_row_block_mass(
+        q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks
+    )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
+    return _oracle_budget(row_mass, row_ok, q.shape[2], block_q, block_k, query_blocks, goal)
+
+
+def _oracle_budget(row_mass: Tensor, row_ok: Tensor, seq_len: int, block_q: int, block_k: int,
+                   query_blocks: Tensor, goal: float) -> Tensor:
+    """:func:`oracle_budget` from the sampled blocks' row masses."""
+    row_mass = torch.where(row_ok.unsqueeze(-1), row_mass, 0.0)
+    block_mass = row_mass.sum(dim=3)  # [B, HKV, S, NKB]
+    order = torch.argsort(block_mass, dim=-1, descending=True, stable=True)
+    rows = row_ok.sum(dim=-1).to(row_mass.dtype)  # [B, HKV, S]
+    mean_recall = torch.cumsum(block_mass.gather(-1, order), dim=-1) / rows.clamp(min=1).unsqueeze(-1)
+    # Rounding may leave the full sum a hair below 1: the last reachable block always meets the goal.
+    needed = (mean_recall < goal - 1e-6).sum(dim=-1) + 1  # [B, HKV, S]
+    num_q_blocks = math.ceil(seq_len / block_q)
+    reachable = causal_last_block(num_q_blocks, seq_len, block_q, block_k, row_mass.device)[query_blocks] + 1  # [S]
+    needed = torch.minimum(needed, reachable.view(1, 1, -1))
+    live = rows > 0
+    total = torch.where(live, reachable.view(1, 1, -1), 0).sum().to(torch.float32)
+    return torch.where(live, needed, 0).sum().to(torch.float32) / total  # 0 / 0 = NaN without a real row
 
 
 @torch.no_grad()
@@ -110,10 +173,16 @@ def selection_quality(
     the index and for the oracle selection of the same size.
 
     Returns:
-        ``{"mass_recall_mean", "mass_recall_p5", "oracle_mass_recall_mean", "oracle_mass_recall_p5"}``
-        scalar float32 tensors on q's device (NaN when no sampled row holds a real query).
+        ``{"mass_recall_mean", "mass_recall_p5", "oracle_mass_recall_mean", "oracle_mass_recall_p5",
+        "oracle_density_r90"}`` scalar float32 tensors on q's device (NaN when no sampled row holds a
+        real query); the last is :func:`oracle_budget` (the density a perfect selector needs for a
+        mean recall of 0.90).
     """
-    recall, oracle = row_mass_recall(q, k, index, scale=scale, query_blocks=query_blocks, seq_lens=seq_lens)
+    query_blocks = query_blocks.to(q.device)
+    row_mass, row_ok = dense_row_block_mass(
+        q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks
+    )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
+    recall, oracle = _recalls(row_mass, row_ok, index, query_blocks)
     out = {}
     for prefix, values in (("", recall), ("oracle_", oracle)):
         if values.numel() == 0:
@@ -121,4 +190,6 @@ def selection_quality(
         else:
             out[f"{prefix}mass_recall_mean"] = values.mean()
             out[f"{prefix}mass_recall_p5"] = torch.quantile(values, RECALL_QUANTILE)
+    out["oracle_density_r90"] = _oracle_budget(row_mass, row_ok, q.shape[2], index.block_q, index.block_k,
+                                               query_blocks, ORACLE_RECALL_GOAL)
     return out

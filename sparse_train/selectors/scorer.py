@@ -336,6 +336,7 @@ def selection_candidates(
     window: int,
     sinks: int,
     seq_lens: Tensor | None = None,
+    top_p: float | None = None,
 ) -> Tensor:
     """Top-k dynamic key blocks per query block, for ``BlockIndex.from_selection``.
 
@@ -344,9 +345,16 @@ def selection_candidates(
         geometry: :func:`selection_geometry` of this call.
         window, sinks: the forced blocks, excluded from top-k because the index adds them anyway.
         seq_lens: optional int ``[B]``; key blocks past it rank below every other block.
+        top_p: adaptive budget. ``None`` keeps all ``dynamic_k`` best blocks. A float in (0, 1] keeps,
+            per row, the fewest of them (best first) whose predicted mass reaches ``top_p``: the
+            predicted mass is the softmax of the row's scores over the blocks top-k chooses from,
+            the distribution the distillation fits to the attention mass, so a row whose mass sits in
+            one block keeps one and a row with spread mass keeps up to ``dynamic_k``. Shapes do not
+            change and nothing is read back to the host.
 
     Returns:
-        int64 ``[B, HKV, NQB, dynamic_k]`` block ids, -1 where a row has fewer candidates.
+        int64 ``[B, HKV, NQB, dynamic_k]`` block ids, -1 where a row has fewer candidates (or needs
+        fewer under ``top_p``).
     """
     batch, kv_heads = scores.shape[:2]
     k = geometry.dynamic_k
@@ -359,5 +367,14 @@ def selection_candidates(
         empty = block_start.view(1, -1) >= seq_lens.view(-1, 1)  # [B, NKB]
         low = empty.view(batch, 1, 1, -1) & allowed
         masked = torch.where(low, torch.full_like(masked, _EMPTY_BLOCK_SCORE), masked)
-    values, picked = torch.topk(masked, k, dim=-1, sorted=False)
-    return torch.where(torch.isneginf(values), torch.full_like(picked, -1), picked)
+    values, picked = torch.topk(masked, k, dim=-1, sorted=top_p is not None)
+    unused = torch.isneginf(values)
+    if top_p is not None:
+        # Probabilities of the picked blocks under the row's softmax over every allowed block; a row
+        # keeps a block while the mass of the better blocks before it is still short of top_p.
+        row_max = masked.amax(dim=-1, keepdim=True).clamp(min=_EMPTY_BLOCK_SCORE)
+        weights = torch.exp(masked.float() - row_max.float())
+        probs = torch.exp(values.float() - row_max.float()) / weights.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        unused = unused | (mass_before >= top_p)
+    return torch.where(unused, torch.full_like(picked, -1), picked)
