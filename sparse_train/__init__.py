@@ -8,7 +8,8 @@ Public API::
     attn = st.SparseAttention(st.SparseAttentionConfig(...), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
 """
 
-from .attention import SparseAttention, collect_attention_stats, collect_selector_losses
+from .attention import (SparseAttention, clip_grad_norms, collect_attention_stats, collect_selector_losses,
+                        selector_parameters)
 from .config import SparseAttentionConfig
 from .functional import sparse_attention
 from .index import BlockIndex
@@ -22,8 +23,10 @@ __all__ = [
     "DEFAULT_R0",
     "SparseAttention",
     "SparseAttentionConfig",
+    "clip_grad_norms",
     "collect_attention_stats",
     "collect_selector_losses",
+    "selector_parameters",
     "sparse_attention",
     "__version__",
 ]

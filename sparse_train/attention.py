@@ -497,6 +497,50 @@ def collect_selector_losses(model: nn.Module) -> Tensor:
     return torch.zeros((), device=device)
 
 
+def selector_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter that lives inside an ``SparseAttention`` of ``model`` (its selector), each once."""
+    seen: dict[int, nn.Parameter] = {}
+    for module in _sparse_modules(model):
+        for p in module.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def clip_grad_norms(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> tuple[Tensor, Tensor]:
+    """Clip the gradient norm of the model's own parameters and of its selectors' separately.
+
+    Use this instead of one ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``: the
+    selectors' distillation gradients are large (``selector_lr_multiplier`` scales them) and never
+    reach the model's weights, yet inside one global norm they shrink every model step whenever the
+    selectors learn, so a sparse model would train slower than its dense twin even during the dense
+    warm-up. With separate norms the model's update is the one it would get without selectors.
+    (Under a sharded strategy such as FSDP use the strategy's own clipping.)
+
+    Args:
+        model: any module; parameters without a gradient are skipped.
+        max_norm: largest norm of each group, > 0. norm_type: as ``clip_grad_norm_``.
+
+    Returns:
+        ``(model_norm, selector_norm)``: each group's total norm before clipping (0 for an empty group).
+
+    Raises:
+        ValueError: ``max_norm`` not a finite number > 0.
+    """
+    max_norm = check_float("max_norm", max_norm, exclusive_minimum=0.0)
+    selector = selector_parameters(model)
+    selector_ids = {id(p) for p in selector}
+    own = [p for p in model.parameters() if id(p) not in selector_ids]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    norms = []
+    for params in (own, selector):
+        params = [p for p in params if p.grad is not None]
+        if params:
+            norms.append(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type))
+        else:
+            norms.append(torch.zeros((), device=device))
+    return norms[0], norms[1]
+
+
 _PER_LAYER_STATS = ("mass_recall_mean", "mass_recall_p5", "oracle_mass_recall_mean", "oracle_density_r90")
 """Stats also reported per layer (``layers/<i>/<name>``, i = the module's order in ``model``): a
 selector that fails in one layer hides in the average over layers."""

@@ -117,3 +117,7 @@ class SparseLMModule(LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         return self.training_logic.configure_optimizers(self)
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
+                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+        self.training_logic.configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm)

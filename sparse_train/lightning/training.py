@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
 import sparse_train as st
@@ -304,3 +305,20 @@ class CausalLMTraining:
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def configure_gradient_clipping(self, module: LightningModule, optimizer: torch.optim.Optimizer,
+                                    gradient_clip_val: Optional[float], gradient_clip_algorithm: Optional[str]) -> None:
+        """``--trainer.gradient_clip_val`` with the norm algorithm clips the model's and the selectors'
+        gradients as two groups (``st.clip_grad_norms``): one global norm would let the selectors'
+        large distillation gradients shrink the model's steps, so the sparse model would not train like
+        its dense twin. Value clipping is per element and needs no split; a sharded strategy (FSDP)
+        keeps Lightning's own clipping, which knows the shards."""
+        if not gradient_clip_val:
+            return
+        algorithm = gradient_clip_algorithm or "norm"
+        if algorithm != "norm" or isinstance(module.trainer.strategy, FSDPStrategy):
+            module.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
+                                  gradient_clip_algorithm=gradient_clip_algorithm)
+            return
+        # The precision plugin has unscaled the gradients (fp16 AMP) before it calls this hook.
+        st.clip_grad_norms(module.model, float(gradient_clip_val))
