@@ -137,15 +137,17 @@ def test_dense_block_mass_kernels_match_reference(B, HQ, HKV, N, D, BQ, BK, bloc
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("blocks", ["sampled", "all"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_dense_block_mass_dispatches_to_kernels_on_gpu(dtype):
+def test_dense_block_mass_dispatches_to_kernels_on_gpu(dtype, blocks):
     B, HQ, HKV, N, D = 1, 8, 2, 4099, 128
     q, k, _ = make_qkv(B, HQ, HKV, N, D, dtype, seed=5, device="cuda")
-    picks = torch.tensor([0, 17, 40, 64])
+    # "all" is distill="dense": every query block, through the kernels instead of N x N fp32 logits
+    picks = torch.tensor([0, 17, 40, 64]) if blocks == "sampled" else None
     target, valid = dense_block_mass(q, k, block_q=64, block_k=64, scale=D ** -0.5, query_blocks=picks)
     ref, ref_valid = reference_dense_block_mass(q.cpu().double(), k.cpu().double(), block_q=64, block_k=64,
                                                 scale=D ** -0.5, query_blocks=picks)
     err = (target.cpu().double() - ref).abs().max().item()
-    print(f"{dtype}: sampled dense block mass max abs err {err:.2e}")
+    print(f"{dtype}, {blocks} query blocks: dense block mass max abs err {err:.2e}")
     assert torch.equal(valid.cpu(), ref_valid)
     assert err < 1e-3  # same bf16/fp16 inputs on both sides: only fp32 accumulation order differs

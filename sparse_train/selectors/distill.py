@@ -98,14 +98,17 @@ def dense_block_mass(
     chunk_mb: int = 256,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention mass of dense causal attention on every key block, pooled over rows:
-    :func:`~sparse_train.kernels.block_mass.triton_dense_block_mass` when ``query_blocks`` is given,
-    all rows are used and the kernels support the input; its reference
+    :func:`~sparse_train.kernels.block_mass.triton_dense_block_mass` when all rows are used and the
+    kernels support the input (``query_blocks=None`` = every query block: two kernel passes over the
+    causal area, no N x N buffer); its reference
     :func:`~sparse_train.kernels.reference_block_mass.reference_dense_block_mass` (arguments,
     returns) otherwise."""
     check_choice("row_pool", row_pool, ROW_POOLS)
-    if query_blocks is not None and _kernels_run(q, block_q, block_k, rows_per_block):
+    if _kernels_run(q, block_q, block_k, rows_per_block):
         from ..kernels.block_mass import triton_dense_block_mass
 
+        if query_blocks is None:
+            query_blocks = torch.arange(-(-q.shape[2] // block_q), device=q.device)
         return triton_dense_block_mass(q.detach(), k.detach(), query_blocks, block_q=block_q, block_k=block_k,
                                        scale=scale, seq_lens=seq_lens, row_pool=row_pool)
     return reference_dense_block_mass(q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens,
