@@ -205,12 +205,13 @@ def sparse_attention(
     Raises:
         ValueError: any argument outside its domain (see :mod:`sparse_train.validation`), naming it:
             shape/dtype/device mismatch between q, k, v, index, seq_lens and document_ids; seq_lens
-            values outside [0, N]; document_ids negative or decreasing along N; dropout_p outside [0, 1); dropout_seed outside [0, 2**64); an unknown
-            kernel_options key or a value of the wrong type; a plan of another index; unknown
-            backend; ``backend="triton"`` on input the kernels do not support.
+            values outside [0, N]; document_ids negative or decreasing along N; dropout_p outside
+            [0, 1); dropout_seed outside [0, 2**64); an unknown kernel_options key or a value of the
+            wrong type; a plan of another index; unknown backend; ``backend="triton"`` on input the
+            kernels do not support.
     """
-    # Everything but the seq_lens values (a host sync) before choosing a backend; the backend that
-    # runs validates again, values included, so the sync happens once per call.
+    # Everything but the seq_lens and document_ids values (host syncs) before choosing a backend; the
+    # backend that runs validates again, values included, so the syncs happen once per call.
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 seq_lens=seq_lens, kernel_options=kernel_options, seq_lens_values=False,
                                 document_ids=document_ids)
