@@ -11,6 +11,12 @@ Public API::
 from .attention import (SparseAttention, clip_grad_norms, collect_attention_stats, collect_selector_losses,
                         selector_parameters)
 from .config import SparseAttentionConfig
+from .documents import (
+    block_document_ranges,
+    cu_seqlens_from_document_ids,
+    document_ids_from_cu_seqlens,
+    document_ids_from_position_ids,
+)
 from .functional import sparse_attention
 from .index import BlockIndex
 from .plan import DEFAULT_R0, BlockPlan
@@ -23,9 +29,13 @@ __all__ = [
     "DEFAULT_R0",
     "SparseAttention",
     "SparseAttentionConfig",
+    "block_document_ranges",
     "clip_grad_norms",
     "collect_attention_stats",
     "collect_selector_losses",
+    "cu_seqlens_from_document_ids",
+    "document_ids_from_cu_seqlens",
+    "document_ids_from_position_ids",
     "selector_parameters",
     "sparse_attention",
     "__version__",
