@@ -10,6 +10,12 @@ Public API::
 
 from .attention import SparseAttention, collect_attention_stats, collect_selector_losses
 from .config import SparseAttentionConfig
+from .documents import (
+    block_document_ranges,
+    cu_seqlens_from_document_ids,
+    document_ids_from_cu_seqlens,
+    document_ids_from_position_ids,
+)
 from .functional import sparse_attention
 from .index import BlockIndex
 from .plan import DEFAULT_R0, BlockPlan
@@ -22,8 +28,12 @@ __all__ = [
     "DEFAULT_R0",
     "SparseAttention",
     "SparseAttentionConfig",
+    "block_document_ranges",
     "collect_attention_stats",
     "collect_selector_losses",
+    "cu_seqlens_from_document_ids",
+    "document_ids_from_cu_seqlens",
+    "document_ids_from_position_ids",
     "sparse_attention",
     "__version__",
 ]

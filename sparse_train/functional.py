@@ -64,26 +64,34 @@ def finite_padded_queries(q: Tensor, seq_lens: Tensor) -> Tensor:
 
 def dense_causal_attention(
     q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, dropout_p: float = 0.0,
-    seq_lens: Tensor | None = None
+    seq_lens: Tensor | None = None, document_ids: Tensor | None = None
 ) -> Tensor:
     """Dense causal SDPA with GQA and the same masks as the sparse path.
 
     q ``[B, HQ, N, D]``, k/v ``[B, HKV, N, D]``; ``scale`` default ``1 / sqrt(D)``; with ``seq_lens``
-    keys at positions >= seq_lens[b] are masked (an explicit boolean mask; rows without any valid key
-    output zeros, as in the kernels). Dropout uses SDPA's own RNG, not the counter-based bits."""
+    keys at positions >= seq_lens[b] are masked, with ``document_ids`` (int ``[B, N]``, non-decreasing,
+    :mod:`sparse_train.documents`) keys of another document than the query's (explicit boolean masks;
+    rows without any valid key output zeros, as in the kernels). Dropout uses SDPA's own RNG, not the
+    counter-based bits. Arguments are not validated here (the callers do: `check_inputs`)."""
     gqa = q.shape[1] != k.shape[1]
-    if seq_lens is None:
+    if seq_lens is None and document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     n = q.shape[2]
     pos = torch.arange(n, device=q.device)
-    # Padding may hold anything (NaN included). A masked logit still multiplies its value by a zero
-    # probability (0 * NaN = NaN), so padded keys and values are replaced, not masked.
-    real = (pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
-    q = finite_padded_queries(q, seq_lens)
-    k = torch.where(real, k, 0.0)
-    v = torch.where(real, v, 0.0)
-    allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1)) & (pos.view(1, 1, n) < seq_lens.view(-1, 1, 1))  # [B, N, N]
-    empty_row = ~allowed.any(dim=-1)  # only when seq_lens[b] == 0
+    allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1))  # [1 or B, N, N]
+    if seq_lens is not None:
+        # Padding may hold anything (NaN included). A masked logit still multiplies its value by a zero
+        # probability (0 * NaN = NaN), so padded keys and values are replaced, not masked.
+        real = (pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
+        q = finite_padded_queries(q, seq_lens)
+        k = torch.where(real, k, 0.0)
+        v = torch.where(real, v, 0.0)
+        allowed = allowed & (pos.view(1, 1, n) < seq_lens.view(-1, 1, 1))
+    if document_ids is not None:
+        allowed = allowed & (document_ids.view(-1, 1, n) == document_ids.view(-1, n, 1))
+    allowed = allowed.expand(q.shape[0], n, n)
+    # empty only when seq_lens[b] == 0, or for a padding row whose document starts at or past seq_lens[b]
+    empty_row = ~allowed.any(dim=-1)
     # give empty rows one harmless key so SDPA has a finite softmax, then zero their output
     allowed = allowed | (empty_row.unsqueeze(-1) & (pos.view(1, 1, n) == 0))
     o = F.scaled_dot_product_attention(
@@ -123,7 +131,8 @@ def choose_backend(q: Tensor, block_q: int, block_k: int, backend: str = "auto")
     return ("triton", "supported") if support.ok else ("reference", support.code)
 
 
-def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend: str = "auto") -> tuple[str, str]:
+def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend: str = "auto", *,
+                    document_ids: Tensor | None = None) -> tuple[str, str]:
     """Which backend ``sparse_attention`` will run, and why: ``("triton" | "reference", code)`` with
     ``code`` in :data:`BACKEND_REASONS`.
 
@@ -131,7 +140,7 @@ def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend:
     code names what was unsupported). ``"triton"`` on CPU tensors requires ``TRITON_INTERPRET=1``.
     """
     check_choice("backend", backend, BACKENDS)
-    check_inputs(q, k, v, index, seq_lens_values=False)
+    check_inputs(q, k, v, index, seq_lens_values=False, document_ids=document_ids)
     return choose_backend(q, index.block_q, index.block_k, backend)
 
 
@@ -149,8 +158,9 @@ def sparse_attention(
     deterministic: bool = False,
     backend: str = "auto",
     kernel_options: dict | KernelOptions | None = None,
+    document_ids: Tensor | None = None,
 ):
-    """Exact softmax attention restricted to the blocks of ``index`` (plus causal and length masks).
+    """Exact softmax attention restricted to the blocks of ``index`` (plus causal, length and document masks).
 
     The named arguments are the semantics; ``kernel_options`` holds the performance choices, which
     never change the result beyond floating-point order.
@@ -168,6 +178,12 @@ def sparse_attention(
             seq_lens[b] are masked (right padding); whatever they hold (even NaN/inf) never reaches
             an output or gradient of the keys before it. Query rows past it are computed like any
             row (finite padding) or from a zeroed query (non-finite padding).
+        document_ids: optional int ``[B, N]`` (int32/int64, any strides), non-decreasing along N, values
+            >= 0 (packed documents, :mod:`sparse_train.documents`): query i sees key j only when
+            ``document_ids[b, j] == document_ids[b, i]`` (besides j <= i and j < seq_lens[b]). A row
+            always sees itself, so this never empties a row. Selected blocks of other documents
+            contribute nothing (they cost their loads only). Dropout bits stay those of the global
+            positions.
         return_lse: also return the row log-sum-exp ``[B, HQ, N]`` (fp32, natural log, -inf on empty rows).
         deterministic: bitwise-reproducible gradients (every dK/dV block KV-centric). Also switched on
             by ``torch.use_deterministic_algorithms(True)``.
@@ -188,15 +204,17 @@ def sparse_attention(
 
     Raises:
         ValueError: any argument outside its domain (see :mod:`sparse_train.validation`), naming it:
-            shape/dtype/device mismatch between q, k, v, index and seq_lens; seq_lens values outside
-            [0, N]; dropout_p outside [0, 1); dropout_seed outside [0, 2**64); an unknown
-            kernel_options key or a value of the wrong type; a plan of another index; unknown
-            backend; ``backend="triton"`` on input the kernels do not support.
+            shape/dtype/device mismatch between q, k, v, index, seq_lens and document_ids; seq_lens
+            values outside [0, N]; document_ids negative or decreasing along N; dropout_p outside
+            [0, 1); dropout_seed outside [0, 2**64); an unknown kernel_options key or a value of the
+            wrong type; a plan of another index; unknown backend; ``backend="triton"`` on input the
+            kernels do not support.
     """
-    # Everything but the seq_lens values (a host sync) before choosing a backend; the backend that
-    # runs validates again, values included, so the sync happens once per call.
+    # Everything but the seq_lens and document_ids values (host syncs) before choosing a backend; the
+    # backend that runs validates again, values included, so the syncs happen once per call.
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, kernel_options=kernel_options, seq_lens_values=False)
+                                seq_lens=seq_lens, kernel_options=kernel_options, seq_lens_values=False,
+                                document_ids=document_ids)
     dropout_p, dropout_seed = args.dropout_p, args.dropout_seed
     check_bool("deterministic", deterministic)
     check_bool("return_lse", return_lse)
@@ -204,7 +222,11 @@ def sparse_attention(
         dropout_seed = draw_dropout_seed()
     if seq_lens is not None:
         q = finite_padded_queries(q, seq_lens)
-    chosen, _ = resolve_backend(q, k, v, index, backend)
+    chosen, _ = resolve_backend(q, k, v, index, backend, document_ids=document_ids)
+    if chosen == "triton" and document_ids is not None:
+        if backend == "triton":
+            raise ValueError("backend='triton' cannot run this input: document_ids are not supported by the kernels yet")
+        chosen = "reference"
     if chosen == "triton":
         o, lse = _triton_op().triton_sparse_attention(
             q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
@@ -213,6 +235,7 @@ def sparse_attention(
         )
     else:
         o, lse = reference_sparse_attention(
-            q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens
+            q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
+            document_ids=document_ids,
         )
     return (o, lse) if return_lse else o

@@ -15,7 +15,12 @@ from its current contents (tensor version counters; skipped while compiling).
 
 Domains defined here: dropout seeds are ints in ``[0, 2**64)`` (the 64-bit Philox key, two 32-bit
 words); dropout_p is a float in ``[0, 1)``; block sizes, seq_len, capacity are ints >= 1; window,
-sinks, r0 are ints >= 0; seq_lens values lie in ``[0, N]``.
+sinks, r0 are ints >= 0; seq_lens values lie in ``[0, N]``; document ids are ``[B, N]``, non-negative,
+non-decreasing along N and below 2**31 (the kernels read them as int32).
+
+``document_ids`` values are checked under the same flag as ``seq_lens`` values (one more host sync,
+skipped while compiling). They only ever decide masks, never addresses: an unchecked bad value can
+give a wrong mask but never an out-of-bounds read.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ __all__ = [
     "check_dropout",
     "check_dropout_p",
     "check_dropout_seed",
+    "check_document_ids",
     "check_geometry",
     "check_index_matches",
     "check_inputs",
@@ -306,6 +312,42 @@ def check_seq_lens(seq_lens, batch: int, seq_len: int, device, *, values: bool =
             )
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def check_document_ids(document_ids, batch: int, seq_len: int, device, *, values: bool = True) -> None:
+    """Optional document ids of packed rows (:mod:`sparse_train.documents`): an integer tensor ``[B, N]``
+    (int32 or int64, any strides) on ``device``, values in ``[0, 2**31)``, non-decreasing along N in
+    every row. ``values=False`` skips the value checks (one host sync; also skipped while
+    torch.compile traces)."""
+    if document_ids is None:
+        return
+    if not isinstance(document_ids, Tensor):
+        raise ValueError(f"document_ids must be a torch.Tensor [B, N], got {type(document_ids).__name__}")
+    if document_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"document_ids must be int32 or int64, got {document_ids.dtype}")
+    if tuple(document_ids.shape) != (batch, seq_len):
+        raise ValueError(f"document_ids must have shape [B, N] = [{batch}, {seq_len}], got {tuple(document_ids.shape)}")
+    if document_ids.device != torch.device(device):
+        raise ValueError(f"document_ids is on {document_ids.device} but q is on {device}")
+    if not values or _compiling() or document_ids.numel() == 0:
+        return
+    out_of_range = (document_ids < 0) | (document_ids > _INT32_MAX)
+    decreasing = document_ids[:, 1:] < document_ids[:, :-1]
+    if not bool(out_of_range.any() | decreasing.any()):
+        return
+    if bool(out_of_range.any()):
+        b, t = (int(x) for x in out_of_range.nonzero()[0])
+        raise ValueError(
+            f"document_ids values must lie in [0, 2**31), got document_ids[{b}, {t}] = {int(document_ids[b, t])}"
+        )
+    b, t = (int(x) for x in decreasing.nonzero()[0])
+    raise ValueError(
+        f"document_ids must be non-decreasing along N, got row {b}: document_ids[{b}, {t + 1}] = "
+        f"{int(document_ids[b, t + 1])} < document_ids[{b}, {t}] = {int(document_ids[b, t])}"
+    )
+
+
 # ---------------------------------------------------------------------------------------- index, plan
 def check_block_index(index) -> None:
     """Metadata of a BlockIndex (no data read): int32 ``indices [B, HKV, NQB, K>=1]`` and ``counts
@@ -335,14 +377,16 @@ def check_block_index(index) -> None:
         raise ValueError(f"index.indices is on {indices.device} but index.counts on {counts.device}")
 
 
-def check_inputs(q, k, v, index, seq_lens=None, *, seq_lens_values: bool = True) -> int:
+def check_inputs(q, k, v, index, seq_lens=None, *, seq_lens_values: bool = True, document_ids=None) -> int:
     """The compatibility rule of an attention input: ``index`` a well-formed BlockIndex, q/k/v valid
-    (`check_qkv`) and built for it (`check_index_matches`), ``seq_lens`` valid for them
-    (`check_seq_lens`; ``seq_lens_values=False`` skips its host sync). Returns the head dim D."""
+    (`check_qkv`) and built for it (`check_index_matches`), ``seq_lens`` and ``document_ids`` valid for
+    them (`check_seq_lens`, `check_document_ids`; ``seq_lens_values=False`` skips the value checks of
+    both, the host syncs). Returns the head dim D."""
     check_block_index(index)
     _, _, _, _, head_dim = check_qkv(q, k, v, device=index.device)
     check_index_matches(index, q, k)
     check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
+    check_document_ids(document_ids, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
     return head_dim
 
 
@@ -444,14 +488,15 @@ def check_attention_args(
     seq_lens=None,
     kernel_options=None,
     seq_lens_values: bool = True,
+    document_ids=None,
 ) -> AttentionArgs:
     """Every argument of `sparse_attention` that has a meaning for both backends. The backends call it
-    with ``seq_lens_values=True`` (one host sync, see the module docstring); the dispatcher calls it
-    before choosing a backend with ``False``. ``kernel_options`` are normalised by
+    with ``seq_lens_values=True`` (the host syncs of the seq_lens and document_ids values, see the module
+    docstring); the dispatcher calls it before choosing a backend with ``False``. ``kernel_options`` are normalised by
     `sparse_train.plan.normalize_kernel_options`; a plan among them must belong to ``index``."""
     from .plan import normalize_kernel_options
 
-    head_dim = check_inputs(q, k, v, index, seq_lens, seq_lens_values=seq_lens_values)
+    head_dim = check_inputs(q, k, v, index, seq_lens, seq_lens_values=seq_lens_values, document_ids=document_ids)
     p, seed = check_dropout(dropout_p, dropout_seed)
     options = normalize_kernel_options(kernel_options)
     if options.plan is not None:

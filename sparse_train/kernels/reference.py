@@ -1,6 +1,7 @@
 """Readable PyTorch reference for block-sparse attention: the semantics every kernel must match.
 
-    S[q, k] = scale * <Q[q], K[k]>   for k in the selected blocks of q's block, k <= q, k < len_b
+    S[q, k] = scale * <Q[q], K[k]>   for k in the selected blocks of q's block, k <= q, k < len_b,
+                                     doc_b[k] == doc_b[q] (packed documents, when given)
     lse[q]  = log sum_k exp(S[q, k])                     (natural log; -inf for an empty row)
     O[q]    = sum_k exp(S[q, k] - lse[q]) * keep(q, k) / (1 - p) * V[k]   (0 for an empty row)
 
@@ -125,6 +126,7 @@ def reference_sparse_attention(
     seq_lens: Tensor | None = None,
     upcast: bool = True,
     chunk_q_blocks: int | None = None,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact block-sparse attention in PyTorch.
 
@@ -139,6 +141,10 @@ def reference_sparse_attention(
         upcast: compute fp16/bf16 inputs in fp32 (default). False computes in the input dtype, which
             tests use as the "same computation in the kernel's precision" baseline.
         chunk_q_blocks: query blocks per chunk (default: sized to ~8M logits per chunk).
+        document_ids: optional int ``[B, N]``, non-decreasing along N (:mod:`sparse_train.documents`):
+            key k is masked for query q unless ``document_ids[b, k] == document_ids[b, q]``, applied to
+            the logits like the causal mask (a masked key is 0 in the softmax; its value still enters
+            the product, so unlike padding it must be finite).
 
     Returns:
         ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype; lse ``[B, HQ, N]`` natural log, fp32 (fp64
@@ -146,11 +152,11 @@ def reference_sparse_attention(
 
     Raises:
         ValueError: any argument outside its domain (:func:`sparse_train.validation.check_attention_args`):
-            shape/dtype/device mismatch with the index, bad seq_lens, dropout_p or dropout_seed;
-            dropout without seed.
+            shape/dtype/device mismatch with the index, bad seq_lens, document_ids, dropout_p or
+            dropout_seed; dropout without seed.
     """
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens)
+                                seq_lens=seq_lens, document_ids=document_ids)
     scale, dropout_p, dropout_seed = args.scale, args.dropout_p, args.dropout_seed
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs an explicit dropout_seed in the reference")
@@ -179,6 +185,7 @@ def reference_sparse_attention(
     rows = torch.arange(batch * hkv, device=device).view(batch, hkv, 1, 1) * nkb + idx.clamp_min(0)
     lens = torch.full((batch,), n, device=device, dtype=torch.int64) if seq_lens is None else seq_lens.to(torch.int64)
     lens = torch.clamp(lens, max=n).view(batch, 1, 1, 1)  # keys at positions >= lens are masked
+    docs = None if document_ids is None else document_ids.to(torch.int64)  # [B, N]
 
     step = chunk_q_blocks or _chunk_size(batch, hq, bq, cap * bk)
     out_chunks, lse_chunks = [], []
@@ -202,7 +209,12 @@ def reference_sparse_attention(
         v_sel = torch.where(keep, vp.index_select(0, sel_rows).view(batch, hkv, chunk, cap * bk, d), 0.0)
         q_chunk = qp[:, :, :, c0:c1]  # [B, HKV, G, C, BQ, D]
         logits = torch.einsum("bhgcqd,bhckd->bhgcqk", q_chunk, k_sel) * scale  # [B, HKV, G, C, BQ, K*BK]
-        valid = (key_ok.unsqueeze(3) & (key_pos.unsqueeze(3) <= q_pos)).unsqueeze(2)  # [B, HKV, 1, C, BQ, K*BK]
+        valid = key_ok.unsqueeze(3) & (key_pos.unsqueeze(3) <= q_pos)  # [B, HKV, C, BQ, K*BK]
+        if docs is not None:
+            doc_k = docs.gather(1, key_pos.clamp(0, n - 1).reshape(batch, -1)).view(batch, hkv, chunk, 1, cap * bk)
+            doc_q = docs[:, q_pos.clamp(max=n - 1).reshape(-1)].view(batch, 1, chunk, bq, 1)
+            valid = valid & (doc_k == doc_q)
+        valid = valid.unsqueeze(2)  # [B, HKV, 1, C, BQ, K*BK]
 
         logits = logits.masked_fill(~valid, float("-inf"))
         row_max = logits.amax(dim=-1, keepdim=True)
@@ -236,10 +248,12 @@ def reference_sparse_attention(
 
 
 def dense_block_mask_attention(
-    q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, *, scale: float | None = None, seq_lens: Tensor | None = None
+    q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, *, scale: float | None = None, seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The same function computed the naive way: expand the block index to an ``[N, N]`` element mask
-    and run a plain masked softmax. O(N^2) memory, for tests on small shapes only."""
+    (and the document mask, when ``document_ids`` ``[B, N]`` is given) and run a plain masked softmax.
+    O(N^2) memory, for tests on small shapes only; no dropout."""
     batch, hq, n, d = q.shape
     group = hq // k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -248,6 +262,8 @@ def dense_block_mask_attention(
     elem = elem.repeat_interleave(group, dim=1)  # [B, HQ, N, N]
     pos = torch.arange(n, device=q.device)
     elem = elem & (pos.view(1, 1, 1, n) <= pos.view(1, 1, n, 1))
+    if document_ids is not None:
+        elem = elem & (document_ids.view(-1, 1, 1, n) == document_ids.view(-1, 1, n, 1))
     kk = k.repeat_interleave(group, dim=1)
     vv = v.repeat_interleave(group, dim=1)
     if seq_lens is not None:

@@ -8,7 +8,8 @@ over the rows of each query block. The Triton kernels of ``block_mass.py`` must 
 Notation: B batch, HQ/HKV query/KV heads, G = HQ/HKV, N length, D head dim, BQ/BK block sizes, NQB/NKB
 query/key blocks, K index capacity, S sampled query blocks, R rows used per query block (all BQ, or
 ``rows_per_block`` evenly spaced ones). A row is live when it is a real query (q < N and q <
-seq_lens[b]) with a finite lse; a key is valid for it when k <= q and k < seq_lens[b]. Padding (past
+seq_lens[b]) with a finite lse; a key is valid for it when k <= q, k < seq_lens[b] and, with packed
+documents (``document_ids [B, N]``, :mod:`sparse_train.documents`), k lies in q's document. Padding (past
 seq_lens) may hold anything, NaN included: it is selected away, never multiplied by zero.
 
 * :func:`reference_sparse_block_mass`: the *selected* blocks of a ``BlockIndex``; ``lse`` is the main
@@ -29,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..index import BlockIndex
-from ..validation import check_choice
+from ..validation import check_choice, check_document_ids
 
 __all__ = [
     "ROW_POOLS",
@@ -126,6 +127,7 @@ def reference_sparse_block_mass(
     rows_per_block: int | None = None,
     row_pool: str = "max",
     chunk_mb: int = 1024,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention mass on each *selected* block, pooled over rows, renormalised over the selected set.
 
@@ -140,6 +142,8 @@ def reference_sparse_block_mass(
         rows_per_block: query rows per block used (``None`` = all).
         row_pool: ``"max"`` (default) or ``"mean"`` over the rows and group heads (module docstring).
         chunk_mb: memory budget of one chunk of logits.
+        document_ids: optional int ``[B, N]`` (non-decreasing): keys of another document than the
+            row's are masked, like the main attention's document mask.
 
     :func:`sparse_train.kernels.block_mass.triton_block_mass` computes the same target (with ``lse``
     given and all rows) in one QK^T pass.
@@ -151,6 +155,7 @@ def reference_sparse_block_mass(
     check_choice("row_pool", row_pool, ROW_POOLS)
     q, k = q.detach(), k.detach()
     batch, num_heads, seq_len, _ = q.shape
+    check_document_ids(document_ids, batch, seq_len, q.device)
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     block_q, block_k = index.block_q, index.block_k
@@ -183,6 +188,8 @@ def reference_sparse_block_mass(
         # element-wise steps below run in place to keep the passes over this large buffer few
         logits = torch.matmul(q_rows.to(torch.float32) * scale, keys.to(torch.float32).transpose(-1, -2))
         causal = key_pos.reshape(batch, num_kv_heads, chunk, 1, capacity * block_k) <= pos_rows.view(1, 1, chunk, -1, 1)
+        if document_ids is not None:
+            causal = causal & _same_document(document_ids, key_pos.reshape(batch, num_kv_heads, chunk, 1, -1), pos_rows)
         logits.masked_fill_(~(key_ok & causal), float("-inf"))
         if lse is None:
             row_lse = torch.logsumexp(logits, dim=-1)
@@ -199,10 +206,25 @@ def reference_sparse_block_mass(
     return torch.cat(targets, dim=2), torch.cat(valids, dim=2)
 
 
-def _dense_row_mass_chunks(q, k, *, block_q, block_k, scale, seq_lens, rows_per_block, query_blocks, chunk_mb):
+def _same_document(document_ids: Tensor, key_pos: Tensor, pos_rows: Tensor) -> Tensor:
+    """bool ``[B, ..., C, G*R, keys]``: key positions ``key_pos`` (``[B or 1, ..., C or 1, 1, keys]``) in the
+    document of each row ``pos_rows`` (``[C, G*R]``); positions past N compare as the last token's."""
+    docs = document_ids.to(torch.int64)
+    batch, seq_len = docs.shape
+    key_pos = key_pos.expand(batch, *key_pos.shape[1:])
+    doc_k = docs.gather(1, key_pos.clamp(0, seq_len - 1).reshape(batch, -1)).view(key_pos.shape)
+    chunk, rows = pos_rows.shape
+    doc_q = docs[:, pos_rows.clamp(max=seq_len - 1).reshape(-1)]
+    doc_q = doc_q.view(batch, *([1] * (key_pos.dim() - 4)), chunk, rows, 1)
+    return doc_k == doc_q
+
+
+def _dense_row_mass_chunks(q, k, *, block_q, block_k, scale, seq_lens, rows_per_block, query_blocks, chunk_mb,
+                           document_ids=None):
     """Yield ``(row_mass [B, HKV, C, G*R, NKB], row_ok [B, 1, C, G*R])`` chunk by chunk (exact, dense)."""
     q, k = q.detach(), k.detach()
     batch, num_heads, seq_len, _ = q.shape
+    check_document_ids(document_ids, batch, seq_len, q.device)
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     nqb = math.ceil(seq_len / block_q)
@@ -227,6 +249,8 @@ def _dense_row_mass_chunks(q, k, *, block_q, block_k, scale, seq_lens, rows_per_
         q_rows = torch.where(rows_real.unsqueeze(-1), _gather_query_rows(q, pos, num_kv_heads), 0.0)
         logits = torch.matmul(q_rows, keys_t).to(torch.float32) * scale  # [B, HKV, C, G*R, N]
         causal = key_pos.view(1, 1, 1, 1, -1) <= pos_rows.view(1, 1, chunk, -1, 1)
+        if document_ids is not None:
+            causal = causal & _same_document(document_ids, key_pos.view(1, 1, 1, 1, -1), pos_rows)
         logits = logits.masked_fill(~(causal & key_ok), float("-inf"))
         row_lse = torch.logsumexp(logits, dim=-1)
         row_ok = rows_real & torch.isfinite(row_lse)
@@ -248,19 +272,21 @@ def dense_row_block_mass(
     query_blocks: Tensor,
     seq_lens: Tensor | None = None,
     chunk_mb: int = 256,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-row exact dense attention mass on every key block, for a few query blocks.
 
     Args:
-        q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]``; query_blocks: int64 ``[S]``; others as
-        :func:`reference_dense_block_mass`.
+        q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]``; query_blocks: int64 ``[S]``; others (document_ids
+        included) as :func:`reference_dense_block_mass`.
 
     Returns:
         ``row_mass`` float32 ``[B, HKV, S, G*BQ, NKB]`` (row r of a block sums to 1 over its causal
         blocks; rows ordered group head major) and ``row_ok`` bool ``[B, HKV, S, G*BQ]`` (real rows).
     """
     parts = list(_dense_row_mass_chunks(q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens,
-                                        rows_per_block=None, query_blocks=query_blocks, chunk_mb=chunk_mb))
+                                        rows_per_block=None, query_blocks=query_blocks, chunk_mb=chunk_mb,
+                                        document_ids=document_ids))
     return torch.cat([m for m, _ in parts], dim=2), torch.cat([ok for _, ok in parts], dim=2)
 
 
@@ -277,6 +303,7 @@ def reference_dense_block_mass(
     query_blocks: Tensor | None = None,
     row_pool: str = "max",
     chunk_mb: int = 256,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention mass of dense causal attention on every key block, pooled over rows.
 
@@ -288,6 +315,8 @@ def reference_dense_block_mass(
         query_blocks: optional int64 ``[S]`` subset of query blocks (default: all NQB).
         row_pool: ``"max"`` (default) or ``"mean"`` over rows and group heads (module docstring).
         chunk_mb: memory budget of one chunk of logits.
+        document_ids: optional int ``[B, N]`` (non-decreasing): each row attends its own document
+            only, so its mass lies on the blocks its document overlaps.
 
     :func:`sparse_train.kernels.block_mass.triton_dense_block_mass` computes the same target (with
     ``query_blocks`` given and all rows) through the forward and block-mass kernels, without the
@@ -301,7 +330,7 @@ def reference_dense_block_mass(
     targets, valids = [], []
     for row_mass, row_ok in _dense_row_mass_chunks(
         q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, rows_per_block=rows_per_block,
-        query_blocks=query_blocks, chunk_mb=chunk_mb,
+        query_blocks=query_blocks, chunk_mb=chunk_mb, document_ids=document_ids,
     ):
         targets.append(pool_rows(row_mass, row_ok, row_pool))
         valids.append(row_ok.any(dim=3))
