@@ -44,6 +44,7 @@ def row_mass_recall(
     scale: float,
     query_blocks: Tensor,
     seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention-mass recall of every real query row of the sampled blocks, for the index and for the
     best selection of the same size.
@@ -57,6 +58,8 @@ def row_mass_recall(
         q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]``; index: the selection to grade.
         scale: logit scale. query_blocks: int64 ``[S]`` query blocks to measure.
         seq_lens: optional int ``[B]`` (rows and keys past it are not real).
+        document_ids: optional int ``[B, N]`` (packed documents): the dense attention each row is
+            graded against sees its own document only.
 
     Returns:
         float32 ``[R]`` recall of each real row (rows of all batches, heads and sampled blocks) under
@@ -64,7 +67,8 @@ def row_mass_recall(
     """
     query_blocks = query_blocks.to(q.device)
     row_mass, row_ok = dense_row_block_mass(
-        q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks
+        q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks,
+        document_ids=document_ids,
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
     selected = index.to_dense()[:, :, query_blocks]  # [B, HKV, S, NKB]
     recall = torch.where(selected.unsqueeze(3), row_mass, 0.0).sum(dim=-1)
@@ -105,6 +109,7 @@ def selection_quality(
     scale: float,
     query_blocks: Tensor,
     seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Mean and 5th percentile of the per-row attention-mass recall (:func:`row_mass_recall`), for
     the index and for the oracle selection of the same size.
@@ -113,7 +118,8 @@ def selection_quality(
         ``{"mass_recall_mean", "mass_recall_p5", "oracle_mass_recall_mean", "oracle_mass_recall_p5"}``
         scalar float32 tensors on q's device (NaN when no sampled row holds a real query).
     """
-    recall, oracle = row_mass_recall(q, k, index, scale=scale, query_blocks=query_blocks, seq_lens=seq_lens)
+    recall, oracle = row_mass_recall(q, k, index, scale=scale, query_blocks=query_blocks, seq_lens=seq_lens,
+                                     document_ids=document_ids)
     out = {}
     for prefix, values in (("", recall), ("oracle_", oracle)):
         if values.numel() == 0:
