@@ -48,7 +48,7 @@ from torch.nn import functional as F
 
 from .config import SparseAttentionConfig
 from .functional import BACKEND_REASONS, dense_causal_attention, resolve_backend, sparse_attention
-from .index import BlockIndex
+from .index import BlockIndex, document_positions
 from .timing import PhaseTimer
 from .validation import (
     check_document_ids,
@@ -349,7 +349,7 @@ class SparseAttention(nn.Module):
         geometry = geometry_of(seq_len, cfg.block_q, cfg.block_k, cfg.top_k, cfg.window, cfg.sinks)
 
         if position_ids is None and document_ids is not None and self.scorer.rope_inv_freq.numel():
-            position_ids = _positions_restarting_per_document(document_ids)
+            position_ids = document_positions(document_ids)
         capacity = geometry.capacity if document_ids is None else geometry.document_capacity
 
         record = self._replay.lookup(batch, seq_len) if (recomputing and cfg.replay) else None
@@ -531,16 +531,6 @@ class SparseAttention(nn.Module):
 
         o.register_hook(started)
         torch.autograd.graph.register_multi_grad_hook(inputs, finished, mode="all")
-
-
-def _positions_restarting_per_document(document_ids: Tensor) -> Tensor:
-    """int64 ``[B, N]``: each token's offset from the start of its document (RoPE positions of packed
-    rows whose positions restart at 0 per document)."""
-    ids = document_ids
-    pos = torch.arange(ids.shape[1], device=ids.device).view(1, -1)
-    starts = torch.ones_like(ids, dtype=torch.bool)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    return pos - torch.where(starts, pos, 0).cummax(dim=1).values
 
 
 def _sparse_modules(model: nn.Module) -> Iterable[SparseAttention]:
