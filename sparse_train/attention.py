@@ -387,8 +387,8 @@ class SparseAttention(nn.Module):
             with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
                 scores = self.scorer(qbar, kbar, scale, geometry)
         if need_selection:
-            candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks, seq_lens=seq_lens,
-                                              document_ids=document_ids)
+            candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks,
+                                              seq_lens=seq_lens, document_ids=document_ids)
             index = BlockIndex.from_selection(
                 candidates, seq_len=seq_len, block_q=cfg.block_q, block_k=cfg.block_k, window=cfg.window,
                 sinks=cfg.sinks, capacity=capacity, check=cfg.index_check, document_ids=document_ids,
@@ -402,8 +402,8 @@ class SparseAttention(nn.Module):
         if path == "sparse":
             attend_index = index
         elif dropout_p > 0.0:
-            attend_index = BlockIndex.full(batch, self.num_kv_heads, seq_len, cfg.block_q, cfg.block_k, device=device,
-                                           document_ids=document_ids)
+            attend_index = BlockIndex.full(batch, self.num_kv_heads, seq_len, cfg.block_q, cfg.block_k,
+                                           device=device, document_ids=document_ids)
         else:
             attend_index = None
 
@@ -458,8 +458,8 @@ class SparseAttention(nn.Module):
             self.selector_loss = loss
             if metrics_now and index is not None:
                 picks = sample_query_blocks(index.num_q_blocks, cfg.metrics_query_blocks, self._metrics_rng)
-                self._last_quality = selection_quality(q, k, index, scale=scale, query_blocks=picks, seq_lens=seq_lens,
-                                                       document_ids=document_ids)
+                self._last_quality = selection_quality(q, k, index, scale=scale, query_blocks=picks,
+                                                       seq_lens=seq_lens, document_ids=document_ids)
             if cfg.replay and not compiling and torch.is_grad_enabled() and o.requires_grad:
                 self._replay.remember(
                     SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=plan,

@@ -14,13 +14,13 @@ reference, the selector, the benchmarks) reads the same structure, and exactly o
 
 Candidates form a *set*: the union of the dynamic (learned top-k) blocks, the local window and the
 sink blocks. A duplicate would count a key twice in the softmax denominator, so duplicates are
-removed before attention.
+removed before attention. Notation: B batch, HKV key/value heads, N sequence length, BQ/BK query/key
+block sizes, NQB = ceil(N / BQ), NKB = ceil(N / BK).
 
 Packed documents (``document_ids`` ``[B, N]``, non-decreasing per row, see
 :mod:`sparse_train.documents`): a key block is kept only if it shares at least one document with the
 query block, so the window is per document too, and the sinks are the first blocks of each
-document the query block holds instead of the first blocks of the row (:func:`canonicalize`). Notation: B batch, HKV key/value heads, N sequence length, BQ/BK query/key
-block sizes, NQB = ceil(N / BQ), NKB = ceil(N / BK).
+document the query block holds instead of the first blocks of the row (:func:`canonicalize`).
 """
 
 from __future__ import annotations
@@ -285,7 +285,8 @@ def document_positions(document_ids: Tensor) -> Tensor:
     return pos - torch.where(starts, pos, 0).cummax(dim=1).values
 
 
-def document_sink_candidates(document_ids: Tensor, sinks: int, *, seq_len: int, block_q: int, block_k: int) -> Tensor:
+def document_sink_candidates(document_ids: Tensor, sinks: int, *, seq_len: int, block_q: int,
+                             block_k: int) -> Tensor:
     """Per-document sink blocks of every query block: int64 ``[B, NQB, S]``, -1 in unused slots.
 
     For query block i of row b: the first ``sinks`` key blocks of the document holding the block's

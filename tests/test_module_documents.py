@@ -14,7 +14,12 @@ from builders import make_qkv
 from sparse_train.index import shares_document
 from sparse_train.kernels.reference import reference_sparse_attention
 from sparse_train.selectors import selection_geometry
-from sparse_train.selectors.scorer import allowed_dynamic_blocks, rope_inverse_frequencies, selection_candidates, unrotate
+from sparse_train.selectors.scorer import (
+    allowed_dynamic_blocks,
+    rope_inverse_frequencies,
+    selection_candidates,
+    unrotate,
+)
 
 HQ, HKV, D = 4, 2, 16
 

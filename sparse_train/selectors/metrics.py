@@ -67,8 +67,8 @@ def row_mass_recall(
     """
     query_blocks = query_blocks.to(q.device)
     row_mass, row_ok = dense_row_block_mass(
-        q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks,
-        document_ids=document_ids,
+        q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens,
+        query_blocks=query_blocks, document_ids=document_ids,
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
     selected = index.to_dense()[:, :, query_blocks]  # [B, HKV, S, NKB]
     recall = torch.where(selected.unsqueeze(3), row_mass, 0.0).sum(dim=-1)
