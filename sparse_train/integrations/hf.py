@@ -145,8 +145,9 @@ def document_ids_for_call(position_ids: Tensor | None, batch: int, seq_len: int,
     ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` produces; batch 1) when given, else
     ``position_ids`` ``[1 or B, N]`` (a document starts wherever the position does not continue the
     previous one by +1, the rule of transformers' own packed-sequence detection). One host sync per
-    position tensor (to return None on unpacked input); every layer of a forward receives the same
-    tensor, so the result is computed once.
+    position tensor (to return None on unpacked input; while torch.compile traces, the ids are
+    returned without that check); every layer of a forward receives the same tensor, so the result
+    is computed once.
 
     Raises:
         ValueError: ``cu_seq_lens`` with a batch other than 1, or shapes that do not match.
@@ -162,7 +163,9 @@ def document_ids_for_call(position_ids: Tensor | None, batch: int, seq_len: int,
             and _last_positions[1] == position_ids._version):
         return _last_positions[2]
     document_ids = document_ids_from_position_ids(position_ids).expand(batch, seq_len)
-    if torch.compiler.is_compiling() or bool((document_ids[:, -1] == 0).all()):
+    if torch.compiler.is_compiling():
+        return document_ids  # no data-dependent branch while tracing: one document per row is exact too
+    if bool((document_ids[:, -1] == 0).all()):
         document_ids = None  # no restarts
     _last_positions = (weakref.ref(position_ids), position_ids._version, document_ids)
     return document_ids
