@@ -13,11 +13,22 @@ r0 sweep (hybrid backward): time of the dQ+atomic kernel, of the KV-centric kern
 Patterns: P64 = BQ=BK=64, 1 sink + 8 window + 16 random top-k causal blocks (seeded);
           P128 = BQ=BK=128, 1 sink + 4 window + 8 top-k.   Shape: B=1, HQ=32, HKV=8, D=128, bf16.
 
+Packed mode (--packed LO:HI): the row packs documents of random lengths in [LO, HI] (seeded per N, the
+last one cut at N); each token attends its own document only (``document_ids``). The pattern's
+selection loses the blocks that share no document with their query block (what a document-aware
+selection drops), and on that same selection we time our fwd / bwd / fwd+bwd with the document mask,
+our kernels without it (the mask's overhead), and FlexAttention with a BlockMask built from the same
+index plus a document_id mask_mod (blocks crossing the diagonal or a document boundary partial, the
+rest full). TFLOP/s count only the valid (same-document, causal) pairs. No dense SDPA, no r0 sweep.
+--dry-run builds the packed inputs, selection and Flex BlockMask on the CPU at small N and checks them
+(no timing; the CPU test of this script runs it).
+
 Usage (on the GPU):  PYTHONPATH=. python3 scripts/bench_attention.py --out docs/benchmarks
     --quick            N=65536 only, fewer repeats        --n 65536 16384   chosen lengths
     --pattern P128     one pattern                         --no-flex / --no-dense / --no-sweep
     --tune             sweep launch configs (heads per program, warps, stages) at the largest N
-Outputs: <out>/<date>_h200_attention.{json,md,png}
+    --packed 2048:16384  packed documents (above)          --dry-run   CPU check of the packed inputs
+Outputs: <out>/<date>_h200_attention.{json,md,png} (packed: <date>_h200_attention_packed.*)
 """
 from __future__ import annotations
 
@@ -34,10 +45,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from sparse_train import plan as planning  # noqa: E402
+from sparse_train.documents import block_document_ranges  # noqa: E402
 from sparse_train.index import BlockIndex  # noqa: E402
-from sparse_train.kernels import backward as kb  # noqa: E402
-from sparse_train.kernels import forward as kf  # noqa: E402
-from sparse_train.kernels.op import triton_sparse_attention  # noqa: E402
 
 DATE = "2026-11-30"
 PATTERNS = {"P64": dict(block=64, sinks=1, window=8, topk=16), "P128": dict(block=128, sinks=1, window=4, topk=8)}
@@ -96,29 +105,84 @@ def ceilings():
     return {"copy_TBps": bw, "bf16_matmul_TFLOPs": tf}
 
 
-def make_index(N, pat, seed=0):
+def _kernels():
+    """The kernel modules, imported on first use (the CPU dry run never needs them)."""
+    from sparse_train.kernels import backward, forward, op
+
+    return forward, backward, op.triton_sparse_attention
+
+
+def make_index(N, pat, seed=0, device="cuda"):
     bs = pat["block"]
     nqb = nkb = math.ceil(N / bs)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    scores = torch.rand(B, HKV, nqb, nkb, device="cuda", generator=g)
-    last = (torch.clamp((torch.arange(nqb, device="cuda") + 1) * bs, max=N) - 1) // bs
-    causal = torch.arange(nkb, device="cuda").view(1, 1, 1, -1) <= last.view(1, 1, -1, 1)
+    g = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.rand(B, HKV, nqb, nkb, device=device, generator=g)
+    last = (torch.clamp((torch.arange(nqb, device=device) + 1) * bs, max=N) - 1) // bs
+    causal = torch.arange(nkb, device=device).view(1, 1, 1, -1) <= last.view(1, 1, -1, 1)
     scores = scores.masked_fill(~causal, -1.0)
     val, sel = scores.topk(min(pat["topk"], nkb), dim=-1)
     sel = torch.where(val >= 0, sel, -1).to(torch.int32)
     return sel
 
 
-def build_index(sel, N, pat, r0=None):
+def packed_document_ids(N, low, high, seed, device="cuda"):
+    """int32 ``[B, N]`` ids of documents with lengths drawn uniformly in [low, high] (seeded), the last
+    one cut at N; and the lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lengths, total = [], 0
+    while total < N:
+        n = min(int(torch.randint(low, high + 1, (1,), generator=g)), N - total)
+        lengths.append(n)
+        total += n
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return ids.to(device=device, dtype=torch.int32).view(1, N).expand(B, N).contiguous(), lengths
+
+
+def shares_document(docs, block_q, block_k):
+    """bool ``[B, 1, NQB, NKB]``: the key block holds a token of a document of the query block. For a
+    causal pair (key block not after the query block) that is: the key block's last id >= the query
+    block's first id (ids are non-decreasing)."""
+    rq = block_document_ranges(docs, block_q)  # [B, NQB, 2]
+    rk = block_document_ranges(docs, block_k)  # [B, NKB, 2]
+    return (rk[:, None, :, 1] >= rq[:, :, None, 0]).unsqueeze(1)
+
+
+def build_index(sel, N, pat, r0=None, docs=None):
     idx = BlockIndex.from_selection(sel, seq_len=N, block_q=pat["block"], block_k=pat["block"],
                                     window=pat["window"], sinks=pat["sinks"])
+    if docs is not None:
+        # drop the blocks a document-aware selection drops (no shared document with the query block)
+        idx = BlockIndex.from_dense(idx.to_dense() & shares_document(docs, idx.block_q, idx.block_k), seq_len=N,
+                                    block_q=idx.block_q, block_k=idx.block_k)
     plan = idx.plan(r0)
     return idx, plan
 
 
-def flex_block_mask(idx, N):
-    """BlockMask from our canonical index: blocks crossing the diagonal are partial (causal mask_mod),
-    the others full.  H = HQ (each query head gets its KV head's selection)."""
+def valid_pairs(idx, docs=None, chunk=64):
+    """Causally valid (query, key) pairs inside selected blocks, summed over batch and KV heads (same
+    document only, with ``docs``), counted exactly, query blocks in chunks."""
+    n, bq, bk = idx.seq_len, idx.block_q, idx.block_k
+    device = idx.indices.device
+    total = 0
+    for c0 in range(0, idx.num_q_blocks, chunk):
+        blocks = idx.indices[:, :, c0:c0 + chunk].to(torch.int64)  # [B, HKV, C, K]
+        c = blocks.shape[2]
+        kpos = (blocks.clamp_min(0).unsqueeze(-1) * bk + torch.arange(bk, device=device)).flatten(-2)  # [B,HKV,C,K*BK]
+        kok = (blocks >= 0).unsqueeze(-1).expand(-1, -1, -1, -1, bk).flatten(-2) & (kpos < n)
+        qpos = (torch.arange(c0, c0 + c, device=device).view(-1, 1) * bq + torch.arange(bq, device=device))  # [C, BQ]
+        ok = kok.unsqueeze(3) & (kpos.unsqueeze(3) <= qpos.view(1, 1, c, bq, 1)) & (qpos.view(1, 1, c, bq, 1) < n)
+        if docs is not None:
+            dk = docs.long().gather(1, kpos.clamp(max=n - 1).flatten(1)).view(kpos.shape)
+            dq = docs.long()[:, qpos.clamp(max=n - 1).flatten()].view(-1, 1, c, bq, 1)
+            ok = ok & (dk.unsqueeze(3) == dq)
+        total += int(ok.sum())
+    return total
+
+
+def flex_block_mask(idx, N, docs=None):
+    """BlockMask from our canonical index: blocks crossing the diagonal (and, with ``docs`` int32
+    ``[B, N]``, a document boundary) are partial, with a causal (and same-document) mask_mod, the others
+    full.  H = HQ (each query head gets its KV head's selection)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     bq, bk = idx.block_q, idx.block_k
@@ -127,6 +191,12 @@ def flex_block_mask(idx, N):
     qi = torch.arange(nqb, device=dense.device).view(-1, 1)
     kj = torch.arange(nkb, device=dense.device).view(1, -1)
     crosses = (kj * bk + bk - 1 > qi * bq) | (kj * bk + bk > N)
+    if docs is not None:
+        # a block before the diagonal is in one document iff its first key and the query block's last
+        # query share an id (the kernels' skip rule)
+        rq = block_document_ranges(docs, bq)
+        rk = block_document_ranges(docs, bk)
+        crosses = crosses | (rk[:, None, :, 0] != rq[:, :, None, 1]).unsqueeze(1)
     partial = dense & crosses
     full = dense & ~crosses
 
@@ -142,7 +212,11 @@ def flex_block_mask(idx, N):
     def causal(b, h, q, kv):
         return q >= kv
 
-    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=(bq, bk), mask_mod=causal, seq_lengths=(N, N))
+    def causal_document(b, h, q, kv):
+        return (q >= kv) & (docs[b, q] == docs[b, kv])
+
+    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=(bq, bk),
+                                    mask_mod=causal if docs is None else causal_document, seq_lengths=(N, N))
 
 
 def rec(results, row):
@@ -150,25 +224,40 @@ def rec(results, row):
     print(json.dumps(row), flush=True)
 
 
-def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do):
+def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None):
+    _, _, triton_sparse_attention = _kernels()
     # index build + plan, each rep a fresh index (the plan cache lives on the index)
-    t_idx, t_idx95, _ = timeit(lambda: build_index(sel, N, pat), warmup=1, min_reps=5, budget_ms=200)
-    idx, plan = build_index(sel, N, pat)
-    pairs = idx.density() * N * (N + 1) / 2 * B * HQ
+    t_idx, t_idx95, _ = timeit(lambda: build_index(sel, N, pat, docs=docs), warmup=1, min_reps=5, budget_ms=200)
+    idx, plan = build_index(sel, N, pat, docs=docs)
+    pairs = idx.density() * N * (N + 1) / 2 * B * HQ if docs is None else valid_pairs(idx, docs) * (HQ // HKV)
     f_fwd = 4 * D * pairs
     f_bwd = 2.5 * f_fwd
-    row = dict(kind="ours", N=N, pattern=pat_name, density=idx.density(), mean_blocks=float(idx.counts.float().mean()),
-               index_plan_ms=t_idx, index_plan_p95_ms=t_idx95, num_hot=plan.num_hot, num_cold=plan.num_cold,
-               r0=plan.r0, max_reuse=plan.max_reuse)
-    t, t95, n = timeit(lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan}))
+    row = dict(kind="ours" if docs is None else "ours_packed", N=N, pattern=pat_name, density=idx.density(),
+               mean_blocks=float(idx.counts.float().mean()), index_plan_ms=t_idx, index_plan_p95_ms=t_idx95,
+               num_hot=plan.num_hot, num_cold=plan.num_cold, r0=plan.r0, max_reuse=plan.max_reuse)
+    if docs is not None:
+        row.update(documents=int(docs[0, -1]) + 1,
+                   valid_pair_fraction=pairs / (idx.density() * N * (N + 1) / 2 * B * HQ))
+        # the same selection without the document mask: the mask's cost (a different function)
+        t, _, _ = timeit(lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan}))
+        row["nodocs_fwd_ms"] = t
+    t, t95, n = timeit(lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan}, document_ids=docs))
     row.update(fwd_ms=t, fwd_p95_ms=t95, fwd_TFLOPs=f_fwd / t / 1e9, fwd_frac_ceiling=f_fwd / t / 1e9 / ceil)
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    if docs is not None:
+        def fb_nodocs():
+            oo, _ = triton_sparse_attention(qg, kg, vg, idx, kernel_options={"plan": plan})
+            torch.autograd.grad(oo, (qg, kg, vg), do)
+
+        row["nodocs_fwdbwd_ms"], _, _ = timeit(fb_nodocs)
     for det in (False, True):
-        o, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options={"plan": plan})
+        o, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options={"plan": plan},
+                                       document_ids=docs)
         tb, tb95, _ = timeit(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
 
         def fb():
-            oo, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options={"plan": plan})
+            oo, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options={"plan": plan},
+                                            document_ids=docs)
             torch.autograd.grad(oo, (qg, kg, vg), do)
 
         tfb, tfb95, _ = timeit(fb)
@@ -214,10 +303,11 @@ def run_dense(N, results, q, k, v, do):
 _FLEX = None
 
 
-def run_flex(N, pat_name, idx, results, q, k, v, do):
+def run_flex(N, pat_name, idx, results, q, k, v, do, docs=None):
     global _FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
+    _, _, triton_sparse_attention = _kernels()
     # Every (N, pattern, kernel options) is a new specialisation; past dynamo's recompile limit the
     # compiled wrapper silently runs flex_attention EAGERLY (unfused, materialises N^2 scores: seen
     # on the 2026-11-30 H200 run from the 4th specialisation on).  Reset dynamo per case.
@@ -226,10 +316,10 @@ def run_flex(N, pat_name, idx, results, q, k, v, do):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, val)
     _FLEX = torch.compile(flex_attention, dynamic=False)
-    row = dict(kind="flex", N=N, pattern=pat_name)
+    row = dict(kind="flex" if docs is None else "flex_packed", N=N, pattern=pat_name)
     try:
         t0 = time.time()
-        bm = flex_block_mask(idx, N)
+        bm = flex_block_mask(idx, N, docs)
         row["blockmask_build_s"] = time.time() - t0
     except Exception as exc:
         row["error"] = f"BlockMask: {type(exc).__name__}: {str(exc)[:300]}"
@@ -246,7 +336,7 @@ def run_flex(N, pat_name, idx, results, q, k, v, do):
             t, t95, _ = timeit(fwd)
             row.update(fwd_ms=t, fwd_p95_ms=t95, fwd_kernel_options=str(opts))
             # same indices, same function: the outputs must agree (bf16 rounding only)
-            ours, _ = triton_sparse_attention(q, k, v, idx)
+            ours, _ = triton_sparse_attention(q, k, v, idx, document_ids=docs)
             ref = fwd().float()
             row["rel_diff_vs_ours"] = float((ours.float() - ref).norm() / ref.norm())
             if "fwd_error" in row:
@@ -285,6 +375,7 @@ def run_flex(N, pat_name, idx, results, q, k, v, do):
 
 
 def r0_sweep(N, pat_name, pat, sel, results, q, k, v, do):
+    kf, kb, _ = _kernels()
     idx, _ = build_index(sel, N, pat)
     base = idx.plan(1)
     max_reuse = base.max_reuse
@@ -324,6 +415,7 @@ def r0_sweep(N, pat_name, pat, sel, results, q, k, v, do):
 def tune(N, pat_name, pat, sel, results, q, k, v, do):
     """Launch-config sweeps at one N: forward (heads per program, warps, stages); backward in
     deterministic mode (so the dQ kernel and the KV-centric kernel are timed apart); KV chunk size."""
+    kf, kb, _ = _kernels()
     idx, plan = build_index(sel, N, pat)
     scale = 1 / math.sqrt(D)
     bs = pat["block"]
@@ -379,6 +471,7 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do):
 
 
 def inspect_compiled(results):
+    kf, _, _ = _kernels()
     info = {}
     for name, ck in kf.LAST_COMPILED.items():
         ptx = ck.asm.get("ptx", "")
@@ -391,9 +484,40 @@ def inspect_compiled(results):
     print("compiled:", json.dumps(info), flush=True)
 
 
+def packed_table(rows):
+    """Markdown lines of the packed-documents table (rows of kinds ours_packed and flex_packed)."""
+    flex = {(r["N"], r["pattern"]): r for r in rows if r["kind"] == "flex_packed"}
+
+    def f(x, fmt="{:.3f}"):
+        return fmt.format(x) if isinstance(x, (int, float)) else "n/a"
+
+    lines = ["| N | pattern | documents | density | valid pairs / selected | ours fwd (p95) | ours bwd (p95) | "
+             "ours fwd+bwd (p95) | det fwd+bwd | same selection, no document mask: fwd, fwd+bwd | "
+             "fwd TFLOP/s (% ceil) | Flex fwd (p95) | Flex fwd+bwd (p95) | fwd vs Flex | fwd+bwd vs Flex |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["kind"] != "ours_packed" or "fwd_ms" not in r:
+            continue
+        fx = flex.get((r["N"], r["pattern"]), {})
+        lines.append("| " + " | ".join([
+            str(r["N"]), r["pattern"], str(r["documents"]), f(r["density"], "{:.4f}"),
+            f(r["valid_pair_fraction"], "{:.3f}"),
+            f"{f(r['fwd_ms'])} ({f(r['fwd_p95_ms'])})", f"{f(r['bwd_ms'])} ({f(r['bwd_p95_ms'])})",
+            f"{f(r['fwdbwd_ms'])} ({f(r['fwdbwd_p95_ms'])})", f(r["det_fwdbwd_ms"]),
+            f"{f(r['nodocs_fwd_ms'])}, {f(r['nodocs_fwdbwd_ms'])}",
+            f"{r['fwd_TFLOPs']:.0f} ({100 * r['fwd_frac_ceiling']:.0f}%)",
+            f"{f(fx.get('fwd_ms'))} ({f(fx.get('fwd_p95_ms'))})",
+            f"{f(fx.get('fwdbwd_ms'))} ({f(fx.get('fwdbwd_p95_ms'))})",
+            f(r["fwd_ms"] / fx["fwd_ms"], "{:.2f}x") if "fwd_ms" in fx else "n/a",
+            f(r["fwdbwd_ms"] / fx["fwdbwd_ms"], "{:.2f}x") if "fwdbwd_ms" in fx else "n/a",
+        ]) + " |")
+    return lines
+
+
 def write_outputs(results, out):
     os.makedirs(out, exist_ok=True)
-    stem = os.path.join(out, f"{DATE}_h200_attention")
+    packed = results.get("packed")
+    stem = os.path.join(out, f"{DATE}_h200_attention" + ("_packed" if packed else ""))
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
     rows = results["rows"]
@@ -403,7 +527,13 @@ def write_outputs(results, out):
              f"copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s. "
              "Medians of CUDA-event timings (ms), L2 flushed per repeat; TFLOP/s counts only causally valid "
              "(q,k) pairs inside selected blocks (bwd = 2.5x fwd FLOPs). torch " + results["torch"] +
-             ", triton " + results["triton"] + ".", ""] + [f"Note: {n}" for n in results.get("notes", [])] + ["",
+             ", triton " + results["triton"] + ".", ""] + [f"Note: {n}" for n in results.get("notes", [])]
+    if packed:
+        lines += ["", f"Packed documents: lengths uniform in [{packed[0]}, {packed[1]}] (seeded per N), each token "
+                  "attends its own document; the selection without the blocks that share no document with their "
+                  "query block; Flex on the same index with a document_id mask_mod. TFLOP/s count valid pairs only.",
+                  ""] + packed_table(rows)
+    lines += ["",
              "| N | pattern | density | index+plan ms | ours fwd | ours bwd | ours fwd+bwd | det fwd+bwd | fwd TFLOP/s (% ceil) | bwd TFLOP/s (% ceil) | Flex fwd | Flex fwd+bwd | cuDNN fwd | cuDNN fwd+bwd | flash fwd | flash fwd+bwd | fwd vs Flex | fwd+bwd vs Flex | fwd speedup vs cuDNN | fwd+bwd speedup vs cuDNN |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     dense = {(r["kind"], r["N"]): r for r in rows if r["kind"].startswith("dense")}
@@ -413,7 +543,7 @@ def write_outputs(results, out):
         return fmt.format(x) if isinstance(x, (int, float)) else "n/a"
 
     for r in rows:
-        if r["kind"] != "ours":
+        if r["kind"] != "ours" or "fwd_ms" not in r:
             continue
         fx = flex.get((r["N"], r["pattern"]), {})
         cu = dense.get(("dense_cudnn", r["N"]), {})
@@ -458,10 +588,12 @@ def write_outputs(results, out):
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        ours_kind, flex_kind = ("ours_packed", "flex_packed") if packed else ("ours", "flex")
         for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "fwdbwd_ms", "forward + backward")):
             for pat in PATTERNS:
-                ours = sorted((r["N"], r[key]) for r in rows if r["kind"] == "ours" and r["pattern"] == pat and key in r)
-                fl = sorted((r["N"], r[key]) for r in rows if r["kind"] == "flex" and r["pattern"] == pat and key in r)
+                mine = [r for r in rows if r.get("pattern") == pat and key in r]
+                ours = sorted((r["N"], r[key]) for r in mine if r["kind"] == ours_kind)
+                fl = sorted((r["N"], r[key]) for r in mine if r["kind"] == flex_kind)
                 if ours:
                     ax.plot(*zip(*ours), "o-", label=f"ours {pat}")
                 if fl:
@@ -477,11 +609,75 @@ def write_outputs(results, out):
             ax.set_title(title)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-        fig.suptitle(f"B=1 HQ=32 HKV=8 D=128 bf16 causal, {results['gpu']}, {DATE}")
+        what = "causal, packed documents" if packed else "causal"
+        fig.suptitle(f"B=1 HQ=32 HKV=8 D=128 bf16 {what}, {results['gpu']}, {DATE}")
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=110)
     except Exception as exc:
         print("plot failed:", exc)
+
+
+def parse_packed(text):
+    """``"LO:HI"`` -> (LO, HI): document lengths, ints with 1 <= LO <= HI."""
+    try:
+        low, high = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--packed takes LO:HI (two ints), got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"--packed LO:HI needs 1 <= LO <= HI, got {text!r}")
+    return low, high
+
+
+def _blocks_to_dense(num, ind, nkb):
+    """Flex's (num_blocks [B, H, NQB], indices [B, H, NQB, *]) -> bool [B, H, NQB, NKB]."""
+    keep = torch.arange(ind.shape[-1]).view(1, 1, 1, -1) < num.unsqueeze(-1)
+    dense = torch.zeros(*num.shape, nkb + 1, dtype=torch.bool)
+    dense.scatter_(-1, torch.where(keep, ind.long(), nkb), True)
+    return dense[..., :nkb]
+
+
+def dry_run(ns, patterns, packed):
+    """The packed mode's inputs on the CPU, checked (no kernels, no timing): document ids, the pruned
+    selection (every kept block shares a document with its query block, every dropped one shares none,
+    the diagonal blocks stay), the valid-pair count (against an element mask), and the Flex BlockMask
+    (its blocks are the index's, its full blocks exactly the selected blocks whose pairs are all valid,
+    its mask_mod causal & same document). Returns one summary dict per (N, pattern); raises AssertionError on a
+    mismatch."""
+    out = []
+    for n in ns:
+        docs, lengths = packed_document_ids(n, *packed, seed=n, device="cpu")
+        pos = torch.arange(n)
+        elem = (pos.view(1, -1) <= pos.view(-1, 1)) & (docs[0].view(1, -1) == docs[0].view(-1, 1))  # [N, N]
+        for name in patterns:
+            pat = PATTERNS[name]
+            bs = pat["block"]
+            sel = make_index(n, pat, seed=n, device="cpu")
+            full, _ = build_index(sel, n, pat)
+            idx, plan = build_index(sel, n, pat, docs=docs)
+            nb = idx.num_q_blocks
+            padded = torch.nn.functional.pad(elem, (0, nb * bs - n, 0, nb * bs - n))
+            block_pairs = padded.view(nb, bs, nb, bs).sum(dim=(1, 3))  # valid pairs per (query block, key block)
+            kept, before = idx.to_dense()[0], full.to_dense()[0]  # [HKV, NQB, NKB]
+            assert torch.equal(kept, before & (block_pairs > 0)), "pruning must keep exactly blocks with valid pairs"
+            assert kept[:, torch.arange(nb), torch.arange(nb)].all(), "diagonal blocks must stay"
+            pairs = valid_pairs(idx, docs)
+            assert pairs == int((kept * block_pairs).sum()), "valid pair count"
+            mask = flex_block_mask(idx, n, docs)
+            flex_dense = mask.to_dense()[0]  # [HQ, NQB, NKB]
+            assert torch.equal(flex_dense, kept.repeat_interleave(HQ // HKV, dim=0)), "Flex blocks != our index"
+            full_blocks = _blocks_to_dense(mask.full_kv_num_blocks, mask.full_kv_indices, nb)[0]
+            area = torch.clamp(n - torch.arange(nb) * bs, max=bs)
+            complete = block_pairs == area.view(-1, 1) * area.view(1, -1)
+            # full exactly where every pair is valid (then the block is before the diagonal and in one
+            # document); partial blocks are the rest, which the mask_mod decides element by element
+            assert torch.equal(full_blocks, kept.repeat_interleave(HQ // HKV, dim=0) & complete), "full Flex blocks"
+            q_idx = torch.arange(n).view(-1, 1)
+            mod = mask.mask_mod(torch.tensor(0), torch.tensor(0), q_idx, torch.arange(n).view(1, -1))
+            assert torch.equal(mod, elem), "mask_mod must be causal & same document"
+            out.append(dict(N=n, pattern=name, documents=len(lengths), blocks=int(full.counts.sum()),
+                            kept_blocks=int(idx.counts.sum()), valid_pairs=pairs, num_hot=plan.num_hot,
+                            flex_full_blocks=int(full_blocks.sum())))
+    return out
 
 
 def main():
@@ -495,10 +691,18 @@ def main():
     ap.add_argument("--sweep-n", type=int, default=65536)
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--packed", type=parse_packed, default=None, metavar="LO:HI",
+                    help="packed documents with lengths uniform in [LO, HI] (module docstring)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU: build and check the packed inputs (default --packed 64:700, N 1000 3001), no timing")
     args = ap.parse_args()
+    if args.dry_run:
+        for row in dry_run(args.n or [1000, 3001], args.pattern, args.packed or (64, 700)):
+            print(json.dumps(row), flush=True)
+        return
     ns = args.n or ([65536] if args.quick else [8192, 16384, 32768, 65536, 131072])
     results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=DATE, rows=[],
-                   shape=dict(B=B, HQ=HQ, HKV=HKV, D=D, dtype="bf16"))
+                   shape=dict(B=B, HQ=HQ, HKV=HKV, D=D, dtype="bf16"), packed=args.packed)
     import triton
 
     results["triton"] = triton.__version__
@@ -511,26 +715,27 @@ def main():
         k = torch.randn(B, HKV, N, D, device="cuda", dtype=DT)
         v = torch.randn(B, HKV, N, D, device="cuda", dtype=DT)
         do = torch.randn(B, HQ, N, D, device="cuda", dtype=DT)
+        docs = None if args.packed is None else packed_document_ids(N, *args.packed, seed=N)[0]
         for pat_name in args.pattern:
             pat = PATTERNS[pat_name]
             sel = make_index(N, pat, seed=N)
             try:
-                idx, plan = run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do)
+                idx, plan = run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=docs)
             except Exception:
                 traceback.print_exc()
                 rec(results, dict(kind="ours", N=N, pattern=pat_name, error=traceback.format_exc()[-400:]))
                 continue
-            if args.tune and N == max(ns):
+            if args.tune and N == max(ns) and docs is None:
                 tune(N, pat_name, pat, sel, results, q, k, v, do)
             if not args.no_flex:
-                run_flex(N, pat_name, idx, results, q, k, v, do)
-            if not args.no_sweep and N == args.sweep_n:
+                run_flex(N, pat_name, idx, results, q, k, v, do, docs=docs)
+            if not args.no_sweep and N == args.sweep_n and docs is None:
                 try:
                     r0_sweep(N, pat_name, pat, sel, results, q, k, v, do)
                 except Exception:
                     traceback.print_exc()
             write_outputs(results, args.out)
-        if not args.no_dense:
+        if not args.no_dense and docs is None:
             run_dense(N, results, q, k, v, do)
         del q, k, v, do
         torch.cuda.empty_cache()

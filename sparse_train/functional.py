@@ -223,15 +223,11 @@ def sparse_attention(
     if seq_lens is not None:
         q = finite_padded_queries(q, seq_lens)
     chosen, _ = resolve_backend(q, k, v, index, backend, document_ids=document_ids)
-    if chosen == "triton" and document_ids is not None:
-        if backend == "triton":
-            raise ValueError("backend='triton' cannot run this input: document_ids are not supported by the kernels yet")
-        chosen = "reference"
     if chosen == "triton":
         o, lse = _triton_op().triton_sparse_attention(
             q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
             deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
-            kernel_options=args.kernel_options,
+            kernel_options=args.kernel_options, document_ids=document_ids,
         )
     else:
         o, lse = reference_sparse_attention(

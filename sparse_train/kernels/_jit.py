@@ -12,8 +12,8 @@ import math
 import triton
 import triton.language as tl
 
-__all__ = ["LN2", "LOG2E", "dot", "dropout_keep", "index_row", "load_rows", "log2_lse", "query_tile",
-           "sequence_length", "tile_pointers", "tile_rows"]
+__all__ = ["LN2", "LOG2E", "crosses_documents", "documents_row", "dot", "dropout_keep", "index_row", "last_document",
+           "load_documents", "load_rows", "log2_lse", "query_tile", "sequence_length", "tile_pointers", "tile_rows"]
 
 LOG2E = tl.constexpr(math.log2(math.e))
 """log2(e): the kernels run the softmax in base 2, exp(x) = exp2(x * LOG2E) (host side: ``LOG2E.value``)."""
@@ -93,6 +93,36 @@ def sequence_length(SEQ_LENS, batch, N, HAS_SEQ_LENS: tl.constexpr):
     else:
         length = N
     return length
+
+
+@triton.jit
+def documents_row(DOCS, b64, N):
+    """Pointer to the document ids of batch row b (the launcher passes them as int32 contiguous ``[B, N]``)."""
+    return DOCS + b64 * N
+
+
+@triton.jit
+def load_documents(docs_row, positions, N):
+    """Document ids of ``positions`` (int32 ``[R]``); -1 past N, where the length mask already excludes
+    every key and no query row is stored."""
+    return tl.load(docs_row + positions.to(tl.int64), mask=positions < N, other=-1)
+
+
+@triton.jit
+def last_document(docs_row, first, LENGTH: tl.constexpr, N):
+    """Document id of the last real position of the block of ``LENGTH`` positions from ``first`` (the
+    last block may be cut by N): the block's largest id, since ids are non-decreasing."""
+    return tl.load(docs_row + tl.minimum(first + LENGTH, N) - 1)
+
+
+@triton.jit
+def crosses_documents(docs_row, key_first, query_last_doc):
+    """Whether a key block that ends at or before its query tile's first query holds a (key, query)
+    pair of two documents. Such a block precedes every query of the tile, so its first key and the
+    tile's last query are the smallest and largest ids of the pair (ids are non-decreasing): the pair
+    is one document iff those two ids are equal. Blocks reaching past the tile's first query take the
+    causal mask, document check included, anyway."""
+    return tl.load(docs_row + key_first) != query_last_doc
 
 
 @triton.jit

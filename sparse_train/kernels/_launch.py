@@ -32,3 +32,13 @@ def kernel_seq_lens(seq_lens: Tensor | None, seq_len: int, fallback: Tensor) -> 
     if seq_lens is None:
         return fallback
     return seq_lens.to(torch.int64).clamp(0, seq_len).to(torch.int32).contiguous()
+
+
+def kernel_document_ids(document_ids: Tensor | None, fallback: Tensor) -> Tensor:
+    """The DOCS argument of the kernels: int32, contiguous ``[B, N]`` (the kernels index it as
+    ``DOCS + b * N + t``, without strides). Ids are only compared, never used as addresses, so an
+    unvalidated value can change a mask but never make a kernel read out of bounds. ``fallback`` is the
+    dummy pointer passed when there are no document ids."""
+    if document_ids is None:
+        return fallback
+    return document_ids.to(torch.int32).contiguous()

@@ -1,6 +1,7 @@
 """Triton backward of exact block-sparse attention: dQ query-centric, dK/dV hybrid.
 
-Math (P recomputed from the saved lse; Z = keep / (1 - p) * P is what multiplied V in the forward):
+Math (P recomputed from the saved lse, under the forward's masks: causal, length, and the document mask
+doc[b, k] == doc[b, q] when HAS_DOCS; Z = keep / (1 - p) * P is what multiplied V in the forward):
     delta_q = sum_d dO_qd O_qd - dlse_q;  dP_qk = keep_qk / (1 - p) <dO_q, V_k>;  dS_qk = P_qk (dP_qk - delta_q)
     dQ_q = scale sum_k dS_qk K_k;  dK_k = scale sum_{h in group, q} dS_qk Q_q;  dV_k = sum_{h in group, q} Z_qk dO_q
 (rowsum(dO * O) equals rowsum(P * dP) also with dropout, because O = Z V.)
@@ -35,9 +36,13 @@ import triton.language as tl
 from ..plan import backward_config, kv_schedule
 from ._jit import (
     LOG2E,
+    crosses_documents,
+    documents_row,
     dot,
     dropout_keep,
     index_row,
+    last_document,
+    load_documents,
     load_rows,
     log2_lse,
     query_tile,
@@ -45,7 +50,7 @@ from ._jit import (
     tile_pointers,
     tile_rows,
 )
-from ._launch import LAST_COMPILED, kernel_seq_lens, launch
+from ._launch import LAST_COMPILED, kernel_document_ids, kernel_seq_lens, launch
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
 __all__ = ["sparse_attn_backward"]
@@ -85,7 +90,7 @@ def _delta_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, INDICES, COUNTS, SEQ_LENS, COLD_SLOTS, DQ, DK_ATOMIC, DV_ATOMIC,
+    Q, K, V, DO, LSE, DELTA, INDICES, COUNTS, SEQ_LENS, DOCS, COLD_SLOTS, DQ, DK_ATOMIC, DV_ATOMIC,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -96,7 +101,7 @@ def _dq_kernel(
     N, HQ, HKV, NQB, NKB, scale_log2, scale, seed, threshold, inv_keep,
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, HAS_COLD: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr,
 ):
     M: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
     qb, b, hkv, head, qpos = query_tile(NQB, HKV, GROUP, HEADS_PER_PROGRAM, BLOCK_Q, True)  # head, qpos: [M]
@@ -117,6 +122,10 @@ def _dq_kernel(
     cold_slot_row = COLD_SLOTS + (b64 * HKV + hkv64) * NKB
     q_first = qb * BLOCK_Q
     row_counter = row * N  # [M] dropout counter of (row, key 0)
+    if HAS_DOCS:
+        docs_row = documents_row(DOCS, b64, N)
+        doc_q = load_documents(docs_row, qpos, N)  # [M]
+        doc_q_last = last_document(docs_row, q_first, BLOCK_Q, N)
 
     dq = tl.zeros([M, HEAD_DIM], tl.float32)
     for t in range(0, count):
@@ -129,9 +138,16 @@ def _dq_kernel(
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         dp = dot(do, tl.trans(v), IEEE)  # [M, BK]
         s = s * scale_log2
-        if (j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen):
-            ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen)
-            s = tl.where(ok, s, float("-inf"))
+        if HAS_DOCS:  # the forward's masks, skipped where it skipped them (forward.py)
+            if ((j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen)
+                    | crosses_documents(docs_row, j * BLOCK_K, doc_q_last)):
+                doc_k = load_documents(docs_row, kpos, N)
+                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen) & (doc_q[:, None] == doc_k[None, :])
+                s = tl.where(ok, s, float("-inf"))
+        else:
+            if (j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen):
+                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen)
+                s = tl.where(ok, s, float("-inf"))
         p = tl.exp2(s - lse2[:, None])  # [M, BK] normalised probabilities
         if DROPOUT:
             keep = dropout_keep(seed, row_counter[:, None] + kpos64[None, :], threshold)
@@ -158,7 +174,7 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, KV_QBLOCKS, SEQ_LENS, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
+    Q, K, V, DO, LSE, DELTA, KV_QBLOCKS, SEQ_LENS, DOCS, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
     DK, DV, DK_PARTIAL, DV_PARTIAL,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -169,6 +185,7 @@ def _dkdv_kernel(
     N, HQ, HKV, NKB, scale_log2, scale, seed, threshold, inv_keep,
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):
     # one work item = one KV block and a chunk [t0, t1) of its transposed row (the query blocks that
     # selected it); long rows (sinks, popular blocks) are chunked so no program becomes the long pole
@@ -195,6 +212,9 @@ def _dkdv_kernel(
                 mask=kv_in[:, None], other=0.0)  # [BK, D]
     v = tl.load(tile_pointers(V + b64 * stride_vb + hkv64 * stride_vh, kpos64, offs_d, stride_vn, stride_vd),
                 mask=kv_in[:, None], other=0.0)  # [BK, D]
+    if HAS_DOCS:
+        docs_row = documents_row(DOCS, b64, N)
+        doc_k = load_documents(docs_row, kpos, N)  # [BK]
     dk = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
     # flat loop over (query block, head subset) pairs in fixed order: deterministic and pipelinable;
@@ -215,9 +235,16 @@ def _dkdv_kernel(
         st = dot(k, tl.trans(q), IEEE)  # [BK, M] = S^T
         dpt = dot(v, tl.trans(do), IEEE)  # [BK, M] = dP^T before dropout
         st = st * scale_log2
-        if (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > seqlen):
-            ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < seqlen)
-            st = tl.where(ok, st, float("-inf"))
+        if HAS_DOCS:  # the forward's masks, skipped where it skipped them (forward.py)
+            if ((j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > seqlen)
+                    | crosses_documents(docs_row, j * BLOCK_K, last_document(docs_row, qb * BLOCK_Q, BLOCK_Q, N))):
+                doc_q = load_documents(docs_row, qpos, N)  # [M]
+                ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < seqlen) & (doc_k[:, None] == doc_q[None, :])
+                st = tl.where(ok, st, float("-inf"))
+        else:
+            if (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > seqlen):
+                ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < seqlen)
+                st = tl.where(ok, st, float("-inf"))
         pt = tl.exp2(st - lse2[None, :])  # [BK, M]
         if DROPOUT:
             keep = dropout_keep(seed, row[None, :] * N + kpos64[:, None], threshold)
@@ -288,15 +315,16 @@ def _dkdv_finish_kernel(
 # ----------------------------------------------------------------------------------------------
 def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, num_cold,
                          *, block_q, block_k, scale, seq_lens=None, dlse=None, dropout_p=0.0, dropout_seed=0,
-                         config=None, stage_events=None):
+                         config=None, stage_events=None, document_ids=None):
     """Launch the backward.  ``slots`` from ``plan.cold_slots`` (int32 ``[B*HKV*NKB]``); ``num_cold`` =
     number of slots >= 0 (0 in deterministic mode); ``config``: a ``plan.BackwardConfig`` (default
     ``plan.backward_config``).  Returns (dq, dk, dv) in q/k/v dtypes.  ``stage_events``: optional 4 CUDA
     events recorded at start / after delta, scheduling and workspace zeroing / after the dQ (+atomic)
-    kernel / after the KV-centric and finish kernels.  No validation here (op.py validates), but every
-    tensor argument is either passed with its strides (q, k, v, o, do, indices, counts) or made
-    contiguous here (lse, dlse, seq_lens and the plan arrays kv_indptr, kv_qblocks, slots, which the
-    kernels index without strides)."""
+    kernel / after the KV-centric and finish kernels.  ``document_ids``: int ``[B, N]`` (non-decreasing)
+    or None, the forward's.  No validation here (op.py validates), but every tensor argument is either
+    passed with its strides (q, k, v, o, do, indices, counts) or made contiguous here (lse, dlse,
+    seq_lens, document_ids and the plan arrays kv_indptr, kv_qblocks, slots, which the kernels index
+    without strides)."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     group = HQ // HKV
@@ -315,6 +343,8 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     kv_qblocks = kv_qblocks.contiguous()
     slots = slots.contiguous()
     seq_lens_arg = kernel_seq_lens(seq_lens, N, counts)
+    docs_arg = kernel_document_ids(document_ids, counts)
+    has_docs = document_ids is not None
     seed = philox_key(dropout_seed)
 
     if stage_events:
@@ -346,12 +376,12 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     scale_log2 = float(scale * LOG2E.value)
     LAST_COMPILED["dq"] = launch(
         _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
-        q, k, v, do, lse, delta, indices, counts, seq_lens_arg, slots, dq, dk_atomic, dv_atomic,
+        q, k, v, do, lse, delta, indices, counts, seq_lens_arg, docs_arg, slots, dq, dk_atomic, dv_atomic,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *indices.stride(), *counts.stride(),
         N, HQ, HKV, NQB, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
         GROUP=group, HEADS_PER_PROGRAM=config.dq_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
-        HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee,
+        HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee, HAS_DOCS=has_docs,
         num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
     )
     if stage_events:
@@ -359,12 +389,12 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     num_items = schedule.item_row.numel()
     if num_items > 0:
         LAST_COMPILED["dkdv"] = launch(
-            _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, seq_lens_arg,
+            _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, seq_lens_arg, docs_arg,
             schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv, dk_partial, dv_partial,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             N, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
             GROUP=group, HEADS_PER_PROGRAM=config.kv_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k,
-            HEAD_DIM=D, HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, IEEE=ieee,
+            HEAD_DIM=D, HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, IEEE=ieee, HAS_DOCS=has_docs,
             num_warps=config.kv_num_warps, num_stages=config.kv_num_stages,
         )
     _dkdv_finish_kernel[(NKB, B * HKV)](

@@ -7,8 +7,9 @@ Math, per query block i of KV head h and selected slot t holding key block j (P 
 
 Notation: as in forward.py (B, HQ, HKV, GROUP, N, HEAD_DIM = D, BLOCK_Q / BLOCK_K, NQB, K capacity,
 HEADS_PER_PROGRAM heads stacked into M = HEADS_PER_PROGRAM * BQ rows, HEAD_SUBSETS per group). A row is
-live when it is a real query (q < N and q < seq_lens[b]) with a finite lse; a key is valid when k <= q
-and k < seq_lens[b]. The reference is kernels/reference_block_mass.py (any rows_per_block).
+live when it is a real query (q < N and q < seq_lens[b]) with a finite lse; a key is valid when k <= q,
+k < seq_lens[b] and, with packed documents (HAS_DOCS), doc[b, k] == doc[b, q]. The reference is
+kernels/reference_block_mass.py (any rows_per_block).
 
 Layers: (1) ``@triton.jit`` kernel ``_block_mass_kernel`` (one QK^T tile product per (query tile,
 selected block), no softmax state: the forward's lse already normalises every row); (2) the launcher
@@ -29,9 +30,19 @@ from torch import Tensor
 
 from ..index import BlockIndex, causal_last_block
 from ..plan import block_mass_config, forward_config, forward_num_splits
-from ..validation import check_choice, check_inputs, check_scale
-from ._jit import LOG2E, dot, index_row, load_rows, query_tile, sequence_length, tile_pointers
-from ._launch import kernel_seq_lens, launch
+from ..validation import check_choice, check_document_ids, check_inputs, check_scale
+from ._jit import (
+    LOG2E,
+    documents_row,
+    dot,
+    index_row,
+    load_documents,
+    load_rows,
+    query_tile,
+    sequence_length,
+    tile_pointers,
+)
+from ._launch import kernel_document_ids, kernel_seq_lens, launch
 from .forward import sparse_attn_forward
 from .reference_block_mass import ROW_POOLS, renormalise
 
@@ -43,7 +54,7 @@ __all__ = ["block_mass_launch", "triton_block_mass", "triton_dense_block_mass"]
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _block_mass_kernel(
-    Q, K, LSE, INDICES, COUNTS, SEQ_LENS, OUT,
+    Q, K, LSE, INDICES, COUNTS, SEQ_LENS, DOCS, OUT,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_lb, stride_lh, stride_ln,
@@ -52,6 +63,7 @@ def _block_mass_kernel(
     N, HKV, NQB, CAPACITY, scale_log2,
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, IEEE: tl.constexpr, ROW_MAX: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):
     HEAD_SUBSETS: tl.constexpr = GROUP // HEADS_PER_PROGRAM
     qb, b, hkv, head, qpos = query_tile(NQB, HKV, GROUP, HEADS_PER_PROGRAM, BLOCK_Q, False)  # head, qpos: [M]
@@ -67,6 +79,9 @@ def _block_mass_kernel(
     # dead rows (padding, empty selection) subtract +inf: their probabilities are exactly 0
     live = row_real & (lse > float("-inf"))
     lse2 = tl.where(live, lse * LOG2E, float("inf"))  # [M] log2 domain
+    if HAS_DOCS:
+        docs_row = documents_row(DOCS, b64, N)
+        doc_q = load_documents(docs_row, qpos, N)  # [M]
 
     selected, count = index_row(INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq,
                              stride_cb, stride_ch, stride_cq)
@@ -81,6 +96,8 @@ def _block_mass_kernel(
                     mask=key_in[:, None], other=0.0)  # [BK, D]
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         ok = (kpos[None, :] <= qpos[:, None]) & key_in[None, :]
+        if HAS_DOCS:
+            ok = ok & (doc_q[:, None] == load_documents(docs_row, kpos, N)[None, :])
         p = tl.where(ok, tl.exp2(s * scale_log2 - lse2[:, None]), 0.0)
         row_mass = tl.sum(p, 1)  # [M]
         if ROW_MAX:
@@ -93,10 +110,11 @@ def _block_mass_kernel(
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
 def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts: Tensor, *, block_q: int,
-                      block_k: int, scale: float, seq_lens: Tensor | None = None, row_max: bool = True) -> Tensor:
+                      block_k: int, scale: float, seq_lens: Tensor | None = None, row_max: bool = True,
+                      document_ids: Tensor | None = None) -> Tensor:
     """Unnormalised mass float32 ``[B, HKV, NQB, K]`` pooled over rows by max (``row_max``) or sum
     (zeros in empty slots). No validation; q, k, lse, indices, counts are passed with their strides,
-    seq_lens made contiguous (``kernel_seq_lens``)."""
+    seq_lens and document_ids ``[B, N]`` made contiguous int32 (``kernel_seq_lens``, ``kernel_document_ids``)."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     group = HQ // HKV
@@ -106,12 +124,13 @@ def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts
     out = torch.zeros((B, HKV, head_subsets, NQB, capacity), device=q.device, dtype=torch.float32)
     launch(
         _block_mass_kernel, (NQB * head_subsets, B * HKV),
-        q, k, lse, indices, counts, kernel_seq_lens(seq_lens, N, counts), out,
+        q, k, lse, indices, counts, kernel_seq_lens(seq_lens, N, counts), kernel_document_ids(document_ids, counts),
+        out,
         *q.stride(), *k.stride(), *lse.stride(), *indices.stride(), *counts.stride(),
         N, HKV, NQB, capacity, float(scale * LOG2E.value),
         GROUP=group, HEADS_PER_PROGRAM=config.heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
         HAS_SEQ_LENS=seq_lens is not None, IEEE=q.dtype == torch.float32, ROW_MAX=row_max,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_DOCS=document_ids is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out.amax(dim=2) if row_max else out.sum(dim=2)
 
@@ -121,7 +140,8 @@ def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
-                      seq_lens: Tensor | None = None, row_pool: str = "max") -> tuple[Tensor, Tensor]:
+                      seq_lens: Tensor | None = None, row_pool: str = "max",
+                      document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Distillation target over the selected blocks, from the forward's lse.
 
     Args:
@@ -132,17 +152,19 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
         seq_lens: optional int ``[B]``, values in ``[0, N]``; keys and query rows at positions >=
             seq_lens[b] are dead (never loaded: NaN/inf there cannot reach the target).
         row_pool: ``"max"`` (default: each slot's largest single-row mass) or ``"mean"``.
+        document_ids: optional int ``[B, N]``, non-decreasing (packed documents): keys of another
+            document than the row's are masked, as in the attention that produced ``lse``.
 
     Returns:
         ``target`` float32 ``[B, HKV, NQB, K]`` (each valid row sums to 1 over its selected slots,
         zeros on empty slots) and ``row_valid`` bool ``[B, HKV, NQB]``.
 
     Raises:
-        ValueError: shapes that do not match the index, an lse of the wrong shape/dtype/device, or an
-            unknown ``row_pool``.
+        ValueError: shapes that do not match the index, an lse of the wrong shape/dtype/device, bad
+            seq_lens or document_ids, or an unknown ``row_pool``.
     """
     check_choice("row_pool", row_pool, ROW_POOLS)
-    check_inputs(q, k, k, index, seq_lens)
+    check_inputs(q, k, k, index, seq_lens, document_ids=document_ids)
     scale = check_scale(scale, q.shape[-1])
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(
@@ -151,6 +173,7 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
     mass = block_mass_launch(
         q.detach(), k.detach(), lse.detach(), index.indices, index.counts,
         block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, row_max=row_pool == "max",
+        document_ids=document_ids,
     )
     target = renormalise(mass)
     return target, mass.sum(dim=-1) > 0
@@ -158,7 +181,8 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
 
 @torch.no_grad()
 def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block_q: int, block_k: int, scale: float,
-                            seq_lens: Tensor | None = None, row_pool: str = "max") -> tuple[Tensor, Tensor]:
+                            seq_lens: Tensor | None = None, row_pool: str = "max",
+                            document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Dense causal attention mass of a few query blocks on every key block, through the kernels.
 
     The index used here gives each query block of ``query_blocks`` every causally reachable key
@@ -170,7 +194,7 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     Args:
         q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]`` (kernel-supported dtype, head dim and blocks).
         query_blocks: int ``[S]`` distinct query-block ids.
-        block_q, block_k, scale, seq_lens, row_pool: as :func:`triton_block_mass`.
+        block_q, block_k, scale, seq_lens, row_pool, document_ids: as :func:`triton_block_mass`.
 
     Returns:
         ``target`` float32 ``[B, HKV, S, NKB]`` (each valid row sums to 1 over its causal blocks) and
@@ -179,6 +203,7 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     """
     batch, _, seq_len, _ = q.shape
     num_kv_heads = k.shape[1]
+    check_document_ids(document_ids, batch, seq_len, q.device)
     num_q_blocks = -(-seq_len // block_q)
     num_k_blocks = -(-seq_len // block_k)
     picks = query_blocks.to(device=q.device, dtype=torch.int64)
@@ -199,8 +224,10 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     num_splits = forward_num_splits(picks.numel(), batch, num_kv_heads, group, config.heads_per_program, capacity,
                                     q.device)
     _, lse = sparse_attn_forward(q, k, k, index.indices, index.counts, block_q=block_q, block_k=block_k,
-                                 scale=scale, seq_lens=seq_lens, num_splits=num_splits, config=config)
-    target, row_valid = triton_block_mass(q, k, lse, index, scale=scale, seq_lens=seq_lens, row_pool=row_pool)
+                                 scale=scale, seq_lens=seq_lens, num_splits=num_splits, config=config,
+                                 document_ids=document_ids)
+    target, row_valid = triton_block_mass(q, k, lse, index, scale=scale, seq_lens=seq_lens, row_pool=row_pool,
+                                          document_ids=document_ids)
     out = torch.zeros(batch, num_kv_heads, picks.numel(), num_k_blocks, device=q.device, dtype=torch.float32)
     out[..., :capacity] = target[:, :, picks]
     return out, row_valid[:, :, picks]

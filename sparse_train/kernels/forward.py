@@ -1,7 +1,8 @@
 """Triton forward of exact block-sparse attention over a canonical block index.
 
 Math, per query row q of head h over the keys k of its query block's selected key blocks:
-    s_qk = scale <Q_q, K_k>, -inf unless k <= q and k < seq_len[b];  lse_q = log sum_k exp(s_qk)
+    s_qk = scale <Q_q, K_k>, -inf unless k <= q, k < seq_len[b] and doc[b, k] == doc[b, q] (HAS_DOCS)
+    lse_q = log sum_k exp(s_qk)
     O_q = sum_k keep_qk / (1 - p) exp(s_qk - lse_q) V_k;  keep_qk = philox(seed, ((b*HQ+h)*N+q)*N+k) >= p 2^32
 
 Notation: B batch, HQ/HKV query/KV heads, GROUP = HQ/HKV (GQA), N length, HEAD_DIM = D, BLOCK_Q /
@@ -19,7 +20,9 @@ configuration come from sparse_train/plan.py; the PyTorch reference is reference
 
 Known limits: head dims 16/32/64/128; BQ, BK in {16, 32, 64, 128}; bf16/fp16 on the GPU, fp32 only for
 the interpreter and tests (its dots use input_precision="ieee"); rows are walked in index order
-(ascending key blocks); split partials use an fp32 workspace of NUM_SPLITS * B * HQ * N * (D + 2) * 4 bytes.
+(ascending key blocks); a selected block of another document costs its loads and products (the mask
+zeroes it; selections should drop such blocks upstream); split partials use an fp32 workspace of
+NUM_SPLITS * B * HQ * N * (D + 2) * 4 bytes.
 """
 from __future__ import annotations
 
@@ -28,8 +31,22 @@ import triton
 import triton.language as tl
 
 from ..plan import forward_config
-from ._jit import LN2, LOG2E, dot, dropout_keep, index_row, load_rows, query_tile, sequence_length, tile_pointers
-from ._launch import LAST_COMPILED, kernel_seq_lens, launch
+from ._jit import (
+    LN2,
+    LOG2E,
+    crosses_documents,
+    documents_row,
+    dot,
+    dropout_keep,
+    index_row,
+    last_document,
+    load_documents,
+    load_rows,
+    query_tile,
+    sequence_length,
+    tile_pointers,
+)
+from ._launch import LAST_COMPILED, kernel_document_ids, kernel_seq_lens, launch
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
 __all__ = ["sparse_attn_forward"]
@@ -42,7 +59,7 @@ _MERGE_ROWS = 32  # rows per program of the merge kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, INDICES, COUNTS, SEQ_LENS, PARTIAL_O, PARTIAL_M, PARTIAL_L,
+    Q, K, V, O, LSE, INDICES, COUNTS, SEQ_LENS, DOCS, PARTIAL_O, PARTIAL_M, PARTIAL_L,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -53,7 +70,7 @@ def _fwd_kernel(
     N, HQ, HKV, NQB, scale_log2, seed, threshold, inv_keep,
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr,
 ):
     M: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
     qb, b, hkv, head, qpos = query_tile(NQB, HKV, GROUP, HEADS_PER_PROGRAM, BLOCK_Q, True)  # head, qpos: [M]
@@ -75,6 +92,10 @@ def _fwd_kernel(
     q_first = qb * BLOCK_Q  # first query of the tile
     # dropout counter of (row, key) = row_counter + k, row_counter = ((b*HQ + h)*N + q)*N
     row_counter = ((b64 * HQ + head64) * N + qpos64) * N  # [M]
+    if HAS_DOCS:
+        docs_row = documents_row(DOCS, b64, N)
+        doc_q = load_documents(docs_row, qpos, N)  # [M]
+        doc_q_last = last_document(docs_row, q_first, BLOCK_Q, N)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -90,10 +111,18 @@ def _fwd_kernel(
         v = tl.load(tile_pointers(v_base, kpos64, offs_d, stride_vn, stride_vd), mask=kv_ok[:, None], other=0.0)
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         s = s * scale_log2  # log2 domain: exp(x) = exp2(x * log2 e)
-        # masks before max/exp; only blocks that cross the diagonal or the sequence end need them
-        if (j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen):
-            ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen)
-            s = tl.where(ok, s, float("-inf"))
+        # masks before max/exp; only blocks that cross the diagonal or the sequence end need them, and
+        # with documents those whose keys and queries are not all in one document
+        if HAS_DOCS:
+            if ((j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen)
+                    | crosses_documents(docs_row, j * BLOCK_K, doc_q_last)):
+                doc_k = load_documents(docs_row, kpos, N)
+                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen) & (doc_q[:, None] == doc_k[None, :])
+                s = tl.where(ok, s, float("-inf"))
+        else:
+            if (j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen):
+                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen)
+                s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with nothing valid so far keeps m = -inf; use 0 as base so exp2 gives 0, not NaN
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -163,9 +192,10 @@ def _merge_kernel(
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
 def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, seq_lens=None,
-                        dropout_p=0.0, dropout_seed=0, num_splits=1, config=None):
+                        dropout_p=0.0, dropout_seed=0, num_splits=1, config=None, document_ids=None):
     """Launch the forward.  q ``[B, HQ, N, D]``; k, v ``[B, HKV, N, D]``; indices int32 ``[B, HKV, NQB, K]``;
-    counts int32 ``[B, HKV, NQB]``; seq_lens int ``[B]`` or None.  Returns (o ``[B, HQ, N, D]`` in q's
+    counts int32 ``[B, HKV, NQB]``; seq_lens int ``[B]`` or None; document_ids int ``[B, N]`` (non-decreasing)
+    or None.  Returns (o ``[B, HQ, N, D]`` in q's
     dtype, lse ``[B, HQ, N]`` float32).  ``config``: a ``plan.ForwardConfig`` (default
     ``plan.forward_config``).  No validation here (op.py
     validates before calling), but every tensor argument is either passed with its strides or made
@@ -192,13 +222,14 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
     else:
         partial_o = partial_m = partial_l = lse  # unused
     LAST_COMPILED["fwd"] = launch(
-        _fwd_kernel, grid, q, k, v, o, lse, indices, counts, seq_lens_arg, partial_o, partial_m, partial_l,
+        _fwd_kernel, grid, q, k, v, o, lse, indices, counts, seq_lens_arg, kernel_document_ids(document_ids, counts),
+        partial_o, partial_m, partial_l,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         *indices.stride(), *counts.stride(),
         N, HQ, HKV, NQB, float(scale * LOG2E.value), philox_key(dropout_seed), threshold, inv_keep,
         GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
         HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_DOCS=document_ids is not None, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(triton.cdiv(total_rows, _MERGE_ROWS),)](

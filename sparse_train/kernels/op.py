@@ -1,7 +1,8 @@
 """The autograd op and the public entry point of the Triton block-sparse attention kernels.
 
 Math, per query row q of head h over the selected key blocks (forward.py / backward.py for the kernels):
-    s_qk = scale <Q_q, K_k>, -inf unless k <= q and k < seq_len[b];  lse_q = log sum_k exp(s_qk)
+    s_qk = scale <Q_q, K_k>, -inf unless k <= q, k < seq_len[b] and doc[b, k] == doc[b, q] (document_ids)
+    lse_q = log sum_k exp(s_qk)
     O_q = sum_k keep_qk / (1 - p) exp(s_qk - lse_q) V_k;  dQ, dK, dV exact for this O and lse.
 
 Notation: B batch, HQ/HKV heads, N length, D head dim, BQ/BK block sizes, r0 reuse threshold of the
@@ -13,9 +14,10 @@ fake impls and ``register_autograd``) and (4) the public functions ``triton_spar
 ``triton_supports``. The launch schedule (plan, cold slots, split count, tiles) is
 ``sparse_train.plan.attention_schedule`` of the call's ``kernel_options``.
 
-Ownership of the index: ``indices``, ``counts`` and ``seq_lens`` are **copied** when the forward runs, and
-the copy is what the backward reads, so a caller that mutates or reuses these tensors after the forward
-cannot change the gradients (cost: 4 bytes per index slot and per sequence, small device copies). The
+Ownership of the index: ``indices``, ``counts``, ``seq_lens`` and ``document_ids`` are **copied** when
+the forward runs, and the copy is what the backward reads, so a caller that mutates or reuses these
+tensors after the forward cannot change the gradients (cost: 4 bytes per index slot, per sequence and per
+token, small device copies). The
 plan tensors (``BlockPlan.kv_indptr``, ``kv_qblocks``, ``hot``, ``reuse``) are referenced, not copied: a
 plan is a derived, immutable view, checked against the index it is used with
 (``sparse_train.validation.check_plan``: a plan of another index would make the backward read past
@@ -59,18 +61,19 @@ def _sparse_attn_fwd(
     q: Tensor, k: Tensor, v: Tensor, indices: Tensor, counts: Tensor,
     kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor, seq_lens: Optional[Tensor],
     num_cold: int, block_q: int, block_k: int, scale: float, dropout_p: float, dropout_seed: int,
-    num_splits: int, launch_config: list[int],
+    num_splits: int, launch_config: list[int], document_ids: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     # kv_indptr / kv_qblocks / slots / num_cold and the backward half of launch_config are not read
     # here; they are inputs so that setup_context can save them (custom ops save only inputs and outputs).
     return sparse_attn_forward(q, k, v, indices, counts, block_q=block_q, block_k=block_k, scale=scale,
                                seq_lens=seq_lens, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                               num_splits=num_splits, config=ForwardConfig(*launch_config[:_FWD_FIELDS]))
+                               num_splits=num_splits, config=ForwardConfig(*launch_config[:_FWD_FIELDS]),
+                               document_ids=document_ids)
 
 
 @_sparse_attn_fwd.register_fake
 def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold, block_q, block_k,
-      scale, dropout_p, dropout_seed, num_splits, launch_config):
+      scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids=None):
     B, HQ, N, D = q.shape
     return q.new_empty((B, HQ, N, D)), q.new_empty((B, HQ, N), dtype=torch.float32)
 
@@ -80,35 +83,35 @@ def _sparse_attn_bwd(
     do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     indices: Tensor, counts: Tensor, kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor,
     seq_lens: Optional[Tensor], num_cold: int, block_q: int, block_k: int, scale: float,
-    dropout_p: float, dropout_seed: int, backward_config: list[int],
+    dropout_p: float, dropout_seed: int, backward_config: list[int], document_ids: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, num_cold,
                                 block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, dlse=dlse,
                                 dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                config=BackwardConfig(*backward_config))
+                                config=BackwardConfig(*backward_config), document_ids=document_ids)
 
 
 @_sparse_attn_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold,
-      block_q, block_k, scale, dropout_p, dropout_seed, backward_config):
+      block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold, block_q, block_k,
-     scale, dropout_p, dropout_seed, num_splits, launch_config) = inputs
+     scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids) = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens)
+    ctx.save_for_backward(q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids)
     ctx.meta = (num_cold, block_q, block_k, scale, dropout_p, dropout_seed, list(launch_config[_FWD_FIELDS:]))
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens = ctx.saved_tensors
+    q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids = ctx.saved_tensors
     num_cold, block_q, block_k, scale, dropout_p, dropout_seed, backward_config = ctx.meta
     dq, dk, dv = torch.ops.sparse_train.sparse_attn_bwd(
         do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens,
-        num_cold, block_q, block_k, scale, dropout_p, dropout_seed, backward_config)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None, None, None, None
+        num_cold, block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids)
+    return dq, dk, dv, *([None] * 15)
 
 
 _sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -160,7 +163,7 @@ def triton_supports(q: Tensor, block_q: int, block_k: int) -> Support:
 def triton_sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, index, *, scale: float | None = None, dropout_p: float = 0.0,
     dropout_seed: int | None = None, seq_lens: Tensor | None = None, deterministic: bool = False,
-    kernel_options=None,
+    kernel_options=None, document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact block-sparse causal attention through the Triton kernels, differentiable (eager and
     torch.compile).
@@ -186,6 +189,10 @@ def triton_sparse_attention(
             index; default: that call, cached on the index), ``r0``, ``num_splits`` (default: the
             rule ``plan.choose_num_splits``) and the tiles of each kernel.  They change results only
             up to floating-point order.
+        document_ids: optional int ``[B, N]`` (int32/int64, any strides), non-decreasing along N
+            (packed documents, ``sparse_train.documents``): key k is masked for query q unless
+            ``document_ids[b, k] == document_ids[b, q]``.  Blocks whose queries and keys all lie in
+            one document skip the check; selected blocks of other documents contribute nothing.
 
     Returns:
         ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype, lse ``[B, HQ, N]`` float32 natural log;
@@ -197,12 +204,12 @@ def triton_sparse_attention(
     Raises:
         ValueError: unsupported dtype/device/head dim/block size (reason from ``triton_supports``);
             any argument outside its domain (``sparse_train.validation.check_attention_args``):
-            shape/batch/head/length mismatch with the index, bad seq_lens, dropout_p outside [0, 1),
+            shape/batch/head/length mismatch with the index, bad seq_lens or document_ids, dropout_p outside [0, 1),
             dropout_seed outside [0, 2**64), a bad ``kernel_options`` key or value, a plan of another
             index, heads per program that do not divide the GQA group.
     """
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, kernel_options=kernel_options)
+                                seq_lens=seq_lens, kernel_options=kernel_options, document_ids=document_ids)
     support = triton_supports(q, index.block_q, index.block_k)
     if not support.ok:
         raise ValueError(f"triton_sparse_attention does not support this input: {support.message}")
@@ -221,7 +228,9 @@ def triton_sparse_attention(
     counts = index.counts.clone()
     if seq_lens is not None:
         seq_lens = seq_lens.to(torch.int32, copy=True)
+    if document_ids is not None:
+        document_ids = document_ids.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
     return torch.ops.sparse_train.sparse_attn_fwd(
         q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, schedule.slots, seq_lens,
         schedule.num_cold, index.block_q, index.block_k, scale, dropout_p, seed, schedule.num_splits,
-        [*schedule.forward, *schedule.backward])
+        [*schedule.forward, *schedule.backward], document_ids)

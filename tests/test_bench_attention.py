@@ -1,0 +1,63 @@
+"""The CPU parts of scripts/bench_attention.py's packed-documents mode: argument parsing, the inputs
+(document ids, the pruned selection, the valid-pair count, the Flex BlockMask, checked by the script's
+own ``dry_run``) and the report writer. The timings themselves need the GPU."""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_attention.py")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_attention", _PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("text,expected", [("2048:16384", (2048, 16384)), ("7:7", (7, 7))], ids=["range", "fixed"])
+def test_parse_packed(bench, text, expected):
+    assert bench.parse_packed(text) == expected
+
+
+@pytest.mark.parametrize("text", ["16384:2048", "0:5", "2048", "a:b", "1:2:3"],
+                         ids=["reversed", "zero", "one-number", "not-ints", "three"])
+def test_parse_packed_rejects(bench, text):
+    import argparse
+
+    with pytest.raises(argparse.ArgumentTypeError, match="--packed"):
+        bench.parse_packed(text)
+
+
+def test_packed_document_ids_are_seeded_and_cover_n(bench):
+    ids, lengths = bench.packed_document_ids(1000, 40, 300, seed=3, device="cpu")
+    again, _ = bench.packed_document_ids(1000, 40, 300, seed=3, device="cpu")
+    assert torch.equal(ids, again) and ids.dtype == torch.int32 and ids.shape == (bench.B, 1000)
+    assert sum(lengths) == 1000 and all(40 <= n <= 300 for n in lengths[:-1])
+    assert int(ids[0, -1]) == len(lengths) - 1
+
+
+@pytest.mark.parametrize("n,pattern,packed", [(333, "P64", (20, 150)), (517, "P128", (1, 90))],
+                         ids=["odd333-P64", "odd517-P128-short-docs"])
+def test_dry_run(bench, n, pattern, packed):
+    (row,) = bench.dry_run([n], [pattern], packed)
+    assert row["N"] == n and 0 < row["kept_blocks"] < row["blocks"] and row["valid_pairs"] > 0
+
+
+def test_packed_report(bench, tmp_path):
+    ours = dict(kind="ours_packed", N=8192, pattern="P64", documents=3, density=0.1, valid_pair_fraction=0.4,
+                fwd_ms=1.0, fwd_p95_ms=1.1, bwd_ms=2.0, bwd_p95_ms=2.2, fwdbwd_ms=3.0, fwdbwd_p95_ms=3.3,
+                det_fwdbwd_ms=3.5, nodocs_fwd_ms=0.9, nodocs_fwdbwd_ms=2.8, fwd_TFLOPs=100.0, fwd_frac_ceiling=0.12)
+    flex = dict(kind="flex_packed", N=8192, pattern="P64", fwd_ms=2.0, fwd_p95_ms=2.1, fwdbwd_ms=6.0,
+                fwdbwd_p95_ms=6.1)
+    results = dict(gpu="test", torch="x", triton="y", rows=[ours, flex], packed=(2048, 16384),
+                   ceilings={"copy_TBps": 4.0, "bf16_matmul_TFLOPs": 785.0})
+    bench.write_outputs(results, str(tmp_path))
+    stem = tmp_path / f"{bench.DATE}_h200_attention_packed"
+    text = (stem.with_suffix(".md")).read_text()
+    assert "| 8192 | P64 | 3 | 0.1000 | 0.400 | 1.000 (1.100) |" in text and "| 0.50x | 0.50x |" in text
+    assert json.loads(stem.with_suffix(".json").read_text())["packed"] == [2048, 16384]
