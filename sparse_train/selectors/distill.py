@@ -49,12 +49,10 @@ __all__ = ["query_row_positions", "pool_rows", "renormalise", "sparse_block_mass
            "dense_row_block_mass", "block_kl"]
 
 
-def _kernels_run(q: Tensor, block_q: int, block_k: int, rows_per_block: int | None,
-                 document_ids: Tensor | None = None) -> bool:
-    """The block-mass kernels run where the attention kernels run, on all rows of each block, and
-    without packed documents: the document mask lives in the PyTorch reference only for now."""
+def _kernels_run(q: Tensor, block_q: int, block_k: int, rows_per_block: int | None) -> bool:
+    """The block-mass kernels run where the attention kernels run, on all rows of each block."""
     all_rows = rows_per_block is None or rows_per_block >= block_q
-    return all_rows and document_ids is None and choose_backend(q, block_q, block_k)[0] == "triton"
+    return all_rows and choose_backend(q, block_q, block_k)[0] == "triton"
 
 
 @torch.no_grad()
@@ -73,15 +71,15 @@ def sparse_block_mass(
 ) -> tuple[Tensor, Tensor]:
     """Attention mass on each *selected* block, pooled over rows, renormalised over the selected set:
     :func:`~sparse_train.kernels.block_mass.triton_block_mass` when ``lse`` is given, all rows are
-    used, there are no ``document_ids`` and the kernels support the input; its reference
+    used and the kernels support the input; its reference
     :func:`~sparse_train.kernels.reference_block_mass.reference_sparse_block_mass` (arguments, returns;
-    ``document_ids`` masks keys of other documents) otherwise."""
+    ``document_ids`` masks keys of other documents, in both) otherwise."""
     check_choice("row_pool", row_pool, ROW_POOLS)
-    if lse is not None and _kernels_run(q, index.block_q, index.block_k, rows_per_block, document_ids):
+    if lse is not None and _kernels_run(q, index.block_q, index.block_k, rows_per_block):
         from ..kernels.block_mass import triton_block_mass
 
         return triton_block_mass(q.detach(), k.detach(), lse, index, scale=scale, seq_lens=seq_lens,
-                                 row_pool=row_pool)
+                                 row_pool=row_pool, document_ids=document_ids)
     return reference_sparse_block_mass(q, k, index, scale=scale, lse=lse, seq_lens=seq_lens,
                                        rows_per_block=rows_per_block, row_pool=row_pool, chunk_mb=chunk_mb,
                                        document_ids=document_ids)
@@ -104,15 +102,16 @@ def dense_block_mass(
 ) -> tuple[Tensor, Tensor]:
     """Exact attention mass of dense causal attention on every key block, pooled over rows:
     :func:`~sparse_train.kernels.block_mass.triton_dense_block_mass` when ``query_blocks`` is given,
-    all rows are used, there are no ``document_ids`` and the kernels support the input; its reference
+    all rows are used and the kernels support the input; its reference
     :func:`~sparse_train.kernels.reference_block_mass.reference_dense_block_mass` (arguments,
-    returns; ``document_ids`` masks keys of other documents) otherwise."""
+    returns; ``document_ids`` masks keys of other documents, in both) otherwise."""
     check_choice("row_pool", row_pool, ROW_POOLS)
-    if query_blocks is not None and _kernels_run(q, block_q, block_k, rows_per_block, document_ids):
+    if query_blocks is not None and _kernels_run(q, block_q, block_k, rows_per_block):
         from ..kernels.block_mass import triton_dense_block_mass
 
         return triton_dense_block_mass(q.detach(), k.detach(), query_blocks, block_q=block_q, block_k=block_k,
-                                       scale=scale, seq_lens=seq_lens, row_pool=row_pool)
+                                       scale=scale, seq_lens=seq_lens, row_pool=row_pool,
+                                       document_ids=document_ids)
     return reference_dense_block_mass(q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens,
                                       rows_per_block=rows_per_block, query_blocks=query_blocks, row_pool=row_pool,
                                       chunk_mb=chunk_mb, document_ids=document_ids)
