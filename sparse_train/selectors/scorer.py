@@ -19,6 +19,11 @@ Selection: the window and sink blocks are always part of the index, so top-k pic
 best *other* causal blocks. Key blocks that hold no valid key (entirely past ``seq_lens``) get a
 very low but finite score: they are picked only when nothing else is left, which keeps the number of
 selected blocks per row a function of N alone (no device sync needed to know the density).
+
+Packed documents (``document_ids``): candidates are restricted per batch row to key blocks that share
+a document with the query block and are not already forced (window, per-document sinks), so nothing
+is scored, picked or distilled across documents; rows then hold fewer blocks, and the capacity is
+``SelectionGeometry.document_capacity``. Pooling stays per block.
 """
 
 from __future__ import annotations
