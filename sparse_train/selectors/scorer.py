@@ -22,8 +22,9 @@ selected blocks per row a function of N alone (no device sync needed to know the
 
 Packed documents (``document_ids``): candidates are restricted per batch row to key blocks that share
 a document with the query block and are not already forced (window, per-document sinks), so nothing
-is scored, picked or distilled across documents; rows then hold fewer blocks, and the capacity is
-``SelectionGeometry.document_capacity``. Pooling stays per block.
+is scored, picked or distilled across documents. Per-document sinks can make a row a few blocks
+longer than without documents, so the index capacity is ``SelectionGeometry.document_capacity``.
+Pooling stays per block.
 """
 
 from __future__ import annotations
