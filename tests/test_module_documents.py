@@ -329,3 +329,23 @@ def test_module_with_documents_through_the_triton_kernels_in_the_interpreter():
     check_close("o", out, ref, low, torch.float32)
     for name, got, r, lo in zip("qkv", (q, k, v), ref_inputs, low_inputs):
         check_close(f"d{name}", got.grad, r.grad, lo.grad, torch.float32)
+
+
+@pytest.mark.parametrize("bq,bk", [(16, 16), (32, 16), (16, 32), (48, 16)], ids=lambda x: str(x))
+def test_document_capacity_bounds_every_row(bq, bk):
+    """The capacity the module gives the index with documents holds the longest row the selection can
+    produce (a too-small capacity raises in canonicalize), over random layouts and budgets."""
+    g = torch.Generator().manual_seed(bq * 100 + bk)
+    for trial in range(12):
+        n = int(torch.randint(40, 260, (1,), generator=g))
+        top_k, window, sinks = (int(torch.randint(0, 4, (1,), generator=g)) for _ in range(3))
+        if top_k + window + sinks == 0:
+            continue
+        cuts = torch.rand(2, n, generator=g) < 0.05
+        ids = torch.cumsum(cuts.to(torch.int64), dim=1)
+        geometry = selection_geometry(n, bq, bk, top_k, window, sinks)
+        scores = torch.randn(2, HKV, geometry.num_q_blocks, geometry.num_k_blocks, generator=g)
+        picks = selection_candidates(scores, geometry, window=window, sinks=sinks, document_ids=ids)
+        index = st.BlockIndex.from_selection(picks, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks,
+                                             capacity=geometry.document_capacity, document_ids=ids)
+        assert index.capacity == geometry.document_capacity, trial
