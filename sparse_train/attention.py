@@ -27,6 +27,11 @@ Per call:
 5. **Replay.** Under activation checkpointing the recompute reuses the first forward's decisions
    (:mod:`sparse_train.selectors.replay`).
 
+Packed documents (``document_ids`` ``[B, N]``, :mod:`sparse_train.documents`): each token attends only
+its own document on every path. The index drops key blocks that share no document with the query
+block (window and sinks per document), top-k never picks them, the distillation target and the
+quality metrics are computed with the document mask, and the dense paths mask by document too.
+
 torch.compile: the path decision is Python on shapes (a recompile when it flips, nothing per step);
 fallback counts live in a tensor buffer; replay, metrics and profiling are skipped while compiling.
 The plan (``BlockIndex.plan``) reads sizes on the host, so the sparse path has graph breaks there.
@@ -43,9 +48,16 @@ from torch.nn import functional as F
 
 from .config import SparseAttentionConfig
 from .functional import BACKEND_REASONS, dense_causal_attention, resolve_backend, sparse_attention
-from .index import BlockIndex
+from .index import BlockIndex, document_positions
 from .timing import PhaseTimer
-from .validation import check_dropout_p, check_float, check_qkv, check_seq_lens, draw_dropout_seed
+from .validation import (
+    check_document_ids,
+    check_dropout_p,
+    check_float,
+    check_qkv,
+    check_seq_lens,
+    draw_dropout_seed,
+)
 from .selectors.distill import block_kl, dense_block_mass, renormalise, sparse_block_mass
 from .selectors.metrics import sample_query_blocks, selection_quality
 from .selectors.replay import SelectionRecord, SelectionReplay, in_backward_pass
@@ -183,9 +195,11 @@ class SparseAttention(nn.Module):
                 f"distill={c.distill!r}, backend={c.backend!r}")
 
     # ------------------------------------------------------------------------------------ checks
-    def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None) -> None:
+    def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None,
+                      document_ids: Tensor | None = None, position_ids: Tensor | None = None) -> None:
         """The shared API rules (:mod:`sparse_train.validation`), then what this module was built for.
-        The seq_lens *values* are checked by the path that runs (one host sync per call)."""
+        The seq_lens and document_ids *values* are checked by the path that runs (one host sync per
+        call)."""
         if isinstance(q, Tensor) and q.dim() == 4 and q.shape[1] != self.num_heads:
             raise ValueError(f"q has {q.shape[1]} heads in dim 1, this module was built for "
                              f"num_heads={self.num_heads} (expected q [B, HQ, N, D])")
@@ -200,6 +214,13 @@ class SparseAttention(nn.Module):
         if n == 0:
             raise ValueError("sequence length N must be > 0")
         check_seq_lens(seq_lens, batch, n, q.device, values=False)
+        check_document_ids(document_ids, batch, n, q.device, values=False)
+        if position_ids is not None:
+            if not isinstance(position_ids, Tensor) or tuple(position_ids.shape) not in ((n,), (batch, n)):
+                raise ValueError(f"position_ids must be a tensor [B, N] = [{batch}, {n}] or [N], got "
+                                 f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
+            if position_ids.device != q.device:
+                raise ValueError(f"position_ids is on {position_ids.device} but q is on {q.device}")
 
     # ------------------------------------------------------------------------------------ policy
     @property
@@ -291,15 +312,29 @@ class SparseAttention(nn.Module):
         v: Tensor,
         seq_lens: Tensor | None = None,
         *,
+        document_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
         scale: float | None = None,
         dropout_p: float | None = None,
     ) -> Tensor:
         """q ``[B, HQ, N, D]`` (post-RoPE), k/v ``[B, HKV, N, D]``, seq_lens optional int ``[B]``
         (right padding: keys at positions >= seq_lens[b] are masked) -> o ``[B, HQ, N, D]``.
 
+        ``document_ids`` (optional int ``[B, N]`` on q's device, non-decreasing along N, values >= 0):
+        packed documents; query i sees key j only when ``document_ids[b, j] == document_ids[b, i]``
+        (besides j <= i), on the sparse and the dense paths, in the selection and in the selector's
+        distillation target. ``position_ids`` (optional ``[B, N]`` or ``[N]``): the RoPE positions of
+        the tokens, used only to un-rotate q and k for the selector (``selector_rope_theta``); the
+        default is ``0..N-1``, restarting at 0 at every document start when ``document_ids`` is given
+        (the usual packing convention).
+
         ``scale`` / ``dropout_p`` override the config for this call (the Hugging Face integration
-        passes the model's own values)."""
-        self._check_inputs(q, k, v, seq_lens)
+        passes the model's own values).
+
+        Raises:
+            ValueError: q/k/v, seq_lens, document_ids or position_ids of the wrong shape, dtype or
+                device; seq_lens values outside [0, N]; document_ids negative or decreasing."""
+        self._check_inputs(q, k, v, seq_lens, document_ids, position_ids)
         cfg = self.config
         batch, _, seq_len, _ = q.shape
         scale = self.scale if scale is None else check_float("scale", scale, exclusive_minimum=0.0)
@@ -314,11 +349,16 @@ class SparseAttention(nn.Module):
         geometry_of = selection_geometry.__wrapped__ if compiling else selection_geometry
         geometry = geometry_of(seq_len, cfg.block_q, cfg.block_k, cfg.top_k, cfg.window, cfg.sinks)
 
+        if position_ids is None and document_ids is not None and self.scorer.rope_inv_freq.numel():
+            position_ids = document_positions(document_ids)
+        capacity = geometry.capacity if document_ids is None else geometry.document_capacity
+
         record = self._replay.lookup(batch, seq_len) if (recomputing and cfg.replay) else None
         if record is not None:
             path, reason, index, plan = record.path, record.reason, record.index, record.plan
             backend, dropout_seed, distill_now = record.backend, record.dropout_seed, record.distilled
             distill_blocks = record.distill_blocks
+            document_ids = record.document_ids
         else:
             path, reason = self._choose_path(geometry, update_state=first_pass)
             index = plan = backend = None
@@ -344,15 +384,15 @@ class SparseAttention(nn.Module):
         if profile:
             self._timings.mark("selector", 0, device)
         if need_selection or distill_now:
-            qbar, kbar = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens)
+            qbar, kbar = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens, position_ids)
             with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
                 scores = self.scorer(qbar, kbar, scale, geometry)
         if need_selection:
-            candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks, seq_lens=seq_lens,
-                                              top_p=cfg.top_p)
+            candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks,
+                                              seq_lens=seq_lens, document_ids=document_ids, top_p=cfg.top_p)
             index = BlockIndex.from_selection(
                 candidates, seq_len=seq_len, block_q=cfg.block_q, block_k=cfg.block_k, window=cfg.window,
-                sinks=cfg.sinks, capacity=geometry.capacity, check=cfg.index_check,
+                sinks=cfg.sinks, capacity=capacity, check=cfg.index_check, document_ids=document_ids,
             )
         if profile:
             self._timings.mark("selector", 1, device)
@@ -363,13 +403,14 @@ class SparseAttention(nn.Module):
         if path == "sparse":
             attend_index = index
         elif dropout_p > 0.0:
-            attend_index = BlockIndex.full(batch, self.num_kv_heads, seq_len, cfg.block_q, cfg.block_k, device=device)
+            attend_index = BlockIndex.full(batch, self.num_kv_heads, seq_len, cfg.block_q, cfg.block_k,
+                                           device=device, document_ids=document_ids)
         else:
             attend_index = None
 
         # ---- backend and plan
         if attend_index is not None and record is None:
-            backend, backend_reason = resolve_backend(q, k, v, attend_index, cfg.backend)
+            backend, backend_reason = resolve_backend(q, k, v, attend_index, cfg.backend, document_ids=document_ids)
             if path == "sparse" and backend == "reference" and backend_reason != "requested":
                 reason = f"reference_{backend_reason}"
         if profile:
@@ -386,13 +427,15 @@ class SparseAttention(nn.Module):
             self._timings.mark("attn_fwd", 0, device)
         lse = None
         if attend_index is None:
-            check_seq_lens(seq_lens, batch, seq_len, q.device)  # the kernel path checks inside sparse_attention
-            o = dense_causal_attention(q, k, v, scale=scale, seq_lens=seq_lens)
+            # the kernel path checks these values inside sparse_attention
+            check_seq_lens(seq_lens, batch, seq_len, q.device)
+            check_document_ids(document_ids, batch, seq_len, q.device)
+            o = dense_causal_attention(q, k, v, scale=scale, seq_lens=seq_lens, document_ids=document_ids)
         else:
             o, kernel_lse = sparse_attention(
                 q, k, v, attend_index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                 deterministic=cfg.deterministic, return_lse=True, backend=backend, seq_lens=seq_lens,
-                kernel_options={"plan": plan, "r0": cfg.r0},
+                document_ids=document_ids, kernel_options={"plan": plan, "r0": cfg.r0},
             )
             lse = kernel_lse if path == "sparse" else None  # the sparse target reads the selection's lse
         if profile:
@@ -405,7 +448,8 @@ class SparseAttention(nn.Module):
             mode = self._distill_mode(path)
             if mode == "sampled" and distill_blocks is None:
                 distill_blocks = sample_query_blocks(geometry.num_q_blocks, cfg.distill_query_blocks, self._distill_rng)
-            loss = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks)
+            loss = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
+                                           document_ids)
 
         # ---- bookkeeping of the first pass only (a recompute must not count twice)
         if first_pass:
@@ -415,12 +459,13 @@ class SparseAttention(nn.Module):
             self.selector_loss = loss
             if metrics_now and index is not None:
                 picks = sample_query_blocks(index.num_q_blocks, cfg.metrics_query_blocks, self._metrics_rng)
-                self._last_quality = selection_quality(q, k, index, scale=scale, query_blocks=picks, seq_lens=seq_lens)
+                self._last_quality = selection_quality(q, k, index, scale=scale, query_blocks=picks,
+                                                       seq_lens=seq_lens, document_ids=document_ids)
             if cfg.replay and not compiling and torch.is_grad_enabled() and o.requires_grad:
                 self._replay.remember(
                     SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=plan,
                                     backend=backend, dropout_seed=dropout_seed, distilled=distill_now,
-                                    distill_blocks=distill_blocks),
+                                    distill_blocks=distill_blocks, document_ids=document_ids),
                     anchors=[o, scores],
                 )
         return o
@@ -431,36 +476,42 @@ class SparseAttention(nn.Module):
         mode = self.config.distill
         return "sampled" if (mode == "sparse" and path == "dense") else mode
 
-    def _distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks) -> Tensor:
+    def _distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
+                           document_ids=None) -> Tensor:
         """KL from the row-pooled attention-mass target to the selector's distribution.
 
         ``distill_support="dynamic"`` restricts both to the blocks top-k chooses from (window and
-        sinks are always selected, so ranking them teaches the selector nothing it uses)."""
+        sinks are always selected, so ranking them teaches the selector nothing it uses). With packed
+        documents the support is per batch row and excludes blocks of other documents, and the
+        target is computed with the document mask."""
         cfg = self.config
-        nqb = geometry.num_q_blocks
         if cfg.distill_support == "dynamic":
-            support = allowed_dynamic_blocks(geometry, cfg.window, cfg.sinks, q.device)  # [NQB, NKB]
+            support = allowed_dynamic_blocks(geometry, cfg.window, cfg.sinks, q.device, document_ids)
         else:
             support = causal_block_mask(geometry, q.device)
+            if document_ids is not None:
+                support = support & allowed_dynamic_blocks(geometry, 0, 0, q.device, document_ids)
+        # [1 or B, 1, NQB, NKB]
+        support = support.view(1, 1, *support.shape) if support.dim() == 2 else support.unsqueeze(1)
         if mode in ("dense", "sampled"):
             rows = None if mode == "dense" else distill_blocks.to(q.device)
             target, row_valid = dense_block_mass(
                 q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
                 rows_per_block=cfg.distill_query_rows, query_blocks=rows, row_pool=cfg.distill_row_pool,
-                chunk_mb=cfg.distill_chunk_mb,
+                chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids,
             )  # [B, HKV, S, NKB]
             if rows is not None:
-                support = support.index_select(0, rows)
+                support = support.index_select(2, rows)
                 scores = scores.index_select(2, rows)
-            allowed = support.view(1, 1, *support.shape)
+            allowed = support
         else:
             target, row_valid = sparse_block_mass(
                 q, k, index, scale=scale, lse=lse, seq_lens=seq_lens, rows_per_block=cfg.distill_query_rows,
-                row_pool=cfg.distill_row_pool, chunk_mb=cfg.distill_chunk_mb,
+                row_pool=cfg.distill_row_pool, chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids,
             )  # [B, HKV, NQB, K]
             slots = index.indices.to(torch.int64)
             scores = scores.gather(-1, slots.clamp(min=0))
-            slot_support = support.view(1, 1, nqb, -1).expand(*slots.shape[:2], -1, -1).gather(-1, slots.clamp(min=0))
+            slot_support = support.expand(*slots.shape[:2], -1, -1).gather(-1, slots.clamp(min=0))
             allowed = (slots >= 0) & slot_support
         target = renormalise(torch.where(allowed, target, 0.0))
         row_valid = row_valid & (target.sum(dim=-1) > 0)

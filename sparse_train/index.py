@@ -16,6 +16,11 @@ Candidates form a *set*: the union of the dynamic (learned top-k) blocks, the lo
 sink blocks. A duplicate would count a key twice in the softmax denominator, so duplicates are
 removed before attention. Notation: B batch, HKV key/value heads, N sequence length, BQ/BK query/key
 block sizes, NQB = ceil(N / BQ), NKB = ceil(N / BK).
+
+Packed documents (``document_ids`` ``[B, N]``, non-decreasing per row, see
+:mod:`sparse_train.documents`): a key block is kept only if it shares at least one document with the
+query block, so the window is per document too, and the sinks are the first blocks of each
+document the query block holds instead of the first blocks of the row (:func:`canonicalize`).
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .documents import block_document_ranges
 from .plan import BlockPlan, build_plan, resolve_r0
 from .validation import (
     check_block_index,
     check_capacity,
     check_choice,
+    check_document_ids,
     check_geometry,
     check_inputs,
     check_int,
@@ -47,6 +54,9 @@ __all__ = [
     "canonicalize",
     "capacity_tier",
     "causal_last_block",
+    "document_positions",
+    "document_sink_candidates",
+    "shares_document",
 ]
 
 _REPR_GRID_BLOCKS = 16  # repr draws the block grid (to_string) up to this many query blocks ...
@@ -108,6 +118,7 @@ def canonicalize(
     sinks: int = 0,
     capacity: int | None = None,
     check: str = "cheap",
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Turn candidate key blocks into canonical ``(indices, counts)``; the only place that does.
 
@@ -126,6 +137,19 @@ def canonicalize(
         check: ``"cheap"`` (default) rejects out-of-range and non-causal candidates; ``"full"`` also
             re-verifies the produced invariants; ``"none"`` trusts the caller (candidates outside
             ``[0, NKB)`` or beyond the causal limit are then dropped silently).
+        document_ids: optional integer ``[B, N]`` on ``selected``'s device, non-decreasing along N,
+            values >= 0 (packed documents; checked like :func:`~sparse_train.validation.check_document_ids`,
+            values only when ``check != "none"``). With it:
+
+            * every candidate (dynamic, window, sink) is kept only if its key block shares at least
+              one document with the query block; for causal blocks this is exactly "some query of
+              the block may see some key of the block" (j <= i and the same document). The window is
+              therefore per document: window blocks of other documents are dropped.
+            * sinks are per document: the first ``sinks`` key blocks of the document holding the
+              query block's first query (not the row's block 0), and the first ``sinks`` key blocks
+              of every document that starts inside the query block (these lie among the query
+              block's own key blocks); each clipped to the blocks of that document and to what is
+              causal (:func:`document_sink_candidates`).
 
     ``window`` and ``sinks`` above NKB mean the same as NKB (both are clipped to what is causal).
 
@@ -136,7 +160,8 @@ def canonicalize(
     Raises:
         ValueError: wrong dtype/shape, window/sinks not ints >= 0, capacity not an int >= 1, a
             candidate ``< -1``, ``>= NKB`` or not causally reachable (naming the first offending row and
-            value), capacity too small.
+            value), capacity too small; ``document_ids`` of the wrong shape, dtype or device, negative
+            or decreasing (naming the first offending position).
     """
     seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
     _check_mode(check)
@@ -150,6 +175,7 @@ def canonicalize(
 
     device = selected.device
     batch, kv_heads = selected.shape[0], selected.shape[1]
+    check_document_ids(document_ids, batch, seq_len, device, values=check != "none")
     cand = selected.to(torch.int64)
     last = causal_last_block(num_q_blocks, seq_len, block_q, block_k, device).view(1, 1, -1, 1)
 
@@ -179,13 +205,20 @@ def canonicalize(
         offsets = torch.arange(-window + 1, 1, device=device).view(1, 1, 1, -1)
         win = (last + offsets).expand(batch, kv_heads, num_q_blocks, window)
         pieces.append(torch.where(win >= 0, win, sentinel))
-    if sinks > 0:
+    if sinks > 0 and document_ids is None:
         sink = torch.arange(sinks, device=device).view(1, 1, 1, -1)
         sink = sink.expand(batch, kv_heads, num_q_blocks, sinks)
         pieces.append(torch.where(sink <= last, sink, sentinel))
+    elif sinks > 0:
+        sink = document_sink_candidates(document_ids, sinks, seq_len=seq_len, block_q=block_q, block_k=block_k)
+        sink = sink.unsqueeze(1).expand(batch, kv_heads, -1, -1)
+        pieces.append(torch.where(sink >= 0, sink, sentinel))
     merged = torch.cat(pieces, dim=-1)
     if merged.shape[-1] == 0:
         merged = torch.full((batch, kv_heads, num_q_blocks, 1), sentinel, device=device, dtype=torch.int64)
+    if document_ids is not None:
+        same = shares_document(document_ids, merged.clamp(max=num_k_blocks - 1), block_q=block_q, block_k=block_k)
+        merged = torch.where(same, merged, sentinel)
 
     merged, _ = torch.sort(merged, dim=-1)
     duplicate = torch.zeros_like(merged, dtype=torch.bool)
@@ -218,6 +251,90 @@ def canonicalize(
     if check == "full":
         _verify_canonical(indices, counts, seq_len, block_q, block_k)
     return indices.contiguous(), counts.contiguous()
+
+
+def shares_document(document_ids: Tensor, key_blocks: Tensor, *, block_q: int, block_k: int) -> Tensor:
+    """bool ``[B, H, NQB, M]``: key block ``key_blocks[b, h, i, m]`` shares at least one document with
+    query block i of row b (their ranges of first/last document id intersect).
+
+    Args:
+        document_ids: integer ``[B, N]``, non-decreasing along N.
+        key_blocks: integer ``[B, H, NQB, M]`` key-block ids in ``[0, NKB)``.
+
+    For a causally reachable pair of blocks this is exactly "some query of the block may see some key
+    of the other": either the key block lies before the query block and its last document is the
+    query block's first, or the two overlap in positions and share a token."""
+    q_docs = block_document_ranges(document_ids, block_q).to(torch.int64)  # [B, NQB, 2]
+    k_docs = block_document_ranges(document_ids, block_k).to(torch.int64)  # [B, NKB, 2]
+    batch, heads, nqb, width = key_blocks.shape
+    flat = key_blocks.to(torch.int64).reshape(batch, heads * nqb * width)
+    k_first = k_docs[..., 0].gather(1, flat).view(batch, heads, nqb, width)
+    k_last = k_docs[..., 1].gather(1, flat).view(batch, heads, nqb, width)
+    q_first = q_docs[..., 0].view(batch, 1, nqb, 1)
+    q_last = q_docs[..., 1].view(batch, 1, nqb, 1)
+    return (k_first <= q_last) & (k_last >= q_first)
+
+
+def document_positions(document_ids: Tensor) -> Tensor:
+    """int64 ``[B, N]``: each token's offset from the first token of its document, i.e. the RoPE
+    positions of packed rows whose positions restart at 0 for every document (``document_ids``
+    integer ``[B, N]``, non-decreasing along N)."""
+    pos = torch.arange(document_ids.shape[1], device=document_ids.device).view(1, -1)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return pos - torch.where(starts, pos, 0).cummax(dim=1).values
+
+
+def document_sink_candidates(document_ids: Tensor, sinks: int, *, seq_len: int, block_q: int,
+                             block_k: int) -> Tensor:
+    """Per-document sink blocks of every query block: int64 ``[B, NQB, S]``, -1 in unused slots.
+
+    For query block i of row b: the first ``sinks`` key blocks of the document holding the block's
+    first query, and the first ``sinks`` key blocks of every document that starts inside the block;
+    each list clipped to the key blocks holding tokens of that document and to the causally reachable
+    blocks. A document starting inside the block starts in one of the block's own key blocks, so those
+    sinks are found among the ``(BQ - 1) // BK + 2`` key blocks the query block overlaps: the width S
+    is ``sinks`` plus that number (fixed by the geometry, no host sync).
+
+    Args:
+        document_ids: integer ``[B, N]``, non-decreasing along N. sinks: an int >= 1.
+    """
+    device = document_ids.device
+    batch = document_ids.shape[0]
+    ids = document_ids.to(torch.int64)
+    num_q_blocks = math.ceil(seq_len / block_q)
+    num_k_blocks = math.ceil(seq_len / block_k)
+    pos = torch.arange(seq_len, device=device)
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    # the first position of the document each token belongs to
+    doc_start = torch.where(starts, pos.view(1, -1), 0).cummax(dim=1).values  # [B, N]
+    k_first_doc = block_document_ranges(document_ids, block_k)[..., 0].to(torch.int64)  # [B, NKB]
+    q_start = torch.arange(num_q_blocks, device=device) * block_q  # [NQB]
+    q_end = torch.clamp(q_start + block_q, max=seq_len)
+    last = ((q_end - 1) // block_k).view(1, -1, 1)
+
+    # the document of the block's first query: its first `sinks` key blocks
+    first_doc = ids[:, q_start]  # [B, NQB]
+    first_block = (doc_start[:, q_start] // block_k).unsqueeze(-1)  # [B, NQB, 1]
+    own = first_block + torch.arange(sinks, device=device).view(1, 1, -1)
+    own_ok = (own <= last) & (k_first_doc.gather(1, own.clamp(max=num_k_blocks - 1).view(batch, -1))
+                              .view_as(own) <= first_doc.unsqueeze(-1))
+    own = torch.where(own_ok, own, -1)
+
+    # documents starting inside the block: key block j among the block's own key blocks is a sink of
+    # one of them iff the latest document start at or before the block's last position inside j,
+    # s, lies inside the query block and j is among the first `sinks` blocks from s's block (the
+    # document of s holds that position of block j, so j holds tokens of it)
+    span = (block_q - 1) // block_k + 2
+    j = (q_start // block_k).view(1, -1, 1) + torch.arange(span, device=device).view(1, 1, -1)  # [1, NQB, span]
+    in_span = j <= last
+    probe = torch.minimum((j + 1) * block_k, q_end.view(1, -1, 1)) - 1
+    probe = torch.where(in_span, probe, 0).expand(batch, -1, -1)
+    latest = doc_start.gather(1, probe.reshape(batch, -1)).view_as(probe)  # [B, NQB, span]
+    inner = in_span & (latest > q_start.view(1, -1, 1)) & (j - latest // block_k < sinks)
+    inner = torch.where(inner, j.expand(batch, -1, -1), -1)
+    return torch.cat([own, inner], dim=-1)
 
 
 def _check_mode(check) -> None:
@@ -316,9 +433,12 @@ class BlockIndex:
         sinks: int = 0,
         capacity: int | None = None,
         check: str = "cheap",
+        document_ids: Tensor | None = None,
     ) -> "BlockIndex":
         """Union of ``selected`` (int ``[B, HKV, NQB, k]``, may hold -1 and duplicates), the window and
-        the sinks, made canonical. See :func:`canonicalize` for arguments and errors."""
+        the sinks, made canonical; with ``document_ids`` (int ``[B, N]``) restricted to blocks that
+        share a document with the query block, window and sinks per document. See
+        :func:`canonicalize` for arguments and errors."""
         indices, counts = canonicalize(
             selected,
             seq_len=seq_len,
@@ -328,6 +448,7 @@ class BlockIndex:
             sinks=sinks,
             capacity=capacity,
             check=check,
+            document_ids=document_ids,
         )
         return cls(indices, counts, seq_len, block_q, block_k)
 
@@ -353,9 +474,12 @@ class BlockIndex:
 
     @classmethod
     def full(
-        cls, batch: int, num_kv_heads: int, seq_len: int, block_q: int = 64, block_k: int = 64, device=None
+        cls, batch: int, num_kv_heads: int, seq_len: int, block_q: int = 64, block_k: int = 64, device=None,
+        document_ids: Tensor | None = None,
     ) -> "BlockIndex":
-        """Every causally reachable block for every query block (dense causal attention)."""
+        """Every causally reachable block for every query block (dense causal attention); with
+        ``document_ids`` (int ``[B, N]``) every causal block that shares a document with the query
+        block (dense attention with the document mask)."""
         seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
         batch = check_int("batch", batch, minimum=0)
         num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -363,7 +487,8 @@ class BlockIndex:
         # the last query block reaches key block NKB - 1, so a window of NKB covers every causal block
         window = math.ceil(seq_len / block_k)
         empty = torch.empty(batch, num_kv_heads, num_q_blocks, 0, dtype=torch.int32, device=device)
-        return cls.from_selection(empty, seq_len=seq_len, block_q=block_q, block_k=block_k, window=window)
+        return cls.from_selection(empty, seq_len=seq_len, block_q=block_q, block_k=block_k, window=window,
+                                  document_ids=document_ids)
 
     @classmethod
     def from_csr(
@@ -379,10 +504,12 @@ class BlockIndex:
         window: int = 0,
         sinks: int = 0,
         capacity: int | None = None,
+        document_ids: Tensor | None = None,
     ) -> "BlockIndex":
         """From a ragged CSR over rows ``r = (b*HKV + h)*NQB + i``: row r's candidates are
         ``col_indices[indptr[r]:indptr[r+1]]`` (any order, duplicates allowed). Both are integer
-        tensors (a float would be truncated, so it raises)."""
+        tensors (a float would be truncated, so it raises). ``document_ids`` as in
+        :meth:`from_selection`."""
         seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
         batch = check_int("batch", batch, minimum=0)
         num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -418,6 +545,7 @@ class BlockIndex:
             window=window,
             sinks=sinks,
             capacity=capacity,
+            document_ids=document_ids,
         )
 
     @classmethod

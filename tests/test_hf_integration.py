@@ -95,14 +95,115 @@ def test_padded_batch_equals_unpadded_rows(family, selection):
             torch.testing.assert_close(batched[b:b + 1, :length], alone, rtol=1e-9, atol=1e-9)
 
 
-def test_left_padding_raises_clearly():
+def test_padding_with_a_hole_raises_clearly():
     model = build("llama")
     hf.enable(model, st.SparseAttentionConfig(**SPARSE))
     ids = tokens(2, 40)
     mask = torch.ones(2, 40, dtype=torch.long)
-    mask[1, :5] = 0
-    with pytest.raises(NotImplementedError, match="right padding"):
+    mask[1, 10:15] = 0
+    with pytest.raises(NotImplementedError, match="hole between real tokens in row 1"):
         model(ids, attention_mask=mask)
+
+
+# ----------------------------------------------------------------------------------------- packing, padding
+FULL_SPARSE_PATH = dict(FULL, dense_fallback=False)
+
+
+def each_document_alone(model, ids, lengths):
+    parts, start = [], 0
+    for n in lengths:
+        parts.append(model(ids[:, start:start + n]).logits)
+        start += n
+    return torch.cat(parts, dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("selection", [pytest.param(FULL_SPARSE_PATH, id="sparse-path"),
+                                       pytest.param(FULL, id="dense-fallback")])
+def test_packed_position_ids_equal_each_document_alone(family, selection):
+    """DataCollatorWithFlattening's format: one row, no attention mask, position ids restarting at every
+    document. On a full selection the packed row equals each document run alone through sdpa."""
+    lengths = [40, 3, 70, 37]  # a document shorter than a block, boundaries inside blocks
+    ids = tokens(1, sum(lengths), seed=3)
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).view(1, -1)
+    model = build(family).eval()
+    with torch.no_grad():
+        want = each_document_alone(model, ids, lengths)
+        hf.enable(model, st.SparseAttentionConfig(**selection))
+        got = model(ids, position_ids=position_ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    stats = st.collect_attention_stats(model)
+    assert stats["dense_path"] == (0.0 if selection is FULL_SPARSE_PATH else 1.0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_rows_train_on_the_sparse_path(family):
+    lengths = [[70, 20, 70], [100, 60]]
+    ids = tokens(2, 160, seed=4)
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
+    model = build(family)
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    model.train()
+    loss = model(ids, position_ids=position_ids, labels=ids).loss + st.collect_selector_losses(model)
+    loss.backward()
+    layer = hf.attention_layers(model)[0].sparse_attention
+    index = layer.last_selection
+    assert index is not None and torch.isfinite(loss)
+    # no query block of the first row's last document (tokens 90..159) selects a block of its first one
+    assert not index.to_dense()[0, :, 6:, :4].any()
+
+
+def test_document_ids_from_flash_attention_kwargs_and_position_ids():
+    cu = torch.tensor([0, 5, 7, 12], dtype=torch.int32)
+    got = hf.document_ids_for_call(None, 1, 12, cu)
+    assert got.tolist() == [[0] * 5 + [1] * 2 + [2] * 5]
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3, 4, 5, 6]])
+    assert hf.document_ids_for_call(position_ids, 1, 12).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2, 2]]
+    assert hf.document_ids_for_call(torch.arange(12).view(1, -1) + 4, 2, 12) is None  # no restart: one sequence
+    with pytest.raises(ValueError, match="batch 1"):
+        hf.document_ids_for_call(None, 2, 12, cu)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("selection", [pytest.param(FULL_SPARSE_PATH, id="sparse-path"),
+                                       pytest.param(FULL, id="dense-fallback")])
+def test_left_padding_equals_sdpa_on_real_tokens(family, selection):
+    ids = tokens(3, 150, seed=6)
+    mask = torch.ones(3, 150, dtype=torch.long)
+    mask[1, :53] = 0  # left padding
+    mask[2, :7] = 0  # left and right padding
+    mask[2, 140:] = 0
+    model = build(family).eval()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        hf.enable(model, st.SparseAttentionConfig(**selection))
+        got = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("selection", [pytest.param(FULL_SPARSE_PATH, id="sparse-prefill"),
+                                       pytest.param(SPARSE, id="dense-fallback-prefill")])
+def test_generate_with_left_padding_matches_sdpa(family, selection):
+    """Two prompts of different lengths, left-padded: prefill with the padding as its own document,
+    then decoding over a left-padded KV cache; greedy tokens equal sdpa's."""
+    model = build(family).eval()
+    model.generation_config.pad_token_id = 0
+    prompts = [tokens(1, 45, seed=7)[0], tokens(1, 28, seed=8)[0]]
+    ids = torch.zeros(2, 45, dtype=torch.long)
+    mask = torch.zeros(2, 45, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, 45 - len(p):], mask[b, 45 - len(p):] = p, 1
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        hf.enable(model, st.SparseAttentionConfig(**selection))
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    layers = hf.attention_layers(model)
+    assert all(layer.sparse_attention.fallback_counts.get("decode", 0) == 5 for layer in layers)
+    prefill_dense = layers[0].sparse_attention.fallback_counts.get("dense_full_selection", 0)
+    assert prefill_dense == (0 if selection is FULL_SPARSE_PATH else 1)
 
 
 @pytest.mark.parametrize("family", WITH_FUSED_QKV)
@@ -263,3 +364,14 @@ def test_save_and_load_refuse_models_without_selectors(tmp_path):
         hf.save_pretrained(build("llama"), tmp_path)
     with pytest.raises(FileNotFoundError, match="sparse_train_config.json"):
         hf.from_pretrained(transformers.LlamaForCausalLM, tmp_path)
+
+
+def test_mask_function_accepts_causal_and_packed_and_refuses_other_patterns():
+    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function, \
+        sliding_window_causal_mask_function
+
+    packed = and_masks(causal_mask_function, packed_sequence_mask_function(torch.zeros(1, 8, dtype=torch.long)))
+    assert hf.sparse_train_mask(attention_mask=None, mask_function=packed) is None
+    assert hf.sparse_train_mask(attention_mask=None, mask_function=causal_mask_function) is None
+    with pytest.raises(NotImplementedError, match="another mask pattern"):
+        hf.sparse_train_mask(attention_mask=None, mask_function=sliding_window_causal_mask_function(4))

@@ -17,8 +17,13 @@ What ``enable`` does:
   (a registered submodule, so its selector is in ``state_dict`` and moves with ``.to()``);
 * switches the implementation (``model.set_attn_implementation`` when available, else the config).
 
-Padding: the 2-D mask must be right padding (ones then zeros per row); it becomes ``seq_lens``.
-Left padding, holes, packed sequences (position ids restarting) and 4-D custom masks raise
+Padding and packing: a right-padded 2-D mask (ones then zeros per row) becomes ``seq_lens``. Left
+padding (zeros, then ones, then possibly zeros) becomes packed documents: the padded prefix is one
+document and the real tokens another, so no real query sees a padded key. Packed rows in the
+padding-free format of ``DataCollatorWithFlattening`` (no attention mask, ``position_ids``
+restarting at every document, optionally with the ``cu_seq_lens_q`` flash-attention kwargs) become
+``document_ids`` (:func:`document_ids_for_call`): each document attends only itself, as
+transformers' flash-attention path does. Holes (a zero between ones) and 4-D custom masks raise
 ``NotImplementedError`` with a hint, instead of computing something else. Models with sliding-window
 layers (Mistral, Qwen2 with ``use_sliding_window``, Gemma 2) or logit softcapping (Gemma 2) are refused
 at ``enable`` with the reason. Attention layers are found by the attributes transformers' attention
@@ -44,9 +49,11 @@ from torch import Tensor, nn
 
 from ..attention import SparseAttention
 from ..config import SparseAttentionConfig
+from ..documents import document_ids_from_cu_seqlens, document_ids_from_position_ids
 
 __all__ = ["ATTENTION_NAME", "register", "enable", "disable", "save_pretrained", "from_pretrained",
            "sparse_train_attention_forward", "sparse_train_mask", "seq_lens_from_padding_mask",
+           "padding_from_mask", "document_ids_for_call",
            "attention_layers", "rope_frequencies", "SELECTOR_WEIGHTS_NAME", "SELECTOR_CONFIG_NAME"]
 
 ATTENTION_NAME = "sparse_train"
@@ -57,7 +64,8 @@ SELECTOR_CONFIG_NAME = "sparse_train_config.json"
 """The ``SparseAttentionConfig`` (and a format version) written beside the model's ``config.json``."""
 _FORMAT_VERSION = 1
 
-_last_mask: tuple[weakref.ReferenceType, int, Tensor | None] | None = None
+_last_mask: tuple[weakref.ReferenceType, int, tuple[Tensor | None, Tensor | None]] | None = None
+_last_positions: tuple[weakref.ReferenceType, int, Tensor | None] | None = None
 
 
 def seq_lens_from_padding_mask(mask: Tensor | None, seq_len: int) -> Tensor | None:
@@ -67,9 +75,31 @@ def seq_lens_from_padding_mask(mask: Tensor | None, seq_len: int) -> Tensor | No
         NotImplementedError: a 4-D mask, or a mask that is not right padding (left padding or holes).
         ValueError: a mask whose length differs from the key length.
     """
+    seq_lens, document_ids = padding_from_mask(mask, seq_len)
+    if document_ids is not None:
+        raise NotImplementedError(
+            "sparse_train attention needs right padding here (each row: real tokens, then padding); "
+            "left padding is handled by the attention function through padding_from_mask"
+        )
+    return seq_lens
+
+
+def padding_from_mask(mask: Tensor | None, seq_len: int) -> tuple[Tensor | None, Tensor | None]:
+    """``(seq_lens, document_ids)`` from a 2-D padding mask ``[B, N]`` (nonzero = real token).
+
+    Right padding (ones, then zeros) gives int64 ``seq_lens [B]`` and no document ids. Left padding
+    (zeros, ones, then possibly zeros) gives int64 ``document_ids [B, N]``: 0 on the padded prefix,
+    1 on the real tokens, 2 on a padded tail, so real queries see only real keys; ``seq_lens`` is
+    then None. ``(None, None)`` without a mask. The mask is validated once per mask object (every
+    layer receives the same one).
+
+    Raises:
+        NotImplementedError: a 4-D mask, or a row with a hole (a zero between real tokens).
+        ValueError: a mask whose length differs from the key length.
+    """
     global _last_mask
     if mask is None:
-        return None
+        return None, None
     if mask.dim() != 2:
         raise NotImplementedError(
             f"sparse_train attention takes a 2-D padding mask [B, N]; got a {mask.dim()}-D mask. Custom 4-D "
@@ -82,31 +112,78 @@ def seq_lens_from_padding_mask(mask: Tensor | None, seq_len: int) -> Tensor | No
         return _last_mask[2]
     keep = mask.to(torch.bool)
     seq_lens = keep.sum(dim=-1)
+    result = (seq_lens, None)
     if not torch.compiler.is_compiling():
         right_padded = torch.arange(seq_len, device=mask.device).view(1, -1) < seq_lens.view(-1, 1)
         if not torch.equal(right_padded, keep):
-            raise NotImplementedError(
-                "sparse_train attention needs right padding (each row: real tokens, then padding). "
-                "Set tokenizer.padding_side = 'right' (left padding and packed rows are not supported)."
-            )
-    _last_mask = (weakref.ref(mask), mask._version, seq_lens)
-    return seq_lens
+            changes = torch.zeros_like(keep, dtype=torch.int64)
+            changes[:, 1:] = (keep[:, 1:] != keep[:, :-1]).to(torch.int64)
+            # runs of the row: an optional padded prefix, the real tokens, an optional padded tail
+            run = changes.cumsum(dim=1)
+            starts_real = keep[:, 0]
+            runs = run[:, -1] + 1
+            hole = (runs > 3) | ((runs == 3) & starts_real)
+            if bool(hole.any()):
+                raise NotImplementedError(
+                    "sparse_train attention supports right and left padding (each row: optional padding, real "
+                    "tokens, optional padding); this attention mask has a padded hole between real tokens in "
+                    f"row {int(hole.nonzero()[0, 0])}"
+                )
+            # a row without a padded prefix starts at id 1 like the others: ids 0 / 1 / 2 = prefix / real / tail
+            document_ids = run + starts_real.to(torch.int64).view(-1, 1)
+            result = (None, document_ids)
+    _last_mask = (weakref.ref(mask), mask._version, result)
+    return result
+
+
+def document_ids_for_call(position_ids: Tensor | None, batch: int, seq_len: int,
+                          cu_seq_lens: Tensor | None = None) -> Tensor | None:
+    """Packed documents of a padding-free batch: int ``[B, N]`` document ids, or None when every row
+    is one sequence.
+
+    The most direct source wins: ``cu_seq_lens`` (``cu_seq_lens_q``, the flash-attention kwarg
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` produces; batch 1) when given, else
+    ``position_ids`` ``[1 or B, N]`` (a document starts wherever the position does not continue the
+    previous one by +1, the rule of transformers' own packed-sequence detection). One host sync per
+    position tensor (to return None on unpacked input; while torch.compile traces, the ids are
+    returned without that check); every layer of a forward receives the same tensor, so the result
+    is computed once.
+
+    Raises:
+        ValueError: ``cu_seq_lens`` with a batch other than 1, or shapes that do not match.
+    """
+    global _last_positions
+    if cu_seq_lens is not None:
+        if batch != 1:
+            raise ValueError(f"cu_seq_lens_q describes one packed row (batch 1), got a batch of {batch}")
+        return document_ids_from_cu_seqlens(cu_seq_lens, seq_len)
+    if position_ids is None or position_ids.shape[-1] != seq_len:
+        return None
+    if (_last_positions is not None and _last_positions[0]() is position_ids
+            and _last_positions[1] == position_ids._version):
+        return _last_positions[2]
+    document_ids = document_ids_from_position_ids(position_ids).expand(batch, seq_len)
+    if torch.compiler.is_compiling():
+        return document_ids  # no data-dependent branch while tracing: one document per row is exact too
+    if bool((document_ids[:, -1] == 0).all()):
+        document_ids = None  # no restarts
+    _last_positions = (weakref.ref(position_ids), position_ids._version, document_ids)
+    return document_ids
 
 
 def sparse_train_mask(*args, attention_mask: Tensor | None = None, kv_length: int | None = None,
                       mask_function=None, **kwargs) -> Tensor | None:
     """Mask function for ``AttentionMaskInterface``: the 2-D padding mask (or None without padding).
 
-    Only the plain causal pattern is accepted: packed sequences, sliding windows and custom
-    and/or-masks would need block semantics the sparse kernels do not implement.
+    Accepted patterns: plain causal, and causal restricted to packed sequences (what transformers
+    builds from restarting ``position_ids``; the attention function recovers the documents from the
+    same ``position_ids``). Sliding windows and custom and/or-masks would need semantics the sparse
+    path does not implement, so they raise.
     """
-    from transformers.masking_utils import causal_mask_function
-
-    if mask_function is not None and mask_function is not causal_mask_function:
+    if mask_function is not None and not _is_causal_or_packed(mask_function):
         raise NotImplementedError(
-            "sparse_train attention supports plain causal masks with right padding only; this model/input "
-            "asked for another mask pattern (packed sequences via position_ids, sliding window, or a custom "
-            "mask function)."
+            "sparse_train attention supports causal masks (with padding or packed sequences) only; this "
+            "model/input asked for another mask pattern (sliding window or a custom mask function)."
         )
     if attention_mask is None:
         return None
@@ -115,6 +192,27 @@ def sparse_train_mask(*args, attention_mask: Tensor | None = None, kv_length: in
     if attention_mask.dim() == 2 and bool(attention_mask.all()):
         return None
     return attention_mask
+
+
+def _is_causal_or_packed(mask_function) -> bool:
+    """The mask function is transformers' causal one, or its packed-sequence composition:
+    ``and_masks(remap_positions_for_packed_sequence(causal), packed_sequence_mask_function(...))``
+    (recognised by the factory each closure comes from; anything else is refused)."""
+    from transformers.masking_utils import causal_mask_function
+
+    if mask_function is causal_mask_function:
+        return True
+    factory = getattr(mask_function, "__qualname__", "").split(".<locals>.")[0]
+    captured = [cell.cell_contents for cell in (getattr(mask_function, "__closure__", None) or ())]
+    if factory == "packed_sequence_mask_function":
+        return True
+    if factory == "remap_positions_for_packed_sequence":
+        inner = [c for c in captured if callable(c)]
+        return len(inner) == 1 and _is_causal_or_packed(inner[0])
+    if factory == "and_masks":
+        parts = [f for c in captured if isinstance(c, tuple) for f in c]
+        return bool(parts) and all(_is_causal_or_packed(f) for f in parts)
+    return False
 
 
 def sparse_train_attention_forward(
@@ -128,7 +226,10 @@ def sparse_train_attention_forward(
     **kwargs,
 ) -> tuple[Tensor, None]:
     """``AttentionInterface`` function: query ``[B, HQ, N, D]``, key/value ``[B, HKV, N, D]`` ->
-    (output ``[B, N, HQ, D]``, None)."""
+    (output ``[B, N, HQ, D]``, None).
+
+    Reads from ``kwargs`` what transformers passes through to attention functions: ``position_ids``
+    (packed rows and the selector's RoPE un-rotation) and ``cu_seq_lens_q`` (padding-free packing)."""
     sparse = getattr(module, SUBMODULE_NAME, None)
     if not isinstance(sparse, SparseAttention):
         raise RuntimeError(
@@ -148,9 +249,29 @@ def sparse_train_attention_forward(
                                       f"{attention_mask.dim()}-D mask while decoding")
         out = sparse.decode(query, key, value, key_padding_mask=mask, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
-    seq_lens = seq_lens_from_padding_mask(attention_mask, key.shape[2])
-    out = sparse(query, key, value, seq_lens=seq_lens, scale=scaling, dropout_p=dropout)
+    batch, seq_len = query.shape[0], key.shape[2]
+    seq_lens, padding_documents = padding_from_mask(attention_mask, seq_len)
+    position_ids = kwargs.get("position_ids")
+    if isinstance(position_ids, Tensor) and position_ids.dim() == 2 and position_ids.shape[1] == seq_len:
+        position_ids = position_ids.to(query.device).expand(batch, seq_len)
+    else:
+        position_ids = None
+    packed = document_ids_for_call(position_ids, batch, seq_len, kwargs.get("cu_seq_lens_q"))
+    document_ids = padding_documents
+    if packed is not None:
+        packed = packed.to(query.device)
+        # both: a document boundary wherever either has one
+        document_ids = packed if document_ids is None else _merge_boundaries(document_ids, packed)
+    out = sparse(query, key, value, seq_lens=seq_lens, document_ids=document_ids, position_ids=position_ids,
+                 scale=scaling, dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _merge_boundaries(a: Tensor, b: Tensor) -> Tensor:
+    """Document ids ``[B, N]`` whose documents start wherever a document of ``a`` or of ``b`` starts."""
+    starts = torch.zeros_like(a, dtype=torch.int64)
+    starts[:, 1:] = ((a[:, 1:] != a[:, :-1]) | (b[:, 1:] != b[:, :-1])).to(torch.int64)
+    return starts.cumsum(dim=1)
 
 
 def register() -> None:

@@ -4,6 +4,11 @@ The attention core is either ``st.SparseAttention`` (learned block-sparse, the p
 SDPA (the A/B twin). Everything outside the core (projections, RoPE, norms, MLP) is identical between the
 two, so a sparse and a dense model built from the same config share every parameter name except the
 selector's, which lets a dense checkpoint initialise a sparse model (the fine-tuning pipeline).
+
+Packed rows: ``Transformer.forward(tokens, document_ids=ids)`` (int ``[B, N]``, non-decreasing per row)
+makes every token attend only its own document, in both cores, and restarts the RoPE positions at 0
+for every document (the usual convention of packing with document masking), so a packed row computes
+what each document alone would.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from torch.utils.checkpoint import checkpoint
 import sparse_train as st
 
 from ..functional import dense_causal_attention
-from ..validation import check_bool, check_choice, check_float, check_int, check_keys
+from ..index import document_positions
+from ..validation import check_bool, check_choice, check_document_ids, check_float, check_int, check_keys
 
 __all__ = ["TransformerConfig", "Transformer", "RMSNorm"]
 
@@ -152,17 +158,20 @@ class Attention(nn.Module):
         return {**own_rope, **cfg.sparse}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                seq_lens: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``cos``/``sin`` ``[N, D/2]`` or ``[B, 1, N, D/2]`` (per-row positions); ``positions`` the
+        RoPE positions they were built from (for the selector's un-rotation), None = ``0..N-1``."""
         b, n, _ = x.shape
         q = self.wq(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         if self.core is not None:
-            o = self.core(q, k, v, seq_lens=seq_lens)
+            o = self.core(q, k, v, seq_lens=seq_lens, document_ids=document_ids, position_ids=positions)
         else:
             # Right padding needs no key mask here: padded keys sit after every real query.
-            o = dense_causal_attention(q, k, v, scale=self.head_dim ** -0.5)
+            o = dense_causal_attention(q, k, v, scale=self.head_dim ** -0.5, document_ids=document_ids)
         return self.wo(o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
 
 
@@ -191,8 +200,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, hidden)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, seq_lens)
+                seq_lens: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, seq_lens, document_ids, positions)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -236,14 +246,31 @@ class Transformer(nn.Module):
         """The ``st.SparseAttention`` modules (empty for a dense model)."""
         return [b.attn.core for b in self.blocks if b.attn.core is not None]
 
-    def forward(self, tokens: torch.Tensor, seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, seq_lens: Optional[torch.Tensor] = None, *,
+                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens int ``[B, N]`` -> logits ``[B, N, vocab]``.
+
+        Args:
+            seq_lens: optional int ``[B]`` (right padding: keys past it are masked).
+            document_ids: optional int ``[B, N]`` on the tokens' device, non-decreasing along N, values
+                >= 0 (packed documents): each token attends only tokens of its own document, and RoPE
+                positions restart at 0 at every document start.
+
+        Raises:
+            ValueError: ``document_ids`` of the wrong shape, dtype or device, negative or decreasing.
+        """
         x = self.embed(tokens)
         cos, sin = self.rope(tokens.shape[1], tokens.device)
+        positions = None
+        if document_ids is not None:
+            check_document_ids(document_ids, tokens.shape[0], tokens.shape[1], tokens.device)
+            positions = document_positions(document_ids)
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, N, D/2]
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, seq_lens, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, seq_lens, document_ids, positions, use_reentrant=False)
             else:
-                x = block(x, cos, sin, seq_lens)
+                x = block(x, cos, sin, seq_lens, document_ids, positions)
         return self.lm_head(self.norm(x))
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:

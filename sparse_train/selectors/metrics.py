@@ -50,6 +50,7 @@ def row_mass_recall(
     scale: float,
     query_blocks: Tensor,
     seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention-mass recall of every real query row of the sampled blocks, for the index and for the
     best selection of the same size.
@@ -63,6 +64,8 @@ def row_mass_recall(
         q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]``; index: the selection to grade.
         scale: logit scale. query_blocks: int64 ``[S]`` query blocks to measure.
         seq_lens: optional int ``[B]`` (rows and keys past it are not real).
+        document_ids: optional int ``[B, N]`` (packed documents): the dense attention each row is
+            graded against sees its own document only.
 
     Returns:
         float32 ``[R]`` recall of each real row (rows of all batches, heads and sampled blocks) under
@@ -70,7 +73,8 @@ def row_mass_recall(
     """
     query_blocks = query_blocks.to(q.device)
     row_mass, row_ok = dense_row_block_mass(
-        q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks
+        q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens,
+        query_blocks=query_blocks, document_ids=document_ids,
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
     return _recalls(row_mass, row_ok, index, query_blocks)
 
@@ -97,6 +101,7 @@ def oracle_budget(
     scale: float,
     query_blocks: Tensor,
     seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
     goal: float = ORACLE_RECALL_GOAL,
 ) -> Tensor:
     """Block density a perfect selector needs for a mean row recall of ``goal``: a property of the
@@ -116,7 +121,8 @@ def oracle_budget(
     """
     query_blocks = query_blocks.to(q.device)
     row_mass, row_ok = dense_row_block_mass(
-        q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks
+        q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks,
+        document_ids=document_ids,
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
     return _oracle_budget(row_mass, row_ok, q.shape[2], block_q, block_k, query_blocks, goal)
 
@@ -168,6 +174,7 @@ def selection_quality(
     scale: float,
     query_blocks: Tensor,
     seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Mean and 5th percentile of the per-row attention-mass recall (:func:`row_mass_recall`), for
     the index and for the oracle selection of the same size.
@@ -180,7 +187,8 @@ def selection_quality(
     """
     query_blocks = query_blocks.to(q.device)
     row_mass, row_ok = dense_row_block_mass(
-        q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks
+        q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens,
+        query_blocks=query_blocks, document_ids=document_ids,
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
     recall, oracle = _recalls(row_mass, row_ok, index, query_blocks)
     out = {}

@@ -10,7 +10,7 @@ Mechanism (no cooperation needed from the caller):
 
 1. *Record.* A first forward with autograd recording stores a :class:`SelectionRecord` (index, plan,
    path, backend, dropout seed, whether distillation ran and on which sampled query blocks: every
-   random draw of the forward) and ties its lifetime to the autograd graph:
+   random draw of the forward; the packed-document ids it masked with) and ties its lifetime to the autograd graph:
    the record sits in ``grad_fn.metadata`` of the attention output (and of the selector scores), so
    it lives exactly as long as a backward through that graph is possible; the module keeps only a
    weak reference.
@@ -73,6 +73,9 @@ class SelectionRecord:
     distill_blocks: Any = None
     """The query blocks the first forward's ``distill="sampled"`` target was computed on (a random
     draw: the recompute must use the same rows or the selector's gradient changes)."""
+    document_ids: Any = None
+    """The packed-document ids the first forward attended with (None without documents): the
+    recompute masks with the same ones."""
     sequence: int = 0
     replayed_in: set = field(default_factory=set)
     retired: bool = False

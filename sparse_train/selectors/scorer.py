@@ -19,6 +19,12 @@ Selection: the window and sink blocks are always part of the index, so top-k pic
 best *other* causal blocks. Key blocks that hold no valid key (entirely past ``seq_lens``) get a
 very low but finite score: they are picked only when nothing else is left, which keeps the number of
 selected blocks per row a function of N alone (no device sync needed to know the density).
+
+Packed documents (``document_ids``): candidates are restricted per batch row to key blocks that share
+a document with the query block and are not already forced (window, per-document sinks), so nothing
+is scored, picked or distilled across documents. Per-document sinks can make a row a few blocks
+longer than without documents, so the index capacity is ``SelectionGeometry.document_capacity``.
+Pooling stays per block.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import KEY_POOLINGS
-from ..index import capacity_tier, causal_last_block
+from ..index import capacity_tier, causal_last_block, document_sink_candidates, shares_document
 from ..validation import check_choice, check_float
 
 __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_mean", "block_max",
@@ -68,6 +74,10 @@ class SelectionGeometry:
     """Causally reachable (query block, key block) pairs per (batch, KV head)."""
     is_full: bool
     """Every query block selects every causal block (the dense path computes the same function)."""
+    document_capacity: int
+    """K of the canonical index with packed documents: per-document sinks may add, besides the first
+    ``sinks`` blocks of the query block's first document, sinks of documents that start inside the
+    query block (among its own key blocks), so rows can be longer than without documents."""
 
     @property
     def block_density(self) -> float:
@@ -80,7 +90,7 @@ def selection_geometry(seq_len: int, block_q: int, block_k: int, top_k: int, win
     """Shape-level facts of the selection (cached; pure Python, no tensors, no device sync)."""
     num_q_blocks = math.ceil(seq_len / block_q)
     num_k_blocks = math.ceil(seq_len / block_k)
-    selected = causal = longest = most_free = 0
+    selected = causal = longest = most_free = longest_documents = 0
     for i in range(num_q_blocks):
         last = (min((i + 1) * block_q, seq_len) - 1) // block_k
         reachable = last + 1
@@ -89,6 +99,12 @@ def selection_geometry(seq_len: int, block_q: int, block_k: int, top_k: int, win
         # union of window [window_lo, last] and sinks [0, sink_hi)
         forced = (reachable - window_lo) + sink_hi - max(0, sink_hi - window_lo)
         row = min(reachable, forced + top_k)
+        # documents: window and dynamic as before, the first document's sinks, and sinks among the
+        # query block's own key blocks (those the window does not already hold)
+        own_blocks = last - (i * block_q) // block_k + 1
+        own_outside_window = max(0, own_blocks - window) if sinks > 0 else 0
+        longest_documents = max(longest_documents,
+                                min(reachable, (reachable - window_lo) + sink_hi + own_outside_window + top_k))
         selected += row
         causal += reachable
         longest = max(longest, row)
@@ -104,6 +120,7 @@ def selection_geometry(seq_len: int, block_q: int, block_k: int, top_k: int, win
         selected_blocks=selected,
         causal_blocks=causal,
         is_full=selected == causal,
+        document_capacity=capacity_tier(max(longest, longest_documents), num_k_blocks),
     )
 
 
@@ -114,15 +131,33 @@ def causal_block_mask(geometry: SelectionGeometry, device=None) -> Tensor:
     return j.view(1, -1) <= last.view(-1, 1)
 
 
-def allowed_dynamic_blocks(geometry: SelectionGeometry, window: int, sinks: int, device=None) -> Tensor:
-    """bool ``[NQB, NKB]``: causal blocks that neither the window nor the sinks already cover."""
+def allowed_dynamic_blocks(geometry: SelectionGeometry, window: int, sinks: int, device=None,
+                           document_ids: Tensor | None = None) -> Tensor:
+    """bool ``[NQB, NKB]``: causal blocks that neither the window nor the sinks already cover.
+
+    With ``document_ids`` (int ``[B, N]``, non-decreasing; packed documents) a bool ``[B, NQB, NKB]``:
+    besides, the key block shares a document with the query block (no score or target across
+    documents) and is not one of the per-document sinks the index adds
+    (:func:`~sparse_train.index.document_sink_candidates`)."""
     last = causal_last_block(geometry.num_q_blocks, geometry.seq_len, geometry.block_q, geometry.block_k,
                              device).view(-1, 1)
     j = torch.arange(geometry.num_k_blocks, device=device).view(1, -1)
     causal = j <= last
     in_window = (j > last - window) if window > 0 else torch.zeros_like(causal)
-    is_sink = j < sinks
-    return causal & ~in_window & ~is_sink
+    if document_ids is None:
+        is_sink = j < sinks
+        return causal & ~in_window & ~is_sink
+    batch, nqb, nkb = document_ids.shape[0], geometry.num_q_blocks, geometry.num_k_blocks
+    keys = j.expand(nqb, nkb).view(1, 1, nqb, nkb).expand(batch, 1, nqb, nkb)
+    same = shares_document(document_ids, keys, block_q=geometry.block_q, block_k=geometry.block_k)[:, 0]
+    allowed = causal & ~in_window & same
+    if sinks > 0:
+        sink = document_sink_candidates(document_ids, sinks, seq_len=geometry.seq_len, block_q=geometry.block_q,
+                                        block_k=geometry.block_k)  # [B, NQB, S], -1 unused
+        is_sink = torch.zeros(batch, nqb, nkb + 1, dtype=torch.bool, device=allowed.device)
+        is_sink.scatter_(-1, torch.where(sink >= 0, sink, nkb), True)
+        allowed = allowed & ~is_sink[..., :nkb]
+    return allowed
 
 
 def block_mean(x: Tensor, block: int, group: int = 1, valid_len: Tensor | None = None) -> Tensor:
@@ -185,19 +220,32 @@ def rope_inverse_frequencies(theta: float, rotary_dim: int) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
 
 
-def unrotate(x: Tensor, inv_freq: Tensor) -> Tensor:
-    """Undo rotate-half RoPE at positions ``0..N-1``: float32 ``[B, H, N, D]`` from ``x [B, H, N, D]``.
+def unrotate(x: Tensor, inv_freq: Tensor, positions: Tensor | None = None) -> Tensor:
+    """Undo rotate-half RoPE: float32 ``[B, H, N, D]`` from ``x [B, H, N, D]``.
 
     RoPE turns the pair ``(x[i], x[i + R/2])`` of the first ``R = 2 * len(inv_freq)`` channels by the
     angle ``n * inv_freq[i]`` at position n (the Llama / Hugging Face convention; channels past R are
     not rotated); this applies the opposite turn, which recovers the content the model wrote before
-    the rotation."""
+    the rotation.
+
+    Args:
+        positions: the positions RoPE used, integer or float ``[N]`` or ``[B, N]`` (packed documents
+            restart at 0 per document, left-padded rows start later); ``None`` = ``0..N-1``.
+    """
     half = inv_freq.shape[0]
-    dim = x.shape[-1]
+    batch, _, seq_len, dim = x.shape
     if 2 * half > dim:
         raise ValueError(f"{half} RoPE frequencies rotate {2 * half} channels but the head dim is {dim}")
-    angles = torch.arange(x.shape[2], device=x.device, dtype=torch.float32).view(-1, 1) * inv_freq.to(x.device, torch.float32)
-    cos, sin = angles.cos(), angles.sin()  # [N, R/2]
+    if positions is None:
+        positions = torch.arange(seq_len, device=x.device)
+    elif not isinstance(positions, Tensor) or positions.shape not in ((seq_len,), (batch, seq_len)):
+        raise ValueError(f"positions must be a tensor [N] or [B, N] = [{batch}, {seq_len}], got "
+                         f"{getattr(positions, 'shape', type(positions).__name__)}")
+    positions = positions.to(x.device, torch.float32)
+    angles = positions.unsqueeze(-1) * inv_freq.to(x.device, torch.float32)  # [(B,) N, R/2]
+    if angles.dim() == 3:
+        angles = angles.unsqueeze(1)  # [B, 1, N, R/2]
+    cos, sin = angles.cos(), angles.sin()
     x = x.float()
     x1, x2, rest = x[..., :half], x[..., half: 2 * half], x[..., 2 * half:]
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, rest), dim=-1)
@@ -296,8 +344,11 @@ class BlockScorer(nn.Module):
         if self.distance_bias is not None:
             self.distance_bias.zero_()
 
-    def pool(self, q: Tensor, k: Tensor, block_q: int, block_k: int, seq_lens: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Detached pooled inputs: ``qbar`` float32 ``[B, HKV, NQB, D]``, ``kbar`` ``[B, HKV, NKB, P*D]``."""
+    def pool(self, q: Tensor, k: Tensor, block_q: int, block_k: int, seq_lens: Tensor | None = None,
+             positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Detached pooled inputs: ``qbar`` float32 ``[B, HKV, NQB, D]``, ``kbar`` ``[B, HKV, NKB, P*D]``.
+        ``positions`` (``[N]`` or ``[B, N]``): the RoPE positions of the tokens, for the un-rotation
+        (:func:`unrotate`; default ``0..N-1``)."""
         group = self.num_heads // self.num_kv_heads
         with torch.no_grad():
             q, k = q.detach(), k.detach()
@@ -305,7 +356,8 @@ class BlockScorer(nn.Module):
                 # the rotation is the same for every head of a group: average the group first
                 batch, _, seq_len, dim = q.shape
                 q = q.reshape(batch, self.num_kv_heads, group, seq_len, dim).mean(2, dtype=torch.float32)
-                q, k, group = unrotate(q, self.rope_inv_freq), unrotate(k, self.rope_inv_freq), 1
+                q = unrotate(q, self.rope_inv_freq, positions)
+                k, group = unrotate(k, self.rope_inv_freq, positions), 1
             qbar = block_mean(q, block_q, group, seq_lens)
             kbar = block_mean(k, block_k, 1, seq_lens)
             if self.key_pooling == "mean_max":
@@ -336,6 +388,7 @@ def selection_candidates(
     window: int,
     sinks: int,
     seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
     top_p: float | None = None,
 ) -> Tensor:
     """Top-k dynamic key blocks per query block, for ``BlockIndex.from_selection``.
@@ -345,6 +398,9 @@ def selection_candidates(
         geometry: :func:`selection_geometry` of this call.
         window, sinks: the forced blocks, excluded from top-k because the index adds them anyway.
         seq_lens: optional int ``[B]``; key blocks past it rank below every other block.
+        document_ids: optional int ``[B, N]`` (packed documents): key blocks sharing no document with
+            the query block are never picked, nor are the per-document sinks
+            (:func:`allowed_dynamic_blocks`).
         top_p: adaptive budget. ``None`` keeps all ``dynamic_k`` best blocks. A float in (0, 1] keeps,
             per row, the fewest of them (best first) whose predicted mass reaches ``top_p``: the
             predicted mass is the softmax of the row's scores over the blocks top-k chooses from,
@@ -360,7 +416,9 @@ def selection_candidates(
     k = geometry.dynamic_k
     if k == 0:
         return torch.empty(batch, kv_heads, geometry.num_q_blocks, 0, dtype=torch.int64, device=scores.device)
-    allowed = allowed_dynamic_blocks(geometry, window, sinks, scores.device)
+    allowed = allowed_dynamic_blocks(geometry, window, sinks, scores.device, document_ids)
+    if allowed.dim() == 3:
+        allowed = allowed.unsqueeze(1)  # [B, 1, NQB, NKB]
     masked = scores.detach().masked_fill(~allowed, float("-inf"))
     if seq_lens is not None:
         block_start = torch.arange(geometry.num_k_blocks, device=scores.device) * geometry.block_k
