@@ -94,3 +94,23 @@ def save_tiny_tokenizer(path, *, bos=True, eos=False):
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]",
                             pad_token="<pad>").save_pretrained(path)
     return path
+
+
+def tiny_text(n, seed):
+    """``n`` random words of :data:`TINY_WORDS`, separated by spaces, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(TINY_WORDS[i] for i in torch.randint(len(TINY_WORDS), (n,), generator=g).tolist())
+
+
+def write_tiny_corpus(root, lengths_txt=(3, 40, 7, 11, 1, 25), lengths_jsonl=(5, 2, 60, 9, 14, 4, 18, 6)):
+    """Write text files (one document each, ``docNN.txt``) and ``more.jsonl`` (one ``{"text": ...}`` document
+    per line) of :func:`tiny_text` words under the directory ``root`` (created); document i has
+    ``lengths[i]`` words and every document differs. Returns ``root``."""
+    import json
+
+    root.mkdir(parents=True, exist_ok=True)
+    for i, n in enumerate(lengths_txt):
+        (root / f"doc{i:02d}.txt").write_text(tiny_text(n, seed=i))
+    lines = [json.dumps({"text": tiny_text(n, seed=100 + i), "id": i}) for i, n in enumerate(lengths_jsonl)]
+    (root / "more.jsonl").write_text("\n".join(lines) + "\n")
+    return root

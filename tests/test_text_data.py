@@ -4,7 +4,6 @@ sharding, the validation split, and the packed rows reaching the models."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -14,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from builders import TINY_WORDS, save_tiny_tokenizer  # noqa: E402
+from builders import save_tiny_tokenizer, write_tiny_corpus  # noqa: E402
 from sparse_train.lightning.text_data import (  # noqa: E402
     PackedRows,
     RowShards,
@@ -30,22 +29,6 @@ from sparse_train.tasks import IGNORE_INDEX  # noqa: E402
 PAD, BOS, EOS = 1, 2, 3
 
 
-def _words(n: int, seed: int) -> str:
-    g = torch.Generator().manual_seed(seed)
-    return " ".join(TINY_WORDS[i] for i in torch.randint(len(TINY_WORDS), (n,), generator=g).tolist())
-
-
-def _write_corpus(root: Path, lengths_txt=(3, 40, 7, 11, 1, 25), lengths_jsonl=(5, 2, 60, 9, 14, 4, 18, 6)) -> Path:
-    """Text files (one document each) and a JSONL file (one document per line) of random words; document i
-    has ``lengths[i]`` words, every document's text is different."""
-    root.mkdir(parents=True, exist_ok=True)
-    for i, n in enumerate(lengths_txt):
-        (root / f"doc{i:02d}.txt").write_text(_words(n, seed=i))
-    lines = [json.dumps({"text": _words(n, seed=100 + i), "id": i}) for i, n in enumerate(lengths_jsonl)]
-    (root / "more.jsonl").write_text("\n".join(lines) + "\n")
-    return root
-
-
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
     return save_tiny_tokenizer(tmp_path_factory.mktemp("tok") / "tiny")
@@ -53,7 +36,7 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
-    return _write_corpus(tmp_path_factory.mktemp("corpus") / "data")
+    return write_tiny_corpus(tmp_path_factory.mktemp("corpus") / "data")
 
 
 def _module(corpus: Path, tokenizer_dir: Path, **kwargs) -> TextDataModule:
