@@ -221,7 +221,8 @@ def test_datamodule_is_deterministic(corpus, tokenizer_dir):
     assert order == list(lb.sampler)
     la.sampler.set_epoch(1)
     assert sorted(list(la.sampler)) == sorted(order) and list(la.sampler) != order, "epoch 1 is not reshuffled"
-    assert list(_module(corpus, tokenizer_dir, seed=3, shuffle=False).train_dataloader().sampler) == list(range(len(order)))
+    in_order = _module(corpus, tokenizer_dir, seed=3, shuffle=False).train_dataloader()
+    assert list(in_order.sampler) == list(range(len(order)))
 
 
 @pytest.mark.parametrize("world", [2, 3], ids=lambda w: f"world{w}")
@@ -285,6 +286,7 @@ def test_validation_split_is_held_out(corpus, tokenizer_dir):
     dm = _module(corpus, tokenizer_dir, val_fraction=0.3)
     val_tokens = tokenize_documents(dm.tokenizer, [texts[i] for i in val])
     assert dm.val_rows.num_tokens == sum(len(t) for t in val_tokens)
+    assert dm.train_rows.num_tokens == sum(len(t) for t in tokenize_documents(dm.tokenizer, [texts[i] for i in train]))
     held = {tuple(t.tolist()) for t in val_tokens}
     for i in range(len(dm.train_rows)):
         for piece in _check_row(dm.train_rows[i], 17):
@@ -295,6 +297,16 @@ def test_validation_split_is_held_out(corpus, tokenizer_dir):
 
 
 # ---------------------------------------------------------------------------------------------- models
+def _tiny_llama(path: Path, vocab_size: int = 96) -> Path:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return save_tiny_tokenizer(path)
+
+
 class _Recorder(torch.nn.Module):
     """A ``tokens -> logits`` model that records its keyword inputs."""
 
@@ -340,15 +352,9 @@ def test_training_step_passes_boundaries_the_model_takes(corpus, tokenizer_dir, 
 def test_hf_packed_rows_match_documents_run_alone(corpus, tokenizer_dir, tmp_path):
     """Through HFCausalLMModule (dense): each document of a packed row gets the logits it gets alone, so the
     restarting position ids reach the model and its attention stays inside the document."""
-    import transformers
-
     from sparse_train.lightning import HFCausalLMModule
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    module = HFCausalLMModule(str(tmp_path / "llama"), attention="dense", dtype="float64").eval()
+    module = HFCausalLMModule(str(_tiny_llama(tmp_path / "llama")), attention="dense", dtype="float64").eval()
     dm = _module(corpus, tokenizer_dir, seq_len=31, batch_size=64)
     batch = next(iter(dm.train_dataloader()))  # every training row
     # the training step hands the model exactly the restarting positions (HFCausalLM takes no document ids)
@@ -366,3 +372,39 @@ def test_hf_packed_rows_match_documents_run_alone(corpus, tokenizer_dir, tmp_pat
         assert checked >= 2 * batch["tokens"].shape[0], "rows hold one document each: nothing was packed"
         plain = module.model(batch["tokens"])
     assert not torch.allclose(plain, logits), "position_ids did not change the result"
+
+
+def test_tokenizer_defaults_to_the_model_checkpoint(corpus):
+    dm = TextDataModule([str(corpus)])
+    assert dm.vocab_size is None  # unknown until a model with a checkpoint directory is attached
+    with pytest.raises(ValueError, match="tokenizer_path is unset"):
+        dm.setup("fit")
+
+
+def test_fit_through_the_hf_recipe(corpus, tmp_path, monkeypatch):
+    """The stage-3 HF recipe, dense (so it runs whatever the sparse path supports), through the CLI: the
+    tokenizer comes from the checkpoint directory, training and validation read packed rows."""
+    from sparse_train import cli
+
+    monkeypatch.chdir(tmp_path)
+    checkpoint = _tiny_llama(tmp_path / "llama")
+    result = cli.run_cli([
+        "fit", "--config", "finetune_hf_stage3_sparse", f"--model.init_args.pretrained_path={checkpoint}",
+        "--model.init_args.attention=dense", "--model.init_args.init_from=null", f"--data.init_args.paths=[{corpus}]",
+        "--data.init_args.seq_len=32", "--data.init_args.batch_size=2", "--data.init_args.val_fraction=0.2",
+        "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.max_steps=3",
+        "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1", "--logger_backend=none",
+    ])
+    assert result.trainer.global_step == 3
+    assert result.datamodule.tokenizer.name_or_path == str(checkpoint)
+    metrics = result.trainer.callback_metrics
+    for key in ("train/loss", "val/loss"):
+        assert math.isfinite(float(metrics[key])), key
+
+
+def test_vocabulary_larger_than_the_model_is_refused(corpus, tmp_path):
+    from sparse_train.lightning import HFCausalLMModule
+
+    module = HFCausalLMModule(str(_tiny_llama(tmp_path / "small", vocab_size=48)), attention="dense")
+    with pytest.raises(ValueError, match="vocab_size >= 64 but the checkpoint .* has vocab_size = 48"):
+        module.check_data(TextDataModule([str(corpus)], tokenizer_path=str(tmp_path / "small")))

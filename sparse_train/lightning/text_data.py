@@ -219,7 +219,8 @@ class PackedRows(Dataset):
         self.seq_len = check_int("seq_len", seq_len, minimum=1)
         self.pad_id = check_int("pad_id", pad_id, minimum=0)
         lengths = [int(d.numel()) for d in documents]
-        self.flat = torch.cat([d.to(torch.int32) for d in documents]) if documents else torch.zeros(0, dtype=torch.int32)
+        flat = [d.to(torch.int32).flatten() for d in documents]
+        self.flat = torch.cat(flat) if flat else torch.zeros(0, dtype=torch.int32)
         offsets = [0]
         for n in lengths:
             offsets.append(offsets[-1] + n)
