@@ -72,3 +72,45 @@ def check_close(name, got, ref, ref_lowp, dtype, *, c=TOL_C, floor=None):
     e_k, e_r = rel_err(got, ref), rel_err(ref_lowp, ref)
     print(f"{name}: kernel err {e_k:.3e} | torch-{str(dtype).split('.')[-1]} err {e_r:.3e}")
     assert e_k <= c * e_r + floor, f"{name}: kernel err {e_k:.3e} > {c} * {e_r:.3e} + {floor}"
+
+
+TINY_WORDS = tuple(f"w{i}" for i in range(60))
+"""The vocabulary (besides special tokens) of :func:`save_tiny_tokenizer`: 64 ids, below a tiny model's 96."""
+
+
+def save_tiny_tokenizer(path, *, bos=True, eos=False):
+    """Save a word-level Hugging Face tokenizer, built offline, to the directory ``path`` (created) and return
+    the path: ids 0..3 are ``[UNK]``, ``<pad>``, ``<s>`` (BOS, prepended when ``bos``), ``</s>`` (EOS, appended
+    by the tokenizer itself only when ``eos``), then :data:`TINY_WORDS`; words are split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(("[UNK]", "<pad>", "<s>", "</s>", *TINY_WORDS))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    if bos or eos:
+        template = ("<s> " if bos else "") + "$A" + (" </s>" if eos else "")
+        tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<s>", 2), ("</s>", 3)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]",
+                            pad_token="<pad>").save_pretrained(path)
+    return path
+
+
+def tiny_text(n, seed):
+    """``n`` random words of :data:`TINY_WORDS`, separated by spaces, drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(TINY_WORDS[i] for i in torch.randint(len(TINY_WORDS), (n,), generator=g).tolist())
+
+
+def write_tiny_corpus(root, lengths_txt=(3, 40, 7, 11, 1, 25), lengths_jsonl=(5, 2, 60, 9, 14, 4, 18, 6)):
+    """Write text files (one document each, ``docNN.txt``) and ``more.jsonl`` (one ``{"text": ...}`` document
+    per line) of :func:`tiny_text` words under the directory ``root`` (created); document i has
+    ``lengths[i]`` words and every document differs. Returns ``root``."""
+    import json
+
+    root.mkdir(parents=True, exist_ok=True)
+    for i, n in enumerate(lengths_txt):
+        (root / f"doc{i:02d}.txt").write_text(tiny_text(n, seed=i))
+    lines = [json.dumps({"text": tiny_text(n, seed=100 + i), "id": i}) for i, n in enumerate(lengths_jsonl)]
+    (root / "more.jsonl").write_text("\n".join(lines) + "\n")
+    return root

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from builders import save_tiny_tokenizer, write_tiny_corpus
 from sparse_train import cli
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -20,7 +21,7 @@ def _is_hf(conf: dict) -> bool:
     return conf["model"]["class_path"].endswith("HFCausalLMModule")
 
 
-def _tiny_overrides(recipe: str, hf_checkpoint: Path | None = None) -> list[str]:
+def _tiny_overrides(recipe: str, hf_checkpoint: Path | None = None, text_corpus: Path | None = None) -> list[str]:
     conf = yaml.safe_load((RECIPES_DIR / f"{recipe}.yaml").read_text())
     data_cls = conf["data"]["class_path"]
     args = [
@@ -36,6 +37,8 @@ def _tiny_overrides(recipe: str, hf_checkpoint: Path | None = None) -> list[str]
     if data_cls.endswith("RetrievalDataModule"):
         args += ["--data.init_args.curriculum=[]", "--data.init_args.eval_batch_size=2",
                  "--data.init_args.num_workers=0"]
+    elif data_cls.endswith("TextDataModule"):  # tokenizer: the checkpoint's own (saved beside its weights)
+        args += [f"--data.init_args.paths=[{text_corpus}]", "--data.init_args.val_fraction=0.2"]
     else:
         args += ["--data.init_args.max_bytes=200000"]
     if conf["model"]["init_args"].get("init_from"):
@@ -90,14 +93,22 @@ def test_source_checkout_resolves_its_own_recipes():
 
 @pytest.fixture(scope="module")
 def tiny_hf_checkpoint(tmp_path_factory) -> Path:
-    """A tiny Llama checkpoint directory (config.json + safetensors), built offline."""
+    """A tiny Llama checkpoint directory (config.json + safetensors + a word-level tokenizer), built offline."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     path = tmp_path_factory.mktemp("hf") / "tiny-llama"
     transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return save_tiny_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_text_corpus(tmp_path_factory) -> Path:
+    """Text and JSONL documents of the tiny tokenizer's words (~2.5K tokens, one document longer than 256)."""
+    return write_tiny_corpus(tmp_path_factory.mktemp("text") / "corpus",
+                             lengths_txt=(300, 40, 7, 110, 1, 25, 90, 150, 64, 200),
+                             lengths_jsonl=(5, 2, 160, 9, 14, 4, 180, 6, 75, 120, 33, 250))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -105,7 +116,8 @@ def test_recipe_runs_fast_dev_run(recipe, tmp_path, monkeypatch, request):
     monkeypatch.chdir(tmp_path)  # recipes write runs/... relative to the working directory
     conf = yaml.safe_load((RECIPES_DIR / f"{recipe}.yaml").read_text())
     hf_checkpoint = request.getfixturevalue("tiny_hf_checkpoint") if _is_hf(conf) else None
-    result = cli.run_cli(["fit", "--config", recipe, *_tiny_overrides(recipe, hf_checkpoint)])
+    text_corpus = request.getfixturevalue("tiny_text_corpus") if _is_hf(conf) else None
+    result = cli.run_cli(["fit", "--config", recipe, *_tiny_overrides(recipe, hf_checkpoint, text_corpus)])
     trainer = result.trainer
     assert trainer.state.finished, f"{recipe}: fit did not finish"
     assert trainer.global_step == 1
@@ -114,7 +126,7 @@ def test_recipe_runs_fast_dev_run(recipe, tmp_path, monkeypatch, request):
     assert math.isfinite(float(metrics["train/loss"]))
 
 
-def test_hf_checkpoint_dense_to_sparse_stages(tiny_hf_checkpoint, tmp_path, monkeypatch):
+def test_hf_checkpoint_dense_to_sparse_stages(tiny_hf_checkpoint, tiny_text_corpus, tmp_path, monkeypatch):
     """A local Hugging Face checkpoint as the stage-1 dense model: stage 2 (selectors only) then stage 3
     (loads stage 2, everything trains), both through the CLI with the built-in recipes."""
     from transformers import AutoModelForCausalLM
@@ -132,10 +144,10 @@ def test_hf_checkpoint_dense_to_sparse_stages(tiny_hf_checkpoint, tmp_path, monk
     monkeypatch.setattr(HFCausalLMModule, "on_fit_start", snapshot)
     common = [
         "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.max_steps=2",
-        "--trainer.limit_val_batches=1", "--logger_backend=csv",
+        "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2", "--logger_backend=csv",
         f"--model.init_args.pretrained_path={tiny_hf_checkpoint}",
         "--data.init_args.seq_len=128", "--data.init_args.batch_size=2", "--data.init_args.eval_batch_size=2",
-        "--data.init_args.val_samples=2",
+        f"--data.init_args.paths=[{tiny_text_corpus}]", "--data.init_args.val_fraction=0.2",
         # 8 blocks of 16 tokens, at most 4 selected: the sparse path runs, not the dense shortcut
         "--model.init_args.sparse.block_q=16", "--model.init_args.sparse.block_k=16",
         "--model.init_args.sparse.top_k=2", "--model.init_args.sparse.window=1",

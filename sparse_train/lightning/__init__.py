@@ -4,17 +4,20 @@ Run it through the ``sparse-train`` console script (:mod:`sparse_train.cli`) wit
 ``recipes/``; the classes are importable for custom scripts. The two LightningModules
 (:class:`SparseLMModule` for our ``Transformer``, :class:`HFCausalLMModule` for a Hugging Face checkpoint)
 build their model and hold one :class:`~sparse_train.lightning.training.CausalLMTraining` (loss, metrics,
-optimiser). The data behind the data modules is :mod:`sparse_train.tasks`, which needs no Lightning.
+optimiser). The data behind the retrieval and byte-level data modules is :mod:`sparse_train.tasks`, which
+needs no Lightning; :class:`TextDataModule` (:mod:`sparse_train.lightning.text_data`) packs tokenized local
+text or JSONL documents for fine-tuning.
 """
 
 from ..tasks import RetrievalTask
 from .callbacks import StepRichProgressBar, StepTimer, StepTQDMProgressBar
 from .data import ByteLMDataModule, RetrievalDataModule
+from .text_data import TextDataModule
 from .model import Transformer, TransformerConfig
 from .hf import HFCausalLMModule
 from .module import SparseLMModule
 from .training import CausalLMTraining, load_weights
 
 __all__ = ["StepTimer", "StepRichProgressBar", "StepTQDMProgressBar", "ByteLMDataModule", "RetrievalDataModule",
-           "RetrievalTask", "Transformer", "TransformerConfig", "SparseLMModule", "HFCausalLMModule",
+           "TextDataModule", "RetrievalTask", "Transformer", "TransformerConfig", "SparseLMModule", "HFCausalLMModule",
            "CausalLMTraining", "load_weights"]

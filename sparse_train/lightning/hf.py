@@ -13,7 +13,9 @@ selector. Everything after the model is built (loss, metrics, optimizer groups, 
 :class:`~sparse_train.lightning.module.SparseLMModule` holds: the HF model is wrapped so that it maps
 ``tokens [B, N]`` to ``logits [B, N, V]`` like our ``Transformer``, and the data modules' batches
 (``{"tokens", "labels"}`` with labels already aligned to positions, ``-100`` = no loss) are used as they
-are. The HF model's own ``labels=`` loss is deliberately not used: it shifts labels by one position.
+are; the packed rows of :class:`~sparse_train.lightning.TextDataModule` also pass their restarting
+``position_ids`` to the HF model. The HF model's own ``labels=`` loss is deliberately not used: it shifts
+labels by one position.
 """
 
 from __future__ import annotations
@@ -44,8 +46,15 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=tokens, use_cache=False).logits
+    def forward(self, tokens: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits ``[B, N, V]`` of ``tokens`` ``[B, N]``.
+
+        ``position_ids`` ``[B, N]`` (int64) restarting at 0 at each document mark a packed row, the format of
+        transformers' ``DataCollatorWithFlattening`` (:class:`~sparse_train.lightning.TextDataModule` batches
+        carry it). Whether attention then stays inside each document is the attention implementation's
+        business: flash-attention-2 and the sparse_train path honour the restarts; ``None`` = positions
+        ``0..N-1``, one document per row."""
+        return self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
 
     def num_parameters(self) -> int:
         # Count shared tensors (tied embeddings) once.
@@ -137,8 +146,8 @@ class HFCausalLMModule(LightningModule):
         """The last validation/test metrics of the fit (what the final line prints)."""
         return self.training_logic.final_metrics
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
+    def forward(self, tokens: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return self.model(tokens, position_ids=position_ids)
 
     def check_data(self, datamodule: Any) -> None:
         """Raise ``ValueError`` when ``datamodule`` produces token ids the checkpoint cannot embed (also

@@ -7,6 +7,10 @@ they build ``module.model``, a ``tokens [B, N] -> logits [B, N, V]`` network. Ea
 inherits the other's behaviour. The component reaches the model through the module passed to each call
 (never a stored reference), so a strategy that wraps ``module.model``'s submodules (FSDP) is seen.
 
+Batches are dicts with ``tokens`` and ``labels`` (aligned to positions, ``IGNORE_INDEX`` = no loss); packed
+rows also carry ``document_ids`` / ``position_ids``, which go to the model when its ``forward`` takes them
+(:meth:`CausalLMTraining.model_inputs`).
+
 Loss = next-token cross-entropy on labelled positions + ``selector_loss_weight`` x the selectors'
 distillation loss (``st.collect_selector_losses``); with ``train_only_selector`` every non-selector weight
 is frozen and the loss is the selector loss alone (fine-tuning stage 2).
@@ -15,6 +19,8 @@ is frozen and the loss is the selector loss alone (fine-tuning stage 2).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
 import os
 import time
@@ -25,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import sparse_train as st
 
@@ -76,6 +82,18 @@ def load_weights(model: nn.Module, path: str, prefix: str = "model.") -> dict[st
         raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing[:8]} "
                            f"unexpected={unexpected[:8]}")
     return {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
+
+
+# Batch keys that mark where the documents of a packed row begin (sparse_train.lightning.text_data).
+_BOUNDARY_KEYS = ("document_ids", "position_ids")
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_keywords(model_type: type) -> frozenset[str]:
+    """Parameter names of ``model_type.forward`` that can be passed by keyword (``**kwargs`` excluded:
+    a catch-all does not say the model honours document boundaries)."""
+    params = inspect.signature(model_type.forward).parameters.values()
+    return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def attached_datamodule(module: LightningModule) -> Any:
@@ -158,6 +176,7 @@ class CausalLMTraining:
         self.final_metrics: dict[str, float] = {}
         self._eval_counts: dict[str, list[float]] = {}
         self._fit_start = 0.0
+        self._warned_boundaries = False
 
     # ------------------------------------------------------------------ data
     def check_data(self, datamodule: Any) -> None:
@@ -168,10 +187,24 @@ class CausalLMTraining:
             raise ValueError(self.vocab_error.format(need=need, have=self.vocab_size))
 
     # ------------------------------------------------------------------ steps
-    @staticmethod
-    def _lm_loss(module: LightningModule,
+    def model_inputs(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The document-boundary tensors of ``batch`` (``document_ids``, ``position_ids``; packed rows, see
+        :mod:`~sparse_train.lightning.text_data`) that ``model.forward`` names as keywords: our
+        ``Transformer`` takes ``document_ids``, :class:`~sparse_train.lightning.hf.HFCausalLM` takes
+        ``position_ids``. A model that takes neither gets only the tokens and attends across the documents of
+        a row; that is warned once (the labels still never cross a document)."""
+        accepted = _forward_keywords(type(model))
+        inputs = {key: batch[key] for key in _BOUNDARY_KEYS if key in batch and key in accepted}
+        if not inputs and any(key in batch for key in _BOUNDARY_KEYS) and not self._warned_boundaries:
+            self._warned_boundaries = True
+            present = ", ".join(key for key in _BOUNDARY_KEYS if key in batch)
+            rank_zero_warn(f"the batch marks document boundaries ({present}) but {type(model).__name__}.forward "
+                           f"takes none of {_BOUNDARY_KEYS}: attention crosses the documents packed into a row")
+        return inputs
+
+    def _lm_loss(self, module: LightningModule,
                  batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = module.model(batch["tokens"])
+        logits = module.model(batch["tokens"], **self.model_inputs(module.model, batch))
         labels = batch["labels"]
         mask = labels != IGNORE_INDEX
         # Only labelled positions are projected through the loss, which matters for retrieval (a few
