@@ -6,8 +6,10 @@
 #
 #   OUT=/tmp/out bash scripts/gpu_selector_evidence.sh docs/benchmarks/plans/gpu_ab_round4.json
 #
-# BENCH=1 also runs the attention benchmark at 64K (ours and cuDNN, no Flex) after the tests, to check
-# kernel timings against the committed ones; STEP_TIMES=0 skips the LM step times.
+# The GPU tests run while the A/B trains (tests are not timed); every benchmark runs after both, alone.
+# BENCH=1 also runs the attention benchmark at 64K (ours and cuDNN, no Flex), to check kernel timings
+# against the committed ones; PACKED=1 the packed-documents benchmark at 64K (ours with and without the
+# document mask, Flex with a document mask_mod, same selection); STEP_TIMES=0 skips the LM step times.
 #
 # Environment (PYTHONPATH, NVLink multicast off, wheels from .whl/): scripts/gpu_env.sh.
 set -uo pipefail
@@ -16,17 +18,25 @@ OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 # shellcheck source=scripts/gpu_env.sh
 source scripts/gpu_env.sh
+python3 scripts/retrieval_ab.py --plan "$plan" --parallel 16 --threads 1 --timeout "${RUN_TIMEOUT:-330}" \
+  --out /tmp/ab > "$OUT/ab_stdout.txt" 2>&1 &
+ab_pid=$!
 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -rfEs -m gpu tests > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
 tail -3 "$OUT/gpu_tests.log"
+wait "$ab_pid"
+cp /tmp/ab/summary.md /tmp/ab/summary.json "$OUT/" 2>/dev/null
+
 if [ "${BENCH:-0}" = 1 ]; then
   timeout 150 python3 scripts/bench_attention.py --n 65536 --no-sweep --no-flex --out "$OUT/bench" > "$OUT/bench.log" 2>&1
   echo "bench rc=$?" >> "$OUT/bench.log"
 fi
-
-python3 scripts/retrieval_ab.py --plan "$plan" --parallel 16 --threads 1 --timeout "${RUN_TIMEOUT:-330}" \
-  --out /tmp/ab > "$OUT/ab_stdout.txt" 2>&1
-cp /tmp/ab/summary.md /tmp/ab/summary.json "$OUT/" 2>/dev/null
+if [ "${PACKED:-0}" = 1 ]; then
+  timeout "${PACKED_TIMEOUT:-150}" python3 scripts/bench_attention.py --packed 2048:16384 --n 65536 --no-sweep \
+    --out "$OUT/packed" > "$OUT/packed.log" 2>&1
+  echo "packed bench rc=$?" >> "$OUT/packed.log"
+  tail -30 "$OUT/packed.log"
+fi
 
 if [ "${STEP_TIMES:-1}" = 1 ]; then
   lm="--trainer.accelerator=gpu --trainer.precision=bf16-mixed --data.init_args.seq_len=8192 --data.init_args.batch_size=4

@@ -22,7 +22,7 @@ CONFIG_INT_FIELDS = ["block_q", "block_k", "top_k", "window", "sinks", "selector
                      "distill_query_rows", "distill_query_blocks", "distill_chunk_mb", "metrics_every",
                      "metrics_query_blocks", "dense_warmup_steps"]
 CONFIG_FLOAT_FIELDS = ["dropout_p", "scale", "distill_weight", "dense_enter_density", "dense_exit_density",
-                       "selector_lr_multiplier", "selector_rope_theta"]
+                       "selector_lr_multiplier", "selector_rope_theta", "top_p"]
 CONFIG_BOOL_FIELDS = ["deterministic", "replay", "dense_fallback", "profile", "selector_distance_bias"]
 CONFIG_CHOICE_FIELDS = ["backend", "distill", "index_check", "distill_row_pool", "distill_support", "key_pooling"]
 
