@@ -12,7 +12,7 @@ import math
 import triton
 import triton.language as tl
 
-__all__ = ["LN2", "LOG2E", "crosses_documents", "documents_row", "dot", "dropout_keep", "index_row", "last_document",
+__all__ = ["LN2", "LOG2E", "crosses_documents", "documents_row", "dot", "dropout_keep", "index_row", "last_document", "mask_scores",
            "load_documents", "load_rows", "log2_lse", "query_tile", "sequence_length", "tile_pointers", "tile_rows"]
 
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -123,6 +123,28 @@ def crosses_documents(docs_row, key_first, query_last_doc):
     is one document iff those two ids are equal. Blocks reaching past the tile's first query take the
     causal mask, document check included, anyway."""
     return tl.load(docs_row + key_first) != query_last_doc
+
+
+@triton.jit
+def mask_scores(s, qpos, kpos, seqlen, key_first, query_first, docs_row, doc_q, doc_q_last, N,
+                HAS_DOCS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Scores ``s`` ``[M, BK]`` (rows = queries ``qpos``, columns = keys ``kpos``, the key block starting at
+    ``key_first``) with -inf where the key is not visible: after the query, at or past ``seqlen``, or
+    (``HAS_DOCS``) in another document. Only blocks that reach past the tile's first query, cross the
+    sequence end or hold two documents can hold such a pair, so the others skip the mask; the forward
+    and the dQ kernel mask alike (dK/dV masks the transposed tile the same way). Without documents,
+    ``docs_row``, ``doc_q`` and ``doc_q_last`` are unused placeholders."""
+    edge = (key_first + BLOCK_K - 1 > query_first) | (key_first + BLOCK_K > seqlen)
+    if HAS_DOCS:
+        if edge | crosses_documents(docs_row, key_first, doc_q_last):
+            doc_k = load_documents(docs_row, kpos, N)
+            ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen) & (doc_q[:, None] == doc_k[None, :])
+            s = tl.where(ok, s, float("-inf"))
+    else:
+        if edge:
+            ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen)
+            s = tl.where(ok, s, float("-inf"))
+    return s
 
 
 @triton.jit

@@ -45,6 +45,7 @@ from ._jit import (
     load_documents,
     load_rows,
     log2_lse,
+    mask_scores,
     query_tile,
     sequence_length,
     tile_pointers,
@@ -126,6 +127,8 @@ def _dq_kernel(
         docs_row = documents_row(DOCS, b64, N)
         doc_q = load_documents(docs_row, qpos, N)  # [M]
         doc_q_last = last_document(docs_row, q_first, BLOCK_Q, N)
+    else:
+        docs_row, doc_q, doc_q_last = DOCS, qpos, 0  # unused placeholders (mask_scores)
 
     dq = tl.zeros([M, HEAD_DIM], tl.float32)
     for t in range(0, count):
@@ -138,16 +141,8 @@ def _dq_kernel(
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         dp = dot(do, tl.trans(v), IEEE)  # [M, BK]
         s = s * scale_log2
-        if HAS_DOCS:  # the forward's masks, skipped where it skipped them (forward.py)
-            if ((j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen)
-                    | crosses_documents(docs_row, j * BLOCK_K, doc_q_last)):
-                doc_k = load_documents(docs_row, kpos, N)
-                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen) & (doc_q[:, None] == doc_k[None, :])
-                s = tl.where(ok, s, float("-inf"))
-        else:
-            if (j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen):
-                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen)
-                s = tl.where(ok, s, float("-inf"))
+        s = mask_scores(s, qpos, kpos, seqlen, j * BLOCK_K, q_first, docs_row, doc_q, doc_q_last, N,
+                        HAS_DOCS, BLOCK_K)  # the forward's masks, skipped where it skipped them
         p = tl.exp2(s - lse2[:, None])  # [M, BK] normalised probabilities
         if DROPOUT:
             keep = dropout_keep(seed, row_counter[:, None] + kpos64[None, :], threshold)

@@ -34,7 +34,6 @@ from ..plan import forward_config
 from ._jit import (
     LN2,
     LOG2E,
-    crosses_documents,
     documents_row,
     dot,
     dropout_keep,
@@ -42,6 +41,7 @@ from ._jit import (
     last_document,
     load_documents,
     load_rows,
+    mask_scores,
     query_tile,
     sequence_length,
     tile_pointers,
@@ -96,6 +96,8 @@ def _fwd_kernel(
         docs_row = documents_row(DOCS, b64, N)
         doc_q = load_documents(docs_row, qpos, N)  # [M]
         doc_q_last = last_document(docs_row, q_first, BLOCK_Q, N)
+    else:
+        docs_row, doc_q, doc_q_last = DOCS, qpos, 0  # unused placeholders (mask_scores)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -111,18 +113,8 @@ def _fwd_kernel(
         v = tl.load(tile_pointers(v_base, kpos64, offs_d, stride_vn, stride_vd), mask=kv_ok[:, None], other=0.0)
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         s = s * scale_log2  # log2 domain: exp(x) = exp2(x * log2 e)
-        # masks before max/exp; only blocks that cross the diagonal or the sequence end need them, and
-        # with documents those whose keys and queries are not all in one document
-        if HAS_DOCS:
-            if ((j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen)
-                    | crosses_documents(docs_row, j * BLOCK_K, doc_q_last)):
-                doc_k = load_documents(docs_row, kpos, N)
-                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen) & (doc_q[:, None] == doc_k[None, :])
-                s = tl.where(ok, s, float("-inf"))
-        else:
-            if (j * BLOCK_K + BLOCK_K - 1 > q_first) | (j * BLOCK_K + BLOCK_K > seqlen):
-                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < seqlen)
-                s = tl.where(ok, s, float("-inf"))
+        s = mask_scores(s, qpos, kpos, seqlen, j * BLOCK_K, q_first, docs_row, doc_q, doc_q_last, N,
+                        HAS_DOCS, BLOCK_K)  # masks before max/exp
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with nothing valid so far keeps m = -inf; use 0 as base so exp2 gives 0, not NaN
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
