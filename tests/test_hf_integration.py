@@ -375,3 +375,35 @@ def test_mask_function_accepts_causal_and_packed_and_refuses_other_patterns():
     assert hf.sparse_train_mask(attention_mask=None, mask_function=causal_mask_function) is None
     with pytest.raises(NotImplementedError, match="another mask pattern"):
         hf.sparse_train_mask(attention_mask=None, mask_function=sliding_window_causal_mask_function(4))
+
+
+def test_padding_becomes_documents_while_compiling(monkeypatch):
+    """While torch.compile traces there is no data-dependent branch: left and right padding both become
+    documents (ids prefix 0 / real 1 / tail 2), never the right-padding lengths that left padding would
+    turn into wrong attention."""
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, 7:] = 0  # right padding
+    mask[1, :4] = 0  # left padding
+    mask[2, :2] = 0  # both
+    mask[2, 9:] = 0
+    eager_lens, eager_docs = hf.padding_from_mask(mask, 10)
+    assert eager_lens is None and eager_docs[1].tolist() == [0] * 4 + [1] * 6
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    seq_lens, docs = hf.padding_from_mask(mask.clone(), 10)
+    assert seq_lens is None
+    assert docs.tolist() == [[1] * 7 + [2] * 3, [0] * 4 + [1] * 6, [0] * 2 + [1] * 7 + [2]]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_left_padding_equals_sdpa_while_compiling(family, monkeypatch):
+    ids = tokens(2, 150, seed=8)
+    mask = torch.ones(2, 150, dtype=torch.long)
+    mask[1, :61] = 0
+    model = build(family).eval()
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        hf.enable(model, st.SparseAttentionConfig(**FULL_SPARSE_PATH))
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        got = model(ids, attention_mask=mask).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-9, atol=1e-9)

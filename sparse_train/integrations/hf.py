@@ -112,15 +112,22 @@ def padding_from_mask(mask: Tensor | None, seq_len: int) -> tuple[Tensor | None,
         return _last_mask[2]
     keep = mask.to(torch.bool)
     seq_lens = keep.sum(dim=-1)
-    result = (seq_lens, None)
-    if not torch.compiler.is_compiling():
+    changes = torch.zeros_like(keep, dtype=torch.int64)
+    changes[:, 1:] = (keep[:, 1:] != keep[:, :-1]).to(torch.int64)
+    # runs of the row: an optional padded prefix, the real tokens, an optional padded tail; a row without
+    # a padded prefix starts at id 1 like the others: ids 0 / 1 / 2 = prefix / real / tail
+    run = changes.cumsum(dim=1)
+    starts_real = keep[:, 0]
+    document_ids = run + starts_real.to(torch.int64).view(-1, 1)
+    if torch.compiler.is_compiling():
+        # No data-dependent branch while tracing: the padding becomes documents whatever its side (right
+        # padding included, which is exact too); a hole cannot be detected here and splits the real
+        # tokens into documents (README "Known limits").
+        result = (None, document_ids)
+    else:
+        result = (seq_lens, None)
         right_padded = torch.arange(seq_len, device=mask.device).view(1, -1) < seq_lens.view(-1, 1)
         if not torch.equal(right_padded, keep):
-            changes = torch.zeros_like(keep, dtype=torch.int64)
-            changes[:, 1:] = (keep[:, 1:] != keep[:, :-1]).to(torch.int64)
-            # runs of the row: an optional padded prefix, the real tokens, an optional padded tail
-            run = changes.cumsum(dim=1)
-            starts_real = keep[:, 0]
             runs = run[:, -1] + 1
             hole = (runs > 3) | ((runs == 3) & starts_real)
             if bool(hole.any()):
@@ -129,8 +136,6 @@ def padding_from_mask(mask: Tensor | None, seq_len: int) -> tuple[Tensor | None,
                     "tokens, optional padding); this attention mask has a padded hole between real tokens in "
                     f"row {int(hole.nonzero()[0, 0])}"
                 )
-            # a row without a padded prefix starts at id 1 like the others: ids 0 / 1 / 2 = prefix / real / tail
-            document_ids = run + starts_real.to(torch.int64).view(-1, 1)
             result = (None, document_ids)
     _last_mask = (weakref.ref(mask), mask._version, result)
     return result
