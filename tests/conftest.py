@@ -52,3 +52,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def small_kv_chunks(request, monkeypatch):
+    """Chunk KV rows after 2 query blocks, so the chunked KV-centric dK/dV path (partials + ordered
+    finish) runs on the interpreter's tiny shapes; GPU-marked tests keep the default chunk. Kernel test
+    modules use it for every test (``pytestmark``)."""
+    if request.node.get_closest_marker("gpu") is None:
+        from sparse_train import plan as plan_mod
+
+        monkeypatch.setattr(plan_mod, "KV_CHUNK", 2)

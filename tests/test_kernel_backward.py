@@ -25,15 +25,8 @@ from sparse_train.kernels.op import triton_sparse_attention  # noqa: E402
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")  # fresh outputs start as NaN
+pytestmark = pytest.mark.usefixtures("poison_fresh_outputs", "small_kv_chunks")  # conftest.py
 
-
-@pytest.fixture(autouse=True)
-def _small_chunks(request, monkeypatch):
-    # chunk KV rows after 2 query blocks so the chunked KV-centric path (partials + ordered finish)
-    # runs on the interpreter's tiny shapes; GPU tests keep the default chunk
-    if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setattr(plan_mod, "KV_CHUNK", 2)
 
 
 def _grads(fn, q, k, v, do, dlse_w=0.0):

@@ -21,21 +21,13 @@ from test_documents import ids_from_lengths
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from sparse_train import plan as plan_mod  # noqa: E402
 from sparse_train.kernels import forward as kf  # noqa: E402
 from sparse_train.kernels.block_mass import triton_block_mass, triton_dense_block_mass  # noqa: E402
 from sparse_train.kernels.op import triton_sparse_attention  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")  # fresh outputs start as NaN
+pytestmark = pytest.mark.usefixtures("poison_fresh_outputs", "small_kv_chunks")  # conftest.py
 
-
-@pytest.fixture(autouse=True)
-def _small_chunks(request, monkeypatch):
-    # KV rows chunked after 2 query blocks, so the chunked KV-centric path (partials + ordered finish)
-    # runs on the interpreter's tiny shapes; GPU tests keep the default chunk
-    if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setattr(plan_mod, "KV_CHUNK", 2)
 
 
 def _index(kind, B, HKV, N, BQ, BK, seed, device=DEV):

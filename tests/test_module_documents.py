@@ -246,6 +246,26 @@ def test_checkpoint_replay_with_documents_gives_the_gradients_of_the_first_selec
         torch.testing.assert_close(a, b)
 
 
+def check_module_against_reference(attn, q, k, v, ids, dtype, upcast_low):
+    """The module's output and q/k/v gradients against the float64 reference on the module's own
+    selection, by error ratio against the reference run in the inputs' precision (``upcast_low``: as
+    the reference computes by default; False: without its upcast, the low-precision baseline)."""
+    out = attn(q, k, v, document_ids=ids)
+    index = attn.last_selection
+    grad_out = torch.randn_like(out)
+    (out * grad_out).sum().backward()
+    ref_inputs = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref, _ = reference_sparse_attention(*ref_inputs, index, scale=attn.scale, document_ids=ids)
+    (ref * grad_out.double()).sum().backward()
+    low_inputs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    low_kwargs = {} if upcast_low else {"upcast": False}
+    low, _ = reference_sparse_attention(*low_inputs, index, scale=attn.scale, document_ids=ids, **low_kwargs)
+    (low * grad_out).sum().backward()
+    check_close("o", out, ref, low, dtype)
+    for name, got, r, lo in zip("qkv", (q, k, v), ref_inputs, low_inputs):
+        check_close(f"d{name}", got.grad, r.grad, lo.grad, dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_module_with_documents_on_gpu_matches_the_float64_reference(dtype):
@@ -259,20 +279,8 @@ def test_module_with_documents_on_gpu_matches_the_float64_reference(dtype):
     n = sum(lengths[0])
     ids = ids_from_lengths(*lengths).cuda()
     q, k, v = make_qkv(2, 8, 2, n, 64, dtype=dtype, seed=9, device="cuda", requires_grad=True)
-    out = attn(q, k, v, document_ids=ids)
+    check_module_against_reference(attn, q, k, v, ids, dtype, upcast_low=False)
     assert attn.fallback_counts == {}  # the Triton path ran
-    index = attn.last_selection
-    grad_out = torch.randn_like(out)
-    (out * grad_out).sum().backward()
-    ref_inputs = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    ref, _ = reference_sparse_attention(*ref_inputs, index, scale=attn.scale, document_ids=ids)
-    (ref * grad_out.double()).sum().backward()
-    low_inputs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    low, _ = reference_sparse_attention(*low_inputs, index, scale=attn.scale, document_ids=ids, upcast=False)
-    (low * grad_out).sum().backward()
-    check_close("o", out, ref, low, dtype)
-    for name, got, r, lo in zip("qkv", (q, k, v), ref_inputs, low_inputs):
-        check_close(f"d{name}", got.grad, r.grad, lo.grad, dtype)
     assert attn.selector_loss is not None and torch.isfinite(attn.selector_loss)
 
 
@@ -316,19 +324,7 @@ def test_module_with_documents_through_the_triton_kernels_in_the_interpreter():
     lengths = [[30, 2, 50, 15]]
     ids = ids_from_lengths(*lengths)
     q, k, v = make_qkv(1, HQ, HKV, 97, D, seed=11, requires_grad=True)
-    out = attn(q, k, v, document_ids=ids)
-    index = attn.last_selection
-    grad_out = torch.randn_like(out)
-    (out * grad_out).sum().backward()
-    ref_inputs = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    ref, _ = reference_sparse_attention(*ref_inputs, index, scale=attn.scale, document_ids=ids)
-    (ref * grad_out.double()).sum().backward()
-    low_inputs = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-    low, _ = reference_sparse_attention(*low_inputs, index, scale=attn.scale, document_ids=ids)
-    (low * grad_out).sum().backward()
-    check_close("o", out, ref, low, torch.float32)
-    for name, got, r, lo in zip("qkv", (q, k, v), ref_inputs, low_inputs):
-        check_close(f"d{name}", got.grad, r.grad, lo.grad, torch.float32)
+    check_module_against_reference(attn, q, k, v, ids, torch.float32, upcast_low=True)
 
 
 @pytest.mark.parametrize("bq,bk", [(16, 16), (32, 16), (16, 32), (48, 16)], ids=lambda x: str(x))
