@@ -26,11 +26,10 @@ from typing import Any, Literal, Optional
 
 import torch
 import torch.nn as nn
-from lightning.pytorch import LightningModule
 
 from ..config import SparseAttentionConfig
 from ..validation import check_bool, check_choice, check_keys
-from .training import CausalLMTraining, TrainingArgs, attached_datamodule
+from .training import CausalLMHooks, CausalLMTraining, TrainingArgs
 
 # Parameter dtypes worth loading a causal LM in; a typo would otherwise surface as an AttributeError of torch.
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
@@ -61,7 +60,7 @@ class HFCausalLM(nn.Module):
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
 
 
-class HFCausalLMModule(LightningModule):
+class HFCausalLMModule(CausalLMHooks):
     """Fine-tunes a local Hugging Face causal LM with (or without) learned block-sparse attention.
 
     Args:
@@ -140,47 +139,6 @@ class HFCausalLMModule(LightningModule):
             kwargs["attn_implementation"] = attn_implementation
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
-    # ------------------------------------------------------------------ hooks (CausalLMTraining does the work)
-    @property
-    def final_metrics(self) -> dict[str, float]:
-        """The last validation/test metrics of the fit (what the final line prints)."""
-        return self.training_logic.final_metrics
-
+    # ------------------------------------------------------------------ the model's forward (hooks: CausalLMHooks)
     def forward(self, tokens: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.model(tokens, position_ids=position_ids)
-
-    def check_data(self, datamodule: Any) -> None:
-        """Raise ``ValueError`` when ``datamodule`` produces token ids the checkpoint cannot embed (also
-        called by the ``sparse-train`` CLI before training, so it reports a config error)."""
-        self.training_logic.check_data(datamodule)
-
-    def setup(self, stage: str) -> None:
-        self.check_data(attached_datamodule(self))
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.training_logic.training_step(self, batch)
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.training_logic.eval_step(self, batch, "val")
-
-    def on_validation_epoch_end(self) -> None:
-        self.training_logic.eval_epoch_end(self, "val")
-
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.training_logic.eval_step(self, batch, "test")
-
-    def on_test_epoch_end(self) -> None:
-        self.training_logic.eval_epoch_end(self, "test")
-
-    def on_fit_start(self) -> None:
-        self.training_logic.on_fit_start(self)
-
-    def on_fit_end(self) -> None:
-        self.training_logic.on_fit_end(self)
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        return self.training_logic.configure_optimizers(self)
-
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
-                                    gradient_clip_algorithm: Optional[str] = None) -> None:
-        self.training_logic.configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm)

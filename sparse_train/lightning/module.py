@@ -14,24 +14,23 @@ Lightning's ``--ckpt_path``, which restores the model (selectors included), opti
 
 The training logic (loss, metrics, optimiser, messages) is :class:`~sparse_train.lightning.training.CausalLMTraining`,
 shared by composition with :class:`~sparse_train.lightning.hf.HFCausalLMModule`; this module builds the
-model and forwards its Lightning hooks.
+model, and :class:`~sparse_train.lightning.training.CausalLMHooks` forwards its Lightning hooks.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
-from lightning.pytorch import LightningModule
 
 from ..validation import check_float, check_keys
 from .model import Transformer, TransformerConfig
-from .training import CausalLMTraining, TrainingArgs, attached_datamodule, load_weights
+from .training import CausalLMHooks, CausalLMTraining, TrainingArgs, load_weights
 
 __all__ = ["SparseLMModule", "load_weights"]
 
 
-class SparseLMModule(LightningModule):
+class SparseLMModule(CausalLMHooks):
     """Trains :class:`~sparse_train.lightning.model.Transformer` (sparse or dense attention).
 
     Args:
@@ -77,47 +76,6 @@ class SparseLMModule(LightningModule):
                         "set --model.init_args.model.vocab_size={need}",
             sparse_hint="model.attention: sparse", dense_twin_acc=dense_twin_acc)
 
-    # ------------------------------------------------------------------ hooks (CausalLMTraining does the work)
-    @property
-    def final_metrics(self) -> dict[str, float]:
-        """The last validation/test metrics of the fit (what the final line prints)."""
-        return self.training_logic.final_metrics
-
+    # ------------------------------------------------------------------ the model's forward (hooks: CausalLMHooks)
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
-
-    def check_data(self, datamodule: Any) -> None:
-        """Raise ``ValueError`` when ``datamodule`` produces token ids the model cannot embed (also called
-        by the ``sparse-train`` CLI before training, so it reports a config error)."""
-        self.training_logic.check_data(datamodule)
-
-    def setup(self, stage: str) -> None:
-        self.check_data(attached_datamodule(self))
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.training_logic.training_step(self, batch)
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.training_logic.eval_step(self, batch, "val")
-
-    def on_validation_epoch_end(self) -> None:
-        self.training_logic.eval_epoch_end(self, "val")
-
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.training_logic.eval_step(self, batch, "test")
-
-    def on_test_epoch_end(self) -> None:
-        self.training_logic.eval_epoch_end(self, "test")
-
-    def on_fit_start(self) -> None:
-        self.training_logic.on_fit_start(self)
-
-    def on_fit_end(self) -> None:
-        self.training_logic.on_fit_end(self)
-
-    def configure_optimizers(self) -> dict[str, Any]:
-        return self.training_logic.configure_optimizers(self)
-
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
-                                    gradient_clip_algorithm: Optional[str] = None) -> None:
-        self.training_logic.configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm)

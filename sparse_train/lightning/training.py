@@ -3,8 +3,8 @@
 :class:`~sparse_train.lightning.module.SparseLMModule` (our ``Transformer``) and
 :class:`~sparse_train.lightning.hf.HFCausalLMModule` (a local Hugging Face checkpoint) differ only in how
 they build ``module.model``, a ``tokens [B, N] -> logits [B, N, V]`` network. Each holds one
-:class:`CausalLMTraining` and forwards its Lightning hooks to it, one line per hook; neither module
-inherits the other's behaviour. The component reaches the model through the module passed to each call
+:class:`CausalLMTraining`; both inherit :class:`CausalLMHooks`, which forwards every Lightning hook to
+it, and neither inherits the other's behaviour. The component reaches the model through the module passed to each call
 (never a stored reference), so a strategy that wraps ``module.model``'s submodules (FSDP) is seen.
 
 Batches are dicts with ``tokens`` and ``labels`` (aligned to positions, ``IGNORE_INDEX`` = no loss); packed
@@ -39,7 +39,7 @@ from ..selectors.metrics import needle_block_recall
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_float, check_int
 
-__all__ = ["TrainingArgs", "CausalLMTraining", "load_weights", "selector_parameter_names", "selector_state_names",
+__all__ = ["TrainingArgs", "CausalLMTraining", "CausalLMHooks", "load_weights", "selector_parameter_names", "selector_state_names",
            "attached_datamodule"]
 
 
@@ -355,3 +355,52 @@ class CausalLMTraining:
             return
         # The precision plugin has unscaled the gradients (fp16 AMP) before it calls this hook.
         st.clip_grad_norms(module.model, float(gradient_clip_val))
+
+
+class CausalLMHooks(LightningModule):
+    """The Lightning hooks of a causal-LM module, each forwarded to ``self.training_logic`` (a
+    :class:`CausalLMTraining`). A subclass builds ``self.model`` and ``self.training_logic`` in its
+    ``__init__`` and defines ``forward``; nothing else of its behaviour comes from here."""
+
+    training_logic: CausalLMTraining
+
+    @property
+    def final_metrics(self) -> dict[str, float]:
+        """The last validation/test metrics of the fit (what the final line prints)."""
+        return self.training_logic.final_metrics
+
+    def check_data(self, datamodule: Any) -> None:
+        """Raise ``ValueError`` when ``datamodule`` produces token ids the model cannot embed (also called
+        by the ``sparse-train`` CLI before training, so it reports a config error)."""
+        self.training_logic.check_data(datamodule)
+
+    def setup(self, stage: str) -> None:
+        self.check_data(attached_datamodule(self))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.training_logic.training_step(self, batch)
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.training_logic.eval_step(self, batch, "val")
+
+    def on_validation_epoch_end(self) -> None:
+        self.training_logic.eval_epoch_end(self, "val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.training_logic.eval_step(self, batch, "test")
+
+    def on_test_epoch_end(self) -> None:
+        self.training_logic.eval_epoch_end(self, "test")
+
+    def on_fit_start(self) -> None:
+        self.training_logic.on_fit_start(self)
+
+    def on_fit_end(self) -> None:
+        self.training_logic.on_fit_end(self)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        return self.training_logic.configure_optimizers(self)
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
+                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+        self.training_logic.configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
