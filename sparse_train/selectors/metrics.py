@@ -76,15 +76,22 @@ def row_mass_recall(
         q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens,
         query_blocks=query_blocks, document_ids=document_ids,
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
-    return _recalls(row_mass, row_ok, index, query_blocks)
+    return _recalls(row_mass, row_ok, _oracle_order(row_mass, row_ok), index, query_blocks)
 
 
-def _recalls(row_mass: Tensor, row_ok: Tensor, index: BlockIndex, query_blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`row_mass_recall` from the sampled blocks' row masses."""
+def _oracle_order(row_mass: Tensor, row_ok: Tensor) -> tuple[Tensor, Tensor]:
+    """Per sampled (batch, KV head, query block): each key block's mass summed over the real rows
+    ``[B, HKV, S, NKB]``, and the key blocks by descending mass (the oracle's order, same shape)."""
+    block_mass = torch.where(row_ok.unsqueeze(-1), row_mass, 0.0).sum(dim=3)
+    return block_mass, torch.argsort(block_mass, dim=-1, descending=True, stable=True)
+
+
+def _recalls(row_mass: Tensor, row_ok: Tensor, oracle_order: tuple[Tensor, Tensor], index: BlockIndex,
+             query_blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`row_mass_recall` from the sampled blocks' row masses and :func:`_oracle_order`."""
     selected = index.to_dense()[:, :, query_blocks]  # [B, HKV, S, NKB]
     recall = torch.where(selected.unsqueeze(3), row_mass, 0.0).sum(dim=-1)
-    block_mass = torch.where(row_ok.unsqueeze(-1), row_mass, 0.0).sum(dim=3)  # [B, HKV, S, NKB]
-    order = torch.argsort(block_mass, dim=-1, descending=True, stable=True)
+    _, order = oracle_order
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=row_mass.device).expand_as(order))
     oracle = rank < selected.sum(dim=-1, keepdim=True)
     oracle_recall = torch.where(oracle.unsqueeze(3), row_mass, 0.0).sum(dim=-1)
@@ -124,21 +131,19 @@ def oracle_budget(
         q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks,
         document_ids=document_ids,
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
-    return _oracle_budget(row_mass, row_ok, q.shape[2], block_q, block_k, query_blocks, goal)
+    return _oracle_budget(_oracle_order(row_mass, row_ok), row_ok, q.shape[2], block_q, block_k, query_blocks, goal)
 
 
-def _oracle_budget(row_mass: Tensor, row_ok: Tensor, seq_len: int, block_q: int, block_k: int,
+def _oracle_budget(oracle_order: tuple[Tensor, Tensor], row_ok: Tensor, seq_len: int, block_q: int, block_k: int,
                    query_blocks: Tensor, goal: float) -> Tensor:
-    """:func:`oracle_budget` from the sampled blocks' row masses."""
-    row_mass = torch.where(row_ok.unsqueeze(-1), row_mass, 0.0)
-    block_mass = row_mass.sum(dim=3)  # [B, HKV, S, NKB]
-    order = torch.argsort(block_mass, dim=-1, descending=True, stable=True)
-    rows = row_ok.sum(dim=-1).to(row_mass.dtype)  # [B, HKV, S]
+    """:func:`oracle_budget` from :func:`_oracle_order` of the sampled blocks."""
+    block_mass, order = oracle_order
+    rows = row_ok.sum(dim=-1).to(block_mass.dtype)  # [B, HKV, S]
     mean_recall = torch.cumsum(block_mass.gather(-1, order), dim=-1) / rows.clamp(min=1).unsqueeze(-1)
     # Rounding may leave the full sum a hair below 1: the last reachable block always meets the goal.
     needed = (mean_recall < goal - 1e-6).sum(dim=-1) + 1  # [B, HKV, S]
     num_q_blocks = math.ceil(seq_len / block_q)
-    reachable = causal_last_block(num_q_blocks, seq_len, block_q, block_k, row_mass.device)[query_blocks] + 1  # [S]
+    reachable = causal_last_block(num_q_blocks, seq_len, block_q, block_k, block_mass.device)[query_blocks] + 1  # [S]
     needed = torch.minimum(needed, reachable.view(1, 1, -1))
     live = rows > 0
     total = torch.where(live, reachable.view(1, 1, -1), 0).sum().to(torch.float32)
@@ -190,7 +195,8 @@ def selection_quality(
         q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens,
         query_blocks=query_blocks, document_ids=document_ids,
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
-    recall, oracle = _recalls(row_mass, row_ok, index, query_blocks)
+    oracle_order = _oracle_order(row_mass, row_ok)
+    recall, oracle = _recalls(row_mass, row_ok, oracle_order, index, query_blocks)
     out = {}
     for prefix, values in (("", recall), ("oracle_", oracle)):
         if values.numel() == 0:
@@ -198,6 +204,6 @@ def selection_quality(
         else:
             out[f"{prefix}mass_recall_mean"] = values.mean()
             out[f"{prefix}mass_recall_p5"] = torch.quantile(values, RECALL_QUANTILE)
-    out["oracle_density_r90"] = _oracle_budget(row_mass, row_ok, q.shape[2], index.block_q, index.block_k,
+    out["oracle_density_r90"] = _oracle_budget(oracle_order, row_ok, q.shape[2], index.block_q, index.block_k,
                                                query_blocks, ORACLE_RECALL_GOAL)
     return out
