@@ -48,7 +48,8 @@ from torch.nn import functional as F
 
 from .config import SparseAttentionConfig
 from .functional import BACKEND_REASONS, dense_causal_attention, resolve_backend, sparse_attention
-from .index import BlockIndex, document_positions
+from .documents import document_positions
+from .index import BlockIndex
 from .timing import PhaseTimer
 from .validation import (
     check_document_ids,

@@ -18,6 +18,7 @@ Conversions from the other usual forms:
 * the ``position_ids`` of transformers' ``DataCollatorWithFlattening`` (each document restarts at 0):
   :func:`document_ids_from_position_ids`.
 
+:func:`document_positions` gives each token's offset in its document (RoPE positions of packed rows);
 :func:`block_document_ranges` gives the first and last document of every block of tokens, which is
 what block-level decisions (skipping a cross-document block, skipping the token check inside a block
 of one document) need. The argument check is :func:`sparse_train.validation.check_document_ids`
@@ -40,6 +41,7 @@ __all__ = [
     "cu_seqlens_from_document_ids",
     "document_ids_from_cu_seqlens",
     "document_ids_from_position_ids",
+    "document_positions",
 ]
 
 
@@ -148,6 +150,16 @@ def document_ids_from_position_ids(position_ids: Tensor) -> Tensor:
     starts = torch.ones_like(rows, dtype=torch.int32)
     starts[:, 1:] = (rows[:, 1:] != rows[:, :-1] + 1).to(torch.int32)
     return (starts.cumsum(dim=1, dtype=torch.int32) - 1).to(torch.int32)
+
+
+def document_positions(document_ids: Tensor) -> Tensor:
+    """int64 ``[B, N]``: each token's offset from the first token of its document, i.e. the RoPE
+    positions of packed rows whose positions restart at 0 for every document (``document_ids``
+    integer ``[B, N]``, non-decreasing along N)."""
+    pos = torch.arange(document_ids.shape[1], device=document_ids.device).view(1, -1)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return pos - torch.where(starts, pos, 0).cummax(dim=1).values
 
 
 def block_document_ranges(document_ids: Tensor, block: int) -> Tensor:

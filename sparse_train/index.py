@@ -54,7 +54,6 @@ __all__ = [
     "canonicalize",
     "capacity_tier",
     "causal_last_block",
-    "document_positions",
     "document_sink_candidates",
     "shares_document",
 ]
@@ -273,16 +272,6 @@ def shares_document(document_ids: Tensor, key_blocks: Tensor, *, block_q: int, b
     q_first = q_docs[..., 0].view(batch, 1, nqb, 1)
     q_last = q_docs[..., 1].view(batch, 1, nqb, 1)
     return (k_first <= q_last) & (k_last >= q_first)
-
-
-def document_positions(document_ids: Tensor) -> Tensor:
-    """int64 ``[B, N]``: each token's offset from the first token of its document, i.e. the RoPE
-    positions of packed rows whose positions restart at 0 for every document (``document_ids``
-    integer ``[B, N]``, non-decreasing along N)."""
-    pos = torch.arange(document_ids.shape[1], device=document_ids.device).view(1, -1)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    return pos - torch.where(starts, pos, 0).cummax(dim=1).values
 
 
 def document_sink_candidates(document_ids: Tensor, sinks: int, *, seq_len: int, block_q: int,

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 import sparse_train as st
 
 from ..functional import dense_causal_attention
-from ..index import document_positions
+from ..documents import document_positions
 from ..validation import check_bool, check_choice, check_document_ids, check_float, check_int, check_keys
 
 __all__ = ["TransformerConfig", "Transformer", "RMSNorm"]
