@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from sparse_train import plan as planning  # noqa: E402
 from sparse_train.documents import block_document_ranges  # noqa: E402
-from sparse_train.index import BlockIndex  # noqa: E402
+from sparse_train.index import BlockIndex, shares_document  # noqa: E402
 
 DATE = "2026-11-30"
 PATTERNS = {"P64": dict(block=64, sinks=1, window=8, topk=16), "P128": dict(block=128, sinks=1, window=4, topk=8)}
@@ -138,22 +138,15 @@ def packed_document_ids(N, low, high, seed, device="cuda"):
     return ids.to(device=device, dtype=torch.int32).view(1, N).expand(B, N).contiguous(), lengths
 
 
-def shares_document(docs, block_q, block_k):
-    """bool ``[B, 1, NQB, NKB]``: the key block holds a token of a document of the query block. For a
-    causal pair (key block not after the query block) that is: the key block's last id >= the query
-    block's first id (ids are non-decreasing)."""
-    rq = block_document_ranges(docs, block_q)  # [B, NQB, 2]
-    rk = block_document_ranges(docs, block_k)  # [B, NKB, 2]
-    return (rk[:, None, :, 1] >= rq[:, :, None, 0]).unsqueeze(1)
-
-
 def build_index(sel, N, pat, r0=None, docs=None):
     idx = BlockIndex.from_selection(sel, seq_len=N, block_q=pat["block"], block_k=pat["block"],
                                     window=pat["window"], sinks=pat["sinks"])
     if docs is not None:
         # drop the blocks a document-aware selection drops (no shared document with the query block)
-        idx = BlockIndex.from_dense(idx.to_dense() & shares_document(docs, idx.block_q, idx.block_k), seq_len=N,
-                                    block_q=idx.block_q, block_k=idx.block_k)
+        every_key_block = torch.arange(idx.num_k_blocks, device=docs.device)
+        every_key_block = every_key_block.expand(docs.shape[0], 1, idx.num_q_blocks, -1)
+        same = shares_document(docs, every_key_block, block_q=idx.block_q, block_k=idx.block_k)  # [B, 1, NQB, NKB]
+        idx = BlockIndex.from_dense(idx.to_dense() & same, seq_len=N, block_q=idx.block_q, block_k=idx.block_k)
     plan = idx.plan(r0)
     return idx, plan
 
