@@ -26,7 +26,8 @@ rest full). TFLOP/s count only the valid (same-document, causal) pairs. No dense
 Usage (on the GPU):  PYTHONPATH=. python3 scripts/bench_attention.py --out docs/benchmarks
     --quick            N=65536 only, fewer repeats        --n 65536 16384   chosen lengths
     --pattern P128     one pattern                         --no-flex / --no-dense / --no-sweep
-    --tune             sweep launch configs (heads per program, warps, stages) at the largest N
+    --tune [fwd dq kv chunk]  sweep launch configs (heads per program, warps, stages, KV rows per
+                       step) at the largest N          --head-dim 64   D (default 128)
     --packed 2048:16384  packed documents (above)          --dry-run   CPU check of the packed inputs
 Outputs: <out>/<date>_h200_attention.{json,md,png} (packed: <date>_h200_attention_packed.*)
 """
@@ -405,15 +406,20 @@ def r0_sweep(N, pat_name, pat, sel, results, q, k, v, do):
                               workspace_bytes=2 * num_cold * pat["block"] * D * 4))
 
 
-def tune(N, pat_name, pat, sel, results, q, k, v, do):
+TUNE_PARTS = ("fwd", "dq", "kv", "chunk")
+
+
+def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
     """Launch-config sweeps at one N: forward (heads per program, warps, stages); backward in
-    deterministic mode (so the dQ kernel and the KV-centric kernel are timed apart); KV chunk size."""
+    deterministic mode (so the dQ kernel and the KV-centric kernel are timed apart): dQ tiles,
+    KV-centric tiles (heads per program, warps, stages, rows per step), KV chunk size. ``parts``: which
+    of :data:`TUNE_PARTS` to sweep."""
     kf, kb, _ = _kernels()
     idx, plan = build_index(sel, N, pat)
     scale = 1 / math.sqrt(D)
     bs = pat["block"]
     pairs = idx.density() * N * (N + 1) / 2 * B * HQ
-    fwd_cfgs = [(h, w, s) for h in (1, 2, 4) for w in (4, 8) for s in (2, 3) if h * bs <= 256]
+    fwd_cfgs = [(h, w, s) for h in (1, 2, 4) for w in (4, 8) for s in (2, 3) if h * bs <= 256] if "fwd" in parts else []
     for hpp, nw, ns in fwd_cfgs:
         cfg = dict(kind="tune_fwd", N=N, pattern=pat_name, hpp=hpp, num_warps=nw, num_stages=ns)
         try:
@@ -427,13 +433,17 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do):
         rec(results, cfg)
     o, lse = kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale)
     slots = planning.cold_slots(plan.hot, plan.reuse, True)
+    # KV-centric: (heads per program, warps, stages, query rows per step), the rows at most the tile
     if bs == 64:
         dq_cfgs = [(1, 4, 2), (2, 8, 3), (2, 8, 2), (1, 8, 2), (2, 4, 2)]
-        kv_cfgs = [(h, w, s) for h in (1, 2, 4) for w in (4, 8) for s in (1, 2)]
+        kv_cfgs = [(h, w, s, r) for h in (1, 2) for w in (4, 8) for s in (1, 2, 3) for r in (16, 32, 64, 128)
+                   if r <= h * bs]
     else:
         dq_cfgs = [(1, w, s) for w in (4, 8) for s in (1, 2)]
-        kv_cfgs = [(h, w, s) for h in (1, 2) for w in (4, 8) for s in (1, 2)]
-    variants = [dict(dq=c) for c in dq_cfgs] + [dict(kv=c) for c in kv_cfgs] + [dict(chunk=c) for c in (16, 32, 128)]
+        kv_cfgs = [(1, w, s, r) for w in (4, 8) for s in (1, 2, 3) for r in (32, 64, 128)]
+    variants = (([dict(dq=c) for c in dq_cfgs] if "dq" in parts else [])
+                + ([dict(kv=c) for c in kv_cfgs] if "kv" in parts else [])
+                + ([dict(chunk=c) for c in (16, 32, 128)] if "chunk" in parts else []))
     for var in variants:
         dqc, kvc, chunk = var.get("dq"), var.get("kv"), var.get("chunk")
         cfg = dict(kind="tune_bwd_det", N=N, pattern=pat_name, dq_cfg=str(dqc), kv_cfg=str(kvc), kv_chunk=chunk)
@@ -442,7 +452,8 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do):
         if dqc:
             options.update(dq_heads_per_program=dqc[0], dq_num_warps=dqc[1], dq_num_stages=dqc[2])
         if kvc:
-            options.update(kv_heads_per_program=kvc[0], kv_num_warps=kvc[1], kv_num_stages=kvc[2])
+            options.update(kv_heads_per_program=kvc[0], kv_num_warps=kvc[1], kv_num_stages=kvc[2],
+                           kv_tile_rows=kvc[3])
         if chunk:
             options.update(kv_chunk=chunk)
         try:
@@ -603,7 +614,7 @@ def write_outputs(results, out):
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
         what = "causal, packed documents" if packed else "causal"
-        fig.suptitle(f"B=1 HQ=32 HKV=8 D=128 bf16 {what}, {results['gpu']}, {DATE}")
+        fig.suptitle(f"B={B} HQ={HQ} HKV={HKV} D={D} bf16 {what}, {results['gpu']}, {DATE}")
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=110)
     except Exception as exc:
@@ -674,6 +685,7 @@ def dry_run(ns, patterns, packed):
 
 
 def main():
+    global D
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="*", default=None)
     ap.add_argument("--pattern", nargs="*", default=list(PATTERNS), choices=list(PATTERNS))
@@ -682,7 +694,9 @@ def main():
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--sweep-n", type=int, default=65536)
-    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--tune", nargs="*", default=None, choices=TUNE_PARTS,
+                    help="sweep launch configs at the largest N: the parts named (default all)")
+    ap.add_argument("--head-dim", type=int, default=D, help="head dimension D (default 128)")
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--packed", type=parse_packed, default=None, metavar="LO:HI",
                     help="packed documents with lengths uniform in [LO, HI] (module docstring)")
@@ -693,6 +707,7 @@ def main():
         for row in dry_run(args.n or [1000, 3001], args.pattern, args.packed or (64, 700)):
             print(json.dumps(row), flush=True)
         return
+    D = args.head_dim
     ns = args.n or ([65536] if args.quick else [8192, 16384, 32768, 65536, 131072])
     results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=DATE, rows=[],
                    shape=dict(B=B, HQ=HQ, HKV=HKV, D=D, dtype="bf16"), packed=args.packed)
@@ -718,8 +733,8 @@ def main():
                 traceback.print_exc()
                 rec(results, dict(kind="ours", N=N, pattern=pat_name, error=traceback.format_exc()[-400:]))
                 continue
-            if args.tune and N == max(ns) and docs is None:
-                tune(N, pat_name, pat, sel, results, q, k, v, do)
+            if args.tune is not None and N == max(ns) and docs is None:
+                tune(N, pat_name, pat, sel, results, q, k, v, do, parts=args.tune or TUNE_PARTS)
             if not args.no_flex:
                 run_flex(N, pat_name, idx, results, q, k, v, do, docs=docs)
             if not args.no_sweep and N == args.sweep_n and docs is None:

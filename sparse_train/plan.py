@@ -252,6 +252,7 @@ def forward_num_splits(query_blocks: int, batch: int, kv_heads: int, group: int,
 _WARPS = (1, 2, 4, 8, 16)
 _MAX_STAGES = 8
 _MAX_SPLITS = 64
+_MIN_DOT_ROWS = 16  # smallest row count of a tensor-core tile product (tl.dot)
 
 
 @dataclass(frozen=True)
@@ -277,6 +278,9 @@ class KernelOptions:
     kv_num_stages: int | None = None
     kv_chunk: int | None = None
     """Query blocks per KV-centric work item (default :data:`KV_CHUNK`)."""
+    kv_tile_rows: int | None = None
+    """Query rows the KV-centric kernel takes per step (a power of two >= 16 dividing
+    kv_heads_per_program * BQ; default the whole tile): thinner slices keep fewer scores live."""
 
 
 KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
@@ -328,6 +332,10 @@ def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> 
             value = check_int(label, value, minimum=1, maximum=_MAX_STAGES)
         elif name == "kv_chunk":
             value = check_int(label, value, minimum=1)
+        elif name == "kv_tile_rows":
+            value = _check_power_of_two(label, value)
+            if value < _MIN_DOT_ROWS:
+                raise ValueError(f"{label} must be >= {_MIN_DOT_ROWS} (tensor-core tile), got {value}")
         values[name] = value
     return KernelOptions(**values)
 
@@ -351,6 +359,7 @@ class BackwardConfig(NamedTuple):
     kv_num_warps: int
     kv_num_stages: int
     kv_chunk: int
+    kv_tile_rows: int
 
 
 def _heads_per_program(group: int, block_q: int, rows: int) -> int:
@@ -389,8 +398,8 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     """Backward tiles: dQ with heads * BQ = 128 rows, 8 warps for tiles above 64 x 128 elements, 3
     stages (2 with 4 warps; with 128 x 128 key tiles 2, or 1 when the atomic dK/dV products also run:
     shared memory); KV-centric one head per iteration (stacking more spills registers: the [BK, D]
-    dK/dV accumulators already live in registers), 8 warps for 128 x 128 key tiles else 4, 2 stages.
-    ``kernel_options`` override each field."""
+    dK/dV accumulators already live in registers), 8 warps for 128 x 128 key tiles else 4, 2 stages,
+    the whole tile per step. ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
     dq_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=128)
     _divides_group("kernel_options.dq_heads_per_program", dq_heads, group)
@@ -402,10 +411,15 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     else:
         dq_stages = 3 if dq_warps == 8 else 2
     kv_warps = 8 if block_k * head_dim >= 128 * 128 else 4
+    kv_rows = kv_heads * block_q
+    kv_tile_rows = options.kv_tile_rows or kv_rows
+    if kv_tile_rows > kv_rows:
+        raise ValueError(f"kernel_options.kv_tile_rows={kv_tile_rows} exceeds the KV-centric tile of "
+                         f"kv_heads_per_program * block_q = {kv_rows} rows")
     return BackwardConfig(
         dq_heads, options.dq_num_warps or dq_warps, options.dq_num_stages or dq_stages,
         kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or 2,
-        options.kv_chunk or KV_CHUNK,
+        options.kv_chunk or KV_CHUNK, kv_tile_rows,
     )
 
 

@@ -128,6 +128,9 @@ KERNEL_OPTION_ERRORS = [
                  id="heads-3"),
     pytest.param({"kv_heads_per_program": True}, "kernel_options.kv_heads_per_program must be a positive int", id="heads-bool"),
     pytest.param({"kv_chunk": 0}, "kernel_options.kv_chunk must be a positive int, got 0", id="chunk-0"),
+    pytest.param({"kv_tile_rows": 24}, "kernel_options.kv_tile_rows must be a power of two, got 24", id="tile-rows-24"),
+    pytest.param({"kv_tile_rows": 8}, r"kernel_options.kv_tile_rows must be >= 16 \(tensor-core tile\), got 8",
+                 id="tile-rows-8"),
     pytest.param({"plan": "plan"}, "kernel_options.plan must be a sparse_train.BlockPlan", id="plan-str"),
 ]
 
@@ -148,6 +151,16 @@ def test_heads_per_program_must_divide_the_group(key):
     q, k, v, idx = _inputs(hq=2, hkv=1)
     with pytest.raises(ValueError, match=f"kernel_options.{key}=4 must divide the GQA group size 2"):
         st.sparse_attention(q, k, v, idx, backend="triton", kernel_options={key: 4})
+
+
+@pytest.mark.skipif(not TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_kv_tile_rows_must_fit_the_kv_centric_tile():
+    q, k, v, idx = _inputs(hq=2, hkv=1)
+    rows = idx.block_q * 2
+    with pytest.raises(ValueError, match=f"kernel_options.kv_tile_rows={2 * rows} exceeds the KV-centric tile of "
+                                         f"kv_heads_per_program \\* block_q = {rows} rows"):
+        st.sparse_attention(q, k, v, idx, backend="triton",
+                            kernel_options={"kv_heads_per_program": 2, "kv_tile_rows": 2 * rows})
 
 
 def test_sparse_attention_takes_semantics_by_keyword_and_tuning_in_kernel_options():

@@ -169,10 +169,30 @@ def test_kernel_options_reach_the_launchers_and_keep_the_result(monkeypatch):
     monkeypatch.setattr(kop, "sparse_attn_backward", bwd)
     options = dict(r0=2, num_splits=2, fwd_heads_per_program=2, fwd_num_warps=2, fwd_num_stages=1,
                    dq_heads_per_program=4, dq_num_warps=2, dq_num_stages=1, kv_heads_per_program=2,
-                   kv_num_warps=2, kv_num_stages=1, kv_chunk=1)
+                   kv_num_warps=2, kv_num_stages=1, kv_chunk=1, kv_tile_rows=16)
     _compare(idx, q, k, v, dtype=torch.float32, kernel_options=options)
     assert seen["fwd"] == (ForwardConfig(2, 2, 1), 2)
-    assert seen["bwd"] == BackwardConfig(4, 2, 1, 2, 2, 1, 1)
+    assert seen["bwd"] == BackwardConfig(4, 2, 1, 2, 2, 1, 1, 16)
+
+
+TILE_ROW_CASES = [
+    # B, HQ, HKV, N, D, BQ, BK, kv_heads_per_program, kv_tile_rows, dropout_p, seq_lens
+    pytest.param(1, 4, 2, 150, 16, 32, 16, 1, 16, 0.0, None, id="gqa2-odd150-bq32-two-slices"),
+    pytest.param(1, 4, 1, 97, 16, 16, 32, 2, 16, 0.2, None, id="gqa4-odd97-stacked2-slice-per-head-dropout"),
+    pytest.param(2, 4, 1, 111, 32, 32, 16, 2, 16, 0.0, [111, 70], id="gqa4-b2-stacked2-four-slices-seq_lens"),
+]
+
+
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,heads,tile_rows,dropout_p,seq_lens", TILE_ROW_CASES)
+def test_kv_centric_row_slices_match_the_reference(B, HQ, HKV, N, D, BQ, BK, heads, tile_rows, dropout_p, seq_lens):
+    """The KV-centric kernel walking each query tile in slices of kv_tile_rows rows (slices inside one
+    head, one per head, and across a head boundary of stacked heads) gives the reference's dK/dV; every
+    block KV-centric (r0 = 1), chunked rows included."""
+    idx = random_index(B, HKV, N, BQ, BK, 3, 1, 1, seed=N + BQ, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
+    lens = None if seq_lens is None else torch.tensor(seq_lens, device=DEV)
+    _compare(idx, q, k, v, dtype=torch.float32, dropout_p=dropout_p, dropout_seed=5, seq_lens=lens,
+             kernel_options={"r0": 1, "kv_heads_per_program": heads, "kv_tile_rows": tile_rows, "kv_chunk": 2})
 
 
 def test_caller_index_mutation_after_forward_does_not_change_grads():

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["LN2", "LOG2E", "crosses_documents", "documents_row", "dot", "dropout_keep", "index_row", "last_document", "mask_scores",
-           "load_documents", "load_rows", "log2_lse", "query_tile", "sequence_length", "tile_pointers", "tile_rows"]
+           "load_documents", "load_rows", "log2_lse", "query_tile", "sequence_length", "tile_pointers", "tile_row_slice", "tile_rows"]
 
 LOG2E = tl.constexpr(math.log2(math.e))
 """log2(e): the kernels run the softmax in base 2, exp(x) = exp2(x * LOG2E) (host side: ``LOG2E.value``)."""
@@ -37,7 +37,16 @@ def tile_rows(query_block, kv_head, head_subset, GROUP: tl.constexpr, HEADS_PER_
               BLOCK_Q: tl.constexpr):
     """The HEADS_PER_PROGRAM * BLOCK_Q rows of one tile, heads stacked: (query head, query position)
     of each row, int32."""
-    rows = tl.arange(0, HEADS_PER_PROGRAM * BLOCK_Q)
+    return tile_row_slice(query_block, kv_head, head_subset, 0, HEADS_PER_PROGRAM * BLOCK_Q, GROUP,
+                          HEADS_PER_PROGRAM, BLOCK_Q)
+
+
+@triton.jit
+def tile_row_slice(query_block, kv_head, head_subset, first_row, ROWS: tl.constexpr, GROUP: tl.constexpr,
+                   HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Rows ``first_row .. first_row + ROWS - 1`` of the tile of :func:`tile_rows` (a kernel that walks
+    its tile in slices keeps fewer scores live): (query head, query position) of each row, int32."""
+    rows = first_row + tl.arange(0, ROWS)
     head = kv_head * GROUP + head_subset * HEADS_PER_PROGRAM + rows // BLOCK_Q
     position = query_block * BLOCK_Q + rows % BLOCK_Q
     return head, position

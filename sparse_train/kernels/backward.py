@@ -49,7 +49,7 @@ from ._jit import (
     query_tile,
     sequence_length,
     tile_pointers,
-    tile_rows,
+    tile_row_slice,
 )
 from ._launch import LAST_COMPILED, kernel_document_ids, kernel_seq_lens, launch
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
@@ -180,11 +180,15 @@ def _dkdv_kernel(
     N, HQ, HKV, NKB, scale_log2, scale, seed, threshold, inv_keep,
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
+    HAS_DOCS: tl.constexpr, TILE_ROWS: tl.constexpr,
 ):
     # one work item = one KV block and a chunk [t0, t1) of its transposed row (the query blocks that
     # selected it); long rows (sinks, popular blocks) are chunked so no program becomes the long pole
     HEAD_SUBSETS: tl.constexpr = GROUP // HEADS_PER_PROGRAM
+    # each query tile is walked in slices of TILE_ROWS rows: S^T and dP^T of a slice are what stays live
+    # beside the two [BK, D] fp32 accumulators, so thinner slices keep the program out of local memory
+    ROW_SLICES: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q // TILE_ROWS
+    STEPS_PER_BLOCK: tl.constexpr = HEAD_SUBSETS * ROW_SLICES
     item = tl.program_id(0)
     kv_row = tl.load(ITEM_ROW + item)  # (b*HKV + hkv)*NKB + j
     t0 = tl.load(ITEM_T0 + item)
@@ -212,13 +216,15 @@ def _dkdv_kernel(
         doc_k = load_documents(docs_row, kpos, N)  # [BK]
     dk = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_K, HEAD_DIM], tl.float32)
-    # flat loop over (query block, head subset) pairs in fixed order: deterministic and pipelinable;
-    # the subset's heads are stacked along the query rows (wider tile products)
-    for u in range(t0 * HEAD_SUBSETS, t1 * HEAD_SUBSETS):
-        t = u // HEAD_SUBSETS
-        head_subset = u % HEAD_SUBSETS
+    # flat loop over (query block, head subset, row slice) in fixed order: deterministic and
+    # pipelinable; the subset's heads are stacked along the query rows (wider tile products)
+    for u in range(t0 * STEPS_PER_BLOCK, t1 * STEPS_PER_BLOCK):
+        t = u // STEPS_PER_BLOCK
+        head_subset = (u % STEPS_PER_BLOCK) // ROW_SLICES
+        first_row = (u % ROW_SLICES) * TILE_ROWS
         qb = tl.load(KV_QBLOCKS + t)
-        head, qpos = tile_rows(qb, hkv, head_subset, GROUP, HEADS_PER_PROGRAM, BLOCK_Q)  # [M] each
+        # [M] each, M = TILE_ROWS; the masks below test the whole query block (a superset of the slice)
+        head, qpos = tile_row_slice(qb, hkv, head_subset, first_row, TILE_ROWS, GROUP, HEADS_PER_PROGRAM, BLOCK_Q)
         head64 = head.to(tl.int64)
         qpos64 = qpos.to(tl.int64)
         q_ok = qpos < N
@@ -390,7 +396,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
             N, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
             GROUP=group, HEADS_PER_PROGRAM=config.kv_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k,
             HEAD_DIM=D, HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, IEEE=ieee, HAS_DOCS=has_docs,
-            num_warps=config.kv_num_warps, num_stages=config.kv_num_stages,
+            TILE_ROWS=config.kv_tile_rows, num_warps=config.kv_num_warps, num_stages=config.kv_num_stages,
         )
     _dkdv_finish_kernel[(NKB, B * HKV)](
         slots, schedule.part_start, schedule.num_parts, dk, dv, dk_atomic, dv_atomic, dk_partial, dv_partial,
