@@ -398,8 +398,10 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     """Backward tiles: dQ with heads * BQ = 128 rows, 8 warps for tiles above 64 x 128 elements, 3
     stages (2 with 4 warps; with 128 x 128 key tiles 2, or 1 when the atomic dK/dV products also run:
     shared memory); KV-centric one head per iteration (stacking more spills registers: the [BK, D]
-    dK/dV accumulators already live in registers), 8 warps for 128 x 128 key tiles else 4, 2 stages,
-    the whole tile per step. ``kernel_options`` override each field."""
+    dK/dV accumulators already live in registers), taking its query tile in row slices: 128 x 128 key
+    tiles 8 warps, 2 stages, 64-row slices; 64 x 128 key tiles 4 warps, 3 stages, 32-row slices;
+    smaller 4 warps, 3 stages, the whole tile (measured on the H200: docs/benchmarks/kernel_tuning.md).
+    ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
     dq_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=128)
     _divides_group("kernel_options.dq_heads_per_program", dq_heads, group)
@@ -410,15 +412,21 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
         dq_stages = 1 if has_cold else 2
     else:
         dq_stages = 3 if dq_warps == 8 else 2
-    kv_warps = 8 if block_k * head_dim >= 128 * 128 else 4
+    # the row slice bounds the scores (S^T and dP^T, [BK, rows] fp32) live beside the accumulators
+    if block_k * head_dim >= 128 * 128:
+        kv_warps, kv_stages, kv_slice = 8, 2, 64
+    elif block_k * head_dim >= 64 * 128:
+        kv_warps, kv_stages, kv_slice = 4, 3, 32
+    else:
+        kv_warps, kv_stages, kv_slice = 4, 3, None
     kv_rows = kv_heads * block_q
-    kv_tile_rows = options.kv_tile_rows or kv_rows
+    kv_tile_rows = options.kv_tile_rows or min(kv_rows, kv_slice or kv_rows)
     if kv_tile_rows > kv_rows:
         raise ValueError(f"kernel_options.kv_tile_rows={kv_tile_rows} exceeds the KV-centric tile of "
                          f"kv_heads_per_program * block_q = {kv_rows} rows")
     return BackwardConfig(
         dq_heads, options.dq_num_warps or dq_warps, options.dq_num_stages or dq_stages,
-        kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or 2,
+        kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or kv_stages,
         options.kv_chunk or KV_CHUNK, kv_tile_rows,
     )
 
