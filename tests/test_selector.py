@@ -158,6 +158,77 @@ def test_rope_aware_scorer_pools_the_unrotated_content(key_pooling, with_lengths
     assert (rotated_q - want_q).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("rope", [False, True], ids=["plain", "rope"])
+@pytest.mark.parametrize("with_lengths", [False, True], ids=["no-lengths", "lengths"])
+def test_head_max_scores_each_query_head_and_keeps_the_group_max(rope, with_lengths):
+    """query_pooling="head_max": every query head's own mean query goes through the (shared per KV
+    head) projection, and the group's largest logit is the block's score; with one head per group it
+    is the group-mean scorer."""
+    theta, block, heads, kv_heads = 500.0, 8, 6, 2
+    q, k = _rand_qk(2, heads, kv_heads, 45, 16, dtype=torch.float32)
+    lengths = torch.tensor([45, 20]) if with_lengths else None
+    scale = 0.25
+    scorer = BlockScorer(heads, kv_heads, 16, 8, key_pooling="mean_max", query_pooling="head_max", distance_bias=True)
+    with torch.no_grad():
+        scorer.log_temperature.fill_(0.03)
+        scorer.distance_bias.normal_()
+    if rope:
+        scorer.set_rope(st.selectors.rope_inverse_frequencies(theta, 16))
+    geometry = st.selectors.selection_geometry(45, block, block, 2, 1, 1)
+    got = scorer(*scorer.pool(q, k, block, block, lengths), scale, geometry)
+    # each head alone, through a one-head-per-group scorer with the same weights
+    single = BlockScorer(kv_heads, kv_heads, 16, 8, key_pooling="mean_max", distance_bias=True)
+    single.load_state_dict(scorer.state_dict())
+    if rope:
+        single.set_rope(st.selectors.rope_inverse_frequencies(theta, 16))
+    group = heads // kv_heads
+    per_head = []
+    for g in range(group):
+        q_g = q.view(2, kv_heads, group, 45, 16)[:, :, g]
+        per_head.append(single(*single.pool(q_g, k, block, block, lengths), scale, geometry))
+    torch.testing.assert_close(got, torch.stack(per_head).amax(0), rtol=1e-5, atol=1e-5)
+    # one head per group: head_max and group_mean are the same scorer
+    one = BlockScorer(kv_heads, kv_heads, 16, 8, query_pooling="head_max")
+    mean = BlockScorer(kv_heads, kv_heads, 16, 8)
+    q1 = q[:, :kv_heads]
+    torch.testing.assert_close(one(*one.pool(q1, k, block, block, lengths), scale),
+                               mean(*mean.pool(q1, k, block, block, lengths), scale))
+
+
+def test_head_max_finds_a_block_one_head_needs_where_the_group_mean_cancels():
+    """Two query heads of one group look in opposite directions; key block 1 holds the direction head 0
+    wants. The group's mean query is zero (every block ties), the per-head max ranks block 1 first."""
+    dim, block = 16, 8
+    direction = torch.zeros(dim)
+    direction[0] = 1.0
+    q = torch.zeros(1, 2, 32, dim)
+    q[0, 0] = direction
+    q[0, 1] = -direction
+    k = torch.zeros(1, 1, 32, dim)
+    k[0, 0, block: 2 * block] = 3 * direction  # block 1
+    k[0, 0, 2 * block: 3 * block] = -0.5 * direction  # block 2: what head 1 wants, weaker
+    for pooling, want_block_1_first in (("group_mean", False), ("head_max", True)):
+        scorer = BlockScorer(2, 1, dim, 64, key_pooling="mean", query_pooling=pooling)
+        scores = scorer(*scorer.pool(q, k, block, block), 1.0)[0, 0, 3].detach()  # last query block's row
+        assert (int(scores[:3].argmax()) == 1 and float(scores[1] - scores[0]) > 0.5) == want_block_1_first, \
+            f"{pooling}: {scores.tolist()}"
+
+
+def test_head_max_module_trains_its_selector_on_the_sparse_path():
+    """A SparseAttention with per-head query scores runs sparse with distillation; the loss reaches
+    the selector's projections."""
+    torch.manual_seed(0)
+    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=2, window=1, sinks=1, dense_warmup_steps=0,
+                                   query_pooling="head_max", backend="reference")
+    layer = st.SparseAttention(cfg, num_heads=4, num_kv_heads=2, head_dim=16).train()
+    q, k, v = _rand_qk(1, 4, 2, 96, 16, dtype=torch.float32) + (torch.randn(1, 2, 96, 16),)
+    out = layer(q, k, v)
+    assert layer.stats()["dense_path"] == 0.0
+    loss = out.square().mean() + st.collect_selector_losses(layer)
+    loss.backward()
+    assert layer.scorer.query_proj.grad is not None and layer.scorer.query_proj.grad.abs().sum() > 0
+
+
 def test_rope_aware_scorer_rejects_bad_frequencies():
     scorer = BlockScorer(num_heads=2, num_kv_heads=1, head_dim=8, selector_dim=4)
     with pytest.raises(ValueError, match="at most head_dim/2=4"):
