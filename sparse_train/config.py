@@ -16,12 +16,11 @@ from .kernels.reference_block_mass import ROW_POOLS as DISTILL_ROW_POOLS
 from .validation import check_bool, check_choice, check_float, check_int
 
 __all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "DISTILL_ROW_POOLS", "DISTILL_SUPPORTS",
-           "INDEX_CHECKS", "KEY_POOLINGS", "QUERY_POOLINGS"]
+           "INDEX_CHECKS", "KEY_POOLINGS"]
 
 DISTILL_MODES = ("sparse", "sampled", "dense", "off")
 DISTILL_SUPPORTS = ("dynamic", "causal")
 KEY_POOLINGS = ("mean", "mean_max")
-QUERY_POOLINGS = ("group_mean", "head_max")
 
 
 # One line per field in __post_init__: the label is the field's qualified name, the value its attribute.
@@ -76,12 +75,6 @@ class SparseAttentionConfig:
     """Key-block summary the selector scores: ``"mean_max"`` = the block's mean key and its
     element-wise max (a single key that stands out survives the max, while the mean dilutes it 1/BK;
     measured on 4K retrieval: needle-task accuracy 1.00 vs 0.76 with the mean alone), or ``"mean"``."""
-
-    query_pooling: str = "group_mean"
-    """Query-block summary the selector scores: ``"group_mean"`` = one mean query over the block's rows
-    and the GQA group's heads (one score per KV head); ``"head_max"`` = a mean query per query head,
-    scored separately, and the largest of the group's scores per key block (a block one head of the
-    group needs ranks high even when the other heads look elsewhere; G times the score cost)."""
 
     selector_rope_theta: float | None = None
     """RoPE base of the q and k this layer receives (rotate-half convention over the whole head dim).
@@ -219,7 +212,6 @@ class SparseAttentionConfig:
         _check_choice(self, "distill_row_pool", DISTILL_ROW_POOLS)
         _check_choice(self, "distill_support", DISTILL_SUPPORTS)
         _check_choice(self, "key_pooling", KEY_POOLINGS)
-        _check_choice(self, "query_pooling", QUERY_POOLINGS)
         _check_choice(self, "index_check", INDEX_CHECKS)
         _check_float(self, "dense_enter_density", minimum=0.0, maximum=1.0)
         _check_float(self, "dense_exit_density", minimum=0.0, maximum=1.0)

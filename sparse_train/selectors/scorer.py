@@ -5,8 +5,7 @@ For every (batch b, KV head h, query block i, key block j) the selector scores
     s[b, h, i, j] = exp(t_h) * scale * <qbar[b, h, i] W_q[h], kbar[b, h, j] W_k[h]> + beta[h, bucket(d_ij)]
 
 where ``qbar`` is the mean of the queries of block i over its rows *and* over the G query heads of
-the group (one selection per KV head, shared by the group; with ``query_pooling="head_max"`` one mean
-query per query head, scored alike, and the group's largest score kept), ``kbar`` the mean key of block j,
+the group (one selection per KV head, shared by the group), ``kbar`` the mean key of block j,
 ``W_q[h], W_k[h]`` are ``[D, S]`` projections (S = ``selector_dim``), ``t_h`` a learned
 log-temperature and ``beta[h]`` a learned bias per log2 bucket of the block distance ``d_ij`` (key
 blocks between block j and the last key block query block i reaches; 0 for the diagonal block).
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..config import KEY_POOLINGS, QUERY_POOLINGS
+from ..config import KEY_POOLINGS
 from ..index import capacity_tier, causal_last_block, document_sink_candidates, shares_document
 from ..validation import check_choice, check_float
 
@@ -286,18 +285,15 @@ class BlockScorer(nn.Module):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, selector_dim: int,
-                 lr_multiplier: float = 1.0, key_pooling: str = "mean", distance_bias: bool = False,
-                 query_pooling: str = "group_mean") -> None:
+                 lr_multiplier: float = 1.0, key_pooling: str = "mean", distance_bias: bool = False) -> None:
         super().__init__()
         check_choice("key_pooling", key_pooling, KEY_POOLINGS)
-        check_choice("query_pooling", query_pooling, QUERY_POOLINGS)
         lr_multiplier = check_float("lr_multiplier", lr_multiplier, exclusive_minimum=0.0)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.selector_dim = selector_dim
         self.key_pooling = key_pooling
-        self.query_pooling = query_pooling
         key_features = head_dim * (2 if key_pooling == "mean_max" else 1)
         self.register_buffer("lr_multiplier", torch.tensor(float(lr_multiplier)))
         self.query_proj = nn.Parameter(torch.empty(num_kv_heads, head_dim, selector_dim))
@@ -350,29 +346,19 @@ class BlockScorer(nn.Module):
 
     def pool(self, q: Tensor, k: Tensor, block_q: int, block_k: int, seq_lens: Tensor | None = None,
              positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Detached pooled inputs: ``qbar`` float32 ``[B, HKV, NQB, D]`` (``query_pooling="head_max"``:
-        ``[B, HKV, G, NQB, D]``, one per query head), ``kbar`` ``[B, HKV, NKB, P*D]``. ``positions``
-        (``[N]`` or ``[B, N]``): the RoPE positions of the tokens, for the un-rotation
+        """Detached pooled inputs: ``qbar`` float32 ``[B, HKV, NQB, D]``, ``kbar`` ``[B, HKV, NKB, P*D]``.
+        ``positions`` (``[N]`` or ``[B, N]``): the RoPE positions of the tokens, for the un-rotation
         (:func:`unrotate`; default ``0..N-1``)."""
         group = self.num_heads // self.num_kv_heads
-        batch, _, seq_len, dim = q.shape
-        rotated = self.rope_inv_freq.numel() > 0
         with torch.no_grad():
             q, k = q.detach(), k.detach()
-            if self.query_pooling == "head_max":
-                # one head of the group at a time: an fp32 un-rotated copy of one head's queries at most
-                q = q.reshape(batch, self.num_kv_heads, group, seq_len, dim)
-                per_head = [unrotate(q[:, :, g], self.rope_inv_freq, positions) if rotated else q[:, :, g]
-                            for g in range(group)]
-                qbar = torch.stack([block_mean(x, block_q, 1, seq_lens) for x in per_head], dim=2)
-            elif rotated:
+            if self.rope_inv_freq.numel():
                 # the rotation is the same for every head of a group: average the group first
+                batch, _, seq_len, dim = q.shape
                 q = q.reshape(batch, self.num_kv_heads, group, seq_len, dim).mean(2, dtype=torch.float32)
-                qbar = block_mean(unrotate(q, self.rope_inv_freq, positions), block_q, 1, seq_lens)
-            else:
-                qbar = block_mean(q, block_q, group, seq_lens)
-            if rotated:
-                k = unrotate(k, self.rope_inv_freq, positions)
+                q = unrotate(q, self.rope_inv_freq, positions)
+                k, group = unrotate(k, self.rope_inv_freq, positions), 1
+            qbar = block_mean(q, block_q, group, seq_lens)
             kbar = block_mean(k, block_k, 1, seq_lens)
             if self.key_pooling == "mean_max":
                 kbar = torch.cat([kbar, block_max(k, block_k, 1, seq_lens)], dim=-1)
@@ -380,21 +366,14 @@ class BlockScorer(nn.Module):
 
     def forward(self, qbar: Tensor, kbar: Tensor, scale: float, geometry: SelectionGeometry | None = None) -> Tensor:
         """Block logits float32 ``[B, HKV, NQB, NKB]`` (gradients reach only this module's parameters);
-        the distance bias is added when ``geometry`` (of the pooled call) is given. ``qbar`` of
-        :meth:`pool` (``[B, HKV, G, NQB, D]`` with per-head queries: each head scored, the group's
-        largest logit kept per key block)."""
+        the distance bias is added when ``geometry`` (of the pooled call) is given."""
         multiplier = self.lr_multiplier.to(torch.float32)
         wq = self.query_proj.to(torch.float32) * multiplier
         wk = self.key_proj.to(torch.float32) * multiplier
+        qs = torch.einsum("bhnd,hds->bhns", qbar, wq)
         ks = torch.einsum("bhmd,hds->bhms", kbar, wk)
         temperature = torch.exp(self.log_temperature.to(torch.float32) * multiplier) * scale
-        if qbar.dim() == 5:
-            qs = torch.einsum("bhgnd,hds->bhgns", qbar, wq)
-            logits = torch.matmul(qs, ks.unsqueeze(2).transpose(-1, -2)).amax(dim=2)
-        else:
-            qs = torch.einsum("bhnd,hds->bhns", qbar, wq)
-            logits = torch.matmul(qs, ks.transpose(-1, -2))
-        logits = logits * temperature.view(1, -1, 1, 1)
+        logits = torch.matmul(qs, ks.transpose(-1, -2)) * temperature.view(1, -1, 1, 1)
         if self.distance_bias is None or geometry is None:
             return logits
         buckets = block_distance_buckets(geometry, logits.device)  # [NQB, NKB]
