@@ -60,10 +60,10 @@ _FWD_FIELDS = len(ForwardConfig._fields)
 def _sparse_attn_fwd(
     q: Tensor, k: Tensor, v: Tensor, indices: Tensor, counts: Tensor,
     kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor, seq_lens: Optional[Tensor],
-    num_cold: int, block_q: int, block_k: int, scale: float, dropout_p: float, dropout_seed: int,
+    cold_capacity: int, block_q: int, block_k: int, scale: float, dropout_p: float, dropout_seed: int,
     num_splits: int, launch_config: list[int], document_ids: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    # kv_indptr / kv_qblocks / slots / num_cold and the backward half of launch_config are not read
+    # kv_indptr / kv_qblocks / slots / cold_capacity and the backward half of launch_config are not read
     # here; they are inputs so that setup_context can save them (custom ops save only inputs and outputs).
     return sparse_attn_forward(q, k, v, indices, counts, block_q=block_q, block_k=block_k, scale=scale,
                                seq_lens=seq_lens, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -72,7 +72,7 @@ def _sparse_attn_fwd(
 
 
 @_sparse_attn_fwd.register_fake
-def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold, block_q, block_k,
+def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
       scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids=None):
     B, HQ, N, D = q.shape
     return q.new_empty((B, HQ, N, D)), q.new_empty((B, HQ, N), dtype=torch.float32)
@@ -82,35 +82,35 @@ def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold
 def _sparse_attn_bwd(
     do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     indices: Tensor, counts: Tensor, kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor,
-    seq_lens: Optional[Tensor], num_cold: int, block_q: int, block_k: int, scale: float,
+    seq_lens: Optional[Tensor], cold_capacity: int, block_q: int, block_k: int, scale: float,
     dropout_p: float, dropout_seed: int, backward_config: list[int], document_ids: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, num_cold,
+    return sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, cold_capacity,
                                 block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, dlse=dlse,
                                 dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 config=BackwardConfig(*backward_config), document_ids=document_ids)
 
 
 @_sparse_attn_bwd.register_fake
-def _(do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold,
+def _(do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity,
       block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold, block_q, block_k,
+    (q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
      scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids)
-    ctx.meta = (num_cold, block_q, block_k, scale, dropout_p, dropout_seed, list(launch_config[_FWD_FIELDS:]))
+    ctx.meta = (cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, list(launch_config[_FWD_FIELDS:]))
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids = ctx.saved_tensors
-    num_cold, block_q, block_k, scale, dropout_p, dropout_seed, backward_config = ctx.meta
+    cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config = ctx.meta
     dq, dk, dv = torch.ops.sparse_train.sparse_attn_bwd(
         do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens,
-        num_cold, block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids)
+        cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids)
     return dq, dk, dv, *([None] * 15)
 
 
@@ -232,5 +232,5 @@ def triton_sparse_attention(
         document_ids = document_ids.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
     return torch.ops.sparse_train.sparse_attn_fwd(
         q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, schedule.slots, seq_lens,
-        schedule.num_cold, index.block_q, index.block_k, scale, dropout_p, seed, schedule.num_splits,
+        schedule.cold_capacity, index.block_q, index.block_k, scale, dropout_p, seed, schedule.num_splits,
         [*schedule.forward, *schedule.backward], document_ids)
