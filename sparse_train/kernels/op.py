@@ -163,7 +163,7 @@ def triton_supports(q: Tensor, block_q: int, block_k: int) -> Support:
 def triton_sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, index, *, scale: float | None = None, dropout_p: float = 0.0,
     dropout_seed: int | None = None, seq_lens: Tensor | None = None, deterministic: bool = False,
-    kernel_options=None, document_ids: Tensor | None = None,
+    kernel_options=None, document_ids: Tensor | None = None, check_values: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Exact block-sparse causal attention through the Triton kernels, differentiable (eager and
     torch.compile).
@@ -193,6 +193,10 @@ def triton_sparse_attention(
             (packed documents, ``sparse_train.documents``): key k is masked for query q unless
             ``document_ids[b, k] == document_ids[b, q]``.  Blocks whose queries and keys all lie in
             one document skip the check; selected blocks of other documents contribute nothing.
+        check_values: check the values of ``seq_lens`` and ``document_ids`` (host syncs; see
+            ``sparse_train.sparse_attention``). Nothing else here reads the device: the plan and the
+            launch schedule have shapes fixed by the index's shape, so a call is CUDA-graph capturable
+            with ``check_values=False`` and an int ``dropout_seed``.
 
     Returns:
         ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype, lse ``[B, HQ, N]`` float32 natural log;
@@ -209,7 +213,8 @@ def triton_sparse_attention(
             index, heads per program that do not divide the GQA group.
     """
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, kernel_options=kernel_options, document_ids=document_ids)
+                                seq_lens=seq_lens, kernel_options=kernel_options, document_ids=document_ids,
+                                seq_lens_values=check_bool("check_values", check_values))
     support = triton_supports(q, index.block_q, index.block_k)
     if not support.ok:
         raise ValueError(f"triton_sparse_attention does not support this input: {support.message}")
