@@ -214,8 +214,7 @@ def test_plan_of_an_empty_batch():
     assert schedule.item_row.numel() == 0
 
 
-@pytest.mark.parametrize("r0,deterministic", [(1, False), (2, False), (2, True)],
-                         ids=["all-kv-centric", "atomic-cold", "deterministic"])
+@pytest.mark.parametrize("r0,deterministic", [(2, False), (2, True)], ids=["atomic-cold", "deterministic"])
 def test_backward_with_padded_schedule_equals_exact_schedule(monkeypatch, small_kv_chunks, r0, deterministic):
     """The padded KV-centric grid (items past the real ones return at once) gives bitwise the gradients of
     the exactly-sized grid, chunked rows and the atomic path included."""
@@ -288,8 +287,7 @@ def test_module_still_checks_values_when_asked(monkeypatch):
             module(q, k, v, seq_lens=torch.tensor([65]))
 
 
-@pytest.mark.parametrize("r0,deterministic", [(1, False), (2, False), (4, True)],
-                         ids=["r0=1", "r0=2-atomics", "deterministic"])
+@pytest.mark.parametrize("r0,deterministic", [(1, False), (2, False)], ids=["r0=1", "r0=2-atomics"])
 def test_triton_op_reads_nothing_back_without_value_checks(host_reads, small_kv_chunks, r0, deterministic):
     B, HQ, HKV, N, D = 1, 4, 2, 150, 16
     sel = random_selection(B, HKV, N, 16, 16, 3, seed=9)
