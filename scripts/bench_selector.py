@@ -6,7 +6,10 @@ BQ=BK=64, top_k=16, window=8, sinks=1):
 * ``selector/scores_topk``  pooling + learned block scores + top-k candidates
 * ``selector/canonicalize`` ``BlockIndex.from_selection`` (window/sink merge, dedup, canonical form)
 * ``selector/plan``         ``BlockIndex.plan`` (reuse counts, transposed index, hot/cold split)
-* ``selector/total``        the three together, as one training step pays them
+* ``selector/total``        the three together, as one training step pays them (no host sync on this
+                            path: capacity from the geometry, plan with shape-fixed arrays)
+* ``selector/total[cuda_graph]`` with ``--graph``: the same path captured once in a CUDA graph and
+                            replayed (proves it is capturable; the replay is checked against eager)
 * ``distill/sparse[rows]``  sparse distillation target (from the kernel's lse) + KL + its backward,
                             for all rows of each query block and for a row subsample
 * ``attention/fwd_bwd``     ``st.sparse_attention(..., backend="auto")`` forward + backward
@@ -21,6 +24,7 @@ against it mean little).
 Usage::
 
     python scripts/bench_selector.py --out selector_bench.json
+    python scripts/bench_selector.py --graph --repeats 100 --out selector_graph.json   # + CUDA-graph replay
     python scripts/bench_selector.py --device cpu --n 2048 --hq 4 --hkv 2 --d 64 --out /tmp/s.json  # smoke
 """
 
@@ -71,6 +75,10 @@ def parse_args(argv=None):
                    help="rows per query block for the distillation target; 0 = all rows")
     p.add_argument("--allow-reference", action="store_true",
                    help="time attention through the reference backend when Triton is unavailable")
+    p.add_argument("--graph", action="store_true",
+                   help="also capture selector + canonicalize + plan in a CUDA graph and time its replay")
+    p.add_argument("--selector-only", action="store_true", help="time only the selector phases (no distillation, "
+                   "attention or module timings)")
     p.add_argument("--out", type=Path, required=True, help="JSON output path")
     return p.parse_args(argv)
 
@@ -122,7 +130,7 @@ def main(argv=None) -> int:
     def scores_topk():
         qbar, kbar = scorer.pool(q, k, blk, blk)
         with torch.no_grad():
-            scores = scorer(qbar, kbar, scale)
+            scores = scorer(qbar, kbar, scale, geom)  # with the distance bias, as the module scores
         return selection_candidates(scores, geom, window=args.window, sinks=args.sinks)
 
     candidates = scores_topk()
@@ -147,12 +155,33 @@ def main(argv=None) -> int:
     timings["selector/canonicalize"] = measure(canonicalize, device, args.warmup, args.repeats)
     timings["selector/plan"] = measure(plan, device, args.warmup, args.repeats)
     timings["selector/total"] = measure(selector_total, device, args.warmup, args.repeats)
+    if args.graph:
+        if device.type != "cuda":
+            notes.append("--graph needs CUDA; skipped")
+        else:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up off the capture stream (allocator, lazy inits)
+                for _ in range(3):
+                    selector_total()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = selector_total()
+            timings["selector/total[cuda_graph]"] = measure(graph.replay, device, args.warmup, args.repeats)
+            graph.replay()
+            eager = selector_total()
+            same = all(torch.equal(getattr(captured, name), getattr(eager, name))
+                       for name in ("reuse", "kv_indptr", "kv_qblocks", "hot", "stats"))
+            notes.append(f"CUDA-graph replay equals eager: {same}")
 
     backend, reason = resolve_backend(q, k, v, index, "auto")
+    if args.selector_only:
+        args.distill_rows = []
     if backend != "triton":
         notes.append(f"Triton backend unavailable for this input ({reason}); attention would run on the reference")
         print(f"NOTE: {notes[-1]}", file=sys.stderr)
-    time_attention = backend == "triton" or args.allow_reference
+    time_attention = (backend == "triton" or args.allow_reference) and not args.selector_only
 
     with torch.no_grad():
         _, lse = st.sparse_attention(q, k, v, index, scale=scale, return_lse=True, backend="auto")

@@ -32,9 +32,20 @@ its own document on every path. The index drops key blocks that share no documen
 block (window and sinks per document), top-k never picks them, the distillation target and the
 quality metrics are computed with the document mask, and the dense paths mask by document too.
 
-torch.compile: the path decision is Python on shapes (a recompile when it flips, nothing per step);
-fallback counts live in a tensor buffer; replay, metrics and profiling are skipped while compiling.
-The plan (``BlockIndex.plan``) reads sizes on the host, so the sparse path has graph breaks there.
+Host synchronisation: none on the sparse training path at the defaults (``index_check="none"``,
+``metrics_every=0``, ``profile=False``, ``dropout_p=0``). The path decision is Python on shapes; the
+index capacity follows from (N, block sizes, top_k, window, sinks, documents or not); the plan and the
+kernel schedules have shapes fixed by the index's shape; the distillation sample is drawn on the device
+from a counter buffer; fallback counts live in a tensor buffer. Checks of *values* that need a device
+-> host read (seq_lens in [0, N], document ids non-decreasing, the selector's candidates) run on CUDA
+only with ``index_check="cheap"`` or ``"full"``; on CPU tensors they always run (no device is waited
+on). Unchecked values are safe for memory (kernels clamp seq_lens, document ids only decide masks).
+Metrics (``metrics_every``), profiling, ``stats()`` and ``dropout_p > 0`` without a fixed seed (the
+seed is drawn on the host) read the host by design.
+
+torch.compile: the sparse training path, distillation included, traces into one graph
+(``fullgraph=True``; the Triton kernels are ``torch.library`` custom ops); replay, metrics and
+profiling are skipped while compiling.
 """
 
 from __future__ import annotations
@@ -60,7 +71,7 @@ from .validation import (
     draw_dropout_seed,
 )
 from .selectors.distill import block_kl, dense_block_mass, renormalise, sparse_block_mass
-from .selectors.metrics import sample_query_blocks, selection_quality
+from .selectors.metrics import draw_query_blocks, sample_query_blocks, selection_quality
 from .selectors.replay import SelectionRecord, SelectionReplay, in_backward_pass
 from .selectors.scorer import (
     BlockScorer,
@@ -130,6 +141,9 @@ class SparseAttention(nn.Module):
         # A tensor (not a dict of ints) so counting inside a compiled graph is an in-graph add, not a
         # Python side effect that would guard and recompile on every call.
         self.register_buffer("fallback_counter", torch.zeros(len(FALLBACK_REASONS), dtype=torch.int64), persistent=False)
+        # Draw number of the distillation's query-block sample (draw_query_blocks), advanced on the
+        # device: no generator object (torch.compile cannot trace one) and no host read.
+        self.register_buffer("distill_draws", torch.zeros((), dtype=torch.int64), persistent=False)
         self.selector_loss: Tensor | None = None
         self._dense_mode = False
         self._training_calls = 0
@@ -140,7 +154,6 @@ class SparseAttention(nn.Module):
         self._replay = SelectionReplay()
         self._timings = PhaseTimer()
         self._metrics_rng = torch.Generator().manual_seed(0)
-        self._distill_rng = torch.Generator().manual_seed(1)
 
     # ------------------------------------------------------------------------------------ public
     @property
@@ -199,8 +212,8 @@ class SparseAttention(nn.Module):
     def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None,
                       document_ids: Tensor | None = None, position_ids: Tensor | None = None) -> None:
         """The shared API rules (:mod:`sparse_train.validation`), then what this module was built for.
-        The seq_lens and document_ids *values* are checked by the path that runs (one host sync per
-        call)."""
+        The seq_lens and document_ids *values* are checked by the path that runs, when
+        :meth:`_checks_values` says so."""
         if isinstance(q, Tensor) and q.dim() == 4 and q.shape[1] != self.num_heads:
             raise ValueError(f"q has {q.shape[1]} heads in dim 1, this module was built for "
                              f"num_heads={self.num_heads} (expected q [B, HQ, N, D])")
@@ -252,6 +265,12 @@ class SparseAttention(nn.Module):
         if geometry.is_full:
             return "dense", "dense_full_selection"
         return ("dense", "dense_hysteresis") if dense_mode else ("sparse", None)
+
+    def _checks_values(self, device: torch.device) -> bool:
+        """Whether this call checks the *values* of seq_lens and document_ids: always on CPU tensors (a
+        host read there waits on no device), on an accelerator only with ``index_check`` "cheap" or
+        "full" (each check is a device -> host sync). The module docstring states the rule."""
+        return device.type == "cpu" or self.config.index_check != "none"
 
     def _count(self, reason: str | None) -> None:
         if reason is not None:
@@ -334,10 +353,12 @@ class SparseAttention(nn.Module):
 
         Raises:
             ValueError: q/k/v, seq_lens, document_ids or position_ids of the wrong shape, dtype or
-                device; seq_lens values outside [0, N]; document_ids negative or decreasing."""
+                device; seq_lens values outside [0, N]; document_ids negative or decreasing (values: on
+                CPU tensors always, on CUDA with ``index_check`` "cheap"/"full", see the module docstring)."""
         self._check_inputs(q, k, v, seq_lens, document_ids, position_ids)
         cfg = self.config
         batch, _, seq_len, _ = q.shape
+        check_values = self._checks_values(q.device)
         scale = self.scale if scale is None else check_float("scale", scale, exclusive_minimum=0.0)
         dropout_p = cfg.dropout_p if dropout_p is None else check_dropout_p(dropout_p)
         dropout_p = dropout_p if self.training else 0.0
@@ -405,7 +426,8 @@ class SparseAttention(nn.Module):
             attend_index = index
         elif dropout_p > 0.0:
             attend_index = BlockIndex.full(batch, self.num_kv_heads, seq_len, cfg.block_q, cfg.block_k,
-                                           device=device, document_ids=document_ids)
+                                           device=device, document_ids=document_ids,
+                                           check="cheap" if check_values else "none")
         else:
             attend_index = None
 
@@ -429,14 +451,14 @@ class SparseAttention(nn.Module):
         lse = None
         if attend_index is None:
             # the kernel path checks these values inside sparse_attention
-            check_seq_lens(seq_lens, batch, seq_len, q.device)
-            check_document_ids(document_ids, batch, seq_len, q.device)
+            check_seq_lens(seq_lens, batch, seq_len, q.device, values=check_values)
+            check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
             o = dense_causal_attention(q, k, v, scale=scale, seq_lens=seq_lens, document_ids=document_ids)
         else:
             o, kernel_lse = sparse_attention(
                 q, k, v, attend_index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                 deterministic=cfg.deterministic, return_lse=True, backend=backend, seq_lens=seq_lens,
-                document_ids=document_ids, kernel_options={"plan": plan, "r0": cfg.r0},
+                document_ids=document_ids, kernel_options={"plan": plan, "r0": cfg.r0}, check_values=check_values,
             )
             lse = kernel_lse if path == "sparse" else None  # the sparse target reads the selection's lse
         if profile:
@@ -448,9 +470,11 @@ class SparseAttention(nn.Module):
         if distill_now:
             mode = self._distill_mode(path)
             if mode == "sampled" and distill_blocks is None:
-                distill_blocks = sample_query_blocks(geometry.num_q_blocks, cfg.distill_query_blocks, self._distill_rng)
+                draws = self.distill_draws
+                distill_blocks = draw_query_blocks(geometry.num_q_blocks, cfg.distill_query_blocks, draws.to(device))
+                draws.add_(1)
             loss = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
-                                           document_ids)
+                                           document_ids, check_values)
 
         # ---- bookkeeping of the first pass only (a recompute must not count twice)
         if first_pass:
@@ -478,7 +502,7 @@ class SparseAttention(nn.Module):
         return "sampled" if (mode == "sparse" and path == "dense") else mode
 
     def _distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
-                           document_ids=None) -> Tensor:
+                           document_ids=None, check_values=True) -> Tensor:
         """KL from the row-pooled attention-mass target to the selector's distribution.
 
         ``distill_support="dynamic"`` restricts both to the blocks top-k chooses from (window and
@@ -499,7 +523,7 @@ class SparseAttention(nn.Module):
             target, row_valid = dense_block_mass(
                 q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
                 rows_per_block=cfg.distill_query_rows, query_blocks=rows, row_pool=cfg.distill_row_pool,
-                chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids,
+                chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids, check_values=check_values,
             )  # [B, HKV, S, NKB]
             if rows is not None:
                 support = support.index_select(2, rows)
@@ -509,6 +533,7 @@ class SparseAttention(nn.Module):
             target, row_valid = sparse_block_mass(
                 q, k, index, scale=scale, lse=lse, seq_lens=seq_lens, rows_per_block=cfg.distill_query_rows,
                 row_pool=cfg.distill_row_pool, chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids,
+                check_values=check_values,
             )  # [B, HKV, NQB, K]
             slots = index.indices.to(torch.int64)
             scores = scores.gather(-1, slots.clamp(min=0))

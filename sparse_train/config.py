@@ -173,7 +173,9 @@ class SparseAttentionConfig:
 
     index_check: str = "none"
     """Validation level passed to ``BlockIndex.from_selection`` for the selector's own candidates:
-    ``"none"`` (they are valid by construction and checks cost a device sync), ``"cheap"``, ``"full"``."""
+    ``"none"`` (they are valid by construction and checks cost a device sync), ``"cheap"``, ``"full"``.
+    On CUDA it also decides whether the *values* of ``seq_lens`` / ``document_ids`` are checked
+    (``"none"``: not, so a training step never waits on the device; CPU tensors are always checked)."""
 
     metrics_every: int = 0
     """Every n-th training forward, measure the attention-mass recall (per query row, the share of

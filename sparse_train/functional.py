@@ -159,6 +159,7 @@ def sparse_attention(
     backend: str = "auto",
     kernel_options: dict | KernelOptions | None = None,
     document_ids: Tensor | None = None,
+    check_values: bool = True,
 ):
     """Exact softmax attention restricted to the blocks of ``index`` (plus causal, length and document masks).
 
@@ -197,6 +198,13 @@ def sparse_attention(
             ``{fwd,dq,kv}_num_warps``, ``{fwd,dq,kv}_num_stages`` the tiles of the forward, dQ and
             KV-centric kernels; ``kv_chunk`` query blocks per KV-centric work item. Validated on both
             backends; only the Triton backend uses them.
+        check_values: check the *values* of ``seq_lens`` and ``document_ids`` (default). These are the
+            only checks that read device memory back to the host (a sync on CUDA); ``False`` skips
+            them, for callers that must not sync (CUDA-graph capture, the ``SparseAttention`` module at
+            ``index_check="none"``). Shapes, dtypes and devices are always checked. An unchecked bad
+            value never makes a kernel read out of bounds (seq_lens are clamped to [0, N] on the device,
+            document ids only decide masks) but gives a result for the clamped lengths / those masks.
+            Skipped anyway while ``torch.compile`` traces.
 
     Returns:
         ``o`` ``[B, HQ, N, D]`` in q's dtype, or ``(o, lse)`` with ``return_lse=True``. Rows with no
@@ -211,13 +219,15 @@ def sparse_attention(
             kernels do not support.
     """
     # Everything but the seq_lens and document_ids values (host syncs) before choosing a backend; the
-    # backend that runs validates again, values included, so the syncs happen once per call.
+    # backend that runs validates again, values included (unless check_values=False), so the syncs
+    # happen at most once per call.
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 seq_lens=seq_lens, kernel_options=kernel_options, seq_lens_values=False,
                                 document_ids=document_ids)
     dropout_p, dropout_seed = args.dropout_p, args.dropout_seed
     check_bool("deterministic", deterministic)
     check_bool("return_lse", return_lse)
+    check_bool("check_values", check_values)
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed()
     if seq_lens is not None:
@@ -227,11 +237,11 @@ def sparse_attention(
         o, lse = _triton_op().triton_sparse_attention(
             q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
             deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
-            kernel_options=args.kernel_options, document_ids=document_ids,
+            kernel_options=args.kernel_options, document_ids=document_ids, check_values=check_values,
         )
     else:
         o, lse = reference_sparse_attention(
             q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
-            document_ids=document_ids,
+            document_ids=document_ids, check_values=check_values,
         )
     return (o, lse) if return_lse else o

@@ -132,7 +132,13 @@ def canonicalize(
             automatic tier has the same cap). A given capacity smaller than the longest row raises
             rather than dropping candidates, except with ``check="none"``, where the caller
             guarantees it and no host sync is made: a longer row is then cut to its ``capacity``
-            lowest blocks (its count too), so no consumer reads past the row.
+            lowest blocks (its count too), so no consumer reads past the row. A given capacity at
+            least the number of candidates per row (``k`` + window + sink columns) needs no check.
+
+            Host syncs: ``capacity=None`` reads the longest row (the tier is a data-dependent shape);
+            ``check="cheap"`` / ``"full"`` read the validation flags (and the longest row when the
+            capacity might be too small). With a given capacity and ``check="none"`` nothing is read
+            back: the module's selection path.
         check: ``"cheap"`` (default) rejects out-of-range and non-causal candidates; ``"full"`` also
             re-verifies the produced invariants; ``"none"`` trusts the caller (candidates outside
             ``[0, NKB)`` or beyond the causal limit are then dropped silently).
@@ -227,8 +233,9 @@ def canonicalize(
     valid = merged < sentinel
     counts = valid.sum(dim=-1)
 
-    # A trusted caller that fixes the capacity (check="none") skips the host sync of the max.
-    if capacity is None or check != "none":
+    # A capacity at least the candidate width can never be exceeded (nothing to check, no host read);
+    # a trusted caller that fixes the capacity (check="none") skips the host sync of the max too.
+    if capacity is None or (check != "none" and capacity < merged.shape[-1]):
         longest = int(counts.max()) if counts.numel() else 0
         if capacity is None:
             capacity = capacity_tier(longest, num_k_blocks)
@@ -464,11 +471,12 @@ class BlockIndex:
     @classmethod
     def full(
         cls, batch: int, num_kv_heads: int, seq_len: int, block_q: int = 64, block_k: int = 64, device=None,
-        document_ids: Tensor | None = None,
+        document_ids: Tensor | None = None, check: str = "cheap",
     ) -> "BlockIndex":
         """Every causally reachable block for every query block (dense causal attention); with
         ``document_ids`` (int ``[B, N]``) every causal block that shares a document with the query
-        block (dense attention with the document mask)."""
+        block (dense attention with the document mask). The capacity is NKB. ``check="none"`` skips
+        the value check of ``document_ids`` (the only host read here)."""
         seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
         batch = check_int("batch", batch, minimum=0)
         num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -476,8 +484,9 @@ class BlockIndex:
         # the last query block reaches key block NKB - 1, so a window of NKB covers every causal block
         window = math.ceil(seq_len / block_k)
         empty = torch.empty(batch, num_kv_heads, num_q_blocks, 0, dtype=torch.int32, device=device)
+        # capacity NKB (the last query block's row; a shape, not a host read of the longest row)
         return cls.from_selection(empty, seq_len=seq_len, block_q=block_q, block_k=block_k, window=window,
-                                  document_ids=document_ids)
+                                  capacity=window, check=check, document_ids=document_ids)
 
     @classmethod
     def from_csr(
@@ -639,13 +648,18 @@ class BlockIndex:
         """Derived views for the backward, cached per ``r0``. The cache is used only while the index
         tensors are the unmodified ones it was built from (version counters): an in-place write to
         ``indices`` / ``counts`` makes the next call rebuild. Indices wrapping caller-owned buffers
-        (:meth:`from_canonical`) never cache."""
+        (:meth:`from_canonical`) never cache, nor does anything while torch.compile traces. Builds
+        read nothing back to the host (:func:`~sparse_train.plan.build_plan`)."""
         r0 = resolve_r0(r0)
-        cached = None if self._external else self._cache.get(("plan", r0))
+        # While torch.compile traces nothing is cached: a compiled step builds its plan once anyway,
+        # and a plan stored on an index the module keeps would have to be rebuilt as a Python object
+        # after the graph (dynamo cannot).
+        caching = not self._external and not torch.compiler.is_compiling()
+        cached = self._cache.get(("plan", r0)) if caching else None
         if cached is not None and source_is_current(cached.source, self):
             return cached
         plan = build_plan(self, r0)
-        if not self._external:
+        if caching:
             self._cache[("plan", r0)] = plan
         return plan
 

@@ -1,4 +1,4 @@
-"""Launch planning: everything host-side that turns a block index into a kernel launch schedule.
+"""Launch planning: everything that turns a block index into a kernel launch schedule.
 
 The index (:mod:`sparse_train.index`) says *what* is attended; this module decides *how* the kernels
 walk it, and nothing here changes a result beyond floating-point order:
@@ -8,7 +8,8 @@ walk it, and nothing here changes a result beyond floating-point order:
   the hot/cold split of the hybrid backward (``reuse >= r0``: KV-centric kernel; else fp32 atomics
   from the dQ pass). Built once per step (cached by ``BlockIndex.plan``), shared by forward and backward.
 * The backward's schedules: :func:`cold_slots` (compact atomic-workspace slot of each cold block) and
-  :func:`kv_schedule` (KV-centric work items, long rows cut into chunks of ``KV_CHUNK`` query blocks).
+  :func:`kv_schedule` (KV-centric work items, long rows cut into chunks of ``KV_CHUNK`` query blocks),
+  sized by :func:`cold_capacity` and :func:`kv_schedule_capacity`.
 * The forward's split count :func:`choose_num_splits` (split-KV only when the grid cannot fill the
   device, whose SM count :func:`device_sm_count` reads).
 * Tile configurations: :func:`forward_config`, :func:`backward_config`, :func:`block_mass_config`
@@ -18,8 +19,13 @@ walk it, and nothing here changes a result beyond floating-point order:
   :func:`normalize_kernel_options` is the one function that validates it (:data:`KERNEL_OPTIONS`).
 
 Every function is a pure function of its inputs (sorting and prefix sums, no atomics), so plans and
-schedules are identical run to run. Notation: B batch, HKV KV heads, G = HQ/HKV, D head dim, BQ/BK
-block sizes, NQB/NKB query/key blocks, r0 reuse threshold.
+schedules are identical run to run. Nothing on the attention path reads device values back to the host:
+every array has a length fixed by the shapes (index capacity, N, block sizes, options), padded with
+entries the kernels skip, so a step is capturable in a CUDA graph and traceable by
+``torch.compile(fullgraph=True)``; only the statistics properties of :class:`BlockPlan` sync, on demand.
+
+Notation: B batch, HKV KV heads, G = HQ/HKV, D head dim, BQ/BK block sizes, NQB/NKB query/key blocks,
+K index capacity, r0 reuse threshold.
 """
 
 from __future__ import annotations
@@ -48,11 +54,13 @@ __all__ = [
     "block_mass_config",
     "build_plan",
     "choose_num_splits",
+    "cold_capacity",
     "cold_slots",
     "device_sm_count",
     "forward_config",
     "forward_num_splits",
     "kv_schedule",
+    "kv_schedule_capacity",
     "normalize_kernel_options",
     "resolve_r0",
 ]
@@ -69,10 +77,19 @@ block) is cut into chunks whose fp32 partials are summed in chunk order, so no p
 
 
 # ---------------------------------------------------------------------------------------------- plan
+_STAT_NAMES = ("num_hot", "num_cold", "nnz", "max_count", "max_reuse")
+
+
 @dataclass(frozen=True)
 class BlockPlan:
     """Derived views of a :class:`~sparse_train.BlockIndex`, built once per step and shared by forward
-    and backward. All views are computed by sorting (no atomics), so they are identical run to run."""
+    and backward. All views are computed by sorting (no atomics), so they are identical run to run.
+
+    Every tensor has a shape fixed by the index's shape (never by its values), and building a plan
+    reads nothing back to the host, so it runs inside ``torch.compile(fullgraph=True)`` and CUDA-graph
+    capture. The scalar statistics (:attr:`num_hot`, :attr:`nnz`, ...) live on the device in
+    :attr:`stats`; reading one of those properties is a host sync (benchmarks, tests, ``repr``), and
+    nothing on the attention path reads them."""
 
     reuse: Tensor
     """int32 ``[B, HKV, NKB]``: how many query blocks selected each KV block."""
@@ -80,26 +97,52 @@ class BlockPlan:
     """int64 ``[B*HKV*NKB + 1]``: row pointers of the transposed (KV-major) CSR; row
     ``r = (b*HKV + h)*NKB + j`` lists the query blocks that selected KV block j."""
     kv_qblocks: Tensor
-    """int32 ``[nnz]``: query-block ids of the transposed CSR, ascending within each row."""
+    """int32 ``[B*HKV*NQB*K]`` (K the index capacity: one entry per index slot): query-block ids of the
+    transposed CSR, ascending within each row, in ``[0, kv_indptr[-1])``; the entries past
+    ``kv_indptr[-1]`` (= :attr:`nnz`) are -1 padding that no kernel reads."""
     hot: Tensor
     """bool ``[B, HKV, NKB]``: ``reuse >= r0``; hot blocks get the KV-centric dK/dV kernel, cold ones
     are accumulated with atomics from the query-centric pass."""
     r0: int
     """The reuse threshold this plan was built with."""
-    num_hot: int
-    """Number of KV blocks (over all batches and heads) with ``reuse >= r0`` and reuse > 0."""
-    num_cold: int
-    """Number of selected KV blocks with ``0 < reuse < r0``."""
-    nnz: int
-    """Total number of selected (query block, key block) pairs."""
-    max_count: int
-    """Longest query-block row (blocks)."""
-    max_reuse: int
-    """Largest reuse count of any KV block."""
+    stats: Tensor
+    """int64 ``[5]`` on the device: ``num_hot, num_cold, nnz, max_count, max_reuse`` (read them through
+    the properties of those names)."""
     source: PlanSource | None = field(default=None, compare=False)
     """The index this plan was built from (its tensors, held weakly, their version counters and the
     geometry). ``sparse_attention`` refuses a plan whose source is not the index passed: the backward
     would read another selection's arrays (out of bounds when shapes differ)."""
+    _host_stats: list = field(default_factory=list, compare=False, repr=False)
+
+    def _stat(self, name: str) -> int:
+        if not self._host_stats:
+            self._host_stats.extend(int(x) for x in self.stats.tolist())  # the one host read, on demand
+        return self._host_stats[_STAT_NAMES.index(name)]
+
+    @property
+    def num_hot(self) -> int:
+        """Number of KV blocks (over all batches and heads) with ``reuse >= r0`` and reuse > 0 (host sync)."""
+        return self._stat("num_hot")
+
+    @property
+    def num_cold(self) -> int:
+        """Number of selected KV blocks with ``0 < reuse < r0`` (host sync)."""
+        return self._stat("num_cold")
+
+    @property
+    def nnz(self) -> int:
+        """Total number of selected (query block, key block) pairs (host sync)."""
+        return self._stat("nnz")
+
+    @property
+    def max_count(self) -> int:
+        """Longest query-block row, in blocks (host sync)."""
+        return self._stat("max_count")
+
+    @property
+    def max_reuse(self) -> int:
+        """Largest reuse count of any KV block (host sync)."""
+        return self._stat("max_reuse")
 
     def __repr__(self) -> str:
         return (
@@ -117,44 +160,45 @@ def resolve_r0(r0) -> int:
 def build_plan(index, r0: int | None = None) -> BlockPlan:
     """The :class:`BlockPlan` of ``index`` for reuse threshold ``r0`` (default :data:`DEFAULT_R0`).
 
-    One host sync (the hot/cold counts and maxima). ``BlockIndex.plan`` caches the result; call that.
-    """
+    No host sync and no data-dependent shape: the transposed CSR is one sort of a key per index slot
+    (``(kv_row * NQB + query block)`` for a valid slot, a sentinel that sorts last for a -1 slot), so
+    ``kv_qblocks`` has one entry per slot and the valid pairs come first, in KV-major order with query
+    blocks ascending. ``BlockIndex.plan`` caches the result; call that."""
     r0 = resolve_r0(r0)
     source = plan_source(index)
-    b, h, nqb, _ = index.indices.shape
+    b, h, nqb, cap = index.indices.shape
     nkb = index.num_k_blocks
-    idx = index.indices.to(torch.int64)
-    valid = idx >= 0
-    bh = torch.arange(b * h, device=idx.device).view(b, h, 1, 1)
-    qi = torch.arange(nqb, device=idx.device).view(1, 1, nqb, 1)
-    kv_row = bh * nkb + idx  # [B, HKV, NQB, K]
+    rows = b * h * nkb
+    device = index.indices.device
+    sentinel = rows * nqb
+    # int32 keys sort faster; the sentinel (the largest key) decides whether they fit
+    key_dtype = torch.int32 if sentinel < 2**31 else torch.int64
+    idx = index.indices.to(key_dtype)
+    bh = torch.arange(b * h, device=device, dtype=key_dtype).view(b, h, 1, 1)
+    qi = torch.arange(nqb, device=device, dtype=key_dtype).view(1, 1, nqb, 1)
     # Each (kv_row, query block) pair occurs at most once, so sorting this key gives the KV-major
     # order with query blocks ascending, deterministically and without atomics.
-    key = (kv_row * nqb + qi)[valid]
+    key = torch.where(idx >= 0, (bh * nkb + idx) * nqb + qi, sentinel).reshape(-1)
     key, _ = torch.sort(key)
-    rows = b * h * nkb
-    kv_indptr = torch.searchsorted(key, torch.arange(rows + 1, device=idx.device) * nqb)
+    bounds = torch.arange(rows + 1, device=device, dtype=key_dtype) * nqb
+    kv_indptr = torch.searchsorted(key, bounds).to(torch.int64)
     reuse = (kv_indptr[1:] - kv_indptr[:-1]).view(b, h, nkb)
     hot = (reuse >= r0) & (reuse > 0)
-    stats = torch.stack(
-        [
-            hot.sum(),
-            ((reuse > 0) & ~hot).sum(),
-            index.counts.to(torch.int64).max() if index.counts.numel() else reuse.new_zeros(()),
-            reuse.max() if reuse.numel() else reuse.new_zeros(()),
-        ]
-    ).tolist()
+    zero = torch.zeros((), dtype=torch.int64, device=device)
+    stats = torch.stack([
+        hot.sum(),
+        ((reuse > 0) & ~hot).sum(),
+        kv_indptr[-1],
+        index.counts.to(torch.int64).max() if index.counts.numel() else zero,
+        reuse.max() if reuse.numel() else zero,
+    ])
     return BlockPlan(
         reuse=reuse.to(torch.int32),
-        kv_indptr=kv_indptr.to(torch.int64),
-        kv_qblocks=(key % nqb).to(torch.int32),
+        kv_indptr=kv_indptr,
+        kv_qblocks=torch.where(key < sentinel, key % nqb, -1).to(torch.int32),
         hot=hot,
         r0=r0,
-        num_hot=int(stats[0]),
-        num_cold=int(stats[1]),
-        nnz=int(key.numel()),
-        max_count=int(stats[2]),
-        max_reuse=int(stats[3]),
+        stats=stats,
         source=source,
     )
 
@@ -170,11 +214,36 @@ def cold_slots(hot: Tensor, reuse: Tensor, deterministic: bool) -> Tensor:
     return torch.where(cold, slot, -1).to(torch.int32)
 
 
+def cold_capacity(num_kv_rows: int, r0: int, deterministic: bool) -> int:
+    """Atomic-workspace blocks the backward allocates: every KV block may be cold when ``r0 >= 2``
+    (``0 < reuse < r0``), none when ``r0 <= 1`` (every selected block is hot) or in deterministic mode.
+    A bound from the shape (``num_kv_rows`` = B*HKV*NKB), so the workspace never waits on a count."""
+    return 0 if deterministic or r0 <= 1 else num_kv_rows
+
+
+def kv_schedule_capacity(num_kv_rows: int, num_q_blocks: int, num_slots: int, chunk: int) -> tuple[int, int]:
+    """Upper bounds ``(items, parts)`` of :func:`kv_schedule` from shapes alone: ``num_kv_rows`` =
+    B*HKV*NKB transposed rows, each of reuse <= ``num_q_blocks``, with at most ``num_slots`` (the
+    index's B*HKV*NQB*K) pairs in all.
+
+    A row of reuse r >= 1 takes ``ceil(r / chunk) = 1 + (r - 1) // chunk`` items, so all rows take at
+    most ``rows + slots // chunk``; a chunked row (r > chunk) takes at most ``2 r / (chunk + 1)``
+    partial slots (the worst ratio is at r = chunk + 1), so all of them at most
+    ``2 * slots // (chunk + 1)``, and none when no row can exceed one chunk."""
+    per_row = -(-num_q_blocks // chunk)
+    items = min(num_kv_rows * per_row, num_kv_rows + num_slots // chunk)
+    if num_q_blocks <= chunk:
+        return items, 0
+    chunked_rows = min(num_kv_rows, num_slots // (chunk + 1))
+    return items, min(items, chunked_rows * per_row, 2 * num_slots // (chunk + 1))
+
+
 class KVSchedule(NamedTuple):
-    """Work items of the KV-centric dK/dV kernel (see :func:`kv_schedule`)."""
+    """Work items of the KV-centric dK/dV kernel (see :func:`kv_schedule`); arrays of fixed length,
+    the items past the real ones marked by ``item_row = -1`` (the kernel returns at once)."""
 
     item_row: Tensor
-    """int32 ``[I]``: KV row ``(b*HKV + h)*NKB + j`` of each work item."""
+    """int32 ``[I]``: KV row ``(b*HKV + h)*NKB + j`` of each work item, -1 for a padding item."""
     item_t0: Tensor
     """int32 ``[I]``: first position (in ``kv_qblocks``) of the item's chunk."""
     item_t1: Tensor
@@ -186,35 +255,51 @@ class KVSchedule(NamedTuple):
     num_parts: Tensor
     """int32 ``[R]``: -1 unselected, 0 written directly (one chunk, or cold), else partials to sum."""
     total_parts: int
-    """Number of fp32 partial slots."""
+    """Number of fp32 partial slots to allocate (an upper bound from the shapes)."""
 
 
-def kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int | None = None) -> KVSchedule:
+def kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int | None = None, *,
+                num_items: int | None = None, num_parts: int | None = None) -> KVSchedule:
     """Work items of the KV-centric kernel: every KV block with reuse > 0 and no cold slot, its
-    transposed row cut into chunks of ``chunk`` (default :data:`KV_CHUNK`) query blocks.
+    transposed row cut into chunks of ``chunk`` (default :data:`KV_CHUNK`) query blocks, in row order.
 
-    One host sync (the item and partial counts). Sorting-free and atomic-free, so the schedule and the
-    order in which the finish kernel sums partials are identical run to run."""
+    ``num_items`` / ``num_parts``: the lengths of the item arrays and the partial slots to provide
+    (:func:`kv_schedule_capacity`); items past the real ones are padding (``item_row = -1``). Without
+    them the schedule is sized exactly, which reads the two totals back to the host (tests, tools);
+    the attention path always passes the bounds, so it never syncs.
+
+    Sorting-free and atomic-free, so the schedule and the order in which the finish kernel sums
+    partials are identical run to run."""
     chunk = KV_CHUNK if chunk is None else chunk
     reuse = reuse.reshape(-1).to(torch.int64)
     num_rows = reuse.numel()
     device = reuse.device
-    kv_centric = (slots < 0) & (reuse > 0)
+    kv_centric = (slots.reshape(-1) < 0) & (reuse > 0)
     num_chunks = torch.where(kv_centric, (reuse + chunk - 1) // chunk, 0)
     multi = num_chunks >= 2
     chunks_of_multi = torch.where(multi, num_chunks, 0)
-    totals = torch.stack([num_chunks.sum(), chunks_of_multi.sum()]).tolist()  # one host sync
-    total_items, total_parts = int(totals[0]), int(totals[1])
-    rows = torch.repeat_interleave(torch.arange(num_rows, device=device), num_chunks, output_size=total_items)
-    first_item = torch.cumsum(num_chunks, 0) - num_chunks
-    c = torch.arange(total_items, device=device) - first_item[rows]
+    if num_items is None or num_parts is None:
+        totals = torch.stack([num_chunks.sum(), chunks_of_multi.sum()]).tolist()  # host sync (exact sizes)
+        num_items = int(totals[0]) if num_items is None else num_items
+        num_parts = int(totals[1]) if num_parts is None else num_parts
+    part_start = torch.cumsum(chunks_of_multi, 0) - chunks_of_multi
+    row_parts = torch.where(reuse > 0, chunks_of_multi, -1).to(torch.int32)
+    row_part_start = torch.where(multi, part_start, -1).to(torch.int32)
+    items = torch.arange(num_items, device=device)
+    if num_rows == 0:
+        none = torch.full_like(items, -1, dtype=torch.int32)
+        return KVSchedule(none, none, none, none, row_part_start, row_parts, num_parts)
+    item_end = torch.cumsum(num_chunks, 0)  # one past each row's last item
+    real = items < item_end[-1]
+    # the row of item i is the first row whose items end after i (padding items: clamped, then masked)
+    rows = torch.searchsorted(item_end, items, right=True).clamp(max=num_rows - 1)
+    c = items - (item_end - num_chunks)[rows]
     start = kv_indptr[:-1][rows] + c * chunk
     end = torch.minimum(start + chunk, kv_indptr[1:][rows])
-    part_start = torch.cumsum(chunks_of_multi, 0) - chunks_of_multi
-    item_part = torch.where(multi[rows], part_start[rows] + c, -1)
-    num_parts = torch.where(reuse > 0, chunks_of_multi, -1)
-    return KVSchedule(rows.to(torch.int32), start.to(torch.int32), end.to(torch.int32), item_part.to(torch.int32),
-                      torch.where(multi, part_start, -1).to(torch.int32), num_parts.to(torch.int32), total_parts)
+    item_part = torch.where(real & multi[rows], part_start[rows] + c, -1)
+    return KVSchedule(torch.where(real, rows, -1).to(torch.int32), torch.where(real, start, 0).to(torch.int32),
+                      torch.where(real, end, 0).to(torch.int32), item_part.to(torch.int32), row_part_start,
+                      row_parts, num_parts)
 
 
 # ---------------------------------------------------------------------------------------------- split count
@@ -437,8 +522,8 @@ class AttentionSchedule(NamedTuple):
     plan: BlockPlan
     slots: Tensor
     """:func:`cold_slots` of the plan (all -1 in deterministic mode)."""
-    num_cold: int
-    """Cold blocks routed to the atomic path (0 in deterministic mode)."""
+    cold_capacity: int
+    """Blocks of the atomic workspace (:func:`cold_capacity`; 0: no block can be cold)."""
     num_splits: int
     forward: ForwardConfig
     backward: BackwardConfig
@@ -448,18 +533,22 @@ def attention_schedule(index, group: int, head_dim: int, device, kernel_options=
                        deterministic: bool = False) -> AttentionSchedule:
     """The launch schedule of one attention call over ``index``: its plan (``kernel_options.plan``, or
     ``index.plan(r0)``), the cold slots (none in deterministic mode: every block KV-centric), the
-    split count (``kernel_options.num_splits`` or :func:`forward_num_splits` from the longest row) and
-    the tiles of every kernel. ``group`` = HQ / HKV, ``device`` the one the kernels run on."""
+    atomic workspace size and the split count (``kernel_options.num_splits`` or
+    :func:`forward_num_splits` from the index capacity, the longest row the shape allows) and the tiles
+    of every kernel. ``group`` = HQ / HKV, ``device`` the one the kernels run on.
+
+    Every number here follows from shapes and options, never from the selection's values, so building
+    the schedule reads nothing back to the host (CUDA-graph capture, ``torch.compile(fullgraph=True)``)."""
     options = normalize_kernel_options(kernel_options)
     plan = options.plan if options.plan is not None else index.plan(options.r0)
     slots = cold_slots(plan.hot, plan.reuse, deterministic)
-    num_cold = 0 if deterministic else int(plan.num_cold)
+    cold = cold_capacity(plan.reuse.numel(), plan.r0, deterministic)
     forward = forward_config(group, index.block_q, index.block_k, head_dim, options)
-    backward = backward_config(group, index.block_q, index.block_k, head_dim, num_cold > 0, options)
+    backward = backward_config(group, index.block_q, index.block_k, head_dim, cold > 0, options)
     num_splits = options.num_splits or forward_num_splits(
         index.num_q_blocks, index.batch, index.num_kv_heads, group, forward.heads_per_program,
-        int(plan.max_count), device)
-    return AttentionSchedule(plan, slots, num_cold, num_splits, forward, backward)
+        index.capacity, device)
+    return AttentionSchedule(plan, slots, cold, num_splits, forward, backward)
 
 
 def block_mass_config(group: int, block_q: int) -> ForwardConfig:

@@ -423,9 +423,18 @@ def _versions(index) -> tuple:
     return tuple(None if t.is_inference() else t._version for t in (index.indices, index.counts))
 
 
+def _dead_ref() -> None:
+    return None
+
+
 def plan_source(index) -> PlanSource:
-    return PlanSource(weakref.ref(index.indices), weakref.ref(index.counts), _versions(index),
-                      tuple(index.indices.shape), (index.seq_len, index.block_q, index.block_k))
+    """What a plan built now from ``index`` remembers of it. While torch.compile traces, only the
+    shape and geometry (dynamo traces neither weak references nor version counters): such a source is
+    never current (:func:`source_is_current`), and `check_plan` checks only shapes while compiling."""
+    shape, geometry = tuple(index.indices.shape), (index.seq_len, index.block_q, index.block_k)
+    if _compiling():
+        return PlanSource(_dead_ref, _dead_ref, (), shape, geometry)
+    return PlanSource(weakref.ref(index.indices), weakref.ref(index.counts), _versions(index), shape, geometry)
 
 
 def source_is_current(source: PlanSource, index) -> bool:

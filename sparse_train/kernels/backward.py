@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..plan import backward_config, kv_schedule
+from ..plan import backward_config, kv_schedule, kv_schedule_capacity
 from ._jit import (
     LOG2E,
     crosses_documents,
@@ -191,6 +191,8 @@ def _dkdv_kernel(
     STEPS_PER_BLOCK: tl.constexpr = HEAD_SUBSETS * ROW_SLICES
     item = tl.program_id(0)
     kv_row = tl.load(ITEM_ROW + item)  # (b*HKV + hkv)*NKB + j
+    if kv_row < 0:  # padding item: the grid is the schedule's shape bound, not its real length
+        return
     t0 = tl.load(ITEM_T0 + item)
     t1 = tl.load(ITEM_T1 + item)
     part = tl.load(ITEM_PART + item)
@@ -318,7 +320,8 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
                          *, block_q, block_k, scale, seq_lens=None, dlse=None, dropout_p=0.0, dropout_seed=0,
                          config=None, stage_events=None, document_ids=None):
     """Launch the backward.  ``slots`` from ``plan.cold_slots`` (int32 ``[B*HKV*NKB]``); ``num_cold`` =
-    number of slots >= 0 (0 in deterministic mode); ``config``: a ``plan.BackwardConfig`` (default
+    blocks of the atomic workspace, at least the number of slots >= 0 (``plan.cold_capacity``: a shape
+    bound; 0 when no block is cold, e.g. in deterministic mode); ``config``: a ``plan.BackwardConfig`` (default
     ``plan.backward_config``).  Returns (dq, dk, dv) in q/k/v dtypes.  ``stage_events``: optional 4 CUDA
     events recorded at start / after delta, scheduling and workspace zeroing / after the dQ (+atomic)
     kernel / after the KV-centric and finish kernels.  ``document_ids``: int ``[B, N]`` (non-decreasing)
@@ -356,7 +359,10 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     _delta_kernel[(triton.cdiv(N, _DELTA_ROWS), B * HQ)](
         o, do, delta, dlse if dlse is not None else delta, *o.stride(), *do.stride(), N, HQ,
         BLOCK_ROWS=_DELTA_ROWS, HEAD_DIM=D, HAS_DLSE=dlse is not None, num_warps=4)
-    schedule = kv_schedule(kv_indptr[1:] - kv_indptr[:-1], kv_indptr, slots, config.kv_chunk)
+    # sized from shapes (no host read of the real item count): padding items return at once
+    num_items, num_parts = kv_schedule_capacity(kv_indptr.numel() - 1, NQB, kv_qblocks.numel(), config.kv_chunk)
+    schedule = kv_schedule(kv_indptr[1:] - kv_indptr[:-1], kv_indptr, slots, config.kv_chunk,
+                           num_items=num_items, num_parts=num_parts)
 
     has_cold = num_cold > 0
     if has_cold:

@@ -141,7 +141,7 @@ def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts
 @torch.no_grad()
 def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
                       seq_lens: Tensor | None = None, row_pool: str = "max",
-                      document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      document_ids: Tensor | None = None, check_values: bool = True) -> tuple[Tensor, Tensor]:
     """Distillation target over the selected blocks, from the forward's lse.
 
     Args:
@@ -154,6 +154,8 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
         row_pool: ``"max"`` (default: each slot's largest single-row mass) or ``"mean"``.
         document_ids: optional int ``[B, N]``, non-decreasing (packed documents): keys of another
             document than the row's are masked, as in the attention that produced ``lse``.
+        check_values: check the values of ``seq_lens`` and ``document_ids`` (host syncs on CUDA; see
+            ``sparse_train.sparse_attention``).
 
     Returns:
         ``target`` float32 ``[B, HKV, NQB, K]`` (each valid row sums to 1 over its selected slots,
@@ -164,7 +166,7 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
             seq_lens or document_ids, or an unknown ``row_pool``.
     """
     check_choice("row_pool", row_pool, ROW_POOLS)
-    check_inputs(q, k, k, index, seq_lens, document_ids=document_ids)
+    check_inputs(q, k, k, index, seq_lens, document_ids=document_ids, seq_lens_values=check_values)
     scale = check_scale(scale, q.shape[-1])
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(
@@ -182,7 +184,7 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
 @torch.no_grad()
 def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block_q: int, block_k: int, scale: float,
                             seq_lens: Tensor | None = None, row_pool: str = "max",
-                            document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                            document_ids: Tensor | None = None, check_values: bool = True) -> tuple[Tensor, Tensor]:
     """Dense causal attention mass of a few query blocks on every key block, through the kernels.
 
     The index used here gives each query block of ``query_blocks`` every causally reachable key
@@ -194,7 +196,7 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     Args:
         q: ``[B, HQ, N, D]``; k: ``[B, HKV, N, D]`` (kernel-supported dtype, head dim and blocks).
         query_blocks: int ``[S]`` distinct query-block ids.
-        block_q, block_k, scale, seq_lens, row_pool, document_ids: as :func:`triton_block_mass`.
+        block_q, block_k, scale, seq_lens, row_pool, document_ids, check_values: as :func:`triton_block_mass`.
 
     Returns:
         ``target`` float32 ``[B, HKV, S, NKB]`` (each valid row sums to 1 over its causal blocks) and
@@ -203,7 +205,7 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     """
     batch, _, seq_len, _ = q.shape
     num_kv_heads = k.shape[1]
-    check_document_ids(document_ids, batch, seq_len, q.device)
+    check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
     num_q_blocks = -(-seq_len // block_q)
     num_k_blocks = -(-seq_len // block_k)
     picks = query_blocks.to(device=q.device, dtype=torch.int64)
@@ -227,7 +229,7 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
                                  scale=scale, seq_lens=seq_lens, num_splits=num_splits, config=config,
                                  document_ids=document_ids)
     target, row_valid = triton_block_mass(q, k, lse, index, scale=scale, seq_lens=seq_lens, row_pool=row_pool,
-                                          document_ids=document_ids)
+                                          document_ids=document_ids, check_values=check_values)
     out = torch.zeros(batch, num_kv_heads, picks.numel(), num_k_blocks, device=q.device, dtype=torch.float32)
     out[..., :capacity] = target[:, :, picks]
     return out, row_valid[:, :, picks]

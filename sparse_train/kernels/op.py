@@ -60,10 +60,10 @@ _FWD_FIELDS = len(ForwardConfig._fields)
 def _sparse_attn_fwd(
     q: Tensor, k: Tensor, v: Tensor, indices: Tensor, counts: Tensor,
     kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor, seq_lens: Optional[Tensor],
-    num_cold: int, block_q: int, block_k: int, scale: float, dropout_p: float, dropout_seed: int,
+    cold_capacity: int, block_q: int, block_k: int, scale: float, dropout_p: float, dropout_seed: int,
     num_splits: int, launch_config: list[int], document_ids: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    # kv_indptr / kv_qblocks / slots / num_cold and the backward half of launch_config are not read
+    # kv_indptr / kv_qblocks / slots / cold_capacity and the backward half of launch_config are not read
     # here; they are inputs so that setup_context can save them (custom ops save only inputs and outputs).
     return sparse_attn_forward(q, k, v, indices, counts, block_q=block_q, block_k=block_k, scale=scale,
                                seq_lens=seq_lens, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -72,7 +72,7 @@ def _sparse_attn_fwd(
 
 
 @_sparse_attn_fwd.register_fake
-def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold, block_q, block_k,
+def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
       scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids=None):
     B, HQ, N, D = q.shape
     return q.new_empty((B, HQ, N, D)), q.new_empty((B, HQ, N), dtype=torch.float32)
@@ -82,35 +82,35 @@ def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold
 def _sparse_attn_bwd(
     do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     indices: Tensor, counts: Tensor, kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor,
-    seq_lens: Optional[Tensor], num_cold: int, block_q: int, block_k: int, scale: float,
+    seq_lens: Optional[Tensor], cold_capacity: int, block_q: int, block_k: int, scale: float,
     dropout_p: float, dropout_seed: int, backward_config: list[int], document_ids: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, num_cold,
+    return sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, cold_capacity,
                                 block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, dlse=dlse,
                                 dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 config=BackwardConfig(*backward_config), document_ids=document_ids)
 
 
 @_sparse_attn_bwd.register_fake
-def _(do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold,
+def _(do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity,
       block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, num_cold, block_q, block_k,
+    (q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
      scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids)
-    ctx.meta = (num_cold, block_q, block_k, scale, dropout_p, dropout_seed, list(launch_config[_FWD_FIELDS:]))
+    ctx.meta = (cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, list(launch_config[_FWD_FIELDS:]))
 
 
 def _backward(ctx, do, dlse):
     q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids = ctx.saved_tensors
-    num_cold, block_q, block_k, scale, dropout_p, dropout_seed, backward_config = ctx.meta
+    cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config = ctx.meta
     dq, dk, dv = torch.ops.sparse_train.sparse_attn_bwd(
         do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens,
-        num_cold, block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids)
+        cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids)
     return dq, dk, dv, *([None] * 15)
 
 
@@ -163,7 +163,7 @@ def triton_supports(q: Tensor, block_q: int, block_k: int) -> Support:
 def triton_sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, index, *, scale: float | None = None, dropout_p: float = 0.0,
     dropout_seed: int | None = None, seq_lens: Tensor | None = None, deterministic: bool = False,
-    kernel_options=None, document_ids: Tensor | None = None,
+    kernel_options=None, document_ids: Tensor | None = None, check_values: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Exact block-sparse causal attention through the Triton kernels, differentiable (eager and
     torch.compile).
@@ -193,6 +193,10 @@ def triton_sparse_attention(
             (packed documents, ``sparse_train.documents``): key k is masked for query q unless
             ``document_ids[b, k] == document_ids[b, q]``.  Blocks whose queries and keys all lie in
             one document skip the check; selected blocks of other documents contribute nothing.
+        check_values: check the values of ``seq_lens`` and ``document_ids`` (host syncs; see
+            ``sparse_train.sparse_attention``). Nothing else here reads the device: the plan and the
+            launch schedule have shapes fixed by the index's shape, so a call is CUDA-graph capturable
+            with ``check_values=False`` and an int ``dropout_seed``.
 
     Returns:
         ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype, lse ``[B, HQ, N]`` float32 natural log;
@@ -209,7 +213,8 @@ def triton_sparse_attention(
             index, heads per program that do not divide the GQA group.
     """
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, kernel_options=kernel_options, document_ids=document_ids)
+                                seq_lens=seq_lens, kernel_options=kernel_options, document_ids=document_ids,
+                                seq_lens_values=check_bool("check_values", check_values))
     support = triton_supports(q, index.block_q, index.block_k)
     if not support.ok:
         raise ValueError(f"triton_sparse_attention does not support this input: {support.message}")
@@ -232,5 +237,5 @@ def triton_sparse_attention(
         document_ids = document_ids.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
     return torch.ops.sparse_train.sparse_attn_fwd(
         q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, schedule.slots, seq_lens,
-        schedule.num_cold, index.block_q, index.block_k, scale, dropout_p, seed, schedule.num_splits,
+        schedule.cold_capacity, index.block_q, index.block_k, scale, dropout_p, seed, schedule.num_splits,
         [*schedule.forward, *schedule.backward], document_ids)

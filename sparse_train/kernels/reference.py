@@ -127,6 +127,7 @@ def reference_sparse_attention(
     upcast: bool = True,
     chunk_q_blocks: int | None = None,
     document_ids: Tensor | None = None,
+    check_values: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Exact block-sparse attention in PyTorch.
 
@@ -145,6 +146,8 @@ def reference_sparse_attention(
             key k is masked for query q unless ``document_ids[b, k] == document_ids[b, q]``, applied to
             the logits like the causal mask (a masked key is 0 in the softmax; its value still enters
             the product, so unlike padding it must be finite).
+        check_values: check the values of ``seq_lens`` and ``document_ids`` (host syncs on CUDA; see
+            ``sparse_train.sparse_attention``); lengths are clamped to [0, N] either way.
 
     Returns:
         ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype; lse ``[B, HQ, N]`` natural log, fp32 (fp64
@@ -156,7 +159,7 @@ def reference_sparse_attention(
             dropout_seed; dropout without seed.
     """
     args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, document_ids=document_ids)
+                                seq_lens=seq_lens, document_ids=document_ids, seq_lens_values=check_values)
     scale, dropout_p, dropout_seed = args.scale, args.dropout_p, args.dropout_seed
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs an explicit dropout_seed in the reference")

@@ -128,6 +128,7 @@ def reference_sparse_block_mass(
     row_pool: str = "max",
     chunk_mb: int = 1024,
     document_ids: Tensor | None = None,
+    check_values: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Attention mass on each *selected* block, pooled over rows, renormalised over the selected set.
 
@@ -144,6 +145,7 @@ def reference_sparse_block_mass(
         chunk_mb: memory budget of one chunk of logits.
         document_ids: optional int ``[B, N]`` (non-decreasing): keys of another document than the
             row's are masked, like the main attention's document mask.
+        check_values: check the ``document_ids`` values (a host sync on CUDA).
 
     :func:`sparse_train.kernels.block_mass.triton_block_mass` computes the same target (with ``lse``
     given and all rows) in one QK^T pass.
@@ -155,7 +157,7 @@ def reference_sparse_block_mass(
     check_choice("row_pool", row_pool, ROW_POOLS)
     q, k = q.detach(), k.detach()
     batch, num_heads, seq_len, _ = q.shape
-    check_document_ids(document_ids, batch, seq_len, q.device)
+    check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     block_q, block_k = index.block_q, index.block_k
@@ -220,11 +222,11 @@ def _same_document(document_ids: Tensor, key_pos: Tensor, pos_rows: Tensor) -> T
 
 
 def _dense_row_mass_chunks(q, k, *, block_q, block_k, scale, seq_lens, rows_per_block, query_blocks, chunk_mb,
-                           document_ids=None):
+                           document_ids=None, check_values=True):
     """Yield ``(row_mass [B, HKV, C, G*R, NKB], row_ok [B, 1, C, G*R])`` chunk by chunk (exact, dense)."""
     q, k = q.detach(), k.detach()
     batch, num_heads, seq_len, _ = q.shape
-    check_document_ids(document_ids, batch, seq_len, q.device)
+    check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     nqb = math.ceil(seq_len / block_q)
@@ -304,6 +306,7 @@ def reference_dense_block_mass(
     row_pool: str = "max",
     chunk_mb: int = 256,
     document_ids: Tensor | None = None,
+    check_values: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention mass of dense causal attention on every key block, pooled over rows.
 
@@ -317,6 +320,7 @@ def reference_dense_block_mass(
         chunk_mb: memory budget of one chunk of logits.
         document_ids: optional int ``[B, N]`` (non-decreasing): each row attends its own document
             only, so its mass lies on the blocks its document overlaps.
+        check_values: check the ``document_ids`` values (a host sync on CUDA).
 
     :func:`sparse_train.kernels.block_mass.triton_dense_block_mass` computes the same target (with
     ``query_blocks`` given and all rows) through the forward and block-mass kernels, without the
@@ -330,7 +334,7 @@ def reference_dense_block_mass(
     targets, valids = [], []
     for row_mass, row_ok in _dense_row_mass_chunks(
         q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, rows_per_block=rows_per_block,
-        query_blocks=query_blocks, chunk_mb=chunk_mb, document_ids=document_ids,
+        query_blocks=query_blocks, chunk_mb=chunk_mb, document_ids=document_ids, check_values=check_values,
     ):
         targets.append(pool_rows(row_mass, row_ok, row_pool))
         valids.append(row_ok.any(dim=3))

@@ -6,7 +6,8 @@ library module of that name and break ``import torch`` when Python runs from the
 """
 
 from .distill import block_kl, dense_block_mass, query_row_positions, sparse_block_mass
-from .metrics import needle_block_recall, oracle_budget, row_mass_recall, sample_query_blocks, selection_quality
+from .metrics import (draw_query_blocks, needle_block_recall, oracle_budget, row_mass_recall, sample_query_blocks,
+                      selection_quality)
 from .replay import SelectionRecord, SelectionReplay, in_backward_pass
 from .scorer import (
     BlockScorer,
@@ -30,6 +31,7 @@ __all__ = [
     "block_mean",
     "causal_block_mask",
     "dense_block_mass",
+    "draw_query_blocks",
     "in_backward_pass",
     "needle_block_recall",
     "oracle_budget",

@@ -68,21 +68,23 @@ def sparse_block_mass(
     row_pool: str = "max",
     chunk_mb: int = 1024,
     document_ids: Tensor | None = None,
+    check_values: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Attention mass on each *selected* block, pooled over rows, renormalised over the selected set:
     :func:`~sparse_train.kernels.block_mass.triton_block_mass` when ``lse`` is given, all rows are
     used and the kernels support the input; its reference
     :func:`~sparse_train.kernels.reference_block_mass.reference_sparse_block_mass` (arguments, returns;
-    ``document_ids`` masks keys of other documents, in both) otherwise."""
+    ``document_ids`` masks keys of other documents, in both) otherwise. ``check_values=False`` skips the
+    value checks of ``seq_lens`` / ``document_ids`` (host syncs on CUDA; ``sparse_train.sparse_attention``)."""
     check_choice("row_pool", row_pool, ROW_POOLS)
     if lse is not None and _kernels_run(q, index.block_q, index.block_k, rows_per_block):
         from ..kernels.block_mass import triton_block_mass
 
         return triton_block_mass(q.detach(), k.detach(), lse, index, scale=scale, seq_lens=seq_lens,
-                                 row_pool=row_pool, document_ids=document_ids)
+                                 row_pool=row_pool, document_ids=document_ids, check_values=check_values)
     return reference_sparse_block_mass(q, k, index, scale=scale, lse=lse, seq_lens=seq_lens,
                                        rows_per_block=rows_per_block, row_pool=row_pool, chunk_mb=chunk_mb,
-                                       document_ids=document_ids)
+                                       document_ids=document_ids, check_values=check_values)
 
 
 @torch.no_grad()
@@ -99,13 +101,15 @@ def dense_block_mass(
     row_pool: str = "max",
     chunk_mb: int = 256,
     document_ids: Tensor | None = None,
+    check_values: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Exact attention mass of dense causal attention on every key block, pooled over rows:
     :func:`~sparse_train.kernels.block_mass.triton_dense_block_mass` when all rows are used and the
     kernels support the input (``query_blocks=None`` = every query block: two kernel passes over the
     causal area, no N x N buffer); its reference
     :func:`~sparse_train.kernels.reference_block_mass.reference_dense_block_mass` (arguments,
-    returns; ``document_ids`` masks keys of other documents, in both) otherwise."""
+    returns; ``document_ids`` masks keys of other documents, in both) otherwise. ``check_values`` as
+    :func:`sparse_block_mass`."""
     check_choice("row_pool", row_pool, ROW_POOLS)
     if _kernels_run(q, block_q, block_k, rows_per_block):
         from ..kernels.block_mass import triton_dense_block_mass
@@ -114,10 +118,10 @@ def dense_block_mass(
             query_blocks = torch.arange(-(-q.shape[2] // block_q), device=q.device)
         return triton_dense_block_mass(q.detach(), k.detach(), query_blocks, block_q=block_q, block_k=block_k,
                                        scale=scale, seq_lens=seq_lens, row_pool=row_pool,
-                                       document_ids=document_ids)
+                                       document_ids=document_ids, check_values=check_values)
     return reference_dense_block_mass(q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens,
                                       rows_per_block=rows_per_block, query_blocks=query_blocks, row_pool=row_pool,
-                                      chunk_mb=chunk_mb, document_ids=document_ids)
+                                      chunk_mb=chunk_mb, document_ids=document_ids, check_values=check_values)
 
 
 def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor) -> Tensor:

@@ -22,9 +22,10 @@ import torch
 from torch import Tensor
 
 from ..index import BlockIndex, causal_last_block
+from ..kernels.reference import philox4x32_10
 from .distill import dense_row_block_mass
 
-__all__ = ["selection_quality", "sample_query_blocks", "row_mass_recall", "needle_block_recall", "oracle_budget",
+__all__ = ["selection_quality", "sample_query_blocks", "draw_query_blocks", "row_mass_recall", "needle_block_recall", "oracle_budget",
            "RECALL_QUANTILE", "ORACLE_RECALL_GOAL"]
 
 RECALL_QUANTILE = 0.05
@@ -38,6 +39,27 @@ def sample_query_blocks(num_q_blocks: int, count: int, generator: torch.Generato
     """int64 ``[min(count, NQB)]`` distinct query-block ids, sorted (drawn on the CPU generator given)."""
     count = min(count, num_q_blocks)
     picked = torch.randperm(num_q_blocks, generator=generator)[:count]
+    return torch.sort(picked).values
+
+
+_DRAW_KEY = 0x5D15_71A7_0000_0001
+"""Philox key of :func:`draw_query_blocks` (any fixed value: it only has to differ from nothing else)."""
+
+
+def draw_query_blocks(num_q_blocks: int, count: int, draw: Tensor) -> Tensor:
+    """int64 ``[min(count, NQB)]`` distinct query-block ids, sorted, on ``draw``'s device: a pure
+    function of the draw number ``draw`` (an integer 0-d tensor, e.g. a step counter buffer).
+
+    Every block gets a Philox word of (block, draw) and the ``count`` smallest words win (ties, about
+    one in 2**32 per pair, go to the lower block id): a uniform sample without replacement, computed on
+    the device from a tensor, so it needs no generator object, reads nothing back to the host and
+    traces into a ``torch.compile(fullgraph=True)`` graph or a CUDA graph (the draw number lives on
+    the device and the caller advances it there)."""
+    count = min(count, num_q_blocks)
+    blocks = torch.arange(num_q_blocks, device=draw.device)
+    draw = draw.to(torch.int64).view(1)
+    word, _, _, _ = philox4x32_10(_DRAW_KEY, blocks, draw, draw >> 32)
+    picked = torch.argsort(word, stable=True)[:count]
     return torch.sort(picked).values
 
 

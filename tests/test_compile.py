@@ -1,0 +1,177 @@
+"""Issue 12: ``torch.compile(module, fullgraph=True)`` of the sparse training path (distillation on) and
+its equality with eager; on the GPU also the sync-debug check of a training step and the CUDA-graph
+capture of selector + canonicalize + plan.
+
+On the CPU the compiled graph is traced with the ``aot_eager`` backend (dynamo + AOT autograd, the part
+that refuses graph breaks and host reads; the generated code is eager aten), the Triton kernels through
+the interpreter as ``torch.library`` custom ops. The GPU tests use the default inductor backend."""
+import pytest
+import torch
+
+import sparse_train as st
+from sparse_train.selectors import BlockScorer, selection_candidates, selection_geometry
+from sparse_train.plan import cold_slots, kv_schedule, kv_schedule_capacity
+from builders import make_qkv
+
+HQ, HKV, D = 4, 2, 16
+
+
+def _ids(lengths, n, batch, device="cpu"):
+    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    return ids[:n].view(1, n).expand(batch, -1).contiguous().to(device)
+
+
+def _pair(device="cpu", **overrides):
+    base = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8, dense_warmup_steps=0)
+    base.update(overrides)
+    cfg = st.SparseAttentionConfig(**base)
+    eager = st.SparseAttention(cfg, num_heads=HQ, num_kv_heads=HKV, head_dim=D).to(device).train()
+    twin = st.SparseAttention(cfg, num_heads=HQ, num_kv_heads=HKV, head_dim=D).to(device).train()
+    twin.load_state_dict(eager.state_dict())
+    return eager, twin
+
+
+def _step(module, q0, k0, v0, **kwargs):
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q0, k0, v0))
+    out = module(q, k, v, **kwargs)
+    loss = out.float().square().sum() + module.selector_loss
+    loss.backward()
+    selector_grads = [p.grad.clone() for p in module.scorer.parameters() if p.grad is not None]
+    module.zero_grad(set_to_none=True)
+    return out.detach(), module.selector_loss.detach(), q.grad, k.grad, v.grad, selector_grads
+
+
+CPU_CASES = [
+    pytest.param("reference", "sampled", torch.float64, True, False, id="reference-sampled-seq_lens-fp64"),
+    pytest.param("triton", "sparse", torch.float32, True, True, id="triton-interpreter-sparse-seq_lens-documents"),
+]
+
+
+@pytest.mark.parametrize("backend,distill,dtype,with_lens,with_docs", CPU_CASES)
+def test_fullgraph_compile_of_the_sparse_training_step_equals_eager(backend, distill, dtype, with_lens, with_docs):
+    """Two training steps (the distillation sample advances between them): outputs, selector loss,
+    q/k/v gradients and the selector's gradients of the compiled module equal eager's, and the
+    selection it attended with is the same."""
+    torch._dynamo.reset()
+    eager, twin = _pair(backend=backend, distill=distill)
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    n, batch = 135, 2
+    kwargs = {}
+    if with_lens:
+        kwargs["seq_lens"] = torch.tensor([n, 101])
+    if with_docs:
+        kwargs["document_ids"] = _ids([40, 3, 92], n, batch)
+    for step in range(2):
+        q, k, v = make_qkv(batch, HQ, HKV, n, D, dtype=dtype, seed=10 + step)
+        want = _step(eager, q, k, v, **kwargs)
+        got = _step(compiled, q, k, v, **kwargs)
+        for name, g, w in zip(("out", "selector_loss", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(g, w, msg=f"step {step}: {name}")
+        assert len(got[5]) == len(want[5]) > 0
+        for g, w in zip(got[5], want[5]):
+            torch.testing.assert_close(g, w, msg=f"step {step}: selector gradient")
+        assert torch.equal(twin.last_selection.indices, eager.last_selection.indices)
+    assert int(twin.distill_draws) == int(eager.distill_draws) == (2 if distill == "sampled" else 0)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+GPU_CASES = [
+    pytest.param("sampled", False, False, id="sampled"),
+    pytest.param("sparse", True, True, id="sparse-seq_lens-documents"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("distill,with_lens,with_docs", GPU_CASES)
+def test_fullgraph_inductor_compile_equals_eager_on_gpu(distill, with_lens, with_docs):
+    """torch.compile(fullgraph=True) with inductor, bf16, sparse training path with distillation: the
+    same outputs and gradients as eager (tolerances of the module's GPU compile test)."""
+    torch._dynamo.reset()
+    device = torch.device("cuda")
+    eager, twin = _pair(device, block_q=64, block_k=64, top_k=8, window=4, sinks=1, distill=distill)
+    compiled = torch.compile(twin, fullgraph=True)
+    n, batch = 4096 + 37, 2
+    kwargs = {}
+    if with_lens:
+        kwargs["seq_lens"] = torch.tensor([n, 3000], device=device)
+    if with_docs:
+        kwargs["document_ids"] = _ids([1500, 77, 2500], n, batch, device)
+    for step in range(2):
+        q, k, v = make_qkv(batch, HQ, HKV, n, D, dtype=torch.bfloat16, seed=step, device=device)
+        want = _step(eager, q, k, v, **kwargs)
+        got = _step(compiled, q, k, v, **kwargs)
+        torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+        for g, w in zip(got[2:5], want[2:5]):
+            torch.testing.assert_close(g, w, atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-3)
+        assert torch.equal(twin.last_selection.indices, eager.last_selection.indices)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("distill,with_lens,with_docs", GPU_CASES)
+def test_training_step_never_synchronises_on_gpu(distill, with_lens, with_docs):
+    """With torch.cuda.set_sync_debug_mode("error") any device -> host synchronisation raises: a whole
+    training step of the module (selector, index, plan, kernels forward and backward, distillation
+    target and its KL, selector gradients) at the defaults must not make one."""
+    device = torch.device("cuda")
+    module, _ = _pair(device, block_q=64, block_k=64, top_k=8, window=4, sinks=1, distill=distill)
+    n, batch = 4096 + 37, 2
+    kwargs = {}
+    if with_lens:
+        kwargs["seq_lens"] = torch.tensor([n, 3000], device=device)
+    if with_docs:
+        kwargs["document_ids"] = _ids([1500, 77, 2500], n, batch, device)
+    q, k, v = make_qkv(batch, HQ, HKV, n, D, dtype=torch.bfloat16, seed=1, device=device, requires_grad=True)
+    _step(module, q, k, v, **kwargs)  # warm-up: Triton compiles, caches fill
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = module(q, k, v, **kwargs)
+        (out.float().square().sum() + module.selector_loss).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.gpu
+def test_selector_index_plan_capture_in_a_cuda_graph():
+    """Selector scores + top-k + canonicalize + plan + KV schedule, captured once in a CUDA graph and
+    replayed on new q/k, give what eager gives on those q/k."""
+    device = torch.device("cuda")
+    n, block, top_k, window, sinks = 8192 + 64, 64, 16, 8, 1
+    geometry = selection_geometry(n, block, block, top_k, window, sinks)
+    scorer = BlockScorer(32, 8, 128, 32).to(device)
+    q = torch.randn(1, 32, n, 128, device=device, dtype=torch.bfloat16)
+    k = torch.randn(1, 8, n, 128, device=device, dtype=torch.bfloat16)
+
+    def path(q, k):
+        qbar, kbar = scorer.pool(q, k, block, block)
+        with torch.no_grad():
+            scores = scorer(qbar, kbar, 0.088, geometry)
+        cand = selection_candidates(scores, geometry, window=window, sinks=sinks)
+        index = st.BlockIndex.from_selection(cand, seq_len=n, block_q=block, block_k=block, window=window,
+                                             sinks=sinks, capacity=geometry.capacity, check="none")
+        plan = st.plan.build_plan(index, 1)
+        slots = cold_slots(plan.hot, plan.reuse, False)
+        items, parts = kv_schedule_capacity(plan.reuse.numel(), index.num_q_blocks, index.indices.numel(), 64)
+        schedule = kv_schedule(plan.reuse, plan.kv_indptr, slots, 64, num_items=items, num_parts=parts)
+        return index.indices, index.counts, plan.kv_indptr, plan.kv_qblocks, schedule.item_row, schedule.item_t1
+
+    static_q, static_k = q.clone(), k.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            path(static_q, static_k)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = path(static_q, static_k)
+    q2, k2 = torch.randn_like(q), torch.randn_like(k)
+    static_q.copy_(q2)
+    static_k.copy_(k2)
+    graph.replay()
+    torch.cuda.synchronize()
+    for got, want in zip(captured, path(q2, k2)):
+        assert torch.equal(got, want)
