@@ -5,7 +5,8 @@
 # tarred to $OUT/results-<phase>.tar.gz, the main result files are also copied to $OUT, and a summary
 # prints last.
 #
-#   OUT=/tmp/out bash scripts/gpu_all.sh checks      # DDP smoke, GPU tests, attention/selector/step benchmarks
+#   OUT=/tmp/out bash scripts/gpu_all.sh checks      # GPU tests, attention (64K; BENCH_NS="..." for more),
+#                                                     # selector (with CUDA-graph capture), step (64K, --profile)
 #   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
 #                                                     # then block-mass GPU tests, selector and step benchmarks
 #
@@ -29,17 +30,18 @@ track() {  # track <gpu> <commands...>: run a command list on one GPU in the bac
 }
 
 checks_gpu_a() {
-  timeout 170 python3 -m pytest -q -rA -s -m gpu tests > "$R/gpu_tests.log" 2>&1
+  timeout 250 python3 -m pytest -q -rA -s -m gpu tests > "$R/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >> "$R/gpu_tests.log"
-  timeout 330 python3 scripts/bench_attention.py --out "$R/bench_attention" --no-sweep \
-    --n 8192 16384 32768 65536 131072 > "$R/bench_attention.log" 2>&1
+  timeout 220 python3 scripts/bench_attention.py --out "$R/bench_attention" --no-sweep \
+    --n ${BENCH_NS:-65536} > "$R/bench_attention.log" 2>&1
   echo "bench_attention rc=$?" >> "$R/bench_attention.log"
 }
 
 checks_gpu_b() {
-  timeout 90 python3 scripts/bench_selector.py --out "$R/bench_selector.json" > "$R/bench_selector.log" 2>&1
+  timeout 120 python3 scripts/bench_selector.py --graph --out "$R/bench_selector.json" > "$R/bench_selector.log" 2>&1
   echo "bench_selector rc=$?" >> "$R/bench_selector.log"
-  timeout 300 python3 scripts/bench_step.py --out "$R/bench_step.json" --repeats 6 --warmup 2 > "$R/bench_step.log" 2>&1
+  timeout 300 python3 scripts/bench_step.py --profile --contexts 65536 --out "$R/bench_step.json" --repeats 4 \
+    --warmup 2 > "$R/bench_step.log" 2>&1
   echo "bench_step rc=$?" >> "$R/bench_step.log"
 }
 
@@ -51,13 +53,6 @@ retrieval_run() {  # retrieval_run <recipe>
 
 case "$phase" in
   checks)
-    if [ "$ngpu" -ge 2 ]; then
-      timeout 120 python3 -m sparse_train.cli fit --config recipes/retrieval_16k.yaml --logger_backend csv \
-        --trainer.devices=2 --trainer.strategy=ddp --trainer.max_steps=30 --trainer.val_check_interval=30 \
-        --data.init_args.curriculum=[] --data.init_args.seq_len=4096 --data.init_args.val_samples=16 \
-        --trainer.default_root_dir="$R/ddp" > "$R/ddp.log" 2>&1
-      echo "ddp rc=$?" >> "$R/ddp.log"
-    fi
     if [ "$ngpu" -ge 2 ]; then
       track 0 checks_gpu_a; track 1 checks_gpu_b; wait
     else
