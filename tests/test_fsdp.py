@@ -1,10 +1,14 @@
 """Sharded training: gradient clipping on FSDP shards, and Lightning's FSDP and DDP strategies against one process.
 
 Everything runs on the CPU with two processes and the gloo backend. torch's FSDP1 and FSDP2 both run there.
-Lightning refuses ``strategy="fsdp"`` without a GPU (a check on the strategy *name* and on the exact class
-``FSDPStrategy``), so the Lightning FSDP test passes an instance of a subclass, :class:`_CPUFSDPStrategy`,
-which adds nothing: the wrapping, precision plugin, checkpointing and our hooks are Lightning's and ours.
-The GPU run of the real recipe is ``scripts/fsdp_check.py``.
+Lightning's FSDPStrategy is meant for GPUs, and the Lightning FSDP test needs three shims, all only in its
+worker processes: Lightning refuses ``strategy="fsdp"`` without a GPU (a check on the strategy *name* and on
+the exact class ``FSDPStrategy``), so it passes an instance of an empty subclass; Lightning gives FSDP
+``device_id=root_device.index``, None on a CPU, which FSDP1 refuses, so ``device_id=cpu`` is filled in; and
+Lightning gathers the full state dict with ``offload_to_cpu=True``, which crashes FSDP1 (SIGSEGV, torch
+2.13) when the parameters already live on the CPU, so the same context is opened without the offload.
+Everything else (wrapping, precision plugin, checkpointing, our hooks) is Lightning's and ours. The GPU
+run of the real recipe is ``scripts/fsdp_check.py``.
 """
 
 from __future__ import annotations
@@ -135,3 +139,144 @@ def test_clip_grad_norms_on_fsdp_shards_equals_the_unsharded_clipping(tmp_path):
 def test_clip_grad_norms_rejects_bad_norm_type():
     with pytest.raises(ValueError, match="norm_type"):
         st.clip_grad_norms(torch.nn.Linear(2, 2), max_norm=1.0, norm_type=0.0)
+
+
+# --------------------------------------------------------------------------- Lightning strategies
+ROWS_PER_STEP = 4
+STEPS = 3
+CLIP = 1e-3  # below both groups' norms (about 0.5 and 3e-3 here): both are clipped on every step
+LR = dict(lr=1e-2, selector_lr=3e-2, weight_decay=0.1, warmup_steps=1)
+
+
+def _train_rows(reorder: bool = False) -> list[dict[str, torch.Tensor]]:
+    """``STEPS`` global batches of rows whose labelled counts differ from row to row (so from rank to rank);
+    ``reorder`` reverses the rows inside each global batch (the same batches, another summation order)."""
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, TINY["vocab_size"], (STEPS * ROWS_PER_STEP, SEQ), generator=g)
+    labels = torch.roll(tokens, -1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    for i in range(labels.shape[0]):
+        labels[i, : 7 * i] = IGNORE_INDEX
+    rows = [{"tokens": t, "labels": lab} for t, lab in zip(tokens, labels)]
+    if reorder:
+        rows = [row for k in range(STEPS) for row in reversed(rows[k * ROWS_PER_STEP:(k + 1) * ROWS_PER_STEP])]
+    return rows
+
+
+def _cpu_fsdp_strategy():
+    """Lightning's FSDPStrategy on the CPU, with the two shims of the module docstring (worker processes only)."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    init = FullyShardedDataParallel.__init__
+
+    def init_on_cpu(self, module, *args, device_id=None, **kwargs):
+        init(self, module, *args, device_id=torch.device("cpu") if device_id is None else device_id, **kwargs)
+
+    FullyShardedDataParallel.__init__ = init_on_cpu
+
+    import lightning.pytorch.strategies.fsdp as lightning_fsdp
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+
+    def full_state_dict_without_offload(module, world_size, rank0_only=True):
+        return FullyShardedDataParallel.state_dict_type(
+            module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only))
+
+    lightning_fsdp._get_full_state_dict_context = full_state_dict_without_offload
+
+    class _CPUFSDPStrategy(FSDPStrategy):
+        """Lightning's FSDPStrategy unchanged; a subclass only passes Lightning's no-GPU check."""
+
+    return _CPUFSDPStrategy()
+
+
+def _fit(strategy, world: int, rank: int, out_dir: str, tag: str, reorder: bool = False) -> None:
+    from lightning.pytorch import Callback, Trainer, seed_everything
+    from torch.utils.data import DataLoader
+
+    from sparse_train.lightning import SparseLMModule
+    from sparse_train.lightning.text_data import RowShards
+
+    losses: list[float] = []
+    groups: dict[str, list[int]] = {}
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(trainer.callback_metrics["train/lm_loss"]))
+
+        def on_train_start(self, trainer, pl_module):
+            selector = {id(p) for p in st.selector_parameters(pl_module.model)}
+            for group in trainer.optimizers[0].param_groups:
+                kinds = sorted({"selector" if id(p) in selector else "model" for p in group["params"]})
+                groups[f"lr={group['lr']:g},wd={group['weight_decay']:g}"] = kinds
+
+    seed_everything(0)
+    module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE), **LR)
+    rows = _train_rows(reorder)
+    loader = DataLoader(rows, batch_size=ROWS_PER_STEP // world,
+                        sampler=RowShards(len(rows), rank, world, shuffle=False))
+    trainer = Trainer(max_steps=STEPS, accelerator="cpu", devices=world, strategy=strategy, precision="32-true",
+                      gradient_clip_val=CLIP, use_distributed_sampler=False, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Record()],
+                      default_root_dir=os.path.join(out_dir, tag))
+    trainer.fit(module, train_dataloaders=loader)
+    trainer.save_checkpoint(os.path.join(out_dir, f"{tag}.ckpt"))
+    with open(os.path.join(out_dir, f"{tag}.rank{rank}.json"), "w") as f:
+        json.dump({"losses": losses, "groups": groups}, f)
+
+
+def _fit_worker(rank: int, port: int, out_dir: str, kind: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
+    _fit(_cpu_fsdp_strategy() if kind == "fsdp" else kind, WORLD, rank, out_dir, kind)
+
+
+def _final_weights(path) -> dict[str, torch.Tensor]:
+    from sparse_train.lightning import load_weights
+
+    model = Transformer(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE))
+    info = load_weights(model, str(path))
+    assert info == {"missing": [], "unexpected": []}  # selectors included, under their own names
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], selector: bool) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a if (".core." in n) == selector)
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"], ids=["ddp", "fsdp"])
+def test_two_process_fit_matches_one_process_on_the_same_batches(tmp_path, kind):
+    """Three clipped steps of a tiny sparse model on two CPU processes (gloo) equal one process on the
+    same global batches: per-step loss (mean of the ranks' losses, each normalised by all ranks' labelled
+    tokens), and the weights in the checkpoint Lightning writes (FSDP: the full state dict, read back by
+    ``load_weights`` with the selector tensors under their own names). The optimizer groups keep the
+    selectors at their own learning rate. Tolerance: the difference between two one-process runs whose
+    rows are summed in another order (the float32 noise of the same computation), times 4, plus float32
+    ulps of the compared values."""
+    _fit("auto", 1, 0, str(tmp_path), "single")
+    _fit("auto", 1, 0, str(tmp_path), "reordered", reorder=True)
+    _spawn(_fit_worker, str(tmp_path), kind)
+
+    def read(tag, rank=0):
+        with open(tmp_path / f"{tag}.rank{rank}.json") as f:
+            return json.load(f)
+
+    single, reordered = read("single"), read("reordered")
+    ranks = [read(kind, r) for r in range(WORLD)]
+    assert ranks[0]["groups"] == single["groups"]
+    assert sorted(single["groups"].values()) == [["model"], ["model"], ["selector"]]
+    assert any(key.startswith(f"lr={LR['selector_lr']:g},") for key in single["groups"])
+    distributed_loss = torch.tensor([r["losses"] for r in ranks], dtype=torch.float64).mean(0)
+    single_loss = torch.tensor(single["losses"], dtype=torch.float64)
+    loss_noise = float((torch.tensor(reordered["losses"], dtype=torch.float64) - single_loss).abs().max())
+    ulp = torch.finfo(torch.float32).eps
+    print(f"{kind}: loss {distributed_loss.tolist()} vs {single_loss.tolist()} (reorder noise {loss_noise:.2e})")
+    # A two-rank loss is two float32 partial sums over other rows combined: a few float32 roundings away.
+    assert float((distributed_loss - single_loss).abs().max()) <= 4 * loss_noise + 4 * ulp * float(single_loss.abs().max())
+
+    want, floor, got = (_final_weights(tmp_path / f"{tag}.ckpt") for tag in ("single", "reordered", kind))
+    for selector in (False, True):
+        noise, gap = _worst(floor, want, selector), _worst(got, want, selector)
+        print(f"{kind}: {'selector' if selector else 'model'} weights differ by {gap:.2e} (reorder noise {noise:.2e})")
+        assert gap <= 4 * noise + ulp * max(float(w.abs().max()) for w in want.values())

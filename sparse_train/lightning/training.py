@@ -321,25 +321,18 @@ class CausalLMTraining:
 
     # ------------------------------------------------------------------ lifecycle
     def configure_model(self, module: LightningModule) -> None:
-        """Under Lightning's ``FSDPStrategy`` without an ``auto_wrap_policy`` of the user's, wrap every
-        ``layer_types`` module as its own FSDP unit (``wrap`` takes the strategy's sharding, precision and
-        ``use_orig_params`` from the context Lightning opens around this hook). Otherwise the strategy would
-        make the whole model one unit: every parameter gathered at once, nothing saved in memory. Each
-        selector lives inside its layer's attention and is sharded with the layer. No-op for every other
-        strategy, and when the model is already wrapped (a second ``fit``/``validate`` on one module)."""
+        """Under Lightning's ``FSDPStrategy`` without an ``auto_wrap_policy`` of the user's, give the strategy
+        one that makes every ``layer_types`` module its own FSDP unit; the root unit Lightning wraps around
+        the LightningModule keeps the rest (embeddings, final norm, head). Without a policy the whole model
+        is one unit: every parameter gathered at once, nothing saved in memory. (Wrapping the layers here
+        with ``wrap`` is no alternative: Lightning then leaves the root unwrapped, and the parameters outside
+        the layers would be neither sharded nor synchronised.) Each selector lives inside its layer's
+        attention and is sharded, gathered and freed with the layer. No-op for every other strategy."""
         strategy = module.trainer.strategy
-        if not isinstance(strategy, FSDPStrategy) or "auto_wrap_policy" in strategy.kwargs or not self.layer_types:
-            return
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        from torch.distributed.fsdp.wrap import wrap
+        if isinstance(strategy, FSDPStrategy) and self.layer_types and "auto_wrap_policy" not in strategy.kwargs:
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
-            return
-        parents = [m for m in module.model.modules() if not isinstance(m, self.layer_types)]
-        for parent in parents:
-            for name, child in list(parent.named_children()):
-                if isinstance(child, self.layer_types):
-                    setattr(parent, name, wrap(child))
+            strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(set(self.layer_types))
 
     def check_strategy(self, module: LightningModule) -> None:
         """Raise ``ValueError`` when DDP would fail mid-run: a selector that does not distill on every
