@@ -245,21 +245,29 @@ def _worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], selector: boo
     return max(float((a[n] - b[n]).abs().max()) for n in a if (".core." in n) == selector)
 
 
+@pytest.fixture(scope="module")
+def one_process_runs(tmp_path_factory):
+    """The one-process fit, and the same fit with the rows of each batch in reverse order (its noise)."""
+    root = tmp_path_factory.mktemp("one_process")
+    _fit("auto", 1, 0, str(root), "single")
+    _fit("auto", 1, 0, str(root), "reordered", reorder=True)
+    return root
+
+
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"], ids=["ddp", "fsdp"])
-def test_two_process_fit_matches_one_process_on_the_same_batches(tmp_path, kind):
+def test_two_process_fit_matches_one_process_on_the_same_batches(tmp_path, one_process_runs, kind):
     """Three clipped steps of a tiny sparse model on two CPU processes (gloo) equal one process on the
-    same global batches: per-step loss (mean of the ranks' losses, each normalised by all ranks' labelled
-    tokens), and the weights in the checkpoint Lightning writes (FSDP: the full state dict, read back by
+    same global batches: the per-step ``train/lm_loss`` every rank logs (each rank's loss sum is normalised by
+    all ranks' labelled tokens, which differ from rank to rank here, and the logged value is averaged over
+    the ranks), and the weights in the checkpoint Lightning writes (FSDP: the full state dict, read back by
     ``load_weights`` with the selector tensors under their own names). The optimizer groups keep the
     selectors at their own learning rate. Tolerance: the difference between two one-process runs whose
     rows are summed in another order (the float32 noise of the same computation), times 4, plus float32
     ulps of the compared values."""
-    _fit("auto", 1, 0, str(tmp_path), "single")
-    _fit("auto", 1, 0, str(tmp_path), "reordered", reorder=True)
     _spawn(_fit_worker, str(tmp_path), kind)
 
     def read(tag, rank=0):
-        with open(tmp_path / f"{tag}.rank{rank}.json") as f:
+        with open((tmp_path if tag == kind else one_process_runs) / f"{tag}.rank{rank}.json") as f:
             return json.load(f)
 
     single, reordered = read("single"), read("reordered")
@@ -267,16 +275,41 @@ def test_two_process_fit_matches_one_process_on_the_same_batches(tmp_path, kind)
     assert ranks[0]["groups"] == single["groups"]
     assert sorted(single["groups"].values()) == [["model"], ["model"], ["selector"]]
     assert any(key.startswith(f"lr={LR['selector_lr']:g},") for key in single["groups"])
-    distributed_loss = torch.tensor([r["losses"] for r in ranks], dtype=torch.float64).mean(0)
+    # Every rank logs the global batch's loss (train/lm_loss is averaged over the ranks).
+    distributed_loss = torch.tensor([r["losses"] for r in ranks], dtype=torch.float64)
     single_loss = torch.tensor(single["losses"], dtype=torch.float64)
     loss_noise = float((torch.tensor(reordered["losses"], dtype=torch.float64) - single_loss).abs().max())
     ulp = torch.finfo(torch.float32).eps
-    print(f"{kind}: loss {distributed_loss.tolist()} vs {single_loss.tolist()} (reorder noise {loss_noise:.2e})")
+    print(f"{kind}: loss {distributed_loss[0].tolist()} vs {single_loss.tolist()} (reorder noise {loss_noise:.2e})")
     # A two-rank loss is two float32 partial sums over other rows combined: a few float32 roundings away.
     assert float((distributed_loss - single_loss).abs().max()) <= 4 * loss_noise + 4 * ulp * float(single_loss.abs().max())
 
-    want, floor, got = (_final_weights(tmp_path / f"{tag}.ckpt") for tag in ("single", "reordered", kind))
+    want, floor = (_final_weights(one_process_runs / f"{tag}.ckpt") for tag in ("single", "reordered"))
+    got = _final_weights(tmp_path / f"{kind}.ckpt")
     for selector in (False, True):
         noise, gap = _worst(floor, want, selector), _worst(got, want, selector)
         print(f"{kind}: {'selector' if selector else 'model'} weights differ by {gap:.2e} (reorder noise {noise:.2e})")
         assert gap <= 4 * noise + ulp * max(float(w.abs().max()) for w in want.values())
+
+
+@pytest.mark.parametrize("config", [dict(distill_every=2), dict(distill="off")], ids=["distill_every2", "distill_off"])
+def test_ddp_without_find_unused_parameters_is_refused_when_selectors_skip_steps(config):
+    """A selector that does not distill on every step leaves its parameters without gradients on some
+    steps; DDP would fail at the next step, so fit start names the fix instead."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from sparse_train.lightning import SparseLMModule
+
+    module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse={**SPARSE, **config}))
+    strategy = DDPStrategy()
+    strategy.model = SimpleNamespace(find_unused_parameters=False)
+    fake = SimpleNamespace(model=module.model, trainer=SimpleNamespace(strategy=strategy))
+    with pytest.raises(ValueError, match="ddp_find_unused_parameters_true"):
+        module.training_logic.check_strategy(fake)
+    strategy.model = SimpleNamespace(find_unused_parameters=True)
+    module.training_logic.check_strategy(fake)
+    every_step = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE))
+    strategy.model = SimpleNamespace(find_unused_parameters=False)
+    every_step.training_logic.check_strategy(SimpleNamespace(model=every_step.model, trainer=fake.trainer))

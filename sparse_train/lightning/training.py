@@ -264,11 +264,14 @@ class CausalLMTraining:
         else:
             loss = lm_loss
         bs = batch["tokens"].shape[0]
-        module.log("train/loss", loss, prog_bar=True, batch_size=bs)
-        module.log("train/lm_loss", lm_loss.detach(), batch_size=bs)
-        module.log("train/acc", correct.float() / count.clamp_min(1), prog_bar=True, batch_size=bs)
+        # Averaged over the ranks (a no-op on one device): with the normalisation above the mean of the
+        # ranks' lm_loss is the global batch's token mean, the number one device would log.
+        sync = module._trainer is not None and module.trainer.world_size > 1
+        module.log("train/loss", loss, prog_bar=True, batch_size=bs, sync_dist=sync)
+        module.log("train/lm_loss", lm_loss.detach(), batch_size=bs, sync_dist=sync)
+        module.log("train/acc", correct.float() / count.clamp_min(1), prog_bar=True, batch_size=bs, sync_dist=sync)
         if sel_loss is not None:
-            module.log("train/selector_loss", sel_loss.detach(), batch_size=bs)
+            module.log("train/selector_loss", sel_loss.detach(), batch_size=bs, sync_dist=sync)
         return loss
 
     def eval_step(self, module: LightningModule, batch: dict[str, torch.Tensor], prefix: str) -> None:
