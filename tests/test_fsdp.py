@@ -1,18 +1,16 @@
 """Sharded training: gradient clipping on FSDP shards, and Lightning's FSDP and DDP strategies against one process.
 
 Everything runs on the CPU with two processes and the gloo backend. torch's FSDP1 and FSDP2 both run there.
-Lightning's FSDPStrategy is meant for GPUs, and the Lightning FSDP test needs three shims, all only in its
-worker processes: Lightning refuses ``strategy="fsdp"`` without a GPU (a check on the strategy *name* and on
-the exact class ``FSDPStrategy``), so it passes an instance of an empty subclass; Lightning gives FSDP
-``device_id=root_device.index``, None on a CPU, which FSDP1 refuses, so ``device_id=cpu`` is filled in; and
-Lightning gathers the full state dict with ``offload_to_cpu=True``, which crashes FSDP1 (SIGSEGV, torch
-2.13) when the parameters already live on the CPU, so the same context is opened without the offload.
-Everything else (wrapping, precision plugin, checkpointing, our hooks) is Lightning's and ours. The GPU
-run of the real recipe is ``scripts/fsdp_check.py``.
+Lightning's FSDPStrategy is meant for GPUs; the Lightning FSDP test runs it on the CPU through the shims of
+``scripts/fsdp_check.py`` (``install_cpu_fsdp_shims``, installed in the worker processes only: an empty
+subclass past Lightning's no-GPU check, ``device_id=cpu`` for FSDP1, the full state dict gathered without
+CPU offload). Everything else (wrapping, precision plugin, checkpointing, our hooks) is Lightning's and ours.
+The GPU run of the real recipe is ``scripts/fsdp_check.py``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -32,6 +30,7 @@ SPARSE = dict(block_q=8, block_k=8, top_k=1, window=1, sinks=1, backend="referen
               distill="dense")
 SEQ = 61  # 60 positions: 8 blocks of 8, the last one partial
 WORLD = 2
+_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "fsdp_check.py")
 
 
 def _free_port() -> int:
@@ -164,31 +163,11 @@ def _train_rows(reorder: bool = False) -> list[dict[str, torch.Tensor]]:
 
 
 def _cpu_fsdp_strategy():
-    """Lightning's FSDPStrategy on the CPU, with the two shims of the module docstring (worker processes only)."""
-    from lightning.pytorch.strategies import FSDPStrategy
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    init = FullyShardedDataParallel.__init__
-
-    def init_on_cpu(self, module, *args, device_id=None, **kwargs):
-        init(self, module, *args, device_id=torch.device("cpu") if device_id is None else device_id, **kwargs)
-
-    FullyShardedDataParallel.__init__ = init_on_cpu
-
-    import lightning.pytorch.strategies.fsdp as lightning_fsdp
-    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
-
-    def full_state_dict_without_offload(module, world_size, rank0_only=True):
-        return FullyShardedDataParallel.state_dict_type(
-            module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
-            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only))
-
-    lightning_fsdp._get_full_state_dict_context = full_state_dict_without_offload
-
-    class _CPUFSDPStrategy(FSDPStrategy):
-        """Lightning's FSDPStrategy unchanged; a subclass only passes Lightning's no-GPU check."""
-
-    return _CPUFSDPStrategy()
+    """Lightning's FSDPStrategy on the CPU (worker processes only; see the module docstring)."""
+    spec = importlib.util.spec_from_file_location("fsdp_check", _SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.install_cpu_fsdp_shims()()
 
 
 def _fit(strategy, world: int, rank: int, out_dir: str, tag: str, reorder: bool = False) -> None:

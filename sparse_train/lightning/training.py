@@ -330,7 +330,10 @@ class CausalLMTraining:
         is one unit: every parameter gathered at once, nothing saved in memory. (Wrapping the layers here
         with ``wrap`` is no alternative: Lightning then leaves the root unwrapped, and the parameters outside
         the layers would be neither sharded nor synchronised.) Each selector lives inside its layer's
-        attention and is sharded, gathered and freed with the layer. No-op for every other strategy."""
+        attention and is sharded, gathered and freed with the layer. No-op for every other strategy and
+        without a trainer (``load_from_checkpoint`` calls this hook too)."""
+        if module._trainer is None:
+            return
         strategy = module.trainer.strategy
         if isinstance(strategy, FSDPStrategy) and self.layer_types and "auto_wrap_policy" not in strategy.kwargs:
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
