@@ -42,6 +42,7 @@ import os
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -156,24 +157,31 @@ def run_plan(args) -> list[dict]:
     """The runs: name, devices, strategy, precision, steps, rows per device."""
     b = args.rows_per_gpu
     if args.cpu_smoke:
-        return [dict(name="single", devices=1, strategy="auto", precision="32-true", steps=args.steps, rows=2 * b),
+        return [dict(name="single", devices=1, strategy="auto", precision="32-true", steps=args.steps, rows=2 * b,
+                     checkpoint=True),
                 dict(name="ddp", devices=2, strategy="ddp", precision="32-true", steps=args.steps, rows=b),
                 dict(name="fsdp", devices=2, strategy='{"class_path": "__main__.CPUFSDPStrategy"}',
-                     precision="32-true", steps=args.steps, rows=b, cpu_fsdp=True)]
-    runs = [dict(name="single", devices=1, strategy="auto", precision="bf16-mixed", steps=args.steps, rows=2 * b),
-            dict(name="fsdp", devices=2, strategy="fsdp", precision="bf16-mixed", steps=args.steps, rows=b),
+                     precision="32-true", steps=args.steps, rows=b, cpu_fsdp=True, checkpoint=True)]
+    runs = [dict(name="single", devices=1, strategy="auto", precision="bf16-mixed", steps=args.steps, rows=2 * b,
+                 checkpoint=True),
+            dict(name="fsdp", devices=2, strategy="fsdp", precision="bf16-mixed", steps=args.steps, rows=b,
+                 checkpoint=True),
             dict(name="ddp", devices=2, strategy="ddp", precision="bf16-mixed", steps=args.steps, rows=b)]
     if args.fp32_steps:
-        runs += [dict(name="single_fp32", devices=1, strategy="auto", precision="32-true", steps=args.fp32_steps, rows=2 * b),
-                 dict(name="fsdp_fp32", devices=2, strategy="fsdp", precision="32-true", steps=args.fp32_steps, rows=b)]
+        runs += [dict(name="single_fp32", devices=1, strategy="auto", precision="32-true", steps=args.fp32_steps,
+                      rows=2 * b, checkpoint=True),
+                 dict(name="fsdp_fp32", devices=2, strategy="fsdp", precision="32-true", steps=args.fp32_steps, rows=b,
+                      checkpoint=True)]
     return runs
 
 
 def cli_command(run: dict, args, work: Path, model_dir: Path, corpus: Path) -> list[str]:
     root = work / "runs" / run["name"]
-    callbacks = [{"class_path": "sparse_train.lightning.StepTimer"},
-                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                  "init_args": {"dirpath": str(root / "ckpt"), "save_last": True, "every_n_train_steps": run["steps"]}}]
+    callbacks = [{"class_path": "sparse_train.lightning.StepTimer"}]
+    if run.get("checkpoint"):  # written at the last step: Lightning's full state dict (FSDP: gathered on rank 0)
+        callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                          "init_args": {"dirpath": str(root / "ckpt"), "save_last": True,
+                                        "every_n_train_steps": run["steps"]}})
     entry = [str(Path(__file__).resolve()), "--cli-with-cpu-fsdp"] if run.get("cpu_fsdp") else ["-m", "sparse_train.cli"]
     cmd = [sys.executable, *entry, "fit", "--config", "finetune_hf_stage3_sparse",
            f"--model.init_args.pretrained_path={model_dir}", "--model.init_args.init_from=null",
@@ -253,13 +261,16 @@ def checkpoint_report(single: Path, sharded: Path) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/fsdp_check")))
-    parser.add_argument("--work", type=Path, default=None, help="workspace (default: <out>/work, deleted unless --keep)")
+    parser.add_argument("--work", type=Path, default=None, help="workspace: model, corpus, runs, checkpoints (default: a fresh temporary directory, deleted unless --keep)")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU, gloo, 3 steps")
     parser.add_argument("--steps", type=int, default=None, help="bf16 steps (default 30; CPU smoke 3)")
     parser.add_argument("--fp32-steps", type=int, default=None, help="steps of the fp32 pair, 0 = skip (default 10)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 2048; CPU smoke 128)")
     parser.add_argument("--rows-per-gpu", type=int, default=2, help="B: rows per GPU in the 2-GPU runs")
-    parser.add_argument("--run-timeout", type=int, default=240, help="seconds per run")
+    parser.add_argument("--run-timeout", type=int, default=200, help="seconds per run at most")
+    parser.add_argument("--budget", type=int, default=540,
+                        help="seconds for everything: a run that cannot get 60 s before the budget (less a "
+                             "reserve for the summary) is skipped and reported")
     parser.add_argument("--keep", action="store_true", help="keep the workspace (model, corpus, checkpoints)")
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
@@ -267,7 +278,8 @@ def main(argv=None) -> int:
     args.fp32_steps = (0 if smoke else 10) if args.fp32_steps is None else args.fp32_steps
     args.seq_len = args.seq_len or (128 if smoke else 2048)
     out = args.out
-    work = args.work or out / "work"
+    # Not under --out: the checkpoints are gigabytes, and --out is what a runner copies back.
+    work = args.work or Path(tempfile.mkdtemp(prefix="fsdp_check_"))
     (out / "logs").mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **MULTI_GPU_ENV, "PYTHONUNBUFFERED": "1"}
@@ -278,22 +290,27 @@ def main(argv=None) -> int:
     corpus, model_dir = work / "corpus.jsonl", work / "model"
     docs = write_corpus(corpus, max_chars=300_000 if smoke else 3_000_000)
     params = build_model_dir(model_dir, corpus, CPU_SHAPE if smoke else GPU_SHAPE)
-    print(f"[fsdp_check] corpus {docs} documents, model {params / 1e6:.1f}M parameters "
+    print(f"[fsdp_check] workspace {work}: corpus {docs} documents, model {params / 1e6:.1f}M parameters "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
     results, status = {}, {}
+    reserve = 60  # the summary loads up to four checkpoints and builds two modules
     for run in run_plan(args):
         cmd = cli_command(run, args, work, model_dir, corpus)
         log = out / "logs" / f"{run['name']}.log"
         start = time.perf_counter()
+        left = args.budget - (start - t0) - reserve
         with open(log, "w") as f:
             f.write(" ".join(cmd) + "\n\n")
             f.flush()
-            try:
-                rc = subprocess.run(cmd, cwd=work, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                    timeout=args.run_timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            if left < 60:
+                rc = "skipped (budget)"
+            else:
+                try:
+                    rc = subprocess.run(cmd, cwd=work, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                        timeout=min(args.run_timeout, left)).returncode
+                except subprocess.TimeoutExpired:
+                    rc = "timeout"
         status[run["name"]] = (rc, time.perf_counter() - start)
         results[run["name"]] = read_metrics(work / "runs" / run["name"])
         print(f"[fsdp_check] {run['name']}: rc={rc}, {status[run['name']][1]:.0f} s, "
@@ -334,7 +351,7 @@ def main(argv=None) -> int:
                              f"{d['all_abs']:.2e} | {d['all_rel']:.2e} |")
     for a, b in (("fsdp", "single"), ("fsdp_fp32", "single_fp32")):
         ca, cb = work / "runs" / b / "ckpt" / "last.ckpt", work / "runs" / a / "ckpt" / "last.ckpt"
-        if ca.is_file() and cb.is_file():
+        if ca.is_file() and cb.is_file() and time.perf_counter() - t0 < args.budget - 20:
             lines += ["", f"Checkpoints, {a} vs {b}:"]
             try:
                 lines += checkpoint_report(ca, cb)

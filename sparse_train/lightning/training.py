@@ -8,9 +8,9 @@ it, and neither inherits the other's behaviour. The component reaches the model 
 (never a stored reference), so a strategy that wraps ``module.model``'s submodules (FSDP) is seen.
 
 Multi-GPU runs use Lightning's strategies. Under ``--trainer.strategy=fsdp`` (FSDP1, ``use_orig_params=True``)
-:meth:`CausalLMTraining.configure_model` wraps each of the model's layers (``layer_types``: our ``Block``, a
-Hugging Face model's ``_no_split_modules``) as its own FSDP unit, so the selectors, which sit inside the
-layers' attention, are sharded, gathered and freed with their layer; gradient-norm clipping stays two
+:meth:`CausalLMTraining.configure_model` gives the strategy an auto-wrap policy that makes each of the model's
+layers (``layer_types``: our ``Block``, a Hugging Face model's ``_no_split_modules``) its own FSDP unit, so the
+selectors, which sit inside the layers' attention, are sharded, gathered and freed with their layer; gradient-norm clipping stays two
 groups through ``st.clip_grad_norms`` on the shards. Losses are normalised by the labelled tokens of all
 ranks, so a step on ``W`` ranks of ``B`` rows each computes the gradient of one ``W * B`` row batch.
 
@@ -198,8 +198,8 @@ class CausalLMTraining:
         # Recorded before any strategy wraps the model: FSDP replaces each parameter's data by a flat 1-D
         # view of this rank's shard, so neither shapes nor sizes can be read from the parameters later.
         self.low_dim_names = {name for name, p in module.named_parameters() if p.dim() < 2}
-        unique = {id(p): p for p in module.model.parameters()}.values()
-        self.parameter_counts = (module.model.num_parameters(), sum(p.numel() for p in unique if p.requires_grad))
+        unique = {id(p): p for p in module.model.parameters()}.values()  # tied weights once
+        self.parameter_counts = (sum(p.numel() for p in unique), sum(p.numel() for p in unique if p.requires_grad))
         self.final_metrics: dict[str, float] = {}
         self._eval_counts: dict[str, list[float]] = {}
         self._fit_start = 0.0
