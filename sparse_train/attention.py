@@ -597,9 +597,9 @@ def clip_grad_norms(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
             together with ``process_group``, on different meshes, or with a ``Partial`` placement.
     """
     max_norm = check_float("max_norm", max_norm, exclusive_minimum=0.0)
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")
     norm_type = float(norm_type)
-    if not norm_type > 0.0:
-        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
     selector = selector_parameters(model)
     selector_ids = {id(p) for p in selector}
     own = [p for p in model.parameters() if id(p) not in selector_ids]

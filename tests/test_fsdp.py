@@ -135,9 +135,10 @@ def test_clip_grad_norms_on_fsdp_shards_equals_the_unsharded_clipping(tmp_path):
             assert float((have - want).abs().max()) <= rel * scale, (kind, norm_type, name)
 
 
-def test_clip_grad_norms_rejects_bad_norm_type():
+@pytest.mark.parametrize("norm_type", [0.0, -2.0, math.nan, "2", True], ids=["zero", "negative", "nan", "string", "bool"])
+def test_clip_grad_norms_rejects_bad_norm_type(norm_type):
     with pytest.raises(ValueError, match="norm_type"):
-        st.clip_grad_norms(torch.nn.Linear(2, 2), max_norm=1.0, norm_type=0.0)
+        st.clip_grad_norms(torch.nn.Linear(2, 2), max_norm=1.0, norm_type=norm_type)
 
 
 # --------------------------------------------------------------------------- Lightning strategies
