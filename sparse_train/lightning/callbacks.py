@@ -34,7 +34,7 @@ class StepTimer(Callback):
     ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``,
     ``throughput/tokens_per_s`` (this device, step time only), ``throughput/tokens_per_s_global``
     (all devices), ``throughput/tokens_per_s_wall`` (this device, including data loading and logging),
-    and the means of ``st.collect_attention_stats`` under ``attn/``: ``attn/density``,
+    ``memory/peak_allocated_gib`` (on CUDA: this device's peak of allocated memory since the start), and the means of ``st.collect_attention_stats`` under ``attn/``: ``attn/density``,
     ``attn/fallbacks/<reason>``, ``attn/selector_loss``, ``attn/recall`` and, when the sparse config has
     ``profile: true``, ``attn/time/selector_ms``, ``attn/time/plan_ms``, ``attn/time/attn_fwd_ms``,
     ``attn/time/attn_bwd_ms``.
@@ -107,6 +107,8 @@ class StepTimer(Callback):
             metrics["throughput/tokens_per_s_global"] = tps * trainer.world_size
         if self._wall_interval and self._wall_tokens_prev:
             metrics["throughput/tokens_per_s_wall"] = self._wall_tokens_prev / self._wall_interval
+        if pl_module.device.type == "cuda":
+            metrics["memory/peak_allocated_gib"] = torch.cuda.max_memory_allocated(pl_module.device) / 2**30
         if self.attention_stats:
             for key, value in st.collect_attention_stats(pl_module).items():
                 metrics[f"attn/{key}"] = float(value)

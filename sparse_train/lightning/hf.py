@@ -126,7 +126,14 @@ class HFCausalLMModule(CausalLMHooks):
         self.training_logic = CausalLMTraining(
             self, args, vocab_size=int(lm.config.vocab_size), attention=attention,
             vocab_error=f"data needs vocab_size >= {{need}} but the checkpoint {path} has vocab_size = {{have}}",
-            sparse_hint="attention: sparse")
+            sparse_hint="attention: sparse", layer_types=self._layer_types(lm))
+
+    @staticmethod
+    def _layer_types(lm: nn.Module) -> tuple[type[nn.Module], ...]:
+        """The classes the checkpoint names in ``_no_split_modules`` (its decoder layers, e.g.
+        ``LlamaDecoderLayer``): the units FSDP shards and gathers one at a time, as accelerate does."""
+        names = set(getattr(lm, "_no_split_modules", None) or ())
+        return tuple(sorted({type(m) for m in lm.modules() if type(m).__name__ in names}, key=lambda t: t.__name__))
 
     @staticmethod
     def _load_pretrained(path: str, dtype: Optional[str], attn_implementation: Optional[str]) -> nn.Module:

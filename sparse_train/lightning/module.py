@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..validation import check_float, check_keys
-from .model import Transformer, TransformerConfig
+from .model import Block, Transformer, TransformerConfig
 from .training import CausalLMHooks, CausalLMTraining, TrainingArgs, load_weights
 
 __all__ = ["SparseLMModule", "load_weights"]
@@ -74,7 +74,7 @@ class SparseLMModule(CausalLMHooks):
             self, args, vocab_size=model.vocab_size, attention=model.attention,
             vocab_error="data needs vocab_size >= {need} but model.vocab_size = {have}; "
                         "set --model.init_args.model.vocab_size={need}",
-            sparse_hint="model.attention: sparse", dense_twin_acc=dense_twin_acc)
+            sparse_hint="model.attention: sparse", layer_types=(Block,), dense_twin_acc=dense_twin_acc)
 
     # ------------------------------------------------------------------ the model's forward (hooks: CausalLMHooks)
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

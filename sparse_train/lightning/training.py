@@ -7,6 +7,13 @@ they build ``module.model``, a ``tokens [B, N] -> logits [B, N, V]`` network. Ea
 it, and neither inherits the other's behaviour. The component reaches the model through the module passed to each call
 (never a stored reference), so a strategy that wraps ``module.model``'s submodules (FSDP) is seen.
 
+Multi-GPU runs use Lightning's strategies. Under ``--trainer.strategy=fsdp`` (FSDP1, ``use_orig_params=True``)
+:meth:`CausalLMTraining.configure_model` gives the strategy an auto-wrap policy that makes each of the model's
+layers (``layer_types``: our ``Block``, a Hugging Face model's ``_no_split_modules``) its own FSDP unit, so the
+selectors, which sit inside the layers' attention, are sharded, gathered and freed with their layer; gradient-norm clipping stays two
+groups through ``st.clip_grad_norms`` on the shards. Losses are normalised by the labelled tokens of all
+ranks, so a step on ``W`` ranks of ``B`` rows each computes the gradient of one ``W * B`` row batch.
+
 Batches are dicts with ``tokens`` and ``labels`` (aligned to positions, ``IGNORE_INDEX`` = no loss); packed
 rows also carry ``document_ids`` / ``position_ids``, which go to the model when its ``forward`` takes them
 (:meth:`CausalLMTraining.model_inputs`).
@@ -30,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
-from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import sparse_train as st
@@ -40,7 +47,7 @@ from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_float, check_int
 
 __all__ = ["TrainingArgs", "CausalLMTraining", "CausalLMHooks", "load_weights", "selector_parameter_names", "selector_state_names",
-           "attached_datamodule"]
+           "attached_datamodule", "gradient_shard_group", "unwrapped_name"]
 
 
 def _names_inside_sparse_attention(model: nn.Module, names_of: Callable[[nn.Module], Iterable[str]]) -> set[str]:
@@ -82,6 +89,17 @@ def load_weights(model: nn.Module, path: str, prefix: str = "model.") -> dict[st
         raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing[:8]} "
                            f"unexpected={unexpected[:8]}")
     return {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
+
+
+# Attributes under which wrappers (FSDP1, activation checkpointing, torch.compile) hold the wrapped module;
+# they appear in parameter names seen from outside the wrapper and are not part of the model's own names.
+_WRAPPER_ATTRIBUTES = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def unwrapped_name(name: str) -> str:
+    """``name`` without the attribute segments that FSDP, activation checkpointing or ``torch.compile``
+    wrappers insert (``model.blocks.0._fsdp_wrapped_module.attn.wq.weight`` -> ``model.blocks.0.attn.wq.weight``)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPER_ATTRIBUTES)
 
 
 # Batch keys that mark where the documents of a packed row begin (sparse_train.lightning.text_data).
@@ -153,12 +171,16 @@ class CausalLMTraining:
             ``need`` and ``have``.
         sparse_hint: How to ask for sparse attention in this module's config (the error message when
             ``train_only_selector`` finds no selector).
+        layer_types: The model's repeated layer classes; under FSDP each instance becomes its own
+            unit (:meth:`configure_model`). Empty = the strategy's own wrapping.
         dense_twin_acc: The dense twin's ``val/acc``, printed in the final line (reporting only).
     """
 
     def __init__(self, module: LightningModule, args: TrainingArgs, *, vocab_size: int, attention: str,
-                 vocab_error: str, sparse_hint: str, dense_twin_acc: Optional[float] = None) -> None:
+                 vocab_error: str, sparse_hint: str, layer_types: tuple[type[nn.Module], ...] = (),
+                 dense_twin_acc: Optional[float] = None) -> None:
         self.args = args
+        self.layer_types = tuple(layer_types)
         self.vocab_size = vocab_size
         self.attention = attention
         self.vocab_error = vocab_error
@@ -173,6 +195,11 @@ class CausalLMTraining:
         if args.train_only_selector:
             for name, p in module.named_parameters():
                 p.requires_grad_(name in self.selector_names)
+        # Recorded before any strategy wraps the model: FSDP replaces each parameter's data by a flat 1-D
+        # view of this rank's shard, so neither shapes nor sizes can be read from the parameters later.
+        self.low_dim_names = {name for name, p in module.named_parameters() if p.dim() < 2}
+        unique = {id(p): p for p in module.model.parameters()}.values()  # tied weights once
+        self.parameter_counts = (sum(p.numel() for p in unique), sum(p.numel() for p in unique if p.requires_grad))
         self.final_metrics: dict[str, float] = {}
         self._eval_counts: dict[str, list[float]] = {}
         self._fit_start = 0.0
@@ -215,9 +242,20 @@ class CausalLMTraining:
         correct = (sel_logits.argmax(-1) == sel_labels).sum()
         return loss, correct, mask.sum()
 
+    @staticmethod
+    def _tokens_per_rank(module: LightningModule, count: torch.Tensor) -> torch.Tensor:
+        """The labelled tokens of all ranks divided by the number of ranks. DDP and FSDP average the ranks'
+        gradients, so dividing each rank's loss sum by this (not by its own count) makes the step the
+        gradient of the mean over every labelled token of the global batch, as one device would compute
+        it, also when the ranks' rows hold different numbers of labels."""
+        trainer = module._trainer
+        if trainer is None or trainer.world_size == 1:
+            return count.float()
+        return trainer.strategy.reduce(count.float(), reduce_op="sum") / trainer.world_size
+
     def training_step(self, module: LightningModule, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss_sum, correct, count = self._lm_loss(module, batch)
-        lm_loss = loss_sum / count.clamp_min(1)
+        lm_loss = loss_sum / self._tokens_per_rank(module, count).clamp_min(1)
         sel_loss = st.collect_selector_losses(module.model) if self.selector_names else None
         if self.args.train_only_selector:
             loss = sel_loss * self.args.selector_loss_weight
@@ -226,11 +264,14 @@ class CausalLMTraining:
         else:
             loss = lm_loss
         bs = batch["tokens"].shape[0]
-        module.log("train/loss", loss, prog_bar=True, batch_size=bs)
-        module.log("train/lm_loss", lm_loss.detach(), batch_size=bs)
-        module.log("train/acc", correct.float() / count.clamp_min(1), prog_bar=True, batch_size=bs)
+        # Averaged over the ranks (a no-op on one device): with the normalisation above the mean of the
+        # ranks' lm_loss is the global batch's token mean, the number one device would log.
+        sync = module._trainer is not None and module.trainer.world_size > 1
+        module.log("train/loss", loss, prog_bar=True, batch_size=bs, sync_dist=sync)
+        module.log("train/lm_loss", lm_loss.detach(), batch_size=bs, sync_dist=sync)
+        module.log("train/acc", correct.float() / count.clamp_min(1), prog_bar=True, batch_size=bs, sync_dist=sync)
         if sel_loss is not None:
-            module.log("train/selector_loss", sel_loss.detach(), batch_size=bs)
+            module.log("train/selector_loss", sel_loss.detach(), batch_size=bs, sync_dist=sync)
         return loss
 
     def eval_step(self, module: LightningModule, batch: dict[str, torch.Tensor], prefix: str) -> None:
@@ -282,10 +323,44 @@ class CausalLMTraining:
             self.final_metrics.update(metrics)
 
     # ------------------------------------------------------------------ lifecycle
+    def configure_model(self, module: LightningModule) -> None:
+        """Under Lightning's ``FSDPStrategy`` without an ``auto_wrap_policy`` of the user's, give the strategy
+        one that makes every ``layer_types`` module its own FSDP unit; the root unit Lightning wraps around
+        the LightningModule keeps the rest (embeddings, final norm, head). Without a policy the whole model
+        is one unit: every parameter gathered at once, nothing saved in memory. (Wrapping the layers here
+        with ``wrap`` is no alternative: Lightning then leaves the root unwrapped, and the parameters outside
+        the layers would be neither sharded nor synchronised.) Each selector lives inside its layer's
+        attention and is sharded, gathered and freed with the layer. No-op for every other strategy and
+        without a trainer (``load_from_checkpoint`` calls this hook too)."""
+        if module._trainer is None:
+            return
+        strategy = module.trainer.strategy
+        if isinstance(strategy, FSDPStrategy) and self.layer_types and "auto_wrap_policy" not in strategy.kwargs:
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(set(self.layer_types))
+
+    def check_strategy(self, module: LightningModule) -> None:
+        """Raise ``ValueError`` when DDP would fail mid-run: a selector that does not distill on every
+        step (``distill="off"`` or ``distill_every > 1``) leaves its parameters without gradients on some
+        steps, which DDP without ``find_unused_parameters`` reports as an error at the next step."""
+        strategy = module.trainer.strategy
+        ddp = strategy.model if isinstance(strategy, DDPStrategy) else None
+        if ddp is None or getattr(ddp, "find_unused_parameters", True):
+            return
+        skipping = [core for core in module.model.modules() if isinstance(core, st.SparseAttention)
+                    and (core.config.distill == "off" or core.config.distill_every > 1)
+                    and any(p.requires_grad for p in core.parameters())]
+        if skipping:
+            cfg = skipping[0].config
+            raise ValueError(f"DDP: the selectors do not distill on every step (distill={cfg.distill!r}, "
+                             f"distill_every={cfg.distill_every}), so their parameters miss gradients on some "
+                             "steps; use --trainer.strategy=ddp_find_unused_parameters_true (or distill_every=1)")
+
     def on_fit_start(self, module: LightningModule) -> None:
+        self.check_strategy(module)
         self._fit_start = time.perf_counter()
-        n = module.model.num_parameters()
-        trainable = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        n, trainable = self.parameter_counts
         rank_zero_info(f"[sparse-train] {self.attention} attention, {n / 1e6:.2f}M parameters, "
                        f"{trainable / 1e6:.3f}M trainable")
 
@@ -311,12 +386,13 @@ class CausalLMTraining:
         linear warm-up then cosine decay to ``min_lr_ratio`` at ``trainer.max_steps``, stepped per step."""
         hp = self.args
         decay, no_decay, selector = [], [], []
-        for name, p in module.named_parameters():
+        for wrapped_name, p in module.named_parameters():
             if not p.requires_grad:
                 continue
+            name = unwrapped_name(wrapped_name)
             if name in self.selector_names:
                 selector.append(p)
-            elif p.dim() < 2 or "embed" in name:
+            elif name in self.low_dim_names or "embed" in name:
                 no_decay.append(p)
             else:
                 decay.append(p)
@@ -344,17 +420,38 @@ class CausalLMTraining:
         """``--trainer.gradient_clip_val`` with the norm algorithm clips the model's and the selectors'
         gradients as two groups (``st.clip_grad_norms``): one global norm would let the selectors'
         large distillation gradients shrink the model's steps, so the sparse model would not train like
-        its dense twin. Value clipping is per element and needs no split; a sharded strategy (FSDP)
-        keeps Lightning's own clipping, which knows the shards."""
+        its dense twin. Under FSDP the gradients are shards and the norms are reduced over the ranks
+        that hold them (Lightning's FSDP precision plugin refuses norm clipping). Value clipping is per
+        element and needs no split."""
         if not gradient_clip_val:
             return
         algorithm = gradient_clip_algorithm or "norm"
-        if algorithm != "norm" or isinstance(module.trainer.strategy, FSDPStrategy):
+        if algorithm != "norm":
             module.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
                                   gradient_clip_algorithm=gradient_clip_algorithm)
             return
         # The precision plugin has unscaled the gradients (fp16 AMP) before it calls this hook.
-        st.clip_grad_norms(module.model, float(gradient_clip_val))
+        st.clip_grad_norms(module.model, float(gradient_clip_val),
+                           process_group=gradient_shard_group(module.trainer.strategy))
+
+
+def gradient_shard_group(strategy: Any) -> Optional["torch.distributed.ProcessGroup"]:
+    """The process group over which ``strategy``'s parameter gradients are split (Lightning's
+    ``FSDPStrategy``, FSDP1 with ``use_orig_params=True``: each rank's ``p.grad`` is its piece of the
+    parameter), or None when every rank holds whole gradients (one device, DDP, FSDP ``NO_SHARD``).
+    Hybrid sharding splits within the group FSDP reports and replicates across groups, so the norms
+    are summed over that group only."""
+    if not isinstance(strategy, FSDPStrategy) or strategy.world_size == 1:
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    root = strategy.model
+    if not isinstance(root, FullyShardedDataParallel):
+        raise RuntimeError(f"FSDPStrategy's model is a {type(root).__name__}, not the FSDP root the "
+                           "gradient clipping expects")
+    if root.sharding_strategy == ShardingStrategy.NO_SHARD:
+        return None
+    return root.process_group
 
 
 class CausalLMHooks(LightningModule):
@@ -391,6 +488,9 @@ class CausalLMHooks(LightningModule):
 
     def on_test_epoch_end(self) -> None:
         self.training_logic.eval_epoch_end(self, "test")
+
+    def configure_model(self) -> None:
+        self.training_logic.configure_model(self)
 
     def on_fit_start(self) -> None:
         self.training_logic.on_fit_start(self)
