@@ -349,12 +349,18 @@ class SparseAttention(nn.Module):
         (the usual packing convention).
 
         ``scale`` / ``dropout_p`` override the config for this call (the Hugging Face integration
-        passes the model's own values).
+        passes the model's own values). Under autocast q, k and v are cast to the autocast dtype first,
+        as ``F.scaled_dot_product_attention`` does.
 
         Raises:
             ValueError: q/k/v, seq_lens, document_ids or position_ids of the wrong shape, dtype or
                 device; seq_lens values outside [0, N]; document_ids negative or decreasing (values: on
                 CPU tensors always, on CUDA with ``index_check`` "cheap"/"full", see the module docstring)."""
+        if torch.is_autocast_enabled(q.device.type):
+            # as F.scaled_dot_product_attention under autocast: one compute dtype for q, k and v (a
+            # model's RoPE in fp32 hands over fp32 q and k beside a bf16 v)
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         self._check_inputs(q, k, v, seq_lens, document_ids, position_ids)
         cfg = self.config
         batch, _, seq_len, _ = q.shape

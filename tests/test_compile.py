@@ -17,6 +17,8 @@ HQ, HKV, D = 4, 2, 16
 
 
 def _ids(lengths, n, batch, device="cpu"):
+    """Document ids of documents of these lengths, the last one running to n."""
+    lengths = list(lengths[:-1]) + [max(lengths[-1], n - sum(lengths[:-1]))]
     ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     return ids[:n].view(1, n).expand(batch, -1).contiguous().to(device)
 

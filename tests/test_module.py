@@ -470,3 +470,21 @@ def test_dense_path_dropout_uses_the_counter_bits_of_the_sparse_path(device):
     module = make(dropout_p=0.3).to(device).eval()
     q, k, v = (t.to(device, dtype) for t in qkv(2, n, dtype=torch.float64, seed=9))
     assert not torch.equal(module(q, k, v), dense_out)  # dropout did act in training mode
+
+
+def test_autocast_casts_q_k_v_to_the_autocast_dtype():
+    """A model whose RoPE runs in fp32 hands fp32 q and k beside a bf16 v under bf16 autocast (the Hugging
+    Face Llama under Lightning's bf16-mixed did): the layer computes in the autocast dtype, as SDPA
+    does, and gives what it gives on bf16 inputs; without autocast mixed dtypes still raise."""
+    torch.manual_seed(0)
+    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=2, window=1, sinks=1, dense_warmup_steps=0,
+                                   backend="reference")
+    layer = st.SparseAttention(cfg, num_heads=4, num_kv_heads=2, head_dim=16).eval()
+    q, k, v = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(q, k, v)
+    want = layer(q.bfloat16(), k.bfloat16(), v)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        layer(q, k, v)

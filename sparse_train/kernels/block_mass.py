@@ -66,6 +66,7 @@ def _block_mass_kernel(
     HAS_DOCS: tl.constexpr,
 ):
     HEAD_SUBSETS: tl.constexpr = GROUP // HEADS_PER_PROGRAM
+    scale_log2 = tl.cast(scale_log2, tl.float32)  # fp64 when launched from an inductor graph (see forward.py)
     qb, b, hkv, head, qpos = query_tile(NQB, HKV, GROUP, HEADS_PER_PROGRAM, BLOCK_Q, False)  # head, qpos: [M]
     b64, hkv64, head64, qpos64 = b.to(tl.int64), hkv.to(tl.int64), head.to(tl.int64), qpos.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)

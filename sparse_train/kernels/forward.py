@@ -90,6 +90,10 @@ def _fwd_kernel(
     k_base = K + b64 * stride_kb + hkv64 * stride_kh
     v_base = V + b64 * stride_vb + hkv64 * stride_vh
     q_first = qb * BLOCK_Q  # first query of the tile
+    # float scalars arrive as fp32 from a direct launch but as fp64 from a graph inductor compiled (the
+    # distillation path launches this kernel outside the custom op): keep the softmax state fp32
+    scale_log2 = tl.cast(scale_log2, tl.float32)
+    inv_keep = tl.cast(inv_keep, tl.float32)
     # dropout counter of (row, key) = row_counter + k, row_counter = ((b*HQ + h)*N + q)*N
     row_counter = ((b64 * HQ + head64) * N + qpos64) * N  # [M]
     if HAS_DOCS:
@@ -154,6 +158,7 @@ def _merge_kernel(
     # exact merge of split partials: m = max_s m_s; l = sum_s 2^(m_s - m) l_s; o = sum_s 2^(m_s - m) o_s / l
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # global row (b*HQ + h)*N + q
     ok = rows < TOTAL_ROWS
+    inv_keep = tl.cast(inv_keep, tl.float32)  # fp64 when launched from an inductor graph (see _fwd_kernel)
     rows64 = rows.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
     m = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)
