@@ -158,6 +158,21 @@ def test_rope_aware_scorer_pools_the_unrotated_content(key_pooling, with_lengths
     assert (rotated_q - want_q).abs().max() > 0.1
 
 
+def test_distance_bias_gradient_is_the_per_bucket_sum():
+    """The distance bias's backward (one masked sum per bucket) equals autograd's gradient of plain
+    indexing, on a geometry whose buckets repeat many times."""
+    from sparse_train.selectors.scorer import _BucketLookup
+
+    geometry = st.selectors.selection_geometry(1000, 16, 16, 4, 2, 1)
+    buckets = block_distance_buckets(geometry)
+    table = torch.randn(3, DISTANCE_BUCKETS, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(3, *buckets.shape, dtype=torch.float64)
+    (ours,) = torch.autograd.grad(_BucketLookup.apply(table, buckets), table, grad)
+    (plain,) = torch.autograd.grad(table[:, buckets], table, grad)
+    torch.testing.assert_close(ours, plain, rtol=1e-12, atol=1e-12)
+    assert torch.equal(_BucketLookup.apply(table, buckets), table[:, buckets])
+
+
 def test_rope_aware_scorer_rejects_bad_frequencies():
     scorer = BlockScorer(num_heads=2, num_kv_heads=1, head_dim=8, selector_dim=4)
     with pytest.raises(ValueError, match="at most head_dim/2=4"):

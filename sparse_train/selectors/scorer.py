@@ -378,7 +378,27 @@ class BlockScorer(nn.Module):
             return logits
         buckets = block_distance_buckets(geometry, logits.device)  # [NQB, NKB]
         bias = self.distance_bias.to(torch.float32) * multiplier  # [HKV, DISTANCE_BUCKETS]
-        return logits + bias[:, buckets].unsqueeze(0)
+        return logits + _BucketLookup.apply(bias, buckets).unsqueeze(0)
+
+
+class _BucketLookup(torch.autograd.Function):
+    """``table[:, buckets]`` (``table [H, C]``, int ``buckets [NQB, NKB]`` -> ``[H, NQB, NKB]``) whose
+    backward sums the gradient per bucket with one masked reduction per bucket. Autograd's own backward
+    of this indexing (a deterministic sort-based scatter of NQB * NKB values into C = 16 buckets) took
+    49 ms at 64K on the H200, 2.5x the attention it served; C reductions over the gradient are a few
+    passes over memory, deterministic, and need no host read."""
+
+    @staticmethod
+    def forward(ctx, table: Tensor, buckets: Tensor) -> Tensor:
+        ctx.save_for_backward(buckets)
+        ctx.num_buckets = table.shape[1]
+        return table[:, buckets]
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (buckets,) = ctx.saved_tensors
+        per_bucket = [torch.where(buckets == c, grad, 0.0).sum(dim=(-2, -1)) for c in range(ctx.num_buckets)]
+        return torch.stack(per_bucket, dim=-1), None
 
 
 def selection_candidates(
