@@ -293,3 +293,34 @@ def test_ddp_without_find_unused_parameters_is_refused_when_selectors_skip_steps
     every_step = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE))
     strategy.model = SimpleNamespace(find_unused_parameters=False)
     every_step.training_logic.check_strategy(SimpleNamespace(model=every_step.model, trainer=fake.trainer))
+
+
+@pytest.mark.parametrize("precision,user_config,want_buffers", [
+    pytest.param("bf16-mixed", None, torch.float32, id="bf16-mixed-buffers-fp32"),
+    pytest.param("32-true", None, torch.float32, id="32-true-unchanged"),
+    pytest.param("bf16-mixed", "user", torch.bfloat16, id="users-mixed-precision-kept"),
+])
+def test_fsdp_keeps_buffers_in_fp32_under_16_bit_precision(precision, user_config, want_buffers):
+    """Lightning's FSDP casts buffers to bf16 under bf16-mixed, and a long-context model's buffers are its
+    RoPE frequencies (bf16 frequencies turn position 64K by radians). configure_model keeps them fp32,
+    parameters and reductions as Lightning chose; a mixed_precision the user passed is left alone."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.plugins.precision import FSDPPrecision
+    from lightning.pytorch.strategies import FSDPStrategy
+    from torch.distributed.fsdp import MixedPrecision
+
+    from sparse_train.lightning import SparseLMModule
+
+    users = MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16) if user_config else None
+    strategy = FSDPStrategy(mixed_precision=users)
+    strategy.precision_plugin = FSDPPrecision(precision)
+    lightning_config = strategy.mixed_precision_config
+    module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE), **LR)
+    module._trainer = SimpleNamespace(strategy=strategy)
+    module.configure_model()
+    config = strategy.mixed_precision_config
+    assert config.buffer_dtype == want_buffers
+    assert config.param_dtype == lightning_config.param_dtype
+    assert config.reduce_dtype == lightning_config.reduce_dtype
+    assert "auto_wrap_policy" in strategy.kwargs  # the per-layer units, set by the same hook
