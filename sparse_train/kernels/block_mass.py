@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..index import BlockIndex, causal_last_block
-from ..plan import block_mass_config, forward_config, forward_num_splits
+from ..plan import block_mass_config, forward_config
 from ..validation import check_choice, check_document_ids, check_inputs, check_scale
 from ._jit import (
     LOG2E,
@@ -224,10 +224,11 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     scale = check_scale(scale, q.shape[-1])
     group = q.shape[1] // num_kv_heads
     config = forward_config(group, block_q, block_k, q.shape[-1])
-    num_splits = forward_num_splits(picks.numel(), batch, num_kv_heads, group, config.heads_per_program, capacity,
-                                    q.device)
+    # One program per (query tile, KV head), no split-KV: the split partials and their merge span all
+    # B * HQ * N rows while only the picked query blocks are live (8 of 1024 at 64K); on the H200 that
+    # merge took 17.4 ms and the partials several GB (docs/benchmarks/speed_round2/README.md).
     _, lse = sparse_attn_forward(q, k, k, index.indices, index.counts, block_q=block_q, block_k=block_k,
-                                 scale=scale, seq_lens=seq_lens, num_splits=num_splits, config=config,
+                                 scale=scale, seq_lens=seq_lens, num_splits=1, config=config,
                                  document_ids=document_ids)
     target, row_valid = triton_block_mass(q, k, lse, index, scale=scale, seq_lens=seq_lens, row_pool=row_pool,
                                           document_ids=document_ids, check_values=check_values)
