@@ -92,6 +92,17 @@ INDUCTOR_CASES = [
 ]
 
 
+def _gpu_shape(with_lens, with_docs, device):
+    """(N, B, module keyword arguments) of the GPU cases: an odd length, optional seq_lens and documents."""
+    n, batch = 4096 + 37, 2
+    kwargs = {}
+    if with_lens:
+        kwargs["seq_lens"] = torch.tensor([n, 3000], device=device)
+    if with_docs:
+        kwargs["document_ids"] = _ids([1500, 77, 2500], n, batch, device)
+    return n, batch, kwargs
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("distill,with_lens,with_docs", INDUCTOR_CASES)
 def test_fullgraph_inductor_compile_equals_eager_on_gpu(distill, with_lens, with_docs):
@@ -101,12 +112,7 @@ def test_fullgraph_inductor_compile_equals_eager_on_gpu(distill, with_lens, with
     device = torch.device("cuda")
     eager, twin = _pair(device, block_q=64, block_k=64, top_k=8, window=4, sinks=1, distill=distill)
     compiled = torch.compile(twin, fullgraph=True)
-    n, batch = 4096 + 37, 2
-    kwargs = {}
-    if with_lens:
-        kwargs["seq_lens"] = torch.tensor([n, 3000], device=device)
-    if with_docs:
-        kwargs["document_ids"] = _ids([1500, 77, 2500], n, batch, device)
+    n, batch, kwargs = _gpu_shape(with_lens, with_docs, device)
     for step in range(2):
         q, k, v = make_qkv(batch, HQ, HKV, n, D, dtype=torch.bfloat16, seed=step, device=device)
         want = _step(eager, q, k, v, **kwargs)
@@ -126,12 +132,7 @@ def test_training_step_never_synchronises_on_gpu(distill, with_lens, with_docs):
     target and its KL, selector gradients) at the defaults must not make one."""
     device = torch.device("cuda")
     module, _ = _pair(device, block_q=64, block_k=64, top_k=8, window=4, sinks=1, distill=distill)
-    n, batch = 4096 + 37, 2
-    kwargs = {}
-    if with_lens:
-        kwargs["seq_lens"] = torch.tensor([n, 3000], device=device)
-    if with_docs:
-        kwargs["document_ids"] = _ids([1500, 77, 2500], n, batch, device)
+    n, batch, kwargs = _gpu_shape(with_lens, with_docs, device)
     q, k, v = make_qkv(batch, HQ, HKV, n, D, dtype=torch.bfloat16, seed=1, device=device, requires_grad=True)
     _step(module, q, k, v, **kwargs)  # warm-up: Triton compiles, caches fill
     torch.cuda.synchronize()
