@@ -49,7 +49,7 @@ from .index import BlockIndex
 from .kernels.reference import reference_sparse_attention
 from .selectors.scorer import (BlockScorer, SelectionGeometry, _BucketLookup, block_distance_buckets,
                                selection_candidates)
-from .validation import (check_block_index, check_document_ids, check_dropout, check_int, check_qkv,
+from .validation import (check_block_index, check_document_ids, check_dropout, check_int, check_qkv, check_scale,
                          check_seq_lens)
 
 __all__ = [
@@ -266,7 +266,8 @@ def context_parallel_sparse_attention(
     check_block_index(index)
     seq_len = index.seq_len
     check_layout(seq_len, world, index.block_q, index.block_k)
-    batch, _, _, local, _ = check_qkv(q, k, v, device=index.device)
+    batch, _, _, local, head_dim = check_qkv(q, k, v, device=index.device)
+    scale = check_scale(scale, head_dim)
     if local * world != seq_len:
         raise ValueError(f"the global index is for N={seq_len}, so with W={world} ranks q/k/v must hold "
                          f"N/W={seq_len // world} local rows, got {local}")

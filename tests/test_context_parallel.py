@@ -33,7 +33,7 @@ ATTENTION_CASES = [
     ("seq_lens", 2, 4, 2, 64, 5, 8, 8, {"seq_lens": [64, 37]}),
     ("documents", 2, 4, 2, 64, 5, 8, 8, {"documents": [[0, 5, 21, 40], [0, 33]]}),
     ("dropout", 2, 4, 2, 64, 5, 8, 8, {"dropout_p": 0.3, "seq_lens": [64, 50]}),
-    ("bq16_bk4", 1, 2, 1, 64, 5, 16, 4, {"seq_lens": [61]}),
+    ("bq16_bk4_scale", 1, 2, 1, 64, 5, 16, 4, {"seq_lens": [61], "scale": 0.3}),
 ]
 SELECTOR_CASES = [
     ("rope_bias_seq_lens", {"seq_lens": [64, 45]}),
@@ -52,7 +52,7 @@ def _documents(starts_per_row, n):
 
 
 def _attention_inputs(case):
-    """Global q, k, v, dO, index, seq_lens, document_ids of a case (the same in the workers and here)."""
+    """Global q, k, v, dO, index, seq_lens, document_ids, dropout_p, scale of a case (the same in the workers and here)."""
     _, B, HQ, HKV, N, D, BQ, BK, extras = case
     q, k, v = make_qkv(B, HQ, HKV, N, D, dtype=torch.float64, seed=N + D)
     grad_out = torch.randn(B, HQ, N, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
@@ -65,7 +65,7 @@ def _attention_inputs(case):
 
         index = BlockIndex.from_selection(random_selection(B, HKV, N, BQ, BK, 2, seed=3), seq_len=N, block_q=BQ,
                                           block_k=BK, window=1, sinks=1, document_ids=docs)
-    return q, k, v, grad_out, index, seq_lens, docs, extras.get("dropout_p", 0.0)
+    return q, k, v, grad_out, index, seq_lens, docs, extras.get("dropout_p", 0.0), extras.get("scale")
 
 
 def _scorer():
@@ -107,10 +107,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     results = {"attention": {}, "selector": {}}
 
     for case in ATTENTION_CASES:
-        q, k, v, grad_out, index, seq_lens, docs, p = _attention_inputs(case)
+        q, k, v, grad_out, index, seq_lens, docs, p, scale = _attention_inputs(case)
         seed = cp.shared_dropout_seed() if p > 0 else None
         local = [cp.shard_sequence(t, 2, rank, WORLD).detach().requires_grad_() for t in (q, k, v)]
-        o, lse = cp.context_parallel_sparse_attention(*local, index, dropout_p=p, dropout_seed=seed,
+        o, lse = cp.context_parallel_sparse_attention(*local, index, scale=scale, dropout_p=p, dropout_seed=seed,
                                                       seq_lens=seq_lens, document_ids=docs, return_lse=True)
         (o * cp.shard_sequence(grad_out, 2, rank, WORLD)).sum().backward()
         results["attention"][case[0]] = dict(o=o.detach(), lse=lse.detach(), dq=local[0].grad, dk=local[1].grad,
@@ -127,12 +127,12 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
                                               seq_lens=seq_lens, document_ids=docs)
         scores.sum().backward()  # the distillation's path: local scores -> the scorer's parameters
         results["selector"][case[0]] = dict(scores=scores.detach(), indices=index.indices, counts=index.counts,
-                                            grads={n: p.grad.clone() for n, p in scorer.named_parameters()})
+                                            grads={n: p.grad for n, p in scorer.named_parameters()})
 
     x = torch.arange(2 * 3 * 16, dtype=torch.float64).view(2, 3, 16)
     results["round_trip"] = cp.gather_sequence(cp.shard_sequence(x, -1, rank, WORLD), -1)
 
-    q, k, v, _, index, _, _, _ = _attention_inputs(ATTENTION_CASES[0])
+    q, k, v, _, index, _, _, _, _ = _attention_inputs(ATTENTION_CASES[0])
     ql, kl, vl = (cp.shard_sequence(t, 2, rank, WORLD) for t in (q, k, v))
     half = random_index(1, 2, 32, 8, 8, 2, 1, 1)
     results["errors"] = _errors_of([
@@ -145,6 +145,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, document_ids=torch.zeros(1, 32,
                                                                                                  dtype=torch.int64)),
         lambda: cp.context_parallel_sparse_attention(ql, kl, vl, random_index(1, 2, 64, 32, 32, 2, 1, 1)),
+        lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, scale=float("nan")),
     ])
     dist.barrier()  # every rank got past the bad calls without a collective left hanging
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -172,16 +173,16 @@ def test_two_ranks_equal_the_single_process_attention(two_ranks, case):
     (float64, relative error <= 1e-12): GQA, a random selection with window and sinks, global seq_lens (a
     row shorter than N, whole key blocks masked on one rank), packed documents with boundaries inside
     blocks, dropout with a seed broadcast from rank 0 (the keep bits are drawn at global positions: one
-    flipped bit would move o by O(1)), and BQ != BK. dK/dV are the reduce-scatter of the all-gather's
+    flipped bit would move o by O(1)), and BQ != BK with an explicit scale. dK/dV are the reduce-scatter of the all-gather's
     backward: both ranks' contributions summed."""
-    q, k, v, grad_out, index, seq_lens, docs, p = _attention_inputs(case)
+    q, k, v, grad_out, index, seq_lens, docs, p, scale = _attention_inputs(case)
     seeds = {r["attention"][case[0]]["seed"] for r in two_ranks}
     assert len(seeds) == 1  # the broadcast seed is the same on both ranks
     seed = seeds.pop()
     assert (seed is not None) == (p > 0)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    o, lse = reference_sparse_attention(q, k, v, index, dropout_p=p, dropout_seed=seed, seq_lens=seq_lens,
-                                        document_ids=docs)
+    o, lse = reference_sparse_attention(q, k, v, index, scale=scale, dropout_p=p, dropout_seed=seed,
+                                        seq_lens=seq_lens, document_ids=docs)
     (o * grad_out).sum().backward()
     want = dict(o=o.detach(), lse=lse.detach(), dq=q.grad, dk=k.grad, dv=v.grad)
     for rank, result in enumerate(two_ranks):
@@ -208,8 +209,9 @@ def test_bad_arguments_raise_before_any_collective(two_ranks):
     ValueError naming the problem on the rank that sees it, and no collective is left waiting (the workers
     reach the barrier after them)."""
     expected = ["local rows", "local rows", "batch", "share a dtype", "dropout_seed", "seq_lens has 2 entries",
-                "document_ids must have shape", "multiple of 2 * W"]
+                "document_ids must have shape", "multiple of 2 * W", "scale"]
     for result in two_ranks:
+        assert len(result["errors"]) == len(expected)
         for message, want in zip(result["errors"], expected):
             assert want in message, (want, message)
 
@@ -245,7 +247,9 @@ def test_two_ranks_select_the_single_process_index(two_ranks, case):
         assert torch.equal(got["indices"], index.indices), rank
         assert torch.equal(got["counts"], index.counts), rank
     for name, param in scorer.named_parameters():
-        summed = sum(result["selector"][case[0]]["grads"][name] for result in two_ranks)
+        grads = [result["selector"][case[0]]["grads"][name] for result in two_ranks]
+        assert all(g is not None for g in grads), name
+        summed = sum(grads)
         torch.testing.assert_close(summed, param.grad, rtol=1e-5, atol=1e-5)
 
 
