@@ -25,7 +25,8 @@ local rows' candidates, and all-gathers the candidates so every rank builds the 
 
 Communication per rank and layer: the all-gather of K and V receives ``2 * B * HKV * N * D * bytes *
 (W-1)/W`` in the forward, and the backward reduce-scatters the same volume of dK/dV; the pooled keys and
-the candidates are ``B * HKV * NKB * (P*D*4 + k*8)`` bytes. ``docs/context_parallel.md`` has the numbers.
+the candidates add ``B * HKV * (NKB * P * D * 4 + NQB * k * 8) * (W-1)/W`` bytes (float32 keys, P = 2 for
+``mean_max`` pooling; int64 candidates). ``docs/context_parallel.md`` has the numbers.
 
 Phase 1 runs the attention on the PyTorch reference (:func:`~sparse_train.kernels.reference.reference_sparse_attention`
 with ``query_blocks``: the local-query-block -> global-query-block map). The Triton kernels take that map
@@ -184,7 +185,8 @@ def gather_sequence(x_local: Tensor, dim: int, group=None) -> Tensor:
     the same shape."""
     group, world, _ = _group_info(group)
     if not isinstance(x_local, Tensor) or x_local.dim() == 0:
-        raise ValueError(f"x_local must be a tensor with a sequence dimension, got {getattr(x_local, 'shape', x_local)}")
+        raise ValueError("x_local must be a tensor with a sequence dimension, got "
+                         f"{getattr(x_local, 'shape', type(x_local).__name__)}")
     dim = dim % x_local.dim()
     local = x_local.shape[dim]
     if local % 2:

@@ -30,7 +30,7 @@ FP64_REL = 1e-12  # float64: the sharded computation differs from the one-proces
 # (id, B, HQ, HKV, N, D, BQ, BK, extras): N is a multiple of 2 * W * lcm(BQ, BK); D odd on purpose.
 ATTENTION_CASES = [
     ("gqa", 1, 4, 2, 64, 5, 8, 8, {}),
-    ("seq_lens", 2, 4, 2, 64, 5, 8, 8, {"seq_lens": [64, 37]}),
+    ("seq_lens_nan_padding", 2, 4, 2, 64, 5, 8, 8, {"seq_lens": [64, 37], "nan_padding": True}),
     ("documents", 2, 4, 2, 64, 5, 8, 8, {"documents": [[0, 5, 21, 40], [0, 33]]}),
     ("dropout", 2, 4, 2, 64, 5, 8, 8, {"dropout_p": 0.3, "seq_lens": [64, 50]}),
     ("bq16_bk4_scale", 1, 2, 1, 64, 5, 16, 4, {"seq_lens": [61], "scale": 0.3}),
@@ -52,12 +52,16 @@ def _documents(starts_per_row, n):
 
 
 def _attention_inputs(case):
-    """Global q, k, v, dO, index, seq_lens, document_ids, dropout_p, scale of a case (the same in the workers and here)."""
+    """Global q, k, v, dO, index, seq_lens, document_ids, dropout_p, scale of a case (the same in the workers
+    and here)."""
     _, B, HQ, HKV, N, D, BQ, BK, extras = case
     q, k, v = make_qkv(B, HQ, HKV, N, D, dtype=torch.float64, seed=N + D)
     grad_out = torch.randn(B, HQ, N, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     docs = _documents(extras["documents"], N) if "documents" in extras else None
     seq_lens = torch.tensor(extras["seq_lens"]) if "seq_lens" in extras else None
+    if extras.get("nan_padding"):  # keys past a length are selected away: NaN there reaches nothing
+        past = torch.arange(N).view(1, 1, N, 1) >= seq_lens.view(-1, 1, 1, 1)
+        k, v = (torch.where(past, float("nan"), t) for t in (k, v))
     if docs is None:
         index = random_index(B, HKV, N, BQ, BK, 2, 1, 1, seed=3)
     else:
@@ -171,10 +175,10 @@ def two_ranks(tmp_path_factory):
 def test_two_ranks_equal_the_single_process_attention(two_ranks, case):
     """Each rank's o, lse, dq, dk, dv equal its rows of the single-process reference on the global tensors
     (float64, relative error <= 1e-12): GQA, a random selection with window and sinks, global seq_lens (a
-    row shorter than N, whole key blocks masked on one rank), packed documents with boundaries inside
-    blocks, dropout with a seed broadcast from rank 0 (the keep bits are drawn at global positions: one
-    flipped bit would move o by O(1)), and BQ != BK with an explicit scale. dK/dV are the reduce-scatter of the all-gather's
-    backward: both ranks' contributions summed."""
+    row shorter than N, whole key blocks masked on one rank, NaN in k and v past the length), packed
+    documents with boundaries inside blocks, dropout with a seed broadcast from rank 0 (the keep bits are
+    drawn at global positions: one flipped bit would move o by O(1)), and BQ != BK with an explicit scale.
+    dK/dV are the reduce-scatter of the all-gather's backward: both ranks' contributions summed."""
     q, k, v, grad_out, index, seq_lens, docs, p, scale = _attention_inputs(case)
     seeds = {r["attention"][case[0]]["seed"] for r in two_ranks}
     assert len(seeds) == 1  # the broadcast seed is the same on both ranks
