@@ -11,6 +11,7 @@ Public API::
 from .attention import (SparseAttention, clip_grad_norms, collect_attention_stats, collect_selector_losses,
                         selector_parameters)
 from .config import SparseAttentionConfig
+from .context_parallel import context_parallel_sparse_attention
 from .documents import (
     block_document_ranges,
     cu_seqlens_from_document_ids,
@@ -33,6 +34,7 @@ __all__ = [
     "clip_grad_norms",
     "collect_attention_stats",
     "collect_selector_losses",
+    "context_parallel_sparse_attention",
     "cu_seqlens_from_document_ids",
     "document_ids_from_cu_seqlens",
     "document_ids_from_position_ids",

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..index import BlockIndex
-from ..validation import check_attention_args, check_dropout_p
+from ..validation import check_attention_args, check_block_index, check_dropout_p, check_integer_tensor
 
 __all__ = [
     "reference_sparse_attention",
@@ -128,6 +128,7 @@ def reference_sparse_attention(
     chunk_q_blocks: int | None = None,
     document_ids: Tensor | None = None,
     check_values: bool = True,
+    query_blocks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact block-sparse attention in PyTorch.
 
@@ -148,28 +149,49 @@ def reference_sparse_attention(
             the product, so unlike padding it must be finite).
         check_values: check the values of ``seq_lens`` and ``document_ids`` (host syncs on CUDA; see
             ``sparse_train.sparse_attention``); lengths are clamped to [0, N] either way.
+        query_blocks: optional int ``[NQL]``, distinct global query-block ids (any order): q then holds
+            only the rows of these query blocks, ``[B, HQ, L, D]`` with L their total length (BQ each,
+            the last block of the sequence possibly shorter), concatenated in the listed order, while k,
+            v, ``index``, ``seq_lens`` and ``document_ids`` stay global. Each row is computed exactly as
+            in the full call (global positions for masks and dropout counters); the output rows come in
+            q's order. This is the query-block map of context parallelism
+            (:mod:`sparse_train.context_parallel`). One host read of the ids.
 
     Returns:
-        ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype; lse ``[B, HQ, N]`` natural log, fp32 (fp64
-        for fp64 inputs), ``-inf`` for rows with no valid key (whose o is 0 and gradients are 0).
+        ``(o, lse)``: o ``[B, HQ, N, D]`` (``[B, HQ, L, D]`` with ``query_blocks``) in q's dtype; lse
+        ``[B, HQ, N]`` (``[B, HQ, L]``) natural log, fp32 (fp64 for fp64 inputs), ``-inf`` for rows with
+        no valid key (whose o is 0 and gradients are 0).
 
     Raises:
         ValueError: any argument outside its domain (:func:`sparse_train.validation.check_attention_args`):
             shape/dtype/device mismatch with the index, bad seq_lens, document_ids, dropout_p or
             dropout_seed; dropout without seed.
     """
-    args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, document_ids=document_ids, seq_lens_values=check_values)
+    q_rows = None
+    if query_blocks is not None:
+        block_ids, q_rows = _query_block_rows(q, k, index, query_blocks)
+        # k, v, the index, seq_lens and document_ids are global: check them against a broadcast stand-in
+        # of the global q (no memory), then q's own rows against the listed blocks.
+        q_global = q.new_zeros(()).expand(q.shape[0], q.shape[1], index.seq_len, q.shape[3])
+    else:
+        q_global = q
+    args = check_attention_args(q_global, k, v, index, scale=scale, dropout_p=dropout_p,
+                                dropout_seed=dropout_seed, seq_lens=seq_lens, document_ids=document_ids,
+                                seq_lens_values=check_values)
     scale, dropout_p, dropout_seed = args.scale, args.dropout_p, args.dropout_seed
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs an explicit dropout_seed in the reference")
     threshold = dropout_threshold(dropout_p)
 
-    batch, hq, n, d = q.shape
-    hkv = k.shape[1]
+    batch, hq, _, d = q.shape
+    hkv, n = k.shape[1], k.shape[2]
     group = hq // hkv
     bq, bk = index.block_q, index.block_k
     nqb, nkb, cap = index.num_q_blocks, index.num_k_blocks, index.capacity
+    if query_blocks is None:
+        block_ids = torch.arange(nqb, device=q.device)
+    else:
+        nqb = block_ids.numel()  # from here on: the query blocks this call computes, in q's order
     out_dtype = q.dtype
     compute = q.dtype
     if upcast and q.dtype in (torch.float16, torch.bfloat16):
@@ -179,11 +201,17 @@ def reference_sparse_attention(
 
     qc, kc, vc = q.to(compute), k.to(compute), v.to(compute)
     # Pad N up to whole blocks; padded keys are masked by position, padded queries cut off at the end.
-    qp = torch.nn.functional.pad(qc, (0, 0, 0, nqb * bq - n)).view(batch, hkv, group, nqb, bq, d)
+    if q_rows is None:
+        qp = torch.nn.functional.pad(qc, (0, 0, 0, nqb * bq - n))
+    else:
+        qp = qc.new_zeros(batch, hq, nqb * bq, d).index_copy(2, q_rows, qc)
+    qp = qp.view(batch, hkv, group, nqb, bq, d)
     kp = torch.nn.functional.pad(kc, (0, 0, 0, nkb * bk - n)).reshape(batch * hkv * nkb, bk, d)
     vp = torch.nn.functional.pad(vc, (0, 0, 0, nkb * bk - n)).reshape(batch * hkv * nkb, bk, d)
 
     idx = index.indices.to(torch.int64)  # [B, HKV, NQB, K]
+    if query_blocks is not None:
+        idx = idx.index_select(2, block_ids)
     slot_valid = idx >= 0
     rows = torch.arange(batch * hkv, device=device).view(batch, hkv, 1, 1) * nkb + idx.clamp_min(0)
     lens = torch.full((batch,), n, device=device, dtype=torch.int64) if seq_lens is None else seq_lens.to(torch.int64)
@@ -199,9 +227,7 @@ def reference_sparse_attention(
         key_pos = (idx[:, :, c0:c1, :, None] * bk + torch.arange(bk, device=device)).reshape(
             batch, hkv, chunk, cap * bk
         )
-        q_pos = (torch.arange(c0, c1, device=device).view(-1, 1) * bq + torch.arange(bq, device=device)).view(
-            1, 1, chunk, bq, 1
-        )
+        q_pos = (block_ids[c0:c1].view(-1, 1) * bq + torch.arange(bq, device=device)).view(1, 1, chunk, bq, 1)
         key_ok = slot_valid[:, :, c0:c1, :, None].expand(-1, -1, -1, -1, bk).reshape(batch, hkv, chunk, cap * bk)
         key_ok = key_ok & (key_pos < lens)  # [B, HKV, C, K*BK]
         # Masked keys and values are replaced (selected away, not multiplied by 0) before any product:
@@ -245,9 +271,38 @@ def reference_sparse_attention(
         out_chunks.append(out)
         lse_chunks.append(lse)
 
-    o = torch.cat(out_chunks, dim=3).reshape(batch, hq, nqb * bq, d)[:, :, :n]
-    lse = torch.cat(lse_chunks, dim=3).reshape(batch, hq, nqb * bq)[:, :, :n]
+    o = torch.cat(out_chunks, dim=3).reshape(batch, hq, nqb * bq, d)
+    lse = torch.cat(lse_chunks, dim=3).reshape(batch, hq, nqb * bq)
+    if q_rows is None:
+        o, lse = o[:, :, :n], lse[:, :, :n]
+    else:
+        o, lse = o.index_select(2, q_rows), lse.index_select(2, q_rows)
     return o.to(out_dtype), lse.to(lse_dtype)
+
+
+def _query_block_rows(q: Tensor, k: Tensor, index: BlockIndex, query_blocks) -> tuple[Tensor, Tensor]:
+    """Checked ``query_blocks`` as int64 on q's device, and int64 ``[L]``: where each row of q sits in the
+    block-padded layout ``[NQL * BQ]`` (row r of listed block s at ``s * BQ + r``)."""
+    check_block_index(index)
+    if not isinstance(q, Tensor) or q.dim() != 4 or not isinstance(k, Tensor) or k.dim() != 4:
+        raise ValueError("q and k must be 4-D tensors [B, H, L, D] and [B, HKV, N, D]")
+    blocks = check_integer_tensor("query_blocks", query_blocks, dim=1)
+    if blocks.device != q.device:
+        raise ValueError(f"query_blocks is on {blocks.device} but q is on {q.device}")
+    blocks = blocks.to(torch.int64)
+    nqb, bq, n = index.num_q_blocks, index.block_q, index.seq_len
+    if blocks.numel() == 0 or bool(((blocks < 0) | (blocks >= nqb)).any()):
+        raise ValueError(f"query_blocks must be a non-empty list of query-block ids in [0, NQB={nqb}), got "
+                         f"{blocks.tolist()[:16]}")
+    if torch.unique(blocks).numel() != blocks.numel():
+        raise ValueError(f"query_blocks must be distinct, got {blocks.tolist()[:16]}")
+    positions = blocks.view(-1, 1) * bq + torch.arange(bq, device=q.device)  # [NQL, BQ]
+    inside = (positions < n).view(-1)
+    rows = inside.nonzero().view(-1)
+    if q.shape[2] != rows.numel():
+        raise ValueError(f"with query_blocks, q must hold the {rows.numel()} rows of the {blocks.numel()} listed "
+                         f"query blocks (BQ={bq}, N={n}), got q with {q.shape[2]} rows")
+    return blocks, rows
 
 
 def dense_block_mask_attention(
