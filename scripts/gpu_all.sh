@@ -90,7 +90,7 @@ for f in "$R"/*.log; do echo "--- $(basename "$f")"; grep -E "rc=|passed|failed|
 [ -f "$R/bench_selector.log" ] && tail -n 25 "$R/bench_selector.log"
 [ -f "$R/bench_step.log" ] && tail -n 15 "$R/bench_step.log"
 ls "$R"/bench_attention/*.md >/dev/null 2>&1 && head -n 20 "$R"/bench_attention/*.md
-for run in ddp retrieval_16k retrieval_16k_dense; do
+for run in retrieval_16k retrieval_16k_dense; do
   m=$(find "$R/$run" -name metrics.csv 2>/dev/null | head -n 1)
   [ -n "$m" ] && { echo "--- $run metrics (val rows)"; head -n 1 "$m" | cut -c1-300; grep -E "val" "$m" | tail -n 3 | cut -c1-300; }
 done
