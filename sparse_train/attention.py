@@ -356,11 +356,12 @@ class SparseAttention(nn.Module):
             ValueError: q/k/v, seq_lens, document_ids or position_ids of the wrong shape, dtype or
                 device; seq_lens values outside [0, N]; document_ids negative or decreasing (values: on
                 CPU tensors always, on CUDA with ``index_check`` "cheap"/"full", see the module docstring)."""
-        if torch.is_autocast_enabled(q.device.type):
+        if isinstance(q, Tensor) and torch.is_autocast_enabled(q.device.type):
             # as F.scaled_dot_product_attention under autocast: one compute dtype for q, k and v (a
-            # model's RoPE in fp32 hands over fp32 q and k beside a bf16 v)
+            # model's RoPE in fp32 hands over fp32 q and k beside a bf16 v); non-tensors are left for
+            # _check_inputs to name
             dtype = torch.get_autocast_dtype(q.device.type)
-            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+            q, k, v = (t.to(dtype) if isinstance(t, Tensor) else t for t in (q, k, v))
         self._check_inputs(q, k, v, seq_lens, document_ids, position_ids)
         cfg = self.config
         batch, _, seq_len, _ = q.shape

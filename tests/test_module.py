@@ -488,3 +488,6 @@ def test_autocast_casts_q_k_v_to_the_autocast_dtype():
     torch.testing.assert_close(out, want, rtol=0, atol=0)
     with pytest.raises(ValueError, match="must share a dtype"):
         layer(q, k, v)
+    for bad in ((q.tolist(), k, v), (q, "k", v)):  # bad input is still named, under autocast too
+        with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="must be a 4-D tensor"):
+            layer(*bad)
