@@ -90,8 +90,10 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
     """Time ``args.repeats`` training steps of one (context, variant) configuration."""
     device = torch.device(args.device)
     torch.manual_seed(0)
+    # No dense warm-up: the benchmark times the sparse path a trained selector runs (the module's default
+    # 500-step warm-up would make every timed step dense attention).
     sparse_cfg = dict(block_q=args.block, block_k=args.block, top_k=args.top_k, window=args.window,
-                      sinks=args.sinks, distill=args.distill, backend=args.backend)
+                      sinks=args.sinks, distill=args.distill, backend=args.backend, dense_warmup_steps=0)
     cfg = TransformerConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                             n_kv_heads=args.kv_heads, head_dim=args.head_dim, ffn_hidden=args.ffn,
                             rope_theta=args.rope_theta, tie_embeddings=False, attention=variant,
@@ -183,6 +185,8 @@ def print_table(results: list[dict[str, Any]]) -> None:
         print(f"{r['context']:>7} {r['variant']:>7} {str(r['act_ckpt']):>5} {r['forward_ms']:9.1f} "
               f"{r['backward_ms']:9.1f} {r['optimizer_ms']:8.1f} {r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} "
               f"{peak:>9} {dens:>8}")
+        if r.get("fallbacks"):
+            print(f"{'':>7} WARNING: the sparse variant left the sparse path: {r['fallbacks']}")
     by = {(r["context"], r["variant"]): r for r in results if r["status"] == "ok"}
     for n in sorted({r["context"] for r in results}):
         s, d = by.get((n, "sparse")), by.get((n, "dense"))
