@@ -3,7 +3,7 @@
 
 Each run is ``python -m sparse_train.cli fit --config <recipe> <overrides> --seed_everything=<seed>``
 in its own process and directory; up to ``--parallel`` run at once (on one GPU the small retrieval
-models share it well; on a CPU use 1). The summary reads each run's ``metrics.csv`` and keeps, per
+models share it well; on a CPU use 1). ``--gpus G`` spreads the runs over G GPUs, run i on GPU i mod G. The summary reads each run's ``metrics.csv`` and keeps, per
 run, the last value of every metric that tells whether sparse attention learns what dense learns:
 ``val/acc``, ``val/needle_recall`` (and per layer), ``attn/mass_recall_mean`` / ``attn/mass_recall_p5``
 (and per layer), ``attn/density``, the step time, plus the wall time and the final line.
@@ -98,6 +98,8 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--threads", type=int, default=None, help="OMP/MKL threads per run")
+    parser.add_argument("--gpus", type=int, default=0, help="spread the runs over this many GPUs (0: leave "
+                        "CUDA_VISIBLE_DEVICES as it is)")
     parser.add_argument("--out", default="runs/ab")
     args = parser.parse_args()
     plan = json.loads(Path(args.plan).read_text())
@@ -108,8 +110,13 @@ def main() -> None:
     env = {"PYTHONUNBUFFERED": "1"}
     if args.threads:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    def launch(numbered: tuple[int, dict]) -> dict:
+        i, job = numbered
+        gpu = {"CUDA_VISIBLE_DEVICES": str(i % args.gpus)} if args.gpus > 0 else {}
+        return run_one(job, out, args.timeout, {**env, **gpu})
+
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        results = list(pool.map(lambda job: run_one(job, out, args.timeout, env), jobs))
+        results = list(pool.map(launch, enumerate(jobs)))
     (out / "summary.json").write_text(json.dumps(results, indent=1))
     table = summarise(results)
     (out / "summary.md").write_text(table)

@@ -131,7 +131,7 @@ class SparseAttention(nn.Module):
         self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim)
         self.scorer = BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim,
                                   lr_multiplier=config.selector_lr_multiplier, key_pooling=config.key_pooling,
-                                  distance_bias=config.selector_distance_bias)
+                                  distance_bias=config.selector_distance_bias, query_pooling=config.query_pooling)
         if config.selector_rope_theta is not None:
             self.scorer.set_rope(rope_inverse_frequencies(config.selector_rope_theta, head_dim))
         # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every).
@@ -548,7 +548,8 @@ class SparseAttention(nn.Module):
             allowed = (slots >= 0) & slot_support
         target = renormalise(torch.where(allowed, target, 0.0))
         row_valid = row_valid & (target.sum(dim=-1) > 0)
-        return block_kl(target, scores, allowed, row_valid) * cfg.distill_weight
+        weight = target.amax(dim=-1) if cfg.distill_block_weight == "peak" else None
+        return block_kl(target, scores, allowed, row_valid, weight) * cfg.distill_weight
 
     def _hook_backward_timing(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor) -> None:
         inputs = [t for t in (q, k, v) if t.requires_grad]

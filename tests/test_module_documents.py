@@ -135,9 +135,9 @@ def test_distillation_target_is_document_masked(distill, monkeypatch):
 
     real_kl = distill_mod.block_kl
 
-    def spy(target, logits, allowed, row_valid):
+    def spy(target, logits, allowed, row_valid, row_weight=None):
         seen["target"], seen["allowed"] = target, allowed.expand_as(logits)
-        return real_kl(target, logits, allowed, row_valid)
+        return real_kl(target, logits, allowed, row_valid, row_weight)
 
     monkeypatch.setattr(st.attention, "block_kl", spy)
     attn(q, k, v, document_ids=ids)

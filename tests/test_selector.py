@@ -322,6 +322,90 @@ def test_block_kl_values_and_nan_safety():
     assert block_kl(target, perfect, allowed, row_valid) < 1e-6
 
 
+def test_block_kl_row_weights():
+    """``row_weight`` turns the mean over valid rows into ``sum(w * KL) / sum(w)``; invalid rows stay
+    out whatever their weight, and all-zero weights give 0, not NaN."""
+    torch.manual_seed(0)
+    target = torch.softmax(torch.randn(2, 3, 5, dtype=torch.float64) * 3, dim=-1)
+    logits = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+    allowed = torch.ones(5, dtype=torch.bool)
+    row_valid = torch.tensor([[True, True, False], [True, False, True]])
+    weight = torch.tensor([[0.5, 2.0, 100.0], [1.0, 100.0, 0.25]], dtype=torch.float64)
+    per_row = (target * (target.log() - torch.log_softmax(logits, -1))).sum(-1)
+    want = (per_row * weight)[row_valid].sum() / weight[row_valid].sum()
+    torch.testing.assert_close(block_kl(target, logits, allowed, row_valid, weight), want)
+    uniform = block_kl(target, logits, allowed, row_valid, torch.ones(2, 3, dtype=torch.float64))
+    torch.testing.assert_close(uniform, block_kl(target, logits, allowed, row_valid))
+    torch.testing.assert_close(uniform, per_row[row_valid].mean())
+    zero = block_kl(target, logits, allowed, row_valid, torch.zeros(2, 3, dtype=torch.float64))
+    assert zero == 0
+    zero.backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_peak_block_weight_weighs_each_query_block_by_its_target_peak(monkeypatch):
+    """``distill_block_weight="peak"``: the module passes each query block's largest target share as
+    its KL weight (and ``"uniform"`` passes none); the loss differs and only the selector gets gradients."""
+    import sparse_train.attention as attention_mod
+
+    seen = {}
+    real_kl = attention_mod.block_kl
+
+    def spy(target, logits, allowed, row_valid, row_weight=None):
+        seen["target"], seen["weight"] = target, row_weight
+        return real_kl(target, logits, allowed, row_valid, row_weight)
+
+    monkeypatch.setattr(attention_mod, "block_kl", spy)
+    q, k, v = make_qkv(1, 4, 2, 200, 8, seed=4, requires_grad=True)
+    losses = {}
+    for weighting in ("uniform", "peak"):
+        cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=2, window=1, sinks=1, distill="dense",
+                                       dense_warmup_steps=0, dense_fallback=False,
+                                       distill_block_weight=weighting)
+        attn = st.SparseAttention(cfg, 4, 2, 8).train()
+        attn(q, k, v)
+        losses[weighting] = attn.selector_loss
+        if weighting == "uniform":
+            assert seen["weight"] is None
+        else:
+            torch.testing.assert_close(seen["weight"], seen["target"].amax(dim=-1))
+            assert seen["weight"].min() < 0.6 * seen["weight"].max()  # the weights do differ between blocks
+            grads = torch.autograd.grad(attn.selector_loss, [q, k, attn.scorer.query_proj], allow_unused=True)
+            assert grads[0] is None and grads[1] is None and grads[2].abs().sum() > 0
+    assert not torch.isclose(losses["uniform"], losses["peak"])
+    with pytest.raises(ValueError, match="distill_block_weight"):
+        st.SparseAttentionConfig(distill_block_weight="entropy")
+
+
+def test_query_mean_max_pooling():
+    """``query_pooling="mean_max"``: qbar is [mean, element-wise max] over the block's rows and the
+    group's heads (a brute-force check), and the max half starts with zero weight, so the initial
+    scores equal those of mean pooling."""
+    torch.manual_seed(0)
+    q, k = _rand_qk(2, 4, 2, 45, 8, dtype=torch.float32)
+    lengths = torch.tensor([45, 20])
+    both = BlockScorer(num_heads=4, num_kv_heads=2, head_dim=8, selector_dim=4, query_pooling="mean_max")
+    plain = BlockScorer(num_heads=4, num_kv_heads=2, head_dim=8, selector_dim=4)
+    assert both.query_proj.shape == (2, 16, 4) and plain.query_proj.shape == (2, 8, 4)
+    qbar, kbar = both.pool(q, k, 16, 8, lengths)
+    for bi in range(2):
+        for h in range(2):
+            for i in range(3):
+                rows = [r for r in range(16 * i, min(45, 16 * i + 16)) if r < int(lengths[bi])]
+                if not rows:
+                    assert torch.all(qbar[bi, h, i] == 0)
+                    continue
+                block = q[bi, 2 * h:2 * h + 2, rows]  # [G, R, D]
+                torch.testing.assert_close(qbar[bi, h, i, :8], block.mean(dim=(0, 1)))
+                torch.testing.assert_close(qbar[bi, h, i, 8:], block.amax(dim=(0, 1)))
+    plain_qbar, plain_kbar = plain.pool(q, k, 16, 8, lengths)
+    torch.testing.assert_close(both(qbar, kbar, 0.3), plain(plain_qbar, plain_kbar, 0.3))
+    with pytest.raises(ValueError, match="query_pooling"):
+        BlockScorer(4, 2, 8, 4, query_pooling="max")
+    layer = st.SparseAttention(st.SparseAttentionConfig(query_pooling="mean_max"), 4, 2, 8)
+    assert layer.scorer.query_proj.shape == (2, 16, 32)
+
+
 def test_distillation_training_improves_selector():
     """Distill a deliberately bad selector (independent projections) toward dense block mass: the
     loss falls and the attention-mass recall closes most of the gap to the best selection of the

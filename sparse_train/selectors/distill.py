@@ -124,18 +124,21 @@ def dense_block_mass(
                                       chunk_mb=chunk_mb, document_ids=document_ids, check_values=check_values)
 
 
-def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor) -> Tensor:
-    """Mean over valid rows of ``KL(target || softmax(logits over allowed))``.
+def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor,
+             row_weight: Tensor | None = None) -> Tensor:
+    """Mean over valid rows of ``KL(target || softmax(logits over allowed))``, weighted by ``row_weight``.
 
     Args:
         target: float ``[..., M]``, zero outside ``allowed``, each valid row summing to 1 (no grad).
         logits: selector logits ``[..., M]`` (the only input with gradients).
         allowed: bool ``[..., M]`` (broadcastable): the support of the selector distribution.
         row_valid: bool ``[...]``: rows that enter the mean.
+        row_weight: optional float ``[...]``, >= 0 (no grad): the mean becomes
+            ``sum(w * KL) / sum(w)`` over valid rows; ``None`` = every valid row weighs 1.
 
     Returns:
-        Scalar float32 tensor (0 when no row is valid). Rows with nothing allowed never produce NaN
-        values or NaN gradients.
+        Scalar float32 tensor (0 when no row is valid or every valid weight is 0). Rows with nothing
+        allowed never produce NaN values or NaN gradients.
     """
     allowed = allowed.expand_as(logits)
     any_allowed = allowed.any(dim=-1, keepdim=True)
@@ -149,5 +152,8 @@ def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor)
     terms = torch.where(positive, target * (torch.log(safe_target) - safe_log_p), 0.0)
     per_row = terms.sum(dim=-1)
     valid = row_valid & any_allowed.squeeze(-1)
-    per_row = torch.where(valid, per_row, 0.0)
-    return per_row.sum() / valid.sum().clamp(min=1).to(per_row.dtype)
+    weight = valid.to(per_row.dtype) if row_weight is None else torch.where(valid, row_weight.to(per_row.dtype), 0.0)
+    per_row = torch.where(valid, per_row, 0.0) * weight
+    if row_weight is None:
+        return per_row.sum() / weight.sum().clamp(min=1)
+    return per_row.sum() / weight.sum().clamp(min=torch.finfo(per_row.dtype).tiny)
