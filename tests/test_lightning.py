@@ -181,3 +181,40 @@ def test_load_weights_rejects_mismatched_checkpoint(tmp_path):
     with pytest.raises(RuntimeError, match="does not match"):
         load_weights(model, str(tmp_path / "x.ckpt"))
     assert st.collect_selector_losses(model).item() == 0.0
+
+
+def test_fork_point_branches_resume_the_uninterrupted_run_exactly(tmp_path):
+    """A run stopped by ForkPoint after 2 steps and resumed from its checkpoint to 4 steps equals 4
+    steps straight (weights and optimizer state): same data position, same learning-rate schedule (the
+    checkpoint keeps max_steps=4, not 2). Bad arguments raise."""
+    from lightning.pytorch import Trainer
+
+    from sparse_train.lightning import ForkPoint
+
+    def fit(callbacks, ckpt_path=None):
+        torch.manual_seed(0)
+        module = SparseLMModule(TransformerConfig(**TINY, attention="sparse",
+                                                  sparse=dict(SPARSE, dense_warmup_steps=1)), warmup_steps=1)
+        dm = RetrievalDataModule(seq_len=128, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2,
+                                 val_samples=2)
+        trainer = Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          num_sanity_val_steps=0, limit_val_batches=0, accelerator="cpu", callbacks=callbacks,
+                          default_root_dir=tmp_path)
+        trainer.fit(module, dm, ckpt_path=ckpt_path, weights_only=False)  # our own file: hparams hold a config
+        return module, trainer
+
+    straight, _ = fit([])
+    fork = tmp_path / "fork" / "at2.ckpt"
+    stopped, trainer = fit([ForkPoint(2, str(fork))])
+    assert trainer.global_step == 2
+    saved = torch.load(fork, weights_only=False)
+    assert saved["global_step"] == 2
+    resumed, trainer = fit([], ckpt_path=str(fork))
+    assert trainer.global_step == 4
+    for key, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), f"the branch diverged at {key}"
+    assert not torch.equal(stopped.model.embed.weight, resumed.model.embed.weight)  # the branch did train on
+    with pytest.raises(ValueError, match="ForkPoint.step"):
+        ForkPoint(0, "x.ckpt")
+    with pytest.raises(ValueError, match="ForkPoint.path"):
+        ForkPoint(3, "")

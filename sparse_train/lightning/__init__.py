@@ -10,7 +10,7 @@ text or JSONL documents for fine-tuning.
 """
 
 from ..tasks import RetrievalTask
-from .callbacks import StepRichProgressBar, StepTimer, StepTQDMProgressBar
+from .callbacks import ForkPoint, StepRichProgressBar, StepTimer, StepTQDMProgressBar
 from .data import ByteLMDataModule, RetrievalDataModule
 from .text_data import TextDataModule
 from .model import Transformer, TransformerConfig
@@ -18,6 +18,6 @@ from .hf import HFCausalLMModule
 from .module import SparseLMModule
 from .training import CausalLMTraining, load_weights
 
-__all__ = ["StepTimer", "StepRichProgressBar", "StepTQDMProgressBar", "ByteLMDataModule", "RetrievalDataModule",
+__all__ = ["ForkPoint", "StepTimer", "StepRichProgressBar", "StepTQDMProgressBar", "ByteLMDataModule", "RetrievalDataModule",
            "TextDataModule", "RetrievalTask", "Transformer", "TransformerConfig", "SparseLMModule", "HFCausalLMModule",
            "CausalLMTraining", "load_weights"]
