@@ -206,7 +206,8 @@ def test_unchecked_query_blocks_are_clamped_not_read_out_of_bounds():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,world,extras", [
-    pytest.param(1, 8, 2, 8192, 128, 64, 64, 4, {"dropout_p": 0.1, "seq_lens": [7001]}, id="d128-b64-w4-dropout-seq_lens"),
+    pytest.param(1, 8, 2, 8192, 128, 64, 64, 4, {"dropout_p": 0.1, "seq_lens": [7001]},
+                 id="d128-b64-w4-dropout-seq_lens"),
     pytest.param(2, 4, 4, 4096, 64, 128, 64, 2, {"r0": 4}, id="d64-bq128-bk64-w2-hybrid"),
     pytest.param(1, 8, 1, 6144, 64, 64, 128, 3, {"documents": True}, id="d64-bq64-bk128-w3-documents"),
 ])

@@ -11,6 +11,9 @@ HEADS_PER_PROGRAM, HEAD_SUBSETS, M rows per tile). A KV block is "hot" when its 
 that selected it) is >= r0 and "cold" when 0 < reuse < r0; a cold slot is its position in the compact
 fp32 atomic workspace [num_cold, BK, D] (-1 for hot or unselected blocks); a KV-centric work item is a
 KV block and a chunk of at most kv_chunk query blocks of its transposed row (sparse_train/plan.py).
+Under a query-block map (HAS_QUERY_MAP, context parallelism) q, dO, lse, delta and dQ hold the L rows of
+the listed query blocks and the plan lists LOCAL query blocks; positions (masks, dropout counters) are
+global (``_jit.map_query_rows``), and dK/dV are the full-length contributions of those rows.
 
 Layers: (1) ``@triton.jit`` kernels ``_delta_kernel`` (delta), ``_dq_kernel`` (query-centric dQ; for
 cold blocks also their dK/dV contributions, by tl.atomic_add into the atomic workspace),
@@ -167,7 +170,8 @@ def _dq_kernel(
                 tl.atomic_add(DK_ATOMIC + workspace, dk_part, sem="relaxed")
                 tl.atomic_add(DV_ATOMIC + workspace, dv_part, sem="relaxed")
     dq = dq * scale
-    dq_ptrs = tile_pointers(DQ + b64 * stride_dqb + head64[:, None] * stride_dqh, qrow64, offs_d, stride_dqn, stride_dqd)
+    dq_ptrs = tile_pointers(DQ + b64 * stride_dqb + head64[:, None] * stride_dqh, qrow64, offs_d, stride_dqn,
+                            stride_dqd)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -423,7 +427,8 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if num_items > 0:
         LAST_COMPILED["dkdv"] = launch(
             _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, seq_lens_arg, docs_arg, query_map,
-            query_row0, schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv, dk_partial, dv_partial,
+            query_row0, schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv, dk_partial,
+            dv_partial,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             N, L, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
             GROUP=group, HEADS_PER_PROGRAM=config.kv_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k,

@@ -12,6 +12,10 @@ HEAD_SUBSETS = GROUP / HEADS_PER_PROGRAM subsets are separate programs); NUM_SPL
 row of the index (split-KV). The softmax runs in base 2 (m, l, exp2) with an online running max m and
 sum l; the denominator never sees dropout.
 
+Query-block map (HAS_QUERY_MAP, context parallelism): q, o and lse hold only the L rows of the listed
+global query blocks; program tiles, index rows and the rows of q/o/lse are LOCAL blocks, the positions
+of masks, document ids and dropout counters GLOBAL (``_jit.map_query_rows``).
+
 Layers: (1) ``@triton.jit`` kernels ``_fwd_kernel`` (online softmax over the selected blocks, or over
 one split of them) and ``_merge_kernel`` (exact merge of split partials); (2) the launcher
 ``sparse_attn_forward`` (allocate, grid, launch). The autograd op and the public function

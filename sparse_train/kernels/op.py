@@ -12,7 +12,9 @@ Layers: the kernels (1) and their launchers (2) are in forward.py and backward.p
 the autograd op (``sparse_train::sparse_attn_fwd`` / ``sparse_train::sparse_attn_bwd`` custom ops with
 fake impls and ``register_autograd``) and (4) the public functions ``triton_sparse_attention`` and
 ``triton_supports``. The launch schedule (plan, cold slots, split count, tiles) is
-``sparse_train.plan.attention_schedule`` of the call's ``kernel_options``.
+``sparse_train.plan.attention_schedule`` of the call's ``kernel_options``. With ``query_blocks`` (context
+parallelism) the op also carries the query-block map and the first row of each listed block
+(``query_map``, ``query_row0``), the index rows of the listed blocks and the plan built from them.
 
 Ownership of the index: ``indices``, ``counts``, ``seq_lens`` and ``document_ids`` are **copied** when
 the forward runs, and the copy is what the backward reads, so a caller that mutates or reuses these
