@@ -296,9 +296,12 @@ def context_parallel_sparse_attention(
     k_full = gather_sequence(k, 2, group)
     v_full = gather_sequence(v, 2, group)
     blocks = local_query_blocks(seq_len, index.block_q, rank, world, device=q.device)
+    # the values of seq_lens and document_ids were checked above, and the local blocks are whole and in
+    # range by construction: check_values=False spares the attention their host reads
     o, lse = sparse_attention(q, k_full, v_full, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                               seq_lens=seq_lens, document_ids=document_ids, query_blocks=blocks, backend=backend,
-                              deterministic=deterministic, kernel_options=kernel_options, return_lse=True)
+                              deterministic=deterministic, kernel_options=kernel_options, return_lse=True,
+                              check_values=False)
     return (o, lse) if return_lse else o
 
 
