@@ -1,5 +1,5 @@
 """Context parallelism: one sequence sharded over the ranks of a process group, with the exact semantics
-of the single-process op (phase 1: the attention runs on the PyTorch reference backend).
+of the single-process op (the attention on the PyTorch reference or the Triton kernels).
 
 Layout (zig-zag). With world size W the global sequence of length N is cut into 2W equal chunks of
 C = N / (2W) tokens; rank r holds chunks r and 2W-1-r, concatenated in that order. Under the causal
@@ -28,9 +28,9 @@ Communication per rank and layer: the all-gather of K and V receives ``2 * B * H
 the candidates add ``B * HKV * (NKB * P * D * 4 + NQB * k * 8) * (W-1)/W`` bytes (float32 keys, P = 2 for
 ``mean_max`` pooling; int64 candidates). ``docs/context_parallel.md`` has the numbers.
 
-Phase 1 runs the attention on the PyTorch reference (:func:`~sparse_train.kernels.reference.reference_sparse_attention`
-with ``query_blocks``: the local-query-block -> global-query-block map). The Triton kernels take that map
-in phase 2; until then ``backend="triton"`` raises.
+The attention is :func:`sparse_train.sparse_attention` with ``query_blocks``, the local-query-block ->
+global-query-block map, on either backend: the reference, or the Triton kernels (phase 2), which address
+the rows of q by local block and positions by global block.
 
 What the caller must keep identical on every rank (not checked: that would need a collective per call):
 the index, ``seq_lens``, ``document_ids``, ``scale``, ``dropout_p`` and ``dropout_seed``
@@ -47,7 +47,8 @@ from torch import Tensor
 
 from .documents import document_positions
 from .index import BlockIndex
-from .kernels.reference import reference_sparse_attention
+from .functional import choose_backend, sparse_attention
+from .plan import check_no_plan_with_query_blocks
 from .selectors.scorer import (BlockScorer, SelectionGeometry, _BucketLookup, block_distance_buckets,
                                selection_candidates)
 from .validation import (check_block_index, check_document_ids, check_dropout, check_int, check_qkv, check_scale,
@@ -67,10 +68,8 @@ __all__ = [
     "zigzag_positions",
 ]
 
-CP_BACKENDS = ("reference", "triton")
-"""Backends named by :func:`context_parallel_sparse_attention`; only ``"reference"`` runs in phase 1."""
-
-_TRITON_PENDING = "context parallelism runs on the reference backend until the kernels take a query-block map"
+CP_BACKENDS = ("auto", "triton", "reference")
+"""Backends of :func:`context_parallel_sparse_attention`, as :data:`sparse_train.functional.BACKENDS`."""
 
 
 def _functional_all_gather(autograd: bool):
@@ -229,6 +228,8 @@ def context_parallel_sparse_attention(
     document_ids: Tensor | None = None,
     backend: str = "reference",
     return_lse: bool = False,
+    deterministic: bool = False,
+    kernel_options: dict | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse attention of this rank's query rows over the whole (context-parallel) sequence.
 
@@ -243,7 +244,13 @@ def context_parallel_sparse_attention(
             so it equals the single-process bit.
         seq_lens: optional int ``[B]``, GLOBAL lengths (keys at global positions >= seq_lens[b] masked).
         document_ids: optional int ``[B, N]``, the GLOBAL document ids of packed rows.
-        backend: ``"reference"``. ``"triton"`` raises until the kernels take a query-block map (phase 2).
+        backend: ``"reference"`` (default), ``"triton"`` (the kernels with the query-block map; raises on
+            input they do not support) or ``"auto"`` (Triton on supported CUDA input, else the reference),
+            as :func:`sparse_train.sparse_attention`.
+        deterministic: bitwise-reproducible kernel gradients (Triton; the dK/dV reduce-scatter adds the
+            ranks' partials in a fixed order on gloo/NCCL rings, see their documentation).
+        kernel_options: the Triton performance options of :func:`sparse_train.sparse_attention`, less
+            ``plan`` (each call builds the plan of its local index rows).
         return_lse: also return lse ``[B, HQ, N/W]`` (natural log, fp32; fp64 for fp64 inputs).
 
     Returns:
@@ -257,11 +264,10 @@ def context_parallel_sparse_attention(
         ValueError: torch.distributed not initialised or this process outside ``group``; N not a
             multiple of ``2 * W * lcm(BQ, BK)``; local q/k/v not of length N/W, or mismatched with the
             index (batch, KV heads, device, dtype); bad seq_lens, document_ids, scale, dropout_p or
-            dropout_seed; dropout without a seed; an unknown backend or ``"triton"``. Everything is
-            checked locally before the first collective, so a bad argument raises instead of hanging.
+            dropout_seed; dropout without a seed; an unknown backend, ``"triton"`` on input the kernels do
+            not support, bad kernel_options. Everything is checked locally before the first collective,
+            so a bad argument raises instead of hanging.
     """
-    if backend == "triton":
-        raise ValueError(_TRITON_PENDING)
     if backend not in CP_BACKENDS:
         raise ValueError(f"backend must be one of {CP_BACKENDS}, got {backend!r}")
     group, world, rank = _group_info(group)
@@ -283,12 +289,19 @@ def context_parallel_sparse_attention(
         raise ValueError("dropout_p > 0 under context parallelism needs a dropout_seed, the same on every rank "
                          "(shared_dropout_seed(group) draws one)")
 
+    # backend support and the kernel options, before the first collective
+    choose_backend(q, index.block_q, index.block_k, backend)
+    check_no_plan_with_query_blocks(kernel_options)
+
     k_full = gather_sequence(k, 2, group)
     v_full = gather_sequence(v, 2, group)
     blocks = local_query_blocks(seq_len, index.block_q, rank, world, device=q.device)
-    o, lse = reference_sparse_attention(q, k_full, v_full, index, scale=scale, dropout_p=dropout_p,
-                                        dropout_seed=dropout_seed, seq_lens=seq_lens, document_ids=document_ids,
-                                        query_blocks=blocks)
+    # the values of seq_lens and document_ids were checked above, and the local blocks are whole and in
+    # range by construction: check_values=False spares the attention their host reads
+    o, lse = sparse_attention(q, k_full, v_full, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                              seq_lens=seq_lens, document_ids=document_ids, query_blocks=blocks, backend=backend,
+                              deterministic=deterministic, kernel_options=kernel_options, return_lse=True,
+                              check_values=False)
     return (o, lse) if return_lse else o
 
 

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .index import BlockIndex
-from .kernels.reference import reference_sparse_attention
-from .plan import KernelOptions
+from .kernels.reference import (check_query_blocks, global_query_stand_in, query_block_positions,
+                                reference_sparse_attention)
+from .plan import KernelOptions, check_no_plan_with_query_blocks
 from .validation import check_attention_args, check_bool, check_choice, check_inputs, draw_dropout_seed
 
 __all__ = [
@@ -51,13 +52,15 @@ def _triton_op():
     return op
 
 
-def finite_padded_queries(q: Tensor, seq_lens: Tensor) -> Tensor:
+def finite_padded_queries(q: Tensor, seq_lens: Tensor, positions: Tensor | None = None) -> Tensor:
     """q ``[B, H, N, D]`` with the non-finite entries of rows at positions >= seq_lens[b] set to 0.
 
     Rows past seq_lens are padding and are computed like any other row (they attend the valid
     keys), but a NaN there would reach the keys' gradients through the backward's row sums
-    (0 * NaN = NaN); finite padding is left as it is, so results on finite input do not change."""
-    pos = torch.arange(q.shape[2], device=q.device)
+    (0 * NaN = NaN); finite padding is left as it is, so results on finite input do not change.
+    ``positions``: int ``[L]``, the global position of each row of q when q holds only some rows
+    (``query_blocks``); default ``0..N-1``."""
+    pos = torch.arange(q.shape[2], device=q.device) if positions is None else positions
     real = pos.view(1, 1, -1, 1) < seq_lens.view(-1, 1, 1, 1)
     return torch.where(real | torch.isfinite(q), q, 0.0)
 
@@ -160,6 +163,7 @@ def sparse_attention(
     kernel_options: dict | KernelOptions | None = None,
     document_ids: Tensor | None = None,
     check_values: bool = True,
+    query_blocks: Tensor | None = None,
 ):
     """Exact softmax attention restricted to the blocks of ``index`` (plus causal, length and document masks).
 
@@ -206,10 +210,24 @@ def sparse_attention(
             value never makes a kernel read out of bounds (seq_lens are clamped to [0, N] on the device,
             document ids only decide masks) but gives a result for the clamped lengths / those masks.
             Skipped anyway while ``torch.compile`` traces.
+        query_blocks: optional int ``[NQL]`` on q's device: distinct global query-block ids, in any order
+            (the query-block map of context parallelism, :mod:`sparse_train.context_parallel`). q is then
+            ``[B, HQ, L, D]`` with L = len(query_blocks) * BQ (less by the missing rows when the short last
+            block of the sequence is listed): the rows of the listed blocks concatenated in the listed
+            order. k, v, ``index``, ``seq_lens`` and ``document_ids`` stay global (``[B, HKV, N, D]``, the
+            global index, ``[B]``, ``[B, N]``). Each row is computed exactly as in the full call: masks and
+            dropout bits at global positions, so o and lse are the full call's rows, dq its rows, and dk,
+            dv the ``[B, HKV, N, D]`` contributions of these rows (summed over the calls that cover every
+            block, they are the full call's). Both backends; the Triton kernels take the map directly
+            (rows of q by local block, positions by global block). The ids are checked (range,
+            distinctness, q's length: one host read, skipped with ``check_values=False`` when N % BQ == 0,
+            the ids then clamped into range); ``kernel_options.plan`` is refused with it (the call
+            builds the plan of its own rows).
 
     Returns:
-        ``o`` ``[B, HQ, N, D]`` in q's dtype, or ``(o, lse)`` with ``return_lse=True``. Rows with no
-        valid key give zeros (and ``lse = -inf``), never NaN.
+        ``o`` ``[B, HQ, N, D]`` (``[B, HQ, L, D]`` with ``query_blocks``) in q's dtype, or ``(o, lse)`` with
+        ``return_lse=True`` (lse ``[B, HQ, N]`` or ``[B, HQ, L]``). Rows with no valid key give zeros (and
+        ``lse = -inf``), never NaN.
 
     Raises:
         ValueError: any argument outside its domain (see :mod:`sparse_train.validation`), naming it:
@@ -217,32 +235,46 @@ def sparse_attention(
             values outside [0, N]; document_ids negative or decreasing along N; dropout_p outside
             [0, 1); dropout_seed outside [0, 2**64); an unknown kernel_options key or a value of the
             wrong type; a plan of another index; unknown backend; ``backend="triton"`` on input the
-            kernels do not support.
+            kernels do not support; query_blocks not a 1-D integer tensor on q's device, empty, out of
+            range, repeated, or q's length not that of the listed blocks; query_blocks with
+            ``kernel_options.plan``.
     """
     # Everything but the seq_lens and document_ids values (host syncs) before choosing a backend; the
     # backend that runs validates again, values included (unless check_values=False), so the syncs
     # happen at most once per call.
-    args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+    check_values = check_bool("check_values", check_values)
+    blocks = None
+    q_global = q
+    if query_blocks is not None:
+        blocks = check_query_blocks(q, k, index, query_blocks, check_values=check_values)
+        q_global = global_query_stand_in(q, index)  # k, v, index, seq_lens, document_ids are global
+    args = check_attention_args(q_global, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 seq_lens=seq_lens, kernel_options=kernel_options, seq_lens_values=False,
                                 document_ids=document_ids)
     dropout_p, dropout_seed = args.dropout_p, args.dropout_seed
     check_bool("deterministic", deterministic)
     check_bool("return_lse", return_lse)
-    check_bool("check_values", check_values)
+    if blocks is not None:
+        check_no_plan_with_query_blocks(args.kernel_options)
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = draw_dropout_seed()
     if seq_lens is not None:
-        q = finite_padded_queries(q, seq_lens)
-    chosen, _ = resolve_backend(q, k, v, index, backend, document_ids=document_ids)
+        positions = None if blocks is None else query_block_positions(blocks, index, q.shape[2])
+        q = finite_padded_queries(q, seq_lens, positions)
+    if blocks is None:
+        chosen, _ = resolve_backend(q, k, v, index, backend, document_ids=document_ids)
+    else:
+        chosen, _ = choose_backend(q, index.block_q, index.block_k, backend)  # inputs checked above
     if chosen == "triton":
         o, lse = _triton_op().triton_sparse_attention(
             q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
             deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
             kernel_options=args.kernel_options, document_ids=document_ids, check_values=check_values,
+            query_blocks=blocks,
         )
     else:
         o, lse = reference_sparse_attention(
             q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
-            document_ids=document_ids, check_values=check_values,
+            document_ids=document_ids, check_values=check_values, query_blocks=blocks,
         )
     return (o, lse) if return_lse else o

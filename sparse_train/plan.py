@@ -53,6 +53,7 @@ __all__ = [
     "backward_config",
     "block_mass_config",
     "build_plan",
+    "check_no_plan_with_query_blocks",
     "choose_num_splits",
     "cold_capacity",
     "cold_slots",
@@ -157,23 +158,35 @@ def resolve_r0(r0) -> int:
     return DEFAULT_R0 if r0 is None else r0
 
 
-def build_plan(index, r0: int | None = None) -> BlockPlan:
+def build_plan(index, r0: int | None = None, query_blocks: Tensor | None = None) -> BlockPlan:
     """The :class:`BlockPlan` of ``index`` for reuse threshold ``r0`` (default :data:`DEFAULT_R0`).
 
     No host sync and no data-dependent shape: the transposed CSR is one sort of a key per index slot
     (``(kv_row * NQB + query block)`` for a valid slot, a sentinel that sorts last for a -1 slot), so
     ``kv_qblocks`` has one entry per slot and the valid pairs come first, in KV-major order with query
-    blocks ascending. ``BlockIndex.plan`` caches the result; call that."""
+    blocks ascending. ``BlockIndex.plan`` caches the result; call that.
+
+    ``query_blocks`` (int64 ``[NQL]``, checked by the caller: ``kernels.reference.check_query_blocks``):
+    the plan of the index rows of these query blocks only (context parallelism: one rank's query
+    blocks), with LOCAL query-block ids (position in ``query_blocks``) in ``kv_qblocks``, ``reuse`` counting
+    the listed blocks only and ``max_count`` over their rows. Such a plan is never cached and has no
+    ``source`` (``check_plan`` refuses it as a ``kernel_options`` plan)."""
     r0 = resolve_r0(r0)
-    source = plan_source(index)
-    b, h, nqb, cap = index.indices.shape
+    if query_blocks is None:
+        source = plan_source(index)
+        indices, counts = index.indices, index.counts
+    else:
+        source = None
+        indices = index.indices.index_select(2, query_blocks)
+        counts = index.counts.index_select(2, query_blocks)
+    b, h, nqb, cap = indices.shape
     nkb = index.num_k_blocks
     rows = b * h * nkb
-    device = index.indices.device
+    device = indices.device
     sentinel = rows * nqb
     # int32 keys sort faster; the sentinel (the largest key) decides whether they fit
     key_dtype = torch.int32 if sentinel < 2**31 else torch.int64
-    idx = index.indices.to(key_dtype)
+    idx = indices.to(key_dtype)
     bh = torch.arange(b * h, device=device, dtype=key_dtype).view(b, h, 1, 1)
     qi = torch.arange(nqb, device=device, dtype=key_dtype).view(1, 1, nqb, 1)
     # Each (kv_row, query block) pair occurs at most once, so sorting this key gives the KV-major
@@ -189,7 +202,7 @@ def build_plan(index, r0: int | None = None) -> BlockPlan:
         hot.sum(),
         ((reuse > 0) & ~hot).sum(),
         kv_indptr[-1],
-        index.counts.to(torch.int64).max() if index.counts.numel() else zero,
+        counts.to(torch.int64).max() if counts.numel() else zero,
         reuse.max() if reuse.numel() else zero,
     ])
     return BlockPlan(
@@ -516,6 +529,14 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     )
 
 
+def check_no_plan_with_query_blocks(kernel_options) -> None:
+    """``kernel_options.plan`` is a plan of the whole index; a call with ``query_blocks`` builds the plan of
+    its own rows (:func:`build_plan`), so the two together are refused (ValueError), on both backends."""
+    if normalize_kernel_options(kernel_options).plan is not None:
+        raise ValueError("kernel_options.plan cannot be combined with query_blocks: a plan covers every query "
+                         "block of its index, and a call with query_blocks builds the plan of its own rows")
+
+
 class AttentionSchedule(NamedTuple):
     """Everything the Triton attention needs besides the tensors (see :func:`attention_schedule`)."""
 
@@ -530,7 +551,7 @@ class AttentionSchedule(NamedTuple):
 
 
 def attention_schedule(index, group: int, head_dim: int, device, kernel_options=None,
-                       deterministic: bool = False) -> AttentionSchedule:
+                       deterministic: bool = False, query_blocks: Tensor | None = None) -> AttentionSchedule:
     """The launch schedule of one attention call over ``index``: its plan (``kernel_options.plan``, or
     ``index.plan(r0)``), the cold slots (none in deterministic mode: every block KV-centric), the
     atomic workspace size and the split count (``kernel_options.num_splits`` or
@@ -538,16 +559,28 @@ def attention_schedule(index, group: int, head_dim: int, device, kernel_options=
     of every kernel. ``group`` = HQ / HKV, ``device`` the one the kernels run on.
 
     Every number here follows from shapes and options, never from the selection's values, so building
-    the schedule reads nothing back to the host (CUDA-graph capture, ``torch.compile(fullgraph=True)``)."""
+    the schedule reads nothing back to the host (CUDA-graph capture, ``torch.compile(fullgraph=True)``).
+
+    ``query_blocks`` (checked int64 ``[NQL]``): the schedule of a call that computes only these query
+    blocks (context parallelism): the plan of their index rows (:func:`build_plan` with
+    ``query_blocks``, built per call; ``kernel_options.plan`` is refused) and the split count of NQL
+    query blocks.
+
+    Raises:
+        ValueError: ``kernel_options.plan`` together with ``query_blocks``."""
     options = normalize_kernel_options(kernel_options)
-    plan = options.plan if options.plan is not None else index.plan(options.r0)
+    if query_blocks is not None:
+        check_no_plan_with_query_blocks(options)
+        plan = build_plan(index, options.r0, query_blocks=query_blocks)
+    else:
+        plan = options.plan if options.plan is not None else index.plan(options.r0)
     slots = cold_slots(plan.hot, plan.reuse, deterministic)
     cold = cold_capacity(plan.reuse.numel(), plan.r0, deterministic)
     forward = forward_config(group, index.block_q, index.block_k, head_dim, options)
     backward = backward_config(group, index.block_q, index.block_k, head_dim, cold > 0, options)
     num_splits = options.num_splits or forward_num_splits(
-        index.num_q_blocks, index.batch, index.num_kv_heads, group, forward.heads_per_program,
-        index.capacity, device)
+        index.num_q_blocks if query_blocks is None else query_blocks.numel(), index.batch, index.num_kv_heads,
+        group, forward.heads_per_program, index.capacity, device)
     return AttentionSchedule(plan, slots, cold, num_splits, forward, backward)
 
 

@@ -12,8 +12,9 @@ import math
 import triton
 import triton.language as tl
 
-__all__ = ["LN2", "LOG2E", "crosses_documents", "documents_row", "dot", "dropout_keep", "index_row", "last_document", "mask_scores",
-           "load_documents", "load_rows", "log2_lse", "query_tile", "sequence_length", "tile_pointers", "tile_row_slice", "tile_rows"]
+__all__ = ["LN2", "LOG2E", "crosses_documents", "documents_row", "dot", "dropout_keep", "index_row", "last_document",
+           "load_documents", "load_rows", "log2_lse", "map_query_rows", "mask_scores", "query_documents", "query_tile",
+           "sequence_length", "tile_pointers", "tile_row_slice", "tile_rows"]
 
 LOG2E = tl.constexpr(math.log2(math.e))
 """log2(e): the kernels run the softmax in base 2, exp(x) = exp2(x * LOG2E) (host side: ``LOG2E.value``)."""
@@ -72,6 +73,28 @@ def query_tile(NQB, HKV, GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, B
 
 
 @triton.jit
+def map_query_rows(QUERY_MAP, QUERY_ROW0, local_block, position, BLOCK_Q: tl.constexpr,
+                   HAS_QUERY_MAP: tl.constexpr):
+    """Rows of LOCAL query block ``local_block`` under a query-block map (context parallelism): q, o,
+    lse, dO and dQ hold only the rows of the listed global blocks, while positions (masks, dropout
+    counters, document ids) are global. ``position`` int32 ``[R]``: the rows as ``local_block * BQ + r``
+    (what :func:`tile_rows` gives for the local block). Returns (global query block, global positions
+    int32 ``[R]``, rows of q/o/lse int64 ``[R]``): the global block is ``QUERY_MAP[local_block]``, the first
+    row of the block in q is ``QUERY_ROW0[local_block]`` (int64: a short last block listed before
+    others shifts the rows after it). Without a map (``HAS_QUERY_MAP`` False) local is global."""
+    if HAS_QUERY_MAP:
+        global_block = tl.load(QUERY_MAP + local_block)
+        offset = position - local_block * BLOCK_Q
+        global_position = global_block * BLOCK_Q + offset
+        row = tl.load(QUERY_ROW0 + local_block) + offset.to(tl.int64)
+    else:
+        global_block = local_block
+        global_position = position
+        row = position.to(tl.int64)
+    return global_block, global_position, row
+
+
+@triton.jit
 def index_row(INDICES, COUNTS, b64, kv_head64, query_block64, stride_ib, stride_ih, stride_iq,
               stride_cb, stride_ch, stride_cq):
     """(pointer to the first slot, number of valid slots) of the index row of one query block."""
@@ -122,6 +145,23 @@ def last_document(docs_row, first, LENGTH: tl.constexpr, N):
     """Document id of the last real position of the block of ``LENGTH`` positions from ``first`` (the
     last block may be cut by N): the block's largest id, since ids are non-decreasing."""
     return tl.load(docs_row + tl.minimum(first + LENGTH, N) - 1)
+
+
+@triton.jit
+def query_documents(DOCS, b64, positions, query_first, N, BLOCK_Q: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """The query side of the document mask of one tile (:func:`mask_scores`): (pointer to batch row b's
+    document ids, document id of each query ``positions`` int32 ``[M]``, document id of the last real
+    query of the block starting at ``query_first``). Without documents the three are unused
+    placeholders of the right kinds (``DOCS``, ``positions``, 0)."""
+    if HAS_DOCS:
+        docs_row = documents_row(DOCS, b64, N)
+        doc_q = load_documents(docs_row, positions, N)
+        doc_q_last = last_document(docs_row, query_first, BLOCK_Q, N)
+    else:
+        docs_row = DOCS
+        doc_q = positions
+        doc_q_last = 0
+    return docs_row, doc_q, doc_q_last
 
 
 @triton.jit

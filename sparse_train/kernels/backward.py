@@ -11,6 +11,9 @@ HEADS_PER_PROGRAM, HEAD_SUBSETS, M rows per tile). A KV block is "hot" when its 
 that selected it) is >= r0 and "cold" when 0 < reuse < r0; a cold slot is its position in the compact
 fp32 atomic workspace [num_cold, BK, D] (-1 for hot or unselected blocks); a KV-centric work item is a
 KV block and a chunk of at most kv_chunk query blocks of its transposed row (sparse_train/plan.py).
+Under a query-block map (HAS_QUERY_MAP, context parallelism) q, dO, lse, delta and dQ hold the L rows of
+the listed query blocks and the plan lists LOCAL query blocks; positions (masks, dropout counters) are
+global (``_jit.map_query_rows``), and dK/dV are the full-length contributions of those rows.
 
 Layers: (1) ``@triton.jit`` kernels ``_delta_kernel`` (delta), ``_dq_kernel`` (query-centric dQ; for
 cold blocks also their dK/dV contributions, by tl.atomic_add into the atomic workspace),
@@ -45,7 +48,9 @@ from ._jit import (
     load_documents,
     load_rows,
     log2_lse,
+    map_query_rows,
     mask_scores,
+    query_documents,
     query_tile,
     sequence_length,
     tile_pointers,
@@ -91,7 +96,8 @@ def _delta_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, INDICES, COUNTS, SEQ_LENS, DOCS, COLD_SLOTS, DQ, DK_ATOMIC, DV_ATOMIC,
+    Q, K, V, DO, LSE, DELTA, INDICES, COUNTS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, COLD_SLOTS, DQ, DK_ATOMIC,
+    DV_ATOMIC,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -99,20 +105,27 @@ def _dq_kernel(
     stride_dqb, stride_dqh, stride_dqn, stride_dqd,
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
-    N, HQ, HKV, NQB, NKB, scale_log2, scale, seed, threshold, inv_keep,
+    N, L, HQ, HKV, NQB, NKB, scale_log2, scale, seed, threshold, inv_keep,
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, HAS_COLD: tl.constexpr,
-    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr,
+    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr,
 ):
     M: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
+    # qb: the LOCAL query block (index row, rows of q/dO/lse/dQ); qb_global, qpos: GLOBAL (masks, dropout)
     qb, b, hkv, head, qpos = query_tile(NQB, HKV, GROUP, HEADS_PER_PROGRAM, BLOCK_Q, True)  # head, qpos: [M]
+    qb_global, qpos, qrow64 = map_query_rows(QUERY_MAP, QUERY_ROW0, qb, qpos, BLOCK_Q, HAS_QUERY_MAP)
     b64, hkv64, head64, qpos64 = b.to(tl.int64), hkv.to(tl.int64), head.to(tl.int64), qpos.to(tl.int64)
     row_ok = qpos < N
     offs_d = tl.arange(0, HEAD_DIM)
     offs_k = tl.arange(0, BLOCK_K)
-    q = load_rows(Q, b64, head64, qpos64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, row_ok)  # [M, D]
-    do = load_rows(DO, b64, head64, qpos64, offs_d, stride_dob, stride_doh, stride_don, stride_dod, row_ok)  # [M, D]
-    row = (b64 * HQ + head64) * N + qpos64  # [M] row of lse / delta (contiguous [B, HQ, N])
+    q = load_rows(Q, b64, head64, qrow64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, row_ok)  # [M, D]
+    do = load_rows(DO, b64, head64, qrow64, offs_d, stride_dob, stride_doh, stride_don, stride_dod, row_ok)  # [M, D]
+    if HAS_QUERY_MAP:
+        row = (b64 * HQ + head64) * L + qrow64  # [M] row of lse / delta (contiguous [B, HQ, L])
+        row_counter = ((b64 * HQ + head64) * N + qpos64) * N  # [M] dropout counter of (row, key 0), global
+    else:
+        row = (b64 * HQ + head64) * N + qpos64  # [M] row of lse / delta (contiguous [B, HQ, N])
+        row_counter = row * N
     lse2 = log2_lse(tl.load(LSE + row, mask=row_ok, other=float("-inf")))
     delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
     seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
@@ -121,14 +134,8 @@ def _dq_kernel(
     k_base = K + b64 * stride_kb + hkv64 * stride_kh
     v_base = V + b64 * stride_vb + hkv64 * stride_vh
     cold_slot_row = COLD_SLOTS + (b64 * HKV + hkv64) * NKB
-    q_first = qb * BLOCK_Q
-    row_counter = row * N  # [M] dropout counter of (row, key 0)
-    if HAS_DOCS:
-        docs_row = documents_row(DOCS, b64, N)
-        doc_q = load_documents(docs_row, qpos, N)  # [M]
-        doc_q_last = last_document(docs_row, q_first, BLOCK_Q, N)
-    else:
-        docs_row, doc_q, doc_q_last = DOCS, qpos, 0  # unused placeholders (mask_scores)
+    q_first = qb_global * BLOCK_Q
+    docs_row, doc_q, doc_q_last = query_documents(DOCS, b64, qpos, q_first, N, BLOCK_Q, HAS_DOCS)
 
     dq = tl.zeros([M, HEAD_DIM], tl.float32)
     for t in range(0, count):
@@ -163,13 +170,14 @@ def _dq_kernel(
                 tl.atomic_add(DK_ATOMIC + workspace, dk_part, sem="relaxed")
                 tl.atomic_add(DV_ATOMIC + workspace, dv_part, sem="relaxed")
     dq = dq * scale
-    dq_ptrs = tile_pointers(DQ + b64 * stride_dqb + head64[:, None] * stride_dqh, qpos64, offs_d, stride_dqn, stride_dqd)
+    dq_ptrs = tile_pointers(DQ + b64 * stride_dqb + head64[:, None] * stride_dqh, qrow64, offs_d, stride_dqn,
+                            stride_dqd)
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, KV_QBLOCKS, SEQ_LENS, DOCS, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
+    Q, K, V, DO, LSE, DELTA, KV_QBLOCKS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
     DK, DV, DK_PARTIAL, DV_PARTIAL,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -177,10 +185,10 @@ def _dkdv_kernel(
     stride_dob, stride_doh, stride_don, stride_dod,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    N, HQ, HKV, NKB, scale_log2, scale, seed, threshold, inv_keep,
+    N, L, HQ, HKV, NKB, scale_log2, scale, seed, threshold, inv_keep,
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
-    HAS_DOCS: tl.constexpr, TILE_ROWS: tl.constexpr,
+    HAS_DOCS: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr,
 ):
     # one work item = one KV block and a chunk [t0, t1) of its transposed row (the query blocks that
     # selected it); long rows (sinks, popular blocks) are chunked so no program becomes the long pole
@@ -224,15 +232,22 @@ def _dkdv_kernel(
         t = u // STEPS_PER_BLOCK
         head_subset = (u % STEPS_PER_BLOCK) // ROW_SLICES
         first_row = (u % ROW_SLICES) * TILE_ROWS
-        qb = tl.load(KV_QBLOCKS + t)
+        qb_local = tl.load(KV_QBLOCKS + t)  # the plan lists LOCAL query blocks under a query-block map
         # [M] each, M = TILE_ROWS; the masks below test the whole query block (a superset of the slice)
-        head, qpos = tile_row_slice(qb, hkv, head_subset, first_row, TILE_ROWS, GROUP, HEADS_PER_PROGRAM, BLOCK_Q)
+        head, qpos = tile_row_slice(qb_local, hkv, head_subset, first_row, TILE_ROWS, GROUP, HEADS_PER_PROGRAM,
+                                    BLOCK_Q)
+        qb, qpos, qrow64 = map_query_rows(QUERY_MAP, QUERY_ROW0, qb_local, qpos, BLOCK_Q, HAS_QUERY_MAP)
         head64 = head.to(tl.int64)
         qpos64 = qpos.to(tl.int64)
         q_ok = qpos < N
-        q = load_rows(Q, b64, head64, qpos64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, q_ok)  # [M, D]
-        do = load_rows(DO, b64, head64, qpos64, offs_d, stride_dob, stride_doh, stride_don, stride_dod, q_ok)  # [M, D]
-        row = (b64 * HQ + head64) * N + qpos64  # [M]
+        q = load_rows(Q, b64, head64, qrow64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, q_ok)  # [M, D]
+        do = load_rows(DO, b64, head64, qrow64, offs_d, stride_dob, stride_doh, stride_don, stride_dod, q_ok)  # [M, D]
+        if HAS_QUERY_MAP:
+            row = (b64 * HQ + head64) * L + qrow64  # [M] row of lse / delta ([B, HQ, L])
+            counter_row = (b64 * HQ + head64) * N + qpos64  # [M] global (b, h, q) of the dropout counters
+        else:
+            row = (b64 * HQ + head64) * N + qpos64  # [M]
+            counter_row = row
         lse2 = log2_lse(tl.load(LSE + row, mask=q_ok, other=float("-inf")))
         delta = tl.load(DELTA + row, mask=q_ok, other=0.0)
         st = dot(k, tl.trans(q), IEEE)  # [BK, M] = S^T
@@ -250,7 +265,7 @@ def _dkdv_kernel(
                 st = tl.where(ok, st, float("-inf"))
         pt = tl.exp2(st - lse2[None, :])  # [BK, M]
         if DROPOUT:
-            keep = dropout_keep(seed, row[None, :] * N + kpos64[:, None], threshold)
+            keep = dropout_keep(seed, counter_row[None, :] * N + kpos64[:, None], threshold)
             zt = tl.where(keep, pt * inv_keep, 0.0)
             dpt = tl.where(keep, dpt * inv_keep, 0.0)
         else:
@@ -318,7 +333,7 @@ def _dkdv_finish_kernel(
 # ----------------------------------------------------------------------------------------------
 def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, num_cold,
                          *, block_q, block_k, scale, seq_lens=None, dlse=None, dropout_p=0.0, dropout_seed=0,
-                         config=None, stage_events=None, document_ids=None):
+                         config=None, stage_events=None, document_ids=None, query_map=None, query_row0=None):
     """Launch the backward.  ``slots`` from ``plan.cold_slots`` (int32 ``[B*HKV*NKB]``); ``num_cold`` =
     blocks of the atomic workspace, at least the number of slots >= 0 (``plan.cold_capacity``: a shape
     bound; 0 when no block is cold, e.g. in deterministic mode); ``config``: a ``plan.BackwardConfig`` (default
@@ -328,8 +343,16 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     or None, the forward's.  No validation here (op.py validates), but every tensor argument is either
     passed with its strides (q, k, v, o, do, indices, counts) or made contiguous here (lse, dlse,
     seq_lens, document_ids and the plan arrays kv_indptr, kv_qblocks, slots, which the kernels index
-    without strides)."""
-    B, HQ, N, D = q.shape
+    without strides).
+
+    Query-block map (context parallelism; see ``forward.sparse_attn_forward``): with ``query_map`` /
+    ``query_row0`` q, o, do, lse (and dlse) hold the ``L`` rows of the listed query blocks, indices /
+    counts the index rows of those blocks, and the plan (kv_indptr, kv_qblocks, slots) is built from those
+    rows (``plan.build_plan(index, r0, query_blocks=...)``: LOCAL query-block ids). dq comes back
+    ``[B, HQ, L, D]``; dk, dv are the full ``[B, HKV, N, D]`` contributions of these query rows (zero where
+    no listed block selected a key block)."""
+    B, HQ, L, D = q.shape
+    N = k.shape[2]
     HKV = k.shape[1]
     group = HQ // HKV
     NQB = indices.shape[2]
@@ -350,14 +373,20 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     docs_arg = kernel_document_ids(document_ids, counts)
     has_docs = document_ids is not None
     seed = philox_key(dropout_seed)
+    has_map = query_map is not None
+    if has_map:
+        query_map = query_map.to(torch.int32).contiguous()  # indexed without strides
+        query_row0 = query_row0.to(torch.int64).contiguous()
+    else:
+        query_map = query_row0 = counts  # unused
 
     if stage_events:
         stage_events[0].record()
-    delta = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
+    delta = torch.empty((B, HQ, L), device=q.device, dtype=torch.float32)
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
-    _delta_kernel[(triton.cdiv(N, _DELTA_ROWS), B * HQ)](
-        o, do, delta, dlse if dlse is not None else delta, *o.stride(), *do.stride(), N, HQ,
+    _delta_kernel[(triton.cdiv(L, _DELTA_ROWS), B * HQ)](
+        o, do, delta, dlse if dlse is not None else delta, *o.stride(), *do.stride(), L, HQ,
         BLOCK_ROWS=_DELTA_ROWS, HEAD_DIM=D, HAS_DLSE=dlse is not None, num_warps=4)
     # sized from shapes (no host read of the real item count): padding items return at once
     num_items, num_parts = kv_schedule_capacity(kv_indptr.numel() - 1, NQB, kv_qblocks.numel(), config.kv_chunk)
@@ -375,7 +404,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         dv_partial = torch.empty((schedule.total_parts, block_k, D), device=q.device, dtype=torch.float32)
     else:
         dk_partial = dv_partial = delta  # unused
-    dq = torch.empty((B, HQ, N, D), device=q.device, dtype=q.dtype)
+    dq = torch.empty((B, HQ, L, D), device=q.device, dtype=q.dtype)
     dk = torch.empty((B, HKV, N, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, HKV, N, D), device=q.device, dtype=v.dtype)
     if stage_events:
@@ -383,26 +412,29 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     scale_log2 = float(scale * LOG2E.value)
     LAST_COMPILED["dq"] = launch(
         _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
-        q, k, v, do, lse, delta, indices, counts, seq_lens_arg, docs_arg, slots, dq, dk_atomic, dv_atomic,
+        q, k, v, do, lse, delta, indices, counts, seq_lens_arg, docs_arg, query_map, query_row0, slots, dq,
+        dk_atomic, dv_atomic,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
         *indices.stride(), *counts.stride(),
-        N, HQ, HKV, NQB, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
+        N, L, HQ, HKV, NQB, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
         GROUP=group, HEADS_PER_PROGRAM=config.dq_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
         HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee, HAS_DOCS=has_docs,
-        num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
+        HAS_QUERY_MAP=has_map, num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
     )
     if stage_events:
         stage_events[2].record()
     num_items = schedule.item_row.numel()
     if num_items > 0:
         LAST_COMPILED["dkdv"] = launch(
-            _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, seq_lens_arg, docs_arg,
-            schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv, dk_partial, dv_partial,
+            _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, seq_lens_arg, docs_arg, query_map,
+            query_row0, schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv, dk_partial,
+            dv_partial,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-            N, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
+            N, L, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
             GROUP=group, HEADS_PER_PROGRAM=config.kv_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k,
             HEAD_DIM=D, HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, IEEE=ieee, HAS_DOCS=has_docs,
-            TILE_ROWS=config.kv_tile_rows, num_warps=config.kv_num_warps, num_stages=config.kv_num_stages,
+            TILE_ROWS=config.kv_tile_rows, HAS_QUERY_MAP=has_map, num_warps=config.kv_num_warps,
+            num_stages=config.kv_num_stages,
         )
     _dkdv_finish_kernel[(NKB, B * HKV)](
         slots, schedule.part_start, schedule.num_parts, dk, dv, dk_atomic, dv_atomic, dk_partial, dv_partial,

@@ -12,6 +12,10 @@ HEAD_SUBSETS = GROUP / HEADS_PER_PROGRAM subsets are separate programs); NUM_SPL
 row of the index (split-KV). The softmax runs in base 2 (m, l, exp2) with an online running max m and
 sum l; the denominator never sees dropout.
 
+Query-block map (HAS_QUERY_MAP, context parallelism): q, o and lse hold only the L rows of the listed
+global query blocks; program tiles, index rows and the rows of q/o/lse are LOCAL blocks, the positions
+of masks, document ids and dropout counters GLOBAL (``_jit.map_query_rows``).
+
 Layers: (1) ``@triton.jit`` kernels ``_fwd_kernel`` (online softmax over the selected blocks, or over
 one split of them) and ``_merge_kernel`` (exact merge of split partials); (2) the launcher
 ``sparse_attn_forward`` (allocate, grid, launch). The autograd op and the public function
@@ -34,14 +38,13 @@ from ..plan import forward_config
 from ._jit import (
     LN2,
     LOG2E,
-    documents_row,
     dot,
     dropout_keep,
     index_row,
-    last_document,
-    load_documents,
     load_rows,
+    map_query_rows,
     mask_scores,
+    query_documents,
     query_tile,
     sequence_length,
     tile_pointers,
@@ -59,7 +62,7 @@ _MERGE_ROWS = 32  # rows per program of the merge kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, INDICES, COUNTS, SEQ_LENS, DOCS, PARTIAL_O, PARTIAL_M, PARTIAL_L,
+    Q, K, V, O, LSE, INDICES, COUNTS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, PARTIAL_O, PARTIAL_M, PARTIAL_L,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -67,19 +70,21 @@ def _fwd_kernel(
     stride_lb, stride_lh, stride_ln,
     stride_ib, stride_ih, stride_iq, stride_ik,
     stride_cb, stride_ch, stride_cq,
-    N, HQ, HKV, NQB, scale_log2, seed, threshold, inv_keep,
+    N, L, HQ, HKV, NQB, scale_log2, seed, threshold, inv_keep,
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr,
+    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr,
 ):
     M: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
+    # qb: the LOCAL query block (index row, rows of q/o/lse); qb_global, qpos: GLOBAL (masks, dropout)
     qb, b, hkv, head, qpos = query_tile(NQB, HKV, GROUP, HEADS_PER_PROGRAM, BLOCK_Q, True)  # head, qpos: [M]
+    qb_global, qpos, qrow64 = map_query_rows(QUERY_MAP, QUERY_ROW0, qb, qpos, BLOCK_Q, HAS_QUERY_MAP)
     split = tl.program_id(2)
     b64, hkv64, head64, qpos64 = b.to(tl.int64), hkv.to(tl.int64), head.to(tl.int64), qpos.to(tl.int64)
     row_ok = qpos < N
     offs_d = tl.arange(0, HEAD_DIM)
     offs_k = tl.arange(0, BLOCK_K)
-    q = load_rows(Q, b64, head64, qpos64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, row_ok)  # [M, D]
+    q = load_rows(Q, b64, head64, qrow64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, row_ok)  # [M, D]
     seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
     selected, count = index_row(INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq,
                              stride_cb, stride_ch, stride_cq)
@@ -89,19 +94,14 @@ def _fwd_kernel(
     hi = tl.minimum(lo + per_split, count)
     k_base = K + b64 * stride_kb + hkv64 * stride_kh
     v_base = V + b64 * stride_vb + hkv64 * stride_vh
-    q_first = qb * BLOCK_Q  # first query of the tile
+    q_first = qb_global * BLOCK_Q  # first (global) query of the tile
     # float scalars arrive as fp32 from a direct launch but as fp64 from a graph inductor compiled (the
     # distillation path launches this kernel outside the custom op): keep the softmax state fp32
     scale_log2 = tl.cast(scale_log2, tl.float32)
     inv_keep = tl.cast(inv_keep, tl.float32)
     # dropout counter of (row, key) = row_counter + k, row_counter = ((b*HQ + h)*N + q)*N
     row_counter = ((b64 * HQ + head64) * N + qpos64) * N  # [M]
-    if HAS_DOCS:
-        docs_row = documents_row(DOCS, b64, N)
-        doc_q = load_documents(docs_row, qpos, N)  # [M]
-        doc_q_last = last_document(docs_row, q_first, BLOCK_Q, N)
-    else:
-        docs_row, doc_q, doc_q_last = DOCS, qpos, 0  # unused placeholders (mask_scores)
+    docs_row, doc_q, doc_q_last = query_documents(DOCS, b64, qpos, q_first, N, BLOCK_Q, HAS_DOCS)
 
     m_i = tl.full([M], float("-inf"), tl.float32)
     l_i = tl.zeros([M], tl.float32)
@@ -136,12 +136,16 @@ def _fwd_kernel(
         l_safe = tl.where(empty, 1.0, l_i)
         o = acc * (inv_keep / l_safe)[:, None]
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-        o_ptrs = tile_pointers(O + b64 * stride_ob + head64[:, None] * stride_oh, qpos64, offs_d, stride_on, stride_od)
+        o_ptrs = tile_pointers(O + b64 * stride_ob + head64[:, None] * stride_oh, qrow64, offs_d, stride_on, stride_od)
         tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + b64 * stride_lb + head64 * stride_lh + qpos64 * stride_ln, lse, mask=row_ok)
+        tl.store(LSE + b64 * stride_lb + head64 * stride_lh + qrow64 * stride_ln, lse, mask=row_ok)
     else:
-        # partial state (m in the log2 domain, l, unnormalised acc) in workspaces [NUM_SPLITS, B*HQ*N(, D)]
-        partial_row = (split * (tl.num_programs(1) // HKV) * HQ + b64 * HQ + head64) * N + qpos64  # [M]
+        # partial state (m in the log2 domain, l, unnormalised acc) in workspaces [NUM_SPLITS, B*HQ*L(, D)]
+        if HAS_QUERY_MAP:
+            rows_per_head = L
+        else:
+            rows_per_head = N
+        partial_row = (split * (tl.num_programs(1) // HKV) * HQ + b64 * HQ + head64) * rows_per_head + qrow64  # [M]
         tl.store(PARTIAL_O + partial_row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(PARTIAL_M + partial_row, m_i, mask=row_ok)
         tl.store(PARTIAL_L + partial_row, l_i, mask=row_ok)
@@ -156,7 +160,8 @@ def _merge_kernel(
     NUM_SPLITS: tl.constexpr, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     # exact merge of split partials: m = max_s m_s; l = sum_s 2^(m_s - m) l_s; o = sum_s 2^(m_s - m) o_s / l
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # global row (b*HQ + h)*N + q
+    # N here: the rows per (batch, head) of o (L under a query-block map)
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # row (b*HQ + h)*N + q
     ok = rows < TOTAL_ROWS
     inv_keep = tl.cast(inv_keep, tl.float32)  # fp64 when launched from an inductor graph (see _fwd_kernel)
     rows64 = rows.to(tl.int64)
@@ -189,29 +194,44 @@ def _merge_kernel(
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
 def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, seq_lens=None,
-                        dropout_p=0.0, dropout_seed=0, num_splits=1, config=None, document_ids=None):
+                        dropout_p=0.0, dropout_seed=0, num_splits=1, config=None, document_ids=None,
+                        query_map=None, query_row0=None):
     """Launch the forward.  q ``[B, HQ, N, D]``; k, v ``[B, HKV, N, D]``; indices int32 ``[B, HKV, NQB, K]``;
     counts int32 ``[B, HKV, NQB]``; seq_lens int ``[B]`` or None; document_ids int ``[B, N]`` (non-decreasing)
     or None.  Returns (o ``[B, HQ, N, D]`` in q's
     dtype, lse ``[B, HQ, N]`` float32).  ``config``: a ``plan.ForwardConfig`` (default
-    ``plan.forward_config``).  No validation here (op.py
-    validates before calling), but every tensor argument is either passed with its strides or made
-    contiguous here, and ``dropout_seed`` may be any int whose low 64 bits are the Philox key."""
-    B, HQ, N, D = q.shape
+    ``plan.forward_config``).
+
+    Query-block map (context parallelism): ``query_map`` int32 ``[NQL]``, the global query block of each
+    local block, and ``query_row0`` int64 ``[NQL]``, its first row in q (``kernels.reference.query_block_layout``);
+    then q is ``[B, HQ, L, D]`` (the listed blocks' rows), indices / counts hold the index rows of the listed
+    blocks (``[B, HKV, NQL, K]`` / ``[B, HKV, NQL]``), and o / lse come back ``[B, HQ, L, D]`` / ``[B, HQ, L]``.
+
+    No validation here (op.py validates before calling), but every tensor argument is either passed with
+    its strides or made contiguous here, and ``dropout_seed`` may be any int whose low 64 bits are the
+    Philox key."""
+    B, HQ, L, D = q.shape
+    N = k.shape[2]
     HKV = k.shape[1]
     group = HQ // HKV
     NQB = indices.shape[2]
     if config is None:
         config = forward_config(group, block_q, block_k, D)
     heads_per_program = config.heads_per_program
-    o = torch.empty((B, HQ, N, D), device=q.device, dtype=q.dtype)
-    lse = torch.empty((B, HQ, N), device=q.device, dtype=torch.float32)
+    o = torch.empty((B, HQ, L, D), device=q.device, dtype=q.dtype)
+    lse = torch.empty((B, HQ, L), device=q.device, dtype=torch.float32)
     dropout = dropout_p > 0.0
     threshold = int(dropout_threshold(dropout_p)) if dropout else 0
     inv_keep = 1.0 / (1.0 - dropout_p) if dropout else 1.0
     grid = (NQB * (group // heads_per_program), B * HKV, num_splits)
     seq_lens_arg = kernel_seq_lens(seq_lens, N, counts)
-    total_rows = B * HQ * N
+    total_rows = B * HQ * L
+    has_map = query_map is not None
+    if has_map:
+        query_map = query_map.to(torch.int32).contiguous()  # indexed without strides
+        query_row0 = query_row0.to(torch.int64).contiguous()
+    else:
+        query_map = query_row0 = counts  # unused
     if num_splits > 1:
         partial_o = torch.empty((num_splits, total_rows, D), device=q.device, dtype=torch.float32)
         partial_m = torch.empty((num_splits, total_rows), device=q.device, dtype=torch.float32)
@@ -220,17 +240,18 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
         partial_o = partial_m = partial_l = lse  # unused
     LAST_COMPILED["fwd"] = launch(
         _fwd_kernel, grid, q, k, v, o, lse, indices, counts, seq_lens_arg, kernel_document_ids(document_ids, counts),
-        partial_o, partial_m, partial_l,
+        query_map, query_row0, partial_o, partial_m, partial_l,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         *indices.stride(), *counts.stride(),
-        N, HQ, HKV, NQB, float(scale * LOG2E.value), philox_key(dropout_seed), threshold, inv_keep,
+        N, L, HQ, HKV, NQB, float(scale * LOG2E.value), philox_key(dropout_seed), threshold, inv_keep,
         GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
         HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        HAS_DOCS=document_ids is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        HAS_DOCS=document_ids is not None, HAS_QUERY_MAP=has_map, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(triton.cdiv(total_rows, _MERGE_ROWS),)](
-            o, lse, partial_o, partial_m, partial_l, *o.stride(), *lse.stride(), N, HQ, inv_keep, total_rows,
+            o, lse, partial_o, partial_m, partial_l, *o.stride(), *lse.stride(), L, HQ, inv_keep, total_rows,
             NUM_SPLITS=num_splits, BLOCK_ROWS=_MERGE_ROWS, HEAD_DIM=D, num_warps=4,
         )
     return o, lse

@@ -12,7 +12,9 @@ Layers: the kernels (1) and their launchers (2) are in forward.py and backward.p
 the autograd op (``sparse_train::sparse_attn_fwd`` / ``sparse_train::sparse_attn_bwd`` custom ops with
 fake impls and ``register_autograd``) and (4) the public functions ``triton_sparse_attention`` and
 ``triton_supports``. The launch schedule (plan, cold slots, split count, tiles) is
-``sparse_train.plan.attention_schedule`` of the call's ``kernel_options``.
+``sparse_train.plan.attention_schedule`` of the call's ``kernel_options``. With ``query_blocks`` (context
+parallelism) the op also carries the query-block map and the first row of each listed block
+(``query_map``, ``query_row0``), the index rows of the listed blocks and the plan built from them.
 
 Ownership of the index: ``indices``, ``counts``, ``seq_lens`` and ``document_ids`` are **copied** when
 the forward runs, and the copy is what the backward reads, so a caller that mutates or reuses these
@@ -43,6 +45,7 @@ from ..plan import BackwardConfig, ForwardConfig, attention_schedule
 from ..validation import check_attention_args, check_bool, draw_dropout_seed
 from .backward import sparse_attn_backward
 from .forward import sparse_attn_forward
+from .reference import check_query_blocks, global_query_stand_in, query_block_row0
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -62,20 +65,21 @@ def _sparse_attn_fwd(
     kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor, seq_lens: Optional[Tensor],
     cold_capacity: int, block_q: int, block_k: int, scale: float, dropout_p: float, dropout_seed: int,
     num_splits: int, launch_config: list[int], document_ids: Optional[Tensor] = None,
+    query_map: Optional[Tensor] = None, query_row0: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     # kv_indptr / kv_qblocks / slots / cold_capacity and the backward half of launch_config are not read
     # here; they are inputs so that setup_context can save them (custom ops save only inputs and outputs).
     return sparse_attn_forward(q, k, v, indices, counts, block_q=block_q, block_k=block_k, scale=scale,
                                seq_lens=seq_lens, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                num_splits=num_splits, config=ForwardConfig(*launch_config[:_FWD_FIELDS]),
-                               document_ids=document_ids)
+                               document_ids=document_ids, query_map=query_map, query_row0=query_row0)
 
 
 @_sparse_attn_fwd.register_fake
 def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
-      scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids=None):
-    B, HQ, N, D = q.shape
-    return q.new_empty((B, HQ, N, D)), q.new_empty((B, HQ, N), dtype=torch.float32)
+      scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids=None, query_map=None, query_row0=None):
+    B, HQ, L, D = q.shape  # L = N, or the rows of the listed query blocks under a query-block map
+    return q.new_empty((B, HQ, L, D)), q.new_empty((B, HQ, L), dtype=torch.float32)
 
 
 @torch.library.custom_op("sparse_train::sparse_attn_bwd", mutates_args=())
@@ -84,34 +88,40 @@ def _sparse_attn_bwd(
     indices: Tensor, counts: Tensor, kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor,
     seq_lens: Optional[Tensor], cold_capacity: int, block_q: int, block_k: int, scale: float,
     dropout_p: float, dropout_seed: int, backward_config: list[int], document_ids: Optional[Tensor] = None,
+    query_map: Optional[Tensor] = None, query_row0: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, cold_capacity,
                                 block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, dlse=dlse,
                                 dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                config=BackwardConfig(*backward_config), document_ids=document_ids)
+                                config=BackwardConfig(*backward_config), document_ids=document_ids,
+                                query_map=query_map, query_row0=query_row0)
 
 
 @_sparse_attn_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity,
-      block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids=None):
+      block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids=None, query_map=None,
+      query_row0=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
-     scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids) = inputs
+     scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids, query_map, query_row0) = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids)
+    ctx.save_for_backward(q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids,
+                          query_map, query_row0)
     ctx.meta = (cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, list(launch_config[_FWD_FIELDS:]))
 
 
 def _backward(ctx, do, dlse):
-    q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids = ctx.saved_tensors
+    (q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids, query_map,
+     query_row0) = ctx.saved_tensors
     cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config = ctx.meta
     dq, dk, dv = torch.ops.sparse_train.sparse_attn_bwd(
         do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens,
-        cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids)
-    return dq, dk, dv, *([None] * 15)
+        cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids,
+        query_map, query_row0)
+    return dq, dk, dv, *([None] * 17)
 
 
 _sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -164,6 +174,7 @@ def triton_sparse_attention(
     q: Tensor, k: Tensor, v: Tensor, index, *, scale: float | None = None, dropout_p: float = 0.0,
     dropout_seed: int | None = None, seq_lens: Tensor | None = None, deterministic: bool = False,
     kernel_options=None, document_ids: Tensor | None = None, check_values: bool = True,
+    query_blocks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact block-sparse causal attention through the Triton kernels, differentiable (eager and
     torch.compile).
@@ -197,10 +208,21 @@ def triton_sparse_attention(
             ``sparse_train.sparse_attention``). Nothing else here reads the device: the plan and the
             launch schedule have shapes fixed by the index's shape, so a call is CUDA-graph capturable
             with ``check_values=False`` and an int ``dropout_seed``.
+        query_blocks: optional int ``[NQL]`` on q's device, distinct global query-block ids in any order
+            (the query-block map of context parallelism, ``sparse_train.context_parallel``): q is then
+            ``[B, HQ, L, D]``, the rows of these blocks concatenated in the listed order (L = NQL * BQ, less
+            when the short last block of the sequence is listed), while k, v, ``index``, ``seq_lens`` and
+            ``document_ids`` stay global. Every row is computed as in the full call (global positions for
+            the masks and the dropout counters); the kernels read the index rows of the listed blocks
+            and the plan of those rows (built per call: ``kernel_options.plan`` is refused). dK/dV are the
+            full ``[B, HKV, N, D]`` gradients of these query rows. Checked by
+            ``kernels.reference.check_query_blocks`` (a host read of the ids unless ``check_values=False``
+            and N % BQ == 0).
 
     Returns:
-        ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype, lse ``[B, HQ, N]`` float32 natural log;
-        rows with no valid key give o = 0, lse = -inf and zero gradients.  Both are differentiable.
+        ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype, lse ``[B, HQ, N]`` float32 natural log
+        (``[B, HQ, L, D]`` / ``[B, HQ, L]`` with ``query_blocks``); rows with no valid key give o = 0,
+        lse = -inf and zero gradients.  Both are differentiable.
 
     The index tensors are copied at forward time, so mutating them afterwards does not change the
     gradients (see the module docstring).
@@ -210,11 +232,18 @@ def triton_sparse_attention(
             any argument outside its domain (``sparse_train.validation.check_attention_args``):
             shape/batch/head/length mismatch with the index, bad seq_lens or document_ids, dropout_p outside [0, 1),
             dropout_seed outside [0, 2**64), a bad ``kernel_options`` key or value, a plan of another
-            index, heads per program that do not divide the GQA group.
+            index, heads per program that do not divide the GQA group; a bad ``query_blocks`` (see
+            ``kernels.reference.check_query_blocks``) or one with ``kernel_options.plan``.
     """
-    args = check_attention_args(q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+    check_values = check_bool("check_values", check_values)
+    blocks = None
+    q_global = q
+    if query_blocks is not None:
+        blocks = check_query_blocks(q, k, index, query_blocks, check_values=check_values)
+        q_global = global_query_stand_in(q, index)  # k, v, index, seq_lens, document_ids are global
+    args = check_attention_args(q_global, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 seq_lens=seq_lens, kernel_options=kernel_options, document_ids=document_ids,
-                                seq_lens_values=check_bool("check_values", check_values))
+                                seq_lens_values=check_values)
     support = triton_supports(q, index.block_q, index.block_k)
     if not support.ok:
         raise ValueError(f"triton_sparse_attention does not support this input: {support.message}")
@@ -226,11 +255,18 @@ def triton_sparse_attention(
     seed = seed - (1 << 64) if seed >= 1 << 63 else seed
     deterministic = check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
     schedule = attention_schedule(index, q.shape[1] // k.shape[1], q.shape[-1], q.device, args.kernel_options,
-                                  deterministic)
+                                  deterministic, query_blocks=blocks)
     plan = schedule.plan
     # copies: the backward must see the forward's selection and lengths whatever the caller does afterwards
-    indices = index.indices.clone()
-    counts = index.counts.clone()
+    if blocks is None:
+        indices = index.indices.clone()
+        counts = index.counts.clone()
+        query_map = query_row0 = None
+    else:  # the rows of the listed blocks (index_select copies), row i for local query block i
+        indices = index.indices.index_select(2, blocks)
+        counts = index.counts.index_select(2, blocks)
+        query_map = blocks.to(torch.int32)
+        query_row0 = query_block_row0(blocks, index)
     if seq_lens is not None:
         seq_lens = seq_lens.to(torch.int32, copy=True)
     if document_ids is not None:
@@ -238,4 +274,4 @@ def triton_sparse_attention(
     return torch.ops.sparse_train.sparse_attn_fwd(
         q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, schedule.slots, seq_lens,
         schedule.cold_capacity, index.block_q, index.block_k, scale, dropout_p, seed, schedule.num_splits,
-        [*schedule.forward, *schedule.backward], document_ids)
+        [*schedule.forward, *schedule.backward], document_ids, query_map, query_row0)
