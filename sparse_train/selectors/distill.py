@@ -46,7 +46,7 @@ from ..kernels.reference_block_mass import (
 from ..validation import check_choice
 
 __all__ = ["query_row_positions", "pool_rows", "renormalise", "sparse_block_mass", "dense_block_mass",
-           "dense_row_block_mass", "block_kl"]
+           "dense_row_block_mass", "block_kl", "block_kl_sum"]
 
 
 def _kernels_run(q: Tensor, block_q: int, block_k: int, rows_per_block: int | None) -> bool:
@@ -137,6 +137,15 @@ def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor)
         Scalar float32 tensor (0 when no row is valid). Rows with nothing allowed never produce NaN
         values or NaN gradients.
     """
+    total, rows = block_kl_sum(target, logits, allowed, row_valid)
+    return total / rows.clamp(min=1).to(total.dtype)
+
+
+def block_kl_sum(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor) -> tuple[Tensor, Tensor]:
+    """The parts of :func:`block_kl`: the SUM over valid rows of the KL (scalar float32, with
+    gradients to ``logits``) and the number of valid rows (int64 scalar). Context parallelism adds the
+    counts of every rank and divides each rank's sum by the total, so the ranks' losses (and their
+    gradients) sum to the single-process mean."""
     allowed = allowed.expand_as(logits)
     any_allowed = allowed.any(dim=-1, keepdim=True)
     # A row without any allowed entry would be all -inf (NaN softmax); it is excluded anyway, so it
@@ -150,4 +159,4 @@ def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor)
     per_row = terms.sum(dim=-1)
     valid = row_valid & any_allowed.squeeze(-1)
     per_row = torch.where(valid, per_row, 0.0)
-    return per_row.sum() / valid.sum().clamp(min=1).to(per_row.dtype)
+    return per_row.sum(), valid.sum()
