@@ -154,3 +154,37 @@ def test_context_parallel_callback_refusals(case):
         module = SimpleNamespace(model=torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=want):
         ContextParallel(2).setup(trainer, module, "fit")
+
+
+CLI_TINY = ["--model.init_args.model.d_model=32", "--data.init_args.seq_len=128", "--data.init_args.curriculum=[]",
+            "--data.init_args.batch_size=2", "--data.init_args.val_samples=2", "--trainer.accelerator=cpu",
+            "--logger_backend=none"]
+
+
+def test_cli_cp_flag_installs_the_callback(tmp_path, monkeypatch):
+    """``--cp 2`` adds ``ContextParallel(2)`` and turns Lightning's distributed sampler off (the ranks of a
+    sequence load the same rows); without it there is no callback; ``--cp 0`` is a one-line config error."""
+    from sparse_train import cli
+    from sparse_train.lightning.context_parallel import ContextParallel
+
+    monkeypatch.chdir(tmp_path)
+    built = cli.run_cli(["--config", "retrieval", *CLI_TINY, "--cp", "2"], run=False)
+    callbacks = [cb for cb in built.trainer.callbacks if isinstance(cb, ContextParallel)]
+    assert [cb.size for cb in callbacks] == [2]
+    assert built.trainer._accelerator_connector.use_distributed_sampler is False
+    plain = cli.run_cli(["--config", "retrieval", *CLI_TINY], run=False)
+    assert not any(isinstance(cb, ContextParallel) for cb in plain.trainer.callbacks)
+    with pytest.raises(SystemExit, match="--cp must be an int >= 1"):
+        cli.run_cli(["--config", "retrieval", *CLI_TINY, "--cp", "0"], run=False)
+
+
+def test_data_modules_shard_by_data_parallel_rank_under_cp():
+    """The ranks of one CP group are one data-parallel replica: rank 1 of a cp=2 run reads replica 0's
+    rows, so both ranks load the same batch."""
+    from types import SimpleNamespace
+
+    from sparse_train.lightning.context_parallel import ContextParallel, data_parallel_rank
+
+    assert data_parallel_rank(None) == (0, 1)
+    assert data_parallel_rank(SimpleNamespace(global_rank=1, world_size=2, callbacks=[])) == (1, 2)
+    assert data_parallel_rank(SimpleNamespace(global_rank=1, world_size=2, callbacks=[ContextParallel(2)])) == (0, 1)
