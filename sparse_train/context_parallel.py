@@ -32,6 +32,11 @@ Phase 1 runs the attention on the PyTorch reference (:func:`~sparse_train.kernel
 with ``query_blocks``: the local-query-block -> global-query-block map). The Triton kernels take that map
 in phase 2; until then ``backend="triton"`` raises.
 
+Training (phase 2): :func:`enable_context_parallel` switches ``SparseAttention`` and the repository's
+``Transformer`` to take their inputs as zig-zag shards (every path, distillation and checkpoint replay
+included); :func:`context_parallel_dense_attention` is the exact dense path; the Lightning callback is
+:class:`sparse_train.lightning.context_parallel.ContextParallel`. ``docs/context_parallel.md``, "Training with CP".
+
 What the caller must keep identical on every rank (not checked: that would need a collective per call):
 the index, ``seq_lens``, ``document_ids``, ``scale``, ``dropout_p`` and ``dropout_seed``
 (:func:`shared_dropout_seed` draws one on rank 0 and broadcasts it).

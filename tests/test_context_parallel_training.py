@@ -269,3 +269,33 @@ def test_enable_context_parallel_needs_a_process_group():
     if not dist.is_initialized():
         with pytest.raises(ValueError, match="initialised torch.distributed process group"):
             cp.enable_context_parallel(_module({}))
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
+def test_scorer_and_selection_on_a_subset_of_query_blocks(documents):
+    """``query_blocks=`` (the global ids of the rows held, in any order): the scorer's logits (distance bias
+    included) and the picked candidates (with seq_lens, documents and top_p) are exactly those rows of the
+    full call; a float map or one of the wrong length is refused."""
+    from sparse_train.selectors.scorer import BlockScorer, selection_candidates, selection_geometry
+
+    torch.manual_seed(3)
+    scorer = BlockScorer(HQ, HKV, D, 4, key_pooling="mean_max", distance_bias=True)
+    with torch.no_grad():
+        for p in scorer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    q, k, _ = make_qkv(B, HQ, HKV, N, D, seed=4)
+    geometry = selection_geometry(N, 8, 8, 2, 1, 1)
+    seq_lens = torch.tensor([64, 45])
+    docs = _documents([[0, 5, 21, 40], [0, 33]]) if documents else None
+    qbar, kbar = scorer.pool(q, k, 8, 8, seq_lens)
+    full = scorer(qbar, kbar, 0.3, geometry)
+    rows = torch.tensor([5, 0, 7, 3])
+    sub = scorer(qbar[:, :, rows], kbar, 0.3, geometry, query_blocks=rows)
+    assert torch.equal(sub, full[:, :, rows])
+    kwargs = dict(window=1, sinks=1, seq_lens=seq_lens, document_ids=docs, top_p=0.9)
+    want = selection_candidates(full, geometry, **kwargs)[:, :, rows]
+    assert torch.equal(selection_candidates(sub, geometry, query_blocks=rows, **kwargs), want)
+    with pytest.raises(ValueError, match="query_blocks must be a 1-D integer tensor"):
+        selection_candidates(sub, geometry, query_blocks=rows.float(), **kwargs)
+    with pytest.raises(ValueError, match="lists 3 query blocks but the scores hold 4 rows"):
+        scorer(qbar[:, :, rows], kbar, 0.3, geometry, query_blocks=rows[:3])
