@@ -86,9 +86,9 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> dict[str, Any]:
-    """Time ``args.repeats`` training steps of one (context, variant) configuration."""
-    device = torch.device(args.device)
+def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Transformer:
+    """The benchmark's model (shape and sparse config from the :func:`add_model_arguments` options), seeded
+    with 0, on the CPU in fp32 (``scripts/bench_cp.py`` builds the same one)."""
     torch.manual_seed(0)
     # No dense warm-up: the benchmark times the sparse path a trained selector runs (the module's default
     # 500-step warm-up would make every timed step dense attention).
@@ -98,7 +98,32 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
                             n_kv_heads=args.kv_heads, head_dim=args.head_dim, ffn_hidden=args.ffn,
                             rope_theta=args.rope_theta, tie_embeddings=False, attention=variant,
                             sparse=sparse_cfg, activation_checkpointing=act_ckpt)
-    model = Transformer(cfg).to(device)
+    return Transformer(cfg)
+
+
+def add_model_arguments(ap: argparse.ArgumentParser) -> None:
+    """The model-shape and sparse-config options of :func:`build_model` (defaults: the 1.1B shape)."""
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=None)
+    ap.add_argument("--ffn", type=int, default=8192)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--rope-theta", type=float, default=500000.0)
+    ap.add_argument("--block", type=int, default=64, help="sparse block size (BQ = BK)")
+    ap.add_argument("--top-k", type=int, default=16)
+    ap.add_argument("--window", type=int, default=8)
+    ap.add_argument("--sinks", type=int, default=1)
+    ap.add_argument("--distill", choices=["sparse", "dense", "sampled", "off"], default="sparse",
+                    help="selector distillation during the timed steps (part of a real training step)")
+    ap.add_argument("--backend", default="auto", help="sparse kernel backend: auto | triton | reference")
+
+
+def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> dict[str, Any]:
+    """Time ``args.repeats`` training steps of one (context, variant) configuration."""
+    device = torch.device(args.device)
+    model = build_model(args, variant, act_ckpt).to(device)
     autocast = args.precision == "bf16-mixed"
     if not autocast:
         model = model.to(torch.bfloat16)
@@ -201,21 +226,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 65536])
     ap.add_argument("--variants", nargs="+", choices=["sparse", "dense"], default=["sparse", "dense"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--d-model", type=int, default=2048)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--head-dim", type=int, default=None)
-    ap.add_argument("--ffn", type=int, default=8192)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--rope-theta", type=float, default=500000.0)
-    ap.add_argument("--block", type=int, default=64, help="sparse block size (BQ = BK)")
-    ap.add_argument("--top-k", type=int, default=16)
-    ap.add_argument("--window", type=int, default=8)
-    ap.add_argument("--sinks", type=int, default=1)
-    ap.add_argument("--distill", choices=["sparse", "dense", "off"], default="sparse",
-                    help="selector distillation during the timed steps (part of a real training step)")
-    ap.add_argument("--backend", default="auto", help="sparse kernel backend: auto | triton | reference")
+    add_model_arguments(ap)
     ap.add_argument("--dense-backend", choices=["cudnn", "flash", "efficient", "math", "auto"], default="cudnn")
     ap.add_argument("--precision", choices=["bf16-mixed", "bf16"], default="bf16-mixed")
     ap.add_argument("--act-ckpt", choices=["auto", "on", "off"], default="auto",

@@ -11,7 +11,7 @@ Public API::
 from .attention import (SparseAttention, clip_grad_norms, collect_attention_stats, collect_selector_losses,
                         selector_parameters)
 from .config import SparseAttentionConfig
-from .context_parallel import context_parallel_sparse_attention
+from .context_parallel import context_parallel_sparse_attention, disable_context_parallel, enable_context_parallel
 from .documents import (
     block_document_ranges,
     cu_seqlens_from_document_ids,
@@ -36,8 +36,10 @@ __all__ = [
     "collect_selector_losses",
     "context_parallel_sparse_attention",
     "cu_seqlens_from_document_ids",
+    "disable_context_parallel",
     "document_ids_from_cu_seqlens",
     "document_ids_from_position_ids",
+    "enable_context_parallel",
     "selector_parameters",
     "sparse_attention",
     "__version__",

@@ -70,7 +70,7 @@ from .validation import (
     check_seq_lens,
     draw_dropout_seed,
 )
-from .selectors.distill import block_kl, dense_block_mass, renormalise, sparse_block_mass
+from .selectors.distill import block_kl_sum, dense_block_mass, renormalise, sparse_block_mass
 from .selectors.metrics import draw_query_blocks, sample_query_blocks, selection_quality
 from .selectors.replay import SelectionRecord, SelectionReplay, in_backward_pass
 from .selectors.scorer import (
@@ -154,6 +154,11 @@ class SparseAttention(nn.Module):
         self._replay = SelectionReplay()
         self._timings = PhaseTimer()
         self._metrics_rng = torch.Generator().manual_seed(0)
+        # Context parallelism (sparse_train.context_parallel.enable_context_parallel): the process group
+        # whose ranks hold the zig-zag shards of one sequence, and the backend their attention runs on
+        # (None: config.backend). None = the whole sequence is here.
+        self.context_parallel_group = None
+        self.context_parallel_backend: str | None = None
 
     # ------------------------------------------------------------------------------------ public
     @property
@@ -292,6 +297,9 @@ class SparseAttention(nn.Module):
             ValueError: shapes, dtypes or devices that do not fit, Nq > Nk, or a query row left with
                 no real key.
         """
+        if self.context_parallel_group is not None:
+            raise ValueError("decode: not supported under context parallelism (decoding reads one cache on one "
+                             "rank); call sparse_train.context_parallel.disable_context_parallel(model) first")
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.dim() != 4:
                 raise ValueError(f"decode: {name} must be a 4-D tensor [B, H, N, D], got "
@@ -362,6 +370,8 @@ class SparseAttention(nn.Module):
             # _check_inputs to name
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = (t.to(dtype) if isinstance(t, Tensor) else t for t in (q, k, v))
+        if self.context_parallel_group is not None:
+            return self._forward_context_parallel(q, k, v, seq_lens, document_ids, position_ids, scale, dropout_p)
         self._check_inputs(q, k, v, seq_lens, document_ids, position_ids)
         cfg = self.config
         batch, _, seq_len, _ = q.shape
@@ -502,6 +512,187 @@ class SparseAttention(nn.Module):
                 )
         return o
 
+    # ------------------------------------------------------------------------------------ context parallel
+    def _forward_context_parallel(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None,
+                                  document_ids: Tensor | None, position_ids: Tensor | None, scale: float | None,
+                                  dropout_p: float | None) -> Tensor:
+        """The forward under context parallelism (:func:`~sparse_train.context_parallel.enable_context_parallel`).
+
+        q/k/v hold this rank's zig-zag shard (``[B, H, N/W, D]``); ``seq_lens``, ``document_ids`` and
+        ``position_ids`` are GLOBAL (``[B]``, ``[B, N]``, ``[N]`` or ``[B, N]``). Every rank takes the same
+        path (a function of N and of the call count, the same on every rank), builds the same global index
+        (:func:`~sparse_train.context_parallel.context_parallel_selection`) and attends its own rows
+        (:func:`~sparse_train.context_parallel.context_parallel_sparse_attention`); the dense paths attend
+        the full causal index through the same function. Outputs and input gradients are the rows of the
+        single-process call; the distillation loss is this rank's share (the ranks' losses and their
+        selector gradients sum to the single-process ones, see :meth:`_cp_distillation_loss`)."""
+        from . import context_parallel as cpm
+
+        group = self.context_parallel_group
+        rank, world = cpm.context_parallel_rank(group)
+        cfg = self.config
+        if cfg.metrics_every > 0:
+            raise ValueError("SparseAttention under context parallelism: metrics_every > 0 is not supported (the "
+                             "recall metrics need every query row on one rank); set metrics_every=0")
+        self._check_inputs(q, k, v, None)
+        batch, _, local_len, _ = q.shape
+        seq_len = local_len * world
+        cpm.check_layout(seq_len, world, cfg.block_q, cfg.block_k)
+        check_values = self._checks_values(q.device)
+        check_seq_lens(seq_lens, batch, seq_len, q.device, values=check_values)
+        check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
+        if position_ids is not None and (not isinstance(position_ids, Tensor)
+                                         or tuple(position_ids.shape) not in ((seq_len,), (batch, seq_len))):
+            raise ValueError(f"position_ids under context parallelism must be the GLOBAL positions [B, N] = "
+                             f"[{batch}, {seq_len}] or [N], got "
+                             f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
+        scale = self.scale if scale is None else check_float("scale", scale, exclusive_minimum=0.0)
+        dropout_p = cfg.dropout_p if dropout_p is None else check_dropout_p(dropout_p)
+        dropout_p = dropout_p if self.training else 0.0
+        backend = self.context_parallel_backend or cfg.backend
+        recomputing = in_backward_pass()
+        first_pass = not recomputing
+        device = q.device
+        geometry = selection_geometry(seq_len, cfg.block_q, cfg.block_k, cfg.top_k, cfg.window, cfg.sinks)
+        capacity = geometry.capacity if document_ids is None else geometry.document_capacity
+
+        record = self._replay.lookup(batch, seq_len) if (recomputing and cfg.replay) else None
+        if record is not None:
+            path, reason, index = record.path, record.reason, record.index
+            dropout_seed, distill_now, distill_blocks = record.dropout_seed, record.distilled, record.distill_blocks
+            document_ids = record.document_ids
+        else:
+            path, reason = self._choose_path(geometry, update_state=first_pass)
+            index = dropout_seed = distill_blocks = None
+            if first_pass:
+                distill_now = (cfg.distill != "off" and self.training and torch.is_grad_enabled()
+                               and self._training_calls % cfg.distill_every == 0)
+                self._last_distilled = distill_now
+            else:
+                distill_now = self._last_distilled
+        if first_pass and self.training:
+            self._training_calls += 1
+            self.selector_steps.fill_(self._training_calls)
+
+        need_selection = index is None and (path == "sparse" or (distill_now and self._distill_mode(path) == "sparse"))
+        scores = None
+        if need_selection or distill_now:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
+                scores = cpm.context_parallel_block_scores(
+                    self.scorer, q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, group=group,
+                    seq_lens=seq_lens, position_ids=position_ids, document_ids=document_ids, geometry=geometry)
+        if need_selection:
+            index = cpm.context_parallel_selection(scores, geometry, window=cfg.window, sinks=cfg.sinks, group=group,
+                                                   seq_lens=seq_lens, document_ids=document_ids, top_p=cfg.top_p,
+                                                   capacity=capacity, check=cfg.index_check)
+        if dropout_p > 0.0 and dropout_seed is None:
+            dropout_seed = cpm.shared_dropout_seed(group)
+        common = dict(group=group, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
+                      document_ids=document_ids, backend=backend, return_lse=True)
+        if path == "sparse":
+            o, lse = cpm.context_parallel_sparse_attention(q, k, v, index, **common)
+        else:
+            o, lse = cpm.context_parallel_dense_attention(q, k, v, block_q=cfg.block_q, block_k=cfg.block_k,
+                                                          check="cheap" if check_values else "none", **common)
+            lse = None
+
+        loss = None
+        if distill_now:
+            mode = self._distill_mode(path)
+            if mode == "sampled" and distill_blocks is None:
+                # The same global blocks on every rank: the draw counter advances identically everywhere.
+                draws = self.distill_draws
+                distill_blocks = draw_query_blocks(geometry.num_q_blocks, cfg.distill_query_blocks, draws.to(device))
+                draws.add_(1)
+            loss = self._cp_distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry, mode,
+                                              distill_blocks, document_ids, check_values, rank, world)
+
+        if first_pass:
+            self._count(reason)
+            self._last_path = path
+            self._last_index = index
+            self.selector_loss = loss
+            if cfg.replay and torch.is_grad_enabled() and o.requires_grad:
+                self._replay.remember(
+                    SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=None,
+                                    backend=backend, dropout_seed=dropout_seed, distilled=distill_now,
+                                    distill_blocks=distill_blocks, document_ids=document_ids),
+                    anchors=[o] if scores is None else [o, scores],
+                )
+        return o
+
+    def _cp_distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
+                              document_ids, check_values, rank, world) -> Tensor:
+        """This rank's share of the distillation loss under context parallelism.
+
+        The target of a query block is computed where its query rows live, against the all-gathered keys
+        (detached, at global positions); ``scores`` holds this rank's query blocks. ``"dense"``: every
+        local query block. ``"sampled"``: the sampled blocks are GLOBAL ids drawn identically on every rank
+        (one sample of the whole sequence, as one process draws it); each rank supervises those of them it
+        holds. The loss is the sum of the KL over this rank's valid rows divided by the number of valid rows
+        of ALL ranks (one all-reduce of a count), so the ranks' losses, and their gradients to the
+        selector, sum to the single-process loss and gradient.
+
+        Cost: one more all-gather of K (detached); the block-mass functions take the global q (and lse),
+        so the local rows are placed in a zero ``[B, HQ, N, D]`` buffer (transient, no grad). The
+        ``dense`` / ``sampled`` targets read only the listed blocks' rows; the ``sparse`` target walks an
+        index whose rows of other ranks are emptied."""
+        from . import context_parallel as cpm
+
+        cfg = self.config
+        group = self.context_parallel_group
+        seq_len = geometry.seq_len
+        device = q.device
+        local_blocks = cpm.local_query_blocks(seq_len, cfg.block_q, rank, world, device=device)
+        positions = cpm.zigzag_positions(seq_len, rank, world, device=device)
+        with torch.no_grad():
+            k_full = cpm.gather_sequence(k.detach(), 2, group)
+            q_full = q.new_zeros(q.shape[0], q.shape[1], seq_len, q.shape[3]).index_copy_(2, positions, q.detach())
+        support = self._distill_support(geometry, device, document_ids)
+        if mode in ("dense", "sampled"):
+            if mode == "dense":
+                rows, picks, held = local_blocks, None, None
+            else:
+                rows = distill_blocks.to(device)
+                # local row of each sampled block (-1: another rank holds it); shapes stay fixed, so no
+                # host read: the blocks of other ranks are computed on placeholder rows and masked out
+                where = torch.full((geometry.num_q_blocks,), -1, dtype=torch.int64, device=device)
+                where[local_blocks] = torch.arange(local_blocks.shape[0], device=device)
+                picks = where[rows]
+                held = picks >= 0
+                picks = picks.clamp(min=0)
+            target, row_valid = dense_block_mass(
+                q_full, k_full, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
+                rows_per_block=cfg.distill_query_rows, query_blocks=rows, row_pool=cfg.distill_row_pool,
+                chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids, check_values=check_values,
+            )  # [B, HKV, S, NKB]
+            if held is not None:
+                row_valid = row_valid & held.view(1, 1, -1)
+                scores = scores.index_select(2, picks)
+            allowed = support.index_select(2, rows)
+        else:
+            lse_full = lse.new_zeros(lse.shape[0], lse.shape[1], seq_len).index_copy_(2, positions, lse.detach())
+            mine = torch.zeros(geometry.num_q_blocks, dtype=torch.bool, device=device)
+            mine[local_blocks] = True
+            mine = mine.view(1, 1, -1)
+            own_rows = BlockIndex(indices=torch.where(mine.unsqueeze(-1), index.indices, -1),
+                                  counts=torch.where(mine, index.counts, 0), seq_len=seq_len,
+                                  block_q=index.block_q, block_k=index.block_k)
+            target, row_valid = sparse_block_mass(
+                q_full, k_full, own_rows, scale=scale, lse=lse_full, seq_lens=seq_lens,
+                rows_per_block=cfg.distill_query_rows, row_pool=cfg.distill_row_pool, chunk_mb=cfg.distill_chunk_mb,
+                document_ids=document_ids, check_values=check_values,
+            )  # [B, HKV, NQB, K]
+            target, row_valid = target.index_select(2, local_blocks), row_valid.index_select(2, local_blocks)
+            slots = index.indices.index_select(2, local_blocks).to(torch.int64)
+            scores = scores.gather(-1, slots.clamp(min=0))
+            local_support = support.index_select(2, local_blocks)
+            slot_support = local_support.expand(*slots.shape[:2], -1, -1).gather(-1, slots.clamp(min=0))
+            allowed = (slots >= 0) & slot_support
+        total, weight = self._kl_parts(target, scores, allowed, row_valid)
+        weight = cpm.all_reduce_sum(weight, group)
+        return total / weight.clamp(min=torch.finfo(total.dtype).tiny) * cfg.distill_weight
+
     def _distill_mode(self, path: str) -> str:
         """The target this call distills from: ``"sparse"`` needs the sparse kernels' selection and
         lse, so on the dense path (warm-up, full selection) it becomes ``"sampled"``."""
@@ -517,14 +708,7 @@ class SparseAttention(nn.Module):
         documents the support is per batch row and excludes blocks of other documents, and the
         target is computed with the document mask."""
         cfg = self.config
-        if cfg.distill_support == "dynamic":
-            support = allowed_dynamic_blocks(geometry, cfg.window, cfg.sinks, q.device, document_ids)
-        else:
-            support = causal_block_mask(geometry, q.device)
-            if document_ids is not None:
-                support = support & allowed_dynamic_blocks(geometry, 0, 0, q.device, document_ids)
-        # [1 or B, 1, NQB, NKB]
-        support = support.view(1, 1, *support.shape) if support.dim() == 2 else support.unsqueeze(1)
+        support = self._distill_support(geometry, q.device, document_ids)
         if mode in ("dense", "sampled"):
             rows = None if mode == "dense" else distill_blocks.to(q.device)
             target, row_valid = dense_block_mass(
@@ -546,10 +730,28 @@ class SparseAttention(nn.Module):
             scores = scores.gather(-1, slots.clamp(min=0))
             slot_support = support.expand(*slots.shape[:2], -1, -1).gather(-1, slots.clamp(min=0))
             allowed = (slots >= 0) & slot_support
+        total, weight = self._kl_parts(target, scores, allowed, row_valid)
+        return total / weight.clamp(min=torch.finfo(total.dtype).tiny) * cfg.distill_weight
+
+    def _distill_support(self, geometry, device, document_ids) -> Tensor:
+        """bool ``[1 or B, 1, NQB, NKB]``: the blocks the distillation KL is taken over
+        (``distill_support``; per batch row with packed documents)."""
+        cfg = self.config
+        if cfg.distill_support == "dynamic":
+            support = allowed_dynamic_blocks(geometry, cfg.window, cfg.sinks, device, document_ids)
+        else:
+            support = causal_block_mask(geometry, device)
+            if document_ids is not None:
+                support = support & allowed_dynamic_blocks(geometry, 0, 0, device, document_ids)
+        return support.view(1, 1, *support.shape) if support.dim() == 2 else support.unsqueeze(1)
+
+    def _kl_parts(self, target, scores, allowed, row_valid) -> tuple[Tensor, Tensor]:
+        """The weighted KL sum and weight sum (:func:`block_kl_sum`) of the target renormalised over
+        ``allowed``, with rows weighted per ``distill_block_weight``."""
         target = renormalise(torch.where(allowed, target, 0.0))
         row_valid = row_valid & (target.sum(dim=-1) > 0)
-        weight = target.amax(dim=-1) if cfg.distill_block_weight == "peak" else None
-        return block_kl(target, scores, allowed, row_valid, weight) * cfg.distill_weight
+        weight = target.amax(dim=-1) if self.config.distill_block_weight == "peak" else None
+        return block_kl_sum(target, scores, allowed, row_valid, weight)
 
     def _hook_backward_timing(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor) -> None:
         inputs = [t for t in (q, k, v) if t.requires_grad]

@@ -320,6 +320,10 @@ def _cli_class() -> type:
         def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
             parser.add_argument("--logger_backend", type=str, default=os.environ.get("SPARSE_TRAIN_LOGGER", "auto"),
                                 help=f"default logger when trainer.logger is unset: one of {_LOGGER_CHOICES}")
+            parser.add_argument("--cp", type=int, default=1,
+                                help="context parallelism: ranks per sequence (each holds a zig-zag shard); must "
+                                     "equal the number of devices, with --trainer.strategy=ddp; also sets "
+                                     "trainer.use_distributed_sampler=false (docs/context_parallel.md)")
 
         def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
             # run_cli(args) passes the whole command line by contract (tests, notebooks); Lightning's
@@ -370,6 +374,16 @@ def _cli_class() -> type:
                     config["logger"] = _make_default_loggers(backend, root, self.recipe_name)
             configured = config.get("callbacks") or []
             configured = configured if isinstance(configured, list) else [configured]
+            sub = self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+            cp = sub.get("cp", 1)
+            if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+                _fail(self.subcommand, f"--cp must be an int >= 1, got {cp!r}")
+            if cp > 1:
+                from .lightning.context_parallel import ContextParallel
+
+                # the ranks of a sequence load the same rows; the data modules shard by data-parallel rank
+                config["use_distributed_sampler"] = False
+                callbacks = [*callbacks, ContextParallel(cp)]
             if config.get("enable_progress_bar") is not False and not any(
                     isinstance(cb, ProgressBar) for cb in [*configured, *callbacks]):
                 callbacks = [*callbacks, step_progress_bar()]

@@ -32,6 +32,11 @@ The attention is :func:`sparse_train.sparse_attention` with ``query_blocks``, th
 global-query-block map, on either backend: the reference, or the Triton kernels (phase 2), which address
 the rows of q by local block and positions by global block.
 
+Training (phase 2): :func:`enable_context_parallel` switches ``SparseAttention`` and the repository's
+``Transformer`` to take their inputs as zig-zag shards (every path, distillation and checkpoint replay
+included); :func:`context_parallel_dense_attention` is the exact dense path; the Lightning callback is
+:class:`sparse_train.lightning.context_parallel.ContextParallel`. ``docs/context_parallel.md``, "Training with CP".
+
 What the caller must keep identical on every rank (not checked: that would need a collective per call):
 the index, ``seq_lens``, ``document_ids``, ``scale``, ``dropout_p`` and ``dropout_seed``
 (:func:`shared_dropout_seed` draws one on rank 0 and broadcasts it).
@@ -49,18 +54,22 @@ from .documents import document_positions
 from .index import BlockIndex
 from .functional import choose_backend, sparse_attention
 from .plan import check_no_plan_with_query_blocks
-from .selectors.scorer import (BlockScorer, SelectionGeometry, _BucketLookup, block_distance_buckets,
-                               selection_candidates)
+from .selectors.scorer import BlockScorer, SelectionGeometry, selection_candidates
 from .validation import (check_block_index, check_document_ids, check_dropout, check_int, check_qkv, check_scale,
                          check_seq_lens)
 
 __all__ = [
     "CP_BACKENDS",
+    "all_reduce_sum",
     "causal_area",
     "check_layout",
     "context_parallel_block_scores",
+    "context_parallel_dense_attention",
+    "context_parallel_rank",
     "context_parallel_selection",
     "context_parallel_sparse_attention",
+    "disable_context_parallel",
+    "enable_context_parallel",
     "gather_sequence",
     "local_query_blocks",
     "shard_sequence",
@@ -376,14 +385,8 @@ def context_parallel_block_scores(
 
     qbar, kbar = scorer.pool(q, k, block_q, block_k, valid, positions)
     kbar = gather_sequence(kbar, 2, group)
-    logits = scorer(qbar, kbar, scale)
-    if geometry is None or scorer.distance_bias is None:
-        return logits
-    # The bias term of BlockScorer.forward, for the local rows of its [NQB, NKB] bucket table.
     rows = local_query_blocks(seq_len, block_q, rank, world, device=q.device)
-    buckets = block_distance_buckets(geometry, q.device).index_select(0, rows)
-    bias = scorer.distance_bias.to(torch.float32) * scorer.lr_multiplier.to(torch.float32)
-    return logits + _BucketLookup.apply(bias, buckets).unsqueeze(0)
+    return scorer(qbar, kbar, scale, geometry, query_blocks=rows)
 
 
 def context_parallel_selection(
@@ -407,9 +410,8 @@ def context_parallel_selection(
     :meth:`BlockIndex.from_selection` makes them canonical with the window and sinks, the same on every
     rank and equal to the single-process index.
 
-    Phase-1 cost: the local rows are placed in a ``[B, HKV, NQB, NKB]`` grid for ``selection_candidates``,
-    whose masks are built for all query blocks (W times the local scores' memory, the size of the
-    single-process scores); a row-subset variant of the selection removes it.
+    The local rows are picked with ``selection_candidates(..., query_blocks=)``: only the boolean mask of
+    allowed blocks is built for all query blocks (``[NQB, NKB]``, or ``[B, NQB, NKB]`` with documents).
 
     Args:
         scores: float ``[B, HKV, N/(W*BQ), NKB]``, this rank's query blocks.
@@ -433,13 +435,117 @@ def context_parallel_selection(
     check_seq_lens(seq_lens, scores.shape[0], seq_len, scores.device)
     check_document_ids(document_ids, scores.shape[0], seq_len, scores.device)
     rows = local_query_blocks(seq_len, geometry.block_q, rank, world, device=scores.device)
-    grid = scores.new_zeros(*scores.shape[:2], geometry.num_q_blocks, geometry.num_k_blocks)
-    grid = grid.index_copy(2, rows, scores.detach())
-    picked = selection_candidates(grid, geometry, window=window, sinks=sinks, seq_lens=seq_lens,
-                                  document_ids=document_ids, top_p=top_p).index_select(2, rows)
+    picked = selection_candidates(scores, geometry, window=window, sinks=sinks, seq_lens=seq_lens,
+                                  document_ids=document_ids, top_p=top_p, query_blocks=rows)
     candidates = gather_sequence(picked, 2, group)
     if capacity is None:
         capacity = geometry.capacity if document_ids is None else geometry.document_capacity
     return BlockIndex.from_selection(candidates, seq_len=seq_len, block_q=geometry.block_q, block_k=geometry.block_k,
                                      window=window, sinks=sinks, capacity=capacity, check=check,
                                      document_ids=document_ids)
+
+
+# ------------------------------------------------------------------------------------------- training helpers
+def context_parallel_rank(group=None) -> tuple[int, int]:
+    """``(rank, world)`` of this process in the context-parallel ``group`` (``None``: the default group).
+    Raises ValueError when torch.distributed is not initialised or this process is outside ``group``."""
+    _, world, rank = _group_info(group)
+    return rank, world
+
+
+def all_reduce_sum(x: Tensor, group=None) -> Tensor:
+    """The sum of ``x`` over the ranks of ``group`` (a functional collective without autograd: for counts
+    and other values that carry no gradient). Every rank must call it with the same shape and dtype."""
+    from torch.distributed import _functional_collectives as fc
+
+    group, _, _ = _group_info(group)
+    return fc.wait_tensor(fc.all_reduce(x.detach(), "sum", group))
+
+
+def context_parallel_dense_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block_q: int,
+    block_k: int,
+    group=None,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    backend: str = "reference",
+    return_lse: bool = False,
+    check: str = "cheap",
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Dense causal attention of this rank's query rows (zig-zag layout) over the whole sequence: the
+    context-parallel attention over the full causal index (``BlockIndex.full``; with ``document_ids`` every
+    causal block that shares a document), so every mask, dropout bit and gradient is that of the dense
+    single-process attention on the global tensors (with dropout: of the sparse kernels' counter-based bits,
+    the bits the module's dense path with dropout uses too).
+
+    Args:
+        q: ``[B, HQ, N/W, D]``, k, v: ``[B, HKV, N/W, D]``: local rows (:func:`shard_sequence`).
+        block_q, block_k: the block sizes of the full index (N must be a multiple of ``2 * W * lcm``).
+        check: value check of ``document_ids`` when the index is built (``"cheap"`` or ``"none"``).
+        Others: as :func:`context_parallel_sparse_attention`.
+
+    Cost: the all-gather of K and V of :func:`context_parallel_sparse_attention` and dense causal work of
+    ``N (N + 1) / (2W)`` query-key pairs per rank; the full index holds ``B * HKV * NQB * NKB`` int32."""
+    _, world, _ = _group_info(group)
+    if not isinstance(q, Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a 4-D tensor [B, HQ, N/W, D], got {getattr(q, 'shape', type(q).__name__)}")
+    if not isinstance(k, Tensor) or k.dim() != 4:
+        raise ValueError(f"k must be a 4-D tensor [B, HKV, N/W, D], got {getattr(k, 'shape', type(k).__name__)}")
+    seq_len = q.shape[2] * world
+    check_layout(seq_len, world, block_q, block_k)
+    index = BlockIndex.full(q.shape[0], k.shape[1], seq_len, block_q, block_k, device=q.device,
+                            document_ids=document_ids, check=check)
+    return context_parallel_sparse_attention(q, k, v, index, group=group, scale=scale, dropout_p=dropout_p,
+                                             dropout_seed=dropout_seed, seq_lens=seq_lens, document_ids=document_ids,
+                                             backend=backend, return_lse=return_lse)
+
+
+def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str | None = None) -> int:
+    """Turn context parallelism on in every module of ``model`` that supports it (a
+    ``context_parallel_group`` attribute: :class:`~sparse_train.attention.SparseAttention`, the repository's
+    :class:`~sparse_train.lightning.model.Transformer` and its dense attention). From then on each call
+    treats its inputs as this rank's zig-zag shard of the sequence (:func:`shard_sequence`) and the
+    sequence-level arguments (``seq_lens``, ``document_ids``, ``position_ids``) as GLOBAL.
+
+    Args:
+        model: any module; every submodule with a ``context_parallel_group`` attribute is switched.
+        group: the context-parallel process group (``None``: the default group), the same on the ranks
+            that hold one sequence.
+        backend: the attention backend passed to :func:`context_parallel_sparse_attention`; ``None`` =
+            each module's own (``SparseAttention``: its ``config.backend``).
+
+    Returns:
+        The number of modules switched (at least 1).
+
+    Raises:
+        ValueError: torch.distributed not initialised or this process outside ``group``; ``backend`` not
+            a string or None; no module of ``model`` supports context parallelism (for example a Hugging
+            Face model: its RoPE is applied at local positions, which the integration does not shift)."""
+    group, _, _ = _group_info(group)
+    if backend is not None and not isinstance(backend, str):
+        raise ValueError(f"backend must be a backend name or None, got {backend!r}")
+    switched = 0
+    for module in model.modules():
+        if hasattr(module, "context_parallel_group"):
+            module.context_parallel_group = group
+            module.context_parallel_backend = backend
+            switched += 1
+    if not switched:
+        raise ValueError(f"{type(model).__name__} has no module that supports context parallelism "
+                         "(SparseAttention, sparse_train.lightning.model.Transformer)")
+    return switched
+
+
+def disable_context_parallel(model: torch.nn.Module) -> None:
+    """Undo :func:`enable_context_parallel`: every module computes the whole sequence again."""
+    for module in model.modules():
+        if hasattr(module, "context_parallel_group"):
+            module.context_parallel_group = None
+            module.context_parallel_backend = None

@@ -133,13 +133,13 @@ def test_distillation_target_is_document_masked(distill, monkeypatch):
     seen = {}
     import sparse_train.selectors.distill as distill_mod
 
-    real_kl = distill_mod.block_kl
+    real_kl = distill_mod.block_kl_sum
 
     def spy(target, logits, allowed, row_valid, row_weight=None):
         seen["target"], seen["allowed"] = target, allowed.expand_as(logits)
         return real_kl(target, logits, allowed, row_valid, row_weight)
 
-    monkeypatch.setattr(st.attention, "block_kl", spy)
+    monkeypatch.setattr(st.attention, "block_kl_sum", spy)
     attn(q, k, v, document_ids=ids)
     loss = attn.selector_loss
     assert loss is not None and torch.isfinite(loss)

@@ -349,13 +349,13 @@ def test_peak_block_weight_weighs_each_query_block_by_its_target_peak(monkeypatc
     import sparse_train.attention as attention_mod
 
     seen = {}
-    real_kl = attention_mod.block_kl
+    real_kl = attention_mod.block_kl_sum
 
     def spy(target, logits, allowed, row_valid, row_weight=None):
         seen["target"], seen["weight"] = target, row_weight
         return real_kl(target, logits, allowed, row_valid, row_weight)
 
-    monkeypatch.setattr(attention_mod, "block_kl", spy)
+    monkeypatch.setattr(attention_mod, "block_kl_sum", spy)
     q, k, v = make_qkv(1, 4, 2, 200, 8, seed=4, requires_grad=True)
     losses = {}
     for weighting in ("uniform", "peak"):

@@ -29,6 +29,7 @@ from ..tasks import (
     read_byte_corpus,
 )
 from ..validation import check_float, check_int, check_keys
+from .context_parallel import data_parallel_rank
 
 # The task-side names stay importable from here (the path they had before sparse_train.tasks existed).
 __all__ = ["RetrievalDataModule", "ByteLMDataModule", "RetrievalTask", "RetrievalDataset", "CurriculumStage",
@@ -133,7 +134,7 @@ class RetrievalDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         total, start = self._trainer_steps()
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer is not None else (0, 1)
+        rank, world = data_parallel_rank(self.trainer)  # the ranks of a context-parallel group share rows
         sampler = CurriculumBatches(self.curriculum, self.hparams.seq_len, self.hparams.batch_size, total, start,
                                     rank, world)
         return _loader(RetrievalDataset(self.task, self.hparams.train_seed, 0), self.hparams.num_workers,

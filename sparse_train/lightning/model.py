@@ -151,6 +151,10 @@ class Attention(nn.Module):
             )
         elif cfg.attention != "dense":  # a config mutated after its checks ran
             raise ValueError(f"attention must be 'sparse' or 'dense', got {cfg.attention!r}")
+        # Context parallelism of the dense core (sparse_train.context_parallel.enable_context_parallel; the
+        # sparse core has its own): None = the whole sequence is here.
+        self.context_parallel_group = None
+        self.context_parallel_backend: Optional[str] = None
 
     @staticmethod
     def _sparse_kwargs(cfg: TransformerConfig) -> dict[str, Any]:
@@ -169,10 +173,27 @@ class Attention(nn.Module):
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         if self.core is not None:
             o = self.core(q, k, v, seq_lens=seq_lens, document_ids=document_ids, position_ids=positions)
+        elif self.context_parallel_group is not None:
+            o = self._dense_context_parallel(q, k, v, document_ids)
         else:
             # Right padding needs no key mask here: padded keys sit after every real query.
             o = dense_causal_attention(q, k, v, scale=self.head_dim ** -0.5, document_ids=document_ids)
         return self.wo(o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
+
+
+    def _dense_context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                document_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """The dense core under context parallelism: exact dense causal attention of the local rows over the
+        all-gathered keys (:func:`~sparse_train.context_parallel.context_parallel_dense_attention`), on
+        blocks of ``gcd(N / (2W), 64)`` rows (whole chunks of the zig-zag layout)."""
+        from .. import context_parallel as cpm
+
+        group = self.context_parallel_group
+        _, world = cpm.context_parallel_rank(group)
+        block = math.gcd(q.shape[2] // 2, 64) if q.shape[2] % 2 == 0 else 1
+        return cpm.context_parallel_dense_attention(q, k, v, block_q=block, block_k=block, group=group,
+                                                    scale=self.head_dim ** -0.5, document_ids=document_ids,
+                                                    backend=self.context_parallel_backend or "reference")
 
 
 class SwiGLU(nn.Module):
@@ -222,6 +243,10 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self._rope_cache: Optional[tuple[int, torch.device, torch.Tensor, torch.Tensor]] = None
+        # Context parallelism (sparse_train.context_parallel.enable_context_parallel): tokens are this rank's
+        # zig-zag shard and RoPE turns them at their global positions. None = the whole sequence is here.
+        self.context_parallel_group = None
+        self.context_parallel_backend: Optional[str] = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -256,22 +281,48 @@ class Transformer(nn.Module):
                 >= 0 (packed documents): each token attends only tokens of its own document, and RoPE
                 positions restart at 0 at every document start.
 
+        Under context parallelism (:func:`~sparse_train.context_parallel.enable_context_parallel`) ``tokens``
+        are this rank's zig-zag shard ``[B, N/W]`` (:func:`~sparse_train.context_parallel.shard_sequence`),
+        ``seq_lens`` and ``document_ids`` stay GLOBAL (``[B]``, ``[B, N]``), RoPE turns each local row at its
+        global position, and the logits are this rank's rows of the single-process logits.
+
         Raises:
-            ValueError: ``document_ids`` of the wrong shape, dtype or device, negative or decreasing.
+            ValueError: ``document_ids`` of the wrong shape, dtype or device, negative or decreasing; under
+                context parallelism, N not a multiple of ``2 * W`` (times the block sizes of the attention).
         """
         x = self.embed(tokens)
-        cos, sin = self.rope(tokens.shape[1], tokens.device)
-        positions = None
-        if document_ids is not None:
-            check_document_ids(document_ids, tokens.shape[0], tokens.shape[1], tokens.device)
-            positions = document_positions(document_ids)
-            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, N, D/2]
+        if self.context_parallel_group is not None:
+            cos, sin, positions = self._context_parallel_rope(tokens, document_ids)
+        else:
+            cos, sin = self.rope(tokens.shape[1], tokens.device)
+            positions = None
+            if document_ids is not None:
+                check_document_ids(document_ids, tokens.shape[0], tokens.shape[1], tokens.device)
+                positions = document_positions(document_ids)
+                cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, N, D/2]
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, seq_lens, document_ids, positions, use_reentrant=False)
             else:
                 x = block(x, cos, sin, seq_lens, document_ids, positions)
         return self.lm_head(self.norm(x))
+
+    def _context_parallel_rope(self, tokens: torch.Tensor, document_ids: Optional[torch.Tensor]):
+        """RoPE tables of the local rows at their global positions, and the positions the attention cores
+        get (GLOBAL: ``[B, N]`` per-document positions with documents, None = ``0..N-1`` otherwise)."""
+        from .. import context_parallel as cpm
+
+        rank, world = cpm.context_parallel_rank(self.context_parallel_group)
+        seq_len = tokens.shape[1] * world
+        cpm.check_layout(seq_len, world)
+        cos, sin = self.rope(seq_len, tokens.device)
+        if document_ids is None:
+            local = cpm.zigzag_positions(seq_len, rank, world, device=tokens.device)
+            return cos[local], sin[local], None
+        check_document_ids(document_ids, tokens.shape[0], seq_len, tokens.device)
+        positions = document_positions(document_ids)  # [B, N], global
+        local = cpm.shard_sequence(positions, 1, rank, world)
+        return cos[local].unsqueeze(1), sin[local].unsqueeze(1), positions
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameter count (tied weights counted once)."""

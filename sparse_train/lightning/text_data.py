@@ -423,7 +423,9 @@ class TextDataModule(LightningDataModule):
 
     def _rank_world(self) -> tuple[int, int]:
         if self.trainer is not None:
-            return int(self.trainer.global_rank), int(self.trainer.world_size)
+            from .context_parallel import data_parallel_rank
+
+            return data_parallel_rank(self.trainer)  # the ranks of a context-parallel group share rows
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()
         return 0, 1

@@ -12,7 +12,9 @@ Multi-GPU runs use Lightning's strategies. Under ``--trainer.strategy=fsdp`` (FS
 layers (``layer_types``: our ``Block``, a Hugging Face model's ``_no_split_modules``) its own FSDP unit, so the
 selectors, which sit inside the layers' attention, are sharded, gathered and freed with their layer; gradient-norm clipping stays two
 groups through ``st.clip_grad_norms`` on the shards. Losses are normalised by the labelled tokens of all
-ranks, so a step on ``W`` ranks of ``B`` rows each computes the gradient of one ``W * B`` row batch.
+ranks, so a step on ``W`` ranks of ``B`` rows each computes the gradient of one ``W * B`` row batch. Under
+context parallelism (:class:`~sparse_train.lightning.context_parallel.ContextParallel`, ``--cp``) the ranks hold
+shards of the same rows instead, and the same normalisation gives the single-process gradient of the batch.
 
 Batches are dicts with ``tokens`` and ``labels`` (aligned to positions, ``IGNORE_INDEX`` = no loss); packed
 rows also carry ``document_ids`` / ``position_ids``, which go to the model when its ``forward`` takes them
@@ -218,6 +220,9 @@ class CausalLMTraining:
         self._eval_counts: dict[str, list[float]] = {}
         self._fit_start = 0.0
         self._warned_boundaries = False
+        # Set by the ContextParallel callback (sparse_train.lightning.context_parallel): every batch is
+        # sharded along the sequence and the selector losses are this rank's shares. None = no CP.
+        self.context_parallel = None
 
     # ------------------------------------------------------------------ data
     def check_data(self, datamodule: Any) -> None:
@@ -245,6 +250,8 @@ class CausalLMTraining:
 
     def _lm_loss(self, module: LightningModule,
                  batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.context_parallel is not None:
+            batch = self.context_parallel.shard_batch(batch)
         logits = module.model(batch["tokens"], **self.model_inputs(module.model, batch))
         labels = batch["labels"]
         mask = labels != IGNORE_INDEX
@@ -271,6 +278,9 @@ class CausalLMTraining:
         loss_sum, correct, count = self._lm_loss(module, batch)
         lm_loss = loss_sum / self._tokens_per_rank(module, count).clamp_min(1)
         sel_loss = st.collect_selector_losses(module.model) if self.selector_names else None
+        if sel_loss is not None and self.context_parallel is not None:
+            # each rank's selector loss is its share of the sequence's; DDP averages over the CP ranks
+            sel_loss = sel_loss * self.context_parallel.size
         if self.args.train_only_selector:
             loss = sel_loss * self.args.selector_loss_weight
         elif sel_loss is not None:
@@ -291,6 +301,9 @@ class CausalLMTraining:
     def eval_step(self, module: LightningModule, batch: dict[str, torch.Tensor], prefix: str) -> None:
         """Accumulate loss, correct answers and labelled positions of a validation/test batch."""
         loss_sum, correct, count = self._lm_loss(module, batch)
+        if self.context_parallel is not None:  # the sequence's totals on every rank of its CP group
+            loss_sum, correct, count = self.context_parallel.all_reduce(
+                torch.stack([loss_sum.double(), correct.double(), count.double()])).unbind()
         acc = self._eval_counts.setdefault(prefix, [0.0, 0.0, 0.0])
         acc[0] += float(loss_sum)
         acc[1] += float(correct)

@@ -46,7 +46,7 @@ from ..kernels.reference_block_mass import (
 from ..validation import check_choice
 
 __all__ = ["query_row_positions", "pool_rows", "renormalise", "sparse_block_mass", "dense_block_mass",
-           "dense_row_block_mass", "block_kl"]
+           "dense_row_block_mass", "block_kl", "block_kl_sum"]
 
 
 def _kernels_run(q: Tensor, block_q: int, block_k: int, rows_per_block: int | None) -> bool:
@@ -140,6 +140,17 @@ def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor,
         Scalar float32 tensor (0 when no row is valid or every valid weight is 0). Rows with nothing
         allowed never produce NaN values or NaN gradients.
     """
+    total, weight = block_kl_sum(target, logits, allowed, row_valid, row_weight)
+    return total / weight.clamp(min=torch.finfo(total.dtype).tiny)
+
+
+def block_kl_sum(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor,
+                 row_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The parts of :func:`block_kl`: the weighted SUM over valid rows of the KL (scalar float32, with
+    gradients to ``logits``) and the sum of the valid rows' weights (the number of valid rows when
+    ``row_weight`` is None; float32 scalar). Context parallelism adds the weight sums of every rank and
+    divides each rank's sum by the total, so the ranks' losses (and their gradients) sum to the
+    single-process mean."""
     allowed = allowed.expand_as(logits)
     any_allowed = allowed.any(dim=-1, keepdim=True)
     # A row without any allowed entry would be all -inf (NaN softmax); it is excluded anyway, so it
@@ -153,7 +164,4 @@ def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor,
     per_row = terms.sum(dim=-1)
     valid = row_valid & any_allowed.squeeze(-1)
     weight = valid.to(per_row.dtype) if row_weight is None else torch.where(valid, row_weight.to(per_row.dtype), 0.0)
-    per_row = torch.where(valid, per_row, 0.0) * weight
-    if row_weight is None:
-        return per_row.sum() / weight.sum().clamp(min=1)
-    return per_row.sum() / weight.sum().clamp(min=torch.finfo(per_row.dtype).tiny)
+    return (torch.where(valid, per_row, 0.0) * weight).sum(), weight.sum()

@@ -372,9 +372,15 @@ class BlockScorer(nn.Module):
                 kbar = torch.cat([kbar, block_max(k, block_k, 1, seq_lens)], dim=-1)
         return qbar, kbar
 
-    def forward(self, qbar: Tensor, kbar: Tensor, scale: float, geometry: SelectionGeometry | None = None) -> Tensor:
+    def forward(self, qbar: Tensor, kbar: Tensor, scale: float, geometry: SelectionGeometry | None = None,
+                query_blocks: Tensor | None = None) -> Tensor:
         """Block logits float32 ``[B, HKV, NQB, NKB]`` (gradients reach only this module's parameters);
-        the distance bias is added when ``geometry`` (of the pooled call) is given."""
+        the distance bias is added when ``geometry`` (of the pooled call) is given.
+
+        ``query_blocks`` (optional int ``[S]``): the GLOBAL query-block ids of ``qbar``'s rows, when
+        ``qbar`` holds only some query blocks (``[B, HKV, S, D]``; context parallelism: a rank's local
+        blocks) and ``kbar`` all of them; the distance bias then uses those rows of the bucket table.
+        Default: ``qbar`` holds every query block in order."""
         multiplier = self.lr_multiplier.to(torch.float32)
         wq = self.query_proj.to(torch.float32) * multiplier
         wk = self.key_proj.to(torch.float32) * multiplier
@@ -385,6 +391,8 @@ class BlockScorer(nn.Module):
         if self.distance_bias is None or geometry is None:
             return logits
         buckets = block_distance_buckets(geometry, logits.device)  # [NQB, NKB]
+        if query_blocks is not None:
+            buckets = buckets.index_select(0, _check_query_blocks(query_blocks, geometry, qbar.shape[2], logits.device))
         bias = self.distance_bias.to(torch.float32) * multiplier  # [HKV, DISTANCE_BUCKETS]
         return logits + _BucketLookup.apply(bias, buckets).unsqueeze(0)
 
@@ -409,6 +417,19 @@ class _BucketLookup(torch.autograd.Function):
         return torch.stack(per_bucket, dim=-1), None
 
 
+def _check_query_blocks(query_blocks, geometry: SelectionGeometry, rows: int, device) -> Tensor:
+    """``query_blocks`` as int64 on ``device`` after checking it names ``rows`` global query blocks."""
+    if (not isinstance(query_blocks, Tensor) or query_blocks.dim() != 1 or query_blocks.dtype.is_floating_point
+            or query_blocks.dtype == torch.bool):
+        raise ValueError(f"query_blocks must be a 1-D integer tensor of global query-block ids, got "
+                         f"{getattr(query_blocks, 'dtype', type(query_blocks).__name__)} "
+                         f"{tuple(getattr(query_blocks, 'shape', ()))}")
+    if query_blocks.shape[0] != rows:
+        raise ValueError(f"query_blocks lists {query_blocks.shape[0]} query blocks but the scores hold {rows} rows")
+    # values are not checked here: that would be a host read on every call (the callers build the ids)
+    return query_blocks.to(device=device, dtype=torch.int64)
+
+
 def selection_candidates(
     scores: Tensor,
     geometry: SelectionGeometry,
@@ -418,6 +439,7 @@ def selection_candidates(
     seq_lens: Tensor | None = None,
     document_ids: Tensor | None = None,
     top_p: float | None = None,
+    query_blocks: Tensor | None = None,
 ) -> Tensor:
     """Top-k dynamic key blocks per query block, for ``BlockIndex.from_selection``.
 
@@ -435,16 +457,23 @@ def selection_candidates(
             the distribution the distillation fits to the attention mass, so a row whose mass sits in
             one block keeps one and a row with spread mass keeps up to ``dynamic_k``. Shapes do not
             change and nothing is read back to the host.
+        query_blocks: optional int ``[S]``, the GLOBAL query-block ids of the rows of ``scores``
+            (``[B, HKV, S, NKB]``), when it holds only some query blocks (context parallelism: a rank's
+            local blocks). Each row is picked exactly as the row of that block in a full call.
 
     Returns:
-        int64 ``[B, HKV, NQB, dynamic_k]`` block ids, -1 where a row has fewer candidates (or needs
-        fewer under ``top_p``).
+        int64 ``[B, HKV, NQB, dynamic_k]`` block ids (``[B, HKV, S, dynamic_k]`` with ``query_blocks``),
+        -1 where a row has fewer candidates (or needs fewer under ``top_p``).
     """
-    batch, kv_heads = scores.shape[:2]
+    batch, kv_heads, rows = scores.shape[:3]
     k = geometry.dynamic_k
+    if query_blocks is not None:
+        query_blocks = _check_query_blocks(query_blocks, geometry, rows, scores.device)
     if k == 0:
-        return torch.empty(batch, kv_heads, geometry.num_q_blocks, 0, dtype=torch.int64, device=scores.device)
+        return torch.empty(batch, kv_heads, rows, 0, dtype=torch.int64, device=scores.device)
     allowed = allowed_dynamic_blocks(geometry, window, sinks, scores.device, document_ids)
+    if query_blocks is not None:
+        allowed = allowed.index_select(allowed.dim() - 2, query_blocks)
     if allowed.dim() == 3:
         allowed = allowed.unsqueeze(1)  # [B, 1, NQB, NKB]
     masked = scores.detach().masked_fill(~allowed, float("-inf"))
