@@ -12,7 +12,8 @@ run, the last value of every metric that tells whether sparse attention learns w
         --parallel 8 --out runs/ab
 
 The plan is a JSON list of ``{"name": ..., "config": <recipe name or path>, "args": [overrides]}``
-(optionally ``"seeds": [...]`` to override ``--seeds`` for that variant).
+(optionally ``"seeds": [...]`` to override ``--seeds`` for that variant). ``{seed}`` in an override is
+replaced by the run's seed (e.g. a per-seed ``--ckpt_path`` written by a ``ForkPoint`` run).
 Output: ``<out>/summary.json`` and ``<out>/summary.md`` (one row per run, then mean over seeds).
 """
 
@@ -53,7 +54,8 @@ def run_one(job: dict, out: Path, timeout: float, extra_env: dict[str, str]) -> 
     name, seed = job["name"], job["seed"]
     run_dir = out / f"{name}_s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "sparse_train.cli", "fit", "--config", job["config"], *job.get("args", []),
+    overrides = [arg.replace("{seed}", str(seed)) for arg in job.get("args", [])]
+    cmd = [sys.executable, "-m", "sparse_train.cli", "fit", "--config", job["config"], *overrides,
            f"--seed_everything={seed}", f"--trainer.default_root_dir={run_dir}", "--trainer.enable_progress_bar=false"]
     env = {**os.environ, **extra_env}
     start = time.perf_counter()
