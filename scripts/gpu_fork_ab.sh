@@ -3,7 +3,8 @@
 # seed), phase 2 continues each checkpoint under every arm of PLAN2 (``{seed}`` in a plan's overrides is the
 # run's seed), so the arms of one seed differ only after the fork. The GPU tests run beside phase 1 (tests
 # are not timed). Runs spread over the visible GPUs. Results: $OUT/{phase1,phase2}_summary.md, the per-run
-# metrics in $OUT/metrics.tar.gz, the test log in $OUT/gpu_tests.log.
+# metrics in $OUT/metrics.tar.gz, the test log in $OUT/gpu_tests.log (TEST_PATHS: which tests, default all;
+# TESTS=0: none).
 #
 #   OUT=/tmp/out bash scripts/gpu_fork_ab.sh docs/benchmarks/plans/gpu_ab_round14_fork_phase{1,2}.json
 #
@@ -22,7 +23,8 @@ ab() {  # ab <plan> <dir> <timeout per run>
 ab "$plan1" /tmp/fork_ab/phase1 "${PHASE1_TIMEOUT:-300}" > "$OUT/phase1_stdout.txt" 2>&1 &
 phase1=$!
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rfEs -m gpu tests > "$OUT/gpu_tests.log" 2>&1
+  # shellcheck disable=SC2086
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -rfEs --durations=12 -m gpu ${TEST_PATHS:-tests} > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?" >> "$OUT/gpu_tests.log"
 fi
 wait "$phase1"

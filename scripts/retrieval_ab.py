@@ -14,6 +14,10 @@ run, the last value of every metric that tells whether sparse attention learns w
 The plan is a JSON list of ``{"name": ..., "config": <recipe name or path>, "args": [overrides]}``
 (optionally ``"seeds": [...]`` to override ``--seeds`` for that variant). ``{seed}`` in an override is
 replaced by the run's seed (e.g. a per-seed ``--ckpt_path`` written by a ``ForkPoint`` run).
+``"resume": {"ckpt": <path with {seed}>, "hparams": {"model.sparse.dense_warmup_steps": 1700}}`` continues
+a checkpoint with some of its stored hyperparameters changed: the CLI takes the model's arguments from
+the checkpoint (it warns when they replace given ones), so the change is written into a copy of the
+checkpoint in the run's directory, which the run resumes from.
 Output: ``<out>/summary.json`` and ``<out>/summary.md`` (one row per run, then mean over seeds).
 """
 
@@ -50,11 +54,33 @@ def last_values(run_dir: Path) -> dict[str, float]:
     return out
 
 
+def resume_copy(resume: dict, seed: int, run_dir: Path) -> Path:
+    """A copy of ``resume["ckpt"]`` (``{seed}`` replaced) in ``run_dir`` whose stored hyperparameters have
+    ``resume["hparams"]`` set (dotted keys into ``hyper_parameters``; each key must exist)."""
+    import torch
+
+    source = resume["ckpt"].replace("{seed}", str(seed))
+    ckpt = torch.load(source, map_location="cpu", weights_only=False)
+    for dotted, value in resume.get("hparams", {}).items():
+        *parents, leaf = dotted.split(".")
+        node = ckpt["hyper_parameters"]
+        for key in parents:
+            node = node[key]
+        if leaf not in node:
+            raise KeyError(f"{source}: hyper_parameters has no {dotted!r}")
+        node[leaf] = value
+    target = run_dir / "resume.ckpt"
+    torch.save(ckpt, target)
+    return target
+
+
 def run_one(job: dict, out: Path, timeout: float, extra_env: dict[str, str]) -> dict:
     name, seed = job["name"], job["seed"]
     run_dir = out / f"{name}_s{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     overrides = [arg.replace("{seed}", str(seed)) for arg in job.get("args", [])]
+    if "resume" in job:
+        overrides.append(f"--ckpt_path={resume_copy(job['resume'], seed, run_dir)}")
     cmd = [sys.executable, "-m", "sparse_train.cli", "fit", "--config", job["config"], *overrides,
            f"--seed_everything={seed}", f"--trainer.default_root_dir={run_dir}", "--trainer.enable_progress_bar=false"]
     env = {**os.environ, **extra_env}
@@ -119,6 +145,8 @@ def main() -> None:
 
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         results = list(pool.map(launch, enumerate(jobs)))
+    for run in out.rglob("resume.ckpt"):  # copies of checkpoints, not results
+        run.unlink()
     (out / "summary.json").write_text(json.dumps(results, indent=1))
     table = summarise(results)
     (out / "summary.md").write_text(table)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -279,6 +280,7 @@ def _cli_class() -> type:
     from jsonargparse import ActionConfigFile
     from lightning.pytorch.callbacks import ProgressBar
     from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+    from lightning.pytorch.utilities import rank_zero_warn
 
     from .lightning.callbacks import step_progress_bar
 
@@ -331,6 +333,24 @@ def _cli_class() -> type:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
                 super().parse_arguments(parser, args)
+
+        def _parse_ckpt_path(self) -> None:
+            # Lightning replaces the model's arguments by the hyperparameters stored in --ckpt_path (so
+            # the module matches the weights it loads). A setting given for the resumed run would then be
+            # dropped without a word; name each one the checkpoint replaced.
+            subcommand = self.config.get("subcommand")
+            before = _flat_config(self.config[subcommand].get("model")) if subcommand else {}
+            super()._parse_ckpt_path()
+            if not subcommand:
+                return
+            after = _flat_config(self.config[subcommand].get("model"))
+            replaced = [f"{key}: {before[key]!r} -> {after[key]!r}" for key in before
+                        if key in after and before[key] != after[key]]
+            if replaced:
+                rank_zero_warn("--ckpt_path: the model arguments stored in the checkpoint replace these values "
+                               "of the config/command line: " + "; ".join(replaced) + ". To change a stored "
+                               "argument, edit the checkpoint's hyper_parameters (scripts/retrieval_ab.py "
+                               "'resume' does) or start a new run with --model.init_args.init_from.")
 
         def _set_seed(self) -> None:
             # Seeding must precede instantiation (the weights are drawn from it), but its "Seed set to"
@@ -390,6 +410,25 @@ def _cli_class() -> type:
             return super()._instantiate_trainer(config, callbacks)
 
     return SparseTrainCLI
+
+
+def _flat_config(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Leaves of a (possibly nested) jsonargparse Namespace / dict / dataclass as ``{dotted key: value}``;
+    ``init_args`` and ``dict_kwargs`` levels are dropped, so a checkpoint's flat hyperparameters and the
+    parsed ``class_path`` / ``init_args`` config name the same setting alike."""
+    if hasattr(node, "as_dict"):
+        node = node.as_dict()
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        node = dataclasses.asdict(node)
+    if not isinstance(node, dict):
+        return {prefix: node} if prefix else {}
+    leaves: dict[str, Any] = {}
+    for key, value in node.items():
+        if key in ("class_path", "_class_path", "_instantiator"):
+            continue
+        name = prefix if key in ("init_args", "dict_kwargs") else (f"{prefix}.{key}" if prefix else key)
+        leaves.update(_flat_config(value, name))
+    return leaves
 
 
 @contextlib.contextmanager

@@ -218,3 +218,21 @@ def test_fork_point_branches_resume_the_uninterrupted_run_exactly(tmp_path):
         ForkPoint(0, "x.ckpt")
     with pytest.raises(ValueError, match="ForkPoint.path"):
         ForkPoint(3, "")
+
+
+def test_resume_names_the_arguments_the_checkpoint_replaces(tmp_path, monkeypatch):
+    """LightningCLI takes the model's arguments from --ckpt_path's stored hyperparameters; a value given
+    for the resumed run that the checkpoint replaces is named in a warning (not dropped silently), and
+    an unchanged resume warns nothing."""
+    monkeypatch.chdir(tmp_path)
+    cli.run_cli(_stage_args("retrieval", tmp_path / "a", 1, _ckpt_cb(tmp_path / "ckpt")))
+    resume = [f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}"]
+    with pytest.warns(UserWarning, match=r"model\.sparse\.dense_warmup_steps: 7 -> 400; lr: 0\.5 -> "):
+        cli.run_cli(_stage_args("retrieval", tmp_path / "b", 2, [
+            *resume, "--model.init_args.model.sparse.dense_warmup_steps=7", "--model.init_args.lr=0.5"]))
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cli.run_cli(_stage_args("retrieval", tmp_path / "c", 2, resume))
+    assert not [w for w in caught if "--ckpt_path" in str(w.message)]
