@@ -131,7 +131,7 @@ class SparseAttention(nn.Module):
         self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim)
         self.scorer = BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim,
                                   lr_multiplier=config.selector_lr_multiplier, key_pooling=config.key_pooling,
-                                  distance_bias=config.selector_distance_bias, query_pooling=config.query_pooling)
+                                  distance_bias=config.selector_distance_bias)
         if config.selector_rope_theta is not None:
             self.scorer.set_rope(rope_inverse_frequencies(config.selector_rope_theta, head_dim))
         # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every).
@@ -689,9 +689,9 @@ class SparseAttention(nn.Module):
             local_support = support.index_select(2, local_blocks)
             slot_support = local_support.expand(*slots.shape[:2], -1, -1).gather(-1, slots.clamp(min=0))
             allowed = (slots >= 0) & slot_support
-        total, weight = self._kl_parts(target, scores, allowed, row_valid)
-        weight = cpm.all_reduce_sum(weight, group)
-        return total / weight.clamp(min=torch.finfo(total.dtype).tiny) * cfg.distill_weight
+        total, count = self._kl_parts(target, scores, allowed, row_valid)
+        count = cpm.all_reduce_sum(count, group)
+        return total / count.clamp(min=1).to(total.dtype) * cfg.distill_weight
 
     def _distill_mode(self, path: str) -> str:
         """The target this call distills from: ``"sparse"`` needs the sparse kernels' selection and
@@ -730,8 +730,8 @@ class SparseAttention(nn.Module):
             scores = scores.gather(-1, slots.clamp(min=0))
             slot_support = support.expand(*slots.shape[:2], -1, -1).gather(-1, slots.clamp(min=0))
             allowed = (slots >= 0) & slot_support
-        total, weight = self._kl_parts(target, scores, allowed, row_valid)
-        return total / weight.clamp(min=torch.finfo(total.dtype).tiny) * cfg.distill_weight
+        total, count = self._kl_parts(target, scores, allowed, row_valid)
+        return total / count.clamp(min=1).to(total.dtype) * cfg.distill_weight
 
     def _distill_support(self, geometry, device, document_ids) -> Tensor:
         """bool ``[1 or B, 1, NQB, NKB]``: the blocks the distillation KL is taken over
@@ -745,13 +745,13 @@ class SparseAttention(nn.Module):
                 support = support & allowed_dynamic_blocks(geometry, 0, 0, device, document_ids)
         return support.view(1, 1, *support.shape) if support.dim() == 2 else support.unsqueeze(1)
 
-    def _kl_parts(self, target, scores, allowed, row_valid) -> tuple[Tensor, Tensor]:
-        """The weighted KL sum and weight sum (:func:`block_kl_sum`) of the target renormalised over
-        ``allowed``, with rows weighted per ``distill_block_weight``."""
+    @staticmethod
+    def _kl_parts(target, scores, allowed, row_valid) -> tuple[Tensor, Tensor]:
+        """The KL sum and the valid-row count (:func:`block_kl_sum`) of the target renormalised over
+        ``allowed``; rows whose target has no mass there are left out."""
         target = renormalise(torch.where(allowed, target, 0.0))
         row_valid = row_valid & (target.sum(dim=-1) > 0)
-        weight = target.amax(dim=-1) if self.config.distill_block_weight == "peak" else None
-        return block_kl_sum(target, scores, allowed, row_valid, weight)
+        return block_kl_sum(target, scores, allowed, row_valid)
 
     def _hook_backward_timing(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor) -> None:
         inputs = [t for t in (q, k, v) if t.requires_grad]

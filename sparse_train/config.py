@@ -16,13 +16,11 @@ from .kernels.reference_block_mass import ROW_POOLS as DISTILL_ROW_POOLS
 from .validation import check_bool, check_choice, check_float, check_int
 
 __all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "DISTILL_ROW_POOLS", "DISTILL_SUPPORTS",
-           "INDEX_CHECKS", "KEY_POOLINGS", "QUERY_POOLINGS", "DISTILL_BLOCK_WEIGHTS"]
+           "INDEX_CHECKS", "KEY_POOLINGS"]
 
 DISTILL_MODES = ("sparse", "sampled", "dense", "off")
 DISTILL_SUPPORTS = ("dynamic", "causal")
 KEY_POOLINGS = ("mean", "mean_max")
-QUERY_POOLINGS = ("mean", "mean_max")
-DISTILL_BLOCK_WEIGHTS = ("uniform", "peak")
 
 
 # One line per field in __post_init__: the label is the field's qualified name, the value its attribute.
@@ -77,12 +75,6 @@ class SparseAttentionConfig:
     """Key-block summary the selector scores: ``"mean_max"`` = the block's mean key and its
     element-wise max (a single key that stands out survives the max, while the mean dilutes it 1/BK;
     measured on 4K retrieval: needle-task accuracy 1.00 vs 0.76 with the mean alone), or ``"mean"``."""
-
-    query_pooling: str = "mean"
-    """Query-block summary the selector scores: ``"mean"`` = the mean query of the block's rows (and
-    of the GQA group's heads); ``"mean_max"`` = that mean and its element-wise max over the same rows
-    and heads (the few rows that need a distant block, such as the question of a retrieval task, are
-    1/BQ of the mean but can set the max)."""
 
     selector_rope_theta: float | None = None
     """RoPE base of the q and k this layer receives (rotate-half convention over the whole head dim).
@@ -146,13 +138,6 @@ class SparseAttentionConfig:
     """Blocks the KL is taken over: ``"dynamic"`` = only the causal blocks top-k chooses from (not
     the window and sink blocks, which are always selected; the target is renormalised over the rest),
     so the selector spends its capacity on the ranking that matters; ``"causal"`` = every causal block."""
-
-    distill_block_weight: str = "uniform"
-    """How query blocks weigh in the KL: ``"uniform"`` = every query block alike; ``"peak"`` = each
-    query block's KL weighted by its target's largest share on one block (the target over the blocks
-    top-k chooses from). Blocks whose attention concentrates on a few blocks, where the selection
-    decides what the output reads, then count more than blocks whose attention is spread thin, where
-    any selection of the budget reads about the same mass."""
 
     distill_weight: float = 1.0
     """Multiplier of the KL distillation loss reported as ``selector_loss``."""
@@ -229,8 +214,6 @@ class SparseAttentionConfig:
         _check_choice(self, "distill_row_pool", DISTILL_ROW_POOLS)
         _check_choice(self, "distill_support", DISTILL_SUPPORTS)
         _check_choice(self, "key_pooling", KEY_POOLINGS)
-        _check_choice(self, "query_pooling", QUERY_POOLINGS)
-        _check_choice(self, "distill_block_weight", DISTILL_BLOCK_WEIGHTS)
         _check_choice(self, "index_check", INDEX_CHECKS)
         _check_float(self, "dense_enter_density", minimum=0.0, maximum=1.0)
         _check_float(self, "dense_exit_density", minimum=0.0, maximum=1.0)

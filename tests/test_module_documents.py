@@ -135,9 +135,9 @@ def test_distillation_target_is_document_masked(distill, monkeypatch):
 
     real_kl = distill_mod.block_kl_sum
 
-    def spy(target, logits, allowed, row_valid, row_weight=None):
+    def spy(target, logits, allowed, row_valid):
         seen["target"], seen["allowed"] = target, allowed.expand_as(logits)
-        return real_kl(target, logits, allowed, row_valid, row_weight)
+        return real_kl(target, logits, allowed, row_valid)
 
     monkeypatch.setattr(st.attention, "block_kl_sum", spy)
     attn(q, k, v, document_ids=ids)

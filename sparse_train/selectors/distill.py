@@ -124,33 +124,28 @@ def dense_block_mass(
                                       chunk_mb=chunk_mb, document_ids=document_ids, check_values=check_values)
 
 
-def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor,
-             row_weight: Tensor | None = None) -> Tensor:
-    """Mean over valid rows of ``KL(target || softmax(logits over allowed))``, weighted by ``row_weight``.
+def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor) -> Tensor:
+    """Mean over valid rows of ``KL(target || softmax(logits over allowed))``.
 
     Args:
         target: float ``[..., M]``, zero outside ``allowed``, each valid row summing to 1 (no grad).
         logits: selector logits ``[..., M]`` (the only input with gradients).
         allowed: bool ``[..., M]`` (broadcastable): the support of the selector distribution.
         row_valid: bool ``[...]``: rows that enter the mean.
-        row_weight: optional float ``[...]``, >= 0 (no grad): the mean becomes
-            ``sum(w * KL) / sum(w)`` over valid rows; ``None`` = every valid row weighs 1.
 
     Returns:
-        Scalar float32 tensor (0 when no row is valid or every valid weight is 0). Rows with nothing
-        allowed never produce NaN values or NaN gradients.
+        Scalar float32 tensor (0 when no row is valid). Rows with nothing allowed never produce NaN
+        values or NaN gradients.
     """
-    total, weight = block_kl_sum(target, logits, allowed, row_valid, row_weight)
-    return total / weight.clamp(min=torch.finfo(total.dtype).tiny)
+    total, rows = block_kl_sum(target, logits, allowed, row_valid)
+    return total / rows.clamp(min=1).to(total.dtype)
 
 
-def block_kl_sum(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor,
-                 row_weight: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """The parts of :func:`block_kl`: the weighted SUM over valid rows of the KL (scalar float32, with
-    gradients to ``logits``) and the sum of the valid rows' weights (the number of valid rows when
-    ``row_weight`` is None; float32 scalar). Context parallelism adds the weight sums of every rank and
-    divides each rank's sum by the total, so the ranks' losses (and their gradients) sum to the
-    single-process mean."""
+def block_kl_sum(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor) -> tuple[Tensor, Tensor]:
+    """The parts of :func:`block_kl`: the SUM over valid rows of the KL (scalar float32, with
+    gradients to ``logits``) and the number of valid rows (int64 scalar). Context parallelism adds the
+    counts of every rank and divides each rank's sum by the total, so the ranks' losses (and their
+    gradients) sum to the single-process mean."""
     allowed = allowed.expand_as(logits)
     any_allowed = allowed.any(dim=-1, keepdim=True)
     # A row without any allowed entry would be all -inf (NaN softmax); it is excluded anyway, so it
@@ -163,5 +158,5 @@ def block_kl_sum(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Ten
     terms = torch.where(positive, target * (torch.log(safe_target) - safe_log_p), 0.0)
     per_row = terms.sum(dim=-1)
     valid = row_valid & any_allowed.squeeze(-1)
-    weight = valid.to(per_row.dtype) if row_weight is None else torch.where(valid, row_weight.to(per_row.dtype), 0.0)
-    return (torch.where(valid, per_row, 0.0) * weight).sum(), weight.sum()
+    per_row = torch.where(valid, per_row, 0.0)
+    return per_row.sum(), valid.sum()
