@@ -131,7 +131,7 @@ class SparseAttention(nn.Module):
         self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim)
         self.scorer = BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim,
                                   lr_multiplier=config.selector_lr_multiplier, key_pooling=config.key_pooling,
-                                  distance_bias=config.selector_distance_bias)
+                                  distance_bias=config.selector_distance_bias, query_pooling=config.query_pooling)
         if config.selector_rope_theta is not None:
             self.scorer.set_rope(rope_inverse_frequencies(config.selector_rope_theta, head_dim))
         # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every).

@@ -38,6 +38,7 @@ BASE = dict(block_q=8, block_k=8, top_k=2, window=1, sinks=1, backend="reference
 MODULE_CASES = [
     ("sparse_sampled", dict(distill="sampled"), {}),
     ("sparse_dense_target", dict(distill="dense"), {"seq_lens": [64, 45]}),
+    ("sparse_query_max", dict(distill="dense", query_pooling="mean_max"), {}),
     ("sparse_sparse_target", dict(distill="sparse"), {"documents": [[0, 5, 21, 40], [0, 33]]}),
     ("warmup_sampled", dict(distill="sparse", dense_warmup_steps=5), {"seq_lens": [64, 50]}),
     ("warmup_documents", dict(distill="dense", dense_warmup_steps=5), {"documents": [[0, 5, 21, 40], [0, 33]]}),
@@ -213,8 +214,14 @@ def test_sparse_attention_under_cp_equals_one_process(two_ranks, case):
     assert float(want["selector_loss"]) > 0
     for pname, grad in want["grads"].items():
         summed = sum(r["grads"][pname] for r in got)
-        torch.testing.assert_close(summed, grad, **FP32_TOL, msg=lambda m: f"{pname}: {m}")
-        assert float(grad.abs().max()) > 0, pname
+        # Error relative to the tensor's largest entry: the two ranks' float32 partial sums add in another
+        # order than one process sums, and an entry where large terms cancel (the query max-pooling
+        # features are all positive, so their gradients reach ~4e3) keeps the absolute rounding of the
+        # terms, not of itself. Measured: at most 4.3e-7 of the largest entry in every case.
+        scale = float(grad.abs().max())
+        assert scale > 0, pname
+        error = float((summed - grad).abs().max()) / scale
+        assert error <= 2e-6, f"{pname}: error {error:.2e} of the largest entry {scale:.3g}"
     if extras.get("checkpoint"):
         for result in got:
             assert result["replay"]["replay/hits"] >= 1 and result["replay"]["replay/misses"] == 0

@@ -323,7 +323,8 @@ def test_selector_unrotates_by_the_models_own_rope(family):
     head_dim = layer.head_dim
     q_pre = captured["q"].view(1, 160, -1, head_dim).transpose(1, 2)
     k_pre = captured["k"].view(1, 160, -1, head_dim).transpose(1, 2)
-    plain = st.selectors.BlockScorer(scorer.num_heads, scorer.num_kv_heads, head_dim, 8, key_pooling=scorer.key_pooling)
+    plain = st.selectors.BlockScorer(scorer.num_heads, scorer.num_kv_heads, head_dim, 8, key_pooling=scorer.key_pooling,
+                                     query_pooling=scorer.query_pooling)
     want_q, want_k = plain.pool(q_pre, k_pre, SPARSE["block_q"], SPARSE["block_k"])
     torch.testing.assert_close(pooled["got"][0], want_q, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(pooled["got"][1], want_k, rtol=1e-4, atol=1e-5)

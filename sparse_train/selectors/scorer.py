@@ -5,7 +5,8 @@ For every (batch b, KV head h, query block i, key block j) the selector scores
     s[b, h, i, j] = exp(t_h) * scale * <qbar[b, h, i] W_q[h], kbar[b, h, j] W_k[h]> + beta[h, bucket(d_ij)]
 
 where ``qbar`` is the mean of the queries of block i over its rows *and* over the G query heads of
-the group (one selection per KV head, shared by the group), ``kbar`` the mean key of block j,
+the group (one selection per KV head, shared by the group; with ``query_pooling="mean_max"`` also the
+element-wise max over the rows of the group's mean query), ``kbar`` the mean key of block j (and its max with ``key_pooling="mean_max"``),
 ``W_q[h], W_k[h]`` are ``[D, S]`` projections (S = ``selector_dim``), ``t_h`` a learned
 log-temperature and ``beta[h]`` a learned bias per log2 bucket of the block distance ``d_ij`` (key
 blocks between block j and the last key block query block i reaches; 0 for the diagonal block).
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..config import KEY_POOLINGS
+from ..config import KEY_POOLINGS, QUERY_POOLINGS
 from ..index import capacity_tier, causal_last_block, document_sink_candidates, shares_document
 from ..validation import check_choice, check_float
 
@@ -263,8 +264,8 @@ def block_distance_buckets(geometry: SelectionGeometry, device=None) -> Tensor:
 class BlockScorer(nn.Module):
     """Per-KV-head learned projections of pooled queries and keys -> block logits.
 
-    Parameters: ``query_proj`` ``[HKV, D, S]``, ``key_proj`` ``[HKV, P*D, S]`` (P = 1 for
-    ``key_pooling="mean"``, 2 for ``"mean_max"``) and ``log_temperature`` ``[HKV]``, all stored
+    Parameters: ``query_proj`` ``[HKV, Pq*D, S]``, ``key_proj`` ``[HKV, P*D, S]`` (Pq, P = 1 for
+    ``"mean"`` pooling, 2 for ``"mean_max"``) and ``log_temperature`` ``[HKV]``, all stored
     divided by ``lr_multiplier``: the effective weight is ``lr_multiplier * parameter``. Under Adam-type
     optimizers (update size ~ lr, whatever the gradient's scale) this makes the selector learn
     ``lr_multiplier`` times faster than the model it sits in, with one optimizer and one learning rate:
@@ -285,18 +286,22 @@ class BlockScorer(nn.Module):
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, selector_dim: int,
-                 lr_multiplier: float = 1.0, key_pooling: str = "mean", distance_bias: bool = False) -> None:
+                 lr_multiplier: float = 1.0, key_pooling: str = "mean", distance_bias: bool = False,
+                 query_pooling: str = "mean") -> None:
         super().__init__()
         check_choice("key_pooling", key_pooling, KEY_POOLINGS)
+        check_choice("query_pooling", query_pooling, QUERY_POOLINGS)
         lr_multiplier = check_float("lr_multiplier", lr_multiplier, exclusive_minimum=0.0)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.selector_dim = selector_dim
         self.key_pooling = key_pooling
+        self.query_pooling = query_pooling
         key_features = head_dim * (2 if key_pooling == "mean_max" else 1)
+        query_features = head_dim * (2 if query_pooling == "mean_max" else 1)
         self.register_buffer("lr_multiplier", torch.tensor(float(lr_multiplier)))
-        self.query_proj = nn.Parameter(torch.empty(num_kv_heads, head_dim, selector_dim))
+        self.query_proj = nn.Parameter(torch.empty(num_kv_heads, query_features, selector_dim))
         self.key_proj = nn.Parameter(torch.empty(num_kv_heads, key_features, selector_dim))
         self.log_temperature = nn.Parameter(torch.zeros(num_kv_heads))
         self.distance_bias = nn.Parameter(torch.zeros(num_kv_heads, DISTANCE_BUCKETS)) if distance_bias else None
@@ -324,20 +329,28 @@ class BlockScorer(nn.Module):
         bias_key = prefix + "distance_bias"
         if self.distance_bias is not None and bias_key not in state_dict and prefix + "query_proj" in state_dict:
             state_dict[bias_key] = torch.zeros_like(self.distance_bias)
+        # Likewise a selector saved with mean query pooling loaded into a mean_max one: its scores are
+        # those of a zero max half, the initialisation of mean_max.
+        query_key = prefix + "query_proj"
+        saved = state_dict.get(query_key)
+        if (isinstance(saved, Tensor) and self.query_pooling == "mean_max" and saved.dim() == 3
+                and saved.shape[1] == self.head_dim and self.query_proj.shape[1] == 2 * self.head_dim):
+            state_dict[query_key] = torch.cat([saved, torch.zeros_like(saved)], dim=1)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Shared JL projection for queries and mean keys (score ~ pooled logit), temperature 1;
-        the max-key half of ``key_proj`` (``mean_max``) starts at zero, so the initial scores are the
-        same for both poolings."""
+        """Shared JL projection for mean queries and mean keys (score ~ pooled logit), temperature 1;
+        the max halves of ``query_proj`` and ``key_proj`` (``mean_max``) start at zero, so the initial
+        scores are the same for every pooling."""
         # A private generator: building a selector must not advance the global RNG, so a model with
         # sparse attention gets exactly the weights of its dense twin built from the same seed.
         generator = torch.Generator().manual_seed(_PROJECTION_SEED)
         projection = torch.randn(self.num_kv_heads, self.head_dim, self.selector_dim, generator=generator)
         projection = projection.to(self.query_proj.device) / math.sqrt(self.selector_dim)
         multiplier = float(self.lr_multiplier)
-        self.query_proj.copy_(projection / multiplier)
+        self.query_proj.zero_()
+        self.query_proj[:, : self.head_dim].copy_(projection / multiplier)
         self.key_proj.zero_()
         self.key_proj[:, : self.head_dim].copy_(projection / multiplier)
         self.log_temperature.zero_()
@@ -346,7 +359,7 @@ class BlockScorer(nn.Module):
 
     def pool(self, q: Tensor, k: Tensor, block_q: int, block_k: int, seq_lens: Tensor | None = None,
              positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Detached pooled inputs: ``qbar`` float32 ``[B, HKV, NQB, D]``, ``kbar`` ``[B, HKV, NKB, P*D]``.
+        """Detached pooled inputs: ``qbar`` float32 ``[B, HKV, NQB, Pq*D]``, ``kbar`` ``[B, HKV, NKB, P*D]``.
         ``positions`` (``[N]`` or ``[B, N]``): the RoPE positions of the tokens, for the un-rotation
         (:func:`unrotate`; default ``0..N-1``)."""
         group = self.num_heads // self.num_kv_heads
@@ -358,7 +371,13 @@ class BlockScorer(nn.Module):
                 q = q.reshape(batch, self.num_kv_heads, group, seq_len, dim).mean(2, dtype=torch.float32)
                 q = unrotate(q, self.rope_inv_freq, positions)
                 k, group = unrotate(k, self.rope_inv_freq, positions), 1
+            if self.query_pooling == "mean_max" and group > 1:
+                # the max is taken over the rows of the group's mean query (what the RoPE branch pools)
+                batch, _, seq_len, dim = q.shape
+                q, group = q.reshape(batch, self.num_kv_heads, group, seq_len, dim).mean(2, dtype=torch.float32), 1
             qbar = block_mean(q, block_q, group, seq_lens)
+            if self.query_pooling == "mean_max":
+                qbar = torch.cat([qbar, block_max(q, block_q, 1, seq_lens)], dim=-1)
             kbar = block_mean(k, block_k, 1, seq_lens)
             if self.key_pooling == "mean_max":
                 kbar = torch.cat([kbar, block_max(k, block_k, 1, seq_lens)], dim=-1)
