@@ -487,9 +487,7 @@ class SparseAttention(nn.Module):
         if distill_now:
             mode = self._distill_mode(path)
             if mode == "sampled" and distill_blocks is None:
-                draws = self.distill_draws
-                distill_blocks = draw_query_blocks(geometry.num_q_blocks, cfg.distill_query_blocks, draws.to(device))
-                draws.add_(1)
+                distill_blocks = self._draw_distill_blocks(geometry, device)
             loss = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
                                            document_ids, check_values)
 
@@ -600,10 +598,8 @@ class SparseAttention(nn.Module):
         if distill_now:
             mode = self._distill_mode(path)
             if mode == "sampled" and distill_blocks is None:
-                # The same global blocks on every rank: the draw counter advances identically everywhere.
-                draws = self.distill_draws
-                distill_blocks = draw_query_blocks(geometry.num_q_blocks, cfg.distill_query_blocks, draws.to(device))
-                draws.add_(1)
+                # the same global blocks on every rank: the draw counter advances identically everywhere
+                distill_blocks = self._draw_distill_blocks(geometry, device)
             loss = self._cp_distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry, mode,
                                               distill_blocks, document_ids, check_values, rank, world)
 
@@ -692,6 +688,14 @@ class SparseAttention(nn.Module):
         total, count = self._kl_parts(target, scores, allowed, row_valid)
         count = cpm.all_reduce_sum(count, group)
         return total / count.clamp(min=1).to(total.dtype) * cfg.distill_weight
+
+    def _draw_distill_blocks(self, geometry, device) -> Tensor:
+        """This call's ``distill_query_blocks`` sampled query blocks: drawn on the device from the draw
+        counter (no host read), which then advances."""
+        draws = self.distill_draws
+        blocks = draw_query_blocks(geometry.num_q_blocks, self.config.distill_query_blocks, draws.to(device))
+        draws.add_(1)
+        return blocks
 
     def _distill_mode(self, path: str) -> str:
         """The target this call distills from: ``"sparse"`` needs the sparse kernels' selection and

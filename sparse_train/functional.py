@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .index import BlockIndex
-from .kernels.reference import (check_query_blocks, global_query_stand_in, query_block_positions,
-                                reference_sparse_attention)
+from .kernels.reference import query_block_args, query_block_positions, reference_sparse_attention
 from .plan import KernelOptions, check_no_plan_with_query_blocks
 from .validation import check_attention_args, check_bool, check_choice, check_inputs, draw_dropout_seed
 
@@ -243,11 +242,7 @@ def sparse_attention(
     # backend that runs validates again, values included (unless check_values=False), so the syncs
     # happen at most once per call.
     check_values = check_bool("check_values", check_values)
-    blocks = None
-    q_global = q
-    if query_blocks is not None:
-        blocks = check_query_blocks(q, k, index, query_blocks, check_values=check_values)
-        q_global = global_query_stand_in(q, index)  # k, v, index, seq_lens, document_ids are global
+    blocks, q_global = query_block_args(q, k, index, query_blocks, check_values)
     args = check_attention_args(q_global, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 seq_lens=seq_lens, kernel_options=kernel_options, seq_lens_values=False,
                                 document_ids=document_ids)

@@ -114,3 +114,16 @@ def write_tiny_corpus(root, lengths_txt=(3, 40, 7, 11, 1, 25), lengths_jsonl=(5,
     lines = [json.dumps({"text": tiny_text(n, seed=100 + i), "id": i}) for i, n in enumerate(lengths_jsonl)]
     (root / "more.jsonl").write_text("\n".join(lines) + "\n")
     return root
+
+
+def spawn_ranks(worker, world: int, *args) -> None:
+    """Run ``worker(rank, port, *args)`` in ``world`` processes (torch.multiprocessing spawn) that meet at
+    a free localhost port; returns when all have finished (an exception in one is raised here)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port, *args), nprocs=world, join=True)

@@ -11,13 +11,11 @@ from test_fsdp.py, whose imports (Lightning) would cost each worker ~3 s more.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from builders import check_close, make_qkv, random_index, rel_err
+from builders import check_close, make_qkv, random_index, rel_err, spawn_ranks
 
 import sparse_train.context_parallel as cp
 from sparse_train.index import BlockIndex
@@ -168,17 +166,11 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """Every two-process case, run once: the per-rank result dicts."""
     out = tmp_path_factory.mktemp("context_parallel")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

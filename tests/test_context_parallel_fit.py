@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from builders import spawn_ranks
 
 from sparse_train.lightning.model import Transformer, TransformerConfig
 from sparse_train.tasks import IGNORE_INDEX
@@ -28,12 +27,6 @@ ROWS_PER_STEP = 2
 STEPS = 3
 CLIP = 1e-3  # below both groups' norms: both are clipped on every step
 LR = dict(lr=1e-2, selector_lr=3e-2, weight_decay=0.1, warmup_steps=1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rows() -> list[dict[str, torch.Tensor]]:
@@ -99,7 +92,7 @@ def test_cp_fit_matches_one_process_fit(tmp_path):
     ~1e-15), the selectors' within a 1e-5 relative difference of each of the three Adam updates of size
     ~lr (the selector scores and distils in float32 and the ranks sum other rows in another order;
     measured ~1e-7 against a bound of 9e-7)."""
-    mp.spawn(_fit_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_fit_worker, WORLD, str(tmp_path))
     _fit("auto", 1, str(tmp_path), "single")
     read = lambda tag, r=0: json.loads((tmp_path / f"{tag}.rank{r}.json").read_text())  # noqa: E731
     single = read("single")

@@ -11,14 +11,12 @@ rows in another order), everything else at 1e-12.
 from __future__ import annotations
 
 import os
-import socket
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from builders import make_qkv, rel_err
+from builders import make_qkv, rel_err, spawn_ranks
 from torch.utils.checkpoint import checkpoint
 
 import sparse_train as st
@@ -175,16 +173,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("context_parallel_training")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, WORLD, str(out))
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

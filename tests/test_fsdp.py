@@ -14,12 +14,11 @@ import importlib.util
 import json
 import math
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from builders import spawn_ranks
 
 import sparse_train as st
 from sparse_train.lightning.model import Block, Transformer, TransformerConfig
@@ -33,15 +32,8 @@ WORLD = 2
 _SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "fsdp_check.py")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, *args) -> None:
-    port = _free_port()
-    mp.spawn(fn, args=(port, *args), nprocs=WORLD, join=True)
+    spawn_ranks(fn, WORLD, *args)
 
 
 def _tiny_model(dtype=torch.float64) -> Transformer:

@@ -6,12 +6,11 @@ reference, and, with two CUDA devices, ``context_parallel_sparse_attention(backe
 processes against the single-GPU op.
 """
 import os
-import socket
 
 import pytest
 import torch
 
-from builders import check_close, make_qkv, random_index, random_selection, rel_err
+from builders import check_close, make_qkv, random_index, random_selection, rel_err, spawn_ranks
 from sparse_train import plan as plan_mod
 from sparse_train.functional import sparse_attention
 from sparse_train.index import BlockIndex
@@ -290,12 +289,7 @@ def test_context_parallel_triton_on_two_gpus_equals_the_single_gpu_op(case, tmp_
     dq and the reduce-scattered dk, dv against its rows of the single-GPU op on the global tensors (the same
     kernels on the same rows; dK/dV add the two ranks' bf16 partials, so compared by relative error) and
     against the fp32 reference (the GPU kernel tests' error-ratio rule, c = 3)."""
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_nccl_worker, args=(port, str(tmp_path), case), nprocs=2, join=True)
+    spawn_ranks(_nccl_worker, 2, str(tmp_path), case)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     seed = results[0]["seed"]
     assert seed == results[1]["seed"]

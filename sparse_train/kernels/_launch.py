@@ -42,3 +42,12 @@ def kernel_document_ids(document_ids: Tensor | None, fallback: Tensor) -> Tensor
     if document_ids is None:
         return fallback
     return document_ids.to(torch.int32).contiguous()
+
+
+def kernel_query_map(query_map: Tensor | None, query_row0: Tensor | None, fallback: Tensor) -> tuple[Tensor, Tensor]:
+    """The QUERY_MAP (int32 ``[NQL]``, local -> global query block) and QUERY_ROW0 (int64 ``[NQL]``, first
+    row in q of each local block) arguments of the kernels, contiguous (indexed without strides);
+    ``fallback`` for both when there is no map (the kernels then never read them)."""
+    if query_map is None:
+        return fallback, fallback
+    return query_map.to(torch.int32).contiguous(), query_row0.to(torch.int64).contiguous()

@@ -56,7 +56,7 @@ from ._jit import (
     tile_pointers,
     tile_row_slice,
 )
-from ._launch import LAST_COMPILED, kernel_document_ids, kernel_seq_lens, launch
+from ._launch import LAST_COMPILED, kernel_document_ids, kernel_query_map, kernel_seq_lens, launch
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
 __all__ = ["sparse_attn_backward"]
@@ -374,11 +374,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     has_docs = document_ids is not None
     seed = philox_key(dropout_seed)
     has_map = query_map is not None
-    if has_map:
-        query_map = query_map.to(torch.int32).contiguous()  # indexed without strides
-        query_row0 = query_row0.to(torch.int64).contiguous()
-    else:
-        query_map = query_row0 = counts  # unused
+    query_map, query_row0 = kernel_query_map(query_map, query_row0, counts)
 
     if stage_events:
         stage_events[0].record()

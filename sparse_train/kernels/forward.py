@@ -49,7 +49,7 @@ from ._jit import (
     sequence_length,
     tile_pointers,
 )
-from ._launch import LAST_COMPILED, kernel_document_ids, kernel_seq_lens, launch
+from ._launch import LAST_COMPILED, kernel_document_ids, kernel_query_map, kernel_seq_lens, launch
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
 __all__ = ["sparse_attn_forward"]
@@ -227,11 +227,7 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
     seq_lens_arg = kernel_seq_lens(seq_lens, N, counts)
     total_rows = B * HQ * L
     has_map = query_map is not None
-    if has_map:
-        query_map = query_map.to(torch.int32).contiguous()  # indexed without strides
-        query_row0 = query_row0.to(torch.int64).contiguous()
-    else:
-        query_map = query_row0 = counts  # unused
+    query_map, query_row0 = kernel_query_map(query_map, query_row0, counts)
     if num_splits > 1:
         partial_o = torch.empty((num_splits, total_rows, D), device=q.device, dtype=torch.float32)
         partial_m = torch.empty((num_splits, total_rows), device=q.device, dtype=torch.float32)

@@ -45,7 +45,7 @@ from ..plan import BackwardConfig, ForwardConfig, attention_schedule
 from ..validation import check_attention_args, check_bool, draw_dropout_seed
 from .backward import sparse_attn_backward
 from .forward import sparse_attn_forward
-from .reference import check_query_blocks, global_query_stand_in, query_block_row0
+from .reference import query_block_args, query_block_row0
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -236,11 +236,7 @@ def triton_sparse_attention(
             ``kernels.reference.check_query_blocks``) or one with ``kernel_options.plan``.
     """
     check_values = check_bool("check_values", check_values)
-    blocks = None
-    q_global = q
-    if query_blocks is not None:
-        blocks = check_query_blocks(q, k, index, query_blocks, check_values=check_values)
-        q_global = global_query_stand_in(q, index)  # k, v, index, seq_lens, document_ids are global
+    blocks, q_global = query_block_args(q, k, index, query_blocks, check_values)
     args = check_attention_args(q_global, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 seq_lens=seq_lens, kernel_options=kernel_options, document_ids=document_ids,
                                 seq_lens_values=check_values)

@@ -332,6 +332,17 @@ def global_query_stand_in(q: Tensor, index: BlockIndex) -> Tensor:
     return q.new_zeros(()).expand(q.shape[0], q.shape[1], index.seq_len, q.shape[3])
 
 
+def query_block_args(q: Tensor, k: Tensor, index: BlockIndex, query_blocks,
+                     check_values: bool = True) -> tuple[Tensor | None, Tensor]:
+    """``(blocks, q_global)`` of a call that may take ``query_blocks``: the checked ids
+    (:func:`check_query_blocks`; None without them) and the q that the checks of a full call see (q
+    itself, or its :func:`global_query_stand_in`)."""
+    if query_blocks is None:
+        return None, q
+    blocks = check_query_blocks(q, k, index, query_blocks, check_values=check_values)
+    return blocks, global_query_stand_in(q, index)  # k, v, index, seq_lens, document_ids are global
+
+
 def query_block_row0(blocks: Tensor, index: BlockIndex) -> Tensor:
     """int64 ``[NQL]``: the first row in q of each listed block (exclusive prefix sum of their lengths, BQ
     or the short last block's). On the device, no host read."""
