@@ -402,12 +402,7 @@ class SparseAttention(nn.Module):
             path, reason = self._choose_path(geometry, update_state=first_pass)
             index = plan = backend = None
             dropout_seed = distill_blocks = None
-            if first_pass:
-                distill_now = (cfg.distill != "off" and self.training and torch.is_grad_enabled()
-                               and self._training_calls % cfg.distill_every == 0)
-                self._last_distilled = distill_now
-            else:
-                distill_now = self._last_distilled
+            distill_now = self._distills_now(first_pass)
         metrics_now = (first_pass and not compiling and self.training and cfg.metrics_every > 0
                        and self._training_calls % cfg.metrics_every == 0)
         if first_pass and self.training:
@@ -562,12 +557,7 @@ class SparseAttention(nn.Module):
         else:
             path, reason = self._choose_path(geometry, update_state=first_pass)
             index = dropout_seed = distill_blocks = None
-            if first_pass:
-                distill_now = (cfg.distill != "off" and self.training and torch.is_grad_enabled()
-                               and self._training_calls % cfg.distill_every == 0)
-                self._last_distilled = distill_now
-            else:
-                distill_now = self._last_distilled
+            distill_now = self._distills_now(first_pass)
         if first_pass and self.training:
             self._training_calls += 1
             self.selector_steps.fill_(self._training_calls)
@@ -688,6 +678,16 @@ class SparseAttention(nn.Module):
         total, count = self._kl_parts(target, scores, allowed, row_valid)
         count = cpm.all_reduce_sum(count, group)
         return total / count.clamp(min=1).to(total.dtype) * cfg.distill_weight
+
+    def _distills_now(self, first_pass: bool) -> bool:
+        """Whether this call computes the distillation loss (training with grad, ``distill`` on, every
+        ``distill_every``-th training forward); a checkpoint recompute repeats its first pass's answer."""
+        if not first_pass:
+            return self._last_distilled
+        cfg = self.config
+        self._last_distilled = (cfg.distill != "off" and self.training and torch.is_grad_enabled()
+                                and self._training_calls % cfg.distill_every == 0)
+        return self._last_distilled
 
     def _draw_distill_blocks(self, geometry, device) -> Tensor:
         """This call's ``distill_query_blocks`` sampled query blocks: drawn on the device from the draw

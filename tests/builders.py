@@ -127,3 +127,15 @@ def spawn_ranks(worker, world: int, *args) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(worker, args=(port, *args), nprocs=world, join=True)
+
+
+def value_errors_of(calls) -> list[str]:
+    """The ValueError message of each call (``"no error"`` when it returns); other exceptions propagate."""
+    messages = []
+    for call in calls:
+        try:
+            call()
+            messages.append("no error")
+        except ValueError as error:
+            messages.append(str(error))
+    return messages

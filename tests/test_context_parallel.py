@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from builders import check_close, make_qkv, random_index, rel_err, spawn_ranks
+from builders import check_close, make_qkv, random_index, rel_err, spawn_ranks, value_errors_of
 
 import sparse_train.context_parallel as cp
 from sparse_train.index import BlockIndex
@@ -98,18 +98,6 @@ def _selector_inputs(case):
     return q, k, seq_lens, docs, geometry
 
 
-def _errors_of(calls) -> list[str]:
-    """The ValueError message of each call (``"no error"`` when it returns)."""
-    messages = []
-    for call in calls:
-        try:
-            call()
-            messages.append("no error")
-        except ValueError as error:
-            messages.append(str(error))
-    return messages
-
-
 # --------------------------------------------------------------------------------------------- the workers
 def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -147,7 +135,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     q, k, v, _, index, _, _, _, _ = _attention_inputs(ATTENTION_CASES[0])
     ql, kl, vl = (cp.shard_sequence(t, 2, rank, WORLD) for t in (q, k, v))
     half = random_index(1, 2, 32, 8, 8, 2, 1, 1)
-    results["errors"] = _errors_of([
+    results["errors"] = value_errors_of([
         lambda: cp.context_parallel_sparse_attention(ql[:, :, :16], kl[:, :, :16], vl[:, :, :16], index),
         lambda: cp.context_parallel_sparse_attention(ql, kl, vl, half),
         lambda: cp.context_parallel_sparse_attention(ql, kl, vl, random_index(2, 2, 64, 8, 8, 2, 1, 1)),

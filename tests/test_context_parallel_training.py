@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from builders import make_qkv, rel_err, spawn_ranks
+from builders import make_qkv, rel_err, spawn_ranks, value_errors_of
 from torch.utils.checkpoint import checkpoint
 
 import sparse_train as st
@@ -120,17 +120,6 @@ def _run_model(model, tokens, labels, docs, count):
 
 
 # --------------------------------------------------------------------------------------------- the workers
-def _errors_of(calls) -> list[str]:
-    messages = []
-    for call in calls:
-        try:
-            call()
-            messages.append("no error")
-        except ValueError as error:
-            messages.append(str(error))
-    return messages
-
-
 def _worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -158,7 +147,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     cp.enable_context_parallel(metrics)
     model = _tiny_model("sparse", False)
     cp.enable_context_parallel(model)
-    results["errors"] = _errors_of([
+    results["errors"] = value_errors_of([
         lambda: module(ql[:, :, :20], kl[:, :, :20], vl[:, :, :20]),   # N = 40: not whole chunks of blocks
         lambda: module(ql, kl, vl, torch.tensor([64])),                 # seq_lens of another batch
         lambda: module(ql, kl, vl, document_ids=torch.zeros(2, 32, dtype=torch.int64)),  # local, not global
