@@ -408,3 +408,47 @@ def test_vocabulary_larger_than_the_model_is_refused(corpus, tmp_path):
     module = HFCausalLMModule(str(_tiny_llama(tmp_path / "small", vocab_size=48)), attention="dense")
     with pytest.raises(ValueError, match="vocab_size >= 64 but the checkpoint .* has vocab_size = 48"):
         module.check_data(TextDataModule([str(corpus)], tokenizer_path=str(tmp_path / "small")))
+
+
+@pytest.mark.parametrize("fork_step", [3, 9], ids=["in-epoch-0", "in-epoch-1"])
+def test_mid_epoch_resume_continues_the_epoch_order(corpus, tokenizer_dir, tmp_path, fork_step):
+    """A run stopped in the middle of an epoch of 7 batches (ForkPoint after 3 or 9 steps) and resumed to
+    step 10 equals 10 steps straight: the resumed loader continues the interrupted epoch's row order where
+    it stopped (it does not start that epoch over), and the next epoch is whole. Failed before the fix."""
+    from lightning.pytorch import Trainer
+
+    from sparse_train.lightning import ForkPoint, SparseLMModule, TransformerConfig
+
+    def fit(callbacks, ckpt_path=None):
+        torch.manual_seed(0)
+        module = SparseLMModule(TransformerConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
+                                                  attention="dense"), warmup_steps=1)
+        dm = TextDataModule([str(corpus)], tokenizer_path=str(tokenizer_dir), seq_len=17, batch_size=2,
+                            val_fraction=0.2)
+        trainer = Trainer(max_steps=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          num_sanity_val_steps=0, limit_val_batches=0, accelerator="cpu", callbacks=callbacks,
+                          default_root_dir=tmp_path)
+        trainer.fit(module, dm, ckpt_path=ckpt_path, weights_only=False)
+        return module, trainer
+
+    straight, _ = fit([])
+    fork = str(tmp_path / f"at{fork_step}.ckpt")
+    fit([ForkPoint(fork_step, fork)])
+    resumed, trainer = fit([], ckpt_path=fork)
+    assert trainer.global_step == 10
+    for key, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), f"the resumed run diverged at {key}"
+
+
+def test_row_shards_skip_once_in_the_named_epoch():
+    shards = RowShards(10, 1, 2, seed=3)
+    shards.set_epoch(2)
+    whole = list(shards)
+    shards.skip_in_epoch(2, 3)
+    shards.set_epoch(1)
+    assert len(list(shards)) == 5  # another epoch: untouched, and the skip still waits for epoch 2
+    shards.set_epoch(2)
+    assert list(shards) == whole[3:]
+    assert list(shards) == whole  # once
+    with pytest.raises(ValueError, match="RowShards.count"):
+        shards.skip_in_epoch(0, -1)

@@ -280,10 +280,17 @@ class RowShards(Sampler[int]):
         self.seed = check_int("RowShards.seed", seed)
         self.shuffle = check_bool("RowShards.shuffle", shuffle)
         self.epoch = 0
+        self._skip: Optional[tuple[int, int]] = None
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order :meth:`__iter__` yields."""
         self.epoch = int(epoch)
+
+    def skip_in_epoch(self, epoch: int, count: int) -> None:
+        """Leave out the first ``count`` of this rank's rows the next time epoch ``epoch`` is iterated, once:
+        a run resumed in the middle of an epoch continues that epoch's order where it stopped, instead of
+        reading its first rows again; later epochs are whole."""
+        self._skip = (check_int("RowShards.epoch", epoch, minimum=0), check_int("RowShards.count", count, minimum=0))
 
     def __len__(self) -> int:
         return self.num_rows // self.world_size
@@ -294,7 +301,10 @@ class RowShards(Sampler[int]):
         else:
             order = torch.arange(self.num_rows)
         kept = len(self) * self.world_size
-        return iter(order[self.rank: kept: self.world_size].tolist())
+        rows = order[self.rank: kept: self.world_size].tolist()
+        if self._skip is not None and self._skip[0] == self.epoch:
+            rows, self._skip = rows[self._skip[1]:], None
+        return iter(rows)
 
 
 class TextDataModule(LightningDataModule):
@@ -310,7 +320,9 @@ class TextDataModule(LightningDataModule):
     sharded by :class:`RowShards` over the trainer's ranks (``torch.distributed``'s without a trainer):
     disjoint rows and the same number of batches per rank (up to ``world_size - 1`` rows of a split are
     left out of an epoch for that). Sharding is done here, so a multi-device run needs
-    ``trainer.use_distributed_sampler: false`` (the recipes set it; otherwise an error says so).
+    ``trainer.use_distributed_sampler: false`` (the recipes set it; otherwise an error says so). A run
+    resumed from a mid-epoch checkpoint (``--ckpt_path``) continues that epoch's order after the rows it
+    had read (from ``trainer.global_step``), so it trains on the rows the uninterrupted run would.
 
     Args:
         paths: Files, directories or glob patterns (``data/*.jsonl``, ``corpus/**/*.txt``) to read, in
@@ -442,7 +454,23 @@ class TextDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         self.setup()
-        return self._sharded_loader(self.train_rows, self.hparams.batch_size, self.hparams.shuffle)
+        loader = self._sharded_loader(self.train_rows, self.hparams.batch_size, self.hparams.shuffle)
+        trainer = self.trainer
+        if trainer is not None and getattr(trainer, "global_step", 0) > 0:
+            # A resumed run: Lightning restarts the interrupted epoch's loader from its first batch, so the
+            # rows read before the checkpoint are skipped here (the step count says how many; every epoch
+            # has the same number of batches, fewer with limit_train_batches, as Lightning counts them).
+            per_epoch = len(loader)
+            limit = getattr(trainer, "limit_train_batches", 1.0)
+            if isinstance(limit, int):
+                per_epoch = min(per_epoch, limit)
+            elif isinstance(limit, float) and limit < 1.0:
+                per_epoch = int(per_epoch * limit)
+            accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1)))
+            done = trainer.global_step * accumulate
+            if per_epoch > 0:
+                loader.sampler.skip_in_epoch(done // per_epoch, (done % per_epoch) * self.hparams.batch_size)
+        return loader
 
     def val_dataloader(self) -> Union[DataLoader, list]:
         self.setup()
