@@ -46,7 +46,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from sparse_train import plan as planning  # noqa: E402
-from sparse_train.documents import block_document_ranges  # noqa: E402
+from sparse_train.documents import block_document_ranges, random_document_lengths  # noqa: E402
 from sparse_train.index import BlockIndex, shares_document  # noqa: E402
 
 DATE = "2026-11-30"
@@ -129,12 +129,7 @@ def make_index(N, pat, seed=0, device="cuda"):
 def packed_document_ids(N, low, high, seed, device="cuda"):
     """int32 ``[B, N]`` ids of documents with lengths drawn uniformly in [low, high] (seeded), the last
     one cut at N; and the lengths."""
-    g = torch.Generator().manual_seed(seed)
-    lengths, total = [], 0
-    while total < N:
-        n = min(int(torch.randint(low, high + 1, (1,), generator=g)), N - total)
-        lengths.append(n)
-        total += n
+    lengths = random_document_lengths(N, low, high, seed)
     ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     return ids.to(device=device, dtype=torch.int32).view(1, N).expand(B, N).contiguous(), lengths
 

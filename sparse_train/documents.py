@@ -42,6 +42,7 @@ __all__ = [
     "document_ids_from_cu_seqlens",
     "document_ids_from_position_ids",
     "document_positions",
+    "random_document_lengths",
 ]
 
 
@@ -160,6 +161,25 @@ def document_positions(document_ids: Tensor) -> Tensor:
     starts = torch.ones_like(document_ids, dtype=torch.bool)
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     return pos - torch.where(starts, pos, 0).cummax(dim=1).values
+
+
+def random_document_lengths(total: int, low: int, high: int, seed: int) -> list[int]:
+    """Document lengths drawn uniformly from ``[low, high]`` (a private generator seeded with ``seed``) until
+    they cover ``total`` tokens, the last one cut to fit: the packed rows of the benchmarks and the tests.
+
+    Raises:
+        ValueError: ``total < 0`` or not ``1 <= low <= high``.
+    """
+    check_int("total", total, minimum=0)
+    check_int("low", low, minimum=1)
+    check_int("high", high, minimum=low)
+    generator = torch.Generator().manual_seed(seed)
+    lengths, covered = [], 0
+    while covered < total:
+        length = min(int(torch.randint(low, high + 1, (1,), generator=generator)), total - covered)
+        lengths.append(length)
+        covered += length
+    return lengths
 
 
 def block_document_ranges(document_ids: Tensor, block: int) -> Tensor:

@@ -256,3 +256,13 @@ def test_reference_block_mass_with_documents():
     ranges = block_document_ranges(ids, BS)
     assert int(ranges[0, 0, 1]) < int(ranges[0, 2, 0])
     assert float(dense[0, 0, 2, 0]) == 0.0 and float(dense[0, 0, 2, 1]) > 0.0
+
+
+def test_random_document_lengths_are_seeded_and_cover_the_total():
+    lengths = st.documents.random_document_lengths(1000, 40, 300, seed=3)
+    assert sum(lengths) == 1000 and all(1 <= n <= 300 for n in lengths) and all(n >= 40 for n in lengths[:-1])
+    assert st.documents.random_document_lengths(1000, 40, 300, seed=3) == lengths
+    assert st.documents.random_document_lengths(1000, 40, 300, seed=4) != lengths
+    assert st.documents.random_document_lengths(0, 1, 5, seed=0) == []
+    with pytest.raises(ValueError, match="high"):
+        st.documents.random_document_lengths(10, 5, 4, seed=0)

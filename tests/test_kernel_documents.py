@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from builders import check_close, make_qkv, random_index, rel_err
-from sparse_train.documents import block_document_ranges, document_ids_from_cu_seqlens
+from sparse_train.documents import block_document_ranges, document_ids_from_cu_seqlens, random_document_lengths
 from sparse_train.index import BlockIndex
 from sparse_train.kernels.reference import reference_sparse_attention
 from sparse_train.kernels.reference_block_mass import reference_dense_block_mass, reference_sparse_block_mass
@@ -247,16 +247,6 @@ def test_dense_block_mass_with_documents():
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-def _random_lengths(n, low, high, seed):
-    g = torch.Generator().manual_seed(seed)
-    lengths, total = [], 0
-    while total < n:
-        m = min(int(torch.randint(low, high + 1, (1,), generator=g)), n - total)
-        lengths.append(m)
-        total += m
-    return lengths
-
-
 GPU_CASES = [
     pytest.param(1, 8, 2, 4099, 128, 64, 64, "random", None, id="gqa4-odd4099-d128-random"),
     pytest.param(1, 8, 2, 4099, 128, 64, 64, "full", None, id="gqa4-odd4099-d128-full"),
@@ -273,7 +263,7 @@ def test_documents_on_gpu(B, HQ, HKV, N, D, BQ, BK, selection, seq_lens, dtype):
         BlockIndex.full(B, HKV, N, block_q=BQ, block_k=BK, device="cuda")
     q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, seed=N, device="cuda")
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
-    ids = ids_from_lengths([_random_lengths(N, 1, 900, seed=N + b) for b in range(B)], N).to("cuda")
+    ids = ids_from_lengths([random_document_lengths(N, 1, 900, seed=N + b) for b in range(B)], N).to("cuda")
     lens = None if seq_lens is None else torch.tensor(seq_lens, device="cuda")
     for kw in ({}, {"dropout_p": 0.1, "dropout_seed": 5}):
         _check_against_reference(idx, q, k, v, do, ids, dtype=dtype, c=3.0, floor=1e-4, ref_dtype=torch.float32,
@@ -286,7 +276,7 @@ def test_block_mass_with_documents_on_gpu(dtype):
     B, HQ, HKV, N, D = 1, 8, 2, 4099, 128
     idx = random_index(B, HKV, N, 64, 64, 8, 4, 1, seed=7, device="cuda")
     q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, seed=7, device="cuda")
-    ids = ids_from_lengths([_random_lengths(N, 1, 900, seed=3)], N).to("cuda")
+    ids = ids_from_lengths([random_document_lengths(N, 1, 900, seed=3)], N).to("cuda")
     _, lse = triton_sparse_attention(q, k, v, idx, document_ids=ids)
     target, valid = triton_block_mass(q, k, lse, idx, scale=D ** -0.5, document_ids=ids)
     ref, ref_valid = reference_sparse_block_mass(q.double(), k.double(), idx, scale=D ** -0.5, lse=lse.double(),
