@@ -30,10 +30,8 @@ import contextlib
 import datetime
 import gc
 import json
-import math
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,11 +53,6 @@ from sparse_train.timing import Marks  # noqa: E402
 SMOKE = ["--layers", "2", "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "97",
          "--block", "16", "--top-k", "2", "--window", "2", "--contexts", "256", "--repeats", "2", "--warmup", "1",
          "--backend", "reference", "--precision", "fp32", "--distill", "sampled"]
-
-
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
 def _collective_kind(name: str) -> Optional[str]:
@@ -149,20 +142,8 @@ class Run:
 
 def measure(args: argparse.Namespace, n: int, group, device: torch.device) -> dict[str, Any]:
     run = Run(args, n, group, device)
-    for _ in range(args.warmup):
-        run.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    samples = [run.step() for _ in range(args.repeats)]
     result: dict[str, Any] = {"context": n, "status": "ok", "repeats": args.repeats}
-    for key in samples[0]:
-        vals = [s[key] for s in samples]
-        result[key] = statistics.median(vals)
-        result[key.replace("_ms", "_p95_ms")] = _pct(vals, 0.95)
-    result["tokens_per_s"] = n / (result["step_ms"] / 1e3)
-    if device.type == "cuda":
-        result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    result.update(bench_step.time_steps(run.step, args.warmup, args.repeats, device, n, quantile=0.95))
     comm = run.communication()
     result["comm_ms"] = comm
     result["comm_share"] = sum(comm.values()) / result["step_ms"] if result["step_ms"] else float("nan")

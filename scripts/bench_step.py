@@ -86,6 +86,28 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
+def time_steps(step: Callable[[], dict[str, float]], warmup: int, repeats: int, device: torch.device,
+               tokens: int, quantile: float) -> dict[str, Any]:
+    """Run ``step`` (returning ``{"<phase>_ms": ...}``, ``step_ms`` among them) ``warmup`` times untimed,
+    then ``repeats`` times: the median of each phase, its ``quantile`` (key ``<phase>_p<100 q>_ms``),
+    tokens/s from the median step, and the peak CUDA memory of the timed steps (GiB)."""
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    samples = [step() for _ in range(repeats)]
+    result: dict[str, Any] = {}
+    for key in samples[0]:
+        vals = [sample[key] for sample in samples]
+        result[key] = statistics.median(vals)
+        result[key.replace("_ms", f"_p{round(100 * quantile)}_ms")] = _pct(vals, quantile)
+    result["tokens_per_s"] = tokens / (result["step_ms"] / 1e3)
+    if device.type == "cuda":
+        result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return result
+
+
 def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Transformer:
     """The benchmark's model (shape and sparse config from the :func:`add_model_arguments` options), seeded
     with 0, on the CPU in fp32 (``scripts/bench_cp.py`` builds the same one)."""
@@ -150,21 +172,9 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
         return {"forward_ms": clock.ms("start", "forward"), "backward_ms": clock.ms("forward", "backward"),
                 "optimizer_ms": clock.ms("backward", "end"), "step_ms": clock.ms("start", "end")}
 
-    for _ in range(args.warmup):
-        step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    samples = [step() for _ in range(args.repeats)]
     result: dict[str, Any] = {"context": n, "variant": variant, "status": "ok", "act_ckpt": act_ckpt,
                               "params": model.num_parameters(), "repeats": args.repeats}
-    for key in samples[0]:
-        vals = [s[key] for s in samples]
-        result[key] = statistics.median(vals)
-        result[key.replace("_ms", "_p90_ms")] = _pct(vals, 0.9)
-    result["tokens_per_s"] = n / (result["step_ms"] / 1e3)
-    if device.type == "cuda":
-        result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    result.update(time_steps(step, args.warmup, args.repeats, device, n, quantile=0.9))
     if variant == "sparse":
         stats = st.collect_attention_stats(model)
         result["density"] = stats.get("density")
@@ -175,7 +185,7 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
             step()
             stats = st.collect_attention_stats(model)
             result["attention_breakdown_ms_per_layer"] = {k: v for k, v in stats.items() if k.startswith("time/")}
-    del model, opt, samples
+    del model, opt
     return result
 
 
