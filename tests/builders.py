@@ -155,3 +155,12 @@ def value_errors_of(calls) -> list[str]:
         except ValueError as error:
             messages.append(str(error))
     return messages
+
+
+def ids_from_starts(starts_per_row, seq_len: int):
+    """int64 ``[B, N]`` document ids: row b's documents start at the listed positions (the first at 0)."""
+    ids = torch.zeros(len(starts_per_row), seq_len, dtype=torch.int64)
+    for b, starts in enumerate(starts_per_row):
+        for doc, start in enumerate(starts):
+            ids[b, start:] = doc
+    return ids

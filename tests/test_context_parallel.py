@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from builders import check_close, make_qkv, random_index, rel_err, spawn_ranks, value_errors_of
+from builders import check_close, ids_from_starts, make_qkv, random_index, rel_err, spawn_ranks, value_errors_of
 
 import sparse_train.context_parallel as cp
 from sparse_train.index import BlockIndex
@@ -47,15 +47,6 @@ SELECTOR_CASES = [
 SEL = dict(B=2, HQ=4, HKV=2, N=64, D=8, BQ=8, BK=8, top_k=2, window=1, sinks=1)
 
 
-def _documents(starts_per_row, n):
-    """int64 ``[B, N]`` document ids: row b's documents start at the listed positions (inside blocks)."""
-    ids = torch.zeros(len(starts_per_row), n, dtype=torch.int64)
-    for b, starts in enumerate(starts_per_row):
-        for doc, start in enumerate(starts):
-            ids[b, start:] = doc
-    return ids
-
-
 def _attention_inputs(case):
     """Global q, k, v, dO, index, seq_lens, document_ids, dropout_p, scale of a case (the same in the workers
     and here)."""
@@ -63,7 +54,7 @@ def _attention_inputs(case):
     dtype = torch.float32 if extras.get("backend") == "triton" else torch.float64
     q, k, v = make_qkv(B, HQ, HKV, N, D, dtype=dtype, seed=N + D)
     grad_out = torch.randn(B, HQ, N, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(dtype)
-    docs = _documents(extras["documents"], N) if "documents" in extras else None
+    docs = ids_from_starts(extras["documents"], N) if "documents" in extras else None
     seq_lens = torch.tensor(extras["seq_lens"]) if "seq_lens" in extras else None
     if extras.get("nan_padding"):  # keys past a length are selected away: NaN there reaches nothing
         past = torch.arange(N).view(1, 1, N, 1) >= seq_lens.view(-1, 1, 1, 1)
@@ -93,7 +84,7 @@ def _selector_inputs(case):
     _, extras = case
     q, k, _ = make_qkv(SEL["B"], SEL["HQ"], SEL["HKV"], SEL["N"], SEL["D"], dtype=torch.float32, seed=21)
     seq_lens = torch.tensor(extras["seq_lens"]) if "seq_lens" in extras else None
-    docs = _documents(extras["documents"], SEL["N"]) if "documents" in extras else None
+    docs = ids_from_starts(extras["documents"], SEL["N"]) if "documents" in extras else None
     geometry = selection_geometry(SEL["N"], SEL["BQ"], SEL["BK"], SEL["top_k"], SEL["window"], SEL["sinks"])
     return q, k, seq_lens, docs, geometry
 
@@ -311,7 +302,7 @@ def test_reference_query_blocks_compute_exactly_the_listed_rows():
     n = 45
     q, k, v = make_qkv(2, 4, 2, n, 6, dtype=torch.float64, seed=5)
     index = random_index(2, 2, n, 8, 4, 2, 1, 1, seed=4)
-    docs = _documents([[0, 10, 30], [0]], n)
+    docs = ids_from_starts([[0, 10, 30], [0]], n)
     kwargs = dict(dropout_p=0.25, dropout_seed=9, seq_lens=torch.tensor([45, 30]), document_ids=docs)
     o, lse = reference_sparse_attention(q, k, v, index, **kwargs)
     blocks = torch.tensor([5, 1, 3])

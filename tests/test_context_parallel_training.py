@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from builders import make_qkv, rel_err, spawn_ranks, value_errors_of
+from builders import ids_from_starts, make_qkv, rel_err, spawn_ranks, value_errors_of
 from torch.utils.checkpoint import checkpoint
 
 import sparse_train as st
@@ -54,14 +54,6 @@ MODEL_CASES = [
 ]
 
 
-def _documents(starts_per_row, n=N):
-    ids = torch.zeros(len(starts_per_row), n, dtype=torch.int64)
-    for b, starts in enumerate(starts_per_row):
-        for doc, start in enumerate(starts):
-            ids[b, start:] = doc
-    return ids
-
-
 def _module(config):
     torch.manual_seed(5)
     module = st.SparseAttention(st.SparseAttentionConfig(**{**BASE, **config}), HQ, HKV, D).double()
@@ -75,7 +67,7 @@ def _module_inputs(extras):
     q, k, v = make_qkv(B, HQ, HKV, N, D, dtype=torch.float64, seed=17)
     grad_out = torch.randn(B, HQ, N, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     seq_lens = torch.tensor(extras["seq_lens"]) if "seq_lens" in extras else None
-    docs = _documents(extras["documents"]) if "documents" in extras else None
+    docs = ids_from_starts(extras["documents"], N) if "documents" in extras else None
     return q, k, v, grad_out, seq_lens, docs
 
 
@@ -107,7 +99,7 @@ def _model_inputs(docs):
     tokens = torch.randint(0, TINY["vocab_size"], (2, N), generator=g)
     labels = torch.randint(0, TINY["vocab_size"], (2, N), generator=g)
     labels[:, ::3] = -100
-    return tokens, labels, (_documents(docs) if docs is not None else None)
+    return tokens, labels, (ids_from_starts(docs, N) if docs is not None else None)
 
 
 def _run_model(model, tokens, labels, docs, count):
@@ -274,7 +266,7 @@ def test_scorer_and_selection_on_a_subset_of_query_blocks(documents):
     q, k, _ = make_qkv(B, HQ, HKV, N, D, seed=4)
     geometry = selection_geometry(N, 8, 8, 2, 1, 1)
     seq_lens = torch.tensor([64, 45])
-    docs = _documents([[0, 5, 21, 40], [0, 33]]) if documents else None
+    docs = ids_from_starts([[0, 5, 21, 40], [0, 33]], N) if documents else None
     qbar, kbar = scorer.pool(q, k, 8, 8, seq_lens)
     full = scorer(qbar, kbar, 0.3, geometry)
     rows = torch.tensor([5, 0, 7, 3])

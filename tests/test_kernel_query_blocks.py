@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from builders import check_close, make_qkv, random_index, random_selection, rel_err, spawn_ranks
+from builders import check_close, ids_from_starts, make_qkv, random_index, random_selection, rel_err, spawn_ranks
 from sparse_train import plan as plan_mod
 from sparse_train.functional import sparse_attention
 from sparse_train.index import BlockIndex
@@ -33,14 +33,6 @@ def _zigzag(world):
 
 def _listed(*lists):
     return lambda n, bq: [torch.tensor(blocks) for blocks in lists]
-
-
-def _documents(starts_per_row, n):
-    ids = torch.zeros(len(starts_per_row), n, dtype=torch.int64)
-    for b, starts in enumerate(starts_per_row):
-        for doc, start in enumerate(starts):
-            ids[b, start:] = doc
-    return ids
 
 
 def _rows(blocks, n, bq):
@@ -76,13 +68,25 @@ def _grads(fn, q, k, v, do):
 NAMES = ("o", "lse", "dq", "dk", "dv")
 
 
+def _kernel_and_references(index, blocks, q_sub, k, v, do_sub, kernel: dict, common: dict):
+    """``(got, want, lowp)``: o, lse, dq, dk, dv of the kernels with ``query_blocks=blocks``, of the fp64
+    reference, and of the reference in the inputs' precision (the error-ratio rule's baseline)."""
+    got = _grads(lambda a, b, c: sparse_attention(a, b, c, index, query_blocks=blocks, **kernel), q_sub, k, v, do_sub)
+    ref_kw = dict(common, query_blocks=blocks)
+    want = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, index, **ref_kw),
+                  q_sub.double(), k.double(), v.double(), do_sub.double())
+    lowp = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, index, upcast=False, **ref_kw),
+                  q_sub, k, v, do_sub)
+    return got, want, lowp
+
+
 @pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,maps,extras", CASES)
 def test_triton_query_blocks_match_the_reference_and_the_full_op(B, HQ, HKV, N, D, BQ, BK, maps, extras):
     """For each query-block map: o, lse, dq, dk, dv of the kernels against the fp64 reference with the same
     map (error-ratio rule), and the maps together against the full single-process kernels: the rows of o,
     lse and dq, dK/dV summed over the maps (when they partition the blocks), the dropout bits (o with
     dropout is the full op's rows, and differs from o without)."""
-    docs = _documents(extras["documents"], N).to(DEV) if "documents" in extras else None
+    docs = ids_from_starts(extras["documents"], N).to(DEV) if "documents" in extras else None
     if docs is None:
         index = random_index(B, HKV, N, BQ, BK, 2, 1, 1, seed=N + BQ, device=DEV)
     else:
@@ -108,13 +112,7 @@ def test_triton_query_blocks_match_the_reference_and_the_full_op(B, HQ, HKV, N, 
             local_plan = plan_mod.build_plan(index, options["r0"], query_blocks=blocks)
             assert local_plan.num_hot > 0 and local_plan.num_cold > 0, "both dK/dV paths must run"
         q_sub, do_sub = q[:, :, rows], do[:, :, rows]
-        got = _grads(lambda a, b, c: sparse_attention(a, b, c, index, query_blocks=blocks, **kernel),
-                     q_sub, k, v, do_sub)
-        ref_kw = dict(common, query_blocks=blocks)
-        want = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, index, **ref_kw),
-                      q_sub.double(), k.double(), v.double(), do_sub.double())
-        lowp = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, index, upcast=False, **ref_kw),
-                      q_sub, k, v, do_sub)
+        got, want, lowp = _kernel_and_references(index, blocks, q_sub, k, v, do_sub, kernel, common)
         for name, a, r, l in zip(NAMES, got, want, lowp):
             assert not torch.isnan(a).any(), f"{name} has NaN (unwritten or 0/0)"
             check_close(name, a, r, l, torch.float32)
@@ -232,14 +230,7 @@ def test_query_blocks_on_gpu(B, HQ, HKV, N, D, BQ, BK, world, extras, dtype):
     for rank in range(world):
         blocks = cp.local_query_blocks(N, BQ, rank, world, device="cuda")
         rows = (blocks.view(-1, 1) * BQ + torch.arange(BQ, device="cuda")).view(-1)
-        q_sub, do_sub = q[:, :, rows], do[:, :, rows]
-        got = _grads(lambda a, b, c: sparse_attention(a, b, c, index, query_blocks=blocks, **kernel), q_sub, k, v,
-                     do_sub)
-        ref_kw = dict(common, query_blocks=blocks)
-        want = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, index, **ref_kw),
-                      q_sub.double(), k.double(), v.double(), do_sub.double())
-        lowp = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, index, upcast=False, **ref_kw),
-                      q_sub, k, v, do_sub)
+        got, want, lowp = _kernel_and_references(index, blocks, q[:, :, rows], k, v, do[:, :, rows], kernel, common)
         for name, a, r, l in zip(NAMES, got, want, lowp):
             if name == "lse":
                 continue  # fp32 in every computation: compared with the full op below
