@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Time the selector's sampled dense target (``distill="sampled"``) at long N on the GPU: the kernel
-path (forward + block-mass kernels, bf16 inputs) against the PyTorch reference body (fp32 inputs, the
+path (the per-row log-mass kernel, bf16 inputs) against the PyTorch reference body (fp32 inputs, the
 path any unsupported input takes), plus the attention fwd+bwd it accompanies. Median of CUDA-event
 timings after warm-up.
 

@@ -589,3 +589,13 @@ def block_mass_config(group: int, block_q: int) -> ForwardConfig:
     heads = _heads_per_program(group, block_q, rows=256)
     return ForwardConfig(heads, 8 if heads * block_q >= 128 else 4, 3)
 
+
+
+def row_log_mass_chunk(num_k_blocks: int, programs_per_chunk: int, device) -> int:
+    """Key blocks per program of the sampled dense target's kernel. A few sampled query blocks give few
+    (query tile, KV head) tiles while a late block's row walks up to NKB key blocks: one program per
+    row left most of the GPU idle (at 64K, 8 sampled blocks: 64 programs of up to 1024 key blocks each).
+    So the row is cut into chunks until there are about 16 programs per SM, but no chunk shorter than
+    8 blocks (each program loads its query tile once)."""
+    wanted_chunks = max(1, (16 * device_sm_count(device)) // max(1, programs_per_chunk))
+    return max(min(8, num_k_blocks), -(-num_k_blocks // wanted_chunks))

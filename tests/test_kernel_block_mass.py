@@ -4,9 +4,14 @@ import pytest
 import torch
 
 from builders import make_qkv, random_index
-from sparse_train.kernels.block_mass import triton_block_mass, triton_dense_block_mass
+import sparse_train.kernels.block_mass as block_mass_mod
+from sparse_train.kernels.block_mass import row_log_mass_launch, triton_block_mass, triton_dense_block_mass
 from sparse_train.kernels.reference import reference_sparse_attention
-from sparse_train.kernels.reference_block_mass import reference_dense_block_mass, reference_sparse_block_mass
+from sparse_train.kernels.reference_block_mass import (
+    dense_row_block_mass,
+    reference_dense_block_mass,
+    reference_sparse_block_mass,
+)
 from sparse_train.selectors.distill import dense_block_mass, sparse_block_mass
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -115,7 +120,7 @@ DENSE_CASES = [
 @pytest.mark.parametrize("row_pool", ["max", "mean"], ids=["row-max", "row-mean"])
 @pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,blocks,seq_lens", DENSE_CASES)
 def test_dense_block_mass_kernels_match_reference(B, HQ, HKV, N, D, BQ, BK, blocks, seq_lens, row_pool):
-    """The sampled dense target through the forward + block-mass kernels equals the PyTorch reference
+    """The sampled dense target through the per-row log-mass kernel equals the PyTorch reference
     (padding past seq_lens poisoned with NaN: it must not matter)."""
     q, k, _ = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
     lens = None if seq_lens is None else torch.tensor(seq_lens, device=DEV)
@@ -134,6 +139,59 @@ def test_dense_block_mass_kernels_match_reference(B, HQ, HKV, N, D, BQ, BK, bloc
     print(f"dense block mass ({row_pool}) max abs err vs fp64 reference: {err:.2e}")
     assert torch.equal(valid.cpu(), ref_valid)
     assert err < 1e-5
+
+
+@pytest.mark.parametrize("per_chunk", [1, 3, 64], ids=["chunk1", "chunk3", "one-chunk"])
+def test_row_log_mass_rows_match_reference(monkeypatch, per_chunk):
+    """Per row, the kernel's log masses normalised by the row's own log-sum-exp are the reference's
+    per-row dense masses, whatever the number of key blocks per program (a late block's row is cut into
+    several programs on the GPU; here the chunk is forced). Padding is NaN-poisoned, N is odd and the
+    second row is shorter, so one sampled block is partly and one wholly past its sequence's end."""
+    monkeypatch.setattr(block_mass_mod, "row_log_mass_chunk", lambda num_k_blocks, programs, device: per_chunk)
+    B, HQ, HKV, N, D, BQ, BK = 2, 4, 2, 147, 16, 16, 32
+    q, k, _ = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=3, device=DEV)
+    lens = torch.tensor([147, 70], device=DEV)
+    q[1, :, 70:] = float("nan")
+    k[1, :, 70:] = float("nan")
+    picks = torch.tensor([9, 4, 0, 6], device=DEV)
+    log_mass = row_log_mass_launch(q, k, picks.to(torch.int32), block_q=BQ, block_k=BK, scale=D ** -0.5,
+                                   seq_lens=lens)  # [B, HQ, S, NKB, BQ]
+    lse2 = torch.logsumexp(log_mass.double() * torch.log(torch.tensor(2.0)), dim=3, keepdim=True) / torch.log(
+        torch.tensor(2.0))
+    rows = torch.exp2(log_mass.double() - lse2).nan_to_num(0.0)  # dead rows: -inf - -inf
+    rows = rows.view(B, HKV, HQ // HKV, 4, -1, BQ).permute(0, 1, 3, 2, 5, 4).reshape(B, HKV, 4, -1, log_mass.shape[3])
+    ref, ref_ok = dense_row_block_mass(q.double(), k.double(), block_q=BQ, block_k=BK, scale=D ** -0.5,
+                                       query_blocks=picks, seq_lens=lens)
+    ref = torch.where(ref_ok.unsqueeze(-1), ref, 0.0)
+    err = (rows - ref).abs().max().item()
+    print(f"per-row dense mass, {per_chunk} key blocks per program: max abs err vs fp64 reference {err:.2e}")
+    assert err < 1e-5
+    live = torch.isfinite(lse2).view(B, HKV, HQ // HKV, 4, BQ).permute(0, 1, 3, 2, 4).reshape(B, HKV, 4, -1)
+    assert torch.equal(live, ref_ok.expand_as(live))
+    assert not live[1, :, 0].any() and live[1, :, 1].any()  # block 9 (144) is past 70; block 4 starts at 64
+
+
+def test_dense_block_mass_groups_of_sampled_blocks_equal_one_pass(monkeypatch):
+    """With a buffer budget below one sampled block, every block is its own kernel pass: same result."""
+    q, k, _ = make_qkv(1, 4, 2, 128, 16, torch.float32, seed=8, device=DEV)
+    picks = torch.tensor([3, 0, 7, 5])
+    whole, whole_valid = triton_dense_block_mass(q, k, picks, block_q=16, block_k=16, scale=0.25)
+    monkeypatch.setattr(block_mass_mod, "DENSE_TARGET_BUFFER_BYTES", 1)
+    parts, parts_valid = triton_dense_block_mass(q, k, picks, block_q=16, block_k=16, scale=0.25)
+    assert torch.equal(parts, whole) and torch.equal(parts_valid, whole_valid)
+    assert whole_valid.all()
+
+
+@pytest.mark.parametrize("picks,match", [
+    pytest.param(torch.tensor([0, 8]), r"query_blocks must lie in \[0, 8\)", id="past-last-block"),
+    pytest.param(torch.tensor([-1]), r"query_blocks must lie in \[0, 8\)", id="negative"),
+    pytest.param(torch.tensor([[0, 1]]), "query_blocks must be 1-D", id="2-d"),
+    pytest.param(torch.tensor([0.0, 1.0]), "query_blocks must have an integer dtype", id="float"),
+])
+def test_dense_block_mass_rejects_bad_query_blocks(picks, match):
+    q, k, _ = make_qkv(1, 2, 1, 128, 16, torch.float32, seed=1, device=DEV)
+    with pytest.raises(ValueError, match=match):
+        triton_dense_block_mass(q, k, picks, block_q=16, block_k=16, scale=0.25)
 
 
 @pytest.mark.gpu

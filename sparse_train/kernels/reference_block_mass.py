@@ -323,7 +323,7 @@ def reference_dense_block_mass(
         check_values: check the ``document_ids`` values (a host sync on CUDA).
 
     :func:`sparse_train.kernels.block_mass.triton_dense_block_mass` computes the same target (with
-    ``query_blocks`` given and all rows) through the forward and block-mass kernels, without the
+    ``query_blocks`` given and all rows) through one kernel pass (per-row log masses), without the
     S x G x BQ x N logits buffer.
 
     Returns:

@@ -105,8 +105,8 @@ def dense_block_mass(
 ) -> tuple[Tensor, Tensor]:
     """Exact attention mass of dense causal attention on every key block, pooled over rows:
     :func:`~sparse_train.kernels.block_mass.triton_dense_block_mass` when all rows are used and the
-    kernels support the input (``query_blocks=None`` = every query block: two kernel passes over the
-    causal area, no N x N buffer); its reference
+    kernels support the input (``query_blocks=None`` = every query block: one kernel pass over the
+    causal area, in groups of query blocks of bounded memory, no N x N buffer); its reference
     :func:`~sparse_train.kernels.reference_block_mass.reference_dense_block_mass` (arguments,
     returns; ``document_ids`` masks keys of other documents, in both) otherwise. ``check_values`` as
     :func:`sparse_block_mass`."""
