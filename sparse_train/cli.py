@@ -324,7 +324,8 @@ def _cli_class() -> type:
                                 help=f"default logger when trainer.logger is unset: one of {_LOGGER_CHOICES}")
             parser.add_argument("--cp", type=int, default=1,
                                 help="context parallelism: ranks per sequence (each holds a zig-zag shard); must "
-                                     "equal the number of devices, with --trainer.strategy=ddp; also sets "
+                                     "divide the world size (devices x nodes; world / cp data-parallel groups), "
+                                     "with --trainer.strategy=ddp; also sets "
                                      "trainer.use_distributed_sampler=false (docs/context_parallel.md)")
 
         def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:

@@ -1,7 +1,8 @@
-"""Lightning fit with context parallelism (``ContextParallel``, the ``--cp`` flag) on two CPU processes
-(gloo, DDP, reference backend) against the one-process fit on the same batches, and the refusals of the
-callback. Structure as ``tests/test_fsdp.py``: the workers fit and write their per-step losses and a
-checkpoint; the test compares them with a one-process fit here.
+"""Lightning fit with context parallelism (``ContextParallel``, the ``--cp`` flag) on CPU processes (gloo,
+DDP, reference backend) against the one-process fit on the same global batches: cp = 2 on two processes,
+and dp = 2 x cp = 2 on four (two data-parallel replicas, each a CP group of two ranks); and the refusals of
+the callback. Structure as ``tests/test_fsdp.py``: the workers fit and write their per-step losses, their
+validation metrics and a checkpoint; the test compares them with a one-process fit here.
 """
 
 from __future__ import annotations
@@ -22,57 +23,78 @@ TINY = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
 SPARSE = dict(block_q=8, block_k=8, top_k=1, window=1, sinks=1, backend="reference", dense_warmup_steps=1,
               dense_fallback=False, distill="sampled", distill_query_blocks=3)
 SEQ = 64
-WORLD = 2
-ROWS_PER_STEP = 2
+ROWS_PER_STEP = 2  # per data-parallel replica
 STEPS = 3
 CLIP = 1e-3  # below both groups' norms: both are clipped on every step
 LR = dict(lr=1e-2, selector_lr=3e-2, weight_decay=0.1, warmup_steps=1)
+VAL_ROWS_PER_REPLICA = 2
 
 
-def _rows() -> list[dict[str, torch.Tensor]]:
-    """``STEPS * ROWS_PER_STEP`` rows; the labelled counts differ between the two halves of each row (so
-    between the ranks' shards)."""
-    g = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, TINY["vocab_size"], (STEPS * ROWS_PER_STEP, SEQ), generator=g)
+def _rows(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` rows; the labelled counts differ from row to row (so between the replicas' rows) and
+    between the two halves of each row (so between the ranks' shards)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, TINY["vocab_size"], (count, SEQ), generator=g)
     labels = torch.roll(tokens, -1, dims=1)
     labels[:, -1] = IGNORE_INDEX
     for i in range(labels.shape[0]):
-        labels[i, : 5 + 7 * i] = IGNORE_INDEX
+        labels[i, : (5 + 7 * i) % (SEQ - 8)] = IGNORE_INDEX
     return [{"tokens": t, "labels": lab} for t, lab in zip(tokens, labels)]
 
 
-def _fit(strategy, devices: int, out_dir: str, tag: str, rank: int = 0, cp: int = 1) -> None:
-    from lightning.pytorch import Callback, Trainer, seed_everything
+def _fit(strategy, devices: int, out_dir: str, tag: str, rank: int = 0, cp: int = 1, replicas: int = 1) -> None:
+    """Fit ``STEPS`` steps and write the logged losses, the validation metrics after the fit and a
+    checkpoint. The data module shards the rows by :func:`data_parallel_rank` (``RowShards``, in order):
+    ``replicas`` data-parallel replicas of ``ROWS_PER_STEP`` rows per step together read the global
+    batches of one process with ``replicas * ROWS_PER_STEP`` rows per step (``devices == 1``)."""
+    from lightning.pytorch import Callback, LightningDataModule, Trainer, seed_everything
     from torch.utils.data import DataLoader
 
     from sparse_train.lightning import SparseLMModule
-    from sparse_train.lightning.context_parallel import ContextParallel
+    from sparse_train.lightning.context_parallel import ContextParallel, data_parallel_rank
+    from sparse_train.lightning.text_data import RowShards
 
     losses: list[dict[str, float]] = []
+    batch_size = ROWS_PER_STEP * (replicas if devices == 1 else 1)
+    seen: dict[str, int] = {}
 
     class Record(Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append({key: float(trainer.callback_metrics[f"train/{key}"]) for key in ("lm_loss", "selector_loss")})
 
+    class Rows(LightningDataModule):
+        def _loader(self, rows, batch):
+            shard, shards = data_parallel_rank(self.trainer)
+            seen["replicas"] = shards
+            return DataLoader(rows, batch_size=batch, sampler=RowShards(len(rows), shard, shards, shuffle=False))
+
+        def train_dataloader(self):
+            return self._loader(_rows(STEPS * ROWS_PER_STEP * replicas, seed=2), batch_size)
+
+        def val_dataloader(self):
+            return self._loader(_rows(VAL_ROWS_PER_REPLICA * replicas, seed=3), batch_size // ROWS_PER_STEP)
+
     seed_everything(0)
     module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE), **LR)
-    loader = DataLoader(_rows(), batch_size=ROWS_PER_STEP, shuffle=False)
     callbacks = [Record()] + ([ContextParallel(cp)] if cp > 1 else [])
     trainer = Trainer(max_steps=STEPS, accelerator="cpu", devices=devices, strategy=strategy, precision="64-true",
                       gradient_clip_val=CLIP, use_distributed_sampler=False, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks,
                       default_root_dir=os.path.join(out_dir, tag))
-    trainer.fit(module, train_dataloaders=loader)
+    data = Rows()
+    trainer.fit(module, datamodule=data)
     trainer.save_checkpoint(os.path.join(out_dir, f"{tag}.ckpt"))
     paths = [core._last_path for core in module.model.sparse_cores()]
+    trainer.limit_val_batches = 1.0  # the fit ran without validation; the trained model sees every row once
+    val = {key: float(value) for key, value in trainer.validate(module, datamodule=data, verbose=False)[0].items()}
     with open(os.path.join(out_dir, f"{tag}.rank{rank}.json"), "w") as f:
-        json.dump({"losses": losses, "paths": paths}, f)
+        json.dump({"losses": losses, "paths": paths, "val": val, "replicas": seen["replicas"]}, f)
 
 
-def _fit_worker(rank: int, port: int, out_dir: str) -> None:
+def _fit_worker(rank: int, port: int, out_dir: str, world: int, cp: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
-    _fit("ddp", WORLD, out_dir, "cp", rank=rank, cp=WORLD)
+    _fit("ddp", world, out_dir, f"dp{world // cp}cp{cp}", rank=rank, cp=cp, replicas=world // cp)
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -83,28 +105,40 @@ def _weights(path) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def test_cp_fit_matches_one_process_fit(tmp_path):
+@pytest.mark.parametrize("replicas,cp", [(1, 2), (2, 2)], ids=["cp2", "dp2_cp2"])
+def test_cp_fit_matches_one_process_fit(tmp_path, replicas, cp):
     """Three clipped AdamW steps of a tiny sparse model (dense warm-up step, then sparse, sampled
-    distillation) with ``ContextParallel(2)`` under DDP on two gloo processes, every rank holding a zig-zag
-    half of each row, against one process on the same batches (float64): the logged ``train/lm_loss`` and
-    ``train/selector_loss`` of every step, on every rank (the training logic computes the cross-entropy in
-    float32: a few float32 ulps), and the final weights: the model's to 1e-12 absolute (float64; measured
-    ~1e-15), the selectors' within a 1e-5 relative difference of each of the three Adam updates of size
-    ~lr (the selector scores and distils in float32 and the ranks sum other rows in another order;
-    measured ~1e-7 against a bound of 9e-7)."""
-    spawn_ranks(_fit_worker, WORLD, str(tmp_path))
-    _fit("auto", 1, str(tmp_path), "single")
+    distillation) with ``ContextParallel(cp)`` under DDP on ``replicas * cp`` gloo processes, every rank
+    holding a zig-zag half of each row of its replica (``dp2_cp2``: ranks 0-1 and 2-3 are two CP groups
+    reading different rows), against one process on the global batches, the rows of every replica
+    (float64): the logged ``train/lm_loss`` and ``train/selector_loss`` of every step, on every rank (the
+    training logic computes the cross-entropy in float32: a few float32 ulps; the selector loss is the mean
+    of the replicas' losses, which is the global batch's here because every replica has as many valid
+    distillation rows), the final weights: the model's to 1e-12 absolute (float64; measured ~1e-15), the
+    selectors' within a 1e-5 relative difference of each of the three Adam updates of size ~lr (the
+    selector scores and distils in float32 and the ranks sum other rows in another order; measured ~1e-7
+    against a bound of 9e-7); and ``val/loss`` and ``val/acc`` after the fit, token-weighted over the
+    validation rows of every replica (their labelled counts differ, so a mean of the ranks' or the
+    replicas' means would differ) as one process computes them."""
+    world = replicas * cp
+    spawn_ranks(_fit_worker, world, str(tmp_path), world, cp)
+    _fit("auto", 1, str(tmp_path), "single", replicas=replicas)
     read = lambda tag, r=0: json.loads((tmp_path / f"{tag}.rank{r}.json").read_text())  # noqa: E731
+    tag = f"dp{replicas}cp{cp}"
     single = read("single")
     assert single["paths"] == ["sparse", "sparse"]
-    for rank in range(WORLD):
-        got = read("cp", rank)
+    for rank in range(world):
+        got = read(tag, rank)
+        assert got["replicas"] == replicas
         assert got["paths"] == single["paths"]
         assert len(got["losses"]) == STEPS
         for step, (have, want) in enumerate(zip(got["losses"], single["losses"])):
             assert have["lm_loss"] == pytest.approx(want["lm_loss"], rel=1e-6), (rank, step)
             assert have["selector_loss"] == pytest.approx(want["selector_loss"], rel=1e-5), (rank, step)
-    want, have = _weights(tmp_path / "single.ckpt"), _weights(tmp_path / "cp.ckpt")
+        assert got["val"]["val/loss"] == pytest.approx(single["val"]["val/loss"], rel=1e-6), rank
+        # the same argmax on the same logits (float64 up to ~1e-15): the same count of correct answers
+        assert got["val"]["val/acc"] == single["val"]["val/acc"], rank
+    want, have = _weights(tmp_path / "single.ckpt"), _weights(tmp_path / f"{tag}.ckpt")
     for name, w in want.items():
         gap = float((have[name] - w).abs().max())
         if ".core." in name:
@@ -117,10 +151,13 @@ def test_cp_fit_matches_one_process_fit(tmp_path):
                   .blocks[0].attn.wq.weight).abs().max()) > 1e-4  # training moved the weights
 
 
-@pytest.mark.parametrize("case", ["world", "strategy", "sampler", "model", "size"])
+@pytest.mark.parametrize("case", ["world_not_multiple", "cp_above_world", "strategy", "sampler", "model", "size"],
+                         ids=["world_not_multiple", "cp_above_world", "strategy", "sampler", "model", "size"])
 def test_context_parallel_callback_refusals(case):
-    """The callback refuses what it cannot run, naming it: world_size != cp, a strategy other than DDP,
-    Lightning's distributed sampler, a model other than our Transformer, a size below 1."""
+    """The callback refuses what it cannot run, naming it: a world size that is not a multiple of cp (both
+    numbers in the message), a strategy other than DDP, Lightning's distributed sampler, a model other than
+    our Transformer, a size below 1. The other cases run at world_size=4 with cp=2 (two data-parallel CP
+    groups), which passes the world-size check: each fails on its own refusal."""
     from types import SimpleNamespace
 
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
@@ -133,12 +170,17 @@ def test_context_parallel_callback_refusals(case):
             ContextParallel(0)
         return
     module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE))
-    trainer = SimpleNamespace(world_size=2, strategy=DDPStrategy(),
+    trainer = SimpleNamespace(world_size=4, global_rank=0, strategy=DDPStrategy(),
                               _accelerator_connector=SimpleNamespace(use_distributed_sampler=False))
-    want = {"world": "world_size == cp", "strategy": "runs under DDP", "sampler": "use_distributed_sampler=false",
+    size = 2
+    want = {"world_not_multiple": r"world_size=6 is not a multiple of cp=4",
+            "cp_above_world": r"world_size=2 is not a multiple of cp=4", "strategy": "runs under DDP",
+            "sampler": "use_distributed_sampler=false",
             "model": "supports sparse_train.lightning.model.Transformer"}[case]
-    if case == "world":
-        trainer.world_size = 4
+    if case == "world_not_multiple":
+        trainer.world_size, size = 6, 4
+    elif case == "cp_above_world":
+        trainer.world_size, size = 2, 4
     elif case == "strategy":
         trainer.strategy = SingleDeviceStrategy(device=torch.device("cpu"))
     elif case == "sampler":
@@ -146,7 +188,7 @@ def test_context_parallel_callback_refusals(case):
     else:
         module = SimpleNamespace(model=torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match=want):
-        ContextParallel(2).setup(trainer, module, "fit")
+        ContextParallel(size).setup(trainer, module, "fit")
 
 
 CLI_TINY = ["--model.init_args.model.d_model=32", "--data.init_args.seq_len=128", "--data.init_args.curriculum=[]",
@@ -171,9 +213,10 @@ def test_cli_cp_flag_installs_the_callback(tmp_path, monkeypatch):
         cli.run_cli(["--config", "retrieval", *CLI_TINY, "--cp", "0"], run=False)
 
 
-def test_data_modules_shard_by_data_parallel_rank_under_cp():
+def test_data_parallel_rank_counts_a_cp_group_as_one_replica():
     """The ranks of one CP group are one data-parallel replica: rank 1 of a cp=2 run reads replica 0's
-    rows, so both ranks load the same batch."""
+    rows, so both ranks load the same batch; with four ranks and cp=2, ranks 0-1 are replica 0 and ranks
+    2-3 replica 1 of 2 (the consecutive ranks the callback's device mesh groups)."""
     from types import SimpleNamespace
 
     from sparse_train.lightning.context_parallel import ContextParallel, data_parallel_rank
@@ -181,3 +224,51 @@ def test_data_modules_shard_by_data_parallel_rank_under_cp():
     assert data_parallel_rank(None) == (0, 1)
     assert data_parallel_rank(SimpleNamespace(global_rank=1, world_size=2, callbacks=[])) == (1, 2)
     assert data_parallel_rank(SimpleNamespace(global_rank=1, world_size=2, callbacks=[ContextParallel(2)])) == (0, 1)
+    four = [data_parallel_rank(SimpleNamespace(global_rank=r, world_size=4, callbacks=[ContextParallel(2)]))
+            for r in range(4)]
+    assert four == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+def _data_module(kind: str, tmp_path):
+    from sparse_train.lightning import ByteLMDataModule, RetrievalDataModule
+
+    if kind == "retrieval":
+        return RetrievalDataModule(seq_len=128, num_pairs=2, num_queries=2, batch_size=2, curriculum=[],
+                                   val_samples=2)
+    if kind == "byte_lm":
+        root = tmp_path / "bytes"
+        root.mkdir()
+        for i in range(2):
+            (root / f"f{i}.py").write_text("".join(f"x{i}_{j} = {j * j}\n" for j in range(60)))
+        module = ByteLMDataModule(paths=[str(root)], seq_len=32, batch_size=2, val_fraction=0.0, val_samples=2)
+    else:
+        pytest.importorskip("transformers")
+        from builders import save_tiny_tokenizer, write_tiny_corpus
+
+        from sparse_train.lightning.text_data import TextDataModule
+
+        module = TextDataModule([str(write_tiny_corpus(tmp_path / "corpus"))], seq_len=17, batch_size=2,
+                                val_fraction=0.2, tokenizer_path=str(save_tiny_tokenizer(tmp_path / "tok")))
+    module.setup("fit")
+    return module
+
+
+@pytest.mark.parametrize("kind", ["retrieval", "byte_lm", "text"], ids=["retrieval", "byte_lm", "text"])
+def test_data_modules_give_a_cp_group_the_same_rows_and_replicas_different_rows(kind, tmp_path):
+    """Four ranks with ``ContextParallel(2)`` (two CP groups, Lightning's sampler off as ``--cp`` sets it):
+    the two ranks of a group load the same training batches and the two groups different ones, for every
+    data module the callback trains with."""
+    from types import SimpleNamespace
+
+    from sparse_train.lightning.context_parallel import ContextParallel
+
+    data = _data_module(kind, tmp_path)
+    batches = []
+    for rank in range(4):
+        data.trainer = SimpleNamespace(global_rank=rank, world_size=4, callbacks=[ContextParallel(2)], max_steps=2,
+                                       global_step=0, accumulate_grad_batches=1,
+                                       _accelerator_connector=SimpleNamespace(use_distributed_sampler=False))
+        loader = iter(data.train_dataloader())
+        batches.append(torch.cat([next(loader)["tokens"] for _ in range(2)]))
+    assert torch.equal(batches[0], batches[1]) and torch.equal(batches[2], batches[3])
+    assert not torch.equal(batches[0], batches[2])

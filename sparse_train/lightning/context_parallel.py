@@ -1,29 +1,39 @@
 """Context parallelism in Lightning: the :class:`ContextParallel` callback (``sparse-train fit --cp 2``).
 
-W ranks train on one sequence together: every rank loads the SAME batch, keeps its zig-zag shard of the
-sequence (:func:`~sparse_train.context_parallel.shard_sequence`: tokens and labels; ``document_ids`` stays
-global), and the model runs under :func:`~sparse_train.context_parallel.enable_context_parallel` (RoPE at
-global positions, K/V all-gathered in each attention layer, the selector's index built from every rank's
-local selection).
+The ``world_size`` ranks form a :class:`~torch.distributed.device_mesh.DeviceMesh` ``("dp", "cp")`` of shape
+``(world_size / cp, cp)``: rank ``r`` is position ``r % cp`` of context-parallel (CP) group ``r // cp``, so each
+group is ``cp`` consecutive ranks. The ranks of a CP group train on one sequence together: they load the SAME
+rows, each keeps its zig-zag shard of the sequence (:func:`~sparse_train.context_parallel.shard_sequence`:
+tokens and labels; ``document_ids`` stays global), and the model runs under
+:func:`~sparse_train.context_parallel.enable_context_parallel` over the group (RoPE at global positions, K/V
+all-gathered in each attention layer, the selector's index built from every rank's local selection). The
+``world_size / cp`` groups are data-parallel (DP) replicas: they load different rows
+(:func:`data_parallel_rank`, which the data modules shard by).
 
 Gradients. Each rank's parameter gradients are partial sums (its own tokens' loss terms, plus, through the
-reduce-scatter in the backward of the K/V all-gather, the other ranks' contributions to its own keys). DDP
-over the CP ranks all-reduces them; it averages, so the losses are scaled to make the average the sum:
+reduce-scatter in the backward of the K/V all-gather, the other ranks of its group's contributions to its own
+keys). DDP all-reduces them over the whole world and averages, so the losses are scaled to make that average
+the gradient of the global batch (the rows of every replica):
 
-* the LM loss sum of a rank is divided by (labelled tokens of all ranks / world size), the normalisation
-  :class:`~sparse_train.lightning.training.CausalLMTraining` already uses for data parallelism; with CP
-  the ranks' token sets are the shards of one sequence instead of other rows, and the same division makes
-  the DDP average the gradient of the mean over the sequence's labelled tokens;
-* a selector's distillation loss under CP is already the rank's share of the single-process loss (its KL
-  sum over its rows / the valid rows of all ranks), so the training step multiplies it by the CP size
-  before DDP's average divides by it.
+* the LM loss sum of a rank is divided by (labelled tokens of ALL ranks / world size), the normalisation
+  :class:`~sparse_train.lightning.training.CausalLMTraining` already uses for data parallelism: the DDP
+  average is then the gradient of the mean over every labelled token of the global batch, however the
+  tokens are spread over the rows and the shards;
+* a selector's distillation loss under CP is the rank's share of its group's loss (its KL sum over its rows
+  / the valid rows of the group's ranks), so the training step multiplies it by the CP size: the average over
+  all ranks is then the mean over the replicas of each replica's selector loss, as in data parallelism without
+  CP (where DDP averages the ranks' own losses). That is the selector loss of the global batch when every
+  replica has the same number of valid distillation rows (rows without ``seq_lens`` or ``document_ids``: the
+  valid rows then depend only on the shapes); with packed documents or ``seq_lens`` the replicas' counts can
+  differ, and each replica's loss (a mean over its own valid rows) still weighs ``1 / dp`` in the average.
 
-So one CP step computes the single-process gradient of the same batch (tested: ``tests/test_context_parallel_fit.py``).
+So one DP x CP step computes the single-process gradient of the global batch (tested on CPU processes only:
+``tests/test_context_parallel_fit.py``, cp = 2 alone and dp = 2 x cp = 2).
 
-Supported: DDP (``--trainer.strategy=ddp``) with ``world_size == cp`` (one sequence over all ranks), our
+Supported: DDP (``--trainer.strategy=ddp``) with ``world_size`` a multiple of ``cp``, our
 :class:`~sparse_train.lightning.model.Transformer` (sparse or dense attention). Refused with a ValueError:
-``world_size != cp`` (data parallelism across CP groups), FSDP and every other strategy, the Hugging Face
-module, Lightning's distributed sampler (the ranks of a CP group must load the same rows).
+``world_size`` not a multiple of ``cp``, FSDP and every other strategy, the Hugging Face module, Lightning's
+distributed sampler (the ranks of a CP group must load the same rows).
 """
 
 from __future__ import annotations
@@ -66,22 +76,19 @@ class ContextParallelShards:
             out[key] = cpm.shard_sequence(batch[key], 1, self.rank, self.size)
         return out
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the CP group (evaluation counts)."""
-        return cpm.all_reduce_sum(x, self.group)
-
 
 class ContextParallel(Callback):
     """Shard every sequence over ``size`` ranks (context parallelism); see the module docstring.
 
     Args:
-        size: ranks per sequence (the CP degree), >= 1; must equal the trainer's world size.
+        size: ranks per sequence (the CP degree), >= 1; must divide the trainer's world size (the
+            ``world_size / size`` CP groups are data-parallel replicas).
         backend: attention backend of the CP attention (``None``: the sparse config's ``backend``; the
             dense twin uses ``"reference"`` unless given).
 
     Raises (at ``setup``, before any training):
-        ValueError: ``world_size != size``; a strategy other than DDP; a model other than the repository's
-            ``Transformer``; ``use_distributed_sampler=True``.
+        ValueError: ``world_size`` not a multiple of ``size``; a strategy other than DDP; a model other than
+            the repository's ``Transformer``; ``use_distributed_sampler=True``.
     """
 
     def __init__(self, size: int = 2, backend: Optional[str] = None) -> None:
@@ -96,9 +103,10 @@ class ContextParallel(Callback):
         if self.size == 1:
             return
         world = trainer.world_size
-        if world != self.size:
-            raise ValueError(f"context parallelism: cp={self.size} needs world_size == cp (one sequence over all "
-                             f"ranks), got world_size={world}; data parallelism across CP groups is not supported yet")
+        if world % self.size:
+            raise ValueError(f"context parallelism: world_size={world} is not a multiple of cp={self.size}; the "
+                             f"ranks form world_size / cp groups of cp consecutive ranks, each group sharding one "
+                             f"sequence and the groups training on different rows")
         if not isinstance(trainer.strategy, DDPStrategy):
             raise ValueError(f"context parallelism runs under DDP (--trainer.strategy=ddp), which all-reduces the "
                              f"ranks' partial gradients; got {type(trainer.strategy).__name__}")
@@ -112,8 +120,16 @@ class ContextParallel(Callback):
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = trainer.strategy.root_device.type
+        # data_parallel_rank gives the cp consecutive ranks from r // cp * cp the same rows; the mesh's cp group
+        # must be exactly those ranks (row-major layout, checked below), or a group would shard unrelated rows.
         mesh = init_device_mesh(device_type, (world // self.size, self.size), mesh_dim_names=("dp", "cp"))
         group = mesh.get_group("cp")
+        first = trainer.global_rank // self.size * self.size
+        ranks = torch.distributed.get_process_group_ranks(group)
+        if ranks != list(range(first, first + self.size)):
+            raise RuntimeError(f"context parallelism: the device mesh put global rank {trainer.global_rank} in the "
+                               f"cp group {ranks}, not in the consecutive ranks data_parallel_rank loads the same "
+                               f"rows on ({first}..{first + self.size - 1})")
         cpm.enable_context_parallel(model, group, backend=self.backend)
         rank, size = cpm.context_parallel_rank(group)
         self.shards = ContextParallelShards(group, rank, size)
@@ -129,7 +145,9 @@ class ContextParallel(Callback):
 
 def data_parallel_rank(trainer: Optional[Trainer]) -> tuple[int, int]:
     """``(rank, world)`` of the trainer's process among the data-parallel replicas: the ranks of one
-    context-parallel group count as one replica (they load the same rows). Without a trainer ``(0, 1)``."""
+    context-parallel group (``cp`` consecutive global ranks, the ``ContextParallel`` mesh's layout) count as
+    one replica and load the same rows; replica ``global_rank // cp`` of ``world_size // cp``. Without a
+    trainer ``(0, 1)``."""
     if trainer is None:
         return 0, 1
     rank, world = int(trainer.global_rank), int(trainer.world_size)

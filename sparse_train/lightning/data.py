@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from ..tasks import (
     IGNORE_INDEX,
@@ -48,8 +48,9 @@ class RetrievalDataModule(LightningDataModule):
     hundred steps at short length, where a needle gets a large share of the initial uniform attention,
     and then carries over to long contexts; from scratch at 4K the gradient reaching the needle is
     ~1/4096 of the attention and learning stalls. After the stages, training continues at ``seq_len``.
-    Validation and test always use ``seq_len``. The training batches are rank-aware already: with a
-    multi-GPU strategy pass ``--trainer.use_distributed_sampler=false``.
+    Validation and test always use ``seq_len``. The training batches are rank-aware already (one slice of
+    each step's samples per data-parallel replica): with a multi-GPU strategy pass
+    ``--trainer.use_distributed_sampler=false``. Every replica evaluates the whole validation and test sets.
 
     Args:
         seq_len: Evaluation context length N (and training length after the curriculum).
@@ -156,6 +157,8 @@ class ByteLMDataModule(LightningDataModule):
 
     Files are split into train and validation by a hash of their path, so the validation text is never
     seen in training. With no ``paths`` the corpus is the Python standard library's ``.py`` sources.
+    Several ranks without Lightning's distributed sampler (``--cp``) split the training crops by
+    data-parallel replica; every replica evaluates the whole validation set.
 
     Args:
         paths: Files or directories to read (directories are searched recursively with ``pattern``);
@@ -208,7 +211,14 @@ class ByteLMDataModule(LightningDataModule):
                        batch_size=self.hparams.batch_size)
 
     def train_dataloader(self) -> DataLoader:
-        return self._crops_loader(self.train_bytes, self.hparams.seed, self.hparams.train_samples)
+        crops = ByteCrops(self.train_bytes, self.hparams.seq_len, self.hparams.seed, self.hparams.train_samples)
+        rank, world = data_parallel_rank(self.trainer)  # the ranks of a context-parallel group share rows
+        connector = getattr(self.trainer, "_accelerator_connector", None)
+        if world > 1 and not getattr(connector, "use_distributed_sampler", True):
+            # Without Lightning's sampler (context parallelism refuses it) every rank would read every crop;
+            # replica r takes crops r, r + world, ..., the same number on every replica (DDP steps together).
+            crops = Subset(crops, range(rank, len(crops) // world * world, world))
+        return _loader(crops, self.hparams.num_workers, batch_size=self.hparams.batch_size)
 
     def val_dataloader(self) -> DataLoader:
         return self._crops_loader(self.val_bytes, self.hparams.seed + 1, self.hparams.val_samples)

@@ -13,8 +13,10 @@ layers (``layer_types``: our ``Block``, a Hugging Face model's ``_no_split_modul
 selectors, which sit inside the layers' attention, are sharded, gathered and freed with their layer; gradient-norm clipping stays two
 groups through ``st.clip_grad_norms`` on the shards. Losses are normalised by the labelled tokens of all
 ranks, so a step on ``W`` ranks of ``B`` rows each computes the gradient of one ``W * B`` row batch. Under
-context parallelism (:class:`~sparse_train.lightning.context_parallel.ContextParallel`, ``--cp``) the ranks hold
-shards of the same rows instead, and the same normalisation gives the single-process gradient of the batch.
+context parallelism (:class:`~sparse_train.lightning.context_parallel.ContextParallel`, ``--cp``) the ranks of a
+CP group hold shards of the same rows instead, the groups different rows, and the same normalisation gives the
+single-process gradient of the rows of all groups. Validation and test metrics are token-weighted over the
+rows of every rank (:meth:`CausalLMTraining.eval_epoch_end`).
 
 Batches are dicts with ``tokens`` and ``labels`` (aligned to positions, ``IGNORE_INDEX`` = no loss); packed
 rows also carry ``document_ids`` / ``position_ids``, which go to the model when its ``forward`` takes them
@@ -279,7 +281,8 @@ class CausalLMTraining:
         lm_loss = loss_sum / self._tokens_per_rank(module, count).clamp_min(1)
         sel_loss = st.collect_selector_losses(module.model) if self.selector_names else None
         if sel_loss is not None and self.context_parallel is not None:
-            # each rank's selector loss is its share of the sequence's; DDP averages over the CP ranks
+            # A rank's selector loss is its share of its CP group's; DDP averages over all ranks, so this makes
+            # the average the mean of the groups' losses, as DDP without CP averages the ranks' own losses.
             sel_loss = sel_loss * self.context_parallel.size
         if self.args.train_only_selector:
             loss = sel_loss * self.args.selector_loss_weight
@@ -299,11 +302,9 @@ class CausalLMTraining:
         return loss
 
     def eval_step(self, module: LightningModule, batch: dict[str, torch.Tensor], prefix: str) -> None:
-        """Accumulate loss, correct answers and labelled positions of a validation/test batch."""
+        """Accumulate loss, correct answers and labelled positions of a validation/test batch (under CP: of
+        this rank's shard of it); :meth:`eval_epoch_end` sums them over the ranks."""
         loss_sum, correct, count = self._lm_loss(module, batch)
-        if self.context_parallel is not None:  # the sequence's totals on every rank of its CP group
-            loss_sum, correct, count = self.context_parallel.all_reduce(
-                torch.stack([loss_sum.double(), correct.double(), count.double()])).unbind()
         acc = self._eval_counts.setdefault(prefix, [0.0, 0.0, 0.0])
         acc[0] += float(loss_sum)
         acc[1] += float(correct)
@@ -329,12 +330,23 @@ class CausalLMTraining:
             slot[1] += hits.numel() * pairs.shape[0]
 
     def eval_epoch_end(self, module: LightningModule, prefix: str) -> None:
-        """Log the epoch's exact metrics (and keep them as ``final_metrics`` outside the sanity check)."""
+        """Log the epoch's exact metrics (and keep them as ``final_metrics`` outside the sanity check).
+
+        ``loss`` and ``acc`` are token-weighted over the labelled positions of every rank: the sums are
+        added over the world, so ranks that read different rows (data parallelism) or shards of the same
+        rows (context parallelism) give the single-process value over all of them; ranks that read the
+        same rows (a data module that gives every replica the whole held-out set) count them equally
+        often, which leaves the means unchanged. The needle recalls are each rank's own, averaged over
+        the ranks by ``sync_dist``."""
         needle = {}
         for key in [key for key in self._eval_counts if key.startswith(f"{prefix}/needle_recall/")]:
             hits, total = self._eval_counts.pop(key)
             needle[key] = hits / max(total, 1.0)
         loss_sum, correct, count = self._eval_counts.pop(prefix, [0.0, 0.0, 0.0])
+        trainer = module._trainer
+        if trainer is not None and trainer.world_size > 1:  # every rank, also one that saw no batch
+            totals = torch.tensor([loss_sum, correct, count], dtype=torch.float64, device=module.device)
+            loss_sum, correct, count = trainer.strategy.reduce(totals, reduce_op="sum").tolist()
         if count == 0:
             return
         # Exact token-weighted means over the whole held-out set (not a mean of batch means).
