@@ -3,8 +3,9 @@
 ``build_model``; RMSNorm, RoPE, GQA 32/8 heads, head dim 64, SwiGLU, sparse attention, activation
 checkpointing, bf16 autocast) trained with CP=W over NCCL against one GPU.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 scripts/bench_cp.py --out docs/benchmarks/cp \\
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 scripts/bench_cp.py --modes cp --out /tmp/cp \\
         --contexts 131072 196608 262144 327680 393216 524288
+    torchrun --nproc-per-node 1 scripts/bench_cp.py --modes single --out /tmp/single --contexts 131072 196608 229376
     # CPU smoke test (gloo, tiny shapes, ~15 s on two cores; not in the test suite for its time):
     TRITON_INTERPRET=1 torchrun --nproc-per-node 2 scripts/bench_cp.py --device cpu --smoke --out /tmp/cp_smoke
 
@@ -15,7 +16,9 @@ all-reduce, AdamW. Reported per mode and N: step time (median and p95 over ``--r
 CUDA events), tokens/s (N per step), peak allocated memory per GPU, and the communication share of the
 step: the device time of the NCCL kernels (torch profiler, one extra profiled step) over the step's wall
 time, split by collective (K/V all-gather, reduce-scatter, gradient all-reduce, small selector collectives).
-An out-of-memory configuration is recorded as ``oom`` and the longer N of that mode are skipped (CP: every
+Run each mode in its own process (above): memory of a step that ran out of memory can stay allocated, so every
+result after an OOM in the process is flagged ``after_oom``. An out-of-memory configuration is recorded as
+``oom`` and the longer N of that mode are skipped (CP: every
 rank agrees through one all-reduce of a flag; the ranks' memory is symmetric, so an OOM in CP usually hits
 every rank at the same point; if it does not, the collective times out after ``--timeout-min``).
 
@@ -160,8 +163,16 @@ def _cleanup(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+_OOM_SEEN = False
+"""Set by the first out-of-memory error of this process. Memory of the failed step can stay allocated after
+it (on two H200s, a CP OOM at 393K left ~28 GiB that made the later one-GPU runs report 113.9 instead of 85.8
+GiB at 128K and fail at 196K, which fits in a fresh process), so every later result is flagged ``after_oom``
+and is not evidence of what fits: run such a mode again alone (``--modes single``)."""
+
+
 def run_mode(args: argparse.Namespace, mode: str, group, device: torch.device, rank: int) -> list[dict[str, Any]]:
     """Every N of ``mode`` ("cp": all ranks; "single": rank 0 alone, the others wait)."""
+    global _OOM_SEEN
     results: list[dict[str, Any]] = []
     failed = False
     for n in sorted(args.contexts):
@@ -170,11 +181,14 @@ def run_mode(args: argparse.Namespace, mode: str, group, device: torch.device, r
             continue
         runs_here = mode == "cp" or rank == 0
         result: dict[str, Any] = {"context": n, "mode": mode, "status": "not run"}
+        if _OOM_SEEN:
+            result["after_oom"] = True
         oom = torch.zeros(1, device=device)
         t0 = time.perf_counter()
         if runs_here:
             try:
-                result = {**measure(args, n, group if mode == "cp" else None, device), "mode": mode}
+                result = {**measure(args, n, group if mode == "cp" else None, device), "mode": mode,
+                          **({"after_oom": True} if _OOM_SEEN else {})}
             except torch.OutOfMemoryError as exc:
                 result = {"context": n, "mode": mode, "status": "oom", "error": str(exc).splitlines()[0]}
                 oom.fill_(1)
@@ -183,6 +197,7 @@ def run_mode(args: argparse.Namespace, mode: str, group, device: torch.device, r
         result["wall_s"] = time.perf_counter() - t0
         dist.all_reduce(oom)  # every rank learns of an OOM (and the waiting ranks wait here)
         failed = bool(oom.item())
+        _OOM_SEEN = _OOM_SEEN or failed
         if mode == "cp":
             peaks = [None] * dist.get_world_size()
             dist.all_gather_object(peaks, result.get("peak_mem_gib"))
@@ -191,9 +206,10 @@ def run_mode(args: argparse.Namespace, mode: str, group, device: torch.device, r
             dist.all_gather_object(shares, result.get("comm_share"))
             result["comm_share_per_rank"] = shares
         if rank == 0:
+            # the whole record, as soon as it exists: a sweep cut by a time limit keeps what it measured
             print(f"[bench_cp] {mode} N={n}: {result['status']}"
                   + (f", step {result['step_ms']:.1f} ms, comm {result['comm_share']:.1%}" if result["status"] == "ok"
-                     else ""), flush=True)
+                     else "") + f" | {json.dumps(result, default=str)}", flush=True)
         results.append(result)
     return results
 
@@ -208,19 +224,24 @@ def markdown(results: list[dict[str, Any]], world: int, meta: dict[str, Any]) ->
              "| N | mode | step ms (p95) | tokens/s | peak GiB per GPU | comm share | all-gather / reduce-scatter / "
              "all-reduce ms |", "|---|---|---|---|---|---|---|"]
     for r in results:
+        mode = r["mode"] + (" (after an OOM: rerun alone)" if r.get("after_oom") else "")
         if r["status"] != "ok":
-            lines.append(f"| {r['context']} | {r['mode']} | {r['status']} | | | | |")
+            lines.append(f"| {r['context']} | {mode} | {r['status']} | | | | |")
             continue
         peaks = r.get("peak_mem_gib_per_rank") or [r.get("peak_mem_gib")]
         peak = " / ".join("-" if p is None else f"{p:.1f}" for p in peaks)
         comm = r.get("comm_ms", {})
         parts = " / ".join(f"{comm.get(k, 0.0):.1f}" for k in ("allgather", "reducescatter", "allreduce"))
-        lines.append(f"| {r['context']} | {r['mode']} | {r['step_ms']:.1f} ({r['step_p95_ms']:.1f}) | "
+        lines.append(f"| {r['context']} | {mode} | {r['step_ms']:.1f} ({r['step_p95_ms']:.1f}) | "
                      f"{r['tokens_per_s']:.0f} | {peak} | {r['comm_share']:.1%} | {parts} |")
-    fits = {(r["mode"], r["context"]) for r in results if r["status"] == "ok"}
-    only_cp = [n for mode, n in fits if mode == "cp" and ("single", n) not in fits]
+    # one GPU "does not fit" N only where a clean process ran out of memory at N or below
+    single_oom = [r["context"] for r in results
+                  if r["mode"] == "single" and r["status"] == "oom" and not r.get("after_oom")]
+    only_cp = [r["context"] for r in results if r["mode"] == "cp" and r["status"] == "ok" and not r.get("after_oom")
+               and single_oom and min(single_oom) <= r["context"]]
     lines.append("")
-    lines.append(f"Longest N that fits with CP={world} but not on one GPU: {max(only_cp) if only_cp else 'none measured'}.")
+    lines.append(f"Longest N that fits with CP={world} but not on one GPU (both measured): "
+                 f"{max(only_cp) if only_cp else 'none measured'}.")
     return "\n".join(lines) + "\n"
 
 
