@@ -670,14 +670,10 @@ class SparseAttention(nn.Module):
                 document_ids=document_ids, check_values=check_values,
             )  # [B, HKV, NQB, K]
             target, row_valid = target.index_select(2, local_blocks), row_valid.index_select(2, local_blocks)
-            slots = index.indices.index_select(2, local_blocks).to(torch.int64)
-            scores = scores.gather(-1, slots.clamp(min=0))
-            local_support = support.index_select(2, local_blocks)
-            slot_support = local_support.expand(*slots.shape[:2], -1, -1).gather(-1, slots.clamp(min=0))
-            allowed = (slots >= 0) & slot_support
+            scores, allowed = self._slot_scores(scores, index.indices.index_select(2, local_blocks),
+                                                support.index_select(2, local_blocks))
         total, count = self._kl_parts(target, scores, allowed, row_valid)
-        count = cpm.all_reduce_sum(count, group)
-        return total / count.clamp(min=1).to(total.dtype) * cfg.distill_weight
+        return self._mean_kl(total, cpm.all_reduce_sum(count, group))
 
     def _distills_now(self, first_pass: bool) -> bool:
         """Whether this call computes the distillation loss (training with grad, ``distill`` on, every
@@ -730,12 +726,8 @@ class SparseAttention(nn.Module):
                 row_pool=cfg.distill_row_pool, chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids,
                 check_values=check_values,
             )  # [B, HKV, NQB, K]
-            slots = index.indices.to(torch.int64)
-            scores = scores.gather(-1, slots.clamp(min=0))
-            slot_support = support.expand(*slots.shape[:2], -1, -1).gather(-1, slots.clamp(min=0))
-            allowed = (slots >= 0) & slot_support
-        total, count = self._kl_parts(target, scores, allowed, row_valid)
-        return total / count.clamp(min=1).to(total.dtype) * cfg.distill_weight
+            scores, allowed = self._slot_scores(scores, index.indices, support)
+        return self._mean_kl(*self._kl_parts(target, scores, allowed, row_valid))
 
     def _distill_support(self, geometry, device, document_ids) -> Tensor:
         """bool ``[1 or B, 1, NQB, NKB]``: the blocks the distillation KL is taken over
@@ -748,6 +740,20 @@ class SparseAttention(nn.Module):
             if document_ids is not None:
                 support = support & allowed_dynamic_blocks(geometry, 0, 0, device, document_ids)
         return support.view(1, 1, *support.shape) if support.dim() == 2 else support.unsqueeze(1)
+
+    @staticmethod
+    def _slot_scores(scores: Tensor, slot_blocks: Tensor, support: Tensor) -> tuple[Tensor, Tensor]:
+        """The ``sparse`` target is per index slot: the selector's scores ``[B, HKV, R, NKB]`` at the slots'
+        key blocks ``slot_blocks`` ``[B, HKV, R, K]`` (-1 = empty), and which slots the KL is taken over
+        (filled and inside ``support`` ``[1 or B, 1, R, NKB]``)."""
+        slots = slot_blocks.to(torch.int64).clamp(min=0)
+        slot_support = support.expand(*slot_blocks.shape[:2], -1, -1).gather(-1, slots)
+        return scores.gather(-1, slots), (slot_blocks >= 0) & slot_support
+
+    def _mean_kl(self, total: Tensor, count: Tensor) -> Tensor:
+        """The distillation loss: the KL sum over the valid rows divided by their count (under context
+        parallelism the count of all ranks), weighted by ``distill_weight``."""
+        return total / count.clamp(min=1).to(total.dtype) * self.config.distill_weight
 
     @staticmethod
     def _kl_parts(target, scores, allowed, row_valid) -> tuple[Tensor, Tensor]:
