@@ -157,6 +157,12 @@ def value_errors_of(calls) -> list[str]:
     return messages
 
 
+def ids_from_lengths(*rows):
+    """int64 ``[B, N]`` document ids from per-row document lengths (ids 0, 1, ... in order; each row's
+    lengths sum to N)."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
+
+
 def ids_from_starts(starts_per_row, seq_len: int):
     """int64 ``[B, N]`` document ids: row b's documents start at the listed positions (the first at 0)."""
     ids = torch.zeros(len(starts_per_row), seq_len, dtype=torch.int64)

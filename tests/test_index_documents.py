@@ -7,12 +7,8 @@ import pytest
 import torch
 
 import sparse_train as st
-from builders import random_selection
+from builders import ids_from_lengths, random_selection
 
-
-def ids_from_lengths(*rows):
-    """int64 ``[B, N]`` document ids from per-row document lengths (ids 0, 1, ... in order)."""
-    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
 
 
 def needed_blocks(ids, bq, bk):

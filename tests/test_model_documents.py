@@ -5,15 +5,13 @@ partial selections), the dense twin and activation checkpointing."""
 import pytest
 import torch
 
+from builders import ids_from_lengths
 from sparse_train.lightning import Transformer, TransformerConfig
 
 TINY = dict(vocab_size=70, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
 SPARSE = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, backend="reference", dense_warmup_steps=0,
               distill="off")
 
-
-def ids_from_lengths(*rows):
-    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
 
 
 def each_document_alone(model, tokens, lengths_per_row):

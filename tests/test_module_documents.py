@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import sparse_train as st
-from builders import check_close, make_qkv
+from builders import check_close, ids_from_lengths, make_qkv
 from sparse_train.index import shares_document
 from sparse_train.kernels.reference import reference_sparse_attention
 from sparse_train.selectors import selection_geometry
@@ -29,9 +29,6 @@ def make(**overrides):
     base.update(overrides)
     return st.SparseAttention(st.SparseAttentionConfig(**base), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
 
-
-def ids_from_lengths(*rows):
-    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
 
 
 def per_document_sdpa(q, k, v, lengths_per_row, scale=None):
