@@ -98,9 +98,13 @@ class Run:
                else contextlib.nullcontext())
         clock.mark("start")
         with amp:
-            logits = self.model(self.x)
+            if args.loss == "chunked":
+                loss_sum = self.model(self.x, labels=self.y).loss_sum
+            else:
+                loss_sum = F.cross_entropy(self.model(self.x).float().view(-1, args.vocab), self.y.reshape(-1),
+                                           reduction="sum")
         # the loss of the local tokens over the GLOBAL count: the ranks' gradients sum to the one-GPU gradient
-        loss = F.cross_entropy(logits.float().view(-1, args.vocab), self.y.reshape(-1), reduction="sum") / self.n
+        loss = loss_sum / self.n
         loss = loss + st.collect_selector_losses(self.model)
         clock.mark("forward")
         loss.backward()
@@ -219,7 +223,8 @@ def markdown(results: list[dict[str, Any]], world: int, meta: dict[str, Any]) ->
              f"Model: bench_step's build_model ({meta['args']['layers']} layers, d_model {meta['args']['d_model']}, "
              f"{meta['args']['heads']}/{meta['args']['kv_heads']} heads), sparse attention (top_k "
              f"{meta['args']['top_k']}, window {meta['args']['window']}, block {meta['args']['block']}, distill "
-             f"{meta['args']['distill']}, backend {meta['args']['backend']}), activation checkpointing, "
+             f"{meta['args']['distill']}, backend {meta['args']['backend']}), LM loss {meta['args'].get('loss')}, "
+             f"activation checkpointing, "
              f"{meta['args']['precision']}. Median (p95) over {meta['args']['repeats']} steps.", "",
              "| N | mode | step ms (p95) | tokens/s | peak GiB per GPU | comm share | all-gather / reduce-scatter / "
              "all-reduce ms |", "|---|---|---|---|---|---|---|"]

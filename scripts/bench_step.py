@@ -140,6 +140,10 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--distill", choices=["sparse", "dense", "sampled", "off"], default="sampled",
                     help="selector distillation during the timed steps (part of a real training step; default: the module default)")
     ap.add_argument("--backend", default="auto", help="sparse kernel backend: auto | triton | reference")
+    ap.add_argument("--loss", choices=["chunked", "logits"], default="chunked",
+                    help="LM loss: the model's chunked head + cross-entropy (forward(labels=...), as the training "
+                         "recipes; logits of 8,192 tokens at a time) or F.cross_entropy on the full [N, vocab] "
+                         "logits (what the sixth session's committed numbers used)")
 
 
 def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> dict[str, Any]:
@@ -159,8 +163,11 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
     def step() -> dict[str, float]:
         clock.mark("start")
         with amp:
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().view(-1, args.vocab), y.reshape(-1))
+            if args.loss == "chunked":
+                out = model(x, labels=y)
+                loss = out.loss_sum / out.count
+            else:
+                loss = F.cross_entropy(model(x).float().view(-1, args.vocab), y.reshape(-1))
         if variant == "sparse":
             loss = loss + st.collect_selector_losses(model)
         clock.mark("forward")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -26,9 +26,22 @@ import sparse_train as st
 
 from ..functional import dense_causal_attention
 from ..documents import document_positions
+from ..losses import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
+from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_choice, check_document_ids, check_float, check_int, check_keys
 
-__all__ = ["TransformerConfig", "Transformer", "RMSNorm"]
+__all__ = ["LMLoss", "TransformerConfig", "Transformer", "RMSNorm"]
+
+
+class LMLoss(NamedTuple):
+    """What :meth:`Transformer.forward` returns when given ``labels``."""
+
+    loss_sum: torch.Tensor
+    """float32 scalar: the cross-entropy summed over the labelled positions (differentiable)."""
+    correct: torch.Tensor
+    """int64 scalar: labelled positions whose argmax prediction is the label."""
+    count: torch.Tensor
+    """int64 scalar: labelled positions."""
 
 
 @dataclass
@@ -66,6 +79,9 @@ class TransformerConfig:
     """Recompute each block in the backward (saves activation memory; the module replays selections)."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
+    loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    """Rows of logits alive at a time when ``forward`` gets ``labels`` (the training loss): the head's logits
+    of at most this many labelled positions exist at once (8,192 x 32,000 float32 = 1 GiB), never all N."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"):
@@ -86,6 +102,7 @@ class TransformerConfig:
         check_float("TransformerConfig.rope_theta", self.rope_theta, exclusive_minimum=0.0)
         check_float("TransformerConfig.norm_eps", self.norm_eps, exclusive_minimum=0.0)
         check_float("TransformerConfig.init_std", self.init_std, minimum=0.0)
+        check_int("TransformerConfig.loss_chunk_tokens", self.loss_chunk_tokens, minimum=1)
         check_bool("TransformerConfig.tie_embeddings", self.tie_embeddings)
         check_bool("TransformerConfig.activation_checkpointing", self.activation_checkpointing)
         check_bool("TransformerConfig.selector_unrotates_rope", self.selector_unrotates_rope)
@@ -272,14 +289,21 @@ class Transformer(nn.Module):
         return [b.attn.core for b in self.blocks if b.attn.core is not None]
 
     def forward(self, tokens: torch.Tensor, seq_lens: Optional[torch.Tensor] = None, *,
-                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens int ``[B, N]`` -> logits ``[B, N, vocab]``.
+                document_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> Union[torch.Tensor, LMLoss]:
+        """tokens int ``[B, N]`` -> logits ``[B, N, vocab]``, or with ``labels`` the loss without the logits.
 
         Args:
             seq_lens: optional int ``[B]`` (right padding: keys past it are masked).
             document_ids: optional int ``[B, N]`` on the tokens' device, non-decreasing along N, values
                 >= 0 (packed documents): each token attends only tokens of its own document, and RoPE
                 positions restart at 0 at every document start.
+            labels: optional int ``[B, N]``, the target of each position or ``IGNORE_INDEX`` (-100). Then the
+                return is :class:`LMLoss` (summed cross-entropy, correct argmax predictions, labelled count)
+                from :func:`~sparse_train.losses.linear_cross_entropy` over the labelled positions only:
+                ``cfg.loss_chunk_tokens`` rows of logits at a time, never ``[B, N, vocab]`` (at 196K tokens
+                and a 32K vocabulary their float32 copy alone is 23.4 GiB). Computed inside ``forward`` so
+                that wrappers which gather parameters around it (FSDP) hold the head's weight.
 
         Under context parallelism (:func:`~sparse_train.context_parallel.enable_context_parallel`) ``tokens``
         are this rank's zig-zag shard ``[B, N/W]`` (:func:`~sparse_train.context_parallel.shard_sequence`),
@@ -305,7 +329,15 @@ class Transformer(nn.Module):
                 x = checkpoint(block, x, cos, sin, seq_lens, document_ids, positions, use_reentrant=False)
             else:
                 x = block(x, cos, sin, seq_lens, document_ids, positions)
-        return self.lm_head(self.norm(x))
+        x = self.norm(x)
+        if labels is None:
+            return self.lm_head(x)
+        if labels.shape != tokens.shape:
+            raise ValueError(f"labels must have the tokens' shape {tuple(tokens.shape)}, got {tuple(labels.shape)}")
+        labelled = labels != IGNORE_INDEX
+        loss_sum, correct = linear_cross_entropy(x[labelled], self.lm_head.weight, labels[labelled],
+                                                 ignore_index=IGNORE_INDEX, chunk_tokens=self.cfg.loss_chunk_tokens)
+        return LMLoss(loss_sum, correct, labelled.sum())
 
     def _context_parallel_rope(self, tokens: torch.Tensor, document_ids: Optional[torch.Tensor]):
         """RoPE tables of the local rows at their global positions, and the positions the attention cores
