@@ -135,6 +135,20 @@ def spawn_ranks(worker, world: int, *args) -> None:
     mp.spawn(_run_and_exit, args=(worker, port, *args), nprocs=world, join=True)
 
 
+def cpu_fsdp_strategy(**kwargs):
+    """A fresh Lightning ``FSDPStrategy(**kwargs)`` that runs on the CPU (gloo), through the shims of
+    ``scripts/fsdp_check.py`` (``install_cpu_fsdp_shims``; they patch this process, so call it in spawned
+    workers only)."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.spec_from_file_location(
+        "fsdp_check", os.path.join(os.path.dirname(__file__), "..", "scripts", "fsdp_check.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.install_cpu_fsdp_shims()(**kwargs)
+
+
 def _run_and_exit(rank: int, worker, *args) -> None:
     import os
     import sys

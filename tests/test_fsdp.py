@@ -10,7 +10,6 @@ The GPU run of the real recipe is ``scripts/fsdp_check.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -18,7 +17,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from builders import spawn_ranks
+from builders import cpu_fsdp_strategy, spawn_ranks
 
 import sparse_train as st
 from sparse_train.lightning.model import Block, Transformer, TransformerConfig
@@ -29,7 +28,6 @@ SPARSE = dict(block_q=8, block_k=8, top_k=1, window=1, sinks=1, backend="referen
               distill="dense")
 SEQ = 61  # 60 positions: 8 blocks of 8, the last one partial
 WORLD = 2
-_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "fsdp_check.py")
 
 
 def _spawn(fn, *args) -> None:
@@ -155,14 +153,6 @@ def _train_rows(reorder: bool = False) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def _cpu_fsdp_strategy():
-    """Lightning's FSDPStrategy on the CPU (worker processes only; see the module docstring)."""
-    spec = importlib.util.spec_from_file_location("fsdp_check", _SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script.install_cpu_fsdp_shims()()
-
-
 def _fit(strategy, world: int, rank: int, out_dir: str, tag: str, reorder: bool = False) -> None:
     from lightning.pytorch import Callback, Trainer, seed_everything
     from torch.utils.data import DataLoader
@@ -201,7 +191,7 @@ def _fit(strategy, world: int, rank: int, out_dir: str, tag: str, reorder: bool 
 
 def _fit_worker(rank: int, port: int, out_dir: str, kind: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
-    _fit(_cpu_fsdp_strategy() if kind == "fsdp" else kind, WORLD, rank, out_dir, kind)
+    _fit(cpu_fsdp_strategy() if kind == "fsdp" else kind, WORLD, rank, out_dir, kind)
 
 
 def _final_weights(path) -> dict[str, torch.Tensor]:

@@ -12,8 +12,8 @@ all-gathered in each attention layer, the selector's index built from every rank
 
 Gradients. Each rank's parameter gradients are partial sums (its own tokens' loss terms, plus, through the
 reduce-scatter in the backward of the K/V all-gather, the other ranks of its group's contributions to its own
-keys). DDP all-reduces them over the whole world and averages, so the losses are scaled to make that average
-the gradient of the global batch (the rows of every replica):
+keys). DDP's all-reduce, or FSDP's reduce-scatter, averages them over the whole world, so the losses are scaled
+to make that average the gradient of the global batch (the rows of every replica):
 
 * the LM loss sum of a rank is divided by (labelled tokens of ALL ranks / world size), the normalisation
   :class:`~sparse_train.lightning.training.CausalLMTraining` already uses for data parallelism: the DDP
@@ -28,12 +28,24 @@ the gradient of the global batch (the rows of every replica):
   differ, and each replica's loss (a mean over its own valid rows) still weighs ``1 / dp`` in the average.
 
 So one DP x CP step computes the single-process gradient of the global batch (tested on CPU processes only:
-``tests/test_context_parallel_fit.py``, cp = 2 alone and dp = 2 x cp = 2).
+``tests/test_context_parallel_fit.py``, cp = 2 alone and dp = 2 x cp = 2, under DDP and under FSDP).
 
-Supported: DDP (``--trainer.strategy=ddp``) with ``world_size`` a multiple of ``cp``, our
-:class:`~sparse_train.lightning.model.Transformer` (sparse or dense attention). Refused with a ValueError:
-``world_size`` not a multiple of ``cp``, FSDP and every other strategy, the Hugging Face module, Lightning's
-distributed sampler (the ranks of a CP group must load the same rows).
+FSDP (Lightning's ``FSDPStrategy``, FSDP1): the parameters are sharded over the whole world, FSDP's default
+process group, whose reduce-scatter divides by the world size as DDP's all-reduce does, so the normalisation
+above holds unchanged; the CP collectives run over the mesh's ``cp`` groups, next to it. The callback's
+``setup`` runs before the strategy wraps the model (Lightning calls the setup hooks, then ``configure_model``,
+then wraps), and FSDP1 wraps by composition: the attention modules inside the layers' units are the objects
+:func:`~sparse_train.context_parallel.enable_context_parallel` switched. The gradient clipping reduces the
+shards' norms over FSDP's group (``gradient_shard_group``: the world). Hybrid sharding and an FSDP
+``process_group`` / ``device_mesh`` of the user's are refused: the first is untested next to the mesh, the
+second would shard and average over another group than the world the losses are normalised by.
+
+Supported: DDP (``--trainer.strategy=ddp``) and FSDP (``--trainer.strategy=fsdp``; FULL_SHARD tested,
+SHARD_GRAD_OP and NO_SHARD accepted, they reduce over the same group) with ``world_size`` a multiple of
+``cp``, our :class:`~sparse_train.lightning.model.Transformer` (sparse or dense attention). Refused with a
+ValueError: ``world_size`` not a multiple of ``cp``, every other strategy, FSDP's HYBRID_SHARD and
+_HYBRID_SHARD_ZERO2, ``FSDPStrategy(process_group=...)`` or ``device_mesh=...``, the Hugging Face module,
+Lightning's distributed sampler (the ranks of a CP group must load the same rows).
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 
 from .. import context_parallel as cpm
 from ..validation import check_int
@@ -87,8 +99,9 @@ class ContextParallel(Callback):
             dense twin uses ``"reference"`` unless given).
 
     Raises (at ``setup``, before any training):
-        ValueError: ``world_size`` not a multiple of ``size``; a strategy other than DDP; a model other than
-            the repository's ``Transformer``; ``use_distributed_sampler=True``.
+        ValueError: ``world_size`` not a multiple of ``size``; a strategy other than DDP and FSDP; FSDP with
+            hybrid sharding or a ``process_group`` / ``device_mesh`` of the user's; a model other than the
+            repository's ``Transformer``; ``use_distributed_sampler=True``.
     """
 
     def __init__(self, size: int = 2, backend: Optional[str] = None) -> None:
@@ -107,9 +120,12 @@ class ContextParallel(Callback):
             raise ValueError(f"context parallelism: world_size={world} is not a multiple of cp={self.size}; the "
                              f"ranks form world_size / cp groups of cp consecutive ranks, each group sharding one "
                              f"sequence and the groups training on different rows")
-        if not isinstance(trainer.strategy, DDPStrategy):
-            raise ValueError(f"context parallelism runs under DDP (--trainer.strategy=ddp), which all-reduces the "
-                             f"ranks' partial gradients; got {type(trainer.strategy).__name__}")
+        if isinstance(trainer.strategy, FSDPStrategy):
+            _check_fsdp(trainer.strategy)
+        elif not isinstance(trainer.strategy, DDPStrategy):
+            raise ValueError(f"context parallelism runs under DDP or FSDP (--trainer.strategy=ddp or fsdp), which "
+                             f"average the ranks' partial gradients over the world; got "
+                             f"{type(trainer.strategy).__name__}")
         model = getattr(pl_module, "model", None)
         if not isinstance(model, Transformer):
             raise ValueError(f"context parallelism supports sparse_train.lightning.model.Transformer "
@@ -141,6 +157,24 @@ class ContextParallel(Callback):
         cpm.disable_context_parallel(pl_module.model)
         pl_module.training_logic.context_parallel = None
         self.shards = None
+
+
+def _check_fsdp(strategy: FSDPStrategy) -> None:
+    """Refuse the FSDP configurations whose gradient average is not the plain mean over the world that the
+    loss normalisation assumes, or that nothing has tested next to the ``("dp", "cp")`` mesh."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    hybrid = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+    if strategy.sharding_strategy in hybrid:
+        raise ValueError(f"context parallelism under FSDP: sharding_strategy={strategy.sharding_strategy.name} is "
+                         f"not supported (FSDP builds its own per-node shard and replica groups next to the "
+                         f"('dp', 'cp') mesh; untested); use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD, which reduce the "
+                         f"gradients over the whole world")
+    for key in ("process_group", "device_mesh"):
+        if strategy.kwargs.get(key) is not None:
+            raise ValueError(f"context parallelism under FSDP: FSDPStrategy({key}=...) is not supported; FSDP must "
+                             f"shard and average the gradients over the default process group (the whole world), "
+                             f"which the loss normalisation divides by")
 
 
 def data_parallel_rank(trainer: Optional[Trainer]) -> tuple[int, int]:

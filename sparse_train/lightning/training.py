@@ -15,8 +15,9 @@ groups through ``st.clip_grad_norms`` on the shards. Losses are normalised by th
 ranks, so a step on ``W`` ranks of ``B`` rows each computes the gradient of one ``W * B`` row batch. Under
 context parallelism (:class:`~sparse_train.lightning.context_parallel.ContextParallel`, ``--cp``) the ranks of a
 CP group hold shards of the same rows instead, the groups different rows, and the same normalisation gives the
-single-process gradient of the rows of all groups. Validation and test metrics are token-weighted over the
-rows of every rank (:meth:`CausalLMTraining.eval_epoch_end`).
+single-process gradient of the rows of all groups, under DDP and under FSDP (both average the gradients over the
+whole world). Validation and test metrics are token-weighted over the rows of every rank
+(:meth:`CausalLMTraining.eval_epoch_end`).
 
 Batches are dicts with ``tokens`` and ``labels`` (aligned to positions, ``IGNORE_INDEX`` = no loss); packed
 rows also carry ``document_ids`` / ``position_ids``, which go to the model when its ``forward`` takes them
@@ -281,8 +282,8 @@ class CausalLMTraining:
         lm_loss = loss_sum / self._tokens_per_rank(module, count).clamp_min(1)
         sel_loss = st.collect_selector_losses(module.model) if self.selector_names else None
         if sel_loss is not None and self.context_parallel is not None:
-            # A rank's selector loss is its share of its CP group's; DDP averages over all ranks, so this makes
-            # the average the mean of the groups' losses, as DDP without CP averages the ranks' own losses.
+            # A rank's selector loss is its share of its CP group's; DDP and FSDP average over all ranks, so this
+            # makes the average the mean of the groups' losses, as they average the ranks' own losses without CP.
             sel_loss = sel_loss * self.context_parallel.size
         if self.args.train_only_selector:
             loss = sel_loss * self.args.selector_loss_weight
