@@ -43,7 +43,7 @@ second would shard and average over another group than the world the losses are 
 Supported: DDP (``--trainer.strategy=ddp``) and FSDP (``--trainer.strategy=fsdp``; FULL_SHARD tested,
 SHARD_GRAD_OP and NO_SHARD accepted, they reduce over the same group) with ``world_size`` a multiple of
 ``cp``, our :class:`~sparse_train.lightning.model.Transformer` (sparse or dense attention). Refused with a
-ValueError: ``world_size`` not a multiple of ``cp``, every other strategy, FSDP's HYBRID_SHARD and
+ValueError: ``world_size`` not a multiple of ``cp``, every other strategy (DeepSpeed included), FSDP's HYBRID_SHARD and
 _HYBRID_SHARD_ZERO2, ``FSDPStrategy(process_group=...)`` or ``device_mesh=...``, the Hugging Face module,
 Lightning's distributed sampler (the ranks of a CP group must load the same rows).
 """
@@ -55,7 +55,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
 from .. import context_parallel as cpm
 from ..validation import check_int
@@ -122,7 +122,8 @@ class ContextParallel(Callback):
                              f"sequence and the groups training on different rows")
         if isinstance(trainer.strategy, FSDPStrategy):
             _check_fsdp(trainer.strategy)
-        elif not isinstance(trainer.strategy, DDPStrategy):
+        # DeepSpeed subclasses DDPStrategy but shards and reduces on its own terms: untested with the mesh
+        elif not isinstance(trainer.strategy, DDPStrategy) or isinstance(trainer.strategy, DeepSpeedStrategy):
             raise ValueError(f"context parallelism runs under DDP or FSDP (--trainer.strategy=ddp or fsdp), which "
                              f"average the ranks' partial gradients over the world; got "
                              f"{type(trainer.strategy).__name__}")
