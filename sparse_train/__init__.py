@@ -20,6 +20,7 @@ from .documents import (
 )
 from .functional import sparse_attention
 from .index import BlockIndex
+from .losses import linear_cross_entropy
 from .plan import DEFAULT_R0, BlockPlan
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = [
     "document_ids_from_cu_seqlens",
     "document_ids_from_position_ids",
     "enable_context_parallel",
+    "linear_cross_entropy",
     "selector_parameters",
     "sparse_attention",
     "__version__",

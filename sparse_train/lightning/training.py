@@ -255,8 +255,13 @@ class CausalLMTraining:
                  batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.context_parallel is not None:
             batch = self.context_parallel.shard_batch(batch)
-        logits = module.model(batch["tokens"], **self.model_inputs(module.model, batch))
+        inputs = self.model_inputs(module.model, batch)
         labels = batch["labels"]
+        if "labels" in _forward_keywords(type(module.model)):
+            # our Transformer computes the loss in its forward, a chunk of logits at a time (never [B, N, V])
+            out = module.model(batch["tokens"], labels=labels, **inputs)
+            return out.loss_sum, out.correct, out.count
+        logits = module.model(batch["tokens"], **inputs)
         mask = labels != IGNORE_INDEX
         # Only labelled positions are projected through the loss, which matters for retrieval (a few
         # answers per 4K tokens) and costs nothing for LM (all positions labelled).
