@@ -408,3 +408,72 @@ def test_left_padding_equals_sdpa_while_compiling(family, monkeypatch):
         got = model(ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-9, atol=1e-9)
+
+
+def _loss_and_grads(model, call):
+    model.zero_grad(set_to_none=True)
+    out = call()
+    (2.0 * out.loss_sum).backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family,attention", [
+    pytest.param("llama", "sdpa", id="llama"),
+    pytest.param("qwen2", "sdpa", id="qwen2"),
+    pytest.param("phi3", "sdpa", id="phi3"),
+    pytest.param("llama", "sparse", id="llama-sparse"),
+])
+def test_labels_path_runs_the_chunked_head_and_equals_the_logits_loss(family, attention, monkeypatch):
+    """``HFCausalLM(tokens, labels=...)``, the Lightning training loss, takes the decoder's hidden states through
+    ``st.linear_cross_entropy`` (chunk forced to 5 rows) and equals cross-entropy over the model's own logits:
+    loss, correct count, every gradient, in float64."""
+    import torch.nn.functional as F
+
+    import sparse_train.lightning.hf as hf_module
+    from sparse_train.lightning.hf import HFCausalLM
+
+    chunks = []
+    real = hf_module.linear_cross_entropy
+    monkeypatch.setattr(hf_module, "linear_cross_entropy",
+                        lambda *a, **k: chunks.append(a[0].shape[0]) or real(*a, **{**k, "chunk_tokens": 5}))
+    model = build(family)
+    if attention == "sparse":
+        hf.enable(model, st.SparseAttentionConfig(**SPARSE, distill="off"))
+    wrapped = HFCausalLM(model)
+    ids = tokens(2, 64, seed=3)
+    labels = tokens(2, 64, seed=4)
+    labels[0, :20] = -100
+    got, got_grads = _loss_and_grads(model, lambda: wrapped(ids, labels=labels))
+    assert wrapped.chunked_head and chunks == [int((labels != -100).sum())]
+
+    def plain():
+        logits = wrapped(ids)[labels != -100]
+        loss = F.cross_entropy(logits, labels[labels != -100], reduction="sum")
+        return type(got)(loss, (logits.argmax(-1) == labels[labels != -100]).sum(), (labels != -100).sum())
+
+    want, want_grads = _loss_and_grads(model, plain)
+    torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-12, atol=1e-12)
+    assert int(got.correct) == int(want.correct) and int(got.count) == int(want.count) == 108
+    assert got_grads.keys() == want_grads.keys()
+    for name in want_grads:
+        torch.testing.assert_close(got_grads[name], want_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_labels_path_of_a_head_it_does_not_know_uses_the_logits():
+    """A model type outside the plain-head list (GPT-2 here) gets the loss from its own logits, the same value."""
+    import torch.nn.functional as F
+
+    from sparse_train.lightning.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2,
+                                                                 n_positions=64, bos_token_id=0,
+                                                                 eos_token_id=0)).double().eval()  # no dropout
+    wrapped = HFCausalLM(model)
+    ids, labels = tokens(1, 32, seed=1), tokens(1, 32, seed=2)
+    assert not wrapped.chunked_head
+    out = wrapped(ids, labels=labels)
+    want = F.cross_entropy(wrapped(ids)[0], labels[0], reduction="sum")
+    torch.testing.assert_close(out.loss_sum, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"labels must have the tokens' shape \(1, 32\)"):
+        wrapped(ids, labels=labels[:, 1:])

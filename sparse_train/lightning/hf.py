@@ -15,26 +15,38 @@ selector. Everything after the model is built (loss, metrics, optimizer groups, 
 (``{"tokens", "labels"}`` with labels already aligned to positions, ``-100`` = no loss) are used as they
 are; the packed rows of :class:`~sparse_train.lightning.TextDataModule` also pass their restarting
 ``position_ids`` to the HF model. The HF model's own ``labels=`` loss is deliberately not used: it shifts
-labels by one position.
+labels by one position. The training loss calls ``HFCausalLM(tokens, labels=...)``, which for the plain-head
+architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3) runs the decoder and then the chunked head of
+:func:`~sparse_train.losses.linear_cross_entropy`, so the ``[B, N, V]`` logits never exist.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..config import SparseAttentionConfig
+from ..losses import linear_cross_entropy
+from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_choice, check_keys
+from .model import LMLoss
 from .training import CausalLMHooks, CausalLMTraining, TrainingArgs
 
 # Parameter dtypes worth loading a causal LM in; a typo would otherwise surface as an AttributeError of torch.
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 __all__ = ["HFCausalLMModule", "HFCausalLM"]
+
+
+# Architectures whose causal-LM head is exactly ``lm_head(decoder(...).last_hidden_state)``: no logit
+# scaling, soft-capping or bias (Gemma 2, Cohere, Granite have them). For these the training loss runs the
+# chunked head; any other model computes its logits as transformers does and the loss from them.
+_PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "phi3"})
 
 
 class HFCausalLM(nn.Module):
@@ -45,15 +57,45 @@ class HFCausalLM(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, tokens: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Logits ``[B, N, V]`` of ``tokens`` ``[B, N]``.
+    @property
+    def chunked_head(self) -> bool:
+        """Whether ``forward(labels=...)`` skips the full logits (:data:`_PLAIN_HEAD_MODEL_TYPES`, a
+        bias-free output embedding)."""
+        head = self.lm.get_output_embeddings()
+        return (getattr(self.lm.config, "model_type", None) in _PLAIN_HEAD_MODEL_TYPES
+                and isinstance(head, nn.Linear) and head.bias is None)
+
+    def forward(self, tokens: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None) -> Union[torch.Tensor, LMLoss]:
+        """Logits ``[B, N, V]`` of ``tokens`` ``[B, N]``; with ``labels`` the loss instead.
 
         ``position_ids`` ``[B, N]`` (int64) restarting at 0 at each document mark a packed row, the format of
         transformers' ``DataCollatorWithFlattening`` (:class:`~sparse_train.lightning.TextDataModule` batches
         carry it). Whether attention then stays inside each document is the attention implementation's
         business: flash-attention-2 and the sparse_train path honour the restarts; ``None`` = positions
-        ``0..N-1``, one document per row."""
-        return self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
+        ``0..N-1``, one document per row.
+
+        ``labels`` int ``[B, N]`` aligned to positions (``IGNORE_INDEX`` = no loss; not shifted, unlike the
+        HF model's own ``labels=``) -> :class:`~sparse_train.lightning.model.LMLoss` over the labelled
+        positions. Where :attr:`chunked_head` holds, the head runs through
+        :func:`~sparse_train.losses.linear_cross_entropy` (8,192 rows of logits at a time: with a 128K-token
+        vocabulary the float32 logits of 64K positions would be 32 GiB); otherwise from the model's logits."""
+        if labels is None:
+            return self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
+        if labels.shape != tokens.shape:
+            raise ValueError(f"labels must have the tokens' shape {tuple(tokens.shape)}, got {tuple(labels.shape)}")
+        labelled = labels != IGNORE_INDEX
+        if self.chunked_head:
+            hidden = self.lm.get_decoder()(input_ids=tokens, position_ids=position_ids,
+                                           use_cache=False).last_hidden_state
+            loss_sum, correct = linear_cross_entropy(hidden[labelled], self.lm.get_output_embeddings().weight,
+                                                     labels[labelled], ignore_index=IGNORE_INDEX)
+        else:
+            logits = self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits[labelled]
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            loss_sum = F.cross_entropy(logits, labels[labelled], reduction="sum")
+            correct = (logits.argmax(-1) == labels[labelled]).sum()
+        return LMLoss(loss_sum, correct, labelled.sum())
 
     def num_parameters(self) -> int:
         # Count shared tensors (tied embeddings) once.
