@@ -194,6 +194,16 @@ def test_dense_block_mass_rejects_bad_query_blocks(picks, match):
         triton_dense_block_mass(q, k, picks, block_q=16, block_k=16, scale=0.25)
 
 
+@pytest.mark.parametrize("head_dim,block,match", [
+    pytest.param(24, 16, "head dim 24", id="head-dim-24"),
+    pytest.param(16, 24, "block sizes BQ=24", id="block-24"),
+])
+def test_dense_block_mass_names_what_the_kernels_cannot_run(head_dim, block, match):
+    q, k, _ = make_qkv(1, 2, 1, 96, head_dim, torch.float32, seed=1, device=DEV)
+    with pytest.raises(ValueError, match=f"triton_dense_block_mass cannot run this input: {match}"):
+        triton_dense_block_mass(q, k, torch.tensor([0]), block_q=block, block_k=block, scale=0.25)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("blocks", ["sampled", "all"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -61,6 +61,7 @@ from ._jit import (
     tile_rows,
 )
 from ._launch import kernel_document_ids, kernel_seq_lens, launch
+from .op import triton_supports
 from .reference_block_mass import ROW_POOLS, renormalise
 
 __all__ = ["DENSE_TARGET_BUFFER_BYTES", "block_mass_launch", "pool_row_log_mass", "row_log_mass_launch",
@@ -326,12 +327,16 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
         :func:`sparse_train.kernels.reference_block_mass.reference_dense_block_mass` with all rows.
 
     Raises:
-        ValueError: bad q/k shapes or dtypes, block sizes, scale, seq_lens, document_ids, row_pool, or a
-            ``query_blocks`` that is not a 1-D integer tensor (or, with ``check_values``, out of range).
+        ValueError: bad q/k shapes or dtypes, an input the kernels do not support (device, dtype, head dim,
+            block sizes), scale, seq_lens, document_ids, row_pool, or a ``query_blocks`` that is not a 1-D
+            integer tensor (or, with ``check_values``, out of range).
     """
     check_choice("row_pool", row_pool, ROW_POOLS)
     batch, _, num_kv_heads, seq_len, head_dim = check_qkv(q, k, k)
     check_geometry(seq_len, block_q, block_k)
+    support = triton_supports(q, block_q, block_k)
+    if not support.ok:  # a clear error, not a compile failure inside the kernel
+        raise ValueError(f"triton_dense_block_mass cannot run this input: {support.message}")
     check_seq_lens(seq_lens, batch, seq_len, q.device, values=check_values)
     check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
     scale = check_scale(scale, head_dim)
