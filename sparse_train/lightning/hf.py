@@ -79,7 +79,7 @@ class HFCausalLM(nn.Module):
         HF model's own ``labels=``) -> :class:`~sparse_train.lightning.model.LMLoss` over the labelled
         positions. Where :attr:`chunked_head` holds, the head runs through
         :func:`~sparse_train.losses.linear_cross_entropy` (8,192 rows of logits at a time: with a 128K-token
-        vocabulary the float32 logits of 64K positions would be 32 GiB); otherwise from the model's logits."""
+        vocabulary the float32 logits of 64K positions would be about 31 GiB); otherwise from the model's logits."""
         if labels is None:
             return self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
         if labels.shape != tokens.shape:
