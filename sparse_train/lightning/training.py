@@ -258,7 +258,8 @@ class CausalLMTraining:
         inputs = self.model_inputs(module.model, batch)
         labels = batch["labels"]
         if "labels" in _forward_keywords(type(module.model)):
-            # our Transformer computes the loss in its forward, a chunk of logits at a time (never [B, N, V])
+            # our Transformer and HFCausalLM compute the loss in their forward, a chunk of logits at a time (never
+            # [B, N, V] where the head allows it)
             out = module.model(batch["tokens"], labels=labels, **inputs)
             return out.loss_sum, out.correct, out.count
         logits = module.model(batch["tokens"], **inputs)
