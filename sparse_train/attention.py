@@ -647,11 +647,8 @@ class SparseAttention(nn.Module):
                 picks = where[rows]
                 held = picks >= 0
                 picks = picks.clamp(min=0)
-            target, row_valid = dense_block_mass(
-                q_full, k_full, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
-                rows_per_block=cfg.distill_query_rows, query_blocks=rows, row_pool=cfg.distill_row_pool,
-                chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids, check_values=check_values,
-            )  # [B, HKV, S, NKB]
+            target, row_valid = self._dense_target(q_full, k_full, rows, scale, seq_lens, document_ids,
+                                                   check_values)  # [B, HKV, S, NKB]
             if held is not None:
                 row_valid = row_valid & held.view(1, 1, -1)
                 scores = scores.index_select(2, picks)
@@ -664,11 +661,8 @@ class SparseAttention(nn.Module):
             own_rows = BlockIndex(indices=torch.where(mine.unsqueeze(-1), index.indices, -1),
                                   counts=torch.where(mine, index.counts, 0), seq_len=seq_len,
                                   block_q=index.block_q, block_k=index.block_k)
-            target, row_valid = sparse_block_mass(
-                q_full, k_full, own_rows, scale=scale, lse=lse_full, seq_lens=seq_lens,
-                rows_per_block=cfg.distill_query_rows, row_pool=cfg.distill_row_pool, chunk_mb=cfg.distill_chunk_mb,
-                document_ids=document_ids, check_values=check_values,
-            )  # [B, HKV, NQB, K]
+            target, row_valid = self._sparse_target(q_full, k_full, own_rows, lse_full, scale, seq_lens,
+                                                    document_ids, check_values)  # [B, HKV, NQB, K]
             target, row_valid = target.index_select(2, local_blocks), row_valid.index_select(2, local_blocks)
             scores, allowed = self._slot_scores(scores, index.indices.index_select(2, local_blocks),
                                                 support.index_select(2, local_blocks))
@@ -707,25 +701,18 @@ class SparseAttention(nn.Module):
         sinks are always selected, so ranking them teaches the selector nothing it uses). With packed
         documents the support is per batch row and excludes blocks of other documents, and the
         target is computed with the document mask."""
-        cfg = self.config
         support = self._distill_support(geometry, q.device, document_ids)
         if mode in ("dense", "sampled"):
             rows = None if mode == "dense" else distill_blocks.to(q.device)
-            target, row_valid = dense_block_mass(
-                q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
-                rows_per_block=cfg.distill_query_rows, query_blocks=rows, row_pool=cfg.distill_row_pool,
-                chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids, check_values=check_values,
-            )  # [B, HKV, S, NKB]
+            target, row_valid = self._dense_target(q, k, rows, scale, seq_lens, document_ids,
+                                                   check_values)  # [B, HKV, S, NKB]
             if rows is not None:
                 support = support.index_select(2, rows)
                 scores = scores.index_select(2, rows)
             allowed = support
         else:
-            target, row_valid = sparse_block_mass(
-                q, k, index, scale=scale, lse=lse, seq_lens=seq_lens, rows_per_block=cfg.distill_query_rows,
-                row_pool=cfg.distill_row_pool, chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids,
-                check_values=check_values,
-            )  # [B, HKV, NQB, K]
+            target, row_valid = self._sparse_target(q, k, index, lse, scale, seq_lens, document_ids,
+                                                    check_values)  # [B, HKV, NQB, K]
             scores, allowed = self._slot_scores(scores, index.indices, support)
         return self._mean_kl(*self._kl_parts(target, scores, allowed, row_valid))
 
@@ -740,6 +727,21 @@ class SparseAttention(nn.Module):
             if document_ids is not None:
                 support = support & allowed_dynamic_blocks(geometry, 0, 0, device, document_ids)
         return support.view(1, 1, *support.shape) if support.dim() == 2 else support.unsqueeze(1)
+
+    def _dense_target(self, q, k, query_blocks, scale, seq_lens, document_ids, check_values):
+        """The config's dense-attention target of ``query_blocks`` (None: every query block)."""
+        cfg = self.config
+        return dense_block_mass(q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
+                                rows_per_block=cfg.distill_query_rows, query_blocks=query_blocks,
+                                row_pool=cfg.distill_row_pool, chunk_mb=cfg.distill_chunk_mb,
+                                document_ids=document_ids, check_values=check_values)
+
+    def _sparse_target(self, q, k, index, lse, scale, seq_lens, document_ids, check_values):
+        """The config's target over the slots of ``index`` (normalised by the main attention's ``lse``)."""
+        cfg = self.config
+        return sparse_block_mass(q, k, index, scale=scale, lse=lse, seq_lens=seq_lens,
+                                 rows_per_block=cfg.distill_query_rows, row_pool=cfg.distill_row_pool,
+                                 chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids, check_values=check_values)
 
     @staticmethod
     def _slot_scores(scores: Tensor, slot_blocks: Tensor, support: Tensor) -> tuple[Tensor, Tensor]:

@@ -22,16 +22,31 @@ from the forward to the backward (``[T, d]`` and ``[V, d]``, small beside ``[T, 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .validation import check_int, check_integer_tensor
 
-__all__ = ["DEFAULT_CHUNK_TOKENS", "linear_cross_entropy"]
+__all__ = ["DEFAULT_CHUNK_TOKENS", "LMLoss", "labelled_head_loss", "labelled_logits_loss", "linear_cross_entropy"]
 
 DEFAULT_CHUNK_TOKENS = 8192
 """Rows of logits alive at a time: 8,192 x 32,000 float32 = 1 GiB, large enough that the matmuls stay
 efficient on a GPU, small beside a long-context step's activations."""
+
+
+class LMLoss(NamedTuple):
+    """A language model's loss over the labelled positions of a batch (what the models' ``forward`` returns
+    when given ``labels``)."""
+
+    loss_sum: Tensor
+    """float32 scalar (float64 for a float64 model): the cross-entropy summed over the labelled positions."""
+    correct: Tensor
+    """int64 scalar: labelled positions whose argmax prediction is the label."""
+    count: Tensor
+    """int64 scalar: labelled positions."""
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -127,3 +142,32 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, igno
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
     return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, int(ignore_index), compute_dtype)
+
+
+def _labelled(labels: Tensor, positions: torch.Size, ignore_index: int) -> Tensor:
+    """bool mask of the labelled positions, after checking ``labels`` covers ``positions`` ``[B, N]``."""
+    if labels.shape != positions:
+        raise ValueError(f"labels must have the tokens' shape {tuple(positions)}, got {tuple(labels.shape)}")
+    return labels != ignore_index
+
+
+def labelled_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, ignore_index: int = -100,
+                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> LMLoss:
+    """:class:`LMLoss` of the final hidden states ``[B, N, d]`` through the head ``weight`` ``[V, d]`` against
+    ``labels`` ``[B, N]``: only the labelled positions, through :func:`linear_cross_entropy` (a chunk of
+    logits at a time). Raises ValueError when ``labels`` is not ``[B, N]``."""
+    labelled = _labelled(labels, hidden.shape[:-1], ignore_index)
+    loss_sum, correct = linear_cross_entropy(hidden[labelled], weight, labels[labelled], ignore_index=ignore_index,
+                                             chunk_tokens=chunk_tokens)
+    return LMLoss(loss_sum, correct, labelled.sum())
+
+
+def labelled_logits_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> LMLoss:
+    """:class:`LMLoss` from logits ``[B, N, V]`` already computed (a model whose head cannot be chunked):
+    only the labelled positions, in float32 at least. Raises ValueError when ``labels`` is not ``[B, N]``."""
+    labelled = _labelled(labels, logits.shape[:-1], ignore_index)
+    picked = logits[labelled]
+    picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
+    targets = labels[labelled]
+    return LMLoss(F.cross_entropy(picked, targets, reduction="sum"), (picked.argmax(-1) == targets).sum(),
+                  labelled.sum())

@@ -429,12 +429,12 @@ def test_labels_path_runs_the_chunked_head_and_equals_the_logits_loss(family, at
     loss, correct count, every gradient, in float64."""
     import torch.nn.functional as F
 
-    import sparse_train.lightning.hf as hf_module
+    import sparse_train.losses as losses_module
     from sparse_train.lightning.hf import HFCausalLM
 
     chunks = []
-    real = hf_module.linear_cross_entropy
-    monkeypatch.setattr(hf_module, "linear_cross_entropy",
+    real = losses_module.linear_cross_entropy
+    monkeypatch.setattr(losses_module, "linear_cross_entropy",
                         lambda *a, **k: chunks.append(a[0].shape[0]) or real(*a, **{**k, "chunk_tokens": 5}))
     model = build(family)
     if attention == "sparse":

@@ -28,13 +28,11 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..config import SparseAttentionConfig
-from ..losses import linear_cross_entropy
+from ..losses import LMLoss, labelled_head_loss, labelled_logits_loss
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_choice, check_keys
-from .model import LMLoss
 from .training import CausalLMHooks, CausalLMTraining, TrainingArgs
 
 # Parameter dtypes worth loading a causal LM in; a typo would otherwise surface as an AttributeError of torch.
@@ -76,26 +74,19 @@ class HFCausalLM(nn.Module):
         ``0..N-1``, one document per row.
 
         ``labels`` int ``[B, N]`` aligned to positions (``IGNORE_INDEX`` = no loss; not shifted, unlike the
-        HF model's own ``labels=``) -> :class:`~sparse_train.lightning.model.LMLoss` over the labelled
+        HF model's own ``labels=``) -> :class:`~sparse_train.losses.LMLoss` over the labelled
         positions. Where :attr:`chunked_head` holds, the head runs through
         :func:`~sparse_train.losses.linear_cross_entropy` (8,192 rows of logits at a time: with a 128K-token
         vocabulary the float32 logits of 64K positions would be about 31 GiB); otherwise from the model's logits."""
         if labels is None:
             return self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
-        if labels.shape != tokens.shape:
-            raise ValueError(f"labels must have the tokens' shape {tuple(tokens.shape)}, got {tuple(labels.shape)}")
-        labelled = labels != IGNORE_INDEX
         if self.chunked_head:
             hidden = self.lm.get_decoder()(input_ids=tokens, position_ids=position_ids,
                                            use_cache=False).last_hidden_state
-            loss_sum, correct = linear_cross_entropy(hidden[labelled], self.lm.get_output_embeddings().weight,
-                                                     labels[labelled], ignore_index=IGNORE_INDEX)
-        else:
-            logits = self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits[labelled]
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-            loss_sum = F.cross_entropy(logits, labels[labelled], reduction="sum")
-            correct = (logits.argmax(-1) == labels[labelled]).sum()
-        return LMLoss(loss_sum, correct, labelled.sum())
+            return labelled_head_loss(hidden, self.lm.get_output_embeddings().weight, labels,
+                                      ignore_index=IGNORE_INDEX)
+        logits = self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
+        return labelled_logits_loss(logits, labels, ignore_index=IGNORE_INDEX)
 
     def num_parameters(self) -> int:
         # Count shared tensors (tied embeddings) once.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.nn as nn
@@ -26,22 +26,11 @@ import sparse_train as st
 
 from ..functional import dense_causal_attention
 from ..documents import document_positions
-from ..losses import DEFAULT_CHUNK_TOKENS, linear_cross_entropy
+from ..losses import DEFAULT_CHUNK_TOKENS, LMLoss, labelled_head_loss
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_choice, check_document_ids, check_float, check_int, check_keys
 
 __all__ = ["LMLoss", "TransformerConfig", "Transformer", "RMSNorm"]
-
-
-class LMLoss(NamedTuple):
-    """What :meth:`Transformer.forward` returns when given ``labels``."""
-
-    loss_sum: torch.Tensor
-    """float32 scalar: the cross-entropy summed over the labelled positions (differentiable)."""
-    correct: torch.Tensor
-    """int64 scalar: labelled positions whose argmax prediction is the label."""
-    count: torch.Tensor
-    """int64 scalar: labelled positions."""
 
 
 @dataclass
@@ -299,7 +288,7 @@ class Transformer(nn.Module):
                 >= 0 (packed documents): each token attends only tokens of its own document, and RoPE
                 positions restart at 0 at every document start.
             labels: optional int ``[B, N]``, the target of each position or ``IGNORE_INDEX`` (-100). Then the
-                return is :class:`LMLoss` (summed cross-entropy, correct argmax predictions, labelled count)
+                return is :class:`~sparse_train.losses.LMLoss` (summed cross-entropy, correct argmax predictions, labelled count)
                 from :func:`~sparse_train.losses.linear_cross_entropy` over the labelled positions only:
                 ``cfg.loss_chunk_tokens`` rows of logits at a time, never ``[B, N, vocab]`` (at 196K tokens
                 and a 32K vocabulary their float32 copy alone is 23.4 GiB). Computed inside ``forward`` so
@@ -332,12 +321,8 @@ class Transformer(nn.Module):
         x = self.norm(x)
         if labels is None:
             return self.lm_head(x)
-        if labels.shape != tokens.shape:
-            raise ValueError(f"labels must have the tokens' shape {tuple(tokens.shape)}, got {tuple(labels.shape)}")
-        labelled = labels != IGNORE_INDEX
-        loss_sum, correct = linear_cross_entropy(x[labelled], self.lm_head.weight, labels[labelled],
-                                                 ignore_index=IGNORE_INDEX, chunk_tokens=self.cfg.loss_chunk_tokens)
-        return LMLoss(loss_sum, correct, labelled.sum())
+        return labelled_head_loss(x, self.lm_head.weight, labels, ignore_index=IGNORE_INDEX,
+                                  chunk_tokens=self.cfg.loss_chunk_tokens)
 
     def _context_parallel_rope(self, tokens: torch.Tensor, document_ids: Optional[torch.Tensor]):
         """RoPE tables of the local rows at their global positions, and the positions the attention cores

@@ -40,13 +40,13 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import sparse_train as st
 
+from ..losses import labelled_logits_loss
 from ..selectors.metrics import needle_block_recall
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_float, check_int
@@ -262,15 +262,9 @@ class CausalLMTraining:
             # [B, N, V] where the head allows it)
             out = module.model(batch["tokens"], labels=labels, **inputs)
             return out.loss_sum, out.correct, out.count
+        # a model without a labels path: its logits, projected through the loss at the labelled positions only
         logits = module.model(batch["tokens"], **inputs)
-        mask = labels != IGNORE_INDEX
-        # Only labelled positions are projected through the loss, which matters for retrieval (a few
-        # answers per 4K tokens) and costs nothing for LM (all positions labelled).
-        sel_logits = logits[mask].float()
-        sel_labels = labels[mask]
-        loss = F.cross_entropy(sel_logits, sel_labels, reduction="sum")
-        correct = (sel_logits.argmax(-1) == sel_labels).sum()
-        return loss, correct, mask.sum()
+        return tuple(labelled_logits_loss(logits, labels, ignore_index=IGNORE_INDEX))
 
     @staticmethod
     def _tokens_per_rank(module: LightningModule, count: torch.Tensor) -> torch.Tensor:
