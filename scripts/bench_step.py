@@ -46,7 +46,10 @@ from sparse_train.timing import Marks  # noqa: E402
 
 def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
     """Dense causal SDPA restricted to one backend. GQA goes through ``enable_gqa`` when the backend
-    accepts it, otherwise K/V are expanded to the query heads (decided once, on the first call)."""
+    accepts it, otherwise K/V are expanded to the query heads. ``attend.prepare(...)`` probes which, once,
+    before the timed model runs: never inside a call, where the probe would run in a checkpointed block's
+    first forward but not in its recompute, and selective checkpointing (which hands the recompute the kept
+    SDPA outputs in call order) would give the recompute the probe's output."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backends = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
@@ -56,20 +59,24 @@ def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
     def ctx() -> contextlib.AbstractContextManager:
         return sdpa_kernel(backends[backend]) if backend != "auto" else contextlib.nullcontext()
 
+    def prepare(device: torch.device, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        q = torch.zeros(1, heads, 128, head_dim, device=device, dtype=dtype)
+        kv = torch.zeros(1, kv_heads, 128, head_dim, device=device, dtype=dtype)
+        try:
+            with ctx(), torch.no_grad():
+                F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=heads != kv_heads)
+            state["expand"] = False
+        except RuntimeError:
+            state["expand"] = True
+            print(f"[bench] SDPA backend {backend!r} rejects enable_gqa; expanding K/V to {heads} heads")
+
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
                document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if document_ids is not None:  # the benchmark's rows are single sequences
             raise ValueError("the dense baseline of this benchmark takes no document_ids")
+        if state["expand"] is None:
+            raise RuntimeError("call attend.prepare(...) before the first forward")
         groups = q.shape[1] // k.shape[1]
-        if groups > 1 and state["expand"] is None:
-            try:
-                with ctx():
-                    F.scaled_dot_product_attention(q[:, :, :128], k[:, :, :128], v[:, :, :128],
-                                                   is_causal=True, enable_gqa=True)
-                state["expand"] = False
-            except RuntimeError:
-                state["expand"] = True
-                print(f"[bench] SDPA backend {backend!r} rejects enable_gqa; expanding K/V to {q.shape[1]} heads")
         with ctx():
             if groups > 1 and state["expand"]:
                 k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
@@ -78,6 +85,7 @@ def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
+    attend.prepare = prepare
     return attend
 
 
@@ -119,7 +127,8 @@ def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Trans
     cfg = TransformerConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                             n_kv_heads=args.kv_heads, head_dim=args.head_dim, ffn_hidden=args.ffn,
                             rope_theta=args.rope_theta, tie_embeddings=False, attention=variant,
-                            sparse=sparse_cfg, activation_checkpointing=act_ckpt)
+                            sparse=sparse_cfg, activation_checkpointing=act_ckpt,
+                            checkpoint_keeps_attention=args.keep_attention == "on")
     return Transformer(cfg)
 
 
@@ -140,6 +149,9 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--distill", choices=["sparse", "dense", "sampled", "off"], default="sampled",
                     help="selector distillation during the timed steps (part of a real training step; default: the module default)")
     ap.add_argument("--backend", default="auto", help="sparse kernel backend: auto | triton | reference")
+    ap.add_argument("--keep-attention", choices=["on", "off"], default="on",
+                    help="with activation checkpointing, keep the attention outputs instead of recomputing them "
+                         "(TransformerConfig.checkpoint_keeps_attention; both variants)")
     ap.add_argument("--loss", choices=["chunked", "logits"], default="chunked",
                     help="LM loss: the model's chunked head + cross-entropy (forward(labels=...), as the training "
                          "recipes; logits of 8,192 tokens at a time) or F.cross_entropy on the full [N, vocab] "
@@ -156,6 +168,9 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
     tokens = torch.randint(args.vocab, (1, n + 1), device=device)
+    if variant == "dense":
+        model_lib.dense_causal_attention.prepare(device, args.heads, args.kv_heads, model.cfg.resolved_head_dim,
+                                                 torch.bfloat16)
     x, y = tokens[:, :-1], tokens[:, 1:]
     clock = Marks(device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
@@ -180,6 +195,7 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
                 "optimizer_ms": clock.ms("backward", "end"), "step_ms": clock.ms("start", "end")}
 
     result: dict[str, Any] = {"context": n, "variant": variant, "status": "ok", "act_ckpt": act_ckpt,
+                              "keep_attention": act_ckpt and args.keep_attention == "on",
                               "params": model.num_parameters(), "repeats": args.repeats}
     result.update(time_steps(step, args.warmup, args.repeats, device, n, quantile=0.95))
     if variant == "sparse":
@@ -192,8 +208,37 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
             step()
             stats = st.collect_attention_stats(model)
             result["attention_breakdown_ms_per_layer"] = {k: v for k, v in stats.items() if k.startswith("time/")}
+            for core in model.sparse_cores():
+                core.config.profile = False
+    if args.kernel_table is not None and device.type == "cuda":
+        result["kernels"] = kernel_table(step, args.kernel_table, f"n{n}_{variant}_ckpt{int(act_ckpt)}")
     del model, opt
     return result
+
+
+def kernel_table(step: Callable[[], dict[str, float]], out_dir: Path, tag: str, top: int = 25) -> list[dict[str, Any]]:
+    """One more step under ``torch.profiler``: every GPU kernel's total time, call count and share of the
+    step's kernel time (the split the CUDA-event phases cannot give, e.g. how much of the backward is
+    the checkpoint recompute). Writes ``<out_dir>/kernels_<tag>.txt`` (profiler table) and returns the
+    ``top`` kernels by total device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total_us = sum(e.self_device_time_total for e in events) or 1.0
+    rows = sorted(({"kernel": e.key[:160], "calls": e.count, "total_ms": e.self_device_time_total / 1e3,
+                    "share": e.self_device_time_total / total_us} for e in events),
+                  key=lambda r: -r["total_ms"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"kernels_{tag}.txt").write_text(
+        prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
+    print(f"[bench] {tag}: kernel time {total_us / 1e3:.1f} ms in {len(events)} kernels; top:")
+    for r in rows[:12]:
+        print(f"    {r['total_ms']:9.2f} ms {r['share']:6.1%} x{r['calls']:<5} {r['kernel'][:90]}")
+    return rows[:top]
 
 
 def run_config(args: argparse.Namespace, n: int, variant: str) -> dict[str, Any]:
@@ -251,6 +296,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="one extra step with the attention breakdown")
+    ap.add_argument("--kernel-table", type=Path, default=None, metavar="DIR",
+                    help="one more step under torch.profiler per configuration (CUDA): kernel times to DIR and the JSON")
     ap.add_argument("--out", type=Path, default=None, help="JSON output path")
     args = ap.parse_args(argv)
 

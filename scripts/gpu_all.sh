@@ -7,6 +7,8 @@
 #
 #   OUT=/tmp/out bash scripts/gpu_all.sh checks      # GPU tests, attention (64K; BENCH_NS="..." for more),
 #                                                     # selector (with CUDA-graph capture), step (64K, --profile)
+#   OUT=/tmp/out bash scripts/gpu_all.sh step        # 1.1B step: 64K and 128K with kernel tables, the checkpoint
+#                                                     # policy (attention kept / recomputed) and distillation off
 #   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
 #                                                     # then block-mass GPU tests, selector and step benchmarks
 #
@@ -80,6 +82,19 @@ case "$phase" in
     done
     cp "$R"/bench_selector.json "$R"/bench_step.json "$R"/gpu_tests_block_mass.log "$OUT"/ 2>/dev/null
     ;;
+  step)
+    step() {  # step <name> <timeout> <bench_step arguments...>
+      local name=$1 limit=$2; shift 2
+      timeout "$limit" python3 scripts/bench_step.py --act-ckpt on --out "$R/step_$name.json" "$@" > "$R/step_$name.log" 2>&1
+      echo "bench_step $name rc=$?" >> "$R/step_$name.log"
+    }
+    step 64k_keep 150 --contexts 65536 --repeats 4 --warmup 2 --profile --kernel-table "$R/kernels_64k_keep"
+    step 64k_recompute 150 --contexts 65536 --repeats 4 --warmup 2 --profile --keep-attention off \
+      --kernel-table "$R/kernels_64k_recompute"
+    step 64k_distill_off 60 --contexts 65536 --variants sparse --repeats 4 --warmup 2 --profile --distill off
+    step 128k_keep 200 --contexts 131072 --repeats 3 --warmup 1 --profile
+    cp "$R"/step_*.json "$OUT"/ 2>/dev/null
+    ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
 
@@ -89,6 +104,7 @@ cat "$R/env_$phase.txt"
 for f in "$R"/*.log; do echo "--- $(basename "$f")"; grep -E "rc=|passed|failed|Error|error:" "$f" | tail -n 6; done
 [ -f "$R/bench_selector.log" ] && tail -n 25 "$R/bench_selector.log"
 [ -f "$R/bench_step.log" ] && tail -n 15 "$R/bench_step.log"
+for f in "$R"/step_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -vE "^ {4}" "$f" | tail -n 6; }; done
 ls "$R"/bench_attention/*.md >/dev/null 2>&1 && head -n 20 "$R"/bench_attention/*.md
 for run in retrieval_16k retrieval_16k_dense; do
   m=$(find "$R/$run" -name metrics.csv 2>/dev/null | head -n 1)

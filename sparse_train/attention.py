@@ -396,12 +396,12 @@ class SparseAttention(nn.Module):
         if record is not None:
             path, reason, index, plan = record.path, record.reason, record.index, record.plan
             backend, dropout_seed, distill_now = record.backend, record.dropout_seed, record.distilled
-            distill_blocks = record.distill_blocks
+            distill_blocks, distill_target = record.distill_blocks, record.distill_target
             document_ids = record.document_ids
         else:
             path, reason = self._choose_path(geometry, update_state=first_pass)
             index = plan = backend = None
-            dropout_seed = distill_blocks = None
+            dropout_seed = distill_blocks = distill_target = None
             distill_now = self._distills_now(first_pass)
         metrics_now = (first_pass and not compiling and self.training and cfg.metrics_every > 0
                        and self._training_calls % cfg.metrics_every == 0)
@@ -410,16 +410,20 @@ class SparseAttention(nn.Module):
             if not compiling:
                 self.selector_steps.fill_(self._training_calls)
 
-        # ---- selector: scores (with grad when distilling) and, unless replayed, the selection
-        need_selection = index is None and (
-            path == "sparse" or (distill_now and self._distill_mode(path) == "sparse") or metrics_now
-        )
-        scores = None
+        # ---- selector: scores and, unless replayed, the selection. The scores the distillation differentiates
+        # are every query block's for the "dense" and "sparse" targets, but only the sampled blocks' for
+        # "sampled" (the default): those are scored again, with grad, beside the selection's no-grad scores,
+        # so the selector's backward and a checkpoint recompute (whose selection is replayed) touch only
+        # [B, HKV, S, NKB] logits instead of [B, HKV, NQB, NKB].
+        distill_mode = self._distill_mode(path) if distill_now else None
+        need_selection = index is None and (path == "sparse" or distill_mode == "sparse" or metrics_now)
+        scores = qbar = kbar = None
         if profile:
             self._timings.mark("selector", 0, device)
         if need_selection or distill_now:
             qbar, kbar = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens, position_ids)
-            with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
+        if need_selection or distill_mode in ("dense", "sparse"):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and distill_mode in ("dense", "sparse")):
                 scores = self.scorer(qbar, kbar, scale, geometry)
         if need_selection:
             candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks,
@@ -480,11 +484,14 @@ class SparseAttention(nn.Module):
         # ---- distillation (selector-only gradients)
         loss = None
         if distill_now:
-            mode = self._distill_mode(path)
-            if mode == "sampled" and distill_blocks is None:
-                distill_blocks = self._draw_distill_blocks(geometry, device)
-            loss = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
-                                           document_ids, check_values)
+            if distill_mode == "sampled":
+                if distill_blocks is None:
+                    distill_blocks = self._draw_distill_blocks(geometry, device)
+                rows = distill_blocks.to(device)
+                scores = self.scorer(qbar.index_select(2, rows), kbar, scale, geometry, query_blocks=rows)
+            loss, distill_target = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry,
+                                                           distill_mode, distill_blocks, document_ids, check_values,
+                                                           distill_target)
 
         # ---- bookkeeping of the first pass only (a recompute must not count twice)
         if first_pass:
@@ -500,7 +507,8 @@ class SparseAttention(nn.Module):
                 self._replay.remember(
                     SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=plan,
                                     backend=backend, dropout_seed=dropout_seed, distilled=distill_now,
-                                    distill_blocks=distill_blocks, document_ids=document_ids),
+                                    distill_blocks=distill_blocks, distill_target=distill_target,
+                                    document_ids=document_ids),
                     anchors=[o, scores],
                 )
         return o
@@ -553,10 +561,10 @@ class SparseAttention(nn.Module):
         if record is not None:
             path, reason, index = record.path, record.reason, record.index
             dropout_seed, distill_now, distill_blocks = record.dropout_seed, record.distilled, record.distill_blocks
-            document_ids = record.document_ids
+            distill_target, document_ids = record.distill_target, record.document_ids
         else:
             path, reason = self._choose_path(geometry, update_state=first_pass)
-            index = dropout_seed = distill_blocks = None
+            index = dropout_seed = distill_blocks = distill_target = None
             distill_now = self._distills_now(first_pass)
         if first_pass and self.training:
             self._training_calls += 1
@@ -590,8 +598,9 @@ class SparseAttention(nn.Module):
             if mode == "sampled" and distill_blocks is None:
                 # the same global blocks on every rank: the draw counter advances identically everywhere
                 distill_blocks = self._draw_distill_blocks(geometry, device)
-            loss = self._cp_distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry, mode,
-                                              distill_blocks, document_ids, check_values, rank, world)
+            loss, distill_target = self._cp_distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry,
+                                                              mode, distill_blocks, document_ids, check_values, rank,
+                                                              world, distill_target)
 
         if first_pass:
             self._count(reason)
@@ -602,14 +611,16 @@ class SparseAttention(nn.Module):
                 self._replay.remember(
                     SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=None,
                                     backend=backend, dropout_seed=dropout_seed, distilled=distill_now,
-                                    distill_blocks=distill_blocks, document_ids=document_ids),
+                                    distill_blocks=distill_blocks, distill_target=distill_target,
+                                    document_ids=document_ids),
                     anchors=[o] if scores is None else [o, scores],
                 )
         return o
 
     def _cp_distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
-                              document_ids, check_values, rank, world) -> Tensor:
-        """This rank's share of the distillation loss under context parallelism.
+                              document_ids, check_values, rank, world, target=None) -> tuple[Tensor, tuple]:
+        """This rank's share of the distillation loss under context parallelism, and its target (``target``:
+        the first forward's, which a checkpoint recompute reuses instead of gathering and computing it again).
 
         The target of a query block is computed where its query rows live, against the all-gathered keys
         (detached, at global positions); ``scores`` holds this rank's query blocks. ``"dense"``: every
@@ -631,9 +642,11 @@ class SparseAttention(nn.Module):
         device = q.device
         local_blocks = cpm.local_query_blocks(seq_len, cfg.block_q, rank, world, device=device)
         positions = cpm.zigzag_positions(seq_len, rank, world, device=device)
-        with torch.no_grad():
-            k_full = cpm.gather_sequence(k.detach(), 2, group)
-            q_full = q.new_zeros(q.shape[0], q.shape[1], seq_len, q.shape[3]).index_copy_(2, positions, q.detach())
+        if target is None:
+            with torch.no_grad():
+                k_full = cpm.gather_sequence(k.detach(), 2, group)
+                q_full = q.new_zeros(q.shape[0], q.shape[1], seq_len, q.shape[3]).index_copy_(2, positions,
+                                                                                          q.detach())
         support = self._distill_support(geometry, device, document_ids)
         if mode in ("dense", "sampled"):
             if mode == "dense":
@@ -647,27 +660,32 @@ class SparseAttention(nn.Module):
                 picks = where[rows]
                 held = picks >= 0
                 picks = picks.clamp(min=0)
-            target, row_valid = self._dense_target(q_full, k_full, rows, scale, seq_lens, document_ids,
-                                                   check_values)  # [B, HKV, S, NKB]
+            if target is None:
+                target = self._dense_target(q_full, k_full, rows, scale, seq_lens, document_ids,
+                                            check_values)  # [B, HKV, S, NKB] twice
+            target, row_valid = target
             if held is not None:
                 row_valid = row_valid & held.view(1, 1, -1)
                 scores = scores.index_select(2, picks)
             allowed = support.index_select(2, rows)
         else:
-            lse_full = lse.new_zeros(lse.shape[0], lse.shape[1], seq_len).index_copy_(2, positions, lse.detach())
-            mine = torch.zeros(geometry.num_q_blocks, dtype=torch.bool, device=device)
-            mine[local_blocks] = True
-            mine = mine.view(1, 1, -1)
-            own_rows = BlockIndex(indices=torch.where(mine.unsqueeze(-1), index.indices, -1),
-                                  counts=torch.where(mine, index.counts, 0), seq_len=seq_len,
-                                  block_q=index.block_q, block_k=index.block_k)
-            target, row_valid = self._sparse_target(q_full, k_full, own_rows, lse_full, scale, seq_lens,
-                                                    document_ids, check_values)  # [B, HKV, NQB, K]
-            target, row_valid = target.index_select(2, local_blocks), row_valid.index_select(2, local_blocks)
+            if target is None:
+                lse_full = lse.new_zeros(lse.shape[0], lse.shape[1], seq_len).index_copy_(2, positions,
+                                                                                         lse.detach())
+                mine = torch.zeros(geometry.num_q_blocks, dtype=torch.bool, device=device)
+                mine[local_blocks] = True
+                mine = mine.view(1, 1, -1)
+                own_rows = BlockIndex(indices=torch.where(mine.unsqueeze(-1), index.indices, -1),
+                                      counts=torch.where(mine, index.counts, 0), seq_len=seq_len,
+                                      block_q=index.block_q, block_k=index.block_k)
+                full_target, full_valid = self._sparse_target(q_full, k_full, own_rows, lse_full, scale, seq_lens,
+                                                              document_ids, check_values)  # [B, HKV, NQB, K]
+                target = full_target.index_select(2, local_blocks), full_valid.index_select(2, local_blocks)
+            target, row_valid = target
             scores, allowed = self._slot_scores(scores, index.indices.index_select(2, local_blocks),
                                                 support.index_select(2, local_blocks))
         total, count = self._kl_parts(target, scores, allowed, row_valid)
-        return self._mean_kl(total, cpm.all_reduce_sum(count, group))
+        return self._mean_kl(total, cpm.all_reduce_sum(count, group)), (target, row_valid)
 
     def _distills_now(self, first_pass: bool) -> bool:
         """Whether this call computes the distillation loss (training with grad, ``distill`` on, every
@@ -694,8 +712,12 @@ class SparseAttention(nn.Module):
         return "sampled" if (mode == "sparse" and path == "dense") else mode
 
     def _distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
-                           document_ids=None, check_values=True) -> Tensor:
-        """KL from the row-pooled attention-mass target to the selector's distribution.
+                           document_ids=None, check_values=True, target=None) -> tuple[Tensor, tuple]:
+        """KL from the row-pooled attention-mass target to the selector's distribution, and the target
+        (``(target, row_valid)``). ``scores``: the selector's logits of every query block, or for ``"sampled"``
+        of the ``distill_blocks`` only (``[B, HKV, S, NKB]``). ``target``: the first forward's, which a
+        checkpoint recompute reuses (the target is detached and a function of the same q and k, so computing
+        it again would only cost time).
 
         ``distill_support="dynamic"`` restricts both to the blocks top-k chooses from (window and
         sinks are always selected, so ranking them teaches the selector nothing it uses). With packed
@@ -704,17 +726,16 @@ class SparseAttention(nn.Module):
         support = self._distill_support(geometry, q.device, document_ids)
         if mode in ("dense", "sampled"):
             rows = None if mode == "dense" else distill_blocks.to(q.device)
-            target, row_valid = self._dense_target(q, k, rows, scale, seq_lens, document_ids,
-                                                   check_values)  # [B, HKV, S, NKB]
-            if rows is not None:
-                support = support.index_select(2, rows)
-                scores = scores.index_select(2, rows)
-            allowed = support
+            if target is None:
+                target = self._dense_target(q, k, rows, scale, seq_lens, document_ids,
+                                            check_values)  # [B, HKV, S, NKB] twice
+            allowed = support if rows is None else support.index_select(2, rows)
         else:
-            target, row_valid = self._sparse_target(q, k, index, lse, scale, seq_lens, document_ids,
-                                                    check_values)  # [B, HKV, NQB, K]
+            if target is None:
+                target = self._sparse_target(q, k, index, lse, scale, seq_lens, document_ids,
+                                             check_values)  # [B, HKV, NQB, K] twice
             scores, allowed = self._slot_scores(scores, index.indices, support)
-        return self._mean_kl(*self._kl_parts(target, scores, allowed, row_valid))
+        return self._mean_kl(*self._kl_parts(target[0], scores, allowed, target[1])), target
 
     def _distill_support(self, geometry, device, document_ids) -> Tensor:
         """bool ``[1 or B, 1, NQB, NKB]``: the blocks the distillation KL is taken over

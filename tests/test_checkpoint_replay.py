@@ -11,6 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import sparse_train as st
+from sparse_train.selectors.scorer import selection_geometry
 
 HQ, HKV, D, N = 4, 2, 16, 160
 
@@ -218,3 +219,54 @@ def test_checkpointed_gradients_equal_plain_for_every_distill_mode(distill, drop
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
     if distill != "off":
         assert any(g.abs().sum() > 0 for g in plain[3:]), "the selector must receive a gradient"
+
+
+@pytest.mark.parametrize("distill", ["sampled", "dense", "sparse"])
+def test_recompute_reuses_the_first_forwards_distillation_target(distill, monkeypatch):
+    """The target is detached and a function of the same q and k: the checkpoint recompute takes the first
+    forward's instead of running the block-mass computation again (once per step, not twice), and the
+    gradients still equal the plain run's (``test_checkpointed_gradients_equal_plain_for_every_distill_mode``)."""
+    import sparse_train.attention as attention_module
+
+    calls = []
+    for name in ("dense_block_mass", "sparse_block_mass"):
+        original = getattr(attention_module, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(attention_module, name, counted)
+    module = make(distill=distill)
+    q, k, v, w = inputs()
+    out = checkpoint(layer(module), q, k, v, use_reentrant=False)
+    ((out * w).sum() + module.selector_loss).backward()
+    assert module.stats()["replay/hits"] == 1
+    assert calls == ["sparse_block_mass" if distill == "sparse" else "dense_block_mass"]
+
+
+def test_scoring_listed_query_blocks_equals_the_rows_of_every_blocks_scores():
+    """The sampled distillation scores only its query blocks (``BlockScorer(..., query_blocks=rows)``); values
+    and parameter gradients equal those of scoring every block and taking the rows. The scorer computes in
+    float32 whatever its inputs (its matmuls of 4 rows and of every row may sum in another order), hence a
+    float32 tolerance: 1e-6 relative is that rounding, a wrong row or bucket would differ by O(1)."""
+    module = make(distill="sampled", selector_distance_bias=True, query_pooling="mean_max")
+    with torch.no_grad():
+        for p in module.scorer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    q, k, _, _ = inputs()
+    geometry = selection_geometry(N, 16, 16, 2, 1, 1)
+    qbar, kbar = module.scorer.pool(q, k, 16, 16)
+    rows = torch.tensor([7, 2, 9, 0])
+    weight = torch.randn(1, HKV, rows.numel(), kbar.shape[2], dtype=torch.float64)
+
+    def value_and_grads(scores):
+        module.scorer.zero_grad(set_to_none=True)
+        (scores * weight).sum().backward()
+        return [scores.detach()] + [p.grad.clone() for p in module.scorer.parameters()]
+
+    listed = value_and_grads(module.scorer(qbar.index_select(2, rows), kbar, 0.25, geometry, query_blocks=rows))
+    every = value_and_grads(module.scorer(qbar, kbar, 0.25, geometry).index_select(2, rows))
+    assert listed[-1].abs().sum() > 0, "the distance bias must receive a gradient"
+    for a, b in zip(listed, every):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -73,6 +73,24 @@ def test_under_autocast_error_within_the_plain_paths():
         check_close(f"{name} autocast bf16", got[i].double(), ref[i], ref_lowp[i].double(), torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,chunk", [(8192 + 37, 4096), (1000, 8192)], ids=["three-chunks", "one-chunk"])
+def test_cuda_autocast_error_within_the_plain_paths(rows, chunk):
+    """On the GPU (cuBLAS bf16 logits, the recipes' bf16-mixed): loss and gradients of the chunked head,
+    errors against float64 within the plain path's, and the same correct count."""
+    hidden, weight, labels = problem(rows, 256, 32000, torch.float64, seed=5)
+    hidden, weight = (t.detach().cuda().requires_grad_() for t in (hidden, weight))
+    labels = labels.cuda()
+    ref = loss_and_grads(plain, hidden, weight, labels)
+    low = [t.detach().float().requires_grad_() for t in (hidden, weight)]
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = loss_and_grads(lambda h, w, y: linear_cross_entropy(h, w, y, chunk_tokens=chunk), *low, labels)
+        ref_lowp = loss_and_grads(plain, *low, labels)
+    assert int(got[1]) == int(ref_lowp[1])
+    for i, name in [(0, "loss"), (2, "d hidden"), (3, "d weight")]:
+        check_close(f"{name} cuda autocast bf16", got[i].double(), ref[i], ref_lowp[i].double(), torch.bfloat16)
+
+
 def test_no_labelled_row_gives_zero_loss_and_zero_gradients():
     hidden, weight, labels = problem(6, 4, 5, torch.float64, seed=1, ignored=1.1)
     loss, correct, dh, dw = loss_and_grads(lambda h, w, y: linear_cross_entropy(h, w, y, chunk_tokens=4),

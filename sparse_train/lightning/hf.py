@@ -106,7 +106,8 @@ class HFCausalLMModule(CausalLMHooks):
         dtype: Parameter dtype to load the weights in (``"float32"`` keeps fp32 master weights for mixed
             precision; ``None`` = transformers' default).
         attn_implementation: Implementation for the dense model (``None`` = transformers' default, SDPA).
-        gradient_checkpointing: Enable Hugging Face gradient checkpointing (non-reentrant; the sparse
+        gradient_checkpointing: Enable Hugging Face gradient checkpointing (non-reentrant, keeping each
+            layer's attention output instead of recomputing it: :mod:`sparse_train.checkpointing`; the sparse
             selections are replayed in the recomputation).
         lr, selector_lr, weight_decay, betas, warmup_steps, min_lr_ratio, selector_loss_weight,
         train_only_selector, init_from: as in :class:`SparseLMModule`. ``init_from`` is a checkpoint of
@@ -153,7 +154,10 @@ class HFCausalLMModule(CausalLMHooks):
 
             hf.enable(lm, SparseAttentionConfig(**sparse))
         if gradient_checkpointing:
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            from ..checkpointing import keep_attention_context
+
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                            "context_fn": keep_attention_context})
         self.model = HFCausalLM(lm)
         path = str(pretrained_path).replace("{", "{{").replace("}", "}}")  # literal inside the format string
         self.training_logic = CausalLMTraining(

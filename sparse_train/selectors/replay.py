@@ -10,7 +10,8 @@ Mechanism (no cooperation needed from the caller):
 
 1. *Record.* A first forward with autograd recording stores a :class:`SelectionRecord` (index, plan,
    path, backend, dropout seed, whether distillation ran and on which sampled query blocks: every
-   random draw of the forward; the packed-document ids it masked with) and ties its lifetime to the autograd graph:
+   random draw of the forward; the detached distillation target; the packed-document ids it masked
+   with) and ties its lifetime to the autograd graph:
    the record sits in ``grad_fn.metadata`` of the attention output (and of the selector scores), so
    it lives exactly as long as a backward through that graph is possible; the module keeps only a
    weak reference.
@@ -73,6 +74,10 @@ class SelectionRecord:
     distill_blocks: Any = None
     """The query blocks the first forward's ``distill="sampled"`` target was computed on (a random
     draw: the recompute must use the same rows or the selector's gradient changes)."""
+    distill_target: Any = None
+    """``(target, row_valid)`` of the first forward's distillation (detached): the recompute reuses it rather
+    than computing the target again (same q and k, so the same tensors; saves its kernels, and under
+    context parallelism a gather of K)."""
     document_ids: Any = None
     """The packed-document ids the first forward attended with (None without documents): the
     recompute masks with the same ones."""

@@ -1,0 +1,80 @@
+"""Activation checkpointing that keeps the attention (``sparse_train.checkpointing``): the recompute in the
+backward reruns the layer's other ops but takes the attention outputs of the first forward, and every
+gradient is bitwise the one of plain checkpointing and of no checkpointing."""
+
+import pytest
+import torch
+
+import sparse_train as st
+import sparse_train.kernels.op as kernel_op
+from sparse_train.checkpointing import attention_ops, checkpoint_keeping_attention
+from sparse_train.lightning.model import Transformer, TransformerConfig
+
+SPARSE = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, backend="triton", dense_warmup_steps=0,
+              dense_fallback=False, distill="sampled")
+
+
+def train_step(attention, checkpointing, keep, monkeypatch):
+    """Loss, parameter gradients and the number of kernel forwards of one step of a 2-layer model (fp32, the
+    Triton kernels through the interpreter for the sparse core)."""
+    launches = []
+    forward = kernel_op.sparse_attn_forward
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(kernel_op, "sparse_attn_forward", counted)
+    cfg = TransformerConfig(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention,
+                            sparse=SPARSE, activation_checkpointing=checkpointing, checkpoint_keeps_attention=keep)
+    torch.manual_seed(0)
+    model = Transformer(cfg).train()
+    torch.manual_seed(1)
+    tokens, labels = torch.randint(61, (1, 96)), torch.randint(61, (1, 96))
+    out = model(tokens, labels=labels)
+    loss = out.loss_sum / out.count
+    if attention == "sparse":
+        loss = loss + st.collect_selector_losses(model)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, len(launches)
+
+
+@pytest.mark.parametrize("attention", ["sparse", "dense"])
+def test_kept_attention_gives_the_gradients_of_plain_checkpointing(attention, monkeypatch):
+    loss, grads, plain_launches = train_step(attention, False, False, monkeypatch)
+    for keep in (False, True):
+        got_loss, got_grads, launches = train_step(attention, True, keep, monkeypatch)
+        assert torch.equal(got_loss, loss)
+        assert got_grads.keys() == grads.keys()
+        for name in grads:
+            assert torch.equal(got_grads[name], grads[name]), (keep, name)
+        if attention == "sparse":
+            # one kernel forward per layer, plus one more per layer when the recompute reruns the attention
+            assert plain_launches == 2 and launches == (2 if keep else 4), (keep, launches)
+    if attention == "sparse":
+        assert any(name.endswith("query_proj") for name in grads), "the selector must receive a gradient"
+
+
+def test_kept_ops_are_the_sparse_kernel_and_the_fused_sdpa_kernels():
+    names = {str(op) for op in attention_ops()}
+    assert "sparse_train.sparse_attn_fwd.default" in names
+    assert "aten._scaled_dot_product_flash_attention.default" in names
+
+
+def test_checkpoint_keeping_attention_passes_keyword_arguments_and_equals_plain():
+    """The helper around a plain function: same values and input gradients as no checkpointing."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3))
+
+    def layer(q, k, v, *, gain):
+        o = torch.nn.functional.scaled_dot_product_attention(q.sin(), k, v, is_causal=True)
+        return (o * gain).tanh()
+
+    want = layer(q, k, v, gain=2.0)
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    got = checkpoint_keeping_attention(layer, q, k, v, gain=2.0)
+    got_grads = torch.autograd.grad(got.sum(), (q, k, v))
+    assert torch.equal(got, want)
+    for a, b in zip(got_grads, want_grads):
+        assert torch.equal(a, b)
