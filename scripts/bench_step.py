@@ -219,7 +219,8 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
 def kernel_table(step: Callable[[], dict[str, float]], out_dir: Path, tag: str, top: int = 25) -> list[dict[str, Any]]:
     """One more step under ``torch.profiler``: every GPU kernel's total time, call count and share of the
     step's kernel time (the split the CUDA-event phases cannot give, e.g. how much of the backward is
-    the checkpoint recompute). Writes ``<out_dir>/kernels_<tag>.txt`` (profiler table) and returns the
+    the checkpoint recompute). Writes ``<out_dir>/kernels_<tag>.txt`` (profiler table) and
+    ``<out_dir>/trace_<tag>.json`` (Chrome trace: every op and kernel in time order), and returns the
     ``top`` kernels by total device time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -233,6 +234,7 @@ def kernel_table(step: Callable[[], dict[str, float]], out_dir: Path, tag: str, 
                     "share": e.self_device_time_total / total_us} for e in events),
                   key=lambda r: -r["total_ms"])
     out_dir.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out_dir / f"trace_{tag}.json"))
     (out_dir / f"kernels_{tag}.txt").write_text(
         prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
     print(f"[bench] {tag}: kernel time {total_us / 1e3:.1f} ms in {len(events)} kernels; top:")

@@ -410,20 +410,16 @@ class SparseAttention(nn.Module):
             if not compiling:
                 self.selector_steps.fill_(self._training_calls)
 
-        # ---- selector: scores and, unless replayed, the selection. The scores the distillation differentiates
-        # are every query block's for the "dense" and "sparse" targets, but only the sampled blocks' for
-        # "sampled" (the default): those are scored again, with grad, beside the selection's no-grad scores,
-        # so the selector's backward and a checkpoint recompute (whose selection is replayed) touch only
-        # [B, HKV, S, NKB] logits instead of [B, HKV, NQB, NKB].
-        distill_mode = self._distill_mode(path) if distill_now else None
-        need_selection = index is None and (path == "sparse" or distill_mode == "sparse" or metrics_now)
-        scores = qbar = kbar = None
+        # ---- selector: scores (with grad when distilling) and, unless replayed, the selection
+        need_selection = index is None and (
+            path == "sparse" or (distill_now and self._distill_mode(path) == "sparse") or metrics_now
+        )
+        scores = None
         if profile:
             self._timings.mark("selector", 0, device)
         if need_selection or distill_now:
             qbar, kbar = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens, position_ids)
-        if need_selection or distill_mode in ("dense", "sparse"):
-            with torch.set_grad_enabled(torch.is_grad_enabled() and distill_mode in ("dense", "sparse")):
+            with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
                 scores = self.scorer(qbar, kbar, scale, geometry)
         if need_selection:
             candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks,
@@ -484,14 +480,11 @@ class SparseAttention(nn.Module):
         # ---- distillation (selector-only gradients)
         loss = None
         if distill_now:
-            if distill_mode == "sampled":
-                if distill_blocks is None:
-                    distill_blocks = self._draw_distill_blocks(geometry, device)
-                rows = distill_blocks.to(device)
-                scores = self.scorer(qbar.index_select(2, rows), kbar, scale, geometry, query_blocks=rows)
-            loss, distill_target = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry,
-                                                           distill_mode, distill_blocks, document_ids, check_values,
-                                                           distill_target)
+            mode = self._distill_mode(path)
+            if mode == "sampled" and distill_blocks is None:
+                distill_blocks = self._draw_distill_blocks(geometry, device)
+            loss, distill_target = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry, mode,
+                                                           distill_blocks, document_ids, check_values, distill_target)
 
         # ---- bookkeeping of the first pass only (a recompute must not count twice)
         if first_pass:
@@ -714,10 +707,8 @@ class SparseAttention(nn.Module):
     def _distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
                            document_ids=None, check_values=True, target=None) -> tuple[Tensor, tuple]:
         """KL from the row-pooled attention-mass target to the selector's distribution, and the target
-        (``(target, row_valid)``). ``scores``: the selector's logits of every query block, or for ``"sampled"``
-        of the ``distill_blocks`` only (``[B, HKV, S, NKB]``). ``target``: the first forward's, which a
-        checkpoint recompute reuses (the target is detached and a function of the same q and k, so computing
-        it again would only cost time).
+        (``(target, row_valid)``). ``target``: the first forward's, which a checkpoint recompute reuses (the
+        target is detached and a function of the same q and k, so computing it again would only cost time).
 
         ``distill_support="dynamic"`` restricts both to the blocks top-k chooses from (window and
         sinks are always selected, so ranking them teaches the selector nothing it uses). With packed
@@ -729,7 +720,10 @@ class SparseAttention(nn.Module):
             if target is None:
                 target = self._dense_target(q, k, rows, scale, seq_lens, document_ids,
                                             check_values)  # [B, HKV, S, NKB] twice
-            allowed = support if rows is None else support.index_select(2, rows)
+            if rows is not None:
+                support = support.index_select(2, rows)
+                scores = scores.index_select(2, rows)
+            allowed = support
         else:
             if target is None:
                 target = self._sparse_target(q, k, index, lse, scale, seq_lens, document_ids,

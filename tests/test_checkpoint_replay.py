@@ -246,8 +246,9 @@ def test_recompute_reuses_the_first_forwards_distillation_target(distill, monkey
 
 
 def test_scoring_listed_query_blocks_equals_the_rows_of_every_blocks_scores():
-    """The sampled distillation scores only its query blocks (``BlockScorer(..., query_blocks=rows)``); values
-    and parameter gradients equal those of scoring every block and taking the rows. The scorer computes in
+    """Scoring only some query blocks (``BlockScorer(..., query_blocks=rows)``, what a context-parallel rank
+    does with its own blocks): values and parameter gradients, distance bias included, equal those of scoring
+    every block and taking the rows. The scorer computes in
     float32 whatever its inputs (its matmuls of 4 rows and of every row may sum in another order), hence a
     float32 tolerance: 1e-6 relative is that rounding, a wrong row or bucket would differ by O(1)."""
     module = make(distill="sampled", selector_distance_bias=True, query_pooling="mean_max")
