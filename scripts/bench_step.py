@@ -149,7 +149,7 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--distill", choices=["sparse", "dense", "sampled", "off"], default="sampled",
                     help="selector distillation during the timed steps (part of a real training step; default: the module default)")
     ap.add_argument("--backend", default="auto", help="sparse kernel backend: auto | triton | reference")
-    ap.add_argument("--keep-attention", choices=["on", "off"], default="on",
+    ap.add_argument("--keep-attention", choices=["on", "off"], default="off",
                     help="with activation checkpointing, keep the attention outputs instead of recomputing them "
                          "(TransformerConfig.checkpoint_keeps_attention; both variants)")
     ap.add_argument("--loss", choices=["chunked", "logits"], default="chunked",

@@ -91,3 +91,43 @@ def test_checkpoint_keeping_attention_passes_keyword_arguments_and_equals_plain(
     assert torch.equal(got, want)
     for a, b in zip(got_grads, want_grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("attention", ["sparse", "dense"])
+def test_hf_gradient_checkpointing_keeping_attention_equals_plain(attention, monkeypatch):
+    """A Hugging Face model (tiny Llama; the sparse core through the Triton interpreter, the dense one through
+    SDPA) with gradient checkpointing keeping the attention: the gradients of plain checkpointing, and the
+    sparse kernel's forward runs once per layer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sparse_train.checkpointing import keep_attention_context
+    from sparse_train.integrations import hf
+
+    def grads(keep):
+        launches = []
+        forward = kernel_op.sparse_attn_forward
+        monkeypatch.setattr(kernel_op, "sparse_attn_forward", lambda *a, **k: launches.append(1) or forward(*a, **k))
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        model = LlamaForCausalLM(config)
+        if attention == "sparse":
+            hf.enable(model, st.SparseAttentionConfig(**{**SPARSE, "distill": "sparse"}))
+        model.train()
+        kwargs = {"use_reentrant": False, **({"context_fn": keep_attention_context} if keep else {})}
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        ids = torch.randint(0, 97, (1, 96), generator=torch.Generator().manual_seed(3))
+        loss = model(ids, labels=ids).loss
+        if attention == "sparse":
+            loss = loss + st.collect_selector_losses(model)
+        loss.backward()
+        monkeypatch.setattr(kernel_op, "sparse_attn_forward", forward)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, len(launches)
+
+    want, plain_launches = grads(False)
+    got, launches = grads(True)
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    if attention == "sparse":
+        assert (plain_launches, launches) == (4, 2)

@@ -212,6 +212,8 @@ def test_selector_lr_zero_is_zero_not_lr():
         pytest.param({"lr": NAN}, r"HFCausalLMModule\.lr must be a finite number >= 0, got nan", id="lr-nan"),
         pytest.param({"gradient_checkpointing": 1}, r"HFCausalLMModule\.gradient_checkpointing must be a bool",
                      id="gradient-checkpointing-int"),
+        pytest.param({"checkpoint_keeps_attention": "yes"},
+                     r"HFCausalLMModule\.checkpoint_keeps_attention must be a bool", id="keeps-attention-str"),
         pytest.param({"pretrained_path": None}, r"HFCausalLMModule\.pretrained_path must be a local checkpoint "
                      r"directory \(config\.json \+ weights\), got None", id="pretrained-path-none"),
         pytest.param({"pretrained_path": "/no/such/dir"}, r"HFCausalLMModule\.pretrained_path must be a local "

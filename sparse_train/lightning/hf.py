@@ -106,9 +106,11 @@ class HFCausalLMModule(CausalLMHooks):
         dtype: Parameter dtype to load the weights in (``"float32"`` keeps fp32 master weights for mixed
             precision; ``None`` = transformers' default).
         attn_implementation: Implementation for the dense model (``None`` = transformers' default, SDPA).
-        gradient_checkpointing: Enable Hugging Face gradient checkpointing (non-reentrant, keeping each
-            layer's attention output instead of recomputing it: :mod:`sparse_train.checkpointing`; the sparse
+        gradient_checkpointing: Enable Hugging Face gradient checkpointing (non-reentrant; the sparse
             selections are replayed in the recomputation).
+        checkpoint_keeps_attention: With ``gradient_checkpointing``, keep each layer's attention output instead
+            of recomputing it (:mod:`sparse_train.checkpointing`; more memory, one attention forward less per
+            layer and step).
         lr, selector_lr, weight_decay, betas, warmup_steps, min_lr_ratio, selector_loss_weight,
         train_only_selector, init_from: as in :class:`SparseLMModule`. ``init_from`` is a checkpoint of
             this module (a previous stage, selectors included); missing selector weights are allowed.
@@ -117,6 +119,7 @@ class HFCausalLMModule(CausalLMHooks):
     def __init__(self, pretrained_path: str, attention: Literal["sparse", "dense"] = "sparse",
                  sparse: Optional[dict[str, Any]] = None, dtype: Optional[str] = "float32",
                  attn_implementation: Optional[str] = None, gradient_checkpointing: bool = False,
+                 checkpoint_keeps_attention: bool = False,
                  lr: float = 1e-4, selector_lr: Optional[float] = None, weight_decay: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
                  selector_loss_weight: float = 1.0, train_only_selector: bool = False,
@@ -135,6 +138,7 @@ class HFCausalLMModule(CausalLMHooks):
         if dtype is not None:
             check_choice("HFCausalLMModule.dtype", dtype, _DTYPES)
         check_bool("HFCausalLMModule.gradient_checkpointing", gradient_checkpointing)
+        check_bool("HFCausalLMModule.checkpoint_keeps_attention", checkpoint_keeps_attention)
         if isinstance(sparse, SparseAttentionConfig):
             sparse = dataclasses.asdict(sparse)
         if sparse is not None and not isinstance(sparse, dict):
@@ -156,8 +160,8 @@ class HFCausalLMModule(CausalLMHooks):
         if gradient_checkpointing:
             from ..checkpointing import keep_attention_context
 
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-                                                                            "context_fn": keep_attention_context})
+            keep = {"context_fn": keep_attention_context} if checkpoint_keeps_attention else {}
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **keep})
         self.model = HFCausalLM(lm)
         path = str(pretrained_path).replace("{", "{{").replace("}", "}}")  # literal inside the format string
         self.training_logic = CausalLMTraining(
