@@ -10,6 +10,7 @@ Public API::
 
 from .attention import (SparseAttention, clip_grad_norms, collect_attention_stats, collect_selector_losses,
                         selector_parameters)
+from .checkpointing import checkpoint_keeping_attention, keep_attention_context
 from .config import SparseAttentionConfig
 from .context_parallel import context_parallel_sparse_attention, disable_context_parallel, enable_context_parallel
 from .documents import (
@@ -32,6 +33,7 @@ __all__ = [
     "SparseAttention",
     "SparseAttentionConfig",
     "block_document_ranges",
+    "checkpoint_keeping_attention",
     "clip_grad_norms",
     "collect_attention_stats",
     "collect_selector_losses",
@@ -41,6 +43,7 @@ __all__ = [
     "document_ids_from_cu_seqlens",
     "document_ids_from_position_ids",
     "enable_context_parallel",
+    "keep_attention_context",
     "linear_cross_entropy",
     "selector_parameters",
     "sparse_attention",
