@@ -239,24 +239,25 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
             torch.autograd.grad(oo, (qg, kg, vg), do)
 
         row["nodocs_fwdbwd_ms"], _, _ = timeit(fb_nodocs)
-    for det in (False, True):
-        o, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options={"plan": plan},
-                                       document_ids=docs)
+    # the default backward, the deterministic one, and the fused one (dQ from the KV-centric kernel by atomics)
+    for pfx, det, extra in (("", False, {}), ("det_", True, {}), ("fused_", False, {"fused_dq": True})):
+        options = {"plan": plan, **extra}
+        o, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options=options, document_ids=docs)
         tb, tb95, _ = timeit(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
 
         def fb():
-            oo, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options={"plan": plan},
+            oo, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options=options,
                                             document_ids=docs)
             torch.autograd.grad(oo, (qg, kg, vg), do)
 
         tfb, tfb95, _ = timeit(fb)
-        pfx = "det_" if det else ""
         row.update({f"{pfx}bwd_ms": tb, f"{pfx}bwd_p95_ms": tb95, f"{pfx}fwdbwd_ms": tfb, f"{pfx}fwdbwd_p95_ms": tfb95,
                     f"{pfx}bwd_TFLOPs": f_bwd / tb / 1e9, f"{pfx}bwd_frac_ceiling": f_bwd / tb / 1e9 / ceil})
-        if not det:
+        if not pfx:
             row["fwdbwd_peak_extra_MB"] = peak_extra_mb(fb)
         del o
     row["det_overhead"] = row["det_fwdbwd_ms"] / row["fwdbwd_ms"] - 1
+    row["fused_bwd_speedup"] = row["bwd_ms"] / row["fused_bwd_ms"]
     rec(results, row)
     return idx, plan
 
@@ -533,8 +534,8 @@ def write_outputs(results, out):
                   "query block; Flex on the same index with a document_id mask_mod. TFLOP/s count valid pairs only.",
                   ""] + packed_table(rows)
     lines += ["",
-             "| N | pattern | density | index+plan ms | ours fwd | ours bwd | ours fwd+bwd | det fwd+bwd | fwd TFLOP/s (% ceil) | bwd TFLOP/s (% ceil) | Flex fwd | Flex fwd+bwd | cuDNN fwd | cuDNN fwd+bwd | flash fwd | flash fwd+bwd | fwd vs Flex | fwd+bwd vs Flex | fwd speedup vs cuDNN | fwd+bwd speedup vs cuDNN |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| N | pattern | density | index+plan ms | ours fwd | ours bwd | ours fwd+bwd | det fwd+bwd | fused-dQ bwd | fused-dQ fwd+bwd | fwd TFLOP/s (% ceil) | bwd TFLOP/s (% ceil) | Flex fwd | Flex fwd+bwd | cuDNN fwd | cuDNN fwd+bwd | flash fwd | flash fwd+bwd | fwd vs Flex | fwd+bwd vs Flex | fwd speedup vs cuDNN | fwd+bwd speedup vs cuDNN |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     dense = {(r["kind"], r["N"]): r for r in rows if r["kind"].startswith("dense")}
     flex = {(r["N"], r["pattern"]): r for r in rows if r["kind"] == "flex"}
 
@@ -549,7 +550,7 @@ def write_outputs(results, out):
         fl = dense.get(("dense_flash", r["N"]), {})
         lines.append("| " + " | ".join([
             str(r["N"]), r["pattern"], f(r["density"], "{:.4f}"), f(r["index_plan_ms"]), f(r["fwd_ms"]), f(r["bwd_ms"]),
-            f(r["fwdbwd_ms"]), f(r["det_fwdbwd_ms"]),
+            f(r["fwdbwd_ms"]), f(r["det_fwdbwd_ms"]), f(r.get("fused_bwd_ms")), f(r.get("fused_fwdbwd_ms")),
             f"{r['fwd_TFLOPs']:.0f} ({100 * r['fwd_frac_ceiling']:.0f}%)", f"{r['bwd_TFLOPs']:.0f} ({100 * r['bwd_frac_ceiling']:.0f}%)",
             f(fx.get("fwd_ms")), f(fx.get("fwdbwd_ms")), f(cu.get("fwd_ms")), f(cu.get("fwdbwd_ms")),
             f(fl.get("fwd_ms")), f(fl.get("fwdbwd_ms")),

@@ -200,7 +200,9 @@ def sparse_attention(
             ``num_splits`` the forward's split-KV count (1..64); ``{fwd,dq,kv}_heads_per_program``,
             ``{fwd,dq,kv}_num_warps``, ``{fwd,dq,kv}_num_stages`` the tiles of the forward, dQ and
             KV-centric kernels; ``kv_chunk`` query blocks per KV-centric work item; ``kv_tile_rows``
-            query rows the KV-centric kernel takes per step (a power of two >= 16). Validated on both
+            query rows the KV-centric kernel takes per step (a power of two >= 16); ``fused_dq`` (bool) one
+            backward pass, dQ added by the KV-centric kernel with float32 atomics (not bitwise
+            reproducible, so refused with ``deterministic``; not yet timed on a GPU). Validated on both
             backends; only the Triton backend uses them.
         check_values: check the *values* of ``seq_lens`` and ``document_ids`` (default). These are the
             only checks that read device memory back to the host (a sync on CUDA); ``False`` skips

@@ -155,17 +155,33 @@ def labelled_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, ignore
                        chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> LMLoss:
     """:class:`LMLoss` of the final hidden states ``[B, N, d]`` through the head ``weight`` ``[V, d]`` against
     ``labels`` ``[B, N]``: only the labelled positions, through :func:`linear_cross_entropy` (a chunk of
-    logits at a time). Raises ValueError when ``labels`` is not ``[B, N]``."""
+    logits at a time). Raises ValueError when ``labels`` is not ``[B, N]``.
+
+    Eagerly the labelled rows are selected first (a retrieval batch labels a few answer tokens of thousands:
+    their logits only). While ``torch.compile`` traces, every row goes through the head instead, the ignored
+    ones adding no loss and no gradient: a boolean selection has a data-dependent shape, which a full graph
+    cannot hold. Same result, up to float32 summation order."""
     labelled = _labelled(labels, hidden.shape[:-1], ignore_index)
-    loss_sum, correct = linear_cross_entropy(hidden[labelled], weight, labels[labelled], ignore_index=ignore_index,
+    if torch.compiler.is_compiling():
+        rows, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    else:
+        rows, targets = hidden[labelled], labels[labelled]
+    loss_sum, correct = linear_cross_entropy(rows, weight, targets, ignore_index=ignore_index,
                                              chunk_tokens=chunk_tokens)
     return LMLoss(loss_sum, correct, labelled.sum())
 
 
 def labelled_logits_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> LMLoss:
     """:class:`LMLoss` from logits ``[B, N, V]`` already computed (a model whose head cannot be chunked):
-    only the labelled positions, in float32 at least. Raises ValueError when ``labels`` is not ``[B, N]``."""
+    only the labelled positions, in float32 at least. Raises ValueError when ``labels`` is not ``[B, N]``.
+    While ``torch.compile`` traces, every position is taken and the ignored ones masked (see
+    :func:`labelled_head_loss`)."""
     labelled = _labelled(labels, logits.shape[:-1], ignore_index)
+    if torch.compiler.is_compiling():
+        picked, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
+        loss_sum = F.cross_entropy(picked, targets, ignore_index=ignore_index, reduction="sum")
+        return LMLoss(loss_sum, ((picked.argmax(-1) == targets) & labelled.reshape(-1)).sum(), labelled.sum())
     picked = logits[labelled]
     picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
     targets = labels[labelled]

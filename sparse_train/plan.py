@@ -37,7 +37,7 @@ from typing import Mapping, NamedTuple
 import torch
 from torch import Tensor
 
-from .validation import PlanSource, check_int, check_keys, check_r0, plan_source
+from .validation import PlanSource, check_bool, check_int, check_keys, check_r0, plan_source
 
 __all__ = [
     "DEFAULT_R0",
@@ -379,6 +379,11 @@ class KernelOptions:
     kv_tile_rows: int | None = None
     """Query rows the KV-centric kernel takes per step (a power of two >= 16 dividing
     kv_heads_per_program * BQ; default the whole tile): thinner slices keep fewer scores live."""
+    fused_dq: bool | None = None
+    """One backward pass: the KV-centric kernel also adds each tile's dQ share into a float32 buffer with
+    atomics, and the dQ kernel does not run (5 tile products per block pair instead of 7). Every block is
+    then KV-centric. The atomics sum in no fixed order, so dQ is not bitwise reproducible: refused with
+    ``deterministic``. Default off (not yet timed on a GPU)."""
 
 
 KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
@@ -434,6 +439,8 @@ def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> 
             value = _check_power_of_two(label, value)
             if value < _MIN_DOT_ROWS:
                 raise ValueError(f"{label} must be >= {_MIN_DOT_ROWS} (tensor-core tile), got {value}")
+        elif name == "fused_dq":
+            value = check_bool(label, value)
         values[name] = value
     return KernelOptions(**values)
 
@@ -458,6 +465,9 @@ class BackwardConfig(NamedTuple):
     kv_num_stages: int
     kv_chunk: int
     kv_tile_rows: int
+    fused_dq: int = 0
+    """1: dQ comes from the KV-centric kernel (``KernelOptions.fused_dq``); an int so that the config travels
+    as the custom op's int list."""
 
 
 def _heads_per_program(group: int, block_q: int, rows: int) -> int:
@@ -525,7 +535,7 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     return BackwardConfig(
         dq_heads, options.dq_num_warps or dq_warps, options.dq_num_stages or dq_stages,
         kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or kv_stages,
-        options.kv_chunk or KV_CHUNK, kv_tile_rows,
+        options.kv_chunk or KV_CHUNK, kv_tile_rows, int(bool(options.fused_dq)),
     )
 
 
@@ -574,8 +584,13 @@ def attention_schedule(index, group: int, head_dim: int, device, kernel_options=
         plan = build_plan(index, options.r0, query_blocks=query_blocks)
     else:
         plan = options.plan if options.plan is not None else index.plan(options.r0)
-    slots = cold_slots(plan.hot, plan.reuse, deterministic)
-    cold = cold_capacity(plan.reuse.numel(), plan.r0, deterministic)
+    if options.fused_dq and deterministic:
+        raise ValueError("kernel_options.fused_dq sums dQ with atomics in no fixed order, so it cannot give the "
+                         "bitwise-reproducible gradients deterministic=True asks for; drop one of the two")
+    # the fused backward takes every block KV-centric (its kernel produces dQ); no block is cold
+    every_block_kv_centric = deterministic or bool(options.fused_dq)
+    slots = cold_slots(plan.hot, plan.reuse, every_block_kv_centric)
+    cold = cold_capacity(plan.reuse.numel(), plan.r0, every_block_kv_centric)
     forward = forward_config(group, index.block_q, index.block_k, head_dim, options)
     backward = backward_config(group, index.block_q, index.block_k, head_dim, cold > 0, options)
     num_splits = options.num_splits or forward_num_splits(

@@ -76,6 +76,61 @@ def test_fullgraph_compile_of_the_sparse_training_step_equals_eager(backend, dis
     assert int(twin.distill_draws) == int(eager.distill_draws) == (2 if distill == "sampled" else 0)
 
 
+@pytest.mark.parametrize("attention", ["sparse", "dense"])
+def test_fullgraph_compile_of_the_transformer_with_labels_equals_eager(attention):
+    """The training forward of the whole model, ``Transformer(tokens, labels=...)`` (the chunked LM loss over
+    the labelled positions, the sparse cores with distillation), traces into one graph: loss, correct count,
+    labelled count and every parameter gradient equal eager's (float64). Eagerly the loss selects the labelled
+    rows (a data-dependent shape); traced, it takes every row and masks."""
+    from sparse_train.lightning.model import Transformer, TransformerConfig
+
+    torch._dynamo.reset()
+    sparse = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, backend="reference", dense_warmup_steps=0,
+                  dense_fallback=False, distill="sampled", selector_dim=8)
+    cfg = TransformerConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention,
+                            sparse=sparse, loss_chunk_tokens=40)
+    torch.manual_seed(0)
+    eager = Transformer(cfg).double().train()
+    twin = Transformer(cfg).double().train()
+    twin.load_state_dict(eager.state_dict())
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(61, (2, 96), generator=gen), torch.randint(61, (2, 96), generator=gen)
+    labels[0, :50] = -100
+    results = []
+    for model, called in ((eager, eager), (twin, compiled)):
+        out = called(tokens, labels=labels)
+        loss = out.loss_sum / out.count
+        if attention == "sparse":
+            loss = loss + st.collect_selector_losses(model)
+        loss.backward()
+        results.append(out)
+    want, got = results
+    assert int(got.count) == int(want.count) == int((labels != -100).sum())
+    assert int(got.correct) == int(want.correct)
+    torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-12, atol=1e-12)
+    for (name, p), (_, q) in zip(eager.named_parameters(), twin.named_parameters()):
+        if p.grad is None:
+            assert q.grad is None, name
+            continue
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_fullgraph_compile_of_the_logits_loss_equals_eager():
+    """``labelled_logits_loss`` (models whose head cannot be chunked) traced into one graph equals eager."""
+    from sparse_train.losses import labelled_logits_loss
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 30, 17, generator=gen, dtype=torch.float64)
+    labels = torch.randint(17, (2, 30), generator=gen)
+    labels[1, 5:] = -100
+    want = labelled_logits_loss(logits, labels)
+    got = torch.compile(labelled_logits_loss, fullgraph=True, backend="aot_eager")(logits, labels)
+    torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-12, atol=1e-12)
+    assert int(got.correct) == int(want.correct) and int(got.count) == int(want.count)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 GPU_CASES = [
     pytest.param("sampled", False, False, id="sampled"),

@@ -195,6 +195,53 @@ def test_kv_centric_row_slices_match_the_reference(B, HQ, HKV, N, D, BQ, BK, hea
              kernel_options={"r0": 1, "kv_heads_per_program": heads, "kv_tile_rows": tile_rows, "kv_chunk": 2})
 
 
+FUSED_CASES = [
+    # B, HQ, HKV, N, D, BQ, BK, kv_heads_per_program, kv_tile_rows, dropout_p, seq_lens, dlse_w
+    pytest.param(1, 4, 2, 150, 16, 32, 16, 1, None, 0.0, None, 0.0, id="gqa2-odd150-bq32-bk16"),
+    pytest.param(1, 4, 1, 97, 16, 16, 32, 2, 16, 0.2, None, 0.0, id="gqa4-odd97-stacked2-slices-dropout"),
+    pytest.param(2, 4, 1, 111, 32, 32, 16, 2, 16, 0.0, [111, 70], 0.5, id="gqa4-b2-seq_lens-lse-grad"),
+    pytest.param(2, 2, 2, 97, 32, 16, 16, 1, None, 0.25, None, 0.0, id="mha-b2-odd97-dropout"),
+]
+
+
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,heads,tile_rows,dropout_p,seq_lens,dlse_w", FUSED_CASES)
+def test_fused_backward_matches_the_reference(B, HQ, HKV, N, D, BQ, BK, heads, tile_rows, dropout_p, seq_lens,
+                                              dlse_w, monkeypatch):
+    """``kernel_options.fused_dq``: the KV-centric kernel adds dQ by atomics and the dQ kernel never runs; dQ, dK
+    and dV against the fp64 reference, with stacked heads, row slices, chunked rows, dropout, padding and an
+    lse gradient."""
+    launched = []
+    real_launch = kb.launch
+    monkeypatch.setattr(kb, "launch", lambda kernel, *a, **kw: launched.append(kernel) or real_launch(kernel, *a, **kw))
+    idx = random_index(B, HKV, N, BQ, BK, 3, 1, 1, seed=N + BQ, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
+    lens = None if seq_lens is None else torch.tensor(seq_lens, device=DEV)
+    _compare(idx, q, k, v, dtype=torch.float32, dlse_w=dlse_w, dropout_p=dropout_p, dropout_seed=5, seq_lens=lens,
+             kernel_options={"fused_dq": True, "kv_heads_per_program": heads, "kv_tile_rows": tile_rows,
+                             "kv_chunk": 2})
+    assert kb._dkdv_kernel in launched and kb._dq_kernel not in launched
+
+
+def test_fused_backward_empty_rows_get_zero_dq():
+    """Query blocks that select nothing get dQ = 0 (the float32 buffer starts at zero; no program adds to it)."""
+    q, k, v = make_qkv(1, 2, 1, 64, 16, torch.float32, seed=3, device=DEV)
+    indices = torch.full((1, 1, 4, 2), -1, dtype=torch.int32, device=DEV)
+    indices[0, 0, 1, 0], indices[0, 0, 3, :] = 0, torch.tensor([1, 3], dtype=torch.int32)
+    counts = (indices >= 0).sum(-1).to(torch.int32)
+    idx = BlockIndex(indices=indices, counts=counts, seq_len=64, block_q=16, block_k=16)
+    dq, _, _ = _compare(idx, q, k, v, dtype=torch.float32, kernel_options={"fused_dq": True})
+    assert torch.count_nonzero(dq[:, :, 0:16]) == 0 and torch.count_nonzero(dq[:, :, 32:48]) == 0
+
+
+def test_fused_backward_refuses_deterministic():
+    idx = random_index(1, 1, 64, 16, 16, 2, 1, 1, seed=1, device=DEV)
+    q, k, v = make_qkv(1, 2, 1, 64, 16, torch.float32, seed=1, device=DEV)
+    with pytest.raises(ValueError, match="fused_dq sums dQ with atomics in no fixed order"):
+        triton_sparse_attention(q, k, v, idx, deterministic=True, kernel_options={"fused_dq": True})
+    with pytest.raises(ValueError, match="kernel_options.fused_dq must be a bool"):
+        triton_sparse_attention(q, k, v, idx, kernel_options={"fused_dq": 1})
+
+
 def test_caller_index_mutation_after_forward_does_not_change_grads():
     B, HQ, HKV, N, D = 1, 2, 1, 80, 16
     idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=31, device=DEV)
@@ -389,6 +436,17 @@ def _gpu_compare(idx, q, k, v, do, **kw):
     for name, a, r, l in zip(("o", "dq", "dk", "dv"), (o, *grads), (o32, *g32), (ol, *gl)):
         check_close(name, a, r, l, q.dtype, c=3.0, floor=1e-4)
     return o, lse, lse32, grads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,dtype,topk,window,sinks", GPU_CASES)
+def test_fused_backward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks):
+    """``kernel_options.fused_dq`` compiled for the GPU (float32 atomics into dQ, the dQ kernel skipped): o, dq,
+    dk, dv against the fp32 reference at real sizes."""
+    idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N, device="cuda")
+    q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
+    _gpu_compare(idx, q, k, v, do, kernel_options={"fused_dq": True})
 
 
 @pytest.mark.gpu

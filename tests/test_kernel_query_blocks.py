@@ -55,6 +55,9 @@ CASES = [
                  id="zigzag-w2-deterministic-bq32-bk16"),
     pytest.param(1, 2, 2, 120, 32, 16, 32, _listed([7, 2, 5], [0, 6, 1, 3, 4]), {"r0": 2, "num_splits": 2},
                  id="partition-odd120-bq16-bk32-split2-hybrid"),
+    pytest.param(2, 4, 2, 75, 16, 16, 16, _listed([4, 0, 2], [3, 1]),
+                 {"documents": [[0, 5, 21, 40], [0, 33]], "dropout_p": 0.2, "fused_dq": True},
+                 id="unsorted-short-last-block-documents-dropout-fused-dq"),
 ]
 
 
@@ -96,7 +99,7 @@ def test_triton_query_blocks_match_the_reference_and_the_full_op(B, HQ, HKV, N, 
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q)
     seq_lens = torch.tensor(extras["seq_lens"], device=DEV) if "seq_lens" in extras else None
     p = extras.get("dropout_p", 0.0)
-    options = {"r0": extras.get("r0", 1), "num_splits": extras.get("num_splits")}
+    options = {"r0": extras.get("r0", 1), "num_splits": extras.get("num_splits"), "fused_dq": extras.get("fused_dq")}
     common = dict(seq_lens=seq_lens, document_ids=docs, dropout_p=p, dropout_seed=123 if p else None)
     kernel = dict(common, backend="triton", return_lse=True, kernel_options=options,
                   deterministic=extras.get("deterministic", False))

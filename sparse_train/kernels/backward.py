@@ -25,10 +25,21 @@ the tile configuration come from sparse_train/plan.py.
 
 Deterministic mode: no block is cold, so no atomics run; every dK/dV element comes from one program or
 from the fixed-order sum of chunk partials, dQ from one program per tile: gradients are bitwise
-identical run to run. Known limits: the forward's dtypes, head dims and block sizes; workspaces: atomic
+identical run to run.
+
+Fused mode (``BackwardConfig.fused_dq``, ``kernel_options.fused_dq``): every block is KV-centric, and the
+KV-centric kernel also computes each slice's dQ share, dS K (from the dS^T tile it already holds), adding
+it by float32 atomics into a zeroed ``[B, HQ, L, D]`` buffer that is cast to q's dtype at the end; the dQ
+kernel does not run. 5 tile products per (block, head) pair instead of 7, at the price of B*HQ*L*D*4
+bytes of buffer and one atomic add per dQ element per selected key block. The atomic order varies, so
+dQ is not bitwise reproducible (refused with deterministic mode). Verified against the reference on the
+Triton interpreter only: its GPU tests and timing have not run yet (no device time was left in the
+session that wrote it), so it is opt-in.
+
+Known limits: the forward's dtypes, head dims and block sizes; workspaces: atomic
 2 * num_cold * BK * D * 4 bytes, chunk partials 2 * num_parts * BK * D * 4 bytes; S and dP are
 recomputed by both the dQ and the KV-centric kernel (7 tile products per (block, head) pair against 5
-on the atomic path); GQA dK/dV are summed over the group's heads inside the programs.
+on the atomic path and in fused mode); GQA dK/dV are summed over the group's heads inside the programs.
 """
 from __future__ import annotations
 
@@ -178,7 +189,7 @@ def _dq_kernel(
 @triton.jit
 def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, KV_QBLOCKS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
-    DK, DV, DK_PARTIAL, DV_PARTIAL,
+    DK, DV, DK_PARTIAL, DV_PARTIAL, DQ_ACC,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -188,7 +199,7 @@ def _dkdv_kernel(
     N, L, HQ, HKV, NKB, scale_log2, scale, seed, threshold, inv_keep,
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
-    HAS_DOCS: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr,
+    HAS_DOCS: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr, FUSE_DQ: tl.constexpr,
 ):
     # one work item = one KV block and a chunk [t0, t1) of its transposed row (the query blocks that
     # selected it); long rows (sinks, popular blocks) are chunked so no program becomes the long pole
@@ -273,6 +284,13 @@ def _dkdv_kernel(
         dst = pt * (dpt - delta[None, :])  # [BK, M]
         dv += dot(zt.to(do.dtype), do, IEEE)  # [BK, D]
         dk += dot(dst.to(q.dtype), q, IEEE)  # [BK, D]
+        if FUSE_DQ:
+            # this slice's share of dQ: the rows' other key blocks add theirs from other programs, in no
+            # fixed order (float32 atomics into DQ_ACC [B, HQ, L, D], contiguous)
+            dq_part = dot(tl.trans(dst.to(k.dtype)), k, IEEE) * scale  # [M, D]
+            dq_rows = (b64 * HQ + head64) * L + qrow64  # [M]
+            tl.atomic_add(DQ_ACC + dq_rows[:, None] * HEAD_DIM + offs_d[None, :], dq_part, mask=q_ok[:, None],
+                          sem="relaxed")
     if part < 0:
         # whole row in this item: write dK/dV once, in the output dtype
         dk_ptrs = tile_pointers(DK + b64 * stride_dkb + hkv64 * stride_dkh, kpos64, offs_d, stride_dkn, stride_dkd)
@@ -400,23 +418,31 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         dv_partial = torch.empty((schedule.total_parts, block_k, D), device=q.device, dtype=torch.float32)
     else:
         dk_partial = dv_partial = delta  # unused
-    dq = torch.empty((B, HQ, L, D), device=q.device, dtype=q.dtype)
+    fused = bool(config.fused_dq)
+    if fused and has_cold:
+        raise ValueError("the fused backward (kernel_options.fused_dq) needs every block KV-centric: num_cold must be 0")
+    if fused:
+        dq_acc = torch.zeros((B, HQ, L, D), device=q.device, dtype=torch.float32)
+    else:
+        dq = torch.empty((B, HQ, L, D), device=q.device, dtype=q.dtype)
+        dq_acc = delta  # unused
     dk = torch.empty((B, HKV, N, D), device=q.device, dtype=k.dtype)
     dv = torch.empty((B, HKV, N, D), device=q.device, dtype=v.dtype)
     if stage_events:
         stage_events[1].record()
     scale_log2 = float(scale * LOG2E.value)
-    LAST_COMPILED["dq"] = launch(
-        _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
-        q, k, v, do, lse, delta, indices, counts, seq_lens_arg, docs_arg, query_map, query_row0, slots, dq,
-        dk_atomic, dv_atomic,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        *indices.stride(), *counts.stride(),
-        N, L, HQ, HKV, NQB, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
-        GROUP=group, HEADS_PER_PROGRAM=config.dq_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
-        HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee, HAS_DOCS=has_docs,
-        HAS_QUERY_MAP=has_map, num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
-    )
+    if not fused:
+        LAST_COMPILED["dq"] = launch(
+            _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
+            q, k, v, do, lse, delta, indices, counts, seq_lens_arg, docs_arg, query_map, query_row0, slots, dq,
+            dk_atomic, dv_atomic,
+            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+            *indices.stride(), *counts.stride(),
+            N, L, HQ, HKV, NQB, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
+            GROUP=group, HEADS_PER_PROGRAM=config.dq_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
+            HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee, HAS_DOCS=has_docs,
+            HAS_QUERY_MAP=has_map, num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
+        )
     if stage_events:
         stage_events[2].record()
     num_items = schedule.item_row.numel()
@@ -424,12 +450,12 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         LAST_COMPILED["dkdv"] = launch(
             _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, seq_lens_arg, docs_arg, query_map,
             query_row0, schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv, dk_partial,
-            dv_partial,
+            dv_partial, dq_acc,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             N, L, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
             GROUP=group, HEADS_PER_PROGRAM=config.kv_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k,
             HEAD_DIM=D, HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, IEEE=ieee, HAS_DOCS=has_docs,
-            TILE_ROWS=config.kv_tile_rows, HAS_QUERY_MAP=has_map, num_warps=config.kv_num_warps,
+            TILE_ROWS=config.kv_tile_rows, HAS_QUERY_MAP=has_map, FUSE_DQ=fused, num_warps=config.kv_num_warps,
             num_stages=config.kv_num_stages,
         )
     _dkdv_finish_kernel[(NKB, B * HKV)](
@@ -437,6 +463,8 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         *dk.stride(), *dv.stride(), N, HKV, NKB, float(scale),
         BLOCK_K=block_k, HEAD_DIM=D, HAS_COLD=has_cold, HAS_PARTS=schedule.total_parts > 0, num_warps=4,
     )
+    if fused:
+        dq = dq_acc.to(q.dtype)
     if stage_events:
         stage_events[3].record()
     return dq, dk, dv
