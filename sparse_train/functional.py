@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .index import BlockIndex
 from .kernels.reference import query_block_args, query_block_positions, reference_sparse_attention
-from .plan import KernelOptions, check_no_plan_with_query_blocks
+from .plan import KernelOptions, check_fused_dq_allowed, check_no_plan_with_query_blocks
 from .validation import check_attention_args, check_bool, check_choice, check_inputs, draw_dropout_seed
 
 __all__ = [
@@ -250,6 +250,8 @@ def sparse_attention(
                                 document_ids=document_ids)
     dropout_p, dropout_seed = args.dropout_p, args.dropout_seed
     check_bool("deterministic", deterministic)
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    check_fused_dq_allowed(args.kernel_options, deterministic)
     check_bool("return_lse", return_lse)
     if blocks is not None:
         check_no_plan_with_query_blocks(args.kernel_options)
@@ -265,8 +267,7 @@ def sparse_attention(
     if chosen == "triton":
         o, lse = _triton_op().triton_sparse_attention(
             q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
-            deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
-            kernel_options=args.kernel_options, document_ids=document_ids, check_values=check_values,
+            deterministic=deterministic, kernel_options=args.kernel_options, document_ids=document_ids, check_values=check_values,
             query_blocks=blocks,
         )
     else:

@@ -53,6 +53,7 @@ __all__ = [
     "backward_config",
     "block_mass_config",
     "build_plan",
+    "check_fused_dq_allowed",
     "check_no_plan_with_query_blocks",
     "choose_num_splits",
     "cold_capacity",
@@ -539,6 +540,14 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     )
 
 
+def check_fused_dq_allowed(kernel_options, deterministic: bool) -> None:
+    """``kernel_options.fused_dq`` sums dQ with atomics, which ``deterministic`` (or
+    ``torch.use_deterministic_algorithms``) forbids: ValueError for the pair, on both backends."""
+    if normalize_kernel_options(kernel_options).fused_dq and deterministic:
+        raise ValueError("kernel_options.fused_dq sums dQ with atomics in no fixed order, so it cannot give the "
+                         "bitwise-reproducible gradients deterministic=True asks for; drop one of the two")
+
+
 def check_no_plan_with_query_blocks(kernel_options) -> None:
     """``kernel_options.plan`` is a plan of the whole index; a call with ``query_blocks`` builds the plan of
     its own rows (:func:`build_plan`), so the two together are refused (ValueError), on both backends."""
@@ -584,9 +593,7 @@ def attention_schedule(index, group: int, head_dim: int, device, kernel_options=
         plan = build_plan(index, options.r0, query_blocks=query_blocks)
     else:
         plan = options.plan if options.plan is not None else index.plan(options.r0)
-    if options.fused_dq and deterministic:
-        raise ValueError("kernel_options.fused_dq sums dQ with atomics in no fixed order, so it cannot give the "
-                         "bitwise-reproducible gradients deterministic=True asks for; drop one of the two")
+    check_fused_dq_allowed(options, deterministic)
     # the fused backward takes every block KV-centric (its kernel produces dQ); no block is cold
     every_block_kv_centric = deterministic or bool(options.fused_dq)
     slots = cold_slots(plan.hot, plan.reuse, every_block_kv_centric)

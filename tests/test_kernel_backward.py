@@ -240,6 +240,17 @@ def test_fused_backward_refuses_deterministic():
         triton_sparse_attention(q, k, v, idx, deterministic=True, kernel_options={"fused_dq": True})
     with pytest.raises(ValueError, match="kernel_options.fused_dq must be a bool"):
         triton_sparse_attention(q, k, v, idx, kernel_options={"fused_dq": 1})
+    from sparse_train import sparse_attention
+
+    for backend in ("triton", "reference"):  # the same refusal on both backends, also when asked globally
+        with pytest.raises(ValueError, match="fused_dq sums dQ with atomics"):
+            sparse_attention(q, k, v, idx, deterministic=True, backend=backend, kernel_options={"fused_dq": True})
+        torch.use_deterministic_algorithms(True)
+        try:
+            with pytest.raises(ValueError, match="fused_dq sums dQ with atomics"):
+                sparse_attention(q, k, v, idx, backend=backend, kernel_options={"fused_dq": True})
+        finally:
+            torch.use_deterministic_algorithms(False)
 
 
 def test_caller_index_mutation_after_forward_does_not_change_grads():
