@@ -72,7 +72,7 @@ class TransformerConfig:
     only the rest of the block (:mod:`sparse_train.checkpointing`; both cores). Costs ``B * N * HQ * (D * 2 + 4)``
     bytes per block in bf16 (64K tokens, 32 heads of 64: 272 MB), saves an attention forward per block and step.
     Off by default: the sparse forward is cheap to recompute (1.1B model at 64K on the H200: the step 0-2%
-    faster for 3.9 GiB more), while a dense core gains much more (15% of its step)."""
+    faster for 3.9 GiB more), while a dense core gains much more (14% of its step)."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
