@@ -220,7 +220,7 @@ def kernel_table(step: Callable[[], dict[str, float]], out_dir: Path, tag: str, 
     """One more step under ``torch.profiler``: every GPU kernel's total time, call count and share of the
     step's kernel time (the split the CUDA-event phases cannot give, e.g. how much of the backward is
     the checkpoint recompute). Writes ``<out_dir>/kernels_<tag>.txt`` (profiler table) and
-    ``<out_dir>/trace_<tag>.json`` (Chrome trace: every op and kernel in time order), and returns the
+    ``<out_dir>/trace_<tag>.json.gz`` (Chrome trace: every op and kernel in time order), and returns the
     ``top`` kernels by total device time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -234,7 +234,7 @@ def kernel_table(step: Callable[[], dict[str, float]], out_dir: Path, tag: str, 
                     "share": e.self_device_time_total / total_us} for e in events),
                   key=lambda r: -r["total_ms"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(out_dir / f"trace_{tag}.json"))
+    prof.export_chrome_trace(str(out_dir / f"trace_{tag}.json.gz"))
     (out_dir / f"kernels_{tag}.txt").write_text(
         prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
     print(f"[bench] {tag}: kernel time {total_us / 1e3:.1f} ms in {len(events)} kernels; top:")
@@ -299,7 +299,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="one extra step with the attention breakdown")
     ap.add_argument("--kernel-table", type=Path, default=None, metavar="DIR",
-                    help="one more step under torch.profiler per configuration (CUDA): kernel times to DIR and the JSON")
+                    help="one more step under torch.profiler per configuration (CUDA): kernel times and a "
+                         "trace to DIR, the top kernels to the JSON")
     ap.add_argument("--out", type=Path, default=None, help="JSON output path")
     args = ap.parse_args(argv)
 

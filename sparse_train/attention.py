@@ -729,7 +729,8 @@ class SparseAttention(nn.Module):
                 target = self._sparse_target(q, k, index, lse, scale, seq_lens, document_ids,
                                              check_values)  # [B, HKV, NQB, K] twice
             scores, allowed = self._slot_scores(scores, index.indices, support)
-        return self._mean_kl(*self._kl_parts(target[0], scores, allowed, target[1])), target
+        mass, row_valid = target
+        return self._mean_kl(*self._kl_parts(mass, scores, allowed, row_valid)), target
 
     def _distill_support(self, geometry, device, document_ids) -> Tensor:
         """bool ``[1 or B, 1, NQB, NKB]``: the blocks the distillation KL is taken over

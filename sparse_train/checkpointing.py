@@ -5,9 +5,9 @@ backward. For a long-context layer with dense attention the attention dominates 
 outputs are small: ``o`` ``[B, HQ, N, D]`` in the compute dtype and the float32 log-sum-exp ``[B, HQ, N]``.
 Measured on the H200 (``scripts/bench_step.py --keep-attention``, 1.1B model, 64K tokens): keeping them saves
 the dense cuDNN step 593 ms of 4.2 s (37 ms per layer), the sparse step 23 ms of 1.61 s (its attention forward
-is 2.9 ms per layer), for 3.9 GiB of peak memory. Selective checkpointing (``context_fn`` of ``torch.utils.checkpoint``) keeps
-the outputs of the attention ops from the first forward and hands them to the recompute, which then
-reruns only projections, norms, RoPE, the MLP and the selector's scores.
+is 2.9 ms per layer), for 3.9 GiB of peak memory. Selective checkpointing (``context_fn`` of
+``torch.utils.checkpoint``) keeps the outputs of the attention ops from the first forward and hands them to
+the recompute, which then reruns only projections, norms, RoPE, the MLP and the selector's scores.
 
 Ops kept: the block-sparse kernel's forward (``sparse_train::sparse_attn_fwd``) and PyTorch's fused SDPA
 kernels (flash, cuDNN, memory-efficient, CPU flash), so the dense twin gets the same policy. Memory:
@@ -33,7 +33,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["attention_ops", "keep_attention_context", "checkpoint_keeping_attention"]
+__all__ = ["attention_ops", "checkpoint_keeping_attention", "checkpoint_kwargs", "keep_attention_context"]
 
 _SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
@@ -60,7 +60,14 @@ def keep_attention_context() -> tuple:
     return create_selective_checkpoint_contexts(_keep_attention)
 
 
+def checkpoint_kwargs(keep_attention: bool) -> dict[str, Any]:
+    """The keyword arguments of ``torch.utils.checkpoint.checkpoint`` (or Hugging Face's
+    ``gradient_checkpointing_kwargs``) for this project's policy: non-reentrant, and with ``keep_attention``
+    the attention outputs kept (:func:`keep_attention_context`)."""
+    return {"use_reentrant": False, **({"context_fn": keep_attention_context} if keep_attention else {})}
+
+
 def checkpoint_keeping_attention(function: Callable, *args: Any, **kwargs: Any) -> Any:
     """``torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)`` that keeps the attention
     (see the module docstring); ``kwargs`` go to ``function``."""
-    return checkpoint(function, *args, use_reentrant=False, context_fn=keep_attention_context, **kwargs)
+    return checkpoint(function, *args, **checkpoint_kwargs(True), **kwargs)

@@ -267,7 +267,8 @@ def sparse_attention(
     if chosen == "triton":
         o, lse = _triton_op().triton_sparse_attention(
             q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
-            deterministic=deterministic, kernel_options=args.kernel_options, document_ids=document_ids, check_values=check_values,
+            deterministic=deterministic, kernel_options=args.kernel_options, document_ids=document_ids,
+            check_values=check_values,
             query_blocks=blocks,
         )
     else:

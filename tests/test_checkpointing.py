@@ -100,7 +100,7 @@ def test_hf_gradient_checkpointing_keeping_attention_equals_plain(attention, mon
     sparse kernel's forward runs once per layer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from sparse_train.checkpointing import keep_attention_context
+    from sparse_train.checkpointing import checkpoint_kwargs
     from sparse_train.integrations import hf
 
     def grads(keep):
@@ -114,8 +114,7 @@ def test_hf_gradient_checkpointing_keeping_attention_equals_plain(attention, mon
         if attention == "sparse":
             hf.enable(model, st.SparseAttentionConfig(**{**SPARSE, "distill": "sparse"}))
         model.train()
-        kwargs = {"use_reentrant": False, **({"context_fn": keep_attention_context} if keep else {})}
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(keep))
         ids = torch.randint(0, 97, (1, 96), generator=torch.Generator().manual_seed(3))
         loss = model(ids, labels=ids).loss
         if attention == "sparse":

@@ -420,7 +420,8 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         dk_partial = dv_partial = delta  # unused
     fused = bool(config.fused_dq)
     if fused and has_cold:
-        raise ValueError("the fused backward (kernel_options.fused_dq) needs every block KV-centric: num_cold must be 0")
+        raise ValueError("the fused backward (kernel_options.fused_dq) needs every block KV-centric: "
+                         "num_cold must be 0")
     if fused:
         dq_acc = torch.zeros((B, HQ, L, D), device=q.device, dtype=torch.float32)
     else:

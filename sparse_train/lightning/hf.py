@@ -158,10 +158,10 @@ class HFCausalLMModule(CausalLMHooks):
 
             hf.enable(lm, SparseAttentionConfig(**sparse))
         if gradient_checkpointing:
-            from ..checkpointing import keep_attention_context
+            from ..checkpointing import checkpoint_kwargs
 
-            keep = {"context_fn": keep_attention_context} if checkpoint_keeps_attention else {}
-            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **keep})
+            kwargs = checkpoint_kwargs(checkpoint_keeps_attention)
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.model = HFCausalLM(lm)
         path = str(pretrained_path).replace("{", "{{").replace("}", "}}")  # literal inside the format string
         self.training_logic = CausalLMTraining(

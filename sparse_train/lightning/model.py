@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 import sparse_train as st
 
 from ..functional import dense_causal_attention
-from ..checkpointing import keep_attention_context
+from ..checkpointing import checkpoint_kwargs
 from ..documents import document_positions
 from ..losses import DEFAULT_CHUNK_TOKENS, LMLoss, labelled_head_loss
 from ..tasks import IGNORE_INDEX
@@ -272,11 +272,6 @@ class Transformer(nn.Module):
             scale = 1.0 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "down.weight")) else 1.0
             nn.init.normal_(p, mean=0.0, std=std * scale)
 
-    @property
-    def _checkpoint_options(self) -> dict[str, Any]:
-        """Extra ``torch.utils.checkpoint`` arguments of the configured policy (``checkpoint_keeps_attention``)."""
-        return {"context_fn": keep_attention_context} if self.cfg.checkpoint_keeps_attention else {}
-
     def rope(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached RoPE cos/sin tables for positions ``0..n-1``."""
         head_dim = self.cfg.resolved_head_dim
@@ -328,8 +323,8 @@ class Transformer(nn.Module):
                 cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, N, D/2]
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, seq_lens, document_ids, positions, use_reentrant=False,
-                               **self._checkpoint_options)
+                x = checkpoint(block, x, cos, sin, seq_lens, document_ids, positions,
+                               **checkpoint_kwargs(self.cfg.checkpoint_keeps_attention))
             else:
                 x = block(x, cos, sin, seq_lens, document_ids, positions)
         x = self.norm(x)
