@@ -16,6 +16,12 @@ computed as the plain path computes them (a matmul in the compute dtype, e.g. bf
 float32), the softmax and loss in float32 (float64 inputs stay float64); the head's gradient is accumulated
 over the chunks in that precision.
 
+Under ``torch.compile`` the loss takes a second path with the same result, :func:`_checkpointed_chunks`:
+plain differentiable chunks, each under activation checkpointing (its logits recomputed in the backward,
+never stored). The autograd function above cannot be traced: with torch 2.11 (measured on the H200, CPU and
+CUDA alike) the compiled graph of a ``torch.autograd.Function`` that computes its gradients in the forward
+returns zero gradients, silently; torch 2.13 traces it correctly.
+
 Known limits: no label smoothing, no logit soft-capping, no bias; the gradients of hidden and head are held
 from the forward to the backward (``[T, d]`` and ``[V, d]``, small beside ``[T, V]``).
 """
@@ -27,6 +33,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from .validation import check_int, check_integer_tensor
 
@@ -49,6 +56,17 @@ class LMLoss(NamedTuple):
     """int64 scalar: labelled positions."""
 
 
+def _logits_loss(logits: Tensor, y: Tensor, ignore_index: int):
+    """Of one chunk's logits ``[C, V]`` and labels ``[C]``: the summed loss, the correct count, and for the
+    gradient the row logsumexp ``[C]``, the labelled mask ``[C]`` and the gather index ``[C, 1]``."""
+    labelled = y != ignore_index
+    target = torch.where(labelled, y, 0).unsqueeze(1)  # [C, 1]
+    lse = torch.logsumexp(logits, dim=1)  # [C]
+    loss = torch.where(labelled, lse - logits.gather(1, target).squeeze(1), 0.0).sum()
+    correct = ((logits.argmax(dim=1) == y) & labelled).sum()
+    return loss, correct, lse, labelled, target
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, ignore_index: int,
@@ -65,14 +83,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, rows, chunk_tokens):
                 stop = min(start + chunk_tokens, rows)
                 h = hidden[start:stop].to(compute_dtype)  # [C, d]
-                y = labels[start:stop]  # [C]
                 logits = (h @ head.t()).to(exact)  # [C, V]
-                labelled = y != ignore_index
-                target = torch.where(labelled, y, 0).unsqueeze(1)  # [C, 1]
-                lse = torch.logsumexp(logits, dim=1)  # [C]
-                picked = logits.gather(1, target).squeeze(1)
-                loss += torch.where(labelled, lse - picked, 0.0).sum()
-                correct += ((logits.argmax(dim=1) == y) & labelled).sum()
+                chunk_loss, chunk_correct, lse, labelled, target = _logits_loss(logits, labels[start:stop],
+                                                                                ignore_index)
+                loss += chunk_loss
+                correct += chunk_correct
                 if needs_hidden or needs_weight:
                     dlogits = logits.sub_(lse.unsqueeze(1)).exp_()  # softmax, in place of the logits
                     dlogits.scatter_add_(1, target, torch.full_like(lse, -1.0).unsqueeze(1))
@@ -94,6 +109,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh = None if grad_hidden is None else (grad_hidden.to(scale.dtype) * scale).to(grad_hidden.dtype)
         dw = None if grad_weight is None else (grad_weight * scale).to(ctx.weight_dtype)
         return dh, dw, None, None, None, None
+
+
+def _chunk_loss(h: Tensor, head: Tensor, y: Tensor, ignore_index: int, exact: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Summed loss and correct count of one chunk (rows ``h`` ``[C, d]``, head in the compute dtype)."""
+    loss, correct, *_ = _logits_loss((h @ head.t()).to(exact), y, ignore_index)
+    return loss, correct
+
+
+def _checkpointed_chunks(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, ignore_index: int,
+                         compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """What :class:`_LinearCrossEntropy` computes, with autograd: each chunk's logits are recomputed in the
+    backward (``checkpoint``) instead of held. The path taken while ``torch.compile`` traces (module
+    docstring)."""
+    exact = torch.promote_types(compute_dtype, torch.float32)
+    head = weight.to(compute_dtype)  # [V, d]
+    loss = torch.zeros((), dtype=exact, device=hidden.device)
+    correct = torch.zeros((), dtype=torch.int64, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            stop = min(start + chunk_tokens, hidden.shape[0])
+            part, hits = checkpoint(_chunk_loss, hidden[start:stop].to(compute_dtype), head, labels[start:stop],
+                                    ignore_index, exact, use_reentrant=False)
+            loss, correct = loss + part, correct + hits
+    return loss, correct
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, ignore_index: int = -100,
@@ -141,6 +180,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, igno
         compute_dtype = torch.get_autocast_dtype(device_type)
     else:
         compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    if torch.compiler.is_compiling():
+        return _checkpointed_chunks(hidden, weight, labels, chunk_tokens, int(ignore_index), compute_dtype)
     return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, int(ignore_index), compute_dtype)
 
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from builders import check_close
-from sparse_train.losses import linear_cross_entropy
+from sparse_train.losses import _checkpointed_chunks, linear_cross_entropy
 
 
 def plain(hidden, weight, labels, ignore_index=-100):
@@ -43,6 +43,31 @@ def test_matches_plain_cross_entropy_in_float64(chunk):
         print(f"{name}: max abs err {(g.double() - r.double()).abs().max().item():.2e}")
         torch.testing.assert_close(g.double(), r.double(), rtol=1e-12, atol=1e-12)
     assert int(got[1]) == int(want[1])
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 13, 100], ids=["chunk1", "chunk7", "chunk-exact", "one-chunk"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["float64", "autocast-bf16"])
+def test_compile_path_equals_the_eager_path(chunk, autocast):
+    """The path ``linear_cross_entropy`` takes while ``torch.compile`` traces (checkpointed plain chunks; the
+    autograd function is not traceable, module docstring), run eagerly here so that it is tested on every
+    torch version: the same loss, count and gradients as the eager path."""
+    hidden, weight, labels = problem(40, 16, 50, torch.float64, seed=chunk)
+    ref = loss_and_grads(plain, hidden, weight, labels)
+    if autocast:
+        hidden, weight = (t.detach().float().requires_grad_() for t in (hidden, weight))
+    compute = torch.bfloat16 if autocast else torch.float64
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got = loss_and_grads(lambda h, w, y: _checkpointed_chunks(h, w, y, chunk, -100, compute), hidden, weight,
+                             labels)
+        want = loss_and_grads(lambda h, w, y: linear_cross_entropy(h, w, y, chunk_tokens=chunk), hidden, weight,
+                              labels)
+    assert int(got[1]) == int(want[1])
+    for i, name in [(0, "loss"), (2, "d hidden"), (3, "d weight")]:
+        assert got[i].dtype == want[i].dtype, name
+        if autocast:  # the loss scale reaches the bf16 logit gradient before its rounding here, after it there
+            check_close(f"{name} autocast bf16", got[i].double(), ref[i], want[i].double(), torch.bfloat16)
+        else:
+            torch.testing.assert_close(got[i], want[i], rtol=1e-12, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
