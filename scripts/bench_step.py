@@ -123,12 +123,14 @@ def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Trans
     # No dense warm-up: the benchmark times the sparse path a trained selector runs (the module's default
     # 500-step warm-up would make every timed step dense attention).
     sparse_cfg = dict(block_q=args.block, block_k=args.block, top_k=args.top_k, window=args.window,
-                      sinks=args.sinks, distill=args.distill, backend=args.backend, dense_warmup_steps=0)
+                      sinks=args.sinks, distill=args.distill, backend=args.backend, dense_warmup_steps=0,
+                      fused_backward=args.fused_backward == "on")
     cfg = TransformerConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                             n_kv_heads=args.kv_heads, head_dim=args.head_dim, ffn_hidden=args.ffn,
                             rope_theta=args.rope_theta, tie_embeddings=False, attention=variant,
                             sparse=sparse_cfg, activation_checkpointing=act_ckpt,
-                            checkpoint_keeps_attention=args.keep_attention == "on")
+                            checkpoint_keeps_attention=args.keep_attention == "on",
+                            compile_pointwise=args.compile_pointwise == "on")
     return Transformer(cfg)
 
 
@@ -152,6 +154,11 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--keep-attention", choices=["on", "off"], default="off",
                     help="with activation checkpointing, keep the attention outputs instead of recomputing them "
                          "(TransformerConfig.checkpoint_keeps_attention; both variants)")
+    ap.add_argument("--fused-backward", choices=["on", "off"], default="off",
+                    help="sparse variant: dQ from the KV-centric kernel by atomics (SparseAttentionConfig.fused_backward)")
+    ap.add_argument("--compile-pointwise", choices=["on", "off"], default="off",
+                    help="RMSNorm, RoPE and the SwiGLU gate as torch.compile'd fused kernels "
+                         "(TransformerConfig.compile_pointwise; both variants)")
     ap.add_argument("--loss", choices=["chunked", "logits"], default="chunked",
                     help="LM loss: the model's chunked head + cross-entropy (forward(labels=...), as the training "
                          "recipes; logits of 8,192 tokens at a time) or F.cross_entropy on the full [N, vocab] "
@@ -196,6 +203,8 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
 
     result: dict[str, Any] = {"context": n, "variant": variant, "status": "ok", "act_ckpt": act_ckpt,
                               "keep_attention": act_ckpt and args.keep_attention == "on",
+                              "fused_backward": variant == "sparse" and args.fused_backward == "on",
+                              "compile_pointwise": args.compile_pointwise == "on",
                               "params": model.num_parameters(), "repeats": args.repeats}
     result.update(time_steps(step, args.warmup, args.repeats, device, n, quantile=0.95))
     if variant == "sparse":

@@ -73,6 +73,13 @@ class TransformerConfig:
     bytes per block in bf16 (64K tokens, 32 heads of 64: 272 MB), saves an attention forward per block and step.
     Off by default: the sparse forward is cheap to recompute (1.1B model at 64K on the H200: the step 0-2%
     faster for 3.9 GiB more), while a dense core gains much more (14% of its step)."""
+    compile_pointwise: bool = False
+    """Run the elementwise parts of the model (RMSNorm, RoPE, the SwiGLU gate) as ``torch.compile``'d functions:
+    each becomes one fused kernel forward and one backward instead of a chain of eager float32 elementwise
+    kernels. Measured on the H200 (1.1B model, activation checkpointing): the sparse step 19-20% faster at 64K
+    and 128K, the dense one 4-7%. Matmuls and the attention core stay eager. Off by default: the first step
+    pays the compilation (seconds), and it needs a working inductor backend (Triton on CUDA, a C++ compiler on
+    the CPU)."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -101,6 +108,7 @@ class TransformerConfig:
         check_int("TransformerConfig.loss_chunk_tokens", self.loss_chunk_tokens, minimum=1)
         check_bool("TransformerConfig.tie_embeddings", self.tie_embeddings)
         check_bool("TransformerConfig.activation_checkpointing", self.activation_checkpointing)
+        check_bool("TransformerConfig.compile_pointwise", self.compile_pointwise)
         check_bool("TransformerConfig.checkpoint_keeps_attention", self.checkpoint_keeps_attention)
         check_bool("TransformerConfig.selector_unrotates_rope", self.selector_unrotates_rope)
         check_choice("TransformerConfig.attention", self.attention, ("sparse", "dense"))
@@ -114,19 +122,43 @@ class TransformerConfig:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dimension."""
+    # Normalise in fp32 so bf16 activations do not lose the small-variance tail.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.type_as(x) * weight
+
+
+def swiglu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``."""
+    return F.silu(gate) * up
+
+
+_COMPILED: dict[Any, Any] = {}
+
+
+def pointwise(fn, compiled: bool):
+    """``fn``, or with ``compiled`` its ``torch.compile(fullgraph=True)`` version (one per function, shared by
+    every module: the compiled code and its guards are built once)."""
+    if not compiled:
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+    return _COMPILED[fn]
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned gain (no bias, no mean subtraction)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, compiled: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.compiled = compiled
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 so bf16 activations do not lose the small-variance tail.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
+        return pointwise(rms_norm, self.compiled)(x, self.weight, self.eps)
 
 
 def _rope_tables(seq_len: int, dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -155,6 +187,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
+        self.compiled = cfg.compile_pointwise
         self.core: Optional[nn.Module] = None
         if cfg.attention == "sparse":
             self.core = st.SparseAttention(
@@ -184,7 +217,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        rope = pointwise(_apply_rope, self.compiled)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         if self.core is not None:
             o = self.core(q, k, v, seq_lens=seq_lens, document_ids=document_ids, position_ids=positions)
         elif self.context_parallel_group is not None:
@@ -213,14 +247,15 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """Gated MLP: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, d_model: int, hidden: int) -> None:
+    def __init__(self, d_model: int, hidden: int, compiled: bool = False) -> None:
         super().__init__()
+        self.compiled = compiled
         self.gate = nn.Linear(d_model, hidden, bias=False)
         self.up = nn.Linear(d_model, hidden, bias=False)
         self.down = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(pointwise(swiglu_gate, self.compiled)(self.gate(x), self.up(x)))
 
 
 class Block(nn.Module):
@@ -229,10 +264,10 @@ class Block(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         hidden = cfg.ffn_hidden if cfg.ffn_hidden is not None else 64 * math.ceil(cfg.d_model * 8 / 3 / 64)
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.compile_pointwise)
         self.attn = Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg.d_model, hidden)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.compile_pointwise)
+        self.mlp = SwiGLU(cfg.d_model, hidden, cfg.compile_pointwise)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 seq_lens: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
@@ -252,7 +287,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.compile_pointwise)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
