@@ -470,7 +470,8 @@ class SparseAttention(nn.Module):
             o, kernel_lse = sparse_attention(
                 q, k, v, attend_index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                 deterministic=cfg.deterministic, return_lse=True, backend=backend, seq_lens=seq_lens,
-                document_ids=document_ids, kernel_options={"plan": plan, "r0": cfg.r0}, check_values=check_values,
+                document_ids=document_ids, kernel_options={"plan": plan, "r0": cfg.r0, "fused_dq": cfg.fused_backward},
+                check_values=check_values,
             )
             lse = kernel_lse if path == "sparse" else None  # the sparse target reads the selection's lse
         if profile:
@@ -579,7 +580,9 @@ class SparseAttention(nn.Module):
         common = dict(group=group, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
                       document_ids=document_ids, backend=backend, return_lse=True)
         if path == "sparse":
-            o, lse = cpm.context_parallel_sparse_attention(q, k, v, index, **common)
+            o, lse = cpm.context_parallel_sparse_attention(
+                q, k, v, index, deterministic=cfg.deterministic,
+                kernel_options={"r0": cfg.r0, "fused_dq": cfg.fused_backward}, **common)
         else:
             o, lse = cpm.context_parallel_dense_attention(q, k, v, block_q=cfg.block_q, block_k=cfg.block_k,
                                                           check="cheap" if check_values else "none", **common)

@@ -129,6 +129,13 @@ class SparseAttentionConfig:
     deterministic: bool = False
     """Bitwise-reproducible gradients (every dK/dV block KV-centric, no atomics)."""
 
+    fused_backward: bool = False
+    """One backward kernel instead of two: the KV-centric dK/dV kernel also adds dQ into a float32 buffer
+    with atomics (``kernel_options.fused_dq`` of :func:`sparse_train.sparse_attention`), which saves the
+    dQ kernel's recomputation of the scores. dQ is then not bitwise reproducible, so it cannot be combined
+    with ``deterministic``. Off by default: on the H200 at 64K the atomics cost more than they save (backward
+    0.59-0.90x the two-kernel speed at head dim 128, 0.95-1.02x at 64; :mod:`sparse_train.kernels.backward`)."""
+
     distill: str = "sampled"
     """Selector training target: ``"sampled"`` = dense attention mass on all causal blocks for
     ``distill_query_blocks`` randomly sampled query blocks per step (exact for those rows, cost linear
@@ -233,8 +240,11 @@ class SparseAttentionConfig:
                 "SparseAttentionConfig needs 0 <= dense_exit_density <= dense_enter_density <= 1 "
                 f"(hysteresis band), got exit={lo!r}, enter={hi!r}"
             )
-        for name in ("replay", "dense_fallback", "profile", "deterministic", "selector_distance_bias"):
+        for name in ("replay", "dense_fallback", "profile", "deterministic", "fused_backward", "selector_distance_bias"):
             _check_bool(self, name)
+        if self.fused_backward and self.deterministic:
+            raise ValueError("SparseAttentionConfig: fused_backward sums dQ with atomics in no fixed order, so it "
+                             "cannot be combined with deterministic=True")
 
     @property
     def capacity(self) -> int:

@@ -202,7 +202,8 @@ def sparse_attention(
             KV-centric kernels; ``kv_chunk`` query blocks per KV-centric work item; ``kv_tile_rows``
             query rows the KV-centric kernel takes per step (a power of two >= 16); ``fused_dq`` (bool) one
             backward pass, dQ added by the KV-centric kernel with float32 atomics (not bitwise
-            reproducible, so refused with ``deterministic``; not yet timed on a GPU). Validated on both
+            reproducible, so refused with ``deterministic``; off by default: on the H200 at 64K it is slower at
+            head dim 128 and level at 64, ``docs/benchmarks/speed_round2/README.md``). Validated on both
             backends; only the Triton backend uses them.
         check_values: check the *values* of ``seq_lens`` and ``document_ids`` (default). These are the
             only checks that read device memory back to the host (a sync on CUDA); ``False`` skips

@@ -384,7 +384,8 @@ class KernelOptions:
     """One backward pass: the KV-centric kernel also adds each tile's dQ share into a float32 buffer with
     atomics, and the dQ kernel does not run (5 tile products per block pair instead of 7). Every block is
     then KV-centric. The atomics sum in no fixed order, so dQ is not bitwise reproducible: refused with
-    ``deterministic``. Default off (not yet timed on a GPU)."""
+    ``deterministic``. Default off: measured slower on the H200 (the atomics cost more than the saved
+    recomputation; :mod:`sparse_train.kernels.backward`)."""
 
 
 KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))

@@ -23,7 +23,8 @@ CONFIG_INT_FIELDS = ["block_q", "block_k", "top_k", "window", "sinks", "selector
                      "metrics_query_blocks", "dense_warmup_steps"]
 CONFIG_FLOAT_FIELDS = ["dropout_p", "scale", "distill_weight", "dense_enter_density", "dense_exit_density",
                        "selector_lr_multiplier", "selector_rope_theta", "top_p"]
-CONFIG_BOOL_FIELDS = ["deterministic", "replay", "dense_fallback", "profile", "selector_distance_bias"]
+CONFIG_BOOL_FIELDS = ["deterministic", "fused_backward", "replay", "dense_fallback", "profile",
+                      "selector_distance_bias"]
 CONFIG_CHOICE_FIELDS = ["backend", "distill", "index_check", "distill_row_pool", "distill_support", "key_pooling",
                         "query_pooling"]
 
@@ -86,6 +87,11 @@ def test_config_float_field_rejects_non_finite_and_non_numbers(field, value):
 def test_config_rejects_out_of_domain_values(field, value, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
         st.SparseAttentionConfig(**{field: value})
+
+
+def test_config_refuses_the_fused_backward_with_deterministic():
+    with pytest.raises(ValueError, match="fused_backward sums dQ with atomics.*deterministic=True"):
+        st.SparseAttentionConfig(fused_backward=True, deterministic=True)
 
 
 @pytest.mark.parametrize(

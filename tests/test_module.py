@@ -131,6 +131,26 @@ def test_sparse_path_equals_reference_on_its_own_index():
     assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
 
 
+def test_fused_backward_config_reaches_the_kernels():
+    """``fused_backward=True`` (Triton interpreter): the dQ kernel does not run, and the output, the selector
+    loss and the q/k/v gradients equal the two-kernel backward's (the same index; dQ summed in another order)."""
+    from sparse_train.kernels import backward as kb
+
+    results = []
+    for fused in (False, True):
+        attn = make(backend="triton", dense_fallback=False, distill="sampled", fused_backward=fused)
+        attn.load_state_dict(make().state_dict())
+        torch.manual_seed(3)
+        q, k, v = qkv(2, 83, grad=True)
+        kb.LAST_COMPILED.clear()
+        out = attn(q, k, v)
+        (out.square().sum() + attn.selector_loss).backward()
+        assert ("dq" in kb.LAST_COMPILED) != fused and "dkdv" in kb.LAST_COMPILED
+        results.append((out.detach(), attn.selector_loss.detach(), q.grad, k.grad, v.grad))
+    for name, got, want in zip(("out", "selector_loss", "dq", "dk", "dv"), results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("n", [30, 64, 80], ids=["n30", "n64", "n80"])
 def test_full_selection_takes_sdpa_and_equals_sparse_reference(n):
     attn = make()  # capacity 5 blocks of 16 -> N <= 80 is a full selection
