@@ -255,6 +255,11 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
                     f"{pfx}bwd_TFLOPs": f_bwd / tb / 1e9, f"{pfx}bwd_frac_ceiling": f_bwd / tb / 1e9 / ceil})
         if not pfx:
             row["fwdbwd_peak_extra_MB"] = peak_extra_mb(fb)
+        _, kb, _ = _kernels()
+        for name in ("dq", "dkdv"):  # the fused mode does not launch dQ: its entry is the last default one
+            if name in kb.LAST_COMPILED and not (name == "dq" and pfx == "fused_"):
+                ck = kb.LAST_COMPILED[name]
+                row.update({f"{pfx}{name}_regs": ck.n_regs, f"{pfx}{name}_spills": ck.n_spills})
         del o
     row["det_overhead"] = row["det_fwdbwd_ms"] / row["fwdbwd_ms"] - 1
     row["fused_bwd_speedup"] = row["bwd_ms"] / row["fused_bwd_ms"]

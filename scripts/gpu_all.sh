@@ -5,8 +5,10 @@
 # tarred to $OUT/results-<phase>.tar.gz, the main result files are also copied to $OUT, and a summary
 # prints last.
 #
-#   OUT=/tmp/out bash scripts/gpu_all.sh checks      # GPU tests, attention (64K; BENCH_NS="..." for more),
-#                                                     # selector (with CUDA-graph capture), step (64K, --profile)
+#   OUT=/tmp/out bash scripts/gpu_all.sh tests       # every GPU test, in two halves of at most 280 s each (the
+#                                                     # suite grew past one 320 s limit in the eighth session)
+#   OUT=/tmp/out bash scripts/gpu_all.sh checks      # attention (64K; BENCH_NS="..." for more), selector (with
+#                                                     # CUDA-graph capture), step (64K, --profile)
 #   OUT=/tmp/out bash scripts/gpu_all.sh step        # 1.1B step: 64K and 128K with kernel tables, the checkpoint
 #                                                     # policy (attention kept / recomputed) and distillation off
 #   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
@@ -31,9 +33,13 @@ track() {  # track <gpu> <commands...>: run a command list on one GPU in the bac
   ( export CUDA_VISIBLE_DEVICES=$gpu; "$@" ) &
 }
 
+gpu_tests() {  # gpu_tests <log name> <timeout> <pytest paths...>
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m pytest -q -rA -s -m gpu "$@" > "$R/$name.log" 2>&1
+  echo "gpu tests rc=$?" >> "$R/$name.log"
+}
+
 checks_gpu_a() {
-  timeout 250 python3 -m pytest -q -rA -s -m gpu tests > "$R/gpu_tests.log" 2>&1
-  echo "gpu tests rc=$?" >> "$R/gpu_tests.log"
   timeout 220 python3 scripts/bench_attention.py --out "$R/bench_attention" --no-sweep \
     --n ${BENCH_NS:-65536} > "$R/bench_attention.log" 2>&1
   echo "bench_attention rc=$?" >> "$R/bench_attention.log"
@@ -54,13 +60,24 @@ retrieval_run() {  # retrieval_run <recipe>
 }
 
 case "$phase" in
+  tests)
+    # the kernel tests in one half, everything else in the other (about 3 minutes each on one H200)
+    kernel_tests=$(ls tests/test_kernel_*.py)
+    other_tests=$(ls tests/test_*.py | grep -v "tests/test_kernel_")
+    if [ "$ngpu" -ge 2 ]; then
+      track 0 gpu_tests gpu_tests_kernels 280 $kernel_tests; track 1 gpu_tests gpu_tests_rest 280 $other_tests; wait
+    else
+      gpu_tests gpu_tests_kernels 280 $kernel_tests; gpu_tests gpu_tests_rest 280 $other_tests
+    fi
+    cp "$R"/gpu_tests_*.log "$OUT"/ 2>/dev/null
+    ;;
   checks)
     if [ "$ngpu" -ge 2 ]; then
       track 0 checks_gpu_a; track 1 checks_gpu_b; wait
     else
       checks_gpu_a; checks_gpu_b
     fi
-    cp -r "$R"/bench_attention "$R"/bench_selector.json "$R"/bench_step.json "$R"/gpu_tests.log "$OUT"/ 2>/dev/null
+    cp -r "$R"/bench_attention "$R"/bench_selector.json "$R"/bench_step.json "$OUT"/ 2>/dev/null
     ;;
   retrieval)
     after_sparse() {
