@@ -132,6 +132,26 @@ POINTWISE_CASES = [
 ]
 
 
+def test_compile_pointwise_inside_a_compiled_model():
+    """A ``compile_pointwise`` model compiled whole (``fullgraph=True``): the pointwise functions are traced into
+    the outer graph rather than compiled inside it (which dynamo refuses), and the gradients equal eager's."""
+    from sparse_train.lightning.model import Transformer, TransformerConfig
+
+    torch._dynamo.reset()
+    base = dict(vocab_size=61, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, attention="dense")
+    torch.manual_seed(0)
+    eager = Transformer(TransformerConfig(**base)).double().train()
+    fused = Transformer(TransformerConfig(**base, compile_pointwise=True)).double().train()
+    fused.load_state_dict(eager.state_dict())
+    compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(1)
+    tokens, labels = torch.randint(61, (2, 40), generator=gen), torch.randint(61, (2, 40), generator=gen)
+    for called in (eager, compiled):
+        called(tokens, labels=labels).loss_sum.backward()
+    for (name, p), (_, q) in zip(eager.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
 @pytest.mark.parametrize("device,attention", POINTWISE_CASES)
 def test_compile_pointwise_equals_eager(device, attention):
     """``TransformerConfig.compile_pointwise`` (RMSNorm, RoPE and the SwiGLU gate compiled by inductor) under

@@ -140,8 +140,9 @@ _COMPILED: dict[Any, Any] = {}
 
 def pointwise(fn, compiled: bool):
     """``fn``, or with ``compiled`` its ``torch.compile(fullgraph=True)`` version (one per function, shared by
-    every module: the compiled code and its guards are built once)."""
-    if not compiled:
+    every module: the compiled code and its guards are built once). Inside a graph ``torch.compile`` is
+    already tracing (the user compiled the whole model) ``fn`` itself: the outer compilation fuses it."""
+    if not compiled or torch.compiler.is_compiling():
         return fn
     if fn not in _COMPILED:
         _COMPILED[fn] = torch.compile(fn, fullgraph=True)
