@@ -76,6 +76,21 @@ def test_fullgraph_compile_of_the_sparse_training_step_equals_eager(backend, dis
     assert int(twin.distill_draws) == int(eager.distill_draws) == (2 if distill == "sampled" else 0)
 
 
+def _train_forwards(models, tokens, labels, sparse, autocast_device=None):
+    """One training forward and backward of each ``(model, callable)`` pair (the callable: the model or its
+    compiled twin), bf16 autocast on ``autocast_device`` when given: their ``LMLoss`` outputs."""
+    results = []
+    for model, called in models:
+        with torch.autocast(autocast_device or "cpu", dtype=torch.bfloat16, enabled=autocast_device is not None):
+            out = called(tokens, labels=labels)
+            loss = out.loss_sum / out.count
+            if sparse:
+                loss = loss + st.collect_selector_losses(model)
+        loss.backward()
+        results.append(out)
+    return results
+
+
 @pytest.mark.parametrize("attention", ["sparse", "dense"])
 def test_fullgraph_compile_of_the_transformer_with_labels_equals_eager(attention):
     """The training forward of the whole model, ``Transformer(tokens, labels=...)`` (the chunked LM loss over
@@ -97,15 +112,7 @@ def test_fullgraph_compile_of_the_transformer_with_labels_equals_eager(attention
     gen = torch.Generator().manual_seed(1)
     tokens, labels = torch.randint(61, (2, 96), generator=gen), torch.randint(61, (2, 96), generator=gen)
     labels[0, :50] = -100
-    results = []
-    for model, called in ((eager, eager), (twin, compiled)):
-        out = called(tokens, labels=labels)
-        loss = out.loss_sum / out.count
-        if attention == "sparse":
-            loss = loss + st.collect_selector_losses(model)
-        loss.backward()
-        results.append(out)
-    want, got = results
+    want, got = _train_forwards(((eager, eager), (twin, compiled)), tokens, labels, attention == "sparse")
     assert int(got.count) == int(want.count) == int((labels != -100).sum())
     assert int(got.correct) == int(want.correct)
     torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-12, atol=1e-12)
@@ -174,16 +181,9 @@ def test_compile_pointwise_equals_eager(device, attention):
     fused.load_state_dict(eager.state_dict())
     gen = torch.Generator().manual_seed(1)
     tokens, labels = (torch.randint(61, (2, n), generator=gen).to(device) for _ in range(2))
-    results = []
-    for model in (eager, fused):
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=gpu):
-            out = model(tokens, labels=labels)
-            loss = out.loss_sum / out.count
-            if attention == "sparse":
-                loss = loss + st.collect_selector_losses(model)
-        loss.backward()
-        results.append(out.loss_sum.detach())
-    torch.testing.assert_close(results[1], results[0], rtol=1e-3 if gpu else 1e-6, atol=0)
+    want, got = _train_forwards(((eager, eager), (fused, fused)), tokens, labels, attention == "sparse",
+                                "cuda" if gpu else None)
+    torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-3 if gpu else 1e-6, atol=0)
     if gpu:
         _check_gradients_close(eager, fused, GPU_GRADIENT_LIMIT)
         return
@@ -301,16 +301,7 @@ def test_fullgraph_inductor_compile_of_the_transformer_with_labels_on_gpu(attent
     n = 2048 + 37
     tokens, labels = (torch.randint(256, (2, n), generator=gen).to(device) for _ in range(2))
     labels[0, :900] = -100
-    results = []
-    for model, called in ((eager, eager), (twin, compiled)):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            out = called(tokens, labels=labels)
-            loss = out.loss_sum / out.count
-            if attention == "sparse":
-                loss = loss + st.collect_selector_losses(model)
-        loss.backward()
-        results.append(out)
-    want, got = results
+    want, got = _train_forwards(((eager, eager), (twin, compiled)), tokens, labels, attention == "sparse", "cuda")
     assert int(got.count) == int(want.count) == int((labels != -100).sum())
     torch.testing.assert_close(got.loss_sum / got.count, want.loss_sum / want.count, rtol=2e-3, atol=2e-3)
     assert abs(int(got.correct) - int(want.correct)) <= 0.01 * int(want.count)
