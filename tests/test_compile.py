@@ -129,13 +129,14 @@ def _has_cpp_compiler() -> bool:
     return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
 
 
+NEEDS_CPP = pytest.mark.skipif(not _has_cpp_compiler(), reason="inductor on the CPU needs a C++ compiler")
+# (device, attention core, keep the attention under checkpointing)
 POINTWISE_CASES = [
-    pytest.param("cpu", "sparse", id="cpu-sparse",
-                 marks=pytest.mark.skipif(not _has_cpp_compiler(), reason="inductor on the CPU needs a C++ compiler")),
-    pytest.param("cpu", "dense", id="cpu-dense",
-                 marks=pytest.mark.skipif(not _has_cpp_compiler(), reason="inductor on the CPU needs a C++ compiler")),
-    pytest.param("cuda", "sparse", id="gpu-sparse-bf16", marks=pytest.mark.gpu),
-    pytest.param("cuda", "dense", id="gpu-dense-bf16", marks=pytest.mark.gpu),
+    pytest.param("cpu", "sparse", False, id="cpu-sparse", marks=NEEDS_CPP),
+    pytest.param("cpu", "sparse", True, id="cpu-sparse-keep-attention", marks=NEEDS_CPP),
+    pytest.param("cpu", "dense", False, id="cpu-dense", marks=NEEDS_CPP),
+    pytest.param("cuda", "sparse", False, id="gpu-sparse-bf16", marks=pytest.mark.gpu),
+    pytest.param("cuda", "dense", False, id="gpu-dense-bf16", marks=pytest.mark.gpu),
 ]
 
 
@@ -159,12 +160,12 @@ def test_compile_pointwise_inside_a_compiled_model():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("device,attention", POINTWISE_CASES)
-def test_compile_pointwise_equals_eager(device, attention):
+@pytest.mark.parametrize("device,attention,keep", POINTWISE_CASES)
+def test_compile_pointwise_equals_eager(device, attention, keep):
     """``TransformerConfig.compile_pointwise`` (RMSNorm, RoPE and the SwiGLU gate compiled by inductor) under
-    activation checkpointing: the loss and every gradient equal the eager model's. CPU float32: up to float32
-    rounding (the fused kernels sum in another order; the selector's gradients pass through a KL of
-    softmaxes). GPU: bf16 autocast, Triton kernels, bf16 tolerances."""
+    activation checkpointing (also keeping the attention): the loss and every gradient equal the eager model's.
+    CPU float32: up to float32 rounding (the fused kernels sum in another order; the selector's gradients pass
+    through a KL of softmaxes). GPU: bf16 autocast, Triton kernels, bf16 tolerances."""
     from sparse_train.lightning.model import Transformer, TransformerConfig
 
     torch._dynamo.reset()
@@ -174,7 +175,7 @@ def test_compile_pointwise_equals_eager(device, attention):
     sparse = dict(block_q=block, block_k=block, top_k=0 if gpu else 2, window=1, sinks=1, dense_warmup_steps=0,
                   backend="auto" if gpu else "reference", distill="sampled", selector_dim=8)
     base = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention, sparse=sparse,
-                activation_checkpointing=True)
+                activation_checkpointing=True, checkpoint_keeps_attention=keep)
     torch.manual_seed(0)
     eager = Transformer(TransformerConfig(**base)).to(device).train()
     fused = Transformer(TransformerConfig(**base, compile_pointwise=True)).to(device).train()
