@@ -470,7 +470,7 @@ class SparseAttention(nn.Module):
             o, kernel_lse = sparse_attention(
                 q, k, v, attend_index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
                 deterministic=cfg.deterministic, return_lse=True, backend=backend, seq_lens=seq_lens,
-                document_ids=document_ids, kernel_options={"plan": plan, "r0": cfg.r0, "fused_dq": cfg.fused_backward},
+                document_ids=document_ids, kernel_options={"plan": plan, **self._kernel_options()},
                 check_values=check_values,
             )
             lse = kernel_lse if path == "sparse" else None  # the sparse target reads the selection's lse
@@ -581,8 +581,7 @@ class SparseAttention(nn.Module):
                       document_ids=document_ids, backend=backend, return_lse=True)
         if path == "sparse":
             o, lse = cpm.context_parallel_sparse_attention(
-                q, k, v, index, deterministic=cfg.deterministic,
-                kernel_options={"r0": cfg.r0, "fused_dq": cfg.fused_backward}, **common)
+                q, k, v, index, deterministic=cfg.deterministic, kernel_options=self._kernel_options(), **common)
         else:
             o, lse = cpm.context_parallel_dense_attention(q, k, v, block_q=cfg.block_q, block_k=cfg.block_k,
                                                           check="cheap" if check_values else "none", **common)
@@ -612,6 +611,10 @@ class SparseAttention(nn.Module):
                     anchors=[o] if scores is None else [o, scores],
                 )
         return o
+
+    def _kernel_options(self) -> dict:
+        """The config's performance choices for :func:`sparse_train.sparse_attention` (both paths)."""
+        return {"r0": self.config.r0, "fused_dq": self.config.fused_backward}
 
     def _cp_distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
                               document_ids, check_values, rank, world, target=None) -> tuple[Tensor, tuple]:

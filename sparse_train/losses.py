@@ -185,11 +185,18 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, igno
     return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_tokens, int(ignore_index), compute_dtype)
 
 
-def _labelled(labels: Tensor, positions: torch.Size, ignore_index: int) -> Tensor:
-    """bool mask of the labelled positions, after checking ``labels`` covers ``positions`` ``[B, N]``."""
-    if labels.shape != positions:
-        raise ValueError(f"labels must have the tokens' shape {tuple(positions)}, got {tuple(labels.shape)}")
-    return labels != ignore_index
+def _labelled_rows(x: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(labelled, rows, targets)`` of per-position tensors ``x`` ``[B, N, F]`` and ``labels`` ``[B, N]``:
+    the bool mask of the labelled positions, then eagerly only their rows ``[L, F]`` and labels ``[L]``.
+    While ``torch.compile`` traces, every row and label instead (``[B * N, F]``, ``[B * N]``): a boolean
+    selection has a data-dependent shape, which a full graph cannot hold; the callers' losses ignore the
+    unlabelled rows either way. Raises ValueError when ``labels`` is not ``[B, N]``."""
+    if labels.shape != x.shape[:-1]:
+        raise ValueError(f"labels must have the tokens' shape {tuple(x.shape[:-1])}, got {tuple(labels.shape)}")
+    labelled = labels != ignore_index
+    if torch.compiler.is_compiling():
+        return labelled, x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+    return labelled, x[labelled], labels[labelled]
 
 
 def labelled_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, ignore_index: int = -100,
@@ -200,13 +207,8 @@ def labelled_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, ignore
 
     Eagerly the labelled rows are selected first (a retrieval batch labels a few answer tokens of thousands:
     their logits only). While ``torch.compile`` traces, every row goes through the head instead, the ignored
-    ones adding no loss and no gradient: a boolean selection has a data-dependent shape, which a full graph
-    cannot hold. Same result, up to float32 summation order."""
-    labelled = _labelled(labels, hidden.shape[:-1], ignore_index)
-    if torch.compiler.is_compiling():
-        rows, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    else:
-        rows, targets = hidden[labelled], labels[labelled]
+    ones adding no loss and no gradient (:func:`_labelled_rows`). Same result, up to float32 summation order."""
+    labelled, rows, targets = _labelled_rows(hidden, labels, ignore_index)
     loss_sum, correct = linear_cross_entropy(rows, weight, targets, ignore_index=ignore_index,
                                              chunk_tokens=chunk_tokens)
     return LMLoss(loss_sum, correct, labelled.sum())
@@ -215,16 +217,9 @@ def labelled_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, ignore
 def labelled_logits_loss(logits: Tensor, labels: Tensor, *, ignore_index: int = -100) -> LMLoss:
     """:class:`LMLoss` from logits ``[B, N, V]`` already computed (a model whose head cannot be chunked):
     only the labelled positions, in float32 at least. Raises ValueError when ``labels`` is not ``[B, N]``.
-    While ``torch.compile`` traces, every position is taken and the ignored ones masked (see
-    :func:`labelled_head_loss`)."""
-    labelled = _labelled(labels, logits.shape[:-1], ignore_index)
-    if torch.compiler.is_compiling():
-        picked, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-        picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
-        loss_sum = F.cross_entropy(picked, targets, ignore_index=ignore_index, reduction="sum")
-        return LMLoss(loss_sum, ((picked.argmax(-1) == targets) & labelled.reshape(-1)).sum(), labelled.sum())
-    picked = logits[labelled]
-    picked = picked.to(torch.promote_types(picked.dtype, torch.float32))
-    targets = labels[labelled]
-    return LMLoss(F.cross_entropy(picked, targets, reduction="sum"), (picked.argmax(-1) == targets).sum(),
-                  labelled.sum())
+    While ``torch.compile`` traces, every position is taken and the ignored ones masked (:func:`_labelled_rows`)."""
+    labelled, rows, targets = _labelled_rows(logits, labels, ignore_index)
+    rows = rows.to(torch.promote_types(rows.dtype, torch.float32))
+    loss_sum = F.cross_entropy(rows, targets, ignore_index=ignore_index, reduction="sum")
+    correct = ((rows.argmax(-1) == targets) & (targets != ignore_index)).sum()
+    return LMLoss(loss_sum, correct, labelled.sum())

@@ -332,8 +332,8 @@ class Transformer(nn.Module):
                 >= 0 (packed documents): each token attends only tokens of its own document, and RoPE
                 positions restart at 0 at every document start.
             labels: optional int ``[B, N]``, the target of each position or ``IGNORE_INDEX`` (-100). Then the
-                return is :class:`~sparse_train.losses.LMLoss` (summed cross-entropy, correct argmax predictions, labelled count)
-                from :func:`~sparse_train.losses.linear_cross_entropy` over the labelled positions only:
+                return is :class:`~sparse_train.losses.LMLoss` (summed cross-entropy, correct argmax predictions,
+                labelled count) from :func:`~sparse_train.losses.linear_cross_entropy` over the labelled positions only:
                 ``cfg.loss_chunk_tokens`` rows of logits at a time, never ``[B, N, vocab]`` (at 196K tokens
                 and a 32K vocabulary their float32 copy alone is 23.4 GiB). Computed inside ``forward`` so
                 that wrappers which gather parameters around it (FSDP) hold the head's weight.
