@@ -440,7 +440,7 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         kv_cfgs = [(h, w, s, r) for h in (1, 2) for w in (4, 8) for s in (1, 2, 3) for r in (16, 32, 64, 128)
                    if r <= h * bs]
     else:
-        dq_cfgs = [(1, w, s) for w in (4, 8) for s in (1, 2)]
+        dq_cfgs = [(1, w, s) for w in (4, 8) for s in (1, 2, 3)]
         kv_cfgs = [(1, w, s, r) for w in (4, 8) for s in (1, 2, 3) for r in (32, 64, 128)]
     variants = (([dict(dq=c) for c in dq_cfgs] if "dq" in parts else [])
                 + ([dict(kv=c) for c in kv_cfgs] if "kv" in parts else [])

@@ -89,6 +89,10 @@ def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
     return attend
 
 
+POINTWISE = {"on": True, "off": False, "auto": "auto"}
+"""``--compile-pointwise`` values as ``TransformerConfig.compile_pointwise`` takes them."""
+
+
 def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
@@ -130,7 +134,7 @@ def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Trans
                             rope_theta=args.rope_theta, tie_embeddings=False, attention=variant,
                             sparse=sparse_cfg, activation_checkpointing=act_ckpt,
                             checkpoint_keeps_attention=args.keep_attention == "on",
-                            compile_pointwise=args.compile_pointwise == "on")
+                            compile_pointwise=POINTWISE[args.compile_pointwise])
     return Transformer(cfg)
 
 
@@ -156,9 +160,9 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
                          "(TransformerConfig.checkpoint_keeps_attention; both variants)")
     ap.add_argument("--fused-backward", choices=["on", "off"], default="off",
                     help="sparse variant: dQ from the KV-centric kernel by atomics (SparseAttentionConfig.fused_backward)")
-    ap.add_argument("--compile-pointwise", choices=["on", "off"], default="off",
+    ap.add_argument("--compile-pointwise", choices=sorted(POINTWISE), default="auto",
                     help="RMSNorm, RoPE and the SwiGLU gate as torch.compile'd fused kernels "
-                         "(TransformerConfig.compile_pointwise; both variants)")
+                         "(TransformerConfig.compile_pointwise, both variants; auto = on for CUDA, the default)")
     ap.add_argument("--loss", choices=["chunked", "logits"], default="chunked",
                     help="LM loss: the model's chunked head + cross-entropy (forward(labels=...), as the training "
                          "recipes; logits of 8,192 tokens at a time) or F.cross_entropy on the full [N, vocab] "
@@ -204,7 +208,8 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
     result: dict[str, Any] = {"context": n, "variant": variant, "status": "ok", "act_ckpt": act_ckpt,
                               "keep_attention": act_ckpt and args.keep_attention == "on",
                               "fused_backward": variant == "sparse" and args.fused_backward == "on",
-                              "compile_pointwise": args.compile_pointwise == "on",
+                              "compile_pointwise": POINTWISE[args.compile_pointwise] is True
+                              or (POINTWISE[args.compile_pointwise] == "auto" and device.type == "cuda"),
                               "params": model.num_parameters(), "repeats": args.repeats}
     result.update(time_steps(step, args.warmup, args.repeats, device, n, quantile=0.95))
     if variant == "sparse":

@@ -489,23 +489,23 @@ def _divides_group(label: str, heads: int, group: int) -> int:
 
 def forward_config(group: int, block_q: int, block_k: int, head_dim: int,
                    kernel_options: Mapping | KernelOptions | None = None) -> ForwardConfig:
-    """Forward tile: heads * BQ = 256 rows (K/V loaded once for 4 heads at BQ = 64); 8 warps and 3
-    stages for tiles of >= 128 x 128 elements (2 stages for 256-row tiles over 128-key blocks: shared
-    memory), 4 warps and 3 stages below. ``kernel_options`` override each field."""
+    """Forward tile: heads * BQ = 256 rows at head dim >= 128 (K/V loaded once for 4 heads at BQ = 64), 128
+    rows below (at D = 64 the K/V loads are half as large and the smaller tile gives twice the programs:
+    2 heads 11% faster than 4 on the H200); 8 warps once a [rows, max(D, BK)] tile reaches 128 x 64
+    elements, 4 below; 3 stages (2 for 256-row tiles over 128-key blocks: shared memory). Measured:
+    docs/benchmarks/kernel_tuning.md, docs/benchmarks/speed_round2/. ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
-    heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=256)
+    heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=256 if head_dim >= 128 else 128)
     _divides_group("kernel_options.fwd_heads_per_program", heads, group)
     rows = heads * block_q
-    if rows * head_dim >= 128 * 128:
-        warps, stages = 8, 2 if (rows >= 256 and block_k >= 128) else 3
-    else:
-        warps, stages = 4, 3
+    warps = 8 if rows * max(head_dim, block_k) >= 128 * 64 else 4
+    stages = 2 if (rows >= 256 and block_k >= 128) else 3
     return ForwardConfig(heads, options.fwd_num_warps or warps, options.fwd_num_stages or stages)
 
 
 def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_cold: bool,
                     kernel_options: Mapping | KernelOptions | None = None) -> BackwardConfig:
-    """Backward tiles: dQ with heads * BQ = 128 rows, 8 warps for tiles above 64 x 128 elements, 3
+    """Backward tiles: dQ with heads * BQ = 128 rows, 8 warps when [rows, max(D, BK)] exceeds 64 x 128, 3
     stages (2 with 4 warps; with 128 x 128 key tiles 2, or 1 when the atomic dK/dV products also run:
     shared memory); KV-centric one head per iteration (stacking more spills registers: the [BK, D]
     dK/dV accumulators already live in registers), taking its query tile in row slices: 128 x 128 key
@@ -517,7 +517,9 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     _divides_group("kernel_options.dq_heads_per_program", dq_heads, group)
     kv_heads = options.kv_heads_per_program or 1
     _divides_group("kernel_options.kv_heads_per_program", kv_heads, group)
-    dq_warps = 8 if dq_heads * block_q * head_dim > 64 * 128 else 4
+    # the [rows, D] dQ accumulator and the [rows, BK] scores and dP live at once: 8 warps once either reaches
+    # 128 x 128 (at D = 64 with 128-key blocks 4 warps spilled 150 slots on the H200)
+    dq_warps = 8 if dq_heads * block_q * max(head_dim, block_k) > 64 * 128 else 4
     if block_k * head_dim >= 128 * 128:
         dq_stages = 1 if has_cold else 2
     else:

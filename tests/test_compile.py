@@ -148,7 +148,7 @@ def test_compile_pointwise_inside_a_compiled_model():
     torch._dynamo.reset()
     base = dict(vocab_size=61, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, attention="dense")
     torch.manual_seed(0)
-    eager = Transformer(TransformerConfig(**base)).double().train()
+    eager = Transformer(TransformerConfig(**base, compile_pointwise=False)).double().train()
     fused = Transformer(TransformerConfig(**base, compile_pointwise=True)).double().train()
     fused.load_state_dict(eager.state_dict())
     compiled = torch.compile(fused, fullgraph=True, backend="aot_eager")
@@ -158,6 +158,27 @@ def test_compile_pointwise_inside_a_compiled_model():
         called(tokens, labels=labels).loss_sum.backward()
     for (name, p), (_, q) in zip(eager.named_parameters(), fused.named_parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)])
+def test_compile_pointwise_auto_compiles_on_cuda_only(device):
+    """The default ``compile_pointwise="auto"`` compiles the pointwise functions for CUDA activations and leaves
+    them eager elsewhere; True and False force it either way."""
+    from sparse_train.lightning.model import TransformerConfig, pointwise, rms_norm
+
+    assert TransformerConfig().compile_pointwise == "auto"
+    x = torch.ones(2, 8, device=device)
+    assert (pointwise(rms_norm, "auto", x) is rms_norm) == (device == "cpu")
+    assert pointwise(rms_norm, False, x) is rms_norm
+    assert pointwise(rms_norm, True, x) is not rms_norm
+
+
+@pytest.mark.parametrize("value", ["on", 1, None])
+def test_compile_pointwise_rejects_other_values(value):
+    from sparse_train.lightning.model import TransformerConfig
+
+    with pytest.raises(ValueError, match="compile_pointwise must be one of"):
+        TransformerConfig(compile_pointwise=value)
 
 
 @pytest.mark.parametrize("device,attention,keep", POINTWISE_CASES)
@@ -177,7 +198,7 @@ def test_compile_pointwise_equals_eager(device, attention, keep):
     base = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention, sparse=sparse,
                 activation_checkpointing=True, checkpoint_keeps_attention=keep)
     torch.manual_seed(0)
-    eager = Transformer(TransformerConfig(**base)).to(device).train()
+    eager = Transformer(TransformerConfig(**base, compile_pointwise=False)).to(device).train()
     fused = Transformer(TransformerConfig(**base, compile_pointwise=True)).to(device).train()
     fused.load_state_dict(eager.state_dict())
     gen = torch.Generator().manual_seed(1)
@@ -292,7 +313,7 @@ def test_fullgraph_inductor_compile_of_the_transformer_with_labels_on_gpu(attent
     sparse = dict(block_q=64, block_k=64, top_k=0, window=2, sinks=1, dense_warmup_steps=0, dense_fallback=False,
                   distill="sampled")  # top_k=0: GPU_GRADIENT_LIMIT
     cfg = TransformerConfig(vocab_size=256, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention,
-                            sparse=sparse, loss_chunk_tokens=1000)
+                            sparse=sparse, loss_chunk_tokens=1000, compile_pointwise=False)
     torch.manual_seed(0)
     eager = Transformer(cfg).to(device).train()
     twin = Transformer(cfg).to(device).train()

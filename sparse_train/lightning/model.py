@@ -73,13 +73,14 @@ class TransformerConfig:
     bytes per block in bf16 (64K tokens, 32 heads of 64: 272 MB), saves an attention forward per block and step.
     Off by default: the sparse forward is cheap to recompute (1.1B model at 64K on the H200: the step 0-2%
     faster for 3.9 GiB more), while a dense core gains much more (14% of its step)."""
-    compile_pointwise: bool = False
+    compile_pointwise: Union[bool, Literal["auto"]] = "auto"
     """Run the elementwise parts of the model (RMSNorm, RoPE, the SwiGLU gate) as ``torch.compile``'d functions:
     each becomes one fused kernel forward and one backward instead of a chain of eager float32 elementwise
     kernels. Measured on the H200 (1.1B model, activation checkpointing): the sparse step 19-20% faster at 64K
-    and 128K, the dense one 4-7%. Matmuls and the attention core stay eager. Off by default: the first step
-    pays the compilation (seconds), and it needs a working inductor backend (Triton on CUDA, a C++ compiler on
-    the CPU)."""
+    and 128K, the dense one 4-7%. Matmuls and the attention core stay eager. ``"auto"`` (default): compiled
+    when the activations are on a CUDA device (inductor generates Triton there), eager elsewhere (on the CPU
+    inductor would need a C++ compiler and gains little); True / False force it. The first step on the GPU
+    pays the compilation (seconds)."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation."""
     loss_chunk_tokens: int = DEFAULT_CHUNK_TOKENS
@@ -108,7 +109,7 @@ class TransformerConfig:
         check_int("TransformerConfig.loss_chunk_tokens", self.loss_chunk_tokens, minimum=1)
         check_bool("TransformerConfig.tie_embeddings", self.tie_embeddings)
         check_bool("TransformerConfig.activation_checkpointing", self.activation_checkpointing)
-        check_bool("TransformerConfig.compile_pointwise", self.compile_pointwise)
+        check_choice("TransformerConfig.compile_pointwise", self.compile_pointwise, (True, False, "auto"))
         check_bool("TransformerConfig.checkpoint_keeps_attention", self.checkpoint_keeps_attention)
         check_bool("TransformerConfig.selector_unrotates_rope", self.selector_unrotates_rope)
         check_choice("TransformerConfig.attention", self.attention, ("sparse", "dense"))
@@ -138,10 +139,13 @@ def swiglu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 _COMPILED: dict[Any, Any] = {}
 
 
-def pointwise(fn, compiled: bool):
-    """``fn``, or with ``compiled`` its ``torch.compile(fullgraph=True)`` version (one per function, shared by
-    every module: the compiled code and its guards are built once). Inside a graph ``torch.compile`` is
-    already tracing (the user compiled the whole model) ``fn`` itself: the outer compilation fuses it."""
+def pointwise(fn, compiled: Union[bool, str], like: torch.Tensor):
+    """``fn``, or its ``torch.compile(fullgraph=True)`` version (one per function, shared by every module: the
+    compiled code and its guards are built once) when ``compiled`` is True, or ``"auto"`` and ``like`` (an input
+    of the call) is a CUDA tensor. Inside a graph ``torch.compile`` is already tracing (the user compiled the
+    whole model) ``fn`` itself: the outer compilation fuses it."""
+    if compiled == "auto":
+        compiled = like.is_cuda
     if not compiled or torch.compiler.is_compiling():
         return fn
     if fn not in _COMPILED:
@@ -152,14 +156,14 @@ def pointwise(fn, compiled: bool):
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned gain (no bias, no mean subtraction)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, compiled: bool = False) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, compiled: Union[bool, str] = False) -> None:
         super().__init__()
         self.eps = eps
         self.compiled = compiled
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return pointwise(rms_norm, self.compiled)(x, self.weight, self.eps)
+        return pointwise(rms_norm, self.compiled, x)(x, self.weight, self.eps)
 
 
 def _rope_tables(seq_len: int, dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +222,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        rope = pointwise(_apply_rope, self.compiled)
+        rope = pointwise(_apply_rope, self.compiled, q)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         if self.core is not None:
             o = self.core(q, k, v, seq_lens=seq_lens, document_ids=document_ids, position_ids=positions)
@@ -248,7 +252,7 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """Gated MLP: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, d_model: int, hidden: int, compiled: bool = False) -> None:
+    def __init__(self, d_model: int, hidden: int, compiled: Union[bool, str] = False) -> None:
         super().__init__()
         self.compiled = compiled
         self.gate = nn.Linear(d_model, hidden, bias=False)
@@ -256,7 +260,7 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(pointwise(swiglu_gate, self.compiled)(self.gate(x), self.up(x)))
+        return self.down(pointwise(swiglu_gate, self.compiled, x)(self.gate(x), self.up(x)))
 
 
 class Block(nn.Module):
