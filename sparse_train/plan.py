@@ -492,14 +492,20 @@ def forward_config(group: int, block_q: int, block_k: int, head_dim: int,
     """Forward tile: heads * BQ = 256 rows at head dim >= 128 (K/V loaded once for 4 heads at BQ = 64), 128
     rows below (at D = 64 the K/V loads are half as large and the smaller tile gives twice the programs:
     2 heads 11% faster than 4 on the H200); 8 warps once a [rows, max(D, BK)] tile reaches 128 x 64
-    elements, 4 below; 3 stages (2 for 256-row tiles over 128-key blocks: shared memory). Measured:
-    docs/benchmarks/kernel_tuning.md, docs/benchmarks/speed_round2/. ``kernel_options`` override each field."""
+    elements, 4 below, 3 stages (2 for 256-row tiles over 128-key blocks: shared memory); but 4 warps and 2
+    stages below head dim 128 over 128-key blocks. Measured: docs/benchmarks/kernel_tuning.md,
+    docs/benchmarks/speed_round2/. ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
     heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=256 if head_dim >= 128 else 128)
     _divides_group("kernel_options.fwd_heads_per_program", heads, group)
     rows = heads * block_q
-    warps = 8 if rows * max(head_dim, block_k) >= 128 * 64 else 4
-    stages = 2 if (rows >= 256 and block_k >= 128) else 3
+    if head_dim < 128 and block_k >= 128:
+        # measured (64K, D = 64, 128-blocks): 4 warps / 2 stages 2.41 ms, 4 / 3 2.57, 8 / 3 3.05 (255 registers,
+        # no spill at 4 warps)
+        warps, stages = 4, 2
+    else:
+        warps = 8 if rows * max(head_dim, block_k) >= 128 * 64 else 4
+        stages = 2 if (rows >= 256 and block_k >= 128) else 3
     return ForwardConfig(heads, options.fwd_num_warps or warps, options.fwd_num_stages or stages)
 
 
@@ -509,7 +515,8 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     stages (2 with 4 warps; with 128 x 128 key tiles 2, or 1 when the atomic dK/dV products also run:
     shared memory); KV-centric one head per iteration (stacking more spills registers: the [BK, D]
     dK/dV accumulators already live in registers), taking its query tile in row slices: 128 x 128 key
-    tiles 8 warps, 2 stages, 64-row slices; 64 x 128 key tiles 4 warps, 3 stages, 32-row slices;
+    tiles 8 warps, 2 stages, 64-row slices; 64 x 128 key tiles 4 warps, 3 stages, 32-row slices (128 x 64:
+    2 stages);
     smaller 4 warps, 3 stages, the whole tile (measured on the H200: docs/benchmarks/kernel_tuning.md).
     ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
@@ -528,7 +535,8 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     if block_k * head_dim >= 128 * 128:
         kv_warps, kv_stages, kv_slice = 8, 2, 64
     elif block_k * head_dim >= 64 * 128:
-        kv_warps, kv_stages, kv_slice = 4, 3, 32
+        # 128-key blocks at D = 64: 2 stages (kernel 5.5 ms against 6.1 with 3 on the H200, fewer spills)
+        kv_warps, kv_stages, kv_slice = 4, 2 if block_k >= 128 else 3, 32
     else:
         kv_warps, kv_stages, kv_slice = 4, 3, None
     kv_rows = kv_heads * block_q
