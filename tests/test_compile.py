@@ -279,8 +279,11 @@ def test_fullgraph_inductor_compile_equals_eager_on_gpu(distill, with_lens, with
         assert torch.equal(twin.last_selection.indices, eager.last_selection.indices)
 
 
-GPU_GRADIENT_LIMIT = 3e-2
-"""Relative gradient error (Frobenius norm) allowed between a compiled and an eager bf16 model on the GPU.
+GPU_GRADIENT_LIMIT = 1.5e-2
+"""Relative gradient error (Frobenius norm) allowed between a compiled and an eager bf16 model on the GPU; the
+selector's parameters get :data:`GPU_SELECTOR_GRADIENT_LIMIT`. Measured on the H200 (torch 2.11, ninth
+session): model parameters at most 8.7e-3, the selector's up to 2.3e-2 (its gradients pass through a KL of
+two softmaxes of bf16 scores).
 
 The sparse GPU cases select no top-k blocks (``top_k=0``: window and sinks only, a selection no rounding can
 change). With top-k blocks, bf16 projections rounded in another order move the selector's scores and a near
@@ -288,6 +291,7 @@ tie flips a query block's selection, which moves whole gradients: on the H200 th
 reached 4.2% here (the dense model 0.2-0.5%), and on the CPU in bf16 (reference backend) a top_k=2 model's
 second layer selected differently with 7% gradient error, top_k=0 selected the same with 1.3%. The top-k
 path under compile is compared with equal selections by the module-level test above."""
+GPU_SELECTOR_GRADIENT_LIMIT = 3e-2
 
 
 def _check_gradients_close(eager, compiled, limit):
@@ -297,7 +301,8 @@ def _check_gradients_close(eager, compiled, limit):
             continue
         err = ((q.grad.double() - p.grad.double()).norm() / p.grad.double().norm().clamp_min(1e-30)).item()
         print(f"{name}: |compiled - eager| / |eager| = {err:.2e}")
-        assert err < limit, f"{name}: relative gradient error {err:.2e}"
+        bound = GPU_SELECTOR_GRADIENT_LIMIT if ".core.scorer." in name else limit
+        assert err < bound, f"{name}: relative gradient error {err:.2e} (limit {bound:.1e})"
 
 
 @pytest.mark.gpu
