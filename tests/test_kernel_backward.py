@@ -286,6 +286,29 @@ def test_strided_seq_lens_column():
     _compare(idx, q, k, v, dtype=torch.float32, seq_lens=lens, kernel_options={"r0": 2})
 
 
+def test_output_and_gradients_keep_the_projection_layout():
+    """o comes back as a view of [B, N, HQ, D] memory, so ``o.transpose(1, 2).reshape(B, N, HQ * D)`` (the
+    output projection's input) is a view, not a copy; dq / dk / dv take the layouts of q / k / v, so inputs that
+    are the transposed [B, N, H, D] views of a projection get their gradients back without a copy either.
+    The values still equal the fp64 reference."""
+    B, HQ, HKV, N, D = 2, 4, 2, 70, 16
+    idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=5, device=DEV)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, N, h, D, generator=g).to(DEV).transpose(1, 2).requires_grad_() for h in (HQ, HKV, HKV))
+    o, _ = triton_sparse_attention(q, k, v, idx)
+    flat = o.transpose(1, 2).reshape(B, N, HQ * D)
+    assert flat.data_ptr() == o.data_ptr() and flat.is_contiguous()
+    do = torch.randn(B, N, HQ * D, generator=g).to(DEV)
+    grads = torch.autograd.grad(flat, (q, k, v), do)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o64, _ = reference_sparse_attention(q64, k64, v64, idx)
+    grads64 = torch.autograd.grad(o64.transpose(1, 2).reshape(B, N, HQ * D), (q64, k64, v64), do.double())
+    assert rel_err(o, o64) < 1e-5
+    for name, grad, grad64, x in zip(("dq", "dk", "dv"), grads, grads64, (q, k, v)):
+        assert grad.stride() == x.stride(), f"{name} strides {grad.stride()} differ from its input's {x.stride()}"
+        assert rel_err(grad, grad64) < 1e-5, name
+
+
 def _strided(t, filler):
     """The same values in a non-contiguous tensor (stride 2 in every dim, `filler` in between), so a
     kernel that ignores strides reads `filler`."""

@@ -75,6 +75,41 @@ def test_sparse_model_with_full_selection_matches_dense_twin():
     assert not torch.allclose(partial(torch.randint(70, (1, 200))), dense(torch.randint(70, (1, 200))))
 
 
+def test_norms_hand_the_autocast_dtype_to_their_matmuls():
+    """Under autocast every RMSNorm emits the autocast dtype (the float32 result cast once: bitwise what the
+    matmuls' own casts gave), so a forward casts each float32 [B, N, d_model] activation once per norm, not once
+    per consuming matmul (q, k, v, gate, up and the LM head: 5 per block + 1)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sparse_train.lightning.model import rms_norm
+
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(**TINY, attention="dense"))
+    tokens = torch.randint(70, (2, 40))
+    width = (2, 40, TINY["d_model"])
+
+    class CountActivationCasts(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket is torch.ops.aten._to_copy and tuple(args[0].shape) == width \
+                    and args[0].dtype == torch.float32 and out.dtype == torch.bfloat16:
+                type(self).casts += 1
+            return out
+
+    with torch.autocast("cpu", dtype=torch.bfloat16), CountActivationCasts():
+        logits = model(tokens)
+    assert logits.dtype == torch.bfloat16
+    assert CountActivationCasts.casts == 2 * TINY["n_layers"] + 1
+    x = torch.randn(width)
+    norm = model.blocks[0].attn_norm
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = norm(x)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, rms_norm(x, norm.weight, norm.eps).to(torch.bfloat16))
+    assert norm(x).dtype == torch.float32  # no autocast: unchanged
+
+
 # ----------------------------------------------------------------------------------------- callback
 def test_step_timer_logs_expected_keys(tmp_path):
     from lightning.pytorch import Trainer

@@ -10,6 +10,15 @@ LAST_COMPILED: dict = {}
 registers, spills or PTX; never used for compute."""
 
 
+def attention_output(q: Tensor) -> Tensor:
+    """An uninitialised attention output for ``q`` ``[B, HQ, L, D]``: that shape as a view of ``[B, L, HQ, D]``
+    memory, the layout of the ``[B, L, HQ * D]`` activations that feed the output projection, so that
+    ``o.transpose(1, 2).reshape(B, L, HQ * D)`` is a view rather than a copy (and its gradient comes back
+    without one). The kernels write it through its strides. The op's fake output uses the same function."""
+    B, HQ, L, D = q.shape
+    return q.new_empty((B, L, HQ, D)).transpose(1, 2)
+
+
 def launch(kernel, grid, *args, num_warps: int, num_stages: int, **meta):
     """Launch a ``@triton.jit`` kernel; if the configuration exceeds shared memory on this GPU, retry
     with one pipeline stage less (same results: stages only change the prefetch depth)."""

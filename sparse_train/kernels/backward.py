@@ -383,7 +383,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     threshold = int(dropout_threshold(dropout_p)) if dropout else 0
     inv_keep = 1.0 / (1.0 - dropout_p) if dropout else 1.0
     ieee = q.dtype == torch.float32
-    if not do.is_contiguous():
+    if do.stride(-1) != 1:  # any other layout is read through its strides (the output's [B, L, HQ, D] one)
         do = do.contiguous()
     lse = lse.contiguous()
     kv_indptr = kv_indptr.contiguous()
@@ -427,10 +427,11 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if fused:
         dq_acc = torch.zeros((B, HQ, L, D), device=q.device, dtype=torch.float32)
     else:
-        dq = torch.empty((B, HQ, L, D), device=q.device, dtype=q.dtype)
+        dq = torch.empty_like(q)
         dq_acc = delta  # unused
-    dk = torch.empty((B, HKV, N, D), device=q.device, dtype=k.dtype)
-    dv = torch.empty((B, HKV, N, D), device=q.device, dtype=v.dtype)
+    # the gradients in their inputs' layouts: the projections' [B, N, H, D] memory flows back without a copy
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
     if stage_events:
         stage_events[1].record()
     scale_log2 = float(scale * LOG2E.value)
@@ -467,7 +468,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         BLOCK_K=block_k, HEAD_DIM=D, HAS_COLD=has_cold, HAS_PARTS=schedule.total_parts > 0, num_warps=4,
     )
     if fused:
-        dq = dq_acc.to(q.dtype)
+        dq = torch.empty_like(q).copy_(dq_acc)
     if stage_events:
         stage_events[3].record()
     return dq, dk, dv

@@ -49,7 +49,7 @@ from ._jit import (
     sequence_length,
     tile_pointers,
 )
-from ._launch import LAST_COMPILED, kernel_document_ids, kernel_query_map, kernel_seq_lens, launch
+from ._launch import LAST_COMPILED, attention_output, kernel_document_ids, kernel_query_map, kernel_seq_lens, launch
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
 __all__ = ["sparse_attn_forward"]
@@ -218,7 +218,7 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
     if config is None:
         config = forward_config(group, block_q, block_k, D)
     heads_per_program = config.heads_per_program
-    o = torch.empty((B, HQ, L, D), device=q.device, dtype=q.dtype)
+    o = attention_output(q)  # [B, HQ, L, D] view of [B, L, HQ, D] memory
     lse = torch.empty((B, HQ, L), device=q.device, dtype=torch.float32)
     dropout = dropout_p > 0.0
     threshold = int(dropout_threshold(dropout_p)) if dropout else 0

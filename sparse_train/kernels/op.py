@@ -43,6 +43,7 @@ from torch import Tensor
 
 from ..plan import BackwardConfig, ForwardConfig, attention_schedule
 from ..validation import check_attention_args, check_bool, draw_dropout_seed
+from ._launch import attention_output
 from .backward import sparse_attn_backward
 from .forward import sparse_attn_forward
 from .reference import query_block_args, query_block_row0
@@ -79,7 +80,7 @@ def _sparse_attn_fwd(
 def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
       scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids=None, query_map=None, query_row0=None):
     B, HQ, L, D = q.shape  # L = N, or the rows of the listed query blocks under a query-block map
-    return q.new_empty((B, HQ, L, D)), q.new_empty((B, HQ, L), dtype=torch.float32)
+    return attention_output(q), q.new_empty((B, HQ, L), dtype=torch.float32)
 
 
 @torch.library.custom_op("sparse_train::sparse_attn_bwd", mutates_args=())
@@ -101,7 +102,7 @@ def _sparse_attn_bwd(
 def _(do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity,
       block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids=None, query_map=None,
       query_row0=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # the launcher's layouts
 
 
 def _setup_context(ctx, inputs, output):
@@ -220,7 +221,8 @@ def triton_sparse_attention(
             and N % BQ == 0).
 
     Returns:
-        ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype, lse ``[B, HQ, N]`` float32 natural log
+        ``(o, lse)``: o ``[B, HQ, N, D]`` in q's dtype (a view of ``[B, N, HQ, D]`` memory, so that
+        ``o.transpose(1, 2).reshape(B, N, HQ * D)`` costs no copy), lse ``[B, HQ, N]`` float32 natural log
         (``[B, HQ, L, D]`` / ``[B, HQ, L]`` with ``query_blocks``); rows with no valid key give o = 0,
         lse = -inf and zero gradients.  Both are differentiable.
 
