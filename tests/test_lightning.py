@@ -108,6 +108,9 @@ def test_norms_hand_the_autocast_dtype_to_their_matmuls():
         got = norm(x)
     assert got.dtype == torch.bfloat16 and torch.equal(got, rms_norm(x, norm.weight, norm.eps).to(torch.bfloat16))
     assert norm(x).dtype == torch.float32  # no autocast: unchanged
+    update = torch.randn(width, dtype=torch.bfloat16)
+    total, normed = norm(x, update)  # the block's residual add fused with its second norm
+    assert torch.equal(total, x + update) and torch.equal(normed, norm(x + update))
 
 
 # ----------------------------------------------------------------------------------------- callback

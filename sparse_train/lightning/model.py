@@ -133,6 +133,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if out_dtype is None else out.to(out_dtype)
 
 
+def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x + update, rms_norm(x + update))``: a residual add and the norm that reads its sum (one kernel each
+    way when compiled, instead of an add, a norm and, in the backward, the sum of the two gradients)."""
+    total = x + update
+    return total, rms_norm(total, weight, eps, out_dtype)
+
+
 def swiglu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``."""
     return F.silu(gate) * up
@@ -164,15 +172,20 @@ class RMSNorm(nn.Module):
         self.compiled = compiled
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Under autocast the output is in the autocast dtype: every consumer is a matmul that would cast it
-        (the attention's q/k/v projections, the MLP's gate and up, the LM head), and one cast here replaces
-        one per consumer in the forward and their float32 gradients and sums in the backward (1.1B model at
-        64K: 20 float32 [N, d_model] casts per block and step). The values the matmuls see are unchanged;
-        the consumers' input gradients are summed in the autocast dtype."""
+    def forward(self, x: torch.Tensor, update: Optional[torch.Tensor] = None):
+        """The norm of ``x``; with ``update`` the pair ``(x + update, norm of x + update)`` (a pre-norm block's
+        residual add fused with the next norm).
+
+        Under autocast the norm is in the autocast dtype: every consumer is a matmul that would cast it (the
+        attention's q/k/v projections, the MLP's gate and up, the LM head), and one cast here replaces one
+        per consumer in the forward and their float32 gradients and sums in the backward (1.1B model at 64K:
+        20 float32 [N, d_model] casts per block and step). The values the matmuls see are unchanged; the
+        consumers' input gradients are summed in the autocast dtype."""
         device = x.device.type
         out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
-        return pointwise(rms_norm, self.compiled, x)(x, self.weight, self.eps, out_dtype)
+        if update is None:
+            return pointwise(rms_norm, self.compiled, x)(x, self.weight, self.eps, out_dtype)
+        return pointwise(add_rms_norm, self.compiled, x)(x, update, self.weight, self.eps, out_dtype)
 
 
 def _rope_tables(seq_len: int, dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,8 +299,9 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 seq_lens: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
                 positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, seq_lens, document_ids, positions)
-        return x + self.mlp(self.mlp_norm(x))
+        update = self.attn(self.attn_norm(x), cos, sin, seq_lens, document_ids, positions)
+        x, normed = self.mlp_norm(x, update)
+        return x + self.mlp(normed)
 
 
 class Transformer(nn.Module):
