@@ -173,6 +173,20 @@ def test_compile_pointwise_auto_compiles_on_cuda_only(device):
     assert pointwise(rms_norm, True, x) is not rms_norm
 
 
+def test_compile_pointwise_auto_needs_inductor_triton(monkeypatch):
+    """"auto" on CUDA activations compiles only where inductor has Triton; without it the model stays eager
+    instead of failing at its first step. (A stand-in for a CUDA tensor: only ``is_cuda`` is read.)"""
+    from sparse_train.lightning import model as model_lib
+
+    class CudaLike:
+        is_cuda = True
+
+    monkeypatch.setattr(model_lib, "inductor_has_triton", lambda: False)
+    assert model_lib.pointwise(model_lib.rms_norm, "auto", CudaLike()) is model_lib.rms_norm
+    monkeypatch.setattr(model_lib, "inductor_has_triton", lambda: True)
+    assert model_lib.pointwise(model_lib.rms_norm, "auto", CudaLike()) is not model_lib.rms_norm
+
+
 @pytest.mark.parametrize("value", ["on", 1, None])
 def test_compile_pointwise_rejects_other_values(value):
     from sparse_train.lightning.model import TransformerConfig

@@ -13,6 +13,7 @@ what each document alone would.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
@@ -78,7 +79,7 @@ class TransformerConfig:
     each becomes one fused kernel forward and one backward instead of a chain of eager float32 elementwise
     kernels. Measured on the H200 (1.1B model, activation checkpointing): the sparse step 19-20% faster at 64K
     and 128K, the dense one 4-7%. Matmuls and the attention core stay eager. ``"auto"`` (default): compiled
-    when the activations are on a CUDA device (inductor generates Triton there), eager elsewhere (on the CPU
+    when the activations are on a CUDA device and inductor has Triton there, eager elsewhere (on the CPU
     inductor would need a C++ compiler and gains little); True / False force it. The first step on the GPU
     pays the compilation (seconds)."""
     init_std: float = 0.02
@@ -149,13 +150,24 @@ def swiglu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 _COMPILED: dict[Any, Any] = {}
 
 
+@functools.lru_cache(maxsize=None)
+def inductor_has_triton() -> bool:
+    """Whether inductor can generate Triton kernels here (a CUDA device Triton supports, Triton installed)."""
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:  # a torch build without the helper: no inductor GPU backend to rely on
+        return False
+    return bool(has_triton())
+
+
 def pointwise(fn, compiled: Union[bool, str], like: torch.Tensor):
     """``fn``, or its ``torch.compile(fullgraph=True)`` version (one per function, shared by every module: the
-    compiled code and its guards are built once) when ``compiled`` is True, or ``"auto"`` and ``like`` (an input
-    of the call) is a CUDA tensor. Inside a graph ``torch.compile`` is already tracing (the user compiled the
-    whole model) ``fn`` itself: the outer compilation fuses it."""
+    compiled code and its guards are built once) when ``compiled`` is True, or ``"auto"``, ``like`` (an input
+    of the call) is a CUDA tensor and inductor has Triton (:func:`inductor_has_triton`; without it "auto" stays
+    eager instead of failing at the first step). Inside a graph ``torch.compile`` is already tracing (the user
+    compiled the whole model) ``fn`` itself: the outer compilation fuses it."""
     if compiled == "auto":
-        compiled = like.is_cuda
+        compiled = like.is_cuda and inductor_has_triton()
     if not compiled or torch.compiler.is_compiling():
         return fn
     if fn not in _COMPILED:
