@@ -209,7 +209,8 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
                               "keep_attention": act_ckpt and args.keep_attention == "on",
                               "fused_backward": variant == "sparse" and args.fused_backward == "on",
                               "compile_pointwise": POINTWISE[args.compile_pointwise] is True
-                              or (POINTWISE[args.compile_pointwise] == "auto" and device.type == "cuda"),
+                              or (POINTWISE[args.compile_pointwise] == "auto" and device.type == "cuda"
+                                  and model_lib.inductor_has_triton()),
                               "params": model.num_parameters(), "repeats": args.repeats}
     result.update(time_steps(step, args.warmup, args.repeats, device, n, quantile=0.95))
     if variant == "sparse":
