@@ -229,7 +229,9 @@ def sparse_attention(
     Returns:
         ``o`` ``[B, HQ, N, D]`` (``[B, HQ, L, D]`` with ``query_blocks``) in q's dtype, or ``(o, lse)`` with
         ``return_lse=True`` (lse ``[B, HQ, N]`` or ``[B, HQ, L]``). Rows with no valid key give zeros (and
-        ``lse = -inf``), never NaN.
+        ``lse = -inf``), never NaN. The Triton backend returns o as a view of ``[B, N, HQ, D]`` memory (the
+        layout an output projection reads: ``o.transpose(1, 2).reshape(B, N, HQ * D)`` copies nothing); use
+        ``reshape`` or ``contiguous()`` rather than ``view`` on it in the ``[B, HQ, N, D]`` order.
 
     Raises:
         ValueError: any argument outside its domain (see :mod:`sparse_train.validation`), naming it:
