@@ -64,8 +64,10 @@ def _flush():
     _FLUSH.zero_()
 
 
-def timeit(fn, *, warmup=2, min_reps=5, max_reps=50, budget_ms=400.0):
-    """median / p95 (ms) of fn() timed with CUDA events, L2 flushed before each repeat."""
+def timeit(fn, *, warmup=2, min_reps=5, max_reps=50, budget_ms=400.0, busy=False):
+    """median / p95 (ms) of fn() timed with CUDA events, L2 flushed before each repeat. ``busy``: a sleep kernel
+    queued before the start event keeps the GPU occupied while the host issues fn(), so host work the GPU
+    would wait for is not counted (device time only)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -73,6 +75,8 @@ def timeit(fn, *, warmup=2, min_reps=5, max_reps=50, budget_ms=400.0):
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     while len(times) < max_reps and (len(times) < min_reps or sum(times) < budget_ms):
         _flush()
+        if busy:
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU clock cycles: longer than the host part of any call timed
         s.record()
         fn()
         e.record()

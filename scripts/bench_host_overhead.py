@@ -23,29 +23,6 @@ ba = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(ba)
 
 
-def _median(xs):
-    return float(torch.tensor(xs).median())
-
-
-def time_call(fn, busy: bool, reps: int = 30) -> float:
-    """Median ms between events around ``fn``; ``busy``: a sleep kernel queued first hides the host work."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        ba._flush()
-        if busy:
-            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU clock cycles: longer than any host call here
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return _median(times)
-
-
 def host_ms(fn, calls: int = 20) -> float:
     """Host milliseconds per call while the GPU is busy (no call waits for the device)."""
     torch.cuda.synchronize()
@@ -88,8 +65,8 @@ def main() -> None:
 
             row = dict(head_dim=head_dim, pattern=name, config=list(config))
             for label, fn in (("public", public), ("launcher", launcher)):
-                row[f"{label}_ms"] = time_call(fn, busy=False)
-                row[f"{label}_busy_ms"] = time_call(fn, busy=True)
+                for suffix, busy in (("_ms", False), ("_busy_ms", True)):
+                    row[f"{label}{suffix}"] = ba.timeit(fn, warmup=3, min_reps=30, max_reps=30, busy=busy)[0]
                 row[f"{label}_host_ms"] = host_ms(fn)
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -208,9 +208,8 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
     result: dict[str, Any] = {"context": n, "variant": variant, "status": "ok", "act_ckpt": act_ckpt,
                               "keep_attention": act_ckpt and args.keep_attention == "on",
                               "fused_backward": variant == "sparse" and args.fused_backward == "on",
-                              "compile_pointwise": POINTWISE[args.compile_pointwise] is True
-                              or (POINTWISE[args.compile_pointwise] == "auto" and device.type == "cuda"
-                                  and model_lib.inductor_has_triton()),
+                              "compile_pointwise": model_lib.compiles_pointwise(POINTWISE[args.compile_pointwise],
+                                                                                device),
                               "params": model.num_parameters(), "repeats": args.repeats}
     result.update(time_steps(step, args.warmup, args.repeats, device, n, quantile=0.95))
     if variant == "sparse":

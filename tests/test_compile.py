@@ -175,11 +175,11 @@ def test_compile_pointwise_auto_compiles_on_cuda_only(device):
 
 def test_compile_pointwise_auto_needs_inductor_triton(monkeypatch):
     """"auto" on CUDA activations compiles only where inductor has Triton; without it the model stays eager
-    instead of failing at its first step. (A stand-in for a CUDA tensor: only ``is_cuda`` is read.)"""
+    instead of failing at its first step. (A stand-in for a CUDA tensor: only its device is read.)"""
     from sparse_train.lightning import model as model_lib
 
     class CudaLike:
-        is_cuda = True
+        device = torch.device("cuda")
 
     monkeypatch.setattr(model_lib, "inductor_has_triton", lambda: False)
     assert model_lib.pointwise(model_lib.rms_norm, "auto", CudaLike()) is model_lib.rms_norm

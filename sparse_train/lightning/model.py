@@ -160,15 +160,21 @@ def inductor_has_triton() -> bool:
     return bool(has_triton())
 
 
+def compiles_pointwise(setting: Union[bool, str], device: torch.device) -> bool:
+    """Whether ``TransformerConfig.compile_pointwise`` = ``setting`` compiles for activations on ``device``:
+    True / False as given; ``"auto"`` on a CUDA device where inductor has Triton (:func:`inductor_has_triton`;
+    without it "auto" stays eager instead of failing at the first step)."""
+    if setting == "auto":
+        return device.type == "cuda" and inductor_has_triton()
+    return setting
+
+
 def pointwise(fn, compiled: Union[bool, str], like: torch.Tensor):
     """``fn``, or its ``torch.compile(fullgraph=True)`` version (one per function, shared by every module: the
-    compiled code and its guards are built once) when ``compiled`` is True, or ``"auto"``, ``like`` (an input
-    of the call) is a CUDA tensor and inductor has Triton (:func:`inductor_has_triton`; without it "auto" stays
-    eager instead of failing at the first step). Inside a graph ``torch.compile`` is already tracing (the user
-    compiled the whole model) ``fn`` itself: the outer compilation fuses it."""
-    if compiled == "auto":
-        compiled = like.is_cuda and inductor_has_triton()
-    if not compiled or torch.compiler.is_compiling():
+    compiled code and its guards are built once) when :func:`compiles_pointwise` says so for ``like``'s device
+    (``like``: an input of the call). Inside a graph ``torch.compile`` is already tracing (the user compiled the
+    whole model) ``fn`` itself: the outer compilation fuses it."""
+    if not compiles_pointwise(compiled, like.device) or torch.compiler.is_compiling():
         return fn
     if fn not in _COMPILED:
         _COMPILED[fn] = torch.compile(fn, fullgraph=True)
