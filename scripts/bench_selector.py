@@ -1,8 +1,11 @@
 """Selector and distillation cost against the sparse attention they serve (GPU measurement).
 
 Times, in one process, at the headline shape (default N=65536, B=1, HQ=32, HKV=8, D=128, bf16,
-BQ=BK=64, top_k=16, window=8, sinks=1):
+BQ=BK=64, top_k=16, window=8, sinks=1), with the module's scorer (``SparseAttentionConfig`` defaults: mean and
+max pooling of queries and keys, distance bias) un-rotating RoPE of base ``--rope-theta`` (10000, as the
+Transformer and the Hugging Face integration set it; 0 turns it off):
 
+* ``selector/pool``         pooling of q and k (one Triton kernel each where the attention kernels run)
 * ``selector/scores_topk``  pooling + learned block scores + top-k candidates
 * ``selector/canonicalize`` ``BlockIndex.from_selection`` (window/sink merge, dedup, canonical form)
 * ``selector/plan``         ``BlockIndex.plan`` (reuse counts, transposed index, hot/cold split)
@@ -51,6 +54,7 @@ from sparse_train.functional import resolve_backend  # noqa: E402
 from sparse_train.selectors import (  # noqa: E402
     BlockScorer,
     block_kl,
+    rope_inverse_frequencies,
     selection_candidates,
     selection_geometry,
     sparse_block_mass,
@@ -69,6 +73,9 @@ def parse_args(argv=None):
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--sinks", type=int, default=1)
     p.add_argument("--selector-dim", type=int, default=32)
+    p.add_argument("--rope-theta", type=float, default=10000.0,
+                   help="the selector un-rotates RoPE of this base before pooling, as the Transformer and the Hugging "
+                        "Face integration set it; 0 pools q and k as given")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--warmup", type=int, default=5)
@@ -126,7 +133,11 @@ def main(argv=None) -> int:
     grad_out = torch.randn(b, hq, n, d, device=device, dtype=dtype)
     scale = 1.0 / math.sqrt(d)
     geom = selection_geometry(n, blk, blk, args.top_k, args.window, args.sinks)
-    scorer = BlockScorer(hq, hkv, d, args.selector_dim).to(device)
+    defaults = st.SparseAttentionConfig()  # the module's scorer: its pooling and distance bias
+    scorer = BlockScorer(hq, hkv, d, args.selector_dim, key_pooling=defaults.key_pooling,
+                         query_pooling=defaults.query_pooling, distance_bias=defaults.selector_distance_bias).to(device)
+    if args.rope_theta > 0:
+        scorer.set_rope(rope_inverse_frequencies(args.rope_theta, d))
     timings: dict[str, dict] = {}
     notes: list[str] = []
 
@@ -137,6 +148,9 @@ def main(argv=None) -> int:
         return selection_candidates(scores, geom, window=args.window, sinks=args.sinks)
 
     candidates = scores_topk()
+
+    def pool():
+        return scorer.pool(q, k, blk, blk)
 
     def canonicalize():
         return st.BlockIndex.from_selection(candidates, seq_len=n, block_q=blk, block_k=blk, window=args.window,
@@ -154,6 +168,7 @@ def main(argv=None) -> int:
                                            sinks=args.sinks, capacity=geom.capacity, check="none")
         return idx.plan()
 
+    timings["selector/pool"] = measure(pool, device, args.warmup, args.repeats)
     timings["selector/scores_topk"] = measure(scores_topk, device, args.warmup, args.repeats)
     timings["selector/canonicalize"] = measure(canonicalize, device, args.warmup, args.repeats)
     timings["selector/plan"] = measure(plan, device, args.warmup, args.repeats)
@@ -223,7 +238,8 @@ def main(argv=None) -> int:
         for distill in ("off", "sparse", "sampled"):
             cfg = st.SparseAttentionConfig(block_q=blk, block_k=blk, top_k=args.top_k, window=args.window,
                                            sinks=args.sinks, selector_dim=args.selector_dim, distill=distill,
-                                           dense_warmup_steps=0)
+                                           dense_warmup_steps=0,
+                                           selector_rope_theta=args.rope_theta if args.rope_theta > 0 else None)
             module = st.SparseAttention(cfg, num_heads=hq, num_kv_heads=hkv, head_dim=d).to(device).train()
 
             def module_step():
@@ -265,7 +281,9 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
         "shape": {"N": n, "B": b, "HQ": hq, "HKV": hkv, "D": d, "dtype": args.dtype, "BQ": blk, "BK": blk,
-                  "top_k": args.top_k, "window": args.window, "sinks": args.sinks, "selector_dim": args.selector_dim},
+                  "top_k": args.top_k, "window": args.window, "sinks": args.sinks, "selector_dim": args.selector_dim,
+                  "rope_theta": args.rope_theta, "query_pooling": scorer.query_pooling,
+                  "key_pooling": scorer.key_pooling, "distance_bias": scorer.distance_bias is not None},
         "index": {"capacity": index.capacity, "selected_blocks_per_head": geom.selected_blocks,
                   "block_density": geom.block_density},
         "backend": backend,

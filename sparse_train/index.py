@@ -107,6 +107,17 @@ def _check_selection_tensor(selected: Tensor, num_q_blocks: int, name: str) -> N
         )
 
 
+def _merge_kernel_runs(selected: Tensor) -> bool:
+    """The merge kernel (``kernels/canonical.py``) takes CUDA candidates, where Triton imports."""
+    if selected.device.type != "cuda":
+        return False
+    try:
+        from .kernels import canonical  # noqa: F401
+    except ImportError:  # triton missing or broken on this machine: the PyTorch path
+        return False
+    return True
+
+
 def canonicalize(
     selected: Tensor,
     *,
@@ -119,7 +130,9 @@ def canonicalize(
     check: str = "cheap",
     document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Turn candidate key blocks into canonical ``(indices, counts)``; the only place that does.
+    """Turn candidate key blocks into canonical ``(indices, counts)``; the only place that does (for CUDA
+    candidates without documents and with a given capacity the merge runs as one Triton kernel,
+    ``kernels/canonical.py``, with the same result; validation stays here).
 
     Args:
         selected: integer ``[B, HKV, NQB, k]`` candidate key-block ids (``k`` may be 0). ``-1`` marks
@@ -203,6 +216,17 @@ def canonicalize(
                     f"is {int(last.view(-1)[row[2]])})"
                 )
             raise ValueError(f"candidate key block {value} at {_fmt_row(row)} slot {where[3]} {why}")
+
+    candidate_width = max(1, selected.shape[-1] + window + sinks)
+    if (document_ids is None and capacity is not None and (check == "none" or capacity >= candidate_width)
+            and _merge_kernel_runs(selected)):
+        from .kernels.canonical import triton_canonical_merge
+
+        indices, counts = triton_canonical_merge(selected, seq_len=seq_len, block_q=block_q, block_k=block_k,
+                                                 window=window, sinks=sinks, capacity=capacity)
+        if check == "full":
+            _verify_canonical(indices, counts, seq_len, block_q, block_k)
+        return indices, counts
 
     sentinel = num_k_blocks  # sorts after every valid block id
     pieces = [torch.where((cand >= 0) & (cand <= last), cand, sentinel)]

@@ -624,6 +624,14 @@ def block_mass_config(group: int, block_q: int) -> ForwardConfig:
 
 
 
+def pool_config(rope: bool) -> tuple[int, int]:
+    """(rows per step, warps) of the selector's pooling kernel (``kernels/pool.py``), measured on the H200 at
+    64K (``docs/benchmarks/speed_round2/h200_pool_sweep_session10.json``): without RoPE the kernel streams q
+    and k, best with 64-row steps on 2 warps (2.5-3 TB/s at D = 64 / 128); with RoPE the angles, their
+    cosine and sine and the partner channels are live too, best with 32-row steps on 4 warps."""
+    return (32, 4) if rope else (64, 2)
+
+
 def row_log_mass_chunk(num_k_blocks: int, programs_per_chunk: int, device) -> int:
     """Key blocks per program of the sampled dense target's kernel. A few sampled query blocks give few
     (query tile, KV head) tiles while a late block's row walks up to NKB key blocks: one program per

@@ -286,6 +286,56 @@ def test_strided_seq_lens_column():
     _compare(idx, q, k, v, dtype=torch.float32, seq_lens=lens, kernel_options={"r0": 2})
 
 
+@pytest.mark.parametrize("used", ["o", "lse", "both"])
+def test_direct_eager_call_equals_the_custom_op(monkeypatch, used):
+    """Eager calls on plain tensors bypass the custom op's dispatch (kernels/op.py, _EagerSparseAttention): same
+    launchers, so bitwise the same outputs and gradients as through the op, whichever outputs the loss uses
+    (an unused lse gives dlse = None directly, zeros through the op)."""
+    idx = random_index(1, 2, 100, 16, 16, 2, 1, 1, seed=5, device=DEV)
+    q, k, v = make_qkv(1, 4, 2, 100, 16, torch.float32, seed=5, device=DEV)
+    do = torch.randn_like(q)
+    applied = []
+    monkeypatch.setattr(kop._EagerSparseAttention, "apply",
+                        classmethod(lambda cls, *a: applied.append(1) or torch.autograd.Function.apply.__func__(cls, *a)))
+
+    def run(direct):
+        monkeypatch.setattr(kop, "_direct_call", lambda *t: direct)
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o, lse = triton_sparse_attention(qs, ks, vs, idx, deterministic=True)
+        finite_lse = torch.where(torch.isfinite(lse), lse, 0)
+        loss = {"o": (o * do).sum(), "lse": finite_lse.sum(), "both": (o * do).sum() + 0.5 * finite_lse.sum()}[used]
+        return (o, lse, *torch.autograd.grad(loss, (qs, ks, vs)))
+
+    through_op = run(False)
+    assert not applied
+    direct = run(True)
+    assert applied == [1]
+    for name, a, b in zip(("o", "lse", "dq", "dk", "dv"), direct, through_op):
+        assert torch.equal(a, b), name
+
+
+def test_direct_call_only_outside_tracing_and_dispatch_modes():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = make_qkv(1, 2, 1, 32, 16, torch.float32, seed=1, device=DEV)
+    assert kop._direct_call(q, k, v)
+    assert kop._direct_call(torch.nn.Parameter(q), k, v)
+    idx = random_index(1, 1, 32, 16, 16, 1, 1, 0, seed=1, device=DEV)
+    with Names() as mode:  # e.g. selective checkpointing, which keeps the op's outputs by its name
+        assert not kop._direct_call(q, k, v)
+        triton_sparse_attention(q, k, v, idx)
+    assert "sparse_train.sparse_attn_fwd.default" in mode.names
+
+
 def test_output_and_gradients_keep_the_projection_layout():
     """o comes back as a view of [B, N, HQ, D] memory, so ``o.transpose(1, 2).reshape(B, N, HQ * D)`` (the
     output projection's input) is a view, not a copy; dq / dk / dv take the layouts of q / k / v, so inputs that

@@ -10,8 +10,10 @@ hybrid backward (KV blocks selected by >= r0 query blocks are reduced KV-centric
 
 Layers: the kernels (1) and their launchers (2) are in forward.py and backward.py; this file holds (3)
 the autograd op (``sparse_train::sparse_attn_fwd`` / ``sparse_train::sparse_attn_bwd`` custom ops with
-fake impls and ``register_autograd``) and (4) the public functions ``triton_sparse_attention`` and
-``triton_supports``. The launch schedule (plan, cold slots, split count, tiles) is
+fake impls and ``register_autograd``, for torch.compile, export and dispatch modes such as selective
+checkpointing; eager calls on plain tensors take ``_EagerSparseAttention``, the same launchers and backward
+through a plain ``torch.autograd.Function``, which skips the custom op's Python dispatch) and (4) the public
+functions ``triton_sparse_attention`` and ``triton_supports``. The launch schedule (plan, cold slots, split count, tiles) is
 ``sparse_train.plan.attention_schedule`` of the call's ``kernel_options``. With ``query_blocks`` (context
 parallelism) the op also carries the query-block map and the first row of each listed block
 (``query_map``, ``query_row0``), the index rows of the listed blocks and the plan built from them.
@@ -60,8 +62,7 @@ _SUPPORTED_BLOCKS = (16, 32, 64, 128)
 _FWD_FIELDS = len(ForwardConfig._fields)
 
 
-@torch.library.custom_op("sparse_train::sparse_attn_fwd", mutates_args=())
-def _sparse_attn_fwd(
+def _forward_impl(
     q: Tensor, k: Tensor, v: Tensor, indices: Tensor, counts: Tensor,
     kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor, seq_lens: Optional[Tensor],
     cold_capacity: int, block_q: int, block_k: int, scale: float, dropout_p: float, dropout_seed: int,
@@ -76,6 +77,9 @@ def _sparse_attn_fwd(
                                document_ids=document_ids, query_map=query_map, query_row0=query_row0)
 
 
+_sparse_attn_fwd = torch.library.custom_op("sparse_train::sparse_attn_fwd", mutates_args=())(_forward_impl)
+
+
 @_sparse_attn_fwd.register_fake
 def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
       scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids=None, query_map=None, query_row0=None):
@@ -83,8 +87,7 @@ def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_cap
     return attention_output(q), q.new_empty((B, HQ, L), dtype=torch.float32)
 
 
-@torch.library.custom_op("sparse_train::sparse_attn_bwd", mutates_args=())
-def _sparse_attn_bwd(
+def _backward_impl(
     do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
     indices: Tensor, counts: Tensor, kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor,
     seq_lens: Optional[Tensor], cold_capacity: int, block_q: int, block_k: int, scale: float,
@@ -96,6 +99,9 @@ def _sparse_attn_bwd(
                                 dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 config=BackwardConfig(*backward_config), document_ids=document_ids,
                                 query_map=query_map, query_row0=query_row0)
+
+
+_sparse_attn_bwd = torch.library.custom_op("sparse_train::sparse_attn_bwd", mutates_args=())(_backward_impl)
 
 
 @_sparse_attn_bwd.register_fake
@@ -114,18 +120,57 @@ def _setup_context(ctx, inputs, output):
     ctx.meta = (cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, list(launch_config[_FWD_FIELDS:]))
 
 
-def _backward(ctx, do, dlse):
+def _backward_with(backward_op, ctx, do, dlse):
     (q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids, query_map,
      query_row0) = ctx.saved_tensors
     cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config = ctx.meta
-    dq, dk, dv = torch.ops.sparse_train.sparse_attn_bwd(
+    if do is None:  # only lse was used
+        do = torch.zeros_like(o)
+    dq, dk, dv = backward_op(
         do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens,
         cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids,
         query_map, query_row0)
     return dq, dk, dv, *([None] * 17)
 
 
+def _backward(ctx, do, dlse):
+    return _backward_with(torch.ops.sparse_train.sparse_attn_bwd, ctx, do, dlse)
+
+
 _sparse_attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerSparseAttention(torch.autograd.Function):
+    """The op's autograd without the dispatcher: the same launchers, saved tensors and backward as the
+    custom op, called directly. A custom op's Python dispatch (schema defaults, alias checks, the autograd
+    redispatch) cost more host time per call than the launch itself; eagerly it buys nothing, so the
+    public function takes this path when nothing needs the op as a graph node (:func:`_direct_call`)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        o, lse = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, (o, lse))
+        ctx.set_materialize_grads(False)  # an unused lse gives dlse = None: the backward skips it
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        if do is None and dlse is None:
+            return (None,) * 20
+        return _backward_with(_backward_impl, ctx, do, dlse)
+
+
+def _direct_call(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether the call may bypass the custom op: not while torch.compile / export traces (they need the
+    op and its fake), not under a TorchDispatchMode (selective activation checkpointing keeps the op's
+    outputs by its name, ``sparse_train.checkpointing``; fake and functional tensors, flop counters), and
+    only for plain tensors (no subclasses such as DTensor)."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(type(t) in _PLAIN_TENSORS for t in (q, k, v))
+
+
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,7 +314,11 @@ def triton_sparse_attention(
         seq_lens = seq_lens.to(torch.int32, copy=True)
     if document_ids is not None:
         document_ids = document_ids.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
-    return torch.ops.sparse_train.sparse_attn_fwd(
-        q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, schedule.slots, seq_lens,
-        schedule.cold_capacity, index.block_q, index.block_k, scale, dropout_p, seed, schedule.num_splits,
-        [*schedule.forward, *schedule.backward], document_ids, query_map, query_row0)
+    inputs = (q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, schedule.slots, seq_lens,
+              schedule.cold_capacity, index.block_q, index.block_k, scale, dropout_p, seed, schedule.num_splits,
+              [*schedule.forward, *schedule.backward], document_ids, query_map, query_row0)
+    if not _direct_call(q, k, v):
+        return torch.ops.sparse_train.sparse_attn_fwd(*inputs)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerSparseAttention.apply(*inputs)
+    return _forward_impl(*inputs)

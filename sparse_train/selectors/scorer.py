@@ -38,10 +38,12 @@ import torch
 from torch import Tensor, nn
 
 from ..config import KEY_POOLINGS, QUERY_POOLINGS
+from ..functional import choose_backend
 from ..index import capacity_tier, causal_last_block, document_sink_candidates, shares_document
+from ..kernels.reference_pool import block_max, block_mean, reference_block_pool, unrotate
 from ..validation import check_choice, check_float
 
-__all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_mean", "block_max",
+__all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_pool", "block_mean", "block_max",
            "rope_inverse_frequencies", "unrotate", "block_distance_buckets", "DISTANCE_BUCKETS",
            "selection_candidates", "allowed_dynamic_blocks", "causal_block_mask"]
 
@@ -51,7 +53,7 @@ _PROJECTION_SEED = 20261130
 DISTANCE_BUCKETS = 16
 """Buckets of the distance bias: 0, 1, 2-3, 4-7, ..., and everything from 2**14 blocks on."""
 
-_EMPTY_BLOCK_SCORE = -1.0e30
+EMPTY_BLOCK_SCORE = -1.0e30
 """Score of key blocks without any valid key: below every real score, yet finite so top-k still
 returns them when a row has nothing better (counts stay shape-determined)."""
 
@@ -161,95 +163,12 @@ def allowed_dynamic_blocks(geometry: SelectionGeometry, window: int, sinks: int,
     return allowed
 
 
-def block_mean(x: Tensor, block: int, group: int = 1, valid_len: Tensor | None = None) -> Tensor:
-    """Mean of ``x`` over blocks of ``block`` rows and over ``group`` consecutive heads.
-
-    Args:
-        x: ``[B, H * group, N, D]`` (any strides).
-        block: rows per block; the last block may be partial.
-        group: heads averaged together (the GQA group for queries, 1 for keys).
-        valid_len: optional int ``[B]``; rows at positions >= valid_len[b] are left out of the mean
-            (their contents never matter, NaN included).
-
-    Returns:
-        float32 ``[B, H, ceil(N / block), D]``; a block with no valid row is all zeros.
-    """
-    return _block_pool(x, block, group, valid_len, "mean")
-
-
-def block_max(x: Tensor, block: int, group: int = 1, valid_len: Tensor | None = None) -> Tensor:
-    """Element-wise max of ``x`` over blocks of ``block`` rows and ``group`` heads (as :func:`block_mean`;
-    a block with no valid row is all zeros)."""
-    return _block_pool(x, block, group, valid_len, "max")
-
-
-def _block_pool(x: Tensor, block: int, group: int, valid_len: Tensor | None, how: str) -> Tensor:
-    # Runs on q and k every step: reduce straight from the input dtype (fp32 accumulation for the
-    # mean, exact max in the input dtype) without materialising an fp32 copy of q.
-    batch, heads_total, seq_len, dim = x.shape
-    heads = heads_total // group
-    x = x.reshape(batch, heads, group, seq_len, dim)
-    limit = torch.full((batch,), seq_len, device=x.device) if valid_len is None else valid_len.clamp(max=seq_len)
-    if valid_len is not None:
-        keep = torch.arange(seq_len, device=x.device).view(1, -1) < limit.view(-1, 1)  # [B, N]
-        # selection, not multiplication: padded rows may hold NaN or inf
-        x = torch.where(keep.view(batch, 1, 1, seq_len, 1), x, 0.0 if how == "mean" else float("-inf"))
-
-    def reduce(t: Tensor, dims: tuple[int, int]) -> Tensor:
-        return t.sum(dim=dims, dtype=torch.float32) if how == "mean" else t.amax(dim=dims).to(torch.float32)
-
-    full = seq_len // block
-    parts = []
-    if full > 0:
-        parts.append(reduce(x[:, :, :, : full * block].reshape(batch, heads, group, full, block, dim), (2, 4)))
-    if seq_len > full * block:
-        parts.append(reduce(x[:, :, :, full * block:], (2, 3)).unsqueeze(2))
-    pooled = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [B, H, NB, D]
-    starts = torch.arange(pooled.shape[2], device=x.device) * block
-    rows = torch.clamp(torch.minimum(limit.view(-1, 1), starts.view(1, -1) + block) - starts.view(1, -1), min=0)
-    rows = (rows * group).view(batch, 1, pooled.shape[2], 1)  # valid rows per block, [B, 1, NB, 1]
-    if how == "mean":
-        pooled = pooled / rows.clamp(min=1).to(torch.float32)
-    return torch.where(rows > 0, pooled, 0.0)
-
-
 def rope_inverse_frequencies(theta: float, rotary_dim: int) -> Tensor:
     """float32 ``[rotary_dim // 2]``: the standard RoPE frequencies ``theta ** (-2i / rotary_dim)``."""
     check_float("rope_theta", theta, exclusive_minimum=0.0)
     if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be a positive even int, got {rotary_dim!r}")
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
-
-
-def unrotate(x: Tensor, inv_freq: Tensor, positions: Tensor | None = None) -> Tensor:
-    """Undo rotate-half RoPE: float32 ``[B, H, N, D]`` from ``x [B, H, N, D]``.
-
-    RoPE turns the pair ``(x[i], x[i + R/2])`` of the first ``R = 2 * len(inv_freq)`` channels by the
-    angle ``n * inv_freq[i]`` at position n (the Llama / Hugging Face convention; channels past R are
-    not rotated); this applies the opposite turn, which recovers the content the model wrote before
-    the rotation.
-
-    Args:
-        positions: the positions RoPE used, integer or float ``[N]`` or ``[B, N]`` (packed documents
-            restart at 0 per document, left-padded rows start later); ``None`` = ``0..N-1``.
-    """
-    half = inv_freq.shape[0]
-    batch, _, seq_len, dim = x.shape
-    if 2 * half > dim:
-        raise ValueError(f"{half} RoPE frequencies rotate {2 * half} channels but the head dim is {dim}")
-    if positions is None:
-        positions = torch.arange(seq_len, device=x.device)
-    elif not isinstance(positions, Tensor) or positions.shape not in ((seq_len,), (batch, seq_len)):
-        raise ValueError(f"positions must be a tensor [N] or [B, N] = [{batch}, {seq_len}], got "
-                         f"{getattr(positions, 'shape', type(positions).__name__)}")
-    positions = positions.to(x.device, torch.float32)
-    angles = positions.unsqueeze(-1) * inv_freq.to(x.device, torch.float32)  # [(B,) N, R/2]
-    if angles.dim() == 3:
-        angles = angles.unsqueeze(1)  # [B, 1, N, R/2]
-    cos, sin = angles.cos(), angles.sin()
-    x = x.float()
-    x1, x2, rest = x[..., :half], x[..., half: 2 * half], x[..., 2 * half:]
-    return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, rest), dim=-1)
 
 
 def block_distance_buckets(geometry: SelectionGeometry, device=None) -> Tensor:
@@ -259,6 +178,21 @@ def block_distance_buckets(geometry: SelectionGeometry, device=None) -> Tensor:
     behind = (last.view(-1, 1) - torch.arange(geometry.num_k_blocks, device=device).view(1, -1)).clamp(min=0)
     edges = 2 ** torch.arange(DISTANCE_BUCKETS - 1, device=device)
     return torch.bucketize(behind, edges, right=True)
+
+
+@torch.no_grad()
+def block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tensor | None = None,
+               inv_freq: Tensor | None = None, positions: Tensor | None = None, with_max: bool = False) -> Tensor:
+    """The selector's block pooling (:func:`~sparse_train.kernels.reference_pool.reference_block_pool`: arguments,
+    returns): one Triton kernel (``kernels/pool.py``) where the attention kernels run, the PyTorch reference
+    otherwise. No gradient."""
+    if choose_backend(x, block, block)[0] == "triton":
+        from ..kernels.pool import triton_block_pool
+
+        return triton_block_pool(x, block, group, valid_len=valid_len, inv_freq=inv_freq, positions=positions,
+                                 with_max=with_max)
+    return reference_block_pool(x, block, group, valid_len=valid_len, inv_freq=inv_freq, positions=positions,
+                                with_max=with_max)
 
 
 class BlockScorer(nn.Module):
@@ -363,25 +297,12 @@ class BlockScorer(nn.Module):
         ``positions`` (``[N]`` or ``[B, N]``): the RoPE positions of the tokens, for the un-rotation
         (:func:`unrotate`; default ``0..N-1``)."""
         group = self.num_heads // self.num_kv_heads
-        with torch.no_grad():
-            q, k = q.detach(), k.detach()
-            if self.rope_inv_freq.numel():
-                # the rotation is the same for every head of a group: average the group first
-                batch, _, seq_len, dim = q.shape
-                q = q.reshape(batch, self.num_kv_heads, group, seq_len, dim).mean(2, dtype=torch.float32)
-                q = unrotate(q, self.rope_inv_freq, positions)
-                k, group = unrotate(k, self.rope_inv_freq, positions), 1
-            if self.query_pooling == "mean_max" and group > 1:
-                # the max is taken over the rows of the group's mean query (what the RoPE branch pools)
-                batch, _, seq_len, dim = q.shape
-                q, group = q.reshape(batch, self.num_kv_heads, group, seq_len, dim).mean(2, dtype=torch.float32), 1
-            qbar = block_mean(q, block_q, group, seq_lens)
-            if self.query_pooling == "mean_max":
-                qbar = torch.cat([qbar, block_max(q, block_q, 1, seq_lens)], dim=-1)
-            kbar = block_mean(k, block_k, 1, seq_lens)
-            if self.key_pooling == "mean_max":
-                kbar = torch.cat([kbar, block_max(k, block_k, 1, seq_lens)], dim=-1)
-        return qbar, kbar
+        inv_freq = self.rope_inv_freq if self.rope_inv_freq.numel() else None
+        qbar = block_pool(q.detach(), block_q, group, valid_len=seq_lens, inv_freq=inv_freq, positions=positions,
+                          with_max=self.query_pooling == "mean_max")
+        kbar = block_pool(k.detach(), block_k, 1, valid_len=seq_lens, inv_freq=inv_freq, positions=positions,
+                          with_max=self.key_pooling == "mean_max")
+        return qbar.float(), kbar.float()  # float32 also for float64 inputs, as the projections are
 
     def forward(self, qbar: Tensor, kbar: Tensor, scale: float, geometry: SelectionGeometry | None = None,
                 query_blocks: Tensor | None = None) -> Tensor:
@@ -441,6 +362,17 @@ def _check_query_blocks(query_blocks, geometry: SelectionGeometry, rows: int, de
     return query_blocks.to(device=device, dtype=torch.int64)
 
 
+def _topk_kernel_runs(scores: Tensor, geometry: SelectionGeometry) -> bool:
+    """The top-k kernel (``kernels/topk.py``) takes CUDA score rows it can hold, where Triton imports."""
+    if scores.device.type != "cuda":
+        return False
+    try:
+        from ..kernels.topk import MAX_KEY_BLOCKS
+    except ImportError:  # triton missing or broken on this machine: the PyTorch path
+        return False
+    return geometry.num_k_blocks <= MAX_KEY_BLOCKS
+
+
 def selection_candidates(
     scores: Tensor,
     geometry: SelectionGeometry,
@@ -452,7 +384,9 @@ def selection_candidates(
     top_p: float | None = None,
     query_blocks: Tensor | None = None,
 ) -> Tensor:
-    """Top-k dynamic key blocks per query block, for ``BlockIndex.from_selection``.
+    """Top-k dynamic key blocks per query block, for ``BlockIndex.from_selection``. On CUDA without documents and
+    ``top_p``: one Triton kernel (``kernels/topk.py``: ties go to the lower block; ``torch.topk`` here ranks
+    ties in no fixed order), else this PyTorch path.
 
     Args:
         scores: block logits ``[B, HKV, NQB, NKB]`` (detached here: the hard top-k carries no gradient).
@@ -482,6 +416,11 @@ def selection_candidates(
         query_blocks = _check_query_blocks(query_blocks, geometry, rows, scores.device)
     if k == 0:
         return torch.empty(batch, kv_heads, rows, 0, dtype=torch.int64, device=scores.device)
+    if document_ids is None and top_p is None and _topk_kernel_runs(scores, geometry):
+        from ..kernels.topk import triton_selection_candidates
+
+        return triton_selection_candidates(scores, geometry, window=window, sinks=sinks, seq_lens=seq_lens,
+                                           query_blocks=query_blocks)
     allowed = allowed_dynamic_blocks(geometry, window, sinks, scores.device, document_ids)
     if query_blocks is not None:
         allowed = allowed.index_select(allowed.dim() - 2, query_blocks)
@@ -492,13 +431,13 @@ def selection_candidates(
         block_start = torch.arange(geometry.num_k_blocks, device=scores.device) * geometry.block_k
         empty = block_start.view(1, -1) >= seq_lens.view(-1, 1)  # [B, NKB]
         low = empty.view(batch, 1, 1, -1) & allowed
-        masked = torch.where(low, torch.full_like(masked, _EMPTY_BLOCK_SCORE), masked)
+        masked = torch.where(low, torch.full_like(masked, EMPTY_BLOCK_SCORE), masked)
     values, picked = torch.topk(masked, k, dim=-1, sorted=top_p is not None)
     unused = torch.isneginf(values)
     if top_p is not None:
         # Probabilities of the picked blocks under the row's softmax over every allowed block; a row
         # keeps a block while the mass of the better blocks before it is still short of top_p.
-        row_max = masked.amax(dim=-1, keepdim=True).clamp(min=_EMPTY_BLOCK_SCORE)
+        row_max = masked.amax(dim=-1, keepdim=True).clamp(min=EMPTY_BLOCK_SCORE)
         weights = torch.exp(masked.float() - row_max.float())
         probs = torch.exp(values.float() - row_max.float()) / weights.sum(dim=-1, keepdim=True).clamp(min=1e-30)
         mass_before = torch.cumsum(probs, dim=-1) - probs
