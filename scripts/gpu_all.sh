@@ -6,7 +6,8 @@
 # prints last.
 #
 #   OUT=/tmp/out bash scripts/gpu_all.sh tests       # every GPU test, in two halves of at most 280 s each (the
-#                                                     # suite grew past one 320 s limit in the eighth session)
+#                                                     # suite grew past one 320 s limit in the eighth session),
+#                                                     # then on two GPUs the two-GPU tests with both visible
 #   OUT=/tmp/out bash scripts/gpu_all.sh checks      # attention (64K; BENCH_NS="..." for more), selector (with
 #                                                     # CUDA-graph capture), step (64K, --profile)
 #   OUT=/tmp/out bash scripts/gpu_all.sh step        # 1.1B step: 64K and 128K with kernel tables, the checkpoint
@@ -66,6 +67,8 @@ case "$phase" in
     other_tests=$(ls tests/test_*.py | grep -v "tests/test_kernel_")
     if [ "$ngpu" -ge 2 ]; then
       track 0 gpu_tests gpu_tests_kernels 280 $kernel_tests; track 1 gpu_tests gpu_tests_rest 280 $other_tests; wait
+      # each half sees one GPU, so the two-GPU tests skipped there: run them with both visible
+      gpu_tests gpu_tests_two_gpus 150 tests/test_kernel_query_blocks.py -k two_gpus
     else
       gpu_tests gpu_tests_kernels 280 $kernel_tests; gpu_tests gpu_tests_rest 280 $other_tests
     fi

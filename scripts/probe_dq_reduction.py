@@ -38,7 +38,7 @@ def _ptr_kernel(ACC, NT, TILES: tl.constexpr, M: tl.constexpr, D: tl.constexpr, 
 
 
 @triton.jit
-def _tma_host_kernel(desc, NT, TILES: tl.constexpr, M: tl.constexpr, D: tl.constexpr):
+def _tma_add_tiles(desc, NT, TILES: tl.constexpr, M: tl.constexpr, D: tl.constexpr):
     p = tl.program_id(0)
     offs_m = tl.arange(0, M)
     offs_d = tl.arange(0, D)
@@ -50,16 +50,14 @@ def _tma_host_kernel(desc, NT, TILES: tl.constexpr, M: tl.constexpr, D: tl.const
 
 
 @triton.jit
+def _tma_host_kernel(desc, NT, TILES: tl.constexpr, M: tl.constexpr, D: tl.constexpr):
+    _tma_add_tiles(desc, NT, TILES, M, D)
+
+
+@triton.jit
 def _tma_dev_kernel(ACC, NT, TILES: tl.constexpr, M: tl.constexpr, D: tl.constexpr):
     desc = tl.make_tensor_descriptor(ACC, shape=[NT * M, D], strides=[D, 1], block_shape=[M, D])
-    p = tl.program_id(0)
-    offs_m = tl.arange(0, M)
-    offs_d = tl.arange(0, D)
-    val = (offs_m[:, None] + offs_d[None, :] + p).to(tl.float32) * 1e-3
-    for t in range(TILES):
-        tile = (p * 7919 + t * 104729) % NT
-        desc.atomic_add([tile * M, 0], val)
-        val = val + 1.0
+    _tma_add_tiles(desc, NT, TILES, M, D)
 
 
 def bench(fn, reps=10):
