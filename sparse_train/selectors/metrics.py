@@ -46,6 +46,17 @@ _DRAW_KEY = 0x5D15_71A7_0000_0001
 """Philox key of :func:`draw_query_blocks` (any fixed value: it only has to differ from nothing else)."""
 
 
+def _draw_kernel_runs(draw: Tensor) -> bool:
+    """The draw kernel (``kernels/draw.py``) takes CUDA draws, where Triton imports."""
+    if draw.device.type != "cuda":
+        return False
+    try:
+        from ..kernels import draw as _draw_kernel  # noqa: F401
+    except ImportError:  # triton missing or broken on this machine: the PyTorch path
+        return False
+    return True
+
+
 def draw_query_blocks(num_q_blocks: int, count: int, draw: Tensor) -> Tensor:
     """int64 ``[min(count, NQB)]`` distinct query-block ids, sorted, on ``draw``'s device: a pure
     function of the draw number ``draw`` (an integer 0-d tensor, e.g. a step counter buffer).
@@ -56,9 +67,13 @@ def draw_query_blocks(num_q_blocks: int, count: int, draw: Tensor) -> Tensor:
     traces into a ``torch.compile(fullgraph=True)`` graph or a CUDA graph (the draw number lives on
     the device and the caller advances it there)."""
     count = min(count, num_q_blocks)
-    blocks = torch.arange(num_q_blocks, device=draw.device)
     draw = draw.to(torch.int64).view(1)
-    word, _, _, _ = philox4x32_10(_DRAW_KEY, blocks, draw, draw >> 32)
+    if _draw_kernel_runs(draw):  # the same words in one launch instead of ~250 small ones
+        from ..kernels.draw import triton_draw_words
+
+        word = triton_draw_words(num_q_blocks, draw, _DRAW_KEY)
+    else:
+        word, _, _, _ = philox4x32_10(_DRAW_KEY, torch.arange(num_q_blocks, device=draw.device), draw, draw >> 32)
     picked = torch.argsort(word, stable=True)[:count]
     return torch.sort(picked).values
 
