@@ -47,8 +47,10 @@ _DRAW_KEY = 0x5D15_71A7_0000_0001
 
 
 def _draw_kernel_runs(draw: Tensor) -> bool:
-    """The draw kernel (``kernels/draw.py``) takes CUDA draws, where Triton imports."""
-    if draw.device.type != "cuda":
+    """The draw kernel (``kernels/draw.py``) takes eager CUDA draws, where Triton imports. Not while torch.compile
+    traces: inductor (torch 2.11) fails on the kernel's 64-bit key argument ("'int' object has no attribute
+    'xreplace'", H200, tenth session), and a compiled graph fuses the reference's elementwise ops anyway."""
+    if torch.compiler.is_compiling() or draw.device.type != "cuda":
         return False
     try:
         from ..kernels import draw as _draw_kernel  # noqa: F401
