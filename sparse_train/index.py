@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .documents import block_document_ranges
-from .plan import BlockPlan, build_plan, resolve_r0
+from .plan import BlockPlan, build_plan, resolve_r0, triton_runs_on
 from .validation import (
     check_block_index,
     check_capacity,
@@ -105,17 +105,6 @@ def _check_selection_tensor(selected: Tensor, num_q_blocks: int, name: str) -> N
             f"{name} has {selected.shape[2]} query blocks in dim 2, but seq_len and block_q give "
             f"NQB = {num_q_blocks}"
         )
-
-
-def _merge_kernel_runs(selected: Tensor) -> bool:
-    """The merge kernel (``kernels/canonical.py``) takes CUDA candidates, where Triton imports."""
-    if selected.device.type != "cuda":
-        return False
-    try:
-        from .kernels import canonical  # noqa: F401
-    except ImportError:  # triton missing or broken on this machine: the PyTorch path
-        return False
-    return True
 
 
 def canonicalize(
@@ -219,7 +208,7 @@ def canonicalize(
 
     candidate_width = max(1, selected.shape[-1] + window + sinks)
     if (document_ids is None and capacity is not None and (check == "none" or capacity >= candidate_width)
-            and _merge_kernel_runs(selected)):
+            and triton_runs_on(selected)):
         from .kernels.canonical import triton_canonical_merge
 
         indices, counts = triton_canonical_merge(selected, seq_len=seq_len, block_q=block_q, block_k=block_k,

@@ -320,6 +320,19 @@ def kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int | No
 _HOST_CORES = os.cpu_count() or 1  # read once: torch.compile cannot trace os.cpu_count
 
 
+def triton_runs_on(tensor: Tensor) -> bool:
+    """Whether the Triton kernels can run on ``tensor``'s device outside the interpreter: a CUDA tensor, with
+    Triton importable. The selector's top-k, canonical-merge and draw kernels ask this; the attention and
+    pooling kernels ask ``functional.choose_backend``, which also checks dtype, head dim and block sizes."""
+    if tensor.device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:  # missing or broken on this machine: the PyTorch paths
+        return False
+    return True
+
+
 def device_sm_count(device) -> int:
     """Parallel processors of ``device``: the streaming multiprocessors of a CUDA device; the CPU
     cores elsewhere (the Triton interpreter runs programs on the CPU)."""

@@ -47,7 +47,8 @@ def _canonical_kernel(
     pick = tl.load(picks_row + c.to(tl.int64) * stride_pk, mask=c < K, other=-1).to(tl.int32)  # [CP]
     window_block = last - window + 1 + (c - K)
     sink_block = c - K - window
-    block = tl.where(c < K, pick, tl.where(c < K + window, window_block, tl.where(c < K + window + sinks, sink_block, -1)))
+    forced = tl.where(c < K + window, window_block, tl.where(c < K + window + sinks, sink_block, -1))
+    block = tl.where(c < K, pick, forced)
     live = (block >= 0) & (block <= last) & (block < NKB)  # [CP]
     block = tl.where(live, block, NKB)
     same_before = (block[:, None] == block[None, :]) & (c[None, :] < c[:, None])  # [CP, CP]: (slot, earlier slot)

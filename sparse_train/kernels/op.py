@@ -13,10 +13,10 @@ the autograd op (``sparse_train::sparse_attn_fwd`` / ``sparse_train::sparse_attn
 fake impls and ``register_autograd``, for torch.compile, export and dispatch modes such as selective
 checkpointing; eager calls on plain tensors take ``_EagerSparseAttention``, the same launchers and backward
 through a plain ``torch.autograd.Function``, which skips the custom op's Python dispatch) and (4) the public
-functions ``triton_sparse_attention`` and ``triton_supports``. The launch schedule (plan, cold slots, split count, tiles) is
-``sparse_train.plan.attention_schedule`` of the call's ``kernel_options``. With ``query_blocks`` (context
-parallelism) the op also carries the query-block map and the first row of each listed block
-(``query_map``, ``query_row0``), the index rows of the listed blocks and the plan built from them.
+functions ``triton_sparse_attention`` and ``triton_supports``. The launch schedule (plan, cold slots, split
+count, tiles) is ``sparse_train.plan.attention_schedule`` of the call's ``kernel_options``. With
+``query_blocks`` (context parallelism) the op also carries the query-block map and the first row of each listed
+block (``query_map``, ``query_row0``), the index rows of the listed blocks and the plan built from them.
 
 Ownership of the index: ``indices``, ``counts``, ``seq_lens`` and ``document_ids`` are **copied** when
 the forward runs, and the copy is what the backward reads, so a caller that mutates or reuses these
@@ -160,6 +160,9 @@ class _EagerSparseAttention(torch.autograd.Function):
         return _backward_with(_backward_impl, ctx, do, dlse)
 
 
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
 def _direct_call(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether the call may bypass the custom op: not while torch.compile / export traces (they need the
     op and its fake), not under a TorchDispatchMode (selective activation checkpointing keeps the op's
@@ -168,9 +171,6 @@ def _direct_call(q: Tensor, k: Tensor, v: Tensor) -> bool:
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
         return False
     return all(type(t) in _PLAIN_TENSORS for t in (q, k, v))
-
-
-_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -94,7 +94,8 @@ def _block_pool_kernel(
             angle = pos[:, None] * freq[None, :]  # [ROWS, D]
             if FAST_TRIG:
                 # the hardware's sine and cosine are accurate to ~1e-6 on [-pi, pi]; reduce by whole turns
-                # first (2 pi = TWO_PI_HI + TWO_PI_LO, the high part exact times any turn count below 2**16, angles below ~4e5 rad)
+                # first (2 pi = TWO_PI_HI + TWO_PI_LO, the high part exact times any turn count below 2**16,
+                # angles below ~4e5 rad)
                 turns = tl.floor(angle * INV_TWO_PI + 0.5)
                 angle = (angle - turns * TWO_PI_HI) - turns * TWO_PI_LO
                 cos = libdevice.fast_cosf(angle)

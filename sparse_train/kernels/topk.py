@@ -10,9 +10,10 @@ context parallelism), NKB key blocks, BQ / BK block sizes, N length, K = ``dynam
 last_i = (min((i + 1) BQ, N) - 1) // BK the last causal key block. NaN scores rank as +inf.
 
 Layers: (1) ``_topk_kernel``, one program per row (the row's NKB scores live in registers, packed with their
-block ids into int64 keys for one bitonic top-k, ``tl.topk``); (2) the launcher ``topk_launch``; no autograd (top-k carries no gradient); (4) the public
-function ``triton_selection_candidates``. Its reference is ``sparse_train.selectors.scorer.selection_candidates``
-(the PyTorch path, which ranks ties in no fixed order; for distinct scores the two pick the same blocks).
+block ids into int64 keys for one bitonic top-k, ``tl.topk``); (2) the launcher ``topk_launch``; no autograd
+(top-k carries no gradient); (4) the public function ``triton_selection_candidates``. Its reference is
+``sparse_train.selectors.scorer.selection_candidates`` (the PyTorch path, which ranks ties in no fixed order;
+for distinct scores the two pick the same blocks).
 
 Known limits: NKB <= ``MAX_KEY_BLOCKS`` (one register tile per row); no packed documents and no adaptive
 budget (``top_p``): those stay on the PyTorch path.
@@ -97,8 +98,8 @@ def topk_launch(scores: Tensor, *, seq_len: int, block_q: int, block_k: int, k: 
     _topk_kernel[(R, B * HKV)](
         scores, out if seq_lens is None else seq_lens, out if query_blocks is None else query_blocks, out,
         *scores.stride(), seq_len, HKV, R, NKB, window, sinks,
-        BLOCK_Q=block_q, BLOCK_K=block_k, K=k, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n, HAS_SEQ_LENS=seq_lens is not None,
-        HAS_QUERY_BLOCKS=query_blocks is not None, num_warps=topk_warps(block_n),
+        BLOCK_Q=block_q, BLOCK_K=block_k, K=k, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n,
+        HAS_SEQ_LENS=seq_lens is not None, HAS_QUERY_BLOCKS=query_blocks is not None, num_warps=topk_warps(block_n),
     )
     return out
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..index import BlockIndex, causal_last_block
 from ..kernels.reference import philox4x32_10
+from ..plan import triton_runs_on
 from .distill import dense_row_block_mass
 
 __all__ = ["selection_quality", "sample_query_blocks", "draw_query_blocks", "row_mass_recall", "needle_block_recall", "oracle_budget",
@@ -50,13 +51,7 @@ def _draw_kernel_runs(draw: Tensor) -> bool:
     """The draw kernel (``kernels/draw.py``) takes eager CUDA draws, where Triton imports. Not while torch.compile
     traces: inductor (torch 2.11) fails on the kernel's 64-bit key argument ("'int' object has no attribute
     'xreplace'", H200, tenth session), and a compiled graph fuses the reference's elementwise ops anyway."""
-    if torch.compiler.is_compiling() or draw.device.type != "cuda":
-        return False
-    try:
-        from ..kernels import draw as _draw_kernel  # noqa: F401
-    except ImportError:  # triton missing or broken on this machine: the PyTorch path
-        return False
-    return True
+    return not torch.compiler.is_compiling() and triton_runs_on(draw)
 
 
 def draw_query_blocks(num_q_blocks: int, count: int, draw: Tensor) -> Tensor:

@@ -41,6 +41,7 @@ from ..config import KEY_POOLINGS, QUERY_POOLINGS
 from ..functional import choose_backend
 from ..index import capacity_tier, causal_last_block, document_sink_candidates, shares_document
 from ..kernels.reference_pool import block_max, block_mean, reference_block_pool, unrotate
+from ..plan import triton_runs_on
 from ..validation import check_choice, check_float
 
 __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_pool", "block_mean", "block_max",
@@ -364,12 +365,10 @@ def _check_query_blocks(query_blocks, geometry: SelectionGeometry, rows: int, de
 
 def _topk_kernel_runs(scores: Tensor, geometry: SelectionGeometry) -> bool:
     """The top-k kernel (``kernels/topk.py``) takes CUDA score rows it can hold, where Triton imports."""
-    if scores.device.type != "cuda":
+    if not triton_runs_on(scores):
         return False
-    try:
-        from ..kernels.topk import MAX_KEY_BLOCKS
-    except ImportError:  # triton missing or broken on this machine: the PyTorch path
-        return False
+    from ..kernels.topk import MAX_KEY_BLOCKS
+
     return geometry.num_k_blocks <= MAX_KEY_BLOCKS
 
 
