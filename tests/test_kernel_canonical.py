@@ -45,6 +45,18 @@ def test_merge_kernel_equals_canonicalize(B, HKV, N, BQ, BK, k, window, sinks, c
     assert (counts > 0).any()
 
 
+def test_merge_kernel_drops_picks_beyond_int32_instead_of_wrapping_them():
+    """A pick of 2**32 + 3 would read as block 3 if narrowed to int32 before its range test."""
+    picks = torch.full((1, 1, 16, 2), -1, dtype=torch.int64)
+    picks[0, 0, 10, 0] = 2**32 + 3
+    picks[0, 0, 10, 1] = -(2**32) + 5
+    args = dict(seq_len=1024, block_q=64, block_k=64, window=1, sinks=0, capacity=4)
+    want = canonicalize(picks, check="none", **args)
+    got = triton_canonical_merge(picks.to(DEV), **args)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    assert got[0][0, 0, 10].tolist() == [10, -1, -1, -1]
+
+
 def test_merge_kernel_reads_strided_picks():
     picks = _picks(1, 2, 16, 16, 8, seed=1)
     strided = picks.transpose(2, 3).contiguous().transpose(2, 3)  # the same values through other strides

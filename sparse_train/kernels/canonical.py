@@ -44,7 +44,8 @@ def _canonical_kernel(
     last = (tl.minimum((i + 1) * BLOCK_Q, N) - 1) // BLOCK_K
     c = tl.arange(0, CP)  # candidate slot: picks, then window, then sinks
     picks_row = PICKS + b.to(tl.int64) * stride_pb + h.to(tl.int64) * stride_ph + i.to(tl.int64) * stride_pr
-    pick = tl.load(picks_row + c.to(tl.int64) * stride_pk, mask=c < K, other=-1).to(tl.int32)  # [CP]
+    pick = tl.load(picks_row + c.to(tl.int64) * stride_pk, mask=c < K, other=-1)  # [CP], the picks' dtype
+    pick = tl.where((pick >= 0) & (pick < NKB), pick, -1).to(tl.int32)  # range test before narrowing: no wrap
     window_block = last - window + 1 + (c - K)
     sink_block = c - K - window
     forced = tl.where(c < K + window, window_block, tl.where(c < K + window + sinks, sink_block, -1))

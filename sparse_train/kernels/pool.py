@@ -42,6 +42,7 @@ INV_TWO_PI = tl.constexpr(1.0 / (2.0 * math.pi))
 TWO_PI_HI = tl.constexpr(6.28125)  # 8 significant bits: turns * TWO_PI_HI is exact in float32 below 2**16 turns
 TWO_PI_LO = tl.constexpr(2.0 * math.pi - 6.28125)
 
+
 # ----------------------------------------------------------------------------------------------
 # Layer 1: kernel
 # ----------------------------------------------------------------------------------------------
