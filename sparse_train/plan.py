@@ -637,12 +637,21 @@ def block_mass_config(group: int, block_q: int) -> ForwardConfig:
 
 
 
-def pool_config(rope: bool) -> tuple[int, int]:
-    """(rows per step, warps) of the selector's pooling kernel (``kernels/pool.py``), measured on the H200 at
-    64K (``docs/benchmarks/speed_round2/h200_pool_sweep_session10.json``): without RoPE the kernel streams q
-    and k, best with 64-row steps on 2 warps (2.5-3 TB/s at D = 64 / 128); with RoPE the angles, their
-    cosine and sine and the partner channels are live too, best with 32-row steps on 4 warps."""
-    return (32, 4) if rope else (64, 2)
+def pool_config(rope: bool, block: int, head_dim: int) -> tuple[int, int, int]:
+    """(rows per step, warps, pooled heads per program) of the selector's pooling kernel (``kernels/pool.py``)
+    for blocks of ``block`` rows, measured on the H200 at 64K and 16K
+    (``docs/benchmarks/speed_round2/h200_pool_sweep_session11.json``).
+
+    Without RoPE the kernel streams q and k: 64-row steps on 2 warps, one head per program (2.5-3 TB/s).
+    With RoPE a program takes the whole block in one step, so the angles' cosine and sine are computed once
+    per row, on one warp per 32 rows; when a [rows, D/2] tile is small (64-row blocks at D = 64) they also
+    serve 4 heads per program (0.179 against 0.193 ms at 64K), larger tiles run best one head per program."""
+    rows = 1 << max(0, block - 1).bit_length()  # the block's rows padded to a power of two
+    if not rope:
+        return min(64, rows), 2, 1
+    rows = min(rows, 128)
+    heads = 4 if rows * max(head_dim // 2, 1) <= 2048 else 1
+    return rows, max(1, rows // 32), heads
 
 
 def row_log_mass_chunk(num_k_blocks: int, programs_per_chunk: int, device) -> int:

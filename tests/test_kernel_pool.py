@@ -68,6 +68,25 @@ def test_pool_matches_reference(B, HP, G, N, D, block, rope, positions, lengths,
             assert torch.all(got[b, :, math.ceil(length / block):] == 0)
 
 
+@pytest.mark.parametrize("rows,heads_per_program", [(16, 1), (64, 3), (16, 4)],
+                         ids=["row-steps-one-head", "one-step-uneven-head-chunks", "row-steps-all-heads"])
+@pytest.mark.parametrize("rope", [0, 24, 64], ids=["no-rope", "rope-12-pairs-tail", "rope-full"])
+def test_pool_tilings_match_reference(rope, rows, heads_per_program):
+    """Every tiling the launcher can choose gives the reference's values: the block in several row steps (the
+    angles recomputed per step) or in one (computed once for all heads), heads per program not dividing the
+    heads, and a rotated half that is not a power of two followed by unrotated channels."""
+    from sparse_train.kernels.pool import block_pool_launch
+
+    x, inv_freq, pos, valid = _inputs(2, 4, 2, 150, 64, rope=rope, positions="shifted", lengths=(150, 77))
+    got = block_pool_launch(x, 64, 2, valid.to(torch.int32), inv_freq, pos, True, rows=rows, num_warps=2,
+                            heads_per_program=heads_per_program)
+    ref = reference_block_pool(x.double(), 64, 2, valid_len=valid,
+                               inv_freq=None if inv_freq is None else inv_freq.double(), positions=pos, with_max=True)
+    ref_low = reference_block_pool(x, 64, 2, valid_len=valid, inv_freq=inv_freq, positions=pos, with_max=True)
+    assert torch.isfinite(got).all()
+    check_close(f"pool rows={rows} heads/program={heads_per_program}", got, ref, ref_low, torch.float32)
+
+
 def test_pool_max_without_rope_is_exact():
     x, _, _, valid = _inputs(2, 2, 1, 90, 32, rope=0, positions=None, lengths=(90, 41))
     got = triton_block_pool(x, 32, 1, valid_len=valid, with_max=True)

@@ -214,6 +214,21 @@ def test_distance_bias_starts_at_zero_and_adds_per_bucket():
     assert BlockScorer(4, 2, 8, 4).distance_bias is None  # off unless asked for
 
 
+def test_scorer_logits_stay_float32_under_autocast():
+    """Autocast would run the projections and the product in bfloat16 and tie blocks the selector ranks: the
+    scorer computes its logits in float32 all the same, equal to those outside autocast."""
+    torch.manual_seed(0)
+    geometry = selection_geometry(256, 16, 16, 2, 1, 0)
+    scorer = BlockScorer(num_heads=4, num_kv_heads=2, head_dim=8, selector_dim=4, distance_bias=True)
+    q, k = _rand_qk(1, 4, 2, 256, 8, dtype=torch.float32)
+    qbar, kbar = scorer.pool(q, k, 16, 16)
+    plain = scorer(qbar, kbar, 0.5, geometry)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = scorer(qbar, kbar, 0.5, geometry)
+    assert mixed.dtype == torch.float32
+    torch.testing.assert_close(mixed, plain, rtol=0, atol=0)
+
+
 def _brute_block_mass(q, k, allowed_keys, block_q, block_k, scale, seq_lens=None, row_pool="mean"):
     """Pooled mass per (b, kv head, query block, key block) from an explicit [B, HKV, N, N] mask;
     ``row_pool="max"`` takes each block's largest single-row mass, renormalised over the blocks."""

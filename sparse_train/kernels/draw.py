@@ -10,7 +10,9 @@ Layers: (1) ``_draw_words_kernel``; (2) the launcher ``draw_words_launch``; no a
 ``triton_draw_words``. The reference is ``kernels.reference.philox4x32_10`` (the same words, ~250 PyTorch ops
 per draw: ten rounds of 32-bit products split into 16-bit halves); tests compare the two exactly.
 
-Known limits: t in [0, 2**63); NQB < 2**32.
+Known limits: t in [0, 2**63); NQB < 2**32. The key is a compile-time constant (one fixed value in the
+library): inductor (torch 2.11) could not take it as a 64-bit int argument ("'int' object has no attribute
+'xreplace'"), and a constant costs no recompilation since the key never changes.
 """
 from __future__ import annotations
 
@@ -28,14 +30,14 @@ _BLOCKS_PER_PROGRAM = 1024
 # Layer 1: kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _draw_words_kernel(DRAW, OUT, NQB, key, BLOCK: tl.constexpr):
+def _draw_words_kernel(DRAW, OUT, NQB, KEY: tl.constexpr, BLOCK: tl.constexpr):
     blocks = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     draw = tl.load(DRAW).to(tl.int64)
     zeros = tl.zeros([BLOCK], tl.uint32)
     c0 = blocks.to(tl.uint32)
     c1 = zeros + (draw & 0xFFFFFFFF).to(tl.uint32)
     c2 = zeros + ((draw >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    word, _, _, _ = tl.philox(key, c0, c1, c2, zeros)
+    word, _, _, _ = tl.philox(KEY, c0, c1, c2, zeros)
     tl.store(OUT + blocks, word.to(tl.int64) & 0xFFFFFFFF, mask=blocks < NQB)
 
 
@@ -48,7 +50,8 @@ def draw_words_launch(num_q_blocks: int, draw: Tensor, key: int) -> Tensor:
     out = torch.empty(num_q_blocks, device=draw.device, dtype=torch.int64)
     if num_q_blocks:
         block = min(_BLOCKS_PER_PROGRAM, triton.next_power_of_2(num_q_blocks))
-        _draw_words_kernel[(triton.cdiv(num_q_blocks, block),)](draw, out, num_q_blocks, key, BLOCK=block, num_warps=4)
+        _draw_words_kernel[(triton.cdiv(num_q_blocks, block),)](draw, out, num_q_blocks, KEY=key, BLOCK=block,
+                                                                 num_warps=4)
     return out
 
 

@@ -10,14 +10,18 @@ BLK = BLOCK rows per block, ROWS rows loaded per step, R = 2 * ROT_HALF rotated 
 partner is p(d) = d + R/2 with s_d = +1, for R/2 <= d < R p(d) = d - R/2 with s_d = -1, channels d >= R are
 not rotated; w_d = inv_freq[d mod R/2]. The angle is the float32 product of the float32 position and
 frequency, as in the reference; on the GPU its cosine and sine come from the hardware approximations after a
-reduction by whole turns (FAST_TRIG: the accurate library functions made the kernel 3.2x (D = 64) to 5.4x
-(D = 128) slower than without RoPE; both errors are far below the float32 angle's own rounding, ~4e-3 rad at
-position 65536), under the interpreter from tl.cos / tl.sin.
+reduction by whole turns (FAST_TRIG: the accurate library functions made the first version of this kernel
+3.2x (D = 64) to 5.4x (D = 128) slower than without RoPE; both errors are far below the float32 angle's own
+rounding, ~4e-3 rad at position 65536), under the interpreter from tl.cos / tl.sin.
 
-Layers: (1) ``_block_pool_kernel``, one program per (block, batch x pooled head); (2) the launcher
-``block_pool_launch``; no autograd op (the selector's pooled inputs are detached); (4) the public function
-``triton_block_pool``. The reference with the same semantics is ``kernels/reference_pool.py``; tests compare
-the two in float64.
+Layers: (1) ``_block_pool_kernel``, one program per (block, batch, chunk of HEADS_PER_PROGRAM pooled heads):
+with the block in one row step, the cosine and sine of its rows are computed once and serve every head of the
+chunk (they depend on the position only), and each rotated pair is loaded as two half tiles, every channel
+once (the first version loaded every channel a second time as its partner and computed the angles per head
+and row step: 0.277 ms at 64K, D = 64, q and k, now 0.179; 0.50 ms at D = 128, now 0.274); (2) the launcher ``block_pool_launch`` (tiling
+from ``plan.pool_config``); no autograd op (the selector's pooled inputs are detached); (4) the public
+function ``triton_block_pool``. The reference with the same semantics is ``kernels/reference_pool.py``; tests
+compare the two in float64.
 
 Known limits: head dims that are powers of two (the selector calls it where the attention kernels run: 16 to
 128); any strides; float32 accumulation, so the mean differs from the reference's by rounding (the reference
@@ -47,73 +51,122 @@ TWO_PI_LO = tl.constexpr(2.0 * math.pi - 6.28125)
 # Layer 1: kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS: tl.constexpr, FAST_TRIG: tl.constexpr, stride_pb,
+                  stride_pn):
+    # cos and sin [ROWS, HALF] of the angles pos[n] * w_d of one row step (shared by every head of the program)
+    rows64 = rows.to(tl.int64)
+    if HAS_POS:
+        pos = tl.load(POS + b64 * stride_pb + rows64 * stride_pn, mask=row_ok, other=0).to(tl.float32)
+    else:
+        pos = rows.to(tl.float32)
+    angle = pos[:, None] * freq[None, :]  # [ROWS, HALF]
+    if FAST_TRIG:
+        # the hardware's sine and cosine are accurate to ~1e-6 on [-pi, pi]; reduce by whole turns first
+        # (2 pi = TWO_PI_HI + TWO_PI_LO, the high part exact times any turn count below 2**16, angles below
+        # ~4e5 rad)
+        turns = tl.floor(angle * INV_TWO_PI + 0.5)
+        angle = (angle - turns * TWO_PI_HI) - turns * TWO_PI_LO
+        return libdevice.fast_cosf(angle), libdevice.fast_sinf(angle)
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _group_sum(x_head, rows64, row_ok, channels, channel_ok, stride_xh, stride_xn, stride_xd,
+               GROUP: tl.constexpr):
+    # [ROWS, C] float32 sum over the group's heads of the given channels (masked rows and channels read as 0)
+    ptrs = x_head + rows64[:, None] * stride_xn + channels[None, :].to(tl.int64) * stride_xd
+    mask = row_ok[:, None] & channel_ok[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    for g in tl.static_range(1, GROUP):
+        acc += tl.load(ptrs + g * stride_xh, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _store_pooled(out, channels, channel_ok, total, best, count, HEAD_DIM: tl.constexpr, WITH_MAX: tl.constexpr):
+    # the block's mean (and max) of these channels; a block without a valid row stores 0
+    tl.store(out + channels, tl.where(count > 0, total / tl.maximum(count, 1).to(tl.float32), 0.0), mask=channel_ok)
+    if WITH_MAX:
+        tl.store(out + HEAD_DIM + channels, tl.where(count > 0, best, 0.0), mask=channel_ok)
+
+
+@triton.jit
 def _block_pool_kernel(
     X, INV_FREQ, POS, VALID_LEN, OUT,
     stride_xb, stride_xh, stride_xn, stride_xd, stride_pb, stride_pn,
-    N, H, NB,
+    N, H, NB, HEADS_PER_PROGRAM,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ROT_HALF: tl.constexpr, HAS_POS: tl.constexpr, HAS_VALID_LEN: tl.constexpr, WITH_MAX: tl.constexpr,
-    FAST_TRIG: tl.constexpr,
+    ROT_HALF: tl.constexpr, HALF_P2: tl.constexpr, TAIL_P2: tl.constexpr, HAS_POS: tl.constexpr,
+    HAS_VALID_LEN: tl.constexpr, WITH_MAX: tl.constexpr, FAST_TRIG: tl.constexpr,
 ):
+    # one program: block j of batch b for HEADS_PER_PROGRAM pooled heads. With RoPE and the block in one row
+    # step the angles' cosine and sine are computed once and serve every head (they depend on the row only).
+    # The rotated pairs are loaded as two half tiles (d < R/2 and its partner d + R/2), each channel once.
+    ONE_STEP: tl.constexpr = ROWS >= BLOCK
+    TAIL: tl.constexpr = HEAD_DIM - 2 * ROT_HALF  # channels past the rotated ones (all of them without RoPE)
     j = tl.program_id(0)
-    batch_head = tl.program_id(1)
-    b = batch_head // H
-    h = batch_head % H
+    b = tl.program_id(1)
+    head_first = tl.program_id(2) * HEADS_PER_PROGRAM
     b64 = b.to(tl.int64)
     limit = N
     if HAS_VALID_LEN:
         limit = tl.minimum(tl.maximum(tl.load(VALID_LEN + b), 0), N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    if ROT_HALF > 0:
-        first_half = offs_d < ROT_HALF
-        rotated = offs_d < 2 * ROT_HALF
-        partner = tl.where(first_half, offs_d + ROT_HALF, tl.where(rotated, offs_d - ROT_HALF, offs_d))  # [D]
-        sign = tl.where(first_half, 1.0, tl.where(rotated, -1.0, 0.0))  # [D]
-        freq = tl.load(INV_FREQ + offs_d % ROT_HALF, mask=rotated, other=0.0).to(tl.float32)  # [D]
-    x_head = X + b64 * stride_xb + (h * GROUP).to(tl.int64) * stride_xh
-    total = tl.zeros([HEAD_DIM], tl.float32)
-    best = tl.full([HEAD_DIM], float("-inf"), tl.float32)
-    for first in tl.static_range(0, BLOCK, ROWS):
-        rows = j * BLOCK + first + tl.arange(0, ROWS)  # [ROWS]
-        row_ok = (rows < limit) & (first + tl.arange(0, ROWS) < BLOCK)
-        rows64 = rows.to(tl.int64)
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        if ROT_HALF > 0:
-            acc_partner = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        for g in tl.static_range(GROUP):
-            ptrs = x_head + g * stride_xh + rows64[:, None] * stride_xn  # [ROWS, 1]
-            acc += tl.load(ptrs + offs_d[None, :] * stride_xd, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            if ROT_HALF > 0:
-                acc_partner += tl.load(ptrs + partner[None, :] * stride_xd, mask=row_ok[:, None],
-                                       other=0.0).to(tl.float32)
-        value = acc / GROUP  # [ROWS, D] the group's mean row
-        if ROT_HALF > 0:
-            if HAS_POS:
-                pos = tl.load(POS + b64 * stride_pb + rows64 * stride_pn, mask=row_ok, other=0).to(tl.float32)
-            else:
-                pos = rows.to(tl.float32)
-            angle = pos[:, None] * freq[None, :]  # [ROWS, D]
-            if FAST_TRIG:
-                # the hardware's sine and cosine are accurate to ~1e-6 on [-pi, pi]; reduce by whole turns
-                # first (2 pi = TWO_PI_HI + TWO_PI_LO, the high part exact times any turn count below 2**16,
-                # angles below ~4e5 rad)
-                turns = tl.floor(angle * INV_TWO_PI + 0.5)
-                angle = (angle - turns * TWO_PI_HI) - turns * TWO_PI_LO
-                cos = libdevice.fast_cosf(angle)
-                sin = libdevice.fast_sinf(angle)
-            else:
-                cos = tl.cos(angle)
-                sin = tl.sin(angle)
-            turned = value * cos + sign[None, :] * (acc_partner / GROUP) * sin
-            value = tl.where(rotated[None, :], turned, value)  # channels past R stay as they are (inf too)
-        total += tl.sum(tl.where(row_ok[:, None], value, 0.0), axis=0)
-        if WITH_MAX:
-            best = tl.maximum(best, tl.max(tl.where(row_ok[:, None], value, float("-inf")), axis=0))
     count = tl.minimum(limit - j * BLOCK, BLOCK)  # valid rows of this block (<= 0: none)
-    out = OUT + (batch_head.to(tl.int64) * NB + j) * ((2 if WITH_MAX else 1) * HEAD_DIM)
-    tl.store(out + offs_d, tl.where(count > 0, total / tl.maximum(count, 1).to(tl.float32), 0.0))
-    if WITH_MAX:
-        tl.store(out + HEAD_DIM + offs_d, tl.where(count > 0, best, 0.0))
+    if ROT_HALF > 0:
+        half = tl.arange(0, HALF_P2)  # [HALF] first-half channels; their partners are half + ROT_HALF
+        half_ok = half < ROT_HALF
+        freq = tl.load(INV_FREQ + half, mask=half_ok, other=0.0).to(tl.float32)  # [HALF]
+        if ONE_STEP:
+            block_rows = j * BLOCK + tl.arange(0, ROWS)
+            block_ok = (block_rows < limit) & (tl.arange(0, ROWS) < BLOCK)
+            cos_block, sin_block = _rope_cos_sin(POS, b64, block_rows, block_ok, freq, HAS_POS, FAST_TRIG,
+                                                 stride_pb, stride_pn)
+    if TAIL > 0:
+        tail = 2 * ROT_HALF + tl.arange(0, TAIL_P2)  # [TAIL] channels that are not rotated
+        tail_ok = tail < HEAD_DIM
+    for i in range(0, tl.minimum(HEADS_PER_PROGRAM, H - head_first)):
+        head = head_first + i
+        x_head = X + b64 * stride_xb + (head * GROUP).to(tl.int64) * stride_xh
+        out = OUT + ((b64 * H + head) * NB + j) * ((2 if WITH_MAX else 1) * HEAD_DIM)
+        if ROT_HALF > 0:
+            total_1 = tl.zeros([HALF_P2], tl.float32)
+            total_2 = tl.zeros([HALF_P2], tl.float32)
+            best_1 = tl.full([HALF_P2], float("-inf"), tl.float32)
+            best_2 = tl.full([HALF_P2], float("-inf"), tl.float32)
+        if TAIL > 0:
+            total_t = tl.zeros([TAIL_P2], tl.float32)
+            best_t = tl.full([TAIL_P2], float("-inf"), tl.float32)
+        for first in tl.static_range(0, BLOCK, ROWS):
+            rows = j * BLOCK + first + tl.arange(0, ROWS)  # [ROWS]
+            row_ok = (rows < limit) & (first + tl.arange(0, ROWS) < BLOCK)
+            rows64 = rows.to(tl.int64)
+            if ROT_HALF > 0:
+                if ONE_STEP:
+                    cos, sin = cos_block, sin_block
+                else:
+                    cos, sin = _rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS, FAST_TRIG, stride_pb, stride_pn)
+                x_1 = _group_sum(x_head, rows64, row_ok, half, half_ok, stride_xh, stride_xn, stride_xd,
+                                 GROUP) / GROUP  # [ROWS, HALF] the group's mean rows
+                x_2 = _group_sum(x_head, rows64, row_ok, half + ROT_HALF, half_ok, stride_xh, stride_xn, stride_xd,
+                                 GROUP) / GROUP  # [ROWS, HALF]
+                turned_1 = x_1 * cos + x_2 * sin
+                turned_2 = x_2 * cos - x_1 * sin
+                total_1 += tl.sum(tl.where(row_ok[:, None], turned_1, 0.0), axis=0)
+                total_2 += tl.sum(tl.where(row_ok[:, None], turned_2, 0.0), axis=0)
+                if WITH_MAX:
+                    best_1 = tl.maximum(best_1, tl.max(tl.where(row_ok[:, None], turned_1, float("-inf")), axis=0))
+                    best_2 = tl.maximum(best_2, tl.max(tl.where(row_ok[:, None], turned_2, float("-inf")), axis=0))
+            if TAIL > 0:
+                x_t = _group_sum(x_head, rows64, row_ok, tail, tail_ok, stride_xh, stride_xn, stride_xd,
+                                 GROUP) / GROUP  # [ROWS, TAIL]
+                total_t += tl.sum(tl.where(row_ok[:, None], x_t, 0.0), axis=0)
+                if WITH_MAX:
+                    best_t = tl.maximum(best_t, tl.max(tl.where(row_ok[:, None], x_t, float("-inf")), axis=0))
+        if ROT_HALF > 0:
+            _store_pooled(out, half, half_ok, total_1, best_1, count, HEAD_DIM, WITH_MAX)
+            _store_pooled(out, half + ROT_HALF, half_ok, total_2, best_2, count, HEAD_DIM, WITH_MAX)
+        if TAIL > 0:
+            _store_pooled(out, tail, tail_ok, total_t, best_t, count, HEAD_DIM, WITH_MAX)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,17 +174,19 @@ def _block_pool_kernel(
 # ----------------------------------------------------------------------------------------------
 def block_pool_launch(x: Tensor, block: int, group: int, valid_len: Tensor | None, inv_freq: Tensor | None,
                       positions: Tensor | None, with_max: bool, *, rows: int | None = None,
-                      num_warps: int | None = None) -> Tensor:
+                      num_warps: int | None = None, heads_per_program: int | None = None) -> Tensor:
     """float32 ``[B, H, NB, (1 + with_max) * D]``. No validation: ``valid_len`` int ``[B]`` contiguous,
     ``inv_freq`` float ``[R/2]`` contiguous or None, ``positions`` ``[N]`` or ``[B, N]`` or None. ``rows`` /
-    ``num_warps``: the tile (default ``plan.pool_config``; the benchmarks sweep them)."""
+    ``num_warps`` / ``heads_per_program``: the tile and the heads a program walks (default
+    ``plan.pool_config``; the benchmarks sweep them)."""
     B, heads_total, N, D = x.shape
     H = heads_total // group
     NB = -(-N // block)
     out = torch.empty((B, H, NB, (2 if with_max else 1) * D), device=x.device, dtype=torch.float32)
     rot_half = 0 if inv_freq is None else inv_freq.shape[0]
-    default_rows, default_warps = pool_config(rot_half > 0)
+    default_rows, default_warps, default_heads = pool_config(rot_half > 0, block, D)
     rows = min(rows or default_rows, triton.next_power_of_2(block))
+    heads_per_program = max(1, min(H, heads_per_program or default_heads))
     if positions is None:
         stride_pb = stride_pn = 0
     elif positions.dim() == 1:
@@ -139,14 +194,16 @@ def block_pool_launch(x: Tensor, block: int, group: int, valid_len: Tensor | Non
     else:
         stride_pb, stride_pn = positions.stride()
     dummy = out
-    _block_pool_kernel[(NB, B * H)](
-        x, dummy if inv_freq is None else inv_freq, dummy if positions is None else positions,
-        dummy if valid_len is None else valid_len, out,
-        *x.stride(), stride_pb, stride_pn, N, H, NB,
-        GROUP=group, BLOCK=block, ROWS=rows, HEAD_DIM=D, ROT_HALF=rot_half,
-        HAS_POS=positions is not None, HAS_VALID_LEN=valid_len is not None, WITH_MAX=with_max,
-        FAST_TRIG=x.device.type == "cuda", num_warps=num_warps or default_warps,
-    )
+    if out.numel():
+        _block_pool_kernel[(NB, B, triton.cdiv(H, heads_per_program))](
+            x, dummy if inv_freq is None else inv_freq, dummy if positions is None else positions,
+            dummy if valid_len is None else valid_len, out,
+            *x.stride(), stride_pb, stride_pn, N, H, NB, heads_per_program,
+            GROUP=group, BLOCK=block, ROWS=rows, HEAD_DIM=D, ROT_HALF=rot_half,
+            HALF_P2=triton.next_power_of_2(max(rot_half, 1)), TAIL_P2=triton.next_power_of_2(max(D - 2 * rot_half, 1)),
+            HAS_POS=positions is not None, HAS_VALID_LEN=valid_len is not None, WITH_MAX=with_max,
+            FAST_TRIG=x.device.type == "cuda", num_warps=num_warps or default_warps,
+        )
     return out
 
 

@@ -3,14 +3,16 @@
 Math, per (batch b, KV head h, query block i) row of the block scores s[j], j < NKB:
     allowed_j = j <= last_i and not (j > last_i - window) and not (j < sinks)   (window, sinks: forced blocks)
     v_j = -inf unless allowed_j;  v_j = EMPTY (-1e30) for allowed blocks at or past seq_lens[b] (no valid key)
-    picks = the K largest v_j (ties: lower j first), -1 where v_j = -inf (the row has fewer candidates)
+    picks = the K largest v_j (ties: lower j first), in block order, then -1 (the row has fewer candidates)
 
 Notation: B batch, HKV KV heads, NQB query blocks (R rows: all of them, or the listed ``query_blocks`` of
 context parallelism), NKB key blocks, BQ / BK block sizes, N length, K = ``dynamic_k`` picks per row,
 last_i = (min((i + 1) BQ, N) - 1) // BK the last causal key block. NaN scores rank as +inf.
 
-Layers: (1) ``_topk_kernel``, one program per row (the row's NKB scores live in registers, packed with their
-block ids into int64 keys for one bitonic top-k, ``tl.topk``); (2) the launcher ``topk_launch``; no autograd
+Layers: (1) ``_topk_kernel``, one program per row: the row's NKB scores live in registers; a bitonic top-k of
+them (``tl.topk``) gives the K-th largest score, and one prefix count over the row picks every block above it
+and the lowest of the blocks equal to it (the first version packed each score with its block id into an int64
+key and took the top-k of those: twice the bits in every exchange of the network); (2) the launcher ``topk_launch``; no autograd
 (top-k carries no gradient); (4) the public function ``triton_selection_candidates``. Its reference is
 ``sparse_train.selectors.scorer.selection_candidates`` (the PyTorch path, which ranks ties in no fixed order;
 for distinct scores the two pick the same blocks).
@@ -65,18 +67,23 @@ def _topk_kernel(
     if HAS_SEQ_LENS:
         seq_len = tl.load(SEQ_LENS + b)
         values = tl.where(allowed & (j * BLOCK_K >= seq_len), _EMPTY_BLOCK_SCORE, values)
-    # one sortable int64 key per block: the score's order-preserving bits above, the block's rank from the end
-    # below (equal scores: the lower block has the larger key), so a bitonic top-k of the keys is the top-k
+    # the K-th largest score is the threshold: every block above it is picked, and as many blocks equal to it,
+    # lowest first, as fill the K picks (a bitonic top-k of the scores as order-preserving int32, then one
+    # prefix count)
     bits = values.to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order of the bits = float order of the scores
-    keys = (ordered.to(tl.int64) << 32) + (BLOCK_N - 1 - j).to(tl.int64)  # [BLOCK_N]
-    top = tl.topk(keys, K_POW2)  # [K_POW2], largest first
-    pick = BLOCK_N - 1 - (top & 0xFFFFFFFF).to(tl.int32)
-    top_ordered = (top >> 32).to(tl.int32)
-    unused = top_ordered == NEG_INF_ORDERED  # the row ran out of allowed blocks
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # [BLOCK_N] int32 order of the bits = float order of the scores
+    top = tl.topk(ordered, K_POW2)  # [K_POW2], largest first
     t = tl.arange(0, K_POW2)
+    threshold = tl.max(tl.where(t == K - 1, top, NEG_INF_ORDERED), axis=0)
+    above = ordered > threshold
+    tied = (ordered == threshold) & (threshold != NEG_INF_ORDERED)  # -inf: the row ran out of allowed blocks
+    tied_rank = tl.cumsum(tied.to(tl.int32), axis=0)  # [BLOCK_N] 1-based rank among the tied blocks
+    picked = above | (tied & (tied_rank <= K - tl.sum(above.to(tl.int32), axis=0)))
+    slot = tl.cumsum(picked.to(tl.int32), axis=0) - 1  # [BLOCK_N] the picks in block order
     out = OUT + ((b.to(tl.int64) * HKV + h) * R + r) * K
-    tl.store(out + t, tl.where(unused, -1, pick).to(tl.int64), mask=t < K)
+    tl.store(out + slot, j.to(tl.int64), mask=picked)
+    filled = tl.sum(picked.to(tl.int32), axis=0)
+    tl.store(out + t, tl.full([K_POW2], -1, tl.int64), mask=(t >= filled) & (t < K))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,10 +48,8 @@ _DRAW_KEY = 0x5D15_71A7_0000_0001
 
 
 def _draw_kernel_runs(draw: Tensor) -> bool:
-    """The draw kernel (``kernels/draw.py``) takes eager CUDA draws, where Triton imports. Not while torch.compile
-    traces: inductor (torch 2.11) fails on the kernel's 64-bit key argument ("'int' object has no attribute
-    'xreplace'", H200, tenth session), and a compiled graph fuses the reference's elementwise ops anyway."""
-    return not torch.compiler.is_compiling() and triton_runs_on(draw)
+    """The draw kernel (``kernels/draw.py``) takes CUDA draws, eager or compiled, where Triton imports."""
+    return triton_runs_on(draw)
 
 
 def draw_query_blocks(num_q_blocks: int, count: int, draw: Tensor) -> Tensor:

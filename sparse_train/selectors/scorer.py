@@ -46,7 +46,7 @@ from ..validation import check_choice, check_float
 
 __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_pool", "block_mean", "block_max",
            "rope_inverse_frequencies", "unrotate", "block_distance_buckets", "DISTANCE_BUCKETS",
-           "selection_candidates", "allowed_dynamic_blocks", "causal_block_mask"]
+           "selection_candidates", "allowed_dynamic_blocks", "causal_block_mask", "reference_block_logits"]
 
 _PROJECTION_SEED = 20261130
 """Seed of the initial random projection (the same in every layer; layers differ by their q and k)."""
@@ -313,21 +313,65 @@ class BlockScorer(nn.Module):
         ``query_blocks`` (optional int ``[S]``): the GLOBAL query-block ids of ``qbar``'s rows, when
         ``qbar`` holds only some query blocks (``[B, HKV, S, D]``; context parallelism: a rank's local
         blocks) and ``kbar`` all of them; the distance bias then uses those rows of the bucket table.
-        Default: ``qbar`` holds every query block in order."""
+        Default: ``qbar`` holds every query block in order.
+
+        The logits are float32 also under autocast (a bfloat16 product would tie blocks the selector ranks), on
+        the kernel path (eager CUDA) and the reference path (CPU, torch.compile) alike."""
+        with torch.autocast(qbar.device.type, enabled=False):
+            return self._logits(qbar.float(), kbar.float(), scale, geometry, query_blocks)
+
+    def _logits(self, qbar: Tensor, kbar: Tensor, scale: float, geometry: SelectionGeometry | None,
+                query_blocks: Tensor | None) -> Tensor:
         multiplier = self.lr_multiplier.to(torch.float32)
         wq = self.query_proj.to(torch.float32) * multiplier
         wk = self.key_proj.to(torch.float32) * multiplier
         qs = torch.einsum("bhnd,hds->bhns", qbar, wq)
         ks = torch.einsum("bhmd,hds->bhms", kbar, wk)
         temperature = torch.exp(self.log_temperature.to(torch.float32) * multiplier) * scale
-        logits = torch.matmul(qs, ks.transpose(-1, -2)) * temperature.view(1, -1, 1, 1)
-        if self.distance_bias is None or geometry is None:
-            return logits
-        buckets = block_distance_buckets(geometry, logits.device)  # [NQB, NKB]
-        if query_blocks is not None:
-            buckets = buckets.index_select(0, _check_query_blocks(query_blocks, geometry, qbar.shape[2], logits.device))
-        bias = self.distance_bias.to(torch.float32) * multiplier  # [HKV, DISTANCE_BUCKETS]
-        return logits + _BucketLookup.apply(bias, buckets).unsqueeze(0)
+        bias = None
+        if self.distance_bias is not None and geometry is not None:
+            bias = self.distance_bias.to(torch.float32) * multiplier  # [HKV, DISTANCE_BUCKETS]
+            if query_blocks is not None:
+                query_blocks = _check_query_blocks(query_blocks, geometry, qbar.shape[2], qbar.device)
+        if _logits_kernel_runs(qs):  # one kernel instead of ~10 and three float32 passes over the logits
+            from ..kernels.scores import triton_block_logits
+
+            return triton_block_logits(qs, ks, temperature, bias, geometry, query_blocks)
+        return reference_block_logits(qs, ks, temperature, bias, geometry, query_blocks)
+
+
+def _logits_kernel_runs(qs: Tensor) -> bool:
+    """The logits kernel (``kernels/scores.py``) takes eager CUDA calls, where Triton imports. A compiled graph
+    keeps the reference, whose matmul and elementwise ops inductor fuses itself."""
+    return not torch.compiler.is_compiling() and triton_runs_on(qs)
+
+
+def reference_block_logits(qs: Tensor, ks: Tensor, temperature: Tensor, bias: Tensor | None = None,
+                           geometry: SelectionGeometry | None = None, query_blocks: Tensor | None = None) -> Tensor:
+    """The selector's block logits (the reference of ``kernels/scores.py``): ``temperature[h] * qs ks^T``
+    (``qs [B, H, R, S]``, ``ks [B, H, NKB, S]``, ``temperature [H]``), plus ``bias[h, bucket(i, j)]`` when a
+    ``bias`` ``[H, C]`` is given, the bucket of :func:`block_distance_buckets` for the rows' query blocks (all
+    of them in order, or the global ids ``query_blocks``). Float32 ``[B, H, R, NKB]``; float64 inputs stay
+    float64 (the oracle of the tests)."""
+    logits = torch.matmul(qs, ks.transpose(-1, -2)) * temperature.view(1, -1, 1, 1)
+    if bias is None:
+        return logits
+    buckets = distance_buckets_of_rows(geometry, query_blocks, logits.device)
+    return logits + _BucketLookup.apply(bias, buckets).unsqueeze(0)
+
+
+def distance_buckets_of_rows(geometry: SelectionGeometry, query_blocks: Tensor | None, device) -> Tensor:
+    """int64 ``[R, NKB]``: :func:`block_distance_buckets` of every query block, or of the rows
+    ``query_blocks`` (global ids, already checked) only."""
+    buckets = block_distance_buckets(geometry, device)
+    return buckets if query_blocks is None else buckets.index_select(0, query_blocks.to(device, torch.int64))
+
+
+def bucket_sums(grad: Tensor, buckets: Tensor, num_buckets: int) -> Tensor:
+    """``[H, C]``: the sum of ``grad`` ``[H, R, NKB]`` over the positions of each bucket (``buckets [R, NKB]``),
+    one masked reduction per bucket: the gradient of a bucket-table lookup, deterministic and sync-free."""
+    per_bucket = [torch.where(buckets == c, grad, 0.0).sum(dim=(-2, -1)) for c in range(num_buckets)]
+    return torch.stack(per_bucket, dim=-1)
 
 
 class _BucketLookup(torch.autograd.Function):
@@ -346,8 +390,7 @@ class _BucketLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (buckets,) = ctx.saved_tensors
-        per_bucket = [torch.where(buckets == c, grad, 0.0).sum(dim=(-2, -1)) for c in range(ctx.num_buckets)]
-        return torch.stack(per_bucket, dim=-1), None
+        return bucket_sums(grad, buckets, ctx.num_buckets), None
 
 
 def _check_query_blocks(query_blocks, geometry: SelectionGeometry, rows: int, device) -> Tensor:
