@@ -218,12 +218,13 @@ def build_plan(index, r0: int | None = None, query_blocks: Tensor | None = None)
 
 
 # ---------------------------------------------------------------------------------------------- backward schedule
-def cold_slots(hot: Tensor, reuse: Tensor, deterministic: bool) -> Tensor:
+def cold_slots(hot: Tensor, reuse: Tensor, every_block_hot: bool) -> Tensor:
     """int32 ``[B*HKV*NKB]``: compact atomic-workspace slot of every cold block (0 < reuse, not hot),
-    -1 otherwise. Deterministic mode makes every block KV-centric (all -1)."""
+    -1 otherwise. ``every_block_hot`` (deterministic mode, the fused backward, r0 <= 1: no selected block
+    is cold) gives all -1 in one op instead of five."""
+    if every_block_hot:
+        return torch.full((reuse.numel(),), -1, dtype=torch.int32, device=reuse.device)
     cold = ((reuse > 0) & ~hot).reshape(-1)
-    if deterministic:
-        return torch.full_like(cold, -1, dtype=torch.int32)
     slot = torch.cumsum(cold.to(torch.int32), 0, dtype=torch.int32) - 1
     return torch.where(cold, slot, -1).to(torch.int32)
 
@@ -283,8 +284,13 @@ def kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int | No
     the attention path always passes the bounds, so it never syncs.
 
     Sorting-free and atomic-free, so the schedule and the order in which the finish kernel sums
-    partials are identical run to run."""
+    partials are identical run to run. With the bounds given, CUDA arrays take one Triton kernel
+    (``kernels/schedule.py``, the same arrays); this PyTorch path is its reference."""
     chunk = KV_CHUNK if chunk is None else chunk
+    if num_items is not None and num_parts is not None and triton_runs_on(reuse):
+        from .kernels.schedule import triton_kv_schedule
+
+        return triton_kv_schedule(reuse, kv_indptr, slots, chunk, num_items=num_items, num_parts=num_parts)
     reuse = reuse.reshape(-1).to(torch.int64)
     num_rows = reuse.numel()
     device = reuse.device
@@ -302,7 +308,8 @@ def kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int | No
     items = torch.arange(num_items, device=device)
     if num_rows == 0:
         none = torch.full_like(items, -1, dtype=torch.int32)
-        return KVSchedule(none, none, none, none, row_part_start, row_parts, num_parts)
+        zeros = torch.zeros_like(none)
+        return KVSchedule(none, zeros, zeros, none, row_part_start, row_parts, num_parts)
     item_end = torch.cumsum(num_chunks, 0)  # one past each row's last item
     real = items < item_end[-1]
     # the row of item i is the first row whose items end after i (padding items: clamped, then masked)
@@ -620,7 +627,7 @@ def attention_schedule(index, group: int, head_dim: int, device, kernel_options=
     check_fused_dq_allowed(options, deterministic)
     # the fused backward takes every block KV-centric (its kernel produces dQ); no block is cold
     every_block_kv_centric = deterministic or bool(options.fused_dq)
-    slots = cold_slots(plan.hot, plan.reuse, every_block_kv_centric)
+    slots = cold_slots(plan.hot, plan.reuse, every_block_kv_centric or plan.r0 <= 1)
     cold = cold_capacity(plan.reuse.numel(), plan.r0, every_block_kv_centric)
     forward = forward_config(group, index.block_q, index.block_k, head_dim, options)
     backward = backward_config(group, index.block_q, index.block_k, head_dim, cold > 0, options)

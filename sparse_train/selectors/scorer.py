@@ -356,22 +356,10 @@ def reference_block_logits(qs: Tensor, ks: Tensor, temperature: Tensor, bias: Te
     logits = torch.matmul(qs, ks.transpose(-1, -2)) * temperature.view(1, -1, 1, 1)
     if bias is None:
         return logits
-    buckets = distance_buckets_of_rows(geometry, query_blocks, logits.device)
+    buckets = block_distance_buckets(geometry, logits.device)
+    if query_blocks is not None:
+        buckets = buckets.index_select(0, query_blocks.to(logits.device, torch.int64))
     return logits + _BucketLookup.apply(bias, buckets).unsqueeze(0)
-
-
-def distance_buckets_of_rows(geometry: SelectionGeometry, query_blocks: Tensor | None, device) -> Tensor:
-    """int64 ``[R, NKB]``: :func:`block_distance_buckets` of every query block, or of the rows
-    ``query_blocks`` (global ids, already checked) only."""
-    buckets = block_distance_buckets(geometry, device)
-    return buckets if query_blocks is None else buckets.index_select(0, query_blocks.to(device, torch.int64))
-
-
-def bucket_sums(grad: Tensor, buckets: Tensor, num_buckets: int) -> Tensor:
-    """``[H, C]``: the sum of ``grad`` ``[H, R, NKB]`` over the positions of each bucket (``buckets [R, NKB]``),
-    one masked reduction per bucket: the gradient of a bucket-table lookup, deterministic and sync-free."""
-    per_bucket = [torch.where(buckets == c, grad, 0.0).sum(dim=(-2, -1)) for c in range(num_buckets)]
-    return torch.stack(per_bucket, dim=-1)
 
 
 class _BucketLookup(torch.autograd.Function):
@@ -390,7 +378,8 @@ class _BucketLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         (buckets,) = ctx.saved_tensors
-        return bucket_sums(grad, buckets, ctx.num_buckets), None
+        per_bucket = [torch.where(buckets == c, grad, 0.0).sum(dim=(-2, -1)) for c in range(ctx.num_buckets)]
+        return torch.stack(per_bucket, dim=-1), None
 
 
 def _check_query_blocks(query_blocks, geometry: SelectionGeometry, rows: int, device) -> Tensor:
