@@ -40,6 +40,16 @@ _TILE = 64  # BR = BN: rows and key blocks per program
 # Layer 1: kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _tile(H, R, NKB, BR: tl.constexpr, BN: tl.constexpr):
+    # this program's (b, h) matrix and its [BR] rows and [BN] key blocks, with their bounds
+    batch_head = tl.program_id(2)
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR]
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
+    return (batch_head, (batch_head // H).to(tl.int64), (batch_head % H).to(tl.int64), rows, cols, rows < R,
+            cols < NKB)
+
+
+@triton.jit
 def _raw_tile(QS, KS, b64, h64, rows, cols, row_ok, col_ok, S, stride_qb, stride_qh, stride_qr, stride_qs,
               stride_kb, stride_kh, stride_kj, stride_ks, S_P2: tl.constexpr):
     # [BR, BN] float32 qs ks^T of one tile (IEEE products, as the reference's float32 matmul)
@@ -77,13 +87,7 @@ def _block_logits_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, NUM_BUCKETS: tl.constexpr, BR: tl.constexpr, BN: tl.constexpr,
     S_P2: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_QUERY_BLOCKS: tl.constexpr,
 ):
-    batch_head = tl.program_id(2)
-    b64 = (batch_head // H).to(tl.int64)
-    h64 = (batch_head % H).to(tl.int64)
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR]
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
-    row_ok = rows < R
-    col_ok = cols < NKB
+    _, b64, h64, rows, cols, row_ok, col_ok = _tile(H, R, NKB, BR, BN)
     raw = _raw_tile(QS, KS, b64, h64, rows, cols, row_ok, col_ok, S, stride_qb, stride_qh, stride_qr, stride_qs,
                     stride_kb, stride_kh, stride_kj, stride_ks, S_P2)  # [BR, BN]
     logits = raw * tl.load(TEMPERATURE + h64)
@@ -107,13 +111,7 @@ def _block_logits_sums_kernel(
 ):
     # per tile: sum(grad * raw) (the temperature's gradient) and the sum of grad over each bucket (the bias's),
     # written to this tile's slot [b*H + h, tile] of the partials; PyTorch sums the tiles in a fixed order
-    batch_head = tl.program_id(2)
-    b64 = (batch_head // H).to(tl.int64)
-    h64 = (batch_head % H).to(tl.int64)
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)  # [BR]
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)  # [BN]
-    row_ok = rows < R
-    col_ok = cols < NKB
+    batch_head, b64, h64, rows, cols, row_ok, col_ok = _tile(H, R, NKB, BR, BN)
     grad = tl.load(GRAD + b64 * stride_gb + h64 * stride_gh + rows.to(tl.int64)[:, None] * stride_gr
                    + cols[None, :] * stride_gj, mask=row_ok[:, None] & col_ok[None, :], other=0.0)  # [BR, BN]
     raw = _raw_tile(QS, KS, b64, h64, rows, cols, row_ok, col_ok, S, stride_qb, stride_qh, stride_qr, stride_qs,
