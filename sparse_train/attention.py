@@ -827,6 +827,22 @@ def selector_parameters(model: nn.Module) -> list[nn.Parameter]:
     return list(seen.values())
 
 
+def selector_parameter_names(model: nn.Module) -> set[str]:
+    """Names (relative to ``model``) of the parameters of :func:`selector_parameters`."""
+    return {f"{prefix}{name}" for prefix, module in _named_sparse_modules(model)
+            for name, _ in module.named_parameters()}
+
+
+def selector_state_names(model: nn.Module) -> set[str]:
+    """Every state-dict key (parameters and buffers) of ``model`` that lives inside an ``SparseAttention``."""
+    return {f"{prefix}{key}" for prefix, module in _named_sparse_modules(model) for key in module.state_dict()}
+
+
+def _named_sparse_modules(model: nn.Module) -> Iterable[tuple[str, SparseAttention]]:
+    # (name prefix with its trailing dot, module) of every SparseAttention; the model itself has prefix ""
+    return ((f"{name}." if name else "", m) for name, m in model.named_modules() if isinstance(m, SparseAttention))
+
+
 def clip_grad_norms(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
                     process_group: "torch.distributed.ProcessGroup | None" = None) -> tuple[Tensor, Tensor]:
     """Clip the gradient norm of the model's own parameters and of its selectors' separately.

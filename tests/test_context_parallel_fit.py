@@ -115,7 +115,7 @@ def _fsdp_float64():
     """Lightning's FSDPStrategy on the CPU (``builders.cpu_fsdp_strategy``) in float64, so that the FSDP fit is
     held to the float64 tolerances of the DDP fit. Lightning's FSDP precision plugin offers ``32-true`` at
     most; its dtype enters only through the module cast, the default dtype of the forward and FSDP's
-    ``MixedPrecision``, given here as the strategy's own (``keep_buffers_fp32`` leaves a user's config alone, and
+    ``MixedPrecision``, given here as the strategy's own (``keep_buffer_dtypes`` leaves a user's config alone, and
     the one-process float64 fit keeps its buffers in float64 too). Sharding, the gradient reduction and the
     clipping are FSDP's and ours, unchanged."""
     from lightning.pytorch.plugins.precision import FSDPPrecision

@@ -278,13 +278,14 @@ def test_ddp_without_find_unused_parameters_is_refused_when_selectors_skip_steps
 
 
 @pytest.mark.parametrize("precision,user_config,want_buffers", [
-    pytest.param("bf16-mixed", None, torch.float32, id="bf16-mixed-buffers-fp32"),
-    pytest.param("32-true", None, torch.float32, id="32-true-unchanged"),
+    pytest.param("bf16-mixed", None, None, id="bf16-mixed-buffers-as-built"),
+    pytest.param("32-true", None, None, id="32-true-buffers-as-built"),
     pytest.param("bf16-mixed", "user", torch.bfloat16, id="users-mixed-precision-kept"),
 ])
-def test_fsdp_keeps_buffers_in_fp32_under_16_bit_precision(precision, user_config, want_buffers):
-    """Lightning's FSDP casts buffers to bf16 under bf16-mixed, and a long-context model's buffers are its
-    RoPE frequencies (bf16 frequencies turn position 64K by radians). configure_model keeps them fp32,
+def test_fsdp_keeps_buffers_in_their_dtypes(precision, user_config, want_buffers):
+    """Lightning's FSDP casts buffers to bf16 under bf16-mixed (and to fp32 under 32-true, which rounds a float64
+    buffer), and a long-context model's buffers are its RoPE frequencies (bf16 frequencies turn position 64K by
+    radians). configure_model leaves every buffer in its dtype (buffer_dtype None: FSDP only moves them),
     parameters and reductions as Lightning chose; a mixed_precision the user passed is left alone."""
     from types import SimpleNamespace
 

@@ -143,7 +143,8 @@ def block_logits_launch(qs: Tensor, ks: Tensor, temperature: Tensor, bias: Tenso
     if out.numel() == 0:
         return out
     # without a bias the geometry is not read (the kernel computes no bucket)
-    seq_len, block_q, block_k = (0, 1, 1) if geometry is None else (geometry.seq_len, geometry.block_q, geometry.block_k)
+    seq_len, block_q, block_k = ((0, 1, 1) if geometry is None else
+                                 (geometry.seq_len, geometry.block_q, geometry.block_k))
     _block_logits_kernel[(triton.cdiv(R, _TILE), triton.cdiv(NKB, _TILE), B * H)](
         qs, ks, temperature, temperature if bias is None else bias, out if query_blocks is None else query_blocks,
         out, *qs.stride(), *ks.stride(), H, R, NKB, S, seq_len,

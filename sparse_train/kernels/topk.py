@@ -9,13 +9,13 @@ Notation: B batch, HKV KV heads, NQB query blocks (R rows: all of them, or the l
 context parallelism), NKB key blocks, BQ / BK block sizes, N length, K = ``dynamic_k`` picks per row,
 last_i = (min((i + 1) BQ, N) - 1) // BK the last causal key block. NaN scores rank as +inf.
 
-Layers: (1) ``_topk_kernel``, one program per row: the row's NKB scores live in registers; a bitonic top-k of
-them (``tl.topk``) gives the K-th largest score, and one prefix count over the row picks every block above it
-and the lowest of the blocks equal to it (the first version packed each score with its block id into an int64
-key and took the top-k of those: twice the bits in every exchange of the network); (2) the launcher ``topk_launch``; no autograd
-(top-k carries no gradient); (4) the public function ``triton_selection_candidates``. Its reference is
-``sparse_train.selectors.scorer.selection_candidates`` (the PyTorch path, which ranks ties in no fixed order;
-for distinct scores the two pick the same blocks).
+Layers: (1) ``_topk_kernel``, one program per row: the row's NKB scores live in registers; a bitonic top-k of them
+as order-preserving int32 (``tl.topk``) gives the K-th largest score, and one prefix count over the row picks every
+block above it and the lowest of the blocks equal to it (the first version packed each score with its block id into
+an int64 key and took the top-k of those: twice the bits in every exchange of the network); (2) the launcher
+``topk_launch``; no autograd (top-k carries no gradient); (4) the public function ``triton_selection_candidates``.
+Its reference is ``sparse_train.selectors.scorer.selection_candidates`` (the PyTorch path, which ranks ties in no
+fixed order; for distinct scores the two pick the same blocks).
 
 Known limits: NKB <= ``MAX_KEY_BLOCKS`` (one register tile per row); no packed documents and no adaptive
 budget (``top_p``): those stay on the PyTorch path.

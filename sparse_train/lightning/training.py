@@ -46,45 +46,30 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import sparse_train as st
 
+from ..attention import selector_parameter_names, selector_state_names
 from ..losses import labelled_logits_loss
 from ..selectors.metrics import needle_block_recall
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_float, check_int
 
-__all__ = ["TrainingArgs", "CausalLMTraining", "CausalLMHooks", "load_weights", "keep_buffers_fp32", "selector_parameter_names", "selector_state_names",
+__all__ = ["TrainingArgs", "CausalLMTraining", "CausalLMHooks", "load_weights", "keep_buffer_dtypes",
+           "selector_parameter_names", "selector_state_names",
            "attached_datamodule", "gradient_shard_group", "unwrapped_name"]
 
 
-def _names_inside_sparse_attention(model: nn.Module, names_of: Callable[[nn.Module], Iterable[str]]) -> set[str]:
-    names: set[str] = set()
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, st.SparseAttention):
-            names.update(f"{mod_name}.{n}" if mod_name else n for n in names_of(mod))
-    return names
-
-
-def keep_buffers_fp32(strategy: FSDPStrategy) -> None:
-    """Under FSDP with a 16-bit precision and no ``mixed_precision`` of the user's, keep Lightning's
-    parameter and reduction dtypes but the buffers in fp32. Lightning's FSDP casts buffers to the
-    16-bit dtype too, and the buffers of a long-context model are its RoPE frequencies (the Hugging Face
-    rotary ``inv_freq``, the selector's ``rope_inv_freq``): rounded to bf16 (8 significant bits) they
-    turn the rotation at position 64K by radians away from the one the checkpoint was trained with,
-    silently. A single-GPU ``bf16-mixed`` run keeps them in fp32 (autocast never touches buffers)."""
+def keep_buffer_dtypes(strategy: FSDPStrategy) -> None:
+    """Under FSDP with no ``mixed_precision`` of the user's, keep Lightning's parameter and reduction dtypes but
+    every buffer in the dtype it was built with. Lightning's FSDP casts buffers to its precision's dtype (bf16
+    under ``bf16-mixed``, fp32 under ``32-true``), and the buffers of a long-context model are its RoPE
+    frequencies (the Hugging Face rotary ``inv_freq``, the selector's ``rope_inv_freq``): rounded to bf16 (8
+    significant bits) they turn the rotation at position 64K by radians away from the one the checkpoint was
+    trained with, silently; a float64 buffer would lose its precision under either. A single-GPU run keeps
+    them as built (autocast never touches buffers); so does FSDP with ``buffer_dtype=None``."""
     if strategy.mixed_precision is not None:
         return
     config = strategy.mixed_precision_config
-    if config is not None and config.buffer_dtype is not None and config.buffer_dtype != torch.float32:
-        strategy.mixed_precision = dataclasses.replace(config, buffer_dtype=torch.float32)
-
-
-def selector_parameter_names(model: nn.Module) -> set[str]:
-    """Names (relative to ``model``) of every parameter that lives inside an ``st.SparseAttention``."""
-    return _names_inside_sparse_attention(model, lambda mod: (name for name, _ in mod.named_parameters()))
-
-
-def selector_state_names(model: nn.Module) -> set[str]:
-    """Every state-dict key (parameters and buffers) that lives inside an ``st.SparseAttention``."""
-    return _names_inside_sparse_attention(model, lambda mod: mod.state_dict().keys())
+    if config is not None and config.buffer_dtype is not None:
+        strategy.mixed_precision = dataclasses.replace(config, buffer_dtype=None)
 
 
 def load_weights(model: nn.Module, path: str, prefix: str = "model.") -> dict[str, list[str]]:
@@ -370,8 +355,8 @@ class CausalLMTraining:
         is one unit: every parameter gathered at once, nothing saved in memory. (Wrapping the layers here
         with ``wrap`` is no alternative: Lightning then leaves the root unwrapped, and the parameters outside
         the layers would be neither sharded nor synchronised.) Each selector lives inside its layer's
-        attention and is sharded, gathered and freed with the layer. Under 16-bit precision the buffers
-        stay fp32 (:func:`keep_buffers_fp32`). No-op for every other strategy and without a trainer
+        attention and is sharded, gathered and freed with the layer. Buffers keep the dtype they were built
+        with (:func:`keep_buffer_dtypes`). No-op for every other strategy and without a trainer
         (``load_from_checkpoint`` calls this hook too)."""
         if module._trainer is None:
             return
@@ -381,7 +366,7 @@ class CausalLMTraining:
 
             strategy.kwargs["auto_wrap_policy"] = ModuleWrapPolicy(set(self.layer_types))
         if isinstance(strategy, FSDPStrategy):
-            keep_buffers_fp32(strategy)
+            keep_buffer_dtypes(strategy)
 
     def check_strategy(self, module: LightningModule) -> None:
         """Raise ``ValueError`` when DDP would fail mid-run: a selector that does not distill on every
