@@ -11,7 +11,8 @@
 #   OUT=/tmp/out bash scripts/gpu_all.sh checks      # attention (64K; BENCH_NS="..." for more), selector (with
 #                                                     # CUDA-graph capture), step (64K, --profile)
 #   OUT=/tmp/out bash scripts/gpu_all.sh step        # 1.1B step: 64K and 128K with kernel tables, the checkpoint
-#                                                     # policy (attention kept / recomputed) and distillation off
+#                                                     # policy (attention kept / recomputed) and distillation off;
+#                                                     # 16K with 10 repeats and its kernel table
 #   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
 #                                                     # then block-mass GPU tests, selector and step benchmarks
 #
@@ -113,6 +114,8 @@ case "$phase" in
       --kernel-table "$R/kernels_64k_recompute"
     step 64k_distill_off 60 --contexts 65536 --variants sparse --repeats 4 --warmup 2 --profile --distill off
     step 128k_keep 200 --contexts 131072 --repeats 3 --warmup 1 --profile
+    # 16K is partly host-bound: 4 repeats read 0.874 of dense once where 10-repeat runs read 0.75-0.76
+    step 16k 130 --contexts 16384 --repeats 10 --warmup 3 --kernel-table "$R/kernels_16k"
     cp "$R"/step_*.json "$OUT"/ 2>/dev/null
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
