@@ -20,6 +20,9 @@ Transformer and the Hugging Face integration set it; 0 turns it off):
                             distillation) with distill off / sparse / sampled (the default); the
                             differences to "off" are the distillation's cost in a step
 
+With ``--kernel-table`` it also profiles five selections (the kernels, their device time and launches per
+selection); with ``--sweep-pool`` it times the pooling kernel's tilings (``plan.pool_config``'s source);
+
 and prints a table with each cost as a fraction of the attention forward+backward, against the
 budgets the table checks: selector <= 10 %, sparse distillation <= 15 %. CUDA events, warm-up, median and p95.
 If the Triton backend is unavailable the script says so, still times the selector, and skips the
@@ -30,6 +33,7 @@ Usage::
 
     python scripts/bench_selector.py --out selector_bench.json
     python scripts/bench_selector.py --graph --repeats 100 --out selector_graph.json   # + CUDA-graph replay
+    python scripts/bench_selector.py --selector-only --d 64 --kernel-table kernels.txt --sweep-pool --out s.json
     python scripts/bench_selector.py --device cpu --n 2048 --hq 4 --hkv 2 --d 64 --out /tmp/s.json  # smoke
 """
 
@@ -87,6 +91,12 @@ def parse_args(argv=None):
                    help="time attention through the reference backend when Triton is unavailable")
     p.add_argument("--graph", action="store_true",
                    help="also capture selector + canonicalize + plan in a CUDA graph and time its replay")
+    p.add_argument("--kernel-table", type=Path, default=None, metavar="FILE",
+                   help="five more selections under torch.profiler: the kernel table to FILE, the top kernels (time "
+                        "and launches per selection) to the JSON")
+    p.add_argument("--sweep-pool", action="store_true",
+                   help="(CUDA) time the pooling kernel's tilings (rows, warps, heads per program) for q and k; the "
+                        "source of plan.pool_config's defaults")
     p.add_argument("--selector-only", action="store_true", help="time only the selector phases (no distillation, "
                    "attention or module timings)")
     p.add_argument("--out", type=Path, required=True, help="JSON output path")
@@ -116,6 +126,62 @@ def measure(fn, device, warmup, repeats):
     samples.sort()
     p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)]
     return {"median_ms": statistics.median(samples), "p95_ms": p95, "min_ms": samples[0], "repeats": repeats}
+
+
+def kernel_table(selection, device, path: Path, repeats: int = 5) -> list[dict]:
+    """Profile ``repeats`` selections; write the profiler's table to ``path`` and return the kernels (device
+    time and launches per selection, largest first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    selection()
+    with profile(activities=activities) as prof:
+        for _ in range(repeats):
+            selection()
+        if cuda:
+            torch.cuda.synchronize(device)
+    averages = prof.key_averages()
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(averages.table(sort_by=sort_by, row_limit=60, max_name_column_width=90))
+    rows = []
+    for event in averages:
+        self_us = getattr(event, "self_device_time_total", 0.0) if cuda else event.self_cpu_time_total
+        if self_us > 0 and (not cuda or getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA):
+            rows.append({"kernel": event.key[:120], "launches_per_selection": event.count / repeats,
+                         "us_per_selection": self_us / repeats})
+    rows.sort(key=lambda row: -row["us_per_selection"])
+    return rows[:40]
+
+
+def sweep_pool(q, k, block: int, group: int, scorer, args) -> list[dict]:
+    """Median milliseconds of the pooling kernel on q and k for each tiling (rows per step, warps, heads per
+    program) around ``plan.pool_config``'s default, with the scorer's RoPE frequencies and mean + max pooling."""
+    from sparse_train.kernels.pool import block_pool_launch
+    from sparse_train.plan import pool_config
+
+    inv_freq = scorer.rope_inv_freq if scorer.rope_inv_freq.numel() else None
+    default = pool_config(inv_freq is not None, block, q.shape[-1])
+    padded = 1 << max(0, block - 1).bit_length()
+    tilings = {default}
+    for rows in ({min(padded, 128)} if inv_freq is not None else {min(padded, 32), min(padded, 64)}):
+        for warps in (2, 4, 8):
+            for heads in ((1, 2, 4, 8) if inv_freq is not None else (1, 2)):
+                tilings.add((rows, warps, heads))
+    gbytes = (q.numel() + k.numel()) * q.element_size() / 1e9
+    out = []
+    for rows, warps, heads in sorted(tilings):
+        def pool(rows=rows, warps=warps, heads=heads):
+            tile = dict(rows=rows, num_warps=warps, heads_per_program=heads)
+            return (block_pool_launch(q, block, group, None, inv_freq, None, True, **tile),
+                    block_pool_launch(k, block, 1, None, inv_freq, None, True, **tile))
+        ms = measure(pool, q.device, args.warmup, args.repeats)["median_ms"]
+        out.append({"rows": rows, "warps": warps, "heads_per_program": heads, "median_ms": ms,
+                    "tb_per_s": gbytes / ms, "default": (rows, warps, heads) == default})
+        print(f"pool rows={rows:4d} warps={warps} heads/program={heads}  {ms:.4f} ms"
+              f"{'  (default)' if out[-1]['default'] else ''}")
+    return out
 
 
 def main(argv=None) -> int:
@@ -192,6 +258,14 @@ def main(argv=None) -> int:
             same = all(torch.equal(getattr(captured, name), getattr(eager, name))
                        for name in ("reuse", "kv_indptr", "kv_qblocks", "hot", "stats"))
             notes.append(f"CUDA-graph replay equals eager: {same}")
+
+    kernels = kernel_table(selector_total, device, args.kernel_table) if args.kernel_table else None
+    pool_sweep = None
+    if args.sweep_pool:
+        if device.type != "cuda" or scorer.rope_inv_freq.device.type != "cuda":
+            notes.append("--sweep-pool needs CUDA; skipped")
+        else:
+            pool_sweep = sweep_pool(q, k, blk, hq // hkv, scorer, args)
 
     backend, reason = resolve_backend(q, k, v, index, "auto")
     if args.selector_only:
@@ -291,6 +365,10 @@ def main(argv=None) -> int:
         "results": rows_out,
         "notes": notes,
     }
+    if kernels is not None:
+        result["selector_kernels"] = kernels
+    if pool_sweep is not None:
+        result["pool_sweep"] = pool_sweep
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

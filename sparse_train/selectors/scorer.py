@@ -333,6 +333,8 @@ class BlockScorer(nn.Module):
             bias = self.distance_bias.to(torch.float32) * multiplier  # [HKV, DISTANCE_BUCKETS]
             if query_blocks is not None:
                 query_blocks = _check_query_blocks(query_blocks, geometry, qbar.shape[2], qbar.device)
+        else:
+            query_blocks = None  # the rows' block ids only choose the bias's buckets
         if _logits_kernel_runs(qs):  # one kernel instead of ~10 and three float32 passes over the logits
             from ..kernels.scores import triton_block_logits
 
