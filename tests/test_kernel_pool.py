@@ -45,6 +45,7 @@ CASES = [
     pytest.param(1, 2, 1, 130, 32, 48, 16, "float", None, True, id="block48-float-positions"),
     pytest.param(1, 1, 4, 64, 64, 64, 64, "shifted", None, False, id="large-angles-mean"),
     pytest.param(1, 2, 2, 70, 16, 128, 0, None, (33,), True, id="one-partial-block128"),
+    pytest.param(1, 3, 2, 300, 32, 128, 16, "shifted", None, True, id="rope-block128-one-step"),
 ]
 
 
