@@ -805,7 +805,7 @@ class SparseAttention(nn.Module):
 
 
 def _sparse_modules(model: nn.Module) -> Iterable[SparseAttention]:
-    return (m for m in model.modules() if isinstance(m, SparseAttention))
+    return (module for _, module in _named_sparse_modules(model))
 
 
 def collect_selector_losses(model: nn.Module) -> Tensor:

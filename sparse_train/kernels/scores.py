@@ -133,6 +133,11 @@ def _block_logits_sums_kernel(
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
+def _bucket_geometry(geometry) -> tuple[int, int, int]:
+    """(N, BQ, BK) of the buckets; without a geometry (no bias) the kernels compute no bucket and read none."""
+    return (0, 1, 1) if geometry is None else (geometry.seq_len, geometry.block_q, geometry.block_k)
+
+
 def block_logits_launch(qs: Tensor, ks: Tensor, temperature: Tensor, bias: Tensor | None, geometry,
                         query_blocks: Tensor | None) -> Tensor:
     """float32 ``[B, H, R, NKB]``, contiguous. No validation: float32 ``qs [B, H, R, S]``, ``ks [B, H, NKB, S]``
@@ -142,13 +147,11 @@ def block_logits_launch(qs: Tensor, ks: Tensor, temperature: Tensor, bias: Tenso
     out = torch.empty((B, H, R, NKB), device=qs.device, dtype=torch.float32)
     if out.numel() == 0:
         return out
-    # without a bias the geometry is not read (the kernel computes no bucket)
-    seq_len, block_q, block_k = ((0, 1, 1) if geometry is None else
-                                 (geometry.seq_len, geometry.block_q, geometry.block_k))
+    seq_len, block_q, block_k = _bucket_geometry(geometry)
     _block_logits_kernel[(triton.cdiv(R, _TILE), triton.cdiv(NKB, _TILE), B * H)](
         qs, ks, temperature, temperature if bias is None else bias, out if query_blocks is None else query_blocks,
         out, *qs.stride(), *ks.stride(), H, R, NKB, S, seq_len,
-        BLOCK_Q=block_q, BLOCK_K=block_k, NUM_BUCKETS=1 if bias is None else bias.shape[1],
+        BLOCK_Q=block_q, BLOCK_K=block_k, NUM_BUCKETS=DISTANCE_BUCKETS,
         BR=_TILE, BN=_TILE, S_P2=max(16, triton.next_power_of_2(S)), HAS_BIAS=bias is not None,
         HAS_QUERY_BLOCKS=query_blocks is not None, num_warps=4,
     )
@@ -167,8 +170,7 @@ def block_logits_sums_launch(grad: Tensor, qs: Tensor, ks: Tensor, with_bias: bo
     bias_part = (torch.empty((B, H, grid[0] * grid[1], DISTANCE_BUCKETS), device=qs.device, dtype=torch.float32)
                  if with_bias else temperature_part)
     if grad.numel():
-        seq_len, block_q, block_k = ((0, 1, 1) if geometry is None else
-                                     (geometry.seq_len, geometry.block_q, geometry.block_k))
+        seq_len, block_q, block_k = _bucket_geometry(geometry)
         _block_logits_sums_kernel[grid](
             grad, qs, ks, temperature_part if query_blocks is None else query_blocks, temperature_part, bias_part,
             *grad.stride(), *qs.stride(), *ks.stride(), H, R, NKB, S, seq_len,

@@ -36,7 +36,7 @@ import inspect
 import math
 import os
 import time
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
