@@ -411,13 +411,14 @@ def r0_sweep(N, pat_name, pat, sel, results, q, k, v, do):
                               workspace_bytes=2 * num_cold * pat["block"] * D * 4))
 
 
-TUNE_PARTS = ("fwd", "dq", "kv", "chunk")
+TUNE_PARTS = ("fwd", "dq", "kv", "chunk", "tma")
 
 
 def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
     """Launch-config sweeps at one N: forward (heads per program, warps, stages); backward in
     deterministic mode (so the dQ kernel and the KV-centric kernel are timed apart): dQ tiles,
-    KV-centric tiles (heads per program, warps, stages, rows per step), KV chunk size. ``parts``: which
+    KV-centric tiles (heads per program, warps, stages, rows per step), KV chunk size; TMA descriptor loads
+    on and off in each kernel (default tiles, and one pipeline stage more with TMA). ``parts``: which
     of :data:`TUNE_PARTS` to sweep."""
     kf, kb, _ = _kernels()
     idx, plan = build_index(sel, N, pat)
@@ -436,6 +437,14 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         except Exception as exc:
             cfg["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rec(results, cfg)
+    group = HQ // HKV
+    for fwd_tma in ((False, True) if "tma" in parts else ()):
+        config = planning.forward_config(group, bs, bs, D, {"fwd_tma": fwd_tma})
+        t, t95, _ = timeit(lambda: kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs,
+                                                          scale=scale, config=config), busy=True)
+        ck = kf.LAST_COMPILED["fwd"]
+        rec(results, dict(kind="tune_tma", N=N, pattern=pat_name, kernel="fwd", tma=fwd_tma, config=str(config), ms=t,
+                          p95_ms=t95, TFLOPs=4 * D * pairs / t / 1e9, regs=ck.n_regs, spills=ck.n_spills))
     o, lse = kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale)
     slots = planning.cold_slots(plan.hot, plan.reuse, True)
     # KV-centric: (heads per program, warps, stages, query rows per step), the rows at most the tile
@@ -446,14 +455,22 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
     else:
         dq_cfgs = [(1, w, s) for w in (4, 8) for s in (1, 2, 3)]
         kv_cfgs = [(1, w, s, r) for w in (4, 8) for s in (1, 2, 3) for r in (32, 64, 128)]
+    tma_variants = []
+    for kernel in ("dq", "kv") if "tma" in parts else ():
+        default = planning.backward_config(group, bs, bs, D, False, {f"{kernel}_tma": True})
+        stages = default.dq_num_stages if kernel == "dq" else default.kv_num_stages
+        tma_variants += [{f"{kernel}_tma": False}, {f"{kernel}_tma": True},
+                         {f"{kernel}_tma": True, f"{kernel}_num_stages": stages + 1}]
     variants = (([dict(dq=c) for c in dq_cfgs] if "dq" in parts else [])
                 + ([dict(kv=c) for c in kv_cfgs] if "kv" in parts else [])
-                + ([dict(chunk=c) for c in (16, 32, 128)] if "chunk" in parts else []))
+                + ([dict(chunk=c) for c in (16, 32, 128)] if "chunk" in parts else [])
+                + [dict(tma=c) for c in tma_variants])
     for var in variants:
         dqc, kvc, chunk = var.get("dq"), var.get("kv"), var.get("chunk")
-        cfg = dict(kind="tune_bwd_det", N=N, pattern=pat_name, dq_cfg=str(dqc), kv_cfg=str(kvc), kv_chunk=chunk)
+        cfg = dict(kind="tune_bwd_det", N=N, pattern=pat_name, dq_cfg=str(dqc), kv_cfg=str(kvc), kv_chunk=chunk,
+                   tma_options=str(var.get("tma")))
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        options = {}
+        options = dict(var.get("tma") or {})
         if dqc:
             options.update(dq_heads_per_program=dqc[0], dq_num_warps=dqc[1], dq_num_stages=dqc[2])
         if kvc:

@@ -203,8 +203,11 @@ def sparse_attention(
             query rows the KV-centric kernel takes per step (a power of two >= 16); ``fused_dq`` (bool) one
             backward pass, dQ added by the KV-centric kernel with float32 atomics (not bitwise
             reproducible, so refused with ``deterministic``; off by default: on the H200 at 64K it is slower at
-            head dim 128 and level at 64, ``docs/benchmarks/speed_round2/README.md``). Validated on both
-            backends; only the Triton backend uses them.
+            head dim 128 and level at 64, ``docs/benchmarks/speed_round2/README.md``);
+            ``{fwd,dq,kv}_tma`` (bool) TMA tensor-descriptor loads of the K/V tiles (forward, dQ) and of the
+            q/dO slices (KV-centric) on Hopper and newer, where the tensors' layout allows a descriptor (the
+            defaults follow the H200 measurements, :func:`sparse_train.plan.backward_config`). Validated on
+            both backends; only the Triton backend uses them.
         check_values: check the *values* of ``seq_lens`` and ``document_ids`` (default). These are the
             only checks that read device memory back to the host (a sync on CUDA); ``False`` skips
             them, for callers that must not sync (CUDA-graph capture, the ``SparseAttention`` module at

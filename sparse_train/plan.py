@@ -400,6 +400,16 @@ class KernelOptions:
     kv_tile_rows: int | None = None
     """Query rows the KV-centric kernel takes per step (a power of two >= 16 dividing
     kv_heads_per_program * BQ; default the whole tile): thinner slices keep fewer scores live."""
+    fwd_tma: bool | None = None
+    """Forward: load the K/V tiles through TMA tensor descriptors (Hopper and newer; pointer loads where
+    a tensor's strides or alignment do not allow a descriptor). Default on (H200, 64K: 5-12% faster at
+    three of four shapes, equal at the fourth)."""
+    dq_tma: bool | None = None
+    """dQ kernel: load the K/V tiles through TMA tensor descriptors (as ``fwd_tma``)."""
+    kv_tma: bool | None = None
+    """KV-centric kernel: load the q/dO row slices through TMA tensor descriptors (one head per step and
+    no query-block map only; pointer loads otherwise). Default on except over 128 x 128 key tiles, where
+    it measured slower."""
     fused_dq: bool | None = None
     """One backward pass: the KV-centric kernel also adds each tile's dQ share into a float32 buffer with
     atomics, and the dQ kernel does not run (5 tile products per block pair instead of 7). Every block is
@@ -461,7 +471,7 @@ def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> 
             value = _check_power_of_two(label, value)
             if value < _MIN_DOT_ROWS:
                 raise ValueError(f"{label} must be >= {_MIN_DOT_ROWS} (tensor-core tile), got {value}")
-        elif name == "fused_dq":
+        elif name in ("fused_dq", "fwd_tma", "dq_tma", "kv_tma"):
             value = check_bool(label, value)
         values[name] = value
     return KernelOptions(**values)
@@ -474,6 +484,9 @@ class ForwardConfig(NamedTuple):
     heads_per_program: int
     num_warps: int
     num_stages: int
+    tma_loads: int = 0
+    """1: the per-iteration K/V tiles come through TMA descriptors where the tensors allow one (an int so
+    that the config travels as the custom op's int list)."""
 
 
 class BackwardConfig(NamedTuple):
@@ -490,6 +503,10 @@ class BackwardConfig(NamedTuple):
     fused_dq: int = 0
     """1: dQ comes from the KV-centric kernel (``KernelOptions.fused_dq``); an int so that the config travels
     as the custom op's int list."""
+    dq_tma: int = 0
+    """1: the dQ kernel loads its K/V tiles through TMA descriptors (``KernelOptions.dq_tma``)."""
+    kv_tma: int = 0
+    """1: the KV-centric kernel loads its q/dO slices through TMA descriptors (``KernelOptions.kv_tma``)."""
 
 
 def _heads_per_program(group: int, block_q: int, rows: int) -> int:
@@ -499,6 +516,11 @@ def _heads_per_program(group: int, block_q: int, rows: int) -> int:
     while heads > 1 and group % heads:
         heads //= 2
     return min(heads, group)
+
+
+def _flag(option: bool | None, default: bool) -> int:
+    """A boolean kernel option as the int a launch config carries: the option where set, else ``default``."""
+    return int(default if option is None else option)
 
 
 def _divides_group(label: str, heads: int, group: int) -> int:
@@ -513,8 +535,8 @@ def forward_config(group: int, block_q: int, block_k: int, head_dim: int,
     rows below (at D = 64 the K/V loads are half as large and the smaller tile gives twice the programs:
     2 heads 11% faster than 4 on the H200); 8 warps once a [rows, max(D, BK)] tile reaches 128 x 64
     elements, 4 below, 3 stages (2 for 256-row tiles over 128-key blocks: shared memory); but 4 warps and 2
-    stages below head dim 128 over 128-key blocks. Measured: docs/benchmarks/kernel_tuning.md,
-    docs/benchmarks/speed_round2/. ``kernel_options`` override each field."""
+    stages below head dim 128 over 128-key blocks; K/V through TMA descriptors. Measured:
+    docs/benchmarks/kernel_tuning.md, docs/benchmarks/speed_round2/. ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
     heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=256 if head_dim >= 128 else 128)
     _divides_group("kernel_options.fwd_heads_per_program", heads, group)
@@ -526,7 +548,10 @@ def forward_config(group: int, block_q: int, block_k: int, head_dim: int,
     else:
         warps = 8 if rows * max(head_dim, block_k) >= 128 * 64 else 4
         stages = 2 if (rows >= 256 and block_k >= 128) else 3
-    return ForwardConfig(heads, options.fwd_num_warps or warps, options.fwd_num_stages or stages)
+    # TMA K/V loads: 4.17 -> 3.67 ms (P128, D = 128), 3.65 -> 3.45 (P64), 2.47 -> 2.32 (P128, D = 64), equal
+    # at P64, D = 64 (H200, 64K: docs/benchmarks/speed_round2/h200_probe_tma_session12.json)
+    tma = _flag(options.fwd_tma, True)
+    return ForwardConfig(heads, options.fwd_num_warps or warps, options.fwd_num_stages or stages, tma)
 
 
 def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_cold: bool,
@@ -538,7 +563,8 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     tiles 8 warps, 2 stages, 64-row slices; 64 x 128 key tiles 4 warps, 3 stages, 32-row slices (128 x 64:
     2 stages);
     smaller 4 warps, 3 stages, the whole tile (measured on the H200: docs/benchmarks/kernel_tuning.md).
-    ``kernel_options`` override each field."""
+    TMA loads: the KV-centric kernel's q/dO slices except over 128 x 128 key tiles (there 3 stages at D = 64);
+    the dQ kernel's K/V tiles off. ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
     dq_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=128)
     _divides_group("kernel_options.dq_heads_per_program", dq_heads, group)
@@ -551,12 +577,17 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
         dq_stages = 1 if has_cold else 2
     else:
         dq_stages = 3 if dq_warps == 8 else 2
+    # TMA q/dO loads in the KV-centric kernel (H200, 64K): 7.1 -> 6.5 ms (P64, D = 128), 3.9 -> 3.7 (P64,
+    # D = 64), 5.5 -> 4.5 (P128, D = 64, with 3 stages); slower over 128 x 128 key tiles (7.6 -> 8.3)
+    kv_tma = _flag(options.kv_tma, block_k * head_dim < 128 * 128)
+    dq_tma = _flag(options.dq_tma, False)
     # the row slice bounds the scores (S^T and dP^T, [BK, rows] fp32) live beside the accumulators
     if block_k * head_dim >= 128 * 128:
         kv_warps, kv_stages, kv_slice = 8, 2, 64
     elif block_k * head_dim >= 64 * 128:
-        # 128-key blocks at D = 64: 2 stages (kernel 5.5 ms against 6.1 with 3 on the H200, fewer spills)
-        kv_warps, kv_stages, kv_slice = 4, 2 if block_k >= 128 else 3, 32
+        # 128-key blocks at D = 64: with pointer loads 2 stages (5.5 ms against 6.1 with 3 on the H200, fewer
+        # spills); with TMA loads 3 (4.5 ms against 5.5 with 2)
+        kv_warps, kv_stages, kv_slice = 4, 3 if block_k < 128 or kv_tma else 2, 32
     else:
         kv_warps, kv_stages, kv_slice = 4, 3, None
     kv_rows = kv_heads * block_q
@@ -567,7 +598,7 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     return BackwardConfig(
         dq_heads, options.dq_num_warps or dq_warps, options.dq_num_stages or dq_stages,
         kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or kv_stages,
-        options.kv_chunk or KV_CHUNK, kv_tile_rows, int(bool(options.fused_dq)),
+        options.kv_chunk or KV_CHUNK, kv_tile_rows, int(bool(options.fused_dq)), dq_tma, kv_tma,
     )
 
 

@@ -132,6 +132,8 @@ KERNEL_OPTION_ERRORS = [
     pytest.param({"kv_tile_rows": 8}, r"kernel_options.kv_tile_rows must be >= 16 \(tensor-core tile\), got 8",
                  id="tile-rows-8"),
     pytest.param({"plan": "plan"}, "kernel_options.plan must be a sparse_train.BlockPlan", id="plan-str"),
+    pytest.param({"fwd_tma": 1}, "kernel_options.fwd_tma must be a bool", id="fwd-tma-int"),
+    pytest.param({"kv_tma": "false"}, "kernel_options.kv_tma must be a bool", id="kv-tma-str"),
 ]
 
 

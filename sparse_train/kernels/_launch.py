@@ -60,3 +60,26 @@ def kernel_query_map(query_map: Tensor | None, query_row0: Tensor | None, fallba
     if query_map is None:
         return fallback, fallback
     return query_map.to(torch.int32).contiguous(), query_row0.to(torch.int64).contiguous()
+
+
+def tma_descriptor(x: Tensor, rows: int, enabled: bool):
+    """A TMA tensor descriptor of ``x`` ``[B, H, L, D]`` for tiles of ``[1, 1, rows, D]`` elements (the kernels
+    load ``desc.load([b, h, row, 0])`` and reshape to ``[rows, D]``; rows past L come back as zeros), or None
+    when ``enabled`` is false or the copy engine cannot take ``x``: a GPU before Hopper, or a layout TMA
+    does not address (the last stride 1, the base and every other stride multiples of 16 bytes, a row of at
+    least 16 bytes). The kernels then take their pointer loads. On the CPU (the Triton interpreter of the
+    tests) the descriptor is emulated, so the tests run the TMA branch of the kernels too."""
+    if not enabled:
+        return None
+    if x.device.type == "cuda":
+        if torch.cuda.get_device_capability(x.device)[0] < 9:
+            return None
+    elif x.device.type != "cpu":
+        return None
+    size = x.element_size()
+    if (x.stride(-1) != 1 or x.data_ptr() % 16 or x.shape[-1] * size < 16
+            or any(stride <= 0 or stride * size % 16 for stride in x.stride()[:-1])):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, x.shape[-1]])

@@ -38,6 +38,10 @@ H200 at 64K (B=1, HQ=32, HKV=8) the backward takes 25.8 against 15.1 ms (P64) an
 element and selected key block, ~27 GB at P64 D=128) cost more than the saved recomputation
 (docs/benchmarks/speed_round2/README.md, eighth session).
 
+TMA loads (``BackwardConfig.dq_tma`` / ``kv_tma``, Hopper and newer, where ``_launch.tma_descriptor`` makes
+a descriptor): the dQ kernel's K/V tiles, and the KV-centric kernel's q/dO row slices when a step takes one
+head and there is no query-block map (a slice is then consecutive rows of one head).
+
 Known limits: the forward's dtypes, head dims and block sizes; workspaces: atomic
 2 * num_cold * BK * D * 4 bytes, chunk partials 2 * num_parts * BK * D * 4 bytes; S and dP are
 recomputed by both the dQ and the KV-centric kernel (7 tile products per (block, head) pair against 5
@@ -69,7 +73,14 @@ from ._jit import (
     tile_pointers,
     tile_row_slice,
 )
-from ._launch import LAST_COMPILED, kernel_document_ids, kernel_query_map, kernel_seq_lens, launch
+from ._launch import (
+    LAST_COMPILED,
+    kernel_document_ids,
+    kernel_query_map,
+    kernel_seq_lens,
+    launch,
+    tma_descriptor,
+)
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
 __all__ = ["sparse_attn_backward"]
@@ -110,7 +121,7 @@ def _delta_kernel(
 @triton.jit
 def _dq_kernel(
     Q, K, V, DO, LSE, DELTA, INDICES, COUNTS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, COLD_SLOTS, DQ, DK_ATOMIC,
-    DV_ATOMIC,
+    DV_ATOMIC, DESC_K, DESC_V,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -121,7 +132,7 @@ def _dq_kernel(
     N, L, HQ, HKV, NQB, NKB, scale_log2, scale, seed, threshold, inv_keep,
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, HAS_COLD: tl.constexpr,
-    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr,
+    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     M: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
     # qb: the LOCAL query block (index row, rows of q/dO/lse/dQ); qb_global, qpos: GLOBAL (masks, dropout)
@@ -156,8 +167,17 @@ def _dq_kernel(
         kpos = j * BLOCK_K + offs_k
         kpos64 = kpos.to(tl.int64)
         kv_ok = kpos < seqlen  # padding keys load as 0 (see forward.py)
-        k = tl.load(tile_pointers(k_base, kpos64, offs_d, stride_kn, stride_kd), mask=kv_ok[:, None], other=0.0)
-        v = tl.load(tile_pointers(v_base, kpos64, offs_d, stride_vn, stride_vd), mask=kv_ok[:, None], other=0.0)
+        if TMA_LOADS:
+            # as in the forward; here K's padding rows are zeroed too (dS there is 0, and 0 * NaN in dS K is NaN)
+            k = DESC_K.load([b, hkv, j * BLOCK_K, 0]).reshape(BLOCK_K, HEAD_DIM)  # [BK, D]
+            v = DESC_V.load([b, hkv, j * BLOCK_K, 0]).reshape(BLOCK_K, HEAD_DIM)  # [BK, D]
+            if HAS_SEQ_LENS:
+                if j * BLOCK_K + BLOCK_K > seqlen:
+                    k = tl.where(kv_ok[:, None], k, 0.0)
+                    v = tl.where(kv_ok[:, None], v, 0.0)
+        else:
+            k = tl.load(tile_pointers(k_base, kpos64, offs_d, stride_kn, stride_kd), mask=kv_ok[:, None], other=0.0)
+            v = tl.load(tile_pointers(v_base, kpos64, offs_d, stride_vn, stride_vd), mask=kv_ok[:, None], other=0.0)
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         dp = dot(do, tl.trans(v), IEEE)  # [M, BK]
         s = s * scale_log2
@@ -191,7 +211,7 @@ def _dq_kernel(
 @triton.jit
 def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, KV_QBLOCKS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
-    DK, DV, DK_PARTIAL, DV_PARTIAL, DQ_ACC,
+    DK, DV, DK_PARTIAL, DV_PARTIAL, DQ_ACC, DESC_Q, DESC_DO,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -202,6 +222,7 @@ def _dkdv_kernel(
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
     HAS_DOCS: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr, FUSE_DQ: tl.constexpr,
+    TMA_LOADS: tl.constexpr,
 ):
     # one work item = one KV block and a chunk [t0, t1) of its transposed row (the query blocks that
     # selected it); long rows (sinks, popular blocks) are chunked so no program becomes the long pole
@@ -253,8 +274,17 @@ def _dkdv_kernel(
         head64 = head.to(tl.int64)
         qpos64 = qpos.to(tl.int64)
         q_ok = qpos < N
-        q = load_rows(Q, b64, head64, qrow64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, q_ok)  # [M, D]
-        do = load_rows(DO, b64, head64, qrow64, offs_d, stride_dob, stride_doh, stride_don, stride_dod, q_ok)  # [M, D]
+        if TMA_LOADS:
+            # one head per step and no query-block map (the launcher's condition): the slice is TILE_ROWS
+            # consecutive rows of one head, rows past N arrive as 0
+            slice_head = hkv * GROUP + head_subset
+            slice_row = qb_local * BLOCK_Q + first_row
+            q = DESC_Q.load([b, slice_head, slice_row, 0]).reshape(TILE_ROWS, HEAD_DIM)  # [M, D]
+            do = DESC_DO.load([b, slice_head, slice_row, 0]).reshape(TILE_ROWS, HEAD_DIM)  # [M, D]
+        else:
+            q = load_rows(Q, b64, head64, qrow64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, q_ok)  # [M, D]
+            do = load_rows(DO, b64, head64, qrow64, offs_d, stride_dob, stride_doh, stride_don, stride_dod,
+                           q_ok)  # [M, D]
         if HAS_QUERY_MAP:
             row = (b64 * HQ + head64) * L + qrow64  # [M] row of lse / delta ([B, HQ, L])
             counter_row = (b64 * HQ + head64) * N + qpos64  # [M] global (b, h, q) of the dropout counters
@@ -435,17 +465,25 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if stage_events:
         stage_events[1].record()
     scale_log2 = float(scale * LOG2E.value)
+    desc_k = tma_descriptor(k, block_k, bool(config.dq_tma) and not fused)
+    desc_v = tma_descriptor(v, block_k, desc_k is not None)
+    dq_tma = desc_v is not None
+    # the KV-centric kernel's TMA slices are rows of one head: one head per step, rows of q = positions
+    kv_slices = bool(config.kv_tma) and config.kv_heads_per_program == 1 and not has_map
+    desc_q = tma_descriptor(q, config.kv_tile_rows, kv_slices)
+    desc_do = tma_descriptor(do, config.kv_tile_rows, desc_q is not None)
+    kv_tma = desc_do is not None
     if not fused:
         LAST_COMPILED["dq"] = launch(
             _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
             q, k, v, do, lse, delta, indices, counts, seq_lens_arg, docs_arg, query_map, query_row0, slots, dq,
-            dk_atomic, dv_atomic,
+            dk_atomic, dv_atomic, desc_k if dq_tma else k, desc_v if dq_tma else v,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
             *indices.stride(), *counts.stride(),
             N, L, HQ, HKV, NQB, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
             GROUP=group, HEADS_PER_PROGRAM=config.dq_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
             HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee, HAS_DOCS=has_docs,
-            HAS_QUERY_MAP=has_map, num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
+            HAS_QUERY_MAP=has_map, TMA_LOADS=dq_tma, num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
         )
     if stage_events:
         stage_events[2].record()
@@ -454,13 +492,13 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         LAST_COMPILED["dkdv"] = launch(
             _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, seq_lens_arg, docs_arg, query_map,
             query_row0, schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv, dk_partial,
-            dv_partial, dq_acc,
+            dv_partial, dq_acc, desc_q if kv_tma else q, desc_do if kv_tma else do,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             N, L, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
             GROUP=group, HEADS_PER_PROGRAM=config.kv_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k,
             HEAD_DIM=D, HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, IEEE=ieee, HAS_DOCS=has_docs,
-            TILE_ROWS=config.kv_tile_rows, HAS_QUERY_MAP=has_map, FUSE_DQ=fused, num_warps=config.kv_num_warps,
-            num_stages=config.kv_num_stages,
+            TILE_ROWS=config.kv_tile_rows, HAS_QUERY_MAP=has_map, FUSE_DQ=fused, TMA_LOADS=kv_tma,
+            num_warps=config.kv_num_warps, num_stages=config.kv_num_stages,
         )
     _dkdv_finish_kernel[(NKB, B * HKV)](
         slots, schedule.part_start, schedule.num_parts, dk, dv, dk_atomic, dv_atomic, dk_partial, dv_partial,

@@ -22,6 +22,10 @@ one split of them) and ``_merge_kernel`` (exact merge of split partials); (2) th
 (``triton_sparse_attention``) are in op.py, shared with the backward; the split count and the tile
 configuration come from sparse_train/plan.py; the PyTorch reference is reference.py.
 
+K/V loads: pointer tiles, or (``ForwardConfig.tma_loads``, Hopper and newer, a layout TMA addresses:
+``_launch.tma_descriptor``) one TMA copy per tile, which keeps the [BK, D] address tensors out of the
+registers.
+
 Known limits: head dims 16/32/64/128; BQ, BK in {16, 32, 64, 128}; bf16/fp16 on the GPU, fp32 only for
 the interpreter and tests (its dots use input_precision="ieee"); rows are walked in index order
 (ascending key blocks); a selected block of another document costs its loads and products (the mask
@@ -49,7 +53,15 @@ from ._jit import (
     sequence_length,
     tile_pointers,
 )
-from ._launch import LAST_COMPILED, attention_output, kernel_document_ids, kernel_query_map, kernel_seq_lens, launch
+from ._launch import (
+    LAST_COMPILED,
+    attention_output,
+    kernel_document_ids,
+    kernel_query_map,
+    kernel_seq_lens,
+    launch,
+    tma_descriptor,
+)
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
 __all__ = ["sparse_attn_forward"]
@@ -63,6 +75,7 @@ _MERGE_ROWS = 32  # rows per program of the merge kernel
 @triton.jit
 def _fwd_kernel(
     Q, K, V, O, LSE, INDICES, COUNTS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, PARTIAL_O, PARTIAL_M, PARTIAL_L,
+    DESC_K, DESC_V,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -73,7 +86,7 @@ def _fwd_kernel(
     N, L, HQ, HKV, NQB, scale_log2, seed, threshold, inv_keep,
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr,
+    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr, TMA_LOADS: tl.constexpr,
 ):
     M: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
     # qb: the LOCAL query block (index row, rows of q/o/lse); qb_global, qpos: GLOBAL (masks, dropout)
@@ -113,8 +126,17 @@ def _fwd_kernel(
         # keys past the sequence length load as 0: masked logits alone would let garbage (even NaN)
         # in the padding reach the output through 0 * NaN in the P @ V product
         kv_ok = kpos < seqlen
-        k = tl.load(tile_pointers(k_base, kpos64, offs_d, stride_kn, stride_kd), mask=kv_ok[:, None], other=0.0)
-        v = tl.load(tile_pointers(v_base, kpos64, offs_d, stride_vn, stride_vd), mask=kv_ok[:, None], other=0.0)
+        if TMA_LOADS:
+            # one bulk copy per tile, no [BK, D] address tensor in registers; rows past N arrive as 0, rows
+            # in [seqlen, N) as stored, so V's are zeroed (K's scores are masked to -inf below)
+            k = DESC_K.load([b, hkv, j * BLOCK_K, 0]).reshape(BLOCK_K, HEAD_DIM)  # [BK, D]
+            v = DESC_V.load([b, hkv, j * BLOCK_K, 0]).reshape(BLOCK_K, HEAD_DIM)  # [BK, D]
+            if HAS_SEQ_LENS:
+                if j * BLOCK_K + BLOCK_K > seqlen:
+                    v = tl.where(kv_ok[:, None], v, 0.0)
+        else:
+            k = tl.load(tile_pointers(k_base, kpos64, offs_d, stride_kn, stride_kd), mask=kv_ok[:, None], other=0.0)
+            v = tl.load(tile_pointers(v_base, kpos64, offs_d, stride_vn, stride_vd), mask=kv_ok[:, None], other=0.0)
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         s = s * scale_log2  # log2 domain: exp(x) = exp2(x * log2 e)
         s = mask_scores(s, qpos, kpos, seqlen, j * BLOCK_K, q_first, docs_row, doc_q, doc_q_last, N,
@@ -234,15 +256,18 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
         partial_l = torch.empty((num_splits, total_rows), device=q.device, dtype=torch.float32)
     else:
         partial_o = partial_m = partial_l = lse  # unused
+    desc_k = tma_descriptor(k, block_k, bool(config.tma_loads))
+    desc_v = tma_descriptor(v, block_k, desc_k is not None)
+    tma = desc_v is not None
     LAST_COMPILED["fwd"] = launch(
         _fwd_kernel, grid, q, k, v, o, lse, indices, counts, seq_lens_arg, kernel_document_ids(document_ids, counts),
-        query_map, query_row0, partial_o, partial_m, partial_l,
+        query_map, query_row0, partial_o, partial_m, partial_l, desc_k if tma else k, desc_v if tma else v,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         *indices.stride(), *counts.stride(),
         N, L, HQ, HKV, NQB, float(scale * LOG2E.value), philox_key(dropout_seed), threshold, inv_keep,
         GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
         HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        HAS_DOCS=document_ids is not None, HAS_QUERY_MAP=has_map, num_warps=config.num_warps,
+        HAS_DOCS=document_ids is not None, HAS_QUERY_MAP=has_map, TMA_LOADS=tma, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if num_splits > 1:
