@@ -84,6 +84,10 @@ def seq_lens_from_padding_mask(mask: Tensor | None, seq_len: int) -> Tensor | No
     return seq_lens
 
 
+_HOLE_MESSAGE = ("sparse_train attention supports right and left padding (each row: optional padding, real tokens, "
+                 "optional padding); this attention mask has a padded hole between real tokens")
+
+
 def padding_from_mask(mask: Tensor | None, seq_len: int) -> tuple[Tensor | None, Tensor | None]:
     """``(seq_lens, document_ids)`` from a 2-D padding mask ``[B, N]`` (nonzero = real token).
 
@@ -96,6 +100,8 @@ def padding_from_mask(mask: Tensor | None, seq_len: int) -> tuple[Tensor | None,
     Raises:
         NotImplementedError: a 4-D mask, or a row with a hole (a zero between real tokens).
         ValueError: a mask whose length differs from the key length.
+        RuntimeError: a hole while torch.compile runs the graph: checked by an assertion on the device (no
+            host sync while tracing); on CUDA it surfaces as a device-side assert at the next synchronisation.
     """
     global _last_mask
     if mask is None:
@@ -119,23 +125,22 @@ def padding_from_mask(mask: Tensor | None, seq_len: int) -> tuple[Tensor | None,
     run = changes.cumsum(dim=1)
     starts_real = keep[:, 0]
     document_ids = run + starts_real.to(torch.int64).view(-1, 1)
+    # more runs than prefix / real / tail, or a prefix of real tokens followed by two more runs: a hole
+    runs = run[:, -1] + 1
+    hole = (runs > 3) | ((runs == 3) & starts_real)
     if torch.compiler.is_compiling():
         # No data-dependent branch while tracing: the padding becomes documents whatever its side (right
-        # padding included, which is exact too); a hole cannot be detected here and splits the real
-        # tokens into documents (README "Known limits").
+        # padding included, which is exact too). A hole would split the real tokens into documents, so it is
+        # refused by an assertion on the device: no host sync, and the step fails instead of computing wrong
+        # attention (on CUDA as a device-side assert at the next synchronisation).
+        torch._assert_async(~hole.any(), _HOLE_MESSAGE + " (detected on the device while running a compiled graph)")
         result = (None, document_ids)
     else:
         result = (seq_lens, None)
         right_padded = torch.arange(seq_len, device=mask.device).view(1, -1) < seq_lens.view(-1, 1)
         if not torch.equal(right_padded, keep):
-            runs = run[:, -1] + 1
-            hole = (runs > 3) | ((runs == 3) & starts_real)
             if bool(hole.any()):
-                raise NotImplementedError(
-                    "sparse_train attention supports right and left padding (each row: optional padding, real "
-                    "tokens, optional padding); this attention mask has a padded hole between real tokens in "
-                    f"row {int(hole.nonzero()[0, 0])}"
-                )
+                raise NotImplementedError(f"{_HOLE_MESSAGE} in row {int(hole.nonzero()[0, 0])}")
             result = (None, document_ids)
     _last_mask = (weakref.ref(mask), mask._version, result)
     return result
