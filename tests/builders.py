@@ -142,11 +142,17 @@ def cpu_fsdp_strategy(**kwargs):
     import importlib.util
     import os
 
-    spec = importlib.util.spec_from_file_location(
-        "fsdp_check", os.path.join(os.path.dirname(__file__), "..", "scripts", "fsdp_check.py"))
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script.install_cpu_fsdp_shims()(**kwargs)
+    global _CPU_FSDP_STRATEGY
+    if _CPU_FSDP_STRATEGY is None:  # the shims patch the process once; a second Trainer reuses the class
+        spec = importlib.util.spec_from_file_location(
+            "fsdp_check", os.path.join(os.path.dirname(__file__), "..", "scripts", "fsdp_check.py"))
+        script = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(script)
+        _CPU_FSDP_STRATEGY = script.install_cpu_fsdp_shims()
+    return _CPU_FSDP_STRATEGY(**kwargs)
+
+
+_CPU_FSDP_STRATEGY = None
 
 
 def _run_and_exit(rank: int, worker, *args) -> None:

@@ -254,6 +254,51 @@ def test_two_process_fit_matches_one_process_on_the_same_batches(tmp_path, one_p
         assert gap <= 4 * noise + ulp * max(float(w.abs().max()) for w in want.values())
 
 
+def _fit_then_validate_worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
+    from lightning.pytorch import Trainer, seed_everything
+    from torch.utils.data import DataLoader
+
+    from sparse_train.lightning import SparseLMModule
+
+    def trainer():
+        return Trainer(max_steps=1, accelerator="cpu", devices=WORLD, strategy=cpu_fsdp_strategy(),
+                       precision="32-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                       enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out_dir)
+
+    seed_everything(0)
+    rows = _train_rows()[:WORLD]
+    module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE), **LR)
+    fitted = trainer()
+    fitted.fit(module, train_dataloaders=DataLoader(rows, batch_size=1))
+    path = os.path.join(out_dir, "fit.ckpt")
+    fitted.save_checkpoint(path)
+    result = {}
+    try:
+        fitted.validate(module, dataloaders=DataLoader(rows, batch_size=1), verbose=False)
+        result["same_module"] = "no error"
+    except RuntimeError as error:
+        result["same_module"] = str(error)
+    fresh = SparseLMModule.load_from_checkpoint(path)
+    metrics = trainer().validate(fresh, dataloaders=DataLoader(rows, batch_size=1), verbose=False)
+    result["fresh_module"] = {k: float(v) for k, v in metrics[0].items()}
+    with open(os.path.join(out_dir, f"validate.rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def test_validate_after_fit_under_fsdp_names_the_way_that_works(tmp_path):
+    """Lightning's FSDPStrategy does not re-wrap a module an earlier fit wrapped (Lightning-AI/pytorch-lightning
+    #19015): validating it again used to fail inside the embedding ("'weight' must be 2-D", the parameters
+    outside the layers left as flat shards). It is refused at setup on every rank with the ways that work, and
+    the one it names for the same process, a fresh module from the checkpoint with a new Trainer, validates."""
+    _spawn(_fit_then_validate_worker, str(tmp_path))
+    for rank in range(WORLD):
+        with open(tmp_path / f"validate.rank{rank}.json") as f:
+            result = json.load(f)
+        assert "already wrapped by FSDP" in result["same_module"] and "load_from_checkpoint" in result["same_module"]
+        assert math.isfinite(result["fresh_module"]["val/loss"]), result["fresh_module"]
+
+
 @pytest.mark.parametrize("config", [dict(distill_every=2), dict(distill="off")], ids=["distill_every2", "distill_off"])
 def test_ddp_without_find_unused_parameters_is_refused_when_selectors_skip_steps(config):
     """A selector that does not distill on every step leaves its parameters without gradients on some

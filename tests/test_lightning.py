@@ -221,6 +221,24 @@ def test_load_weights_rejects_mismatched_checkpoint(tmp_path):
     assert st.collect_selector_losses(model).item() == 0.0
 
 
+def test_load_from_checkpoint_with_torchs_default_weights_only_unpickler(tmp_path):
+    """``SparseLMModule.load_from_checkpoint`` with torch's default (weights-only) unpickler: the config among
+    the hyperparameters is allowlisted, so the standard Lightning call rebuilds the module and its weights (it
+    raised UnpicklingError on every checkpoint before)."""
+    from lightning.pytorch import Trainer
+
+    module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE), lr=3e-4)
+    trainer = Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.strategy.connect(module)
+    trainer.save_checkpoint(tmp_path / "m.ckpt")
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "m.ckpt") == []  # the config: allowed
+    loaded = SparseLMModule.load_from_checkpoint(tmp_path / "m.ckpt")
+    assert loaded.hparams.model == module.hparams.model and loaded.hparams.lr == 3e-4
+    for (name, a), (_, b) in zip(module.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
 def test_fork_point_branches_resume_the_uninterrupted_run_exactly(tmp_path):
     """A run stopped by ForkPoint after 2 steps and resumed from its checkpoint to 4 steps equals 4
     steps straight (weights and optimizer state): same data position, same learning-rate schedule (the

@@ -124,6 +124,12 @@ class TransformerConfig:
         return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
 
 
+# A Lightning checkpoint of SparseLMModule stores this config among its hyperparameters. torch.load's default
+# weights-only unpickler (torch >= 2.6) refuses classes it does not know, so `load_from_checkpoint` failed on
+# every checkpoint the recipes write; the config holds plain data only, so it may be rebuilt safely.
+torch.serialization.add_safe_globals([TransformerConfig])
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dimension, cast to ``out_dtype`` when given."""

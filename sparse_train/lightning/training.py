@@ -361,6 +361,8 @@ class CausalLMTraining:
         if module._trainer is None:
             return
         strategy = module.trainer.strategy
+        if isinstance(strategy, FSDPStrategy):
+            check_not_wrapped_before(module)
         if isinstance(strategy, FSDPStrategy) and self.layer_types and "auto_wrap_policy" not in strategy.kwargs:
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -461,6 +463,23 @@ class CausalLMTraining:
         # The precision plugin has unscaled the gradients (fp16 AMP) before it calls this hook.
         st.clip_grad_norms(module.model, float(gradient_clip_val),
                            process_group=gradient_shard_group(module.trainer.strategy))
+
+
+def check_not_wrapped_before(module: LightningModule) -> None:
+    """Raise ``RuntimeError`` when ``module`` already holds FSDP units from an earlier ``trainer.fit`` /
+    ``validate`` / ``test`` of this process. Lightning's ``FSDPStrategy`` then skips wrapping the root
+    (Lightning-AI/pytorch-lightning#19015), so the parameters outside the layers (embeddings, final norm,
+    head) stay flat shards and the first forward fails deep inside ("'weight' must be 2-D") or, worse,
+    computes with shards. The message names the ways that work."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):
+        raise RuntimeError(
+            f"this {type(module).__name__} was already wrapped by FSDP in an earlier trainer.fit/validate/test of "
+            "this process, and Lightning's FSDPStrategy does not wrap it again (the parameters outside the layers "
+            "would stay sharded; Lightning-AI/pytorch-lightning#19015). Validate during fit (val_check_interval, "
+            "limit_val_batches), or start from the checkpoint in a new process: `sparse-train validate --config ... "
+            "--ckpt_path PATH`, or a fresh module from `load_from_checkpoint(PATH)` with a new Trainer")
 
 
 def gradient_shard_group(strategy: Any) -> Optional["torch.distributed.ProcessGroup"]:
