@@ -275,8 +275,10 @@ def test_scorer_and_selection_on_a_subset_of_query_blocks(documents):
     kwargs = dict(window=1, sinks=1, seq_lens=seq_lens, document_ids=docs, top_p=0.9)
     want = selection_candidates(full, geometry, **kwargs)[:, :, rows]
     assert torch.equal(selection_candidates(sub, geometry, query_blocks=rows, **kwargs), want)
-    with pytest.raises(ValueError, match="query_blocks must be a 1-D integer tensor"):
+    with pytest.raises(ValueError, match="query_blocks must have an integer dtype, got torch.float32"):
         selection_candidates(sub, geometry, query_blocks=rows.float(), **kwargs)
+    with pytest.raises(ValueError, match=r"query_blocks must be 1-D, got shape \(1, 4\)"):
+        scorer(qbar[:, :, rows], kbar, 0.3, geometry, query_blocks=rows.view(1, 4))
     with pytest.raises(ValueError, match="lists 3 query blocks but the scores hold 4 rows"):
         scorer(qbar[:, :, rows], kbar, 0.3, geometry, query_blocks=rows[:3])
 

@@ -42,7 +42,7 @@ from ..functional import choose_backend
 from ..index import capacity_tier, causal_last_block, document_sink_candidates, shares_document
 from ..kernels.reference_pool import block_max, block_mean, reference_block_pool, unrotate
 from ..plan import triton_runs_on
-from ..validation import check_choice, check_float
+from ..validation import check_choice, check_float, check_integer_tensor
 
 __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_pool", "block_mean", "block_max",
            "rope_inverse_frequencies", "unrotate", "block_distance_buckets", "DISTANCE_BUCKETS",
@@ -385,12 +385,10 @@ class _BucketLookup(torch.autograd.Function):
 
 
 def _check_query_blocks(query_blocks, geometry: SelectionGeometry, rows: int, device) -> Tensor:
-    """``query_blocks`` as int64 on ``device`` after checking it names ``rows`` global query blocks."""
-    if (not isinstance(query_blocks, Tensor) or query_blocks.dim() != 1 or query_blocks.dtype.is_floating_point
-            or query_blocks.dtype == torch.bool):
-        raise ValueError(f"query_blocks must be a 1-D integer tensor of global query-block ids, got "
-                         f"{getattr(query_blocks, 'dtype', type(query_blocks).__name__)} "
-                         f"{tuple(getattr(query_blocks, 'shape', ()))}")
+    """``query_blocks`` as int64 on ``device`` after checking it names ``rows`` global query blocks (the type
+    check is the attention API's, ``validation.check_integer_tensor``; the attention's own
+    ``reference.check_query_blocks`` also checks the values, which here would be a host read per call)."""
+    check_integer_tensor("query_blocks", query_blocks, dim=1)
     if query_blocks.shape[0] != rows:
         raise ValueError(f"query_blocks lists {query_blocks.shape[0]} query blocks but the scores hold {rows} rows")
     # values are not checked here: that would be a host read on every call (the callers build the ids)
