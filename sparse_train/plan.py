@@ -405,8 +405,8 @@ class KernelOptions:
     a tensor's strides or alignment do not allow a descriptor). Default on (H200, 64K: 5-12% faster at
     three of four shapes, equal at the fourth)."""
     dq_tma: bool | None = None
-    """dQ kernel: load the K/V tiles through TMA tensor descriptors (as ``fwd_tma``). Default on (H200, 64K,
-    D = 128: 9-12% faster)."""
+    """dQ kernel: load the K/V tiles through TMA tensor descriptors (as ``fwd_tma``). Default on (H200, 64K:
+    4-12% faster)."""
     kv_tma: bool | None = None
     """KV-centric kernel: load the q/dO row slices through TMA tensor descriptors (one head per step and
     no query-block map only; pointer loads otherwise). Default on except over 128 x 128 key tiles, where
@@ -581,7 +581,8 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     # TMA q/dO loads in the KV-centric kernel (H200, 64K): 7.1 -> 6.5 ms (P64, D = 128), 3.9 -> 3.7 (P64,
     # D = 64), 5.5 -> 4.5 (P128, D = 64, with 3 stages); slower over 128 x 128 key tiles (7.6 -> 8.3)
     kv_tma = _flag(options.kv_tma, block_k * head_dim < 128 * 128)
-    # TMA K/V loads in the dQ kernel (H200, 64K, D = 128): 5.49 -> 4.85 ms (P64), 5.47 -> 4.98 (P128)
+    # TMA K/V loads in the dQ kernel (H200, 64K): 5.49 -> 4.85 ms (P64, D = 128), 5.47 -> 4.98 (P128, D = 128),
+    # 2.92 -> 2.80 (P64, D = 64), 3.36 -> 3.10 (P128, D = 64)
     dq_tma = _flag(options.dq_tma, True)
     # the row slice bounds the scores (S^T and dP^T, [BK, rows] fp32) live beside the accumulators
     if block_k * head_dim >= 128 * 128:

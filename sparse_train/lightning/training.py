@@ -356,7 +356,8 @@ class CausalLMTraining:
         with ``wrap`` is no alternative: Lightning then leaves the root unwrapped, and the parameters outside
         the layers would be neither sharded nor synchronised.) Each selector lives inside its layer's
         attention and is sharded, gathered and freed with the layer. Buffers keep the dtype they were built
-        with (:func:`keep_buffer_dtypes`). No-op for every other strategy and without a trainer
+        with (:func:`keep_buffer_dtypes`). A module an earlier call of this process wrapped is refused
+        (:func:`check_not_wrapped_before`). No-op for every other strategy and without a trainer
         (``load_from_checkpoint`` calls this hook too)."""
         if module._trainer is None:
             return
