@@ -340,6 +340,16 @@ def triton_runs_on(tensor: Tensor) -> bool:
     return True
 
 
+def copy_engine_loads(device) -> bool:
+    """Whether the attention kernels can load tiles through TMA tensor descriptors on ``device``: a CUDA
+    device of compute capability 9 (Hopper) or newer, or the CPU, where the Triton interpreter of the tests
+    emulates them. ``kernels._launch.tma_descriptor`` adds the per-tensor layout rules."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cpu"
+
+
 def device_sm_count(device) -> int:
     """Parallel processors of ``device``: the streaming multiprocessors of a CUDA device; the CPU
     cores elsewhere (the Triton interpreter runs programs on the CPU)."""
@@ -531,13 +541,14 @@ def _divides_group(label: str, heads: int, group: int) -> int:
 
 
 def forward_config(group: int, block_q: int, block_k: int, head_dim: int,
-                   kernel_options: Mapping | KernelOptions | None = None) -> ForwardConfig:
+                   kernel_options: Mapping | KernelOptions | None = None, device=None) -> ForwardConfig:
     """Forward tile: heads * BQ = 256 rows at head dim >= 128 (K/V loaded once for 4 heads at BQ = 64), 128
     rows below (at D = 64 the K/V loads are half as large and the smaller tile gives twice the programs:
     2 heads 11% faster than 4 on the H200); 8 warps once a [rows, max(D, BK)] tile reaches 128 x 64
     elements, 4 below, 3 stages (2 for 256-row tiles over 128-key blocks: shared memory); but 4 warps and 2
-    stages below head dim 128 over 128-key blocks; K/V through TMA descriptors. Measured:
-    docs/benchmarks/kernel_tuning.md, docs/benchmarks/speed_round2/. ``kernel_options`` override each field."""
+    stages below head dim 128 over 128-key blocks; K/V through TMA descriptors where ``device`` takes them
+    (:func:`copy_engine_loads`; None: assumed). Measured: docs/benchmarks/kernel_tuning.md,
+    docs/benchmarks/speed_round2/. ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
     heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=256 if head_dim >= 128 else 128)
     _divides_group("kernel_options.fwd_heads_per_program", heads, group)
@@ -551,12 +562,13 @@ def forward_config(group: int, block_q: int, block_k: int, head_dim: int,
         stages = 2 if (rows >= 256 and block_k >= 128) else 3
     # TMA K/V loads: 4.17 -> 3.67 ms (P128, D = 128), 3.65 -> 3.45 (P64), 2.47 -> 2.32 (P128, D = 64), equal
     # at P64, D = 64 (H200, 64K: docs/benchmarks/speed_round2/h200_probe_tma_session12.json)
-    tma = _flag(options.fwd_tma, True)
+    tma = _flag(options.fwd_tma, device is None or copy_engine_loads(device))
     return ForwardConfig(heads, options.fwd_num_warps or warps, options.fwd_num_stages or stages, tma)
 
 
 def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_cold: bool,
-                    kernel_options: Mapping | KernelOptions | None = None) -> BackwardConfig:
+                    kernel_options: Mapping | KernelOptions | None = None, device=None,
+                    query_map: bool = False) -> BackwardConfig:
     """Backward tiles: dQ with heads * BQ = 128 rows, 8 warps when [rows, max(D, BK)] exceeds 64 x 128, 3
     stages (2 with 4 warps; with 128 x 128 key tiles 2, or 1 when the atomic dK/dV products also run:
     shared memory); KV-centric one head per iteration (stacking more spills registers: the [BK, D]
@@ -564,8 +576,10 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     tiles 8 warps, 2 stages, 64-row slices; 64 x 128 key tiles 4 warps, 3 stages, 32-row slices (128 x 64:
     2 stages);
     smaller 4 warps, 3 stages, the whole tile (measured on the H200: docs/benchmarks/kernel_tuning.md).
-    TMA loads: the dQ kernel's K/V tiles; the KV-centric kernel's q/dO slices except over 128 x 128 key tiles
-    (3 stages then at D = 64 over 128-key blocks). ``kernel_options`` override each field."""
+    TMA loads where ``device`` takes them (:func:`copy_engine_loads`; None: assumed): the dQ kernel's K/V
+    tiles; the KV-centric kernel's q/dO slices with one head per step, without a query-block map
+    (``query_map``) and except over 128 x 128 key tiles (3 stages then at D = 64 over 128-key blocks, 2 with
+    pointer loads). ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
     dq_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=128)
     _divides_group("kernel_options.dq_heads_per_program", dq_heads, group)
@@ -580,10 +594,11 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
         dq_stages = 3 if dq_warps == 8 else 2
     # TMA q/dO loads in the KV-centric kernel (H200, 64K): 7.1 -> 6.5 ms (P64, D = 128), 3.9 -> 3.7 (P64,
     # D = 64), 5.5 -> 4.5 (P128, D = 64, with 3 stages); slower over 128 x 128 key tiles (7.6 -> 8.3)
-    kv_tma = _flag(options.kv_tma, block_k * head_dim < 128 * 128)
+    tma = device is None or copy_engine_loads(device)
+    kv_tma = _flag(options.kv_tma, tma and kv_heads == 1 and not query_map and block_k * head_dim < 128 * 128)
     # TMA K/V loads in the dQ kernel (H200, 64K): 5.49 -> 4.85 ms (P64, D = 128), 5.47 -> 4.98 (P128, D = 128),
     # 2.92 -> 2.80 (P64, D = 64), 3.36 -> 3.10 (P128, D = 64)
-    dq_tma = _flag(options.dq_tma, True)
+    dq_tma = _flag(options.dq_tma, tma)
     # the row slice bounds the scores (S^T and dP^T, [BK, rows] fp32) live beside the accumulators
     if block_k * head_dim >= 128 * 128:
         kv_warps, kv_stages, kv_slice = 8, 2, 64
@@ -663,8 +678,9 @@ def attention_schedule(index, group: int, head_dim: int, device, kernel_options=
     every_block_kv_centric = deterministic or bool(options.fused_dq)
     slots = cold_slots(plan.hot, plan.reuse, every_block_kv_centric or plan.r0 <= 1)
     cold = cold_capacity(plan.reuse.numel(), plan.r0, every_block_kv_centric)
-    forward = forward_config(group, index.block_q, index.block_k, head_dim, options)
-    backward = backward_config(group, index.block_q, index.block_k, head_dim, cold > 0, options)
+    forward = forward_config(group, index.block_q, index.block_k, head_dim, options, device)
+    backward = backward_config(group, index.block_q, index.block_k, head_dim, cold > 0, options, device,
+                               query_map=query_blocks is not None)
     num_splits = options.num_splits or forward_num_splits(
         index.num_q_blocks if query_blocks is None else query_blocks.numel(), index.batch, index.num_kv_heads,
         group, forward.heads_per_program, index.capacity, device)

@@ -29,3 +29,26 @@ def test_kv_schedule_chunks_and_parts():
     assert t0.tolist() == [0, 1, 3, 5] and t1.tolist() == [1, 3, 5, 6]
     assert part.tolist() == [-1, 0, 1, 2] and num_parts == 3
     assert nparts.tolist() == [-1, 0, 3, 0, -1] and pstart.tolist()[2] == 0
+
+
+def test_tma_defaults_follow_the_device_the_layout_rule_and_the_options(monkeypatch):
+    """TMA loads are on by default where the device takes descriptors (Hopper or newer; the CPU's interpreter
+    emulates them), the KV-centric kernel's only for one head per step, no query-block map and key tiles
+    under 128 x 128, and its stage count follows the choice (3 with TMA, 2 with pointer loads at D = 64 over
+    128-key blocks); an explicit option wins."""
+    cpu = torch.device("cpu")
+    assert plan.copy_engine_loads(cpu)
+    fwd = plan.forward_config(4, 128, 128, 64, device=cpu)
+    bwd = plan.backward_config(4, 128, 128, 64, False, device=cpu)
+    assert (fwd.tma_loads, bwd.dq_tma, bwd.kv_tma, bwd.kv_num_stages) == (1, 1, 1, 3)
+    assert plan.backward_config(4, 128, 128, 128, False, device=cpu).kv_tma == 0  # 128 x 128 key tiles
+    mapped = plan.backward_config(4, 128, 128, 64, False, device=cpu, query_map=True)
+    assert (mapped.dq_tma, mapped.kv_tma, mapped.kv_num_stages) == (1, 0, 2)
+    stacked = plan.backward_config(4, 64, 64, 64, False, {"kv_heads_per_program": 2}, device=cpu)
+    assert stacked.kv_tma == 0
+    monkeypatch.setattr(plan, "copy_engine_loads", lambda device: False)  # e.g. an A100
+    old_gpu = plan.backward_config(4, 128, 128, 64, False, device=cpu)
+    assert (plan.forward_config(4, 128, 128, 64, device=cpu).tma_loads, old_gpu.dq_tma, old_gpu.kv_tma,
+            old_gpu.kv_num_stages) == (0, 0, 0, 2)
+    forced = plan.backward_config(4, 128, 128, 64, False, {"kv_tma": True, "dq_tma": True}, device=cpu)
+    assert (forced.dq_tma, forced.kv_tma, forced.kv_num_stages) == (1, 1, 3)

@@ -69,12 +69,9 @@ def tma_descriptor(x: Tensor, rows: int, enabled: bool):
     does not address (the last stride 1, the base and every other stride multiples of 16 bytes, a row of at
     least 16 bytes). The kernels then take their pointer loads. On the CPU (the Triton interpreter of the
     tests) the descriptor is emulated, so the tests run the TMA branch of the kernels too."""
-    if not enabled:
-        return None
-    if x.device.type == "cuda":
-        if torch.cuda.get_device_capability(x.device)[0] < 9:
-            return None
-    elif x.device.type != "cpu":
+    from ..plan import copy_engine_loads
+
+    if not enabled or not copy_engine_loads(x.device):
         return None
     size = x.element_size()
     if (x.stride(-1) != 1 or x.data_ptr() % 16 or x.shape[-1] * size < 16
