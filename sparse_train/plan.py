@@ -346,7 +346,9 @@ def copy_engine_loads(device) -> bool:
     emulates them. ``kernels._launch.tma_descriptor`` adds the per-tensor layout rules."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] >= 9
+        # get_device_properties, not get_device_capability: torch.compile folds it into a constant while it
+        # traces the schedule of a compiled attention call
+        return torch.cuda.get_device_properties(device).major >= 9
     return device.type == "cpu"
 
 
