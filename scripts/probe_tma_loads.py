@@ -13,7 +13,8 @@ modes, on the indices of ``scripts/bench_attention.py`` (64K, B=1, HQ=32, HKV=8)
 * ``tma_ws``: ``tma`` with ``tl.range(..., warp_specialize=True)`` on the loop.
 
 Every variant's output is compared with the ``ptr`` one (max |diff|), so a wrong descriptor cannot pass
-as a fast one. A variant that fails to compile is reported with its error. One JSON row per
+as a fast one. The KV-centric copy runs the work items that hold a whole transposed row and skips the
+chunked ones (sinks, popular blocks), in every mode alike: its times are those of the whole-row items. A variant that fails to compile is reported with its error. One JSON row per
 (pattern, head dim, kernel, mode) on stdout and in ``--out``.
 
     python scripts/probe_tma_loads.py --out /tmp/probe.json
