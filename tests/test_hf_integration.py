@@ -395,23 +395,25 @@ def test_padding_becomes_documents_while_compiling(monkeypatch):
     assert docs.tolist() == [[1] * 7 + [2] * 3, [0] * 4 + [1] * 6, [0] * 2 + [1] * 7 + [2]]
 
 
-@pytest.mark.parametrize("hole", [pytest.param((3, 5), id="inside"), pytest.param((0, 2), id="after-a-prefix"),
-                                  pytest.param((9, 10), id="none-right-padding")])
-def test_compiled_padding_refuses_a_hole_on_the_device(hole):
+@pytest.mark.parametrize("padded,want_row", [
+    pytest.param([(3, 5)], None, id="hole"),
+    pytest.param([(0, 2), (5, 7)], None, id="left-padding-then-a-hole"),
+    pytest.param([(9, 10)], [1] * 9 + [2], id="right-padding-no-hole"),
+])
+def test_compiled_padding_refuses_a_hole_on_the_device(padded, want_row):
     """Compiled (fullgraph, no host sync possible) a hole cannot raise the eager NotImplementedError; an
     assertion on the device refuses it instead of splitting the real tokens into documents. Right and left
-    padding still compile to documents."""
+    padding still compile to documents (``want_row``: row 1's ids; None: a hole)."""
     compiled = torch.compile(lambda m: hf.padding_from_mask(m, 10)[1], fullgraph=True, backend="aot_eager")
     mask = torch.ones(2, 10, dtype=torch.long)
     mask[0, :2] = 0  # left padding in row 0: always fine
-    mask[1, hole[0]:hole[1]] = 0
-    if hole == (0, 2):
-        mask[1, 5:7] = 0  # padded prefix, real tokens, a hole, real tokens
-    if hole[1] == 10:
-        assert compiled(mask).tolist() == [[0, 0] + [1] * 8, [1] * 9 + [2]]
-    else:
+    for start, stop in padded:
+        mask[1, start:stop] = 0
+    if want_row is None:
         with pytest.raises(RuntimeError, match="padded hole between real tokens"):
             compiled(mask)
+    else:
+        assert compiled(mask).tolist() == [[0, 0] + [1] * 8, want_row]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
