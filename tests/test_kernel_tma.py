@@ -34,15 +34,15 @@ pytestmark = pytest.mark.usefixtures("poison_fresh_outputs", "small_kv_chunks") 
 def descriptors(monkeypatch):
     """Every descriptor a launcher asked for: ``[(launcher module, tensor shape, made)]``."""
     asked = []
-    real = _launch.tma_descriptor
+    real = _launch.tma_operands
     for module, name in ((kf, "forward"), (kb, "backward")):
-        def spy(x, rows, enabled, _name=name):
-            desc = real(x, rows, enabled)
+        def spy(a, b, rows, enabled, _name=name):
+            first, second, made = real(a, b, rows, enabled)
             if enabled:
-                asked.append((_name, tuple(x.shape), desc is not None))
-            return desc
+                asked.extend([(_name, tuple(a.shape), made), (_name, tuple(b.shape), made)])
+            return first, second, made
 
-        monkeypatch.setattr(module, "tma_descriptor", spy)
+        monkeypatch.setattr(module, "tma_operands", spy)
     return asked
 
 

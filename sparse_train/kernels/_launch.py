@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..plan import copy_engine_loads
+
 LAST_COMPILED: dict = {}
 """The last compiled kernel per launcher (``"fwd"``, ``"dq"``, ``"dkdv"``), for benchmarks that read
 registers, spills or PTX; never used for compute."""
@@ -69,8 +71,6 @@ def tma_descriptor(x: Tensor, rows: int, enabled: bool):
     does not address (the last stride 1, the base and every other stride multiples of 16 bytes, a row of at
     least 16 bytes). The kernels then take their pointer loads. On the CPU (the Triton interpreter of the
     tests) the descriptor is emulated, so the tests run the TMA branch of the kernels too."""
-    from ..plan import copy_engine_loads
-
     if not enabled or not copy_engine_loads(x.device):
         return None
     size = x.element_size()
@@ -80,3 +80,14 @@ def tma_descriptor(x: Tensor, rows: int, enabled: bool):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, x.shape[-1]])
+
+
+def tma_operands(a: Tensor, b: Tensor, rows: int, enabled: bool) -> tuple:
+    """The kernel operands of two tensors a kernel loads tile by tile alike (K and V; q and dO): their TMA
+    descriptors (:func:`tma_descriptor`) and True when both get one, else the tensors themselves and False,
+    and the kernel takes its pointer loads for both."""
+    desc_a = tma_descriptor(a, rows, enabled)
+    desc_b = tma_descriptor(b, rows, desc_a is not None)
+    if desc_b is None:
+        return a, b, False
+    return desc_a, desc_b, True

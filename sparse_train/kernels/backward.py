@@ -79,7 +79,7 @@ from ._launch import (
     kernel_query_map,
     kernel_seq_lens,
     launch,
-    tma_descriptor,
+    tma_operands,
 )
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
@@ -465,19 +465,15 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if stage_events:
         stage_events[1].record()
     scale_log2 = float(scale * LOG2E.value)
-    desc_k = tma_descriptor(k, block_k, bool(config.dq_tma) and not fused)
-    desc_v = tma_descriptor(v, block_k, desc_k is not None)
-    dq_tma = desc_v is not None
+    k_operand, v_operand, dq_tma = tma_operands(k, v, block_k, bool(config.dq_tma) and not fused)
     # the KV-centric kernel's TMA slices are rows of one head: one head per step, rows of q = positions
     kv_slices = bool(config.kv_tma) and config.kv_heads_per_program == 1 and not has_map
-    desc_q = tma_descriptor(q, config.kv_tile_rows, kv_slices)
-    desc_do = tma_descriptor(do, config.kv_tile_rows, desc_q is not None)
-    kv_tma = desc_do is not None
+    q_operand, do_operand, kv_tma = tma_operands(q, do, config.kv_tile_rows, kv_slices)
     if not fused:
         LAST_COMPILED["dq"] = launch(
             _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
             q, k, v, do, lse, delta, indices, counts, seq_lens_arg, docs_arg, query_map, query_row0, slots, dq,
-            dk_atomic, dv_atomic, desc_k if dq_tma else k, desc_v if dq_tma else v,
+            dk_atomic, dv_atomic, k_operand, v_operand,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
             *indices.stride(), *counts.stride(),
             N, L, HQ, HKV, NQB, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
@@ -492,7 +488,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         LAST_COMPILED["dkdv"] = launch(
             _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, seq_lens_arg, docs_arg, query_map,
             query_row0, schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv, dk_partial,
-            dv_partial, dq_acc, desc_q if kv_tma else q, desc_do if kv_tma else do,
+            dv_partial, dq_acc, q_operand, do_operand,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             N, L, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
             GROUP=group, HEADS_PER_PROGRAM=config.kv_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k,

@@ -60,7 +60,7 @@ from ._launch import (
     kernel_query_map,
     kernel_seq_lens,
     launch,
-    tma_descriptor,
+    tma_operands,
 )
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
@@ -256,12 +256,10 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
         partial_l = torch.empty((num_splits, total_rows), device=q.device, dtype=torch.float32)
     else:
         partial_o = partial_m = partial_l = lse  # unused
-    desc_k = tma_descriptor(k, block_k, bool(config.tma_loads))
-    desc_v = tma_descriptor(v, block_k, desc_k is not None)
-    tma = desc_v is not None
+    k_operand, v_operand, tma = tma_operands(k, v, block_k, bool(config.tma_loads))
     LAST_COMPILED["fwd"] = launch(
         _fwd_kernel, grid, q, k, v, o, lse, indices, counts, seq_lens_arg, kernel_document_ids(document_ids, counts),
-        query_map, query_row0, partial_o, partial_m, partial_l, desc_k if tma else k, desc_v if tma else v,
+        query_map, query_row0, partial_o, partial_m, partial_l, k_operand, v_operand,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
         *indices.stride(), *counts.stride(),
         N, L, HQ, HKV, NQB, float(scale * LOG2E.value), philox_key(dropout_seed), threshold, inv_keep,
