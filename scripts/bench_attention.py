@@ -26,7 +26,7 @@ rest full). TFLOP/s count only the valid (same-document, causal) pairs. No dense
 Usage (on the GPU):  PYTHONPATH=. python3 scripts/bench_attention.py --out docs/benchmarks
     --quick            N=65536 only, fewer repeats        --n 65536 16384   chosen lengths
     --pattern P128     one pattern                         --no-flex / --no-dense / --no-sweep
-    --tune [fwd dq kv chunk]  sweep launch configs (heads per program, warps, stages, KV rows per
+    --tune [fwd dq kv chunk tma stored]  sweep launch configs (heads per program, warps, stages, KV rows per
                        step) at the largest N          --head-dim 64   D (default 128)
     --packed 2048:16384  packed documents (above)          --dry-run   CPU check of the packed inputs
 Outputs: <out>/<date>_h200_attention.{json,md,png} (packed: <date>_h200_attention_packed.*)
@@ -243,8 +243,10 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
             torch.autograd.grad(oo, (qg, kg, vg), do)
 
         row["nodocs_fwdbwd_ms"], _, _ = timeit(fb_nodocs)
-    # the default backward, the deterministic one, and the fused one (dQ from the KV-centric kernel by atomics)
-    for pfx, det, extra in (("", False, {}), ("det_", True, {}), ("fused_", False, {"fused_dq": True})):
+    # the default backward, the deterministic one, the fused one (dQ from the KV-centric kernel by atomics) and
+    # the stored-dS one (the KV-centric kernel files dS, the dQ kernel reads it)
+    for pfx, det, extra in (("", False, {}), ("det_", True, {}), ("fused_", False, {"fused_dq": True}),
+                            ("stored_", False, {"stored_ds": True})):
         options = {"plan": plan, **extra}
         o, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options=options, document_ids=docs)
         tb, tb95, _ = timeit(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
@@ -257,8 +259,8 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
         tfb, tfb95, _ = timeit(fb)
         row.update({f"{pfx}bwd_ms": tb, f"{pfx}bwd_p95_ms": tb95, f"{pfx}fwdbwd_ms": tfb, f"{pfx}fwdbwd_p95_ms": tfb95,
                     f"{pfx}bwd_TFLOPs": f_bwd / tb / 1e9, f"{pfx}bwd_frac_ceiling": f_bwd / tb / 1e9 / ceil})
-        if not pfx:
-            row["fwdbwd_peak_extra_MB"] = peak_extra_mb(fb)
+        if pfx in ("", "stored_"):
+            row[f"{pfx}fwdbwd_peak_extra_MB"] = peak_extra_mb(fb)
         _, kb, _ = _kernels()
         for name in ("dq", "dkdv"):  # the fused mode does not launch dQ: its entry is the last default one
             if name in kb.LAST_COMPILED and not (name == "dq" and pfx == "fused_"):
@@ -267,6 +269,7 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
         del o
     row["det_overhead"] = row["det_fwdbwd_ms"] / row["fwdbwd_ms"] - 1
     row["fused_bwd_speedup"] = row["bwd_ms"] / row["fused_bwd_ms"]
+    row["stored_bwd_speedup"] = row["bwd_ms"] / row["stored_bwd_ms"]
     rec(results, row)
     return idx, plan
 
@@ -411,14 +414,15 @@ def r0_sweep(N, pat_name, pat, sel, results, q, k, v, do):
                               workspace_bytes=2 * num_cold * pat["block"] * D * 4))
 
 
-TUNE_PARTS = ("fwd", "dq", "kv", "chunk", "tma")
+TUNE_PARTS = ("fwd", "dq", "kv", "chunk", "tma", "stored")
 
 
 def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
     """Launch-config sweeps at one N: forward (heads per program, warps, stages); backward in
     deterministic mode (so the dQ kernel and the KV-centric kernel are timed apart): dQ tiles,
     KV-centric tiles (heads per program, warps, stages, rows per step), KV chunk size; TMA descriptor loads
-    on and off in each kernel (default tiles, and one pipeline stage more with TMA). ``parts``: which
+    on and off in each kernel (default tiles, and one pipeline stage more with TMA); the stored-dS backward's
+    dQ kernel (heads per program, warps, stages) and its KV-centric kernel with TMA on and off. ``parts``: which
     of :data:`TUNE_PARTS` to sweep."""
     kf, kb, _ = _kernels()
     idx, plan = build_index(sel, N, pat)
@@ -461,16 +465,25 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         stages = default.dq_num_stages if kernel == "dq" else default.kv_num_stages
         tma_variants += [{f"{kernel}_tma": False}, {f"{kernel}_tma": True},
                          {f"{kernel}_tma": True, f"{kernel}_num_stages": stages + 1}]
+    stored_cfgs = [(h, w, st) for h in ((1, 2) if bs == 64 else (1,)) for w in (4, 8) for st in (2, 3, 4)]
     variants = (([dict(dq=c) for c in dq_cfgs] if "dq" in parts else [])
+                + ([dict(stored=c) for c in stored_cfgs] if "stored" in parts else [])
+                + ([dict(stored=None, tma={"kv_tma": t}) for t in (False, True)] if "stored" in parts else [])
                 + ([dict(kv=c) for c in kv_cfgs] if "kv" in parts else [])
                 + ([dict(chunk=c) for c in (16, 32, 128)] if "chunk" in parts else [])
                 + [dict(tma=c) for c in tma_variants])
     for var in variants:
         dqc, kvc, chunk = var.get("dq"), var.get("kv"), var.get("chunk")
+        stored = "stored" in var
         cfg = dict(kind="tune_bwd_det", N=N, pattern=pat_name, dq_cfg=str(dqc), kv_cfg=str(kvc), kv_chunk=chunk,
-                   tma_options=str(var.get("tma")))
+                   tma_options=str(var.get("tma")), stored_ds=stored, stored_dq_cfg=str(var.get("stored")))
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         options = dict(var.get("tma") or {})
+        if stored:
+            options["stored_ds"] = True
+            if var["stored"]:
+                options.update(dq_heads_per_program=var["stored"][0], dq_num_warps=var["stored"][1],
+                               dq_num_stages=var["stored"][2])
         if dqc:
             options.update(dq_heads_per_program=dqc[0], dq_num_warps=dqc[1], dq_num_stages=dqc[2])
         if kvc:
@@ -484,10 +497,12 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
             def bwd():
                 kb.sparse_attn_backward(do, q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr,
                                         plan.kv_qblocks, slots, 0, block_q=bs, block_k=bs, scale=scale,
-                                        stage_events=ev, config=config)
+                                        stage_events=ev, config=config, kv_pairs=plan.kv_pairs)
             t, _, _ = timeit(bwd, budget_ms=100)
             torch.cuda.synchronize()
-            cfg.update(ms=t, dq_ms=ev[1].elapsed_time(ev[2]), kv_ms=ev[2].elapsed_time(ev[3]),
+            # the stored-dS mode runs the KV-centric kernel first (its events: backward.sparse_attn_backward)
+            first, second = ev[1].elapsed_time(ev[2]), ev[2].elapsed_time(ev[3])
+            cfg.update(ms=t, dq_ms=second if stored else first, kv_ms=first if stored else second,
                        TFLOPs=2.5 * 4 * D * pairs / t / 1e9,
                        dq_regs=kb.LAST_COMPILED["dq"].n_regs, dq_spills=kb.LAST_COMPILED["dq"].n_spills,
                        kv_regs=kb.LAST_COMPILED["dkdv"].n_regs, kv_spills=kb.LAST_COMPILED["dkdv"].n_spills)
@@ -560,8 +575,8 @@ def write_outputs(results, out):
                   "query block; Flex on the same index with a document_id mask_mod. TFLOP/s count valid pairs only.",
                   ""] + packed_table(rows)
     lines += ["",
-             "| N | pattern | density | index+plan ms | ours fwd | ours bwd | ours fwd+bwd | det fwd+bwd | fused-dQ bwd | fused-dQ fwd+bwd | fwd TFLOP/s (% ceil) | bwd TFLOP/s (% ceil) | Flex fwd | Flex fwd+bwd | cuDNN fwd | cuDNN fwd+bwd | flash fwd | flash fwd+bwd | fwd vs Flex | fwd+bwd vs Flex | fwd speedup vs cuDNN | fwd+bwd speedup vs cuDNN |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| N | pattern | density | index+plan ms | ours fwd | ours bwd | ours fwd+bwd | det fwd+bwd | fused-dQ bwd | fused-dQ fwd+bwd | stored-dS bwd | stored-dS fwd+bwd | fwd TFLOP/s (% ceil) | bwd TFLOP/s (% ceil) | Flex fwd | Flex fwd+bwd | cuDNN fwd | cuDNN fwd+bwd | flash fwd | flash fwd+bwd | fwd vs Flex | fwd+bwd vs Flex | fwd speedup vs cuDNN | fwd+bwd speedup vs cuDNN |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     dense = {(r["kind"], r["N"]): r for r in rows if r["kind"].startswith("dense")}
     flex = {(r["N"], r["pattern"]): r for r in rows if r["kind"] == "flex"}
 
@@ -577,6 +592,7 @@ def write_outputs(results, out):
         lines.append("| " + " | ".join([
             str(r["N"]), r["pattern"], f(r["density"], "{:.4f}"), f(r["index_plan_ms"]), f(r["fwd_ms"]), f(r["bwd_ms"]),
             f(r["fwdbwd_ms"]), f(r["det_fwdbwd_ms"]), f(r.get("fused_bwd_ms")), f(r.get("fused_fwdbwd_ms")),
+            f(r.get("stored_bwd_ms")), f(r.get("stored_fwdbwd_ms")),
             f"{r['fwd_TFLOPs']:.0f} ({100 * r['fwd_frac_ceiling']:.0f}%)", f"{r['bwd_TFLOPs']:.0f} ({100 * r['bwd_frac_ceiling']:.0f}%)",
             f(fx.get("fwd_ms")), f(fx.get("fwdbwd_ms")), f(cu.get("fwd_ms")), f(cu.get("fwdbwd_ms")),
             f(fl.get("fwd_ms")), f(fl.get("fwdbwd_ms")),

@@ -102,6 +102,12 @@ class BlockPlan:
     """int32 ``[B*HKV*NQB*K]`` (K the index capacity: one entry per index slot): query-block ids of the
     transposed CSR, ascending within each row, in ``[0, kv_indptr[-1])``; the entries past
     ``kv_indptr[-1]`` (= :attr:`nnz`) are -1 padding that no kernel reads."""
+    kv_pairs: Tensor
+    """int32 ``[B*HKV*NQB*K]``, beside :attr:`kv_qblocks`: where each transposed entry sits in the index, as
+    the flat position ``((b*HKV + h)*NQB + query block)*K + t`` of ``indices`` (t its place in the query
+    block's row); -1 in the padding. The stored-dS backward (``kernel_options.stored_ds``) files each
+    (query block, key block) pair's dS under this position, where the dQ pass, walking the index rows,
+    finds it."""
     hot: Tensor
     """bool ``[B, HKV, NKB]``: ``reuse >= r0``; hot blocks get the KV-centric dK/dV kernel, cold ones
     are accumulated with atomics from the query-centric pass."""
@@ -193,7 +199,7 @@ def build_plan(index, r0: int | None = None, query_blocks: Tensor | None = None)
     # Each (kv_row, query block) pair occurs at most once, so sorting this key gives the KV-major
     # order with query blocks ascending, deterministically and without atomics.
     key = torch.where(idx >= 0, (bh * nkb + idx) * nqb + qi, sentinel).reshape(-1)
-    key, _ = torch.sort(key)
+    key, position = torch.sort(key)  # position: each entry's flat slot in `indices`
     bounds = torch.arange(rows + 1, device=device, dtype=key_dtype) * nqb
     kv_indptr = torch.searchsorted(key, bounds).to(torch.int64)
     reuse = (kv_indptr[1:] - kv_indptr[:-1]).view(b, h, nkb)
@@ -210,6 +216,7 @@ def build_plan(index, r0: int | None = None, query_blocks: Tensor | None = None)
         reuse=reuse.to(torch.int32),
         kv_indptr=kv_indptr,
         kv_qblocks=torch.where(key < sentinel, key % nqb, -1).to(torch.int32),
+        kv_pairs=torch.where(key < sentinel, position, -1).to(torch.int32),
         hot=hot,
         r0=r0,
         stats=stats,
@@ -429,6 +436,11 @@ class KernelOptions:
     then KV-centric. The atomics sum in no fixed order, so dQ is not bitwise reproducible: refused with
     ``deterministic``. Default off: measured slower on the H200 (the atomics cost more than the saved
     recomputation; :mod:`sparse_train.kernels.backward`)."""
+    stored_ds: bool | None = None
+    """The KV-centric kernel stores every tile's dS (in q's dtype, the operand the dQ product takes) in a
+    buffer of ``B*HQ*NQB*K*BQ*BK`` elements (K the index capacity), and the dQ kernel reads it instead of
+    recomputing S and dP: 5 tile products per block pair instead of 7, no atomics (deterministic). Every
+    block is then KV-centric (``r0`` does not apply). Excludes ``fused_dq``."""
 
 
 KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
@@ -484,9 +496,12 @@ def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> 
             value = _check_power_of_two(label, value)
             if value < _MIN_DOT_ROWS:
                 raise ValueError(f"{label} must be >= {_MIN_DOT_ROWS} (tensor-core tile), got {value}")
-        elif name in ("fused_dq", "fwd_tma", "dq_tma", "kv_tma"):
+        elif name in ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma"):
             value = check_bool(label, value)
         values[name] = value
+    if values.get("fused_dq") and values.get("stored_ds"):
+        raise ValueError("kernel_options.fused_dq and kernel_options.stored_ds are two ways of producing dQ "
+                         "from the KV-centric kernel; set at most one of them")
     return KernelOptions(**values)
 
 
@@ -520,6 +535,8 @@ class BackwardConfig(NamedTuple):
     """1: the dQ kernel loads its K/V tiles through TMA descriptors (``KernelOptions.dq_tma``)."""
     kv_tma: int = 0
     """1: the KV-centric kernel loads its q/dO slices through TMA descriptors (``KernelOptions.kv_tma``)."""
+    stored_ds: int = 0
+    """1: the KV-centric kernel stores dS and the dQ kernel reads it (``KernelOptions.stored_ds``)."""
 
 
 def _heads_per_program(group: int, block_q: int, rows: int) -> int:
@@ -619,6 +636,7 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
         dq_heads, options.dq_num_warps or dq_warps, options.dq_num_stages or dq_stages,
         kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or kv_stages,
         options.kv_chunk or KV_CHUNK, kv_tile_rows, int(bool(options.fused_dq)), dq_tma, kv_tma,
+        int(bool(options.stored_ds)),
     )
 
 
@@ -676,8 +694,9 @@ def attention_schedule(index, group: int, head_dim: int, device, kernel_options=
     else:
         plan = options.plan if options.plan is not None else index.plan(options.r0)
     check_fused_dq_allowed(options, deterministic)
-    # the fused backward takes every block KV-centric (its kernel produces dQ); no block is cold
-    every_block_kv_centric = deterministic or bool(options.fused_dq)
+    # the fused and the stored-dS backward take every block KV-centric (its kernel produces dQ's inputs); no
+    # block is cold
+    every_block_kv_centric = deterministic or bool(options.fused_dq) or bool(options.stored_ds)
     slots = cold_slots(plan.hot, plan.reuse, every_block_kv_centric or plan.r0 <= 1)
     cold = cold_capacity(plan.reuse.numel(), plan.r0, every_block_kv_centric)
     forward = forward_config(group, index.block_q, index.block_k, head_dim, options, device)

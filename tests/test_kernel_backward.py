@@ -254,6 +254,96 @@ def test_fused_backward_refuses_deterministic():
             torch.use_deterministic_algorithms(False)
 
 
+STORED_CASES = [
+    # B, HQ, HKV, N, D, BQ, BK, kv_heads_per_program, kv_tile_rows, dropout_p, seq_lens, dlse_w
+    pytest.param(1, 4, 2, 150, 16, 32, 16, 1, None, 0.0, None, 0.0, id="gqa2-odd150-bq32-bk16"),
+    pytest.param(1, 4, 1, 97, 16, 16, 32, 2, 16, 0.2, None, 0.0, id="gqa4-odd97-bk32-stacked2-slices-dropout"),
+    pytest.param(2, 4, 1, 111, 32, 32, 16, 2, 16, 0.0, [111, 70], 0.5, id="gqa4-b2-seq_lens-lse-grad"),
+    pytest.param(2, 2, 2, 97, 32, 16, 16, 1, None, 0.25, None, 0.0, id="mha-b2-odd97-dropout"),
+]
+
+
+def _launches(monkeypatch):
+    launched = []
+    real_launch = kb.launch
+    monkeypatch.setattr(kb, "launch", lambda kernel, *a, **kw: launched.append(kernel) or real_launch(kernel, *a, **kw))
+    return launched
+
+
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,heads,tile_rows,dropout_p,seq_lens,dlse_w", STORED_CASES)
+def test_stored_ds_backward_matches_the_reference(B, HQ, HKV, N, D, BQ, BK, heads, tile_rows, dropout_p, seq_lens,
+                                                  dlse_w, monkeypatch):
+    """``kernel_options.stored_ds``: the KV-centric kernel files every dS tile and the dQ pass reads them (the
+    recomputing dQ kernel never runs); dQ, dK and dV against the fp64 reference, with stacked heads, row slices,
+    chunked rows (kv_chunk 2), dropout, padding and an lse gradient. dK and dV come from the same KV-centric
+    kernel as in deterministic mode, so they are bitwise those of that mode."""
+    launched = _launches(monkeypatch)
+    idx = random_index(B, HKV, N, BQ, BK, 3, 1, 1, seed=N + BQ, device=DEV)
+    q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
+    lens = None if seq_lens is None else torch.tensor(seq_lens, device=DEV)
+    tiles = {"kv_heads_per_program": heads, "kv_tile_rows": tile_rows, "kv_chunk": 2}
+    kw = dict(dtype=torch.float32, dlse_w=dlse_w, dropout_p=dropout_p, dropout_seed=5, seq_lens=lens)
+    _, dk, dv = _compare(idx, q, k, v, kernel_options={"stored_ds": True, **tiles}, **kw)
+    assert kb._dkdv_kernel in launched and kb._dq_from_ds_kernel in launched and kb._dq_kernel not in launched
+    _, dk_det, dv_det = _compare(idx, q, k, v, deterministic=True, kernel_options=tiles, **kw)
+    assert torch.equal(dk, dk_det) and torch.equal(dv, dv_det)
+
+
+def test_stored_ds_backward_is_bitwise_reproducible_and_allowed_deterministic():
+    """No atomics anywhere on the stored-dS path: two runs (one with ``deterministic=True``) give the same bits."""
+    idx = random_index(1, 2, 130, 16, 16, 4, 1, 1, seed=7, device=DEV)
+    q, k, v = make_qkv(1, 4, 2, 130, 16, torch.float32, seed=7, device=DEV)
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
+    runs = [_grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, deterministic=det,
+                                                           kernel_options={"stored_ds": True, "kv_chunk": 2}),
+                   q, k, v, do) for det in (False, True)]
+    for first, second in zip(*runs):
+        assert torch.equal(first, second)
+
+
+def test_stored_ds_backward_empty_rows_get_zero_dq():
+    """Query blocks that select nothing read no dS tile and get dQ = 0 (NaN-poisoned outputs: written)."""
+    q, k, v = make_qkv(1, 2, 1, 64, 16, torch.float32, seed=3, device=DEV)
+    indices = torch.full((1, 1, 4, 2), -1, dtype=torch.int32, device=DEV)
+    indices[0, 0, 1, 0], indices[0, 0, 3, :] = 0, torch.tensor([1, 3], dtype=torch.int32)
+    counts = (indices >= 0).sum(-1).to(torch.int32)
+    idx = BlockIndex(indices=indices, counts=counts, seq_len=64, block_q=16, block_k=16)
+    dq, _, _ = _compare(idx, q, k, v, dtype=torch.float32, kernel_options={"stored_ds": True})
+    assert torch.count_nonzero(dq[:, :, 0:16]) == 0 and torch.count_nonzero(dq[:, :, 32:48]) == 0
+
+
+def test_stored_ds_refuses_fused_dq_and_a_missing_pair_map():
+    idx = random_index(1, 1, 64, 16, 16, 2, 1, 1, seed=1, device=DEV)
+    q, k, v = make_qkv(1, 2, 1, 64, 16, torch.float32, seed=1, device=DEV)
+    with pytest.raises(ValueError, match="fused_dq and kernel_options.stored_ds are two ways"):
+        triton_sparse_attention(q, k, v, idx, kernel_options={"fused_dq": True, "stored_ds": True})
+    with pytest.raises(ValueError, match="kernel_options.stored_ds must be a bool"):
+        triton_sparse_attention(q, k, v, idx, kernel_options={"stored_ds": "yes"})
+    o, lse = triton_sparse_attention(q, k, v, idx)
+    plan = idx.plan(1)
+    config = plan_mod.backward_config(2, 16, 16, 16, False, {"stored_ds": True})
+    with pytest.raises(ValueError, match="needs the plan's kv_pairs"):
+        kb.sparse_attn_backward(torch.ones_like(o), q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr,
+                                plan.kv_qblocks, plan_mod.cold_slots(plan.hot, plan.reuse, True), 0, block_q=16,
+                                block_k=16, scale=0.25, config=config)
+
+
+def test_plan_pairs_point_at_their_index_slots():
+    """``BlockPlan.kv_pairs``: each transposed entry (key block j of row r, query block kv_qblocks[e]) names the
+    index slot that holds j in that query block's row; -1 past the pairs."""
+    idx = random_index(2, 2, 150, 16, 32, 3, 1, 1, seed=4, device=DEV)
+    plan = idx.plan(1)
+    flat = idx.indices.reshape(-1)
+    nkb, nqb, cap = idx.num_k_blocks, idx.num_q_blocks, idx.capacity
+    nnz = plan.nnz
+    for row in range(plan.kv_indptr.numel() - 1):
+        for e in range(int(plan.kv_indptr[row]), int(plan.kv_indptr[row + 1])):
+            slot = int(plan.kv_pairs[e])
+            assert int(flat[slot]) == row % nkb, (row, e)
+            assert slot // cap == (row // nkb) * nqb + int(plan.kv_qblocks[e])
+    assert (plan.kv_pairs[nnz:] == -1).all() and plan.kv_pairs.numel() == flat.numel()
+
+
 def test_caller_index_mutation_after_forward_does_not_change_grads():
     B, HQ, HKV, N, D = 1, 2, 1, 80, 16
     idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=31, device=DEV)
@@ -533,6 +623,20 @@ def test_fused_backward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, si
     q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device="cuda")
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
     _gpu_compare(idx, q, k, v, do, kernel_options={"fused_dq": True})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,dtype,topk,window,sinks", GPU_CASES)
+def test_stored_ds_backward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks):
+    """``kernel_options.stored_ds`` compiled for the GPU (dS filed by the KV-centric kernel, dQ from it): o, dq,
+    dk, dv against the fp32 reference at real sizes, dropout on; dK/dV bitwise those of deterministic mode."""
+    idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N, device="cuda")
+    q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
+    kw = dict(dropout_p=0.1, dropout_seed=3)
+    _, _, _, (_, dk, dv) = _gpu_compare(idx, q, k, v, do, kernel_options={"stored_ds": True}, **kw)
+    _, _, _, (_, dk_det, dv_det) = _gpu_compare(idx, q, k, v, do, deterministic=True, **kw)
+    assert torch.equal(dk, dk_det) and torch.equal(dv, dv_det)
 
 
 @pytest.mark.gpu

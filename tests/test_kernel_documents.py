@@ -86,18 +86,19 @@ def test_forward_backward_vs_fp64_reference(B, HQ, HKV, N, D, BQ, BK, lengths, s
                              dropout_seed=11, kernel_options={"r0": r0, "num_splits": 1})
 
 
-@pytest.mark.parametrize("fused_dq", [False, True], ids=["dq-kernel", "fused-dq"])
-def test_kv_centric_row_slices_with_documents(fused_dq):
+@pytest.mark.parametrize("dq_mode", [{}, {"fused_dq": True}, {"stored_ds": True}],
+                         ids=["dq-kernel", "fused-dq", "stored-ds"])
+def test_kv_centric_row_slices_with_documents(dq_mode):
     """dK/dV of the KV-centric kernel walking its tiles in 16-row slices, with boundaries inside blocks
-    and documents shorter than a block, against the fp64 reference; also with dQ from the same kernel."""
+    and documents shorter than a block, against the fp64 reference; also with dQ from the same kernel
+    (atomics) or from the dS tiles it stores."""
     B, HQ, HKV, N, D, BQ, BK = 1, 4, 2, 90, 16, 32, 16
     idx = _index("full", B, HKV, N, BQ, BK, seed=N)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(q)
     ids = ids_from_lengths([[9, 31, 4, 5, 25, 16]], N).to(DEV)
     _check_against_reference(idx, q, k, v, do, ids, dtype=torch.float32,
-                             kernel_options={"r0": 1, "kv_heads_per_program": 2, "kv_tile_rows": 16,
-                                             "fused_dq": fused_dq})
+                             kernel_options={"r0": 1, "kv_heads_per_program": 2, "kv_tile_rows": 16, **dq_mode})
 
 
 def test_split_forward_launcher_with_documents():

@@ -58,6 +58,9 @@ CASES = [
     pytest.param(2, 4, 2, 75, 16, 16, 16, _listed([4, 0, 2], [3, 1]),
                  {"documents": [[0, 5, 21, 40], [0, 33]], "dropout_p": 0.2, "fused_dq": True},
                  id="unsorted-short-last-block-documents-dropout-fused-dq"),
+    pytest.param(2, 4, 2, 75, 16, 16, 16, _listed([4, 0, 2], [3, 1]),
+                 {"documents": [[0, 5, 21, 40], [0, 33]], "dropout_p": 0.2, "stored_ds": True, "seq_lens": [75, 50]},
+                 id="unsorted-short-last-block-documents-dropout-seq_lens-stored-ds"),
 ]
 
 
@@ -99,7 +102,8 @@ def test_triton_query_blocks_match_the_reference_and_the_full_op(B, HQ, HKV, N, 
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q)
     seq_lens = torch.tensor(extras["seq_lens"], device=DEV) if "seq_lens" in extras else None
     p = extras.get("dropout_p", 0.0)
-    options = {"r0": extras.get("r0", 1), "num_splits": extras.get("num_splits"), "fused_dq": extras.get("fused_dq")}
+    options = {"r0": extras.get("r0", 1), "num_splits": extras.get("num_splits"), "fused_dq": extras.get("fused_dq"),
+               "stored_ds": extras.get("stored_ds")}
     common = dict(seq_lens=seq_lens, document_ids=docs, dropout_p=p, dropout_seed=123 if p else None)
     kernel = dict(common, backend="triton", return_lse=True, kernel_options=options,
                   deterministic=extras.get("deterministic", False))

@@ -79,17 +79,19 @@ def _poison_padding(k, v, seq_lens):
 
 
 TMA_CASES = [
-    # B, HQ, HKV, N, D, BQ, BK, layout, seq_lens, dropout_p
-    pytest.param(1, 4, 2, 150, 16, 32, 16, "bhnd", None, 0.0, id="gqa2-odd150-bq32-bk16"),
-    pytest.param(2, 4, 1, 99, 16, 16, 16, "bnhd", (99, 58), 0.0, id="gqa4-b2-odd99-bnhd-seqlens-nan-padding"),
-    pytest.param(2, 2, 2, 97, 32, 16, 32, "bhnd", (97, 70), 0.2, id="mha-b2-odd97-bk32-seqlens-dropout"),
-    pytest.param(1, 4, 2, 128, 32, 64, 64, "bnhd", None, 0.0, id="gqa2-d32-b64-bnhd"),
+    # B, HQ, HKV, N, D, BQ, BK, layout, seq_lens, dropout_p, backward options
+    pytest.param(1, 4, 2, 150, 16, 32, 16, "bhnd", None, 0.0, {}, id="gqa2-odd150-bq32-bk16"),
+    pytest.param(2, 4, 1, 99, 16, 16, 16, "bnhd", (99, 58), 0.0, {}, id="gqa4-b2-odd99-bnhd-seqlens-nan-padding"),
+    pytest.param(2, 2, 2, 97, 32, 16, 32, "bhnd", (97, 70), 0.2, {}, id="mha-b2-odd97-bk32-seqlens-dropout"),
+    pytest.param(1, 4, 2, 128, 32, 64, 64, "bnhd", None, 0.0, {}, id="gqa2-d32-b64-bnhd"),
+    pytest.param(2, 4, 1, 99, 16, 16, 32, "bnhd", (99, 58), 0.0, {"stored_ds": True},
+                 id="stored-ds-gqa4-b2-odd99-bk32-bnhd-seqlens-nan-padding"),
 ]
 
 
-@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,layout,lengths,dropout_p", TMA_CASES)
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,layout,lengths,dropout_p,backward", TMA_CASES)
 def test_tma_loads_equal_pointer_loads_and_reference(descriptors, B, HQ, HKV, N, D, BQ, BK, layout, lengths,
-                                                     dropout_p):
+                                                     dropout_p, backward):
     idx = random_index(B, HKV, N, BQ, BK, 3, 1, 1, seed=N + BQ, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
     kw = dict(dropout_p=dropout_p, dropout_seed=5)
@@ -101,11 +103,11 @@ def test_tma_loads_equal_pointer_loads_and_reference(descriptors, B, HQ, HKV, N,
     ref64 = _reference(idx, q, k, v, do, torch.float64, **kw)
     ref32 = _reference(idx, q, k, v, do, torch.float32, **kw)
     kernel_k, kernel_v = (k, v) if lengths is None else _poison_padding(k, v, kw["seq_lens"])
-    with_tma = _run(idx, q, kernel_k, kernel_v, do, {"r0": 1, **ALL_ON}, **kw)
+    with_tma = _run(idx, q, kernel_k, kernel_v, do, {"r0": 1, **ALL_ON, **backward}, **kw)
     assert {(module, made) for module, _, made in descriptors} == {("forward", True), ("backward", True)}
     assert len(descriptors) == 6, descriptors  # K and V of the forward and the dQ kernel, q and dO of KV-centric
     descriptors.clear()
-    with_pointers = _run(idx, q, kernel_k, kernel_v, do, {"r0": 1, **ALL_OFF}, **kw)
+    with_pointers = _run(idx, q, kernel_k, kernel_v, do, {"r0": 1, **ALL_OFF, **backward}, **kw)
     assert descriptors == []
     for name, a, p, r, l in zip(("o", "lse", "dq", "dk", "dv"), with_tma, with_pointers, ref64, ref32):
         finite = torch.isfinite(r)
@@ -201,12 +203,12 @@ def test_tma_loads_on_gpu(descriptors, B, HQ, HKV, N, D, BQ, BK, dtype, layout, 
     ref32 = _reference(idx, q, k, v, do, torch.float32, **kw)
     refl = _reference(idx, q, k, v, do, dtype, **kw)
     kernel_k, kernel_v = (k, v) if lengths is None else _poison_padding(k, v, kw["seq_lens"])
-    for options in (ALL_ON, ALL_OFF):
+    for options in (ALL_ON, ALL_OFF, {**ALL_ON, "stored_ds": True}):
         descriptors.clear()
         got = _run(idx, q, kernel_k, kernel_v, do, options, **kw)
-        assert all(made for _, _, made in descriptors) and len(descriptors) == (6 if options is ALL_ON else 0)
+        assert all(made for _, _, made in descriptors) and len(descriptors) == (6 if options["fwd_tma"] else 0)
         for name, a, r, l in zip(("o", "lse", "dq", "dk", "dv"), got, ref32, refl):
             finite = torch.isfinite(r)
             assert torch.equal(torch.isfinite(a), finite), f"{name}: NaN or inf where the reference has none"
-            check_close(f"{name} tma={options['fwd_tma']}", torch.where(finite, a, 0).float(),
+            check_close(f"{name} {options}", torch.where(finite, a, 0).float(),
                         torch.where(finite, r, 0), torch.where(finite, l, 0).float(), dtype, c=3.0, floor=1e-4)

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["LN2", "LOG2E", "crosses_documents", "documents_row", "dot", "dropout_keep", "index_row", "last_document",
-           "load_documents", "load_rows", "log2_lse", "map_query_rows", "mask_scores", "query_documents", "query_tile",
+           "load_documents", "load_key_tile", "load_rows", "log2_lse", "map_query_rows", "mask_scores", "query_documents", "query_tile",
            "sequence_length", "tile_pointers", "tile_row_slice", "tile_rows"]
 
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -115,6 +115,25 @@ def load_rows(X, b64, head64, position64, offs_d, stride_b, stride_h, stride_n, 
     ``mask`` is False (heads and positions int64 ``[R]``)."""
     pointers = tile_pointers(X + b64 * stride_b + head64[:, None] * stride_h, position64, offs_d, stride_n, stride_d)
     return tl.load(pointers, mask=mask[:, None], other=0.0)
+
+
+@triton.jit
+def load_key_tile(DESC, base, b, kv_head, block, positions64, offs_d, stride_n, stride_d, valid, crosses_length,
+                  TMA_LOADS: tl.constexpr, ZERO_PAST_LENGTH: tl.constexpr, BLOCK_K: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    """Key block ``block`` of K or V (``[BK, D]``) of one (batch, KV head). Pointer loads (``base`` the
+    head's first row) give 0 where ``valid`` (``positions < seq_len``) is false. A TMA descriptor load gives
+    0 only past N: rows in ``[seq_len, N)`` arrive as stored, so with ``ZERO_PAST_LENGTH`` (a kernel whose
+    product with this tile would turn NaN padding into NaN results through 0 * NaN) the block that crosses
+    the length (``crosses_length``) has those rows zeroed."""
+    if TMA_LOADS:
+        tile = DESC.load([b, kv_head, block * BLOCK_K, 0]).reshape(BLOCK_K, HEAD_DIM)
+        if ZERO_PAST_LENGTH:
+            if crosses_length:
+                tile = tl.where(valid[:, None], tile, 0.0)
+    else:
+        tile = tl.load(tile_pointers(base, positions64, offs_d, stride_n, stride_d), mask=valid[:, None], other=0.0)
+    return tile
 
 
 @triton.jit

@@ -18,7 +18,7 @@ global (``_jit.map_query_rows``), and dK/dV are the full-length contributions of
 Layers: (1) ``@triton.jit`` kernels ``_delta_kernel`` (delta), ``_dq_kernel`` (query-centric dQ; for
 cold blocks also their dK/dV contributions, by tl.atomic_add into the atomic workspace),
 ``_dkdv_kernel`` (KV-centric dK/dV per work item: a row in one item is written directly, a chunked row
-writes fp32 partials) and ``_dkdv_finish_kernel`` (per KV block: convert its atomic workspace, or sum its
+writes fp32 partials; in stored-dS mode it also files dS), ``_dq_from_ds_kernel`` (stored-dS mode's dQ) and ``_dkdv_finish_kernel`` (per KV block: convert its atomic workspace, or sum its
 partials in chunk order, or write zeros when unselected); (2) the launcher ``sparse_attn_backward``
 (allocate, schedule, launch). The autograd op is in op.py; the schedules (cold slots, work items) and
 the tile configuration come from sparse_train/plan.py.
@@ -37,6 +37,13 @@ H200 at 64K (B=1, HQ=32, HKV=8) the backward takes 25.8 against 15.1 ms (P64) an
 (P128) at D=128, 9.2 against 8.7 ms and 14.2 against 14.5 ms at D=64; the float32 atomics (one per dQ
 element and selected key block, ~27 GB at P64 D=128) cost more than the saved recomputation
 (docs/benchmarks/speed_round2/README.md, eighth session).
+
+Stored-dS mode (``BackwardConfig.stored_ds``, ``kernel_options.stored_ds``): every block is KV-centric; the
+KV-centric kernel files each dS^T tile it computes, in q's dtype (the operand the dQ product takes), under
+the pair's index slot (``BlockPlan.kv_pairs``) in a ``[B*HKV*NQB*K*GROUP, BK, BQ]`` buffer, and then
+``_dq_from_ds_kernel`` computes dQ_q = scale sum_t dS[q, t] K[block t] over each index row in order: 5 tile
+products per (block, head) pair and no atomics (deterministic), for 2 bytes written and read per dS element
+(B*HQ*NQB*K*BQ*BK*2 bytes of buffer, K the index capacity).
 
 TMA loads (``BackwardConfig.dq_tma`` / ``kv_tma``, Hopper and newer, where ``_launch.tma_descriptor`` makes
 a descriptor): the dQ kernel's K/V tiles, and the KV-centric kernel's q/dO row slices when a step takes one
@@ -63,6 +70,7 @@ from ._jit import (
     index_row,
     last_document,
     load_documents,
+    load_key_tile,
     load_rows,
     log2_lse,
     map_query_rows,
@@ -167,17 +175,12 @@ def _dq_kernel(
         kpos = j * BLOCK_K + offs_k
         kpos64 = kpos.to(tl.int64)
         kv_ok = kpos < seqlen  # padding keys load as 0 (see forward.py)
-        if TMA_LOADS:
-            # as in the forward; here K's padding rows are zeroed too (dS there is 0, and 0 * NaN in dS K is NaN)
-            k = DESC_K.load([b, hkv, j * BLOCK_K, 0]).reshape(BLOCK_K, HEAD_DIM)  # [BK, D]
-            v = DESC_V.load([b, hkv, j * BLOCK_K, 0]).reshape(BLOCK_K, HEAD_DIM)  # [BK, D]
-            if HAS_SEQ_LENS:
-                if j * BLOCK_K + BLOCK_K > seqlen:
-                    k = tl.where(kv_ok[:, None], k, 0.0)
-                    v = tl.where(kv_ok[:, None], v, 0.0)
-        else:
-            k = tl.load(tile_pointers(k_base, kpos64, offs_d, stride_kn, stride_kd), mask=kv_ok[:, None], other=0.0)
-            v = tl.load(tile_pointers(v_base, kpos64, offs_d, stride_vn, stride_vd), mask=kv_ok[:, None], other=0.0)
+        # as in the forward; here K's padding rows are zeroed too (dS there is 0, and 0 * NaN in dS K is NaN)
+        crosses_length = j * BLOCK_K + BLOCK_K > seqlen
+        k = load_key_tile(DESC_K, k_base, b, hkv, j, kpos64, offs_d, stride_kn, stride_kd, kv_ok, crosses_length,
+                          TMA_LOADS, HAS_SEQ_LENS, BLOCK_K, HEAD_DIM)  # [BK, D]
+        v = load_key_tile(DESC_V, v_base, b, hkv, j, kpos64, offs_d, stride_vn, stride_vd, kv_ok, crosses_length,
+                          TMA_LOADS, HAS_SEQ_LENS, BLOCK_K, HEAD_DIM)  # [BK, D]
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         dp = dot(do, tl.trans(v), IEEE)  # [M, BK]
         s = s * scale_log2
@@ -210,8 +213,8 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, KV_QBLOCKS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
-    DK, DV, DK_PARTIAL, DV_PARTIAL, DQ_ACC, DESC_Q, DESC_DO,
+    Q, K, V, DO, LSE, DELTA, KV_QBLOCKS, KV_PAIRS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, ITEM_ROW, ITEM_T0, ITEM_T1,
+    ITEM_PART, DK, DV, DK_PARTIAL, DV_PARTIAL, DQ_ACC, DS, DESC_Q, DESC_DO,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -222,7 +225,7 @@ def _dkdv_kernel(
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
     HAS_DOCS: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr, FUSE_DQ: tl.constexpr,
-    TMA_LOADS: tl.constexpr,
+    TMA_LOADS: tl.constexpr, STORE_DS: tl.constexpr,
 ):
     # one work item = one KV block and a chunk [t0, t1) of its transposed row (the query blocks that
     # selected it); long rows (sinks, popular blocks) are chunked so no program becomes the long pole
@@ -314,8 +317,18 @@ def _dkdv_kernel(
         else:
             zt = pt
         dst = pt * (dpt - delta[None, :])  # [BK, M]
+        dst_operand = dst.to(q.dtype)  # [BK, M], what the dK product (and, stored, the dQ product) takes
         dv += dot(zt.to(do.dtype), do, IEEE)  # [BK, D]
-        dk += dot(dst.to(q.dtype), q, IEEE)  # [BK, D]
+        dk += dot(dst_operand, q, IEEE)  # [BK, D]
+        if STORE_DS:
+            # filed under the pair's index slot as [slot, head in group, BK, BQ] (dS^T, so the rows of a
+            # slice are contiguous); every selected pair's slices of every head pass here exactly once
+            pair64 = tl.load(KV_PAIRS + t).to(tl.int64)
+            in_group64 = (head - hkv * GROUP).to(tl.int64)  # [M]
+            row_in_block = (first_row + tl.arange(0, TILE_ROWS)) % BLOCK_Q  # [M]
+            ds_ptrs = DS + ((pair64 * GROUP + in_group64[None, :]) * BLOCK_K + offs_k[:, None]) * BLOCK_Q \
+                + row_in_block[None, :]  # [BK, M]
+            tl.store(ds_ptrs, dst_operand)
         if FUSE_DQ:
             # this slice's share of dQ: the rows' other key blocks add theirs from other programs, in no
             # fixed order (float32 atomics into DQ_ACC [B, HQ, L, D], contiguous)
@@ -333,6 +346,52 @@ def _dkdv_kernel(
         workspace = part.to(tl.int64) * (BLOCK_K * HEAD_DIM) + offs_k[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(DK_PARTIAL + workspace, dk)
         tl.store(DV_PARTIAL + workspace, dv)
+
+
+@triton.jit
+def _dq_from_ds_kernel(
+    K, DS, INDICES, COUNTS, SEQ_LENS, QUERY_MAP, QUERY_ROW0, DQ, DESC_K,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+    stride_ib, stride_ih, stride_iq, stride_ik,
+    stride_cb, stride_ch, stride_cq,
+    N, HKV, NQB, CAPACITY, scale,
+    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, IEEE: tl.constexpr, HAS_QUERY_MAP: tl.constexpr,
+    TMA_LOADS: tl.constexpr,
+):
+    # stored-dS mode: dQ_q = scale sum_t dS[q, block t] K[block t], the dS tiles filed by the KV-centric kernel
+    # under the index slot of (query block, t); masks, dropout and lse are already in them, so the only tile
+    # product left is dS K, summed over the row in index order (deterministic)
+    M: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
+    qb, b, hkv, head, qpos = query_tile(NQB, HKV, GROUP, HEADS_PER_PROGRAM, BLOCK_Q, True)  # head, qpos: [M]
+    qb_global, qpos, qrow64 = map_query_rows(QUERY_MAP, QUERY_ROW0, qb, qpos, BLOCK_Q, HAS_QUERY_MAP)
+    b64, hkv64, head64 = b.to(tl.int64), hkv.to(tl.int64), head.to(tl.int64)
+    row_ok = qpos < N
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_k = tl.arange(0, BLOCK_K)
+    in_group64 = head64 - hkv64 * GROUP  # [M]
+    row_in_block = tl.arange(0, M) % BLOCK_Q  # [M]
+    seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
+    selected, count = index_row(INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq,
+                             stride_cb, stride_ch, stride_cq)
+    k_base = K + b64 * stride_kb + hkv64 * stride_kh
+    first_pair64 = ((b64 * HKV + hkv64) * NQB + qb) * CAPACITY  # the index slot of t = 0
+    dq = tl.zeros([M, HEAD_DIM], tl.float32)
+    for t in range(0, count):
+        j = tl.load(selected + t * stride_ik)
+        kpos = j * BLOCK_K + offs_k
+        kv_ok = kpos < seqlen
+        # K's rows in [seqlen, N) zeroed: dS is 0 there, and 0 * NaN padding would be NaN
+        k = load_key_tile(DESC_K, k_base, b, hkv, j, kpos.to(tl.int64), offs_d, stride_kn, stride_kd, kv_ok,
+                          j * BLOCK_K + BLOCK_K > seqlen, TMA_LOADS, HAS_SEQ_LENS, BLOCK_K, HEAD_DIM)  # [BK, D]
+        dst = tl.load(DS + (((first_pair64 + t) * GROUP + in_group64[None, :]) * BLOCK_K + offs_k[:, None]) * BLOCK_Q
+                      + row_in_block[None, :])  # [BK, M]
+        dq += dot(tl.trans(dst), k, IEEE)  # [M, D]
+    dq = dq * scale
+    dq_ptrs = tile_pointers(DQ + b64 * stride_dqb + head64[:, None] * stride_dqh, qrow64, offs_d, stride_dqn,
+                            stride_dqd)
+    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -383,13 +442,16 @@ def _dkdv_finish_kernel(
 # ----------------------------------------------------------------------------------------------
 def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, num_cold,
                          *, block_q, block_k, scale, seq_lens=None, dlse=None, dropout_p=0.0, dropout_seed=0,
-                         config=None, stage_events=None, document_ids=None, query_map=None, query_row0=None):
+                         config=None, stage_events=None, document_ids=None, query_map=None, query_row0=None,
+                         kv_pairs=None):
     """Launch the backward.  ``slots`` from ``plan.cold_slots`` (int32 ``[B*HKV*NKB]``); ``num_cold`` =
     blocks of the atomic workspace, at least the number of slots >= 0 (``plan.cold_capacity``: a shape
     bound; 0 when no block is cold, e.g. in deterministic mode); ``config``: a ``plan.BackwardConfig`` (default
     ``plan.backward_config``).  Returns (dq, dk, dv) in q/k/v dtypes.  ``stage_events``: optional 4 CUDA
     events recorded at start / after delta, scheduling and workspace zeroing / after the dQ (+atomic)
-    kernel / after the KV-centric and finish kernels.  ``document_ids``: int ``[B, N]`` (non-decreasing)
+    kernel / after the KV-centric and finish kernels (stored-dS mode runs the dQ kernel last: its third event
+    follows the KV-centric and finish kernels, the fourth the dQ kernel).  ``kv_pairs``: the plan's
+    ``kv_pairs``, needed in stored-dS mode (``config.stored_ds``) only.  ``document_ids``: int ``[B, N]`` (non-decreasing)
     or None, the forward's.  No validation here (op.py validates), but every tensor argument is either
     passed with its strides (q, k, v, o, do, indices, counts) or made contiguous here (lse, dlse,
     seq_lens, document_ids and the plan arrays kv_indptr, kv_qblocks, slots, which the kernels index
@@ -451,14 +513,24 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     else:
         dk_partial = dv_partial = delta  # unused
     fused = bool(config.fused_dq)
-    if fused and has_cold:
-        raise ValueError("the fused backward (kernel_options.fused_dq) needs every block KV-centric: "
-                         "num_cold must be 0")
+    stored = bool(config.stored_ds)
+    if (fused or stored) and has_cold:
+        raise ValueError("the fused and the stored-dS backward (kernel_options.fused_dq / stored_ds) need every "
+                         "block KV-centric: num_cold must be 0")
+    if stored and kv_pairs is None:
+        raise ValueError("the stored-dS backward (kernel_options.stored_ds) needs the plan's kv_pairs")
     if fused:
         dq_acc = torch.zeros((B, HQ, L, D), device=q.device, dtype=torch.float32)
     else:
         dq = torch.empty_like(q)
         dq_acc = delta  # unused
+    if stored:
+        # one [BK, BQ] tile per index slot and query head; slots past a row's count are never written or read
+        ds = torch.empty((indices.numel() * group, block_k, block_q), device=q.device, dtype=q.dtype)
+        kv_pairs = kv_pairs.contiguous()
+    else:
+        ds = delta  # unused
+        kv_pairs = kv_qblocks  # unused
     # the gradients in their inputs' layouts: the projections' [B, N, H, D] memory flows back without a copy
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -469,7 +541,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     # the KV-centric kernel's TMA slices are rows of one head: one head per step, rows of q = positions
     kv_slices = bool(config.kv_tma) and config.kv_heads_per_program == 1 and not has_map
     q_operand, do_operand, kv_tma = tma_operands(q, do, config.kv_tile_rows, kv_slices)
-    if not fused:
+    if not (fused or stored):
         LAST_COMPILED["dq"] = launch(
             _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
             q, k, v, do, lse, delta, indices, counts, seq_lens_arg, docs_arg, query_map, query_row0, slots, dq,
@@ -481,19 +553,19 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
             HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee, HAS_DOCS=has_docs,
             HAS_QUERY_MAP=has_map, TMA_LOADS=dq_tma, num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
         )
-    if stage_events:
+    if stage_events and not stored:
         stage_events[2].record()
     num_items = schedule.item_row.numel()
     if num_items > 0:
         LAST_COMPILED["dkdv"] = launch(
-            _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, seq_lens_arg, docs_arg, query_map,
-            query_row0, schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv, dk_partial,
-            dv_partial, dq_acc, q_operand, do_operand,
+            _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, kv_pairs, seq_lens_arg, docs_arg,
+            query_map, query_row0, schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv,
+            dk_partial, dv_partial, dq_acc, ds, q_operand, do_operand,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             N, L, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
             GROUP=group, HEADS_PER_PROGRAM=config.kv_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k,
             HEAD_DIM=D, HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, IEEE=ieee, HAS_DOCS=has_docs,
-            TILE_ROWS=config.kv_tile_rows, HAS_QUERY_MAP=has_map, FUSE_DQ=fused, TMA_LOADS=kv_tma,
+            TILE_ROWS=config.kv_tile_rows, HAS_QUERY_MAP=has_map, FUSE_DQ=fused, TMA_LOADS=kv_tma, STORE_DS=stored,
             num_warps=config.kv_num_warps, num_stages=config.kv_num_stages,
         )
     _dkdv_finish_kernel[(NKB, B * HKV)](
@@ -503,6 +575,18 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     )
     if fused:
         dq = torch.empty_like(q).copy_(dq_acc)
+    if stored:
+        if stage_events:
+            stage_events[2].record()
+        LAST_COMPILED["dq"] = launch(
+            _dq_from_ds_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
+            k, ds, indices, counts, seq_lens_arg, query_map, query_row0, dq, k_operand,
+            *k.stride(), *dq.stride(), *indices.stride(), *counts.stride(),
+            N, HKV, NQB, indices.shape[3], float(scale),
+            GROUP=group, HEADS_PER_PROGRAM=config.dq_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
+            HAS_SEQ_LENS=seq_lens is not None, IEEE=ieee, HAS_QUERY_MAP=has_map, TMA_LOADS=dq_tma,
+            num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
+        )
     if stage_events:
         stage_events[3].record()
     return dq, dk, dv

@@ -45,6 +45,7 @@ from ._jit import (
     dot,
     dropout_keep,
     index_row,
+    load_key_tile,
     load_rows,
     map_query_rows,
     mask_scores,
@@ -126,17 +127,13 @@ def _fwd_kernel(
         # keys past the sequence length load as 0: masked logits alone would let garbage (even NaN)
         # in the padding reach the output through 0 * NaN in the P @ V product
         kv_ok = kpos < seqlen
-        if TMA_LOADS:
-            # one bulk copy per tile, no [BK, D] address tensor in registers; rows past N arrive as 0, rows
-            # in [seqlen, N) as stored, so V's are zeroed (K's scores are masked to -inf below)
-            k = DESC_K.load([b, hkv, j * BLOCK_K, 0]).reshape(BLOCK_K, HEAD_DIM)  # [BK, D]
-            v = DESC_V.load([b, hkv, j * BLOCK_K, 0]).reshape(BLOCK_K, HEAD_DIM)  # [BK, D]
-            if HAS_SEQ_LENS:
-                if j * BLOCK_K + BLOCK_K > seqlen:
-                    v = tl.where(kv_ok[:, None], v, 0.0)
-        else:
-            k = tl.load(tile_pointers(k_base, kpos64, offs_d, stride_kn, stride_kd), mask=kv_ok[:, None], other=0.0)
-            v = tl.load(tile_pointers(v_base, kpos64, offs_d, stride_vn, stride_vd), mask=kv_ok[:, None], other=0.0)
+        # TMA: one bulk copy per tile, no [BK, D] address tensor in registers; V's rows in [seqlen, N) are
+        # zeroed, K's need not be (their scores are masked to -inf below)
+        crosses_length = j * BLOCK_K + BLOCK_K > seqlen
+        k = load_key_tile(DESC_K, k_base, b, hkv, j, kpos64, offs_d, stride_kn, stride_kd, kv_ok, crosses_length,
+                          TMA_LOADS, False, BLOCK_K, HEAD_DIM)  # [BK, D]
+        v = load_key_tile(DESC_V, v_base, b, hkv, j, kpos64, offs_d, stride_vn, stride_vd, kv_ok, crosses_length,
+                          TMA_LOADS, HAS_SEQ_LENS, BLOCK_K, HEAD_DIM)  # [BK, D]
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         s = s * scale_log2  # log2 domain: exp(x) = exp2(x * log2 e)
         s = mask_scores(s, qpos, kpos, seqlen, j * BLOCK_K, q_first, docs_row, doc_q, doc_q_last, N,

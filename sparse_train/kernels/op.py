@@ -22,7 +22,7 @@ Ownership of the index: ``indices``, ``counts``, ``seq_lens`` and ``document_ids
 the forward runs, and the copy is what the backward reads, so a caller that mutates or reuses these
 tensors after the forward cannot change the gradients (cost: 4 bytes per index slot, per sequence and per
 token, small device copies). The
-plan tensors (``BlockPlan.kv_indptr``, ``kv_qblocks``, ``hot``, ``reuse``) are referenced, not copied: a
+plan tensors (``BlockPlan.kv_indptr``, ``kv_qblocks``, ``kv_pairs``, ``hot``, ``reuse``) are referenced, not copied: a
 plan is a derived, immutable view, checked against the index it is used with
 (``sparse_train.validation.check_plan``: a plan of another index would make the backward read past
 its arrays).
@@ -67,9 +67,9 @@ def _forward_impl(
     kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor, seq_lens: Optional[Tensor],
     cold_capacity: int, block_q: int, block_k: int, scale: float, dropout_p: float, dropout_seed: int,
     num_splits: int, launch_config: list[int], document_ids: Optional[Tensor] = None,
-    query_map: Optional[Tensor] = None, query_row0: Optional[Tensor] = None,
+    query_map: Optional[Tensor] = None, query_row0: Optional[Tensor] = None, kv_pairs: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    # kv_indptr / kv_qblocks / slots / cold_capacity and the backward half of launch_config are not read
+    # kv_indptr / kv_qblocks / kv_pairs / slots / cold_capacity and the backward half of launch_config are not read
     # here; they are inputs so that setup_context can save them (custom ops save only inputs and outputs).
     return sparse_attn_forward(q, k, v, indices, counts, block_q=block_q, block_k=block_k, scale=scale,
                                seq_lens=seq_lens, dropout_p=dropout_p, dropout_seed=dropout_seed,
@@ -82,7 +82,8 @@ _sparse_attn_fwd = torch.library.custom_op("sparse_train::sparse_attn_fwd", muta
 
 @_sparse_attn_fwd.register_fake
 def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
-      scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids=None, query_map=None, query_row0=None):
+      scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids=None, query_map=None, query_row0=None,
+      kv_pairs=None):
     B, HQ, L, D = q.shape  # L = N, or the rows of the listed query blocks under a query-block map
     return attention_output(q), q.new_empty((B, HQ, L), dtype=torch.float32)
 
@@ -92,13 +93,13 @@ def _backward_impl(
     indices: Tensor, counts: Tensor, kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor,
     seq_lens: Optional[Tensor], cold_capacity: int, block_q: int, block_k: int, scale: float,
     dropout_p: float, dropout_seed: int, backward_config: list[int], document_ids: Optional[Tensor] = None,
-    query_map: Optional[Tensor] = None, query_row0: Optional[Tensor] = None,
+    query_map: Optional[Tensor] = None, query_row0: Optional[Tensor] = None, kv_pairs: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     return sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, cold_capacity,
                                 block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, dlse=dlse,
                                 dropout_p=dropout_p, dropout_seed=dropout_seed,
                                 config=BackwardConfig(*backward_config), document_ids=document_ids,
-                                query_map=query_map, query_row0=query_row0)
+                                query_map=query_map, query_row0=query_row0, kv_pairs=kv_pairs)
 
 
 _sparse_attn_bwd = torch.library.custom_op("sparse_train::sparse_attn_bwd", mutates_args=())(_backward_impl)
@@ -107,30 +108,31 @@ _sparse_attn_bwd = torch.library.custom_op("sparse_train::sparse_attn_bwd", muta
 @_sparse_attn_bwd.register_fake
 def _(do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity,
       block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids=None, query_map=None,
-      query_row0=None):
+      query_row0=None, kv_pairs=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # the launcher's layouts
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
-     scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids, query_map, query_row0) = inputs
+     scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids, query_map, query_row0,
+     kv_pairs) = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids,
-                          query_map, query_row0)
+                          query_map, query_row0, kv_pairs)
     ctx.meta = (cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, list(launch_config[_FWD_FIELDS:]))
 
 
 def _backward_with(backward_op, ctx, do, dlse):
     (q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids, query_map,
-     query_row0) = ctx.saved_tensors
+     query_row0, kv_pairs) = ctx.saved_tensors
     cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config = ctx.meta
     if do is None:  # only lse was used
         do = torch.zeros_like(o)
     dq, dk, dv = backward_op(
         do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens,
         cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids,
-        query_map, query_row0)
-    return dq, dk, dv, *([None] * 17)
+        query_map, query_row0, kv_pairs)
+    return dq, dk, dv, *([None] * 18)
 
 
 def _backward(ctx, do, dlse):
@@ -156,7 +158,7 @@ class _EagerSparseAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dlse):
         if do is None and dlse is None:
-            return (None,) * 20
+            return (None,) * 21
         return _backward_with(_backward_impl, ctx, do, dlse)
 
 
@@ -316,7 +318,7 @@ def triton_sparse_attention(
         document_ids = document_ids.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
     inputs = (q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, schedule.slots, seq_lens,
               schedule.cold_capacity, index.block_q, index.block_k, scale, dropout_p, seed, schedule.num_splits,
-              [*schedule.forward, *schedule.backward], document_ids, query_map, query_row0)
+              [*schedule.forward, *schedule.backward], document_ids, query_map, query_row0, plan.kv_pairs)
     if not _direct_call(q, k, v):
         return torch.ops.sparse_train.sparse_attn_fwd(*inputs)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
