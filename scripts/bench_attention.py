@@ -421,8 +421,8 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
     """Launch-config sweeps at one N: forward (heads per program, warps, stages); backward in
     deterministic mode (so the dQ kernel and the KV-centric kernel are timed apart): dQ tiles,
     KV-centric tiles (heads per program, warps, stages, rows per step), KV chunk size; TMA descriptor loads
-    on and off in each kernel (default tiles, and one pipeline stage more with TMA); the stored-dS backward's
-    dQ kernel (heads per program, warps, stages) and its KV-centric kernel with TMA on and off. ``parts``: which
+    on and off in each kernel (default tiles, and one pipeline stage more with TMA); the stored-dS backward with
+    the KV-centric kernel's TMA (q/dO loads and dS stores) on and off. ``parts``: which
     of :data:`TUNE_PARTS` to sweep."""
     kf, kb, _ = _kernels()
     idx, plan = build_index(sel, N, pat)
@@ -465,9 +465,9 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         stages = default.dq_num_stages if kernel == "dq" else default.kv_num_stages
         tma_variants += [{f"{kernel}_tma": False}, {f"{kernel}_tma": True},
                          {f"{kernel}_tma": True, f"{kernel}_num_stages": stages + 1}]
-    stored_cfgs = [(h, w, st) for h in ((1, 2) if bs == 64 else (1,)) for w in (4, 8) for st in (2, 3, 4)]
+    # the stored-dS dQ kernel's tiles varied by under 2% at D = 128 (12 configs; thirteenth session,
+    # docs/benchmarks/speed_round2/README.md), so only the KV-centric kernel's loads and dS stores are varied
     variants = (([dict(dq=c) for c in dq_cfgs] if "dq" in parts else [])
-                + ([dict(stored=c) for c in stored_cfgs] if "stored" in parts else [])
                 + ([dict(stored=None, tma={"kv_tma": t}) for t in (False, True)] if "stored" in parts else [])
                 + ([dict(kv=c) for c in kv_cfgs] if "kv" in parts else [])
                 + ([dict(chunk=c) for c in (16, 32, 128)] if "chunk" in parts else [])
@@ -476,14 +476,11 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         dqc, kvc, chunk = var.get("dq"), var.get("kv"), var.get("chunk")
         stored = "stored" in var
         cfg = dict(kind="tune_bwd_det", N=N, pattern=pat_name, dq_cfg=str(dqc), kv_cfg=str(kvc), kv_chunk=chunk,
-                   tma_options=str(var.get("tma")), stored_ds=stored, stored_dq_cfg=str(var.get("stored")))
+                   tma_options=str(var.get("tma")), stored_ds=stored)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
         options = dict(var.get("tma") or {})
         if stored:
             options["stored_ds"] = True
-            if var["stored"]:
-                options.update(dq_heads_per_program=var["stored"][0], dq_num_warps=var["stored"][1],
-                               dq_num_stages=var["stored"][2])
         if dqc:
             options.update(dq_heads_per_program=dqc[0], dq_num_warps=dqc[1], dq_num_stages=dqc[2])
         if kvc:

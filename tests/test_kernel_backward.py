@@ -263,10 +263,18 @@ STORED_CASES = [
 ]
 
 
-def _launches(monkeypatch):
+def _launches(monkeypatch, meta=None):
+    """Record every kernel the backward launcher launches (and, into ``meta``, the constexprs of each)."""
     launched = []
     real_launch = kb.launch
-    monkeypatch.setattr(kb, "launch", lambda kernel, *a, **kw: launched.append(kernel) or real_launch(kernel, *a, **kw))
+
+    def spy(kernel, *a, **kw):
+        launched.append(kernel)
+        if meta is not None:
+            meta[kernel] = kw
+        return real_launch(kernel, *a, **kw)
+
+    monkeypatch.setattr(kb, "launch", spy)
     return launched
 
 
@@ -276,8 +284,10 @@ def test_stored_ds_backward_matches_the_reference(B, HQ, HKV, N, D, BQ, BK, head
     """``kernel_options.stored_ds``: the KV-centric kernel files every dS tile and the dQ pass reads them (the
     recomputing dQ kernel never runs); dQ, dK and dV against the fp64 reference, with stacked heads, row slices,
     chunked rows (kv_chunk 2), dropout, padding and an lse gradient. dK and dV come from the same KV-centric
-    kernel as in deterministic mode, so they are bitwise those of that mode."""
-    launched = _launches(monkeypatch)
+    kernel as in deterministic mode, so they are bitwise those of that mode. One head per step files dS through
+    a TMA descriptor (the interpreter emulates it), stacked heads by pointer stores."""
+    meta = {}
+    launched = _launches(monkeypatch, meta)
     idx = random_index(B, HKV, N, BQ, BK, 3, 1, 1, seed=N + BQ, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
     lens = None if seq_lens is None else torch.tensor(seq_lens, device=DEV)
@@ -285,6 +295,7 @@ def test_stored_ds_backward_matches_the_reference(B, HQ, HKV, N, D, BQ, BK, head
     kw = dict(dtype=torch.float32, dlse_w=dlse_w, dropout_p=dropout_p, dropout_seed=5, seq_lens=lens)
     _, dk, dv = _compare(idx, q, k, v, kernel_options={"stored_ds": True, **tiles}, **kw)
     assert kb._dkdv_kernel in launched and kb._dq_from_ds_kernel in launched and kb._dq_kernel not in launched
+    assert meta[kb._dkdv_kernel]["STORE_DS"] and meta[kb._dkdv_kernel]["TMA_STORE_DS"] == (heads == 1)
     _, dk_det, dv_det = _compare(idx, q, k, v, deterministic=True, kernel_options=tiles, **kw)
     assert torch.equal(dk, dk_det) and torch.equal(dv, dv_det)
 

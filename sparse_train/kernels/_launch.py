@@ -64,13 +64,14 @@ def kernel_query_map(query_map: Tensor | None, query_row0: Tensor | None, fallba
     return query_map.to(torch.int32).contiguous(), query_row0.to(torch.int64).contiguous()
 
 
-def tma_descriptor(x: Tensor, rows: int, enabled: bool):
+def tma_descriptor(x: Tensor, rows: int, enabled: bool, block: list[int] | None = None):
     """A TMA tensor descriptor of ``x`` ``[B, H, L, D]`` for tiles of ``[1, 1, rows, D]`` elements (the kernels
     load ``desc.load([b, h, row, 0])`` and reshape to ``[rows, D]``; rows past L come back as zeros), or None
     when ``enabled`` is false or the copy engine cannot take ``x``: a GPU before Hopper, or a layout TMA
     does not address (the last stride 1, the base and every other stride multiples of 16 bytes, a row of at
     least 16 bytes). The kernels then take their pointer loads. On the CPU (the Triton interpreter of the
-    tests) the descriptor is emulated, so the tests run the TMA branch of the kernels too."""
+    tests) the descriptor is emulated, so the tests run the TMA branch of the kernels too. ``block``: another
+    tile shape (as many dimensions as ``x``) instead of ``[1, 1, rows, D]``."""
     if not enabled or not copy_engine_loads(x.device):
         return None
     size = x.element_size()
@@ -79,7 +80,7 @@ def tma_descriptor(x: Tensor, rows: int, enabled: bool):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, x.shape[-1]])
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block or [1, 1, rows, x.shape[-1]])
 
 
 def tma_operands(a: Tensor, b: Tensor, rows: int, enabled: bool) -> tuple:

@@ -87,6 +87,7 @@ from ._launch import (
     kernel_query_map,
     kernel_seq_lens,
     launch,
+    tma_descriptor,
     tma_operands,
 )
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
@@ -214,7 +215,7 @@ def _dq_kernel(
 @triton.jit
 def _dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, KV_QBLOCKS, KV_PAIRS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, ITEM_ROW, ITEM_T0, ITEM_T1,
-    ITEM_PART, DK, DV, DK_PARTIAL, DV_PARTIAL, DQ_ACC, DS, DESC_Q, DESC_DO,
+    ITEM_PART, DK, DV, DK_PARTIAL, DV_PARTIAL, DQ_ACC, DS, DESC_Q, DESC_DO, DESC_DS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -225,7 +226,7 @@ def _dkdv_kernel(
     GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
     HAS_DOCS: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr, FUSE_DQ: tl.constexpr,
-    TMA_LOADS: tl.constexpr, STORE_DS: tl.constexpr,
+    TMA_LOADS: tl.constexpr, STORE_DS: tl.constexpr, TMA_STORE_DS: tl.constexpr,
 ):
     # one work item = one KV block and a chunk [t0, t1) of its transposed row (the query blocks that
     # selected it); long rows (sinks, popular blocks) are chunked so no program becomes the long pole
@@ -324,11 +325,17 @@ def _dkdv_kernel(
             # filed under the pair's index slot as [slot, head in group, BK, BQ] (dS^T, so the rows of a
             # slice are contiguous); every selected pair's slices of every head pass here exactly once
             pair64 = tl.load(KV_PAIRS + t).to(tl.int64)
-            in_group64 = (head - hkv * GROUP).to(tl.int64)  # [M]
-            row_in_block = (first_row + tl.arange(0, TILE_ROWS)) % BLOCK_Q  # [M]
-            ds_ptrs = DS + ((pair64 * GROUP + in_group64[None, :]) * BLOCK_K + offs_k[:, None]) * BLOCK_Q \
-                + row_in_block[None, :]  # [BK, M]
-            tl.store(ds_ptrs, dst_operand)
+            if TMA_STORE_DS:
+                # one head per step (the launcher's condition): the slice is one [BK, M] box of that head's tile,
+                # written by the copy engine from shared memory while the program goes on
+                DESC_DS.store([(pair64 * GROUP + head_subset).to(tl.int32), 0, first_row],
+                              dst_operand.reshape(1, BLOCK_K, TILE_ROWS))
+            else:
+                in_group64 = (head - hkv * GROUP).to(tl.int64)  # [M]
+                row_in_block = (first_row + tl.arange(0, TILE_ROWS)) % BLOCK_Q  # [M]
+                ds_ptrs = DS + ((pair64 * GROUP + in_group64[None, :]) * BLOCK_K + offs_k[:, None]) * BLOCK_Q \
+                    + row_in_block[None, :]  # [BK, M]
+                tl.store(ds_ptrs, dst_operand)
         if FUSE_DQ:
             # this slice's share of dQ: the rows' other key blocks add theirs from other programs, in no
             # fixed order (float32 atomics into DQ_ACC [B, HQ, L, D], contiguous)
@@ -541,6 +548,13 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     # the KV-centric kernel's TMA slices are rows of one head: one head per step, rows of q = positions
     kv_slices = bool(config.kv_tma) and config.kv_heads_per_program == 1 and not has_map
     q_operand, do_operand, kv_tma = tma_operands(q, do, config.kv_tile_rows, kv_slices)
+    # the dS slices go out through a descriptor under the same conditions as the q/dO slices come in (a slice is
+    # then rows of one head); tile ids are int32 coordinates
+    ds_operand = tma_descriptor(ds.view(-1, block_k, block_q), 0, stored and kv_slices and 0 < ds.shape[0] < 2**31,
+                                block=[1, block_k, config.kv_tile_rows]) if stored else None
+    ds_tma = ds_operand is not None
+    if not ds_tma:
+        ds_operand = ds
     if not (fused or stored):
         LAST_COMPILED["dq"] = launch(
             _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
@@ -560,12 +574,13 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         LAST_COMPILED["dkdv"] = launch(
             _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, kv_pairs, seq_lens_arg, docs_arg,
             query_map, query_row0, schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv,
-            dk_partial, dv_partial, dq_acc, ds, q_operand, do_operand,
+            dk_partial, dv_partial, dq_acc, ds, q_operand, do_operand, ds_operand,
             *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
             N, L, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
             GROUP=group, HEADS_PER_PROGRAM=config.kv_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k,
             HEAD_DIM=D, HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, IEEE=ieee, HAS_DOCS=has_docs,
             TILE_ROWS=config.kv_tile_rows, HAS_QUERY_MAP=has_map, FUSE_DQ=fused, TMA_LOADS=kv_tma, STORE_DS=stored,
+            TMA_STORE_DS=ds_tma,
             num_warps=config.kv_num_warps, num_stages=config.kv_num_stages,
         )
     _dkdv_finish_kernel[(NKB, B * HKV)](
