@@ -203,7 +203,10 @@ def sparse_attention(
             query rows the KV-centric kernel takes per step (a power of two >= 16); ``fused_dq`` (bool) one
             backward pass, dQ added by the KV-centric kernel with float32 atomics (not bitwise
             reproducible, so refused with ``deterministic``; off by default: on the H200 at 64K it is slower at
-            head dim 128 and level at 64, ``docs/benchmarks/speed_round2/README.md``);
+            head dim 128 and level at 64, ``docs/benchmarks/speed_round2/README.md``); ``stored_ds`` (bool) the
+            KV-centric kernel stores dS and the dQ kernel reads it instead of recomputing S and dP
+            (deterministic; a buffer of B*HQ*NQB*K*BQ*BK elements in q's dtype; off by default: 2-8% faster
+            backward on the H200 at 64K for about 8 GB more memory);
             ``{fwd,dq,kv}_tma`` (bool) TMA tensor-descriptor loads of the K/V tiles (forward, dQ) and of the
             q/dO slices (KV-centric) on Hopper and newer, where the tensors' layout allows a descriptor (the
             defaults follow the H200 measurements, :func:`sparse_train.plan.backward_config`). Validated on

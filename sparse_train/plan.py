@@ -440,7 +440,9 @@ class KernelOptions:
     """The KV-centric kernel stores every tile's dS (in q's dtype, the operand the dQ product takes) in a
     buffer of ``B*HQ*NQB*K*BQ*BK`` elements (K the index capacity), and the dQ kernel reads it instead of
     recomputing S and dP: 5 tile products per block pair instead of 7, no atomics (deterministic). Every
-    block is then KV-centric (``r0`` does not apply). Excludes ``fused_dq``."""
+    block is then KV-centric (``r0`` does not apply). Excludes ``fused_dq``. Default off: on the H200 at 64K
+    the backward is 2-8% faster (0.98-1.08x by shape), for about 8 GB more peak memory at B = 1, HQ = 32
+    (docs/benchmarks/speed_round2/README.md, thirteenth session)."""
 
 
 KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
@@ -597,8 +599,8 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     smaller 4 warps, 3 stages, the whole tile (measured on the H200: docs/benchmarks/kernel_tuning.md).
     TMA loads where ``device`` takes them (:func:`copy_engine_loads`; None: assumed): the dQ kernel's K/V
     tiles; the KV-centric kernel's q/dO slices with one head per step, without a query-block map
-    (``query_map``) and except over 128 x 128 key tiles (3 stages then at D = 64 over 128-key blocks, 2 with
-    pointer loads). ``kernel_options`` override each field."""
+    (``query_map``) and except over 128 x 128 key tiles without ``stored_ds`` (3 stages then at D = 64 over
+    128-key blocks, 2 with pointer loads). ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
     dq_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=128)
     _divides_group("kernel_options.dq_heads_per_program", dq_heads, group)
@@ -613,8 +615,10 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
         dq_stages = 3 if dq_warps == 8 else 2
     # TMA q/dO loads in the KV-centric kernel (H200, 64K): 7.1 -> 6.5 ms (P64, D = 128), 3.9 -> 3.7 (P64,
     # D = 64), 5.5 -> 4.5 (P128, D = 64, with 3 stages); slower over 128 x 128 key tiles (7.6 -> 8.3)
+    # with stored dS (whose slices then leave by TMA stores too) also over 128 x 128 key tiles: 10.9 -> 10.3 ms
     tma = device is None or copy_engine_loads(device)
-    kv_tma = _flag(options.kv_tma, tma and kv_heads == 1 and not query_map and block_k * head_dim < 128 * 128)
+    kv_tma = _flag(options.kv_tma, tma and kv_heads == 1 and not query_map
+                   and (block_k * head_dim < 128 * 128 or bool(options.stored_ds)))
     # TMA K/V loads in the dQ kernel (H200, 64K): 5.49 -> 4.85 ms (P64, D = 128), 5.47 -> 4.98 (P128, D = 128),
     # 2.92 -> 2.80 (P64, D = 64), 3.36 -> 3.10 (P128, D = 64)
     dq_tma = _flag(options.dq_tma, tma)

@@ -34,7 +34,7 @@ def test_kv_schedule_chunks_and_parts():
 def test_tma_defaults_follow_the_device_the_layout_rule_and_the_options(monkeypatch):
     """TMA loads are on by default where the device takes descriptors (Hopper or newer; the CPU's interpreter
     emulates them), the KV-centric kernel's only for one head per step, no query-block map and key tiles
-    under 128 x 128, and its stage count follows the choice (3 with TMA, 2 with pointer loads at D = 64 over
+    under 128 x 128 (any tiles with stored dS), and its stage count follows the choice (3 with TMA, 2 with pointer loads at D = 64 over
     128-key blocks); an explicit option wins."""
     cpu = torch.device("cpu")
     assert plan.copy_engine_loads(cpu)
@@ -42,6 +42,8 @@ def test_tma_defaults_follow_the_device_the_layout_rule_and_the_options(monkeypa
     bwd = plan.backward_config(4, 128, 128, 64, False, device=cpu)
     assert (fwd.tma_loads, bwd.dq_tma, bwd.kv_tma, bwd.kv_num_stages) == (1, 1, 1, 3)
     assert plan.backward_config(4, 128, 128, 128, False, device=cpu).kv_tma == 0  # 128 x 128 key tiles
+    stored = plan.backward_config(4, 128, 128, 128, False, {"stored_ds": True}, device=cpu)
+    assert (stored.kv_tma, stored.stored_ds) == (1, 1)  # unless dS leaves by TMA stores too
     mapped = plan.backward_config(4, 128, 128, 64, False, device=cpu, query_map=True)
     assert (mapped.dq_tma, mapped.kv_tma, mapped.kv_num_stages) == (1, 0, 2)
     stacked = plan.backward_config(4, 64, 64, 64, False, {"kv_heads_per_program": 2}, device=cpu)
