@@ -136,6 +136,12 @@ class SparseAttentionConfig:
     with ``deterministic``. Off by default: on the H200 at 64K the atomics cost more than they save (backward
     0.59-0.90x the two-kernel speed at head dim 128, 0.95-1.02x at 64; :mod:`sparse_train.kernels.backward`)."""
 
+    stored_ds_backward: bool = False
+    """The KV-centric kernel stores each dS tile and the dQ kernel reads it instead of recomputing the scores
+    (``kernel_options.stored_ds`` of :func:`sparse_train.sparse_attention`): no atomics, so it combines with
+    ``deterministic``, but not with ``fused_backward``. Off by default: on the H200 at 64K the backward is
+    2-8% faster for a buffer of about 8 GB (B = 1, 32 heads; ``docs/benchmarks/speed_round2/README.md``)."""
+
     distill: str = "sampled"
     """Selector training target: ``"sampled"`` = dense attention mass on all causal blocks for
     ``distill_query_blocks`` randomly sampled query blocks per step (exact for those rows, cost linear
@@ -240,8 +246,12 @@ class SparseAttentionConfig:
                 "SparseAttentionConfig needs 0 <= dense_exit_density <= dense_enter_density <= 1 "
                 f"(hysteresis band), got exit={lo!r}, enter={hi!r}"
             )
-        for name in ("replay", "dense_fallback", "profile", "deterministic", "fused_backward", "selector_distance_bias"):
+        for name in ("replay", "dense_fallback", "profile", "deterministic", "fused_backward", "stored_ds_backward",
+                     "selector_distance_bias"):
             _check_bool(self, name)
+        if self.fused_backward and self.stored_ds_backward:
+            raise ValueError("SparseAttentionConfig: fused_backward and stored_ds_backward are two ways of producing "
+                             "dQ from the KV-centric kernel; set at most one of them")
         if self.fused_backward and self.deterministic:
             raise ValueError("SparseAttentionConfig: fused_backward sums dQ with atomics in no fixed order, so it "
                              "cannot be combined with deterministic=True")

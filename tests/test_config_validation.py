@@ -23,7 +23,7 @@ CONFIG_INT_FIELDS = ["block_q", "block_k", "top_k", "window", "sinks", "selector
                      "metrics_query_blocks", "dense_warmup_steps"]
 CONFIG_FLOAT_FIELDS = ["dropout_p", "scale", "distill_weight", "dense_enter_density", "dense_exit_density",
                        "selector_lr_multiplier", "selector_rope_theta", "top_p"]
-CONFIG_BOOL_FIELDS = ["deterministic", "fused_backward", "replay", "dense_fallback", "profile",
+CONFIG_BOOL_FIELDS = ["deterministic", "fused_backward", "stored_ds_backward", "replay", "dense_fallback", "profile",
                       "selector_distance_bias"]
 CONFIG_CHOICE_FIELDS = ["backend", "distill", "index_check", "distill_row_pool", "distill_support", "key_pooling",
                         "query_pooling"]
@@ -92,6 +92,9 @@ def test_config_rejects_out_of_domain_values(field, value, message):
 def test_config_refuses_the_fused_backward_with_deterministic():
     with pytest.raises(ValueError, match="fused_backward sums dQ with atomics.*deterministic=True"):
         st.SparseAttentionConfig(fused_backward=True, deterministic=True)
+    with pytest.raises(ValueError, match="fused_backward and stored_ds_backward are two ways"):
+        st.SparseAttentionConfig(fused_backward=True, stored_ds_backward=True)
+    assert st.SparseAttentionConfig(stored_ds_backward=True, deterministic=True).stored_ds_backward
 
 
 @pytest.mark.parametrize(

@@ -131,24 +131,31 @@ def test_sparse_path_equals_reference_on_its_own_index():
     assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
 
 
-def test_fused_backward_config_reaches_the_kernels():
-    """``fused_backward=True`` (Triton interpreter): the dQ kernel does not run, and the output, the selector
-    loss and the q/k/v gradients equal the two-kernel backward's (the same index; dQ summed in another order)."""
+def test_fused_and_stored_ds_backward_configs_reach_the_kernels(monkeypatch):
+    """``fused_backward=True`` (Triton interpreter): the dQ kernel does not run; ``stored_ds_backward=True``: the
+    dQ pass reads stored dS (``_dq_from_ds_kernel``); in both the output, the selector loss and the q/k/v
+    gradients equal the two-kernel backward's (the same index; dQ summed in another order)."""
     from sparse_train.kernels import backward as kb
 
+    launched = []
+    real_launch = kb.launch
+    monkeypatch.setattr(kb, "launch", lambda kernel, *a, **kw: launched.append(kernel) or real_launch(kernel, *a, **kw))
     results = []
-    for fused in (False, True):
-        attn = make(backend="triton", dense_fallback=False, distill="sampled", fused_backward=fused)
+    for mode, dq_kernel in (({}, kb._dq_kernel), ({"fused_backward": True}, None),
+                            ({"stored_ds_backward": True}, kb._dq_from_ds_kernel)):
+        attn = make(backend="triton", dense_fallback=False, distill="sampled", **mode)
         attn.load_state_dict(make().state_dict())
         torch.manual_seed(3)
         q, k, v = qkv(2, 83, grad=True)
-        kb.LAST_COMPILED.clear()
+        launched.clear()
         out = attn(q, k, v)
         (out.square().sum() + attn.selector_loss).backward()
-        assert ("dq" in kb.LAST_COMPILED) != fused and "dkdv" in kb.LAST_COMPILED
+        assert kb._dkdv_kernel in launched
+        assert {kb._dq_kernel, kb._dq_from_ds_kernel} & set(launched) == ({dq_kernel} if dq_kernel else set())
         results.append((out.detach(), attn.selector_loss.detach(), q.grad, k.grad, v.grad))
-    for name, got, want in zip(("out", "selector_loss", "dq", "dk", "dv"), results[1], results[0]):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
+    for other in results[1:]:
+        for name, got, want in zip(("out", "selector_loss", "dq", "dk", "dv"), other, results[0]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("n", [30, 64, 80], ids=["n30", "n64", "n80"])
