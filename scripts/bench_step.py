@@ -128,7 +128,7 @@ def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Trans
     # 500-step warm-up would make every timed step dense attention).
     sparse_cfg = dict(block_q=args.block, block_k=args.block, top_k=args.top_k, window=args.window,
                       sinks=args.sinks, distill=args.distill, backend=args.backend, dense_warmup_steps=0,
-                      fused_backward=args.fused_backward == "on")
+                      fused_backward=args.fused_backward == "on", stored_ds_backward=args.stored_ds_backward == "on")
     cfg = TransformerConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                             n_kv_heads=args.kv_heads, head_dim=args.head_dim, ffn_hidden=args.ffn,
                             rope_theta=args.rope_theta, tie_embeddings=False, attention=variant,
@@ -160,6 +160,9 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
                          "(TransformerConfig.checkpoint_keeps_attention; both variants)")
     ap.add_argument("--fused-backward", choices=["on", "off"], default="off",
                     help="sparse variant: dQ from the KV-centric kernel by atomics (SparseAttentionConfig.fused_backward)")
+    ap.add_argument("--stored-ds-backward", choices=["on", "off"], default="off",
+                    help="sparse variant: dQ from dS tiles the KV-centric kernel stores "
+                         "(SparseAttentionConfig.stored_ds_backward)")
     ap.add_argument("--compile-pointwise", choices=sorted(POINTWISE), default="auto",
                     help="RMSNorm, RoPE and the SwiGLU gate as torch.compile'd fused kernels "
                          "(TransformerConfig.compile_pointwise, both variants; auto = on for CUDA, the default)")
@@ -208,6 +211,7 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
     result: dict[str, Any] = {"context": n, "variant": variant, "status": "ok", "act_ckpt": act_ckpt,
                               "keep_attention": act_ckpt and args.keep_attention == "on",
                               "fused_backward": variant == "sparse" and args.fused_backward == "on",
+                              "stored_ds_backward": variant == "sparse" and args.stored_ds_backward == "on",
                               "compile_pointwise": model_lib.compiles_pointwise(POINTWISE[args.compile_pointwise],
                                                                                 device),
                               "params": model.num_parameters(), "repeats": args.repeats}
