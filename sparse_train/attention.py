@@ -614,7 +614,8 @@ class SparseAttention(nn.Module):
 
     def _kernel_options(self) -> dict:
         """The config's performance choices for :func:`sparse_train.sparse_attention` (both paths)."""
-        return {"r0": self.config.r0, "fused_dq": self.config.fused_backward, "stored_ds": self.config.stored_ds_backward}
+        cfg = self.config
+        return {"r0": cfg.r0, "fused_dq": cfg.fused_backward, "stored_ds": cfg.stored_ds_backward}
 
     def _cp_distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
                               document_ids, check_values, rank, world, target=None) -> tuple[Tensor, tuple]:

@@ -458,10 +458,10 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     events recorded at start / after delta, scheduling and workspace zeroing / after the dQ (+atomic)
     kernel / after the KV-centric and finish kernels (stored-dS mode runs the dQ kernel last: its third event
     follows the KV-centric and finish kernels, the fourth the dQ kernel).  ``kv_pairs``: the plan's
-    ``kv_pairs``, needed in stored-dS mode (``config.stored_ds``) only.  ``document_ids``: int ``[B, N]`` (non-decreasing)
-    or None, the forward's.  No validation here (op.py validates), but every tensor argument is either
-    passed with its strides (q, k, v, o, do, indices, counts) or made contiguous here (lse, dlse,
-    seq_lens, document_ids and the plan arrays kv_indptr, kv_qblocks, slots, which the kernels index
+    ``kv_pairs``, needed in stored-dS mode (``config.stored_ds``) only.  ``document_ids``: int ``[B, N]``
+    (non-decreasing) or None, the forward's.  No validation here (op.py validates), but every tensor argument is
+    either passed with its strides (q, k, v, o, do, indices, counts) or made contiguous here (lse, dlse,
+    seq_lens, document_ids and the plan arrays kv_indptr, kv_qblocks, kv_pairs, slots, which the kernels index
     without strides).
 
     Query-block map (context parallelism; see ``forward.sparse_attn_forward``): with ``query_map`` /
