@@ -324,10 +324,13 @@ def test_stored_ds_refuses_fused_dq_and_a_missing_pair_map():
     o, lse = triton_sparse_attention(q, k, v, idx)
     plan = idx.plan(1)
     config = plan_mod.backward_config(2, 16, 16, 16, False, {"stored_ds": True})
+    args = (torch.ones_like(o), q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks,
+            plan_mod.cold_slots(plan.hot, plan.reuse, True), 0)
     with pytest.raises(ValueError, match="needs the plan's kv_pairs"):
-        kb.sparse_attn_backward(torch.ones_like(o), q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr,
-                                plan.kv_qblocks, plan_mod.cold_slots(plan.hot, plan.reuse, True), 0, block_q=16,
-                                block_k=16, scale=0.25, config=config)
+        kb.sparse_attn_backward(*args, block_q=16, block_k=16, scale=0.25, config=config)
+    with pytest.raises(ValueError, match="fused_dq and config.stored_ds are two ways"):
+        kb.sparse_attn_backward(*args, block_q=16, block_k=16, scale=0.25, config=config._replace(fused_dq=1),
+                                kv_pairs=plan.kv_pairs)
 
 
 def test_plan_pairs_point_at_their_index_slots():

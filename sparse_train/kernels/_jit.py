@@ -13,8 +13,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["LN2", "LOG2E", "crosses_documents", "documents_row", "dot", "dropout_keep", "index_row", "last_document",
-           "load_documents", "load_key_tile", "load_rows", "log2_lse", "map_query_rows", "mask_scores", "query_documents", "query_tile",
-           "sequence_length", "tile_pointers", "tile_row_slice", "tile_rows"]
+           "load_documents", "load_key_tile", "load_rows", "log2_lse", "map_query_rows", "mask_scores",
+           "query_documents", "query_tile", "sequence_length", "tile_pointers", "tile_row_slice", "tile_rows"]
 
 LOG2E = tl.constexpr(math.log2(math.e))
 """log2(e): the kernels run the softmax in base 2, exp(x) = exp2(x * LOG2E) (host side: ``LOG2E.value``)."""

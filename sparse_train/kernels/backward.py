@@ -18,8 +18,9 @@ global (``_jit.map_query_rows``), and dK/dV are the full-length contributions of
 Layers: (1) ``@triton.jit`` kernels ``_delta_kernel`` (delta), ``_dq_kernel`` (query-centric dQ; for
 cold blocks also their dK/dV contributions, by tl.atomic_add into the atomic workspace),
 ``_dkdv_kernel`` (KV-centric dK/dV per work item: a row in one item is written directly, a chunked row
-writes fp32 partials; in stored-dS mode it also files dS), ``_dq_from_ds_kernel`` (stored-dS mode's dQ) and ``_dkdv_finish_kernel`` (per KV block: convert its atomic workspace, or sum its
-partials in chunk order, or write zeros when unselected); (2) the launcher ``sparse_attn_backward``
+writes fp32 partials; in stored-dS mode it also files dS), ``_dq_from_ds_kernel`` (stored-dS mode's dQ)
+and ``_dkdv_finish_kernel`` (per KV block: convert its atomic workspace, or sum its partials in chunk
+order, or write zeros when unselected); (2) the launcher ``sparse_attn_backward``
 (allocate, schedule, launch). The autograd op is in op.py; the schedules (cold slots, work items) and
 the tile configuration come from sparse_train/plan.py.
 
@@ -52,7 +53,8 @@ head and there is no query-block map (a slice is then consecutive rows of one he
 Known limits: the forward's dtypes, head dims and block sizes; workspaces: atomic
 2 * num_cold * BK * D * 4 bytes, chunk partials 2 * num_parts * BK * D * 4 bytes; S and dP are
 recomputed by both the dQ and the KV-centric kernel (7 tile products per (block, head) pair against 5
-on the atomic path and in fused mode); GQA dK/dV are summed over the group's heads inside the programs.
+on the atomic path, in fused mode and in stored-dS mode, whose dS buffer is B*HQ*NQB*K*BQ*BK elements);
+GQA dK/dV are summed over the group's heads inside the programs.
 """
 from __future__ import annotations
 
@@ -524,6 +526,8 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if (fused or stored) and has_cold:
         raise ValueError("the fused and the stored-dS backward (kernel_options.fused_dq / stored_ds) need every "
                          "block KV-centric: num_cold must be 0")
+    if fused and stored:
+        raise ValueError("config.fused_dq and config.stored_ds are two ways of producing dQ; set at most one")
     if stored and kv_pairs is None:
         raise ValueError("the stored-dS backward (kernel_options.stored_ds) needs the plan's kv_pairs")
     if fused:
@@ -550,7 +554,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     q_operand, do_operand, kv_tma = tma_operands(q, do, config.kv_tile_rows, kv_slices)
     # the dS slices go out through a descriptor under the same conditions as the q/dO slices come in (a slice is
     # then rows of one head); tile ids are int32 coordinates
-    ds_operand = tma_descriptor(ds.view(-1, block_k, block_q), 0, stored and kv_slices and 0 < ds.shape[0] < 2**31,
+    ds_operand = tma_descriptor(ds, 0, stored and kv_slices and 0 < ds.shape[0] < 2**31,
                                 block=[1, block_k, config.kv_tile_rows]) if stored else None
     ds_tma = ds_operand is not None
     if not ds_tma:
