@@ -259,6 +259,7 @@ def test_fused_backward_refuses_deterministic():
 STORED_CASES = [
     # B, HQ, HKV, N, D, BQ, BK, kv_heads_per_program, kv_tile_rows, dropout_p, seq_lens, dlse_w
     pytest.param(1, 4, 2, 150, 16, 32, 16, 1, None, 0.0, None, 0.0, id="gqa2-odd150-bq32-bk16"),
+    pytest.param(1, 4, 2, 150, 16, 32, 16, 1, 16, 0.0, None, 0.0, id="gqa2-odd150-bq32-slices16-tma-store-offsets"),
     pytest.param(1, 4, 1, 97, 16, 16, 32, 2, 16, 0.2, None, 0.0, id="gqa4-odd97-bk32-stacked2-slices-dropout"),
     pytest.param(2, 4, 1, 111, 32, 32, 16, 2, 16, 0.0, [111, 70], 0.5, id="gqa4-b2-seq_lens-lse-grad"),
     pytest.param(2, 2, 2, 97, 32, 16, 16, 1, None, 0.25, None, 0.0, id="mha-b2-odd97-dropout"),
