@@ -61,3 +61,21 @@ def test_packed_report(bench, tmp_path):
     text = (stem.with_suffix(".md")).read_text()
     assert "| 8192 | P64 | 3 | 0.1000 | 0.400 | 1.000 (1.100) |" in text and "| 0.50x | 0.50x |" in text
     assert json.loads(stem.with_suffix(".json").read_text())["packed"] == [2048, 16384]
+
+
+def test_report_has_the_backward_modes_table(bench, tmp_path):
+    """The main table compares with Flex and SDPA; the backward modes (deterministic, fused dQ, stored dS) and
+    their memory have a table of their own, from the same rows."""
+    ours = dict(kind="ours", N=65536, pattern="P64", density=0.05, index_plan_ms=1.0, fwd_ms=4.0, bwd_ms=13.0,
+                fwdbwd_ms=17.0, det_bwd_ms=13.5, det_fwdbwd_ms=17.5, fused_bwd_ms=18.0, fused_fwdbwd_ms=22.0,
+                stored_bwd_ms=12.0, stored_fwdbwd_ms=16.0, fwdbwd_peak_extra_MB=1801.4,
+                stored_fwdbwd_peak_extra_MB=9993.4, fwd_TFLOPs=400.0, fwd_frac_ceiling=0.5, bwd_TFLOPs=300.0,
+                bwd_frac_ceiling=0.38)
+    flex = dict(kind="flex", N=65536, pattern="P64", fwd_ms=6.0, fwdbwd_ms=24.0)
+    results = dict(gpu="test", torch="x", triton="y", rows=[ours, flex],
+                   ceilings={"copy_TBps": 4.0, "bf16_matmul_TFLOPs": 790.0})
+    bench.write_outputs(results, str(tmp_path))
+    text = (tmp_path / f"{bench.DATE}_h200_attention.md").read_text()
+    assert "| 65536 | P64 | 0.0500 | 1.000 | 4.000 | 13.000 | 17.000 | 400 (50%) | 300 (38%) | 6.000 | 24.000 |" in text
+    assert ("| 65536 | P64 | 13.000 | 17.000 | 13.500 | 17.500 | 18.000 | 22.000 | 12.000 | 16.000 | 1801 / 9993 |"
+            in text)
