@@ -468,13 +468,13 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
     # the stored-dS dQ kernel's tiles varied by under 2% at D = 128 (12 configs; thirteenth session,
     # docs/benchmarks/speed_round2/README.md), so only the KV-centric kernel's loads and dS stores are varied
     variants = (([dict(dq=c) for c in dq_cfgs] if "dq" in parts else [])
-                + ([dict(stored=None, tma={"kv_tma": t}) for t in (False, True)] if "stored" in parts else [])
+                + ([dict(stored=True, tma={"kv_tma": t}) for t in (False, True)] if "stored" in parts else [])
                 + ([dict(kv=c) for c in kv_cfgs] if "kv" in parts else [])
                 + ([dict(chunk=c) for c in (16, 32, 128)] if "chunk" in parts else [])
                 + [dict(tma=c) for c in tma_variants])
     for var in variants:
         dqc, kvc, chunk = var.get("dq"), var.get("kv"), var.get("chunk")
-        stored = "stored" in var
+        stored = var.get("stored", False)
         cfg = dict(kind="tune_bwd_det", N=N, pattern=pat_name, dq_cfg=str(dqc), kv_cfg=str(kvc), kv_chunk=chunk,
                    tma_options=str(var.get("tma")), stored_ds=stored)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]

@@ -47,6 +47,7 @@ from sparse_train.kernels._jit import (  # noqa: E402
     tile_pointers,
     tile_row_slice,
 )
+from sparse_train.kernels._launch import tma_descriptor  # noqa: E402
 from sparse_train.plan import attention_schedule, kv_schedule, kv_schedule_capacity  # noqa: E402
 
 # (name, TMA loads, warp specialisation, warps (None: production's), pipeline stages added to production's)
@@ -179,10 +180,44 @@ def _dkdv_probe(
              mask=kv_ok[:, None])
 
 
-def _descriptor(x, rows, d):
-    from triton.tools.tensor_descriptor import TensorDescriptor
+def _descriptor(x, rows):
+    """The production launchers' descriptor of ``x`` (``[1, 1, rows, D]`` boxes); the probe's tensors always take
+    one (contiguous, Hopper or the interpreter)."""
+    desc = tma_descriptor(x, rows, True)
+    assert desc is not None, f"no TMA descriptor for a tensor of strides {x.stride()}"
+    return desc
 
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, d])
+
+def _probe_modes(results, base, kernel, default_warps, default_stages, modes, timed, prepare, production_diff,
+                 **extra):
+    """Run one probe kernel in every load mode of :data:`LOAD_MODES` (those of ``modes`` and ``ptr``, the
+    reference): ``prepare(tma, warp_specialize, warps, stages)`` returns ``(run, outputs)``, ``run()`` launching into
+    ``outputs`` and returning the compiled kernel; ``production_diff(outputs)`` is the ptr mode's distance to the
+    production kernel. Appends (and prints) one row per mode; a mode that does not compile is a row with an error."""
+    reference = None
+    for mode, tma, ws, warps, more_stages in LOAD_MODES:
+        if modes and mode not in modes and mode != "ptr":
+            continue
+        warps = warps or default_warps
+        stages = default_stages + more_stages
+        row = dict(base, kernel=kernel, mode=mode, warps=warps, stages=stages, **extra)
+        try:
+            run, outputs = prepare(tma, ws, warps, stages)
+            compiled = run()
+            if timed:
+                torch.cuda.synchronize()
+                row.update(regs=compiled.n_regs, spills=compiled.n_spills)
+            if reference is None:
+                reference = [x.clone() for x in outputs]
+                row["max_diff_vs_production"] = production_diff(outputs)
+            row["max_diff_vs_ptr"] = max(float((x.float() - r.float()).abs().max()) for x, r in zip(outputs, reference))
+            if timed:
+                row["ms"], row["p95_ms"], _ = timeit(run, busy=True)
+        except Exception as exc:  # a mode that does not compile is a result, not a crash
+            row["error"] = f"{type(exc).__name__}: {str(exc)[-600:]}"
+            traceback.print_exc()
+        results.append(row)
+        print(json.dumps(row), flush=True)
 
 
 def probe(pattern, d, n, results, device="cuda", modes=None):
@@ -218,13 +253,9 @@ def probe(pattern, d, n, results, device="cuda", modes=None):
                                                                  block_k=bs, scale=scale, config=fcfg), busy=True)
         results.append(dict(base, kernel="fwd", mode="production", ms=t_real, p95_ms=t95_real))
         print(json.dumps(results[-1]), flush=True)
-    desc_k, desc_v = _descriptor(k, bs, d), _descriptor(v, bs, d)
-    ref_o = None
-    for mode, tma, ws, warps, more_stages in LOAD_MODES:
-        if modes and mode not in modes and mode != "ptr":
-            continue
-        warps = warps or fcfg.num_warps
-        stages = fcfg.num_stages + more_stages
+    desc_k, desc_v = _descriptor(k, bs), _descriptor(v, bs)
+
+    def prepare_fwd(tma, ws, warps, stages):
         o = torch.empty_like(q)
         lse = torch.empty(b, hq, n, device=device, dtype=torch.float32)
 
@@ -235,23 +266,10 @@ def probe(pattern, d, n, results, device="cuda", modes=None):
                 GROUP=group, HEADS_PER_PROGRAM=fcfg.heads_per_program, BLOCK_Q=bs, BLOCK_K=bs, HEAD_DIM=d,
                 TMA=tma, WARP_SPECIALIZE=ws, num_warps=warps, num_stages=stages)
 
-        row = dict(base, kernel="fwd", mode=mode, warps=warps, stages=stages, heads=fcfg.heads_per_program)
-        try:
-            compiled = run()
-            if timed:
-                torch.cuda.synchronize()
-                row.update(regs=compiled.n_regs, spills=compiled.n_spills)
-            if ref_o is None:
-                ref_o = o.clone()
-                row["max_diff_vs_production"] = float((o.float() - o_real.float()).abs().max())
-            row["max_diff_vs_ptr"] = float((o.float() - ref_o.float()).abs().max())
-            if timed:
-                row["ms"], row["p95_ms"], _ = timeit(run, busy=True)
-        except Exception as exc:  # a mode that does not compile is a result, not a crash
-            row["error"] = f"{type(exc).__name__}: {str(exc)[-600:]}"
-            traceback.print_exc()
-        results.append(row)
-        print(json.dumps(row), flush=True)
+        return run, (o,)
+
+    _probe_modes(results, base, "fwd", fcfg.num_warps, fcfg.num_stages, modes, timed, prepare_fwd,
+                 lambda out: float((out[0].float() - o_real.float()).abs().max()), heads=fcfg.heads_per_program)
 
     # KV-centric kernel: whole rows from the production schedule (chunked rows are skipped alike)
     lse = lse_real.contiguous()
@@ -275,13 +293,9 @@ def probe(pattern, d, n, results, device="cuda", modes=None):
             sched.cold_capacity, block_q=bs, block_k=bs, scale=scale, config=bcfg), busy=True)
         results.append(dict(base, kernel="bwd (dQ + KV-centric + finish)", mode="production", ms=t_bwd, p95_ms=t95_bwd))
         print(json.dumps(results[-1]), flush=True)
-    desc_q, desc_do = _descriptor(q, tile_rows, d), _descriptor(do, tile_rows, d)
-    ref_dk = None
-    for mode, tma, ws, warps, more_stages in LOAD_MODES:
-        if modes and mode not in modes and mode != "ptr":
-            continue
-        warps = warps or bcfg.kv_num_warps
-        stages = bcfg.kv_num_stages + more_stages
+    desc_q, desc_do = _descriptor(q, tile_rows), _descriptor(do, tile_rows)
+
+    def prepare_kv(tma, ws, warps, stages):
         dk = torch.zeros_like(k)
         dv = torch.zeros_like(v)
 
@@ -292,27 +306,15 @@ def probe(pattern, d, n, results, device="cuda", modes=None):
                 GROUP=group, BLOCK_Q=bs, BLOCK_K=bs, HEAD_DIM=d, TILE_ROWS=tile_rows, TMA=tma,
                 WARP_SPECIALIZE=ws, num_warps=warps, num_stages=stages)
 
-        row = dict(base, kernel="dkdv", mode=mode, warps=warps, stages=stages, tile_rows=tile_rows)
-        try:
-            compiled = run()
-            if timed:
-                torch.cuda.synchronize()
-                row.update(regs=compiled.n_regs, spills=compiled.n_spills)
-            if ref_dk is None:
-                ref_dk = (dk.clone(), dv.clone())
-                # the probe's dK lacks the scale (production applies it at the store)
-                row["max_diff_vs_production"] = max(
-                    float(((dk.float() * scale - dk_real.float()) * whole).abs().max()),
-                    float(((dv.float() - dv_real.float()) * whole).abs().max()))
-            row["max_diff_vs_ptr"] = max(float((dk.float() - ref_dk[0].float()).abs().max()),
-                                         float((dv.float() - ref_dk[1].float()).abs().max()))
-            if timed:
-                row["ms"], row["p95_ms"], _ = timeit(run, busy=True)
-        except Exception as exc:
-            row["error"] = f"{type(exc).__name__}: {str(exc)[-600:]}"
-            traceback.print_exc()
-        results.append(row)
-        print(json.dumps(row), flush=True)
+        return run, (dk, dv)
+
+    def kv_production_diff(out):
+        dk, dv = out  # the probe's dK lacks the scale (production applies it at the store)
+        return max(float(((dk.float() * scale - dk_real.float()) * whole).abs().max()),
+                   float(((dv.float() - dv_real.float()) * whole).abs().max()))
+
+    _probe_modes(results, base, "dkdv", bcfg.kv_num_warps, bcfg.kv_num_stages, modes, timed, prepare_kv,
+                 kv_production_diff, tile_rows=tile_rows)
 
 
 def main():
