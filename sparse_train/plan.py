@@ -359,6 +359,24 @@ def copy_engine_loads(device) -> bool:
     return device.type == "cpu"
 
 
+GLUON_TILE_ROWS = 64
+"""Query rows per step of the Gluon KV-centric kernel: at D = 128 its two [BK, D] accumulators and two
+[BK, 64] score tiles fit in 255 registers (H200, 64K: 32 rows 2-10% slower, 128 rows spill and run 1.4-1.9x
+slower; docs/benchmarks/speed_round2/h200_probe_gluon_kv_session14.json)."""
+GLUON_RING = 2
+"""q/dO slices the Gluon KV-centric kernel keeps in flight (3: equal at D = 64, spills at D = 128)."""
+
+
+def gluon_kernels(device) -> bool:
+    """Whether the hand-scheduled Gluon kernels can run on ``device``: a Hopper GPU (compute capability
+    9; its warpgroup MMAs and TMA) and a triton that has Gluon."""
+    device = torch.device(device)
+    if device.type != "cuda" or torch.cuda.get_device_properties(device).major != 9:
+        return False
+    from .kernels.backward_gluon import HAS_GLUON
+    return HAS_GLUON
+
+
 def device_sm_count(device) -> int:
     """Parallel processors of ``device``: the streaming multiprocessors of a CUDA device; the CPU
     cores elsewhere (the Triton interpreter runs programs on the CPU)."""
@@ -443,6 +461,13 @@ class KernelOptions:
     block is then KV-centric (``r0`` does not apply). Excludes ``fused_dq``. Default off: on the H200 at 64K
     the backward is 2-8% faster (0.98-1.08x by shape), for about 8 GB more peak memory at B = 1, HQ = 32
     (docs/benchmarks/speed_round2/README.md, thirteenth session)."""
+    kv_gluon: bool | None = None
+    """The KV-centric dK/dV kernel hand-scheduled in Gluon (:mod:`sparse_train.kernels.backward_gluon`:
+    q/dO slices prefetched by TMA, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
+    (Hopper, no documents, dropout, sequence lengths or query-block map, N a multiple of the blocks, neither
+    ``fused_dq`` nor ``stored_ds``; the Triton kernel runs elsewhere). Same products in the same order: the
+    gradients equal the Triton kernel's. Default on where :func:`gluon_kernels` holds (H200, 64K: the
+    backward 9-15% faster; docs/benchmarks/speed_round2/README.md, fourteenth session)."""
 
 
 KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
@@ -498,7 +523,7 @@ def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> 
             value = _check_power_of_two(label, value)
             if value < _MIN_DOT_ROWS:
                 raise ValueError(f"{label} must be >= {_MIN_DOT_ROWS} (tensor-core tile), got {value}")
-        elif name in ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma"):
+        elif name in ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma", "kv_gluon"):
             value = check_bool(label, value)
         values[name] = value
     if values.get("fused_dq") and values.get("stored_ds"):
@@ -539,6 +564,12 @@ class BackwardConfig(NamedTuple):
     """1: the KV-centric kernel loads its q/dO slices through TMA descriptors (``KernelOptions.kv_tma``)."""
     stored_ds: int = 0
     """1: the KV-centric kernel stores dS and the dQ kernel reads it (``KernelOptions.stored_ds``)."""
+    kv_gluon: int = 0
+    """1: the KV-centric dK/dV run the Gluon kernel where it applies (``KernelOptions.kv_gluon``)."""
+    gluon_tile_rows: int = 64
+    """Query rows per step of the Gluon kernel (:data:`GLUON_TILE_ROWS`)."""
+    gluon_stages: int = 2
+    """Depth of the Gluon kernel's q/dO ring in shared memory (:data:`GLUON_RING`)."""
 
 
 def _heads_per_program(group: int, block_q: int, rows: int) -> int:
@@ -600,7 +631,10 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     TMA loads where ``device`` takes them (:func:`copy_engine_loads`; None: assumed): the dQ kernel's K/V
     tiles; the KV-centric kernel's q/dO slices with one head per step, without a query-block map
     (``query_map``) and except over 128 x 128 key tiles without ``stored_ds`` (3 stages then at D = 64 over
-    128-key blocks, 2 with pointer loads). ``kernel_options`` override each field."""
+    128-key blocks, 2 with pointer loads). The Gluon KV-centric kernel (``kv_gluon``) where
+    :func:`gluon_kernels` holds for ``device`` (None: not assumed), with its own tiles (:data:`GLUON_TILE_ROWS`,
+    :data:`GLUON_RING`); the Triton kernel's fields stay as above for the calls it does not cover.
+    ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
     dq_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=128)
     _divides_group("kernel_options.dq_heads_per_program", dq_heads, group)
@@ -631,6 +665,9 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
         kv_warps, kv_stages, kv_slice = 4, 3 if block_k < 128 or kv_tma else 2, 32
     else:
         kv_warps, kv_stages, kv_slice = 4, 3, None
+    # the Gluon KV-centric kernel where it applies (H200, 64K, whole backward: P64 11.5 -> 10.1 ms, P128
+    # 13.7 -> 11.7 at D = 128; 6.8 -> 6.2 and 8.3 -> 7.5 at D = 64)
+    kv_gluon = _flag(options.kv_gluon, device is not None and gluon_kernels(device))
     kv_rows = kv_heads * block_q
     kv_tile_rows = options.kv_tile_rows or min(kv_rows, kv_slice or kv_rows)
     if kv_tile_rows > kv_rows:
@@ -640,7 +677,7 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
         dq_heads, options.dq_num_warps or dq_warps, options.dq_num_stages or dq_stages,
         kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or kv_stages,
         options.kv_chunk or KV_CHUNK, kv_tile_rows, int(bool(options.fused_dq)), dq_tma, kv_tma,
-        int(bool(options.stored_ds)),
+        int(bool(options.stored_ds)), kv_gluon, GLUON_TILE_ROWS, GLUON_RING,
     )
 
 

@@ -64,6 +64,14 @@ def kernel_query_map(query_map: Tensor | None, query_row0: Tensor | None, fallba
     return query_map.to(torch.int32).contiguous(), query_row0.to(torch.int64).contiguous()
 
 
+def tma_addressable(x: Tensor) -> bool:
+    """Whether the copy engine can address ``x`` through a tensor descriptor: the last stride 1, the base and
+    every other stride multiples of 16 bytes, a row of at least 16 bytes."""
+    size = x.element_size()
+    return not (x.stride(-1) != 1 or x.data_ptr() % 16 or x.shape[-1] * size < 16
+                or any(stride <= 0 or stride * size % 16 for stride in x.stride()[:-1]))
+
+
 def tma_descriptor(x: Tensor, rows: int, enabled: bool, block: list[int] | None = None):
     """A TMA tensor descriptor of ``x`` ``[B, H, L, D]`` for tiles of ``[1, 1, rows, D]`` elements (the kernels
     load ``desc.load([b, h, row, 0])`` and reshape to ``[rows, D]``; rows past L come back as zeros), or None
@@ -72,11 +80,7 @@ def tma_descriptor(x: Tensor, rows: int, enabled: bool, block: list[int] | None 
     least 16 bytes). The kernels then take their pointer loads. On the CPU (the Triton interpreter of the
     tests) the descriptor is emulated, so the tests run the TMA branch of the kernels too. ``block``: another
     tile shape (as many dimensions as ``x``) instead of ``[1, 1, rows, D]``."""
-    if not enabled or not copy_engine_loads(x.device):
-        return None
-    size = x.element_size()
-    if (x.stride(-1) != 1 or x.data_ptr() % 16 or x.shape[-1] * size < 16
-            or any(stride <= 0 or stride * size % 16 for stride in x.stride()[:-1])):
+    if not enabled or not copy_engine_loads(x.device) or not tma_addressable(x):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 

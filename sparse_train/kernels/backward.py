@@ -24,6 +24,11 @@ order, or write zeros when unselected); (2) the launcher ``sparse_attn_backward`
 (allocate, schedule, launch). The autograd op is in op.py; the schedules (cold slots, work items) and
 the tile configuration come from sparse_train/plan.py.
 
+Gluon KV-centric kernel (``BackwardConfig.kv_gluon``, default on a Hopper GPU): the same work items, partials
+and finish, with the dK/dV tile products hand-scheduled in Gluon (backward_gluon.py: TMA ring of q/dO slices,
+asynchronous warpgroup MMAs); where it does not apply (documents, dropout, sequence lengths, a query-block
+map, N not a multiple of the blocks, fused or stored-dS mode) ``_dkdv_kernel`` runs.
+
 Deterministic mode: no block is cold, so no atomics run; every dK/dV element comes from one program or
 from the fixed-order sum of chunk partials, dQ from one program per tile: gradients are bitwise
 identical run to run.
@@ -83,6 +88,7 @@ from ._jit import (
     tile_pointers,
     tile_row_slice,
 )
+from .backward_gluon import gluon_kv_supported, launch_dkdv_gluon
 from ._launch import (
     LAST_COMPILED,
     kernel_document_ids,
@@ -574,7 +580,16 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if stage_events and not stored:
         stage_events[2].record()
     num_items = schedule.item_row.numel()
-    if num_items > 0:
+    gluon = bool(config.kv_gluon) and not (fused or stored) and gluon_kv_supported(
+        q, k, v, do, dk, dv, block_q=block_q, block_k=block_k, tile_rows=config.gluon_tile_rows,
+        heads_per_step=config.kv_heads_per_program, has_seq_lens=seq_lens is not None, has_docs=has_docs,
+        dropout=dropout, query_map=has_map) is None
+    if num_items > 0 and gluon:
+        LAST_COMPILED["dkdv"] = launch_dkdv_gluon(
+            q, k, v, do, lse, delta, kv_qblocks, schedule.item_row, schedule.item_t0, schedule.item_t1,
+            schedule.item_part, dk, dv, dk_partial, dv_partial, block_q=block_q, block_k=block_k, scale=float(scale),
+            tile_rows=config.gluon_tile_rows, num_buf=config.gluon_stages)
+    elif num_items > 0:
         LAST_COMPILED["dkdv"] = launch(
             _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, kv_pairs, seq_lens_arg, docs_arg,
             query_map, query_row0, schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv,

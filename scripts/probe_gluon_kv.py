@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Probe (H200): the KV-centric dK/dV kernel hand-scheduled in Gluon (``kernel_options.kv_gluon``) against
+the Triton one, inside the whole backward (delta, dQ, KV-centric, finish), on the indices of
+``scripts/bench_attention.py`` (B=1, HQ=32, HKV=8, bf16).
+
+Per (pattern, head dim): the backward with the Triton KV-centric kernel (``kv_gluon`` off), then the Gluon
+variants (rows per step x ring depth: ``BackwardConfig.gluon_tile_rows`` / ``gluon_stages``). Before each
+run the allocator's free memory is filled with NaN, so an output the kernel leaves unwritten cannot pass. Each variant's dQ/dK/dV are compared with the
+production backward's (max |diff|, and the production's own bf16 rounding scale), and at ``--check-n``
+(small) both are compared with a float64 evaluation of the same backward (the error ratio of DESIGN.md):
+a wrong kernel cannot pass as a fast one. Backward times are device times (median, p95; the GPU kept busy
+while the host launches). A variant that does not compile is a row with its error. One JSON row each on
+stdout and in ``--out``.
+
+    python scripts/probe_gluon_kv.py --out /tmp/probe_gluon.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_attention import PATTERNS, build_index, make_index, timeit  # noqa: E402
+from sparse_train.kernels import backward as backward_module  # noqa: E402
+from sparse_train.kernels.backward import sparse_attn_backward  # noqa: E402
+from sparse_train.kernels.forward import sparse_attn_forward  # noqa: E402
+from sparse_train.plan import attention_schedule  # noqa: E402
+
+# (rows per step, ring depth); None: the defaults of plan.backward_config
+VARIANTS = ((None, None), (64, 3), (32, 2), (32, 3))
+
+
+def _inputs(n, d, pattern, device, dtype, seed):
+    pat = PATTERNS[pattern]
+    torch.manual_seed(seed)
+    b, hq, hkv = 1, 32, 8
+    q = torch.randn(b, hq, n, d, device=device, dtype=dtype)
+    k = torch.randn(b, hkv, n, d, device=device, dtype=dtype)
+    v = torch.randn(b, hkv, n, d, device=device, dtype=dtype)
+    do = torch.randn(b, hq, n, d, device=device, dtype=dtype)
+    idx, plan = build_index(make_index(n, pat, seed=seed, device=device), n, pat)
+    return q, k, v, do, idx, plan, pat["block"]
+
+
+def _backward(q, k, v, do, o, lse, idx, plan, bs, variant):
+    """The backward's launcher on these inputs: ``variant`` None = the Triton KV-centric kernel, else
+    (rows, stages) of the Gluon one."""
+    sched = attention_schedule(idx, q.shape[1] // k.shape[1], q.shape[-1], q.device,
+                               {"plan": plan, "kv_gluon": variant is not None})
+    config = sched.backward
+    if variant is not None:
+        rows, stages = variant
+        config = config._replace(gluon_tile_rows=rows or config.gluon_tile_rows,
+                                 gluon_stages=stages or config.gluon_stages)
+
+    def run():
+        _poison_free_memory()
+        return sparse_attn_backward(do, q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks,
+                                    sched.slots, sched.cold_capacity, block_q=bs, block_k=bs,
+                                    scale=q.shape[-1] ** -0.5, config=config)
+    return run
+
+
+_POISON = {"on": True}
+
+
+def _poison_free_memory():
+    """Fill what the caching allocator holds free with NaN (outputs are carved from it)."""
+    if not _POISON["on"]:
+        return
+    torch.cuda.empty_cache()
+    free = torch.cuda.mem_get_info()[0]
+    filler = torch.empty(int(free * 0.5) // 4, device="cuda", dtype=torch.float32).fill_(float("nan"))
+    del filler
+
+
+def check_small(pattern, d, n, results):
+    """Float64 error ratio at a small N (both kernels against the same float64 backward)."""
+    q, k, v, do, idx, plan, bs = _inputs(n, d, pattern, "cuda", torch.bfloat16, seed=1)
+    scale = d ** -0.5
+    o, lse = sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale)
+    # float64 reference of the same backward: the PyTorch reference on the bf16 inputs, in float64
+    from sparse_train.kernels.reference import reference_sparse_attention
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    out64, _ = reference_sparse_attention(q64, k64, v64, idx, scale=scale)
+    out64.backward(do.double())
+    ref = (q64.grad, k64.grad, v64.grad)
+    production = _backward(q, k, v, do, o, lse, idx, plan, bs, None)()
+    err_prod = [float((x.double() - r).abs().max()) for x, r in zip(production, ref)]
+    for rows, stages in VARIANTS:
+        row = dict(check_n=n, pattern=pattern, d=d, rows=rows, stages=stages, err_production=err_prod)
+        try:
+            got = _backward(q, k, v, do, o, lse, idx, plan, bs, (rows, stages))()
+            torch.cuda.synchronize()
+            row["ran_gluon"] = _ran_gluon()
+            row["err_gluon"] = [float((x.double() - r).abs().max()) for x, r in zip(got, ref)]
+            row["ratio_dk_dv"] = [row["err_gluon"][i] / max(err_prod[i], 1e-30) for i in (1, 2)]
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc)[-800:]}"
+            traceback.print_exc()
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def _ran_gluon():
+    compiled = backward_module.LAST_COMPILED.get("dkdv")
+    name = getattr(getattr(compiled, "metadata", None), "name", "") or getattr(compiled, "name", "")
+    return "gluon" in str(name)
+
+
+def probe(pattern, d, n, results):
+    q, k, v, do, idx, plan, bs = _inputs(n, d, pattern, "cuda", torch.bfloat16, seed=n)
+    scale = d ** -0.5
+    o, lse = sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale)
+    base = dict(pattern=pattern, d=d, n=n)
+    run = _backward(q, k, v, do, o, lse, idx, plan, bs, None)
+    production = [x.clone() for x in run()]
+    _POISON["on"] = False  # not inside the timed calls
+    ms, p95, _ = timeit(run, busy=True)
+    _POISON["on"] = True
+    row = dict(base, variant="production (Triton KV-centric)", ms=ms, p95_ms=p95)
+    results.append(row)
+    print(json.dumps(row), flush=True)
+    for rows, stages in VARIANTS:
+        row = dict(base, variant="gluon", rows=rows, stages=stages)
+        try:
+            run = _backward(q, k, v, do, o, lse, idx, plan, bs, (rows, stages))
+            got = run()
+            torch.cuda.synchronize()
+            row["ran_gluon"] = _ran_gluon()
+            row["max_diff_vs_production"] = [float((x.float() - p.float()).abs().max()) for x, p in zip(got, production)]
+            row["bitwise_equal"] = all(torch.equal(x, p) for x, p in zip(got, production))
+            row["max_abs_production"] = [float(p.float().abs().max()) for p in production]
+            del got
+            _POISON["on"] = False
+            row["ms"], row["p95_ms"], _ = timeit(run, busy=True)
+            _POISON["on"] = True
+            compiled = backward_module.LAST_COMPILED.get("dkdv")
+            row["regs"], row["spills"] = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc)[-800:]}"
+            traceback.print_exc()
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=65536)
+    ap.add_argument("--check-n", type=int, default=2048)
+    ap.add_argument("--patterns", nargs="*", default=["P64", "P128"], choices=list(PATTERNS))
+    ap.add_argument("--head-dims", type=int, nargs="*", default=[128, 64])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    results = []
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+    for d in args.head_dims:
+        for pattern in args.patterns:
+            for fn, n in ((check_small, args.check_n), (probe, args.n)):
+                try:
+                    fn(pattern, d, n, results)
+                except Exception:
+                    traceback.print_exc()
+                with open(args.out, "w") as f:
+                    json.dump(dict(meta, rows=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

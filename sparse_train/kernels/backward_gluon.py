@@ -1,0 +1,253 @@
+"""KV-centric dK/dV of the block-sparse backward, hand-scheduled in Gluon for Hopper (opt-in).
+
+Math (as backward.py, causal and length masks, no dropout, no documents):
+    P^T = exp2(scale_log2 K Q^T - lse2);  dS^T = P^T (V dO^T - delta)
+    dV_k = sum_{h in group, q} P^T dO;  dK_k = scale sum_{h in group, q} dS^T Q
+
+Notation: as backward.py; M = TILE_ROWS query rows per step (one head, one row slice of a query block);
+NUM_BUF = the depth of the q/dO ring in shared memory. One program = one work item of the KV schedule
+(a KV block and a chunk [t0, t1) of its transposed row), exactly the Triton kernel's items, so the plan,
+the chunk partials and the finish kernel are shared with it.
+
+What the hand schedule adds over the Triton kernel (whose tile products wait for each other): the q/dO
+slices of step u + NUM_BUF - 1 are in flight by TMA while step u computes; the scores' softmax overlaps
+the dP^T product; the dK/dV products of step u run while step u + 1 waits for its tiles and loads its lse
+and delta (warpgroup MMAs issued asynchronously, waited for only where a result is read).
+
+Known limits (the launcher falls back to the Triton kernel outside them, :func:`gluon_kv_supported`):
+Hopper (sm_90) only, bf16/fp16, [B, H, N, D] tensors in layouts TMA addresses (any strides with the last
+one 1, e.g. the projections' [B, N, H, D] memory), N a multiple of BLOCK_Q (key rows past N arrive as zeros
+and are masked as in the Triton kernel; query rows past N would need masked lse/delta loads, whose registers
+spill the accumulators at D = 128), BLOCK_K in {64, 128} (4 warps per 64 key rows), no documents, dropout, sequence lengths or
+query-block map, one head per step; 128 x 128 key tiles at D = 128 spill 12 bytes (ptxas of triton 3.6). The kernel
+cannot run in Triton's interpreter; the CPU tests compile it for sm_90a instead (tests/test_kernel_gluon.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+
+try:  # Gluon ships with triton >= 3.4; without it the Triton kernel is the only backward
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_init,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    HAS_GLUON = True
+except ImportError:  # pragma: no cover - depends on the installed triton
+    HAS_GLUON = False
+
+from ._launch import tma_addressable
+
+__all__ = ["HAS_GLUON", "dkdv_gluon_arguments", "gluon_kv_supported", "launch_dkdv_gluon"]
+
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer 1: kernel
+# ----------------------------------------------------------------------------------------------
+if HAS_GLUON:
+    @gluon.jit
+    def _issue_qdo_load(desc_q, desc_do, q_ring, do_ring, ready, KV_QBLOCKS, t0, hkv, b, u,
+                        GROUP: gl.constexpr, ROW_SLICES: gl.constexpr, BLOCK_Q: gl.constexpr,
+                        TILE_ROWS: gl.constexpr, NUM_BUF: gl.constexpr):
+        # step u of the item: query block t0 + u // (GROUP * ROW_SLICES), head (u // ROW_SLICES) % GROUP,
+        # row slice u % ROW_SLICES; its q and dO slices ([1, 1, M, D] boxes, rows past N arrive as 0) land in
+        # ring slot u % NUM_BUF
+        steps_per_block: gl.constexpr = GROUP * ROW_SLICES
+        qb = gl.load(KV_QBLOCKS + t0 + u // steps_per_block)
+        head = hkv * GROUP + (u % steps_per_block) // ROW_SLICES
+        row = qb * BLOCK_Q + (u % ROW_SLICES) * TILE_ROWS
+        slot = u % NUM_BUF
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 2 * desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [b, head, row, 0], bar, q_ring.index(slot))
+        tma.async_copy_global_to_shared(desc_do, [b, head, row, 0], bar, do_ring.index(slot))
+
+    @gluon.jit
+    def _dkdv_gluon_kernel(
+        desc_q, desc_do, desc_k, desc_v, LSE, DELTA, KV_QBLOCKS, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
+        DK, DV, DK_PARTIAL, DV_PARTIAL,
+        stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+        stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+        N, HQ, HKV, NKB, scale_log2, scale,
+        GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
+        TILE_ROWS: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        ROW_SLICES: gl.constexpr = BLOCK_Q // TILE_ROWS
+        STEPS_PER_BLOCK: gl.constexpr = GROUP * ROW_SLICES
+        # one warpgroup per 64 key rows: both MMA shapes split the key rows over the warps, so a score
+        # tile's rows are held by the warps that hold the same dK/dV rows (the P^T -> operand conversion
+        # stays inside each thread)
+        scores_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, TILE_ROWS, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+        key_rows_layout: gl.constexpr = gl.SliceLayout(1, scores_layout)
+        query_cols_layout: gl.constexpr = gl.SliceLayout(0, scores_layout)
+
+        item = gl.program_id(0)
+        kv_row = gl.load(ITEM_ROW + item)  # (b*HKV + hkv)*NKB + j; -1: padding item
+        if kv_row >= 0:
+            t0 = gl.load(ITEM_T0 + item)
+            t1 = gl.load(ITEM_T1 + item)
+            part = gl.load(ITEM_PART + item)
+            j = kv_row % NKB
+            batch_head = kv_row // NKB
+            b = batch_head // HKV
+            hkv = batch_head % HKV
+            num_steps = (t1 - t0) * STEPS_PER_BLOCK
+
+            # TMA boxes are [1, 1, rows, D] (a head's rows of a [B, H, N, D] tensor of any strides); the tile
+            # products take them as [rows, D] views
+            k_box = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
+            v_box = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
+            q_ring = gl.allocate_shared_memory(desc_q.dtype, [NUM_BUF, 1, 1, TILE_ROWS, HEAD_DIM], desc_q.layout)
+            do_ring = gl.allocate_shared_memory(desc_do.dtype, [NUM_BUF, 1, 1, TILE_ROWS, HEAD_DIM],
+                                                desc_do.layout)
+            kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+            mbarrier.init(kv_ready, count=1)
+            for i in gl.static_range(NUM_BUF):
+                mbarrier.init(ready.index(i), count=1)
+
+            mbarrier.expect(kv_ready, 2 * desc_k.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_k, [b, hkv, j * BLOCK_K, 0], kv_ready, k_box)
+            tma.async_copy_global_to_shared(desc_v, [b, hkv, j * BLOCK_K, 0], kv_ready, v_box)
+            for i in gl.static_range(NUM_BUF - 1):
+                if i < num_steps:
+                    _issue_qdo_load(desc_q, desc_do, q_ring, do_ring, ready, KV_QBLOCKS, t0, hkv, b, i,
+                                    GROUP, ROW_SLICES, BLOCK_Q, TILE_ROWS, NUM_BUF)
+
+            k_smem = k_box.reshape([BLOCK_K, HEAD_DIM])
+            v_smem = v_box.reshape([BLOCK_K, HEAD_DIM])
+            kpos = j * BLOCK_K + gl.arange(0, BLOCK_K, key_rows_layout)  # [BK]
+            offs_m = gl.arange(0, TILE_ROWS, query_cols_layout)  # [M]
+            # the block's last key is past a query of some step's block (the diagonal), or past N: mask
+            masked_block = j * BLOCK_K + BLOCK_K > N
+            zero_scores = gl.zeros([BLOCK_K, TILE_ROWS], gl.float32, scores_layout)
+            # loop-carried as in-flight accumulators: each step's dK/dV products are waited for by the next
+            dk = warpgroup_mma_init(gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, acc_layout))
+            dv = warpgroup_mma_init(gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, acc_layout))
+            mbarrier.wait(kv_ready, phase=0)
+            for u in range(num_steps):
+                slot = u % NUM_BUF
+                qb = gl.load(KV_QBLOCKS + t0 + u // STEPS_PER_BLOCK)
+                head = hkv * GROUP + (u % STEPS_PER_BLOCK) // ROW_SLICES
+                first_row = (u % ROW_SLICES) * TILE_ROWS
+                q_slot = q_ring.index(slot).reshape([TILE_ROWS, HEAD_DIM])  # [M, D]
+                do_slot = do_ring.index(slot).reshape([TILE_ROWS, HEAD_DIM])  # [M, D]
+                mbarrier.wait(ready.index(slot), phase=(u // NUM_BUF) & 1)
+                st = warpgroup_mma(k_smem, q_slot.permute((1, 0)), zero_scores, use_acc=False,
+                                   is_async=True)  # [BK, M] = K Q^T
+                dpt = warpgroup_mma(v_smem, do_slot.permute((1, 0)), zero_scores, use_acc=False,
+                                    is_async=True)  # [BK, M] = V dO^T
+                qpos = qb * BLOCK_Q + first_row + offs_m  # [M]
+                # [M] rows of lse / delta ([B, HQ, N] contiguous); every query row is < N (N a multiple of
+                # BLOCK_Q: unmasked loads, whose masks would cost the registers the accumulators need)
+                row = (b * HQ + head).to(gl.int64) * N + qpos
+                lse = gl.load(LSE + row)
+                lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+                delta = gl.load(DELTA + row)
+                # S^T done (and with it the previous step's dK/dV products, issued before it): the ring slot
+                # they read is free for the step NUM_BUF - 1 ahead
+                st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
+                if u + NUM_BUF - 1 < num_steps:
+                    _issue_qdo_load(desc_q, desc_do, q_ring, do_ring, ready, KV_QBLOCKS, t0, hkv, b,
+                                    u + NUM_BUF - 1, GROUP, ROW_SLICES, BLOCK_Q, TILE_ROWS, NUM_BUF)
+                st = st * scale_log2
+                if masked_block | (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q):  # the forward's masks, where it had
+                    ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < N)
+                    st = gl.where(ok, st, float("-inf"))
+                pt = gl.exp2(st - lse2[None, :])  # [BK, M]
+                dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
+                dst = pt * (dpt - delta[None, :])  # [BK, M]
+                pt_operand = gl.convert_layout(pt.to(desc_do.dtype), operand_layout)
+                dst_operand = gl.convert_layout(dst.to(desc_q.dtype), operand_layout)
+                dv = warpgroup_mma(pt_operand, do_slot, dv, is_async=True)  # [BK, D]
+                dk = warpgroup_mma(dst_operand, q_slot, dk, is_async=True)  # [BK, D]
+            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+            mbarrier.invalidate(kv_ready)
+            for i in gl.static_range(NUM_BUF):
+                mbarrier.invalidate(ready.index(i))
+
+            rows = gl.arange(0, BLOCK_K, gl.SliceLayout(1, acc_layout))
+            cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
+            if part < 0:
+                # whole row in this item: dK/dV once, in the output dtype, through their strides
+                kpos64 = (j * BLOCK_K + rows).to(gl.int64)
+                kv_ok = (j * BLOCK_K + rows < N)[:, None]
+                dk_ptrs = DK + b.to(gl.int64) * stride_dkb + hkv.to(gl.int64) * stride_dkh \
+                    + kpos64[:, None] * stride_dkn + cols[None, :] * stride_dkd
+                dv_ptrs = DV + b.to(gl.int64) * stride_dvb + hkv.to(gl.int64) * stride_dvh \
+                    + kpos64[:, None] * stride_dvn + cols[None, :] * stride_dvd
+                gl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
+                gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok)
+            else:
+                workspace = part.to(gl.int64) * (BLOCK_K * HEAD_DIM) + rows[:, None] * HEAD_DIM + cols[None, :]
+                gl.store(DK_PARTIAL + workspace, dk)
+                gl.store(DV_PARTIAL + workspace, dv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer 2: launcher
+# ----------------------------------------------------------------------------------------------
+def gluon_kv_supported(q, k, v, do, dk, dv, *, block_q: int, block_k: int, tile_rows: int, heads_per_step: int,
+                       has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool) -> str | None:
+    """None when the Gluon kernel can take this call, else why not (the launcher then runs the Triton
+    kernel)."""
+    if not HAS_GLUON:
+        return "this triton has no Gluon"
+    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
+        return "the Gluon kernel is for Hopper (sm_90)"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {q.dtype} (bf16/fp16 only)"
+    if has_seq_lens or has_docs or dropout or query_map:
+        return "sequence lengths, documents, dropout or a query-block map"
+    if heads_per_step != 1:
+        return "more than one head per step"
+    if block_k not in (64, 128) or tile_rows not in (32, 64, 128) or block_q % tile_rows:
+        return f"tiles BK={block_k}, BQ={block_q}, rows per step {tile_rows}"
+    if q.shape[2] % block_q:
+        return f"N={q.shape[2]} is not a multiple of BLOCK_Q={block_q}"
+    if not all(tma_addressable(x) for x in (q, k, v, do)):
+        return "a layout of q, k, v or dO that TMA cannot address"
+    return None
+
+
+def dkdv_gluon_arguments(q, k, v, do, lse, delta, kv_qblocks, item_row, item_t0, item_t1, item_part, dk, dv,
+                         dk_partial, dv_partial, *, block_q: int, block_k: int, scale: float, tile_rows: int,
+                         num_buf: int = 2):
+    """The grid, positional arguments and keyword arguments of :func:`launch_dkdv_gluon` (the CPU tests
+    compile the kernel from them without a GPU)."""
+    B, HQ, N, D = q.shape
+    HKV = k.shape[1]
+    gdtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def descriptor(x, rows):
+        block = [1, 1, rows, D]
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), block,
+                                gl.NVMMASharedLayout.get_default_for(block, gdtype))
+
+    args = (descriptor(q, tile_rows), descriptor(do, tile_rows), descriptor(k, block_k), descriptor(v, block_k),
+            lse, delta, kv_qblocks, item_row, item_t0, item_t1, item_part, dk, dv, dk_partial, dv_partial,
+            *dk.stride(), *dv.stride(), N, HQ, HKV, triton.cdiv(N, block_k), scale * LOG2E, scale)
+    kwargs = dict(GROUP=HQ // HKV, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D, TILE_ROWS=tile_rows,
+                  NUM_BUF=num_buf, num_warps=4 * (block_k // 64))
+    return (item_row.numel(),), args, kwargs
+
+
+def launch_dkdv_gluon(*tensors, **options):
+    """Run the Gluon KV-centric kernel over the schedule's items (the buffers of the Triton kernel: q, do
+    ``[B, HQ, N, D]``, k, v, dk, dv ``[B, HKV, N, D]`` in any TMA-addressable strides, lse and delta
+    ``[B, HQ, N]`` float32 contiguous, chunk partials ``[parts, BK, D]`` float32; arguments as
+    :func:`dkdv_gluon_arguments`). Returns the compiled kernel."""
+    grid, args, kwargs = dkdv_gluon_arguments(*tensors, **options)
+    return _dkdv_gluon_kernel[grid](*args, **kwargs)

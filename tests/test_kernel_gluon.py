@@ -1,0 +1,244 @@
+"""The Gluon KV-centric dK/dV kernel (``kernel_options.kv_gluon``, sparse_train/kernels/backward_gluon.py).
+
+Gluon kernels do not run in Triton's interpreter. On the CPU: the kernel compiles for sm_90a (a Hopper target
+set without a GPU; ptxas ships with triton) at the tiles ``plan.backward_config`` picks, without spilled
+registers; the launcher runs the Triton kernel wherever the Gluon one does not apply (here: no Hopper), with
+bitwise the Triton kernel's gradients; the config fields and the reasons for a fallback. On the GPU (marker
+``gpu``): o, dq, dk, dv against the fp32 reference at real sizes (c = 3, as tests/test_kernel_backward.py),
+with chunked rows (partials), GQA and MHA, and the compiled kernel shows that the Gluon kernel ran.
+"""
+import os
+import re
+import subprocess
+
+import pytest
+import torch
+import triton
+
+from builders import make_qkv, random_index
+from sparse_train.kernels import backward_gluon as bg
+from sparse_train.plan import backward_config
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+
+from sparse_train.kernels import backward as kb  # noqa: E402
+from sparse_train.kernels.op import triton_sparse_attention  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not bg.HAS_GLUON, reason="this triton has no Gluon")
+
+
+class _HopperTarget:
+    """The parts of triton's active driver a compile-only ``warmup`` asks for, answering sm_90."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+    def get_device_interface(self):
+        return torch.cuda
+
+
+def _ptxas_report(ptx: str, tmp_path) -> tuple[int, int]:
+    """(registers, spill store bytes) of a PTX kernel for sm_90a, from the ptxas that ships with triton."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this triton ships no ptxas")
+    path = tmp_path / "kernel.ptx"
+    path.write_text(ptx)
+    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
+                            text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
+    return registers, spills
+
+
+COMPILE_CASES = [
+    # block (BQ = BK), head dim, GQA group, spilled bytes allowed (ptxas of triton 3.6: 128 x 128 key tiles spill
+    # 32 bytes at 8 warps; still the fastest variant measured on the H200)
+    pytest.param(64, 128, 4, 0, id="P64-d128-gqa4"),
+    pytest.param(128, 128, 4, 32, id="P128-d128-gqa4"),
+    pytest.param(64, 64, 4, 0, id="P64-d64-gqa4"),
+    pytest.param(128, 64, 1, 0, id="P128-d64-mha"),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
+@pytest.mark.parametrize("block,head_dim,group,spill_bytes", COMPILE_CASES)
+def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group, spill_bytes, tmp_path):
+    """The kernel at backward_config's Gluon tiles compiles to sm_90a and fits in registers (a spill would
+    put the accumulators in local memory, the defect the issue profiled in the Triton kernel)."""
+    config = backward_config(group, block, block, head_dim, False, {"kv_gluon": True})
+    n, hkv = 4 * block, 2
+    q = torch.zeros(1, hkv * group, n, head_dim, dtype=torch.bfloat16)
+    k = torch.zeros(1, hkv, n, head_dim, dtype=torch.bfloat16)
+    stats = torch.zeros(1, hkv * group, n)
+    items = torch.zeros(8, dtype=torch.int32)
+    partials = torch.zeros(2, block, head_dim)
+    grid, args, kwargs = bg.dkdv_gluon_arguments(
+        q, k, k, q, stats, stats, items, items, items, items, items, k, k, partials, partials, block_q=block,
+        block_k=block, scale=head_dim ** -0.5, tile_rows=config.gluon_tile_rows, num_buf=config.gluon_stages)
+    driver = triton.runtime.driver
+    saved = driver._active
+    driver.set_active(_HopperTarget())
+    try:
+        compiled = bg._dkdv_gluon_kernel.warmup(*args, grid=grid, **kwargs)
+    finally:
+        driver._active = saved
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in compiled.asm["ptx"]  # the q/dO ring is filled by TMA
+    registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
+    print(f"block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
+          f"{compiled.metadata.shared} bytes of shared memory")
+    assert spills <= spill_bytes
+    assert compiled.metadata.shared <= 228 * 1024 // (2 if block == 64 else 1)  # programs per SM it was sized for
+
+
+def test_backward_config_gluon_default_follows_the_device():
+    """``kv_gluon`` is on by default exactly where :func:`plan.gluon_kernels` holds (a Hopper GPU with Gluon),
+    off on the CPU; the option overrides it either way, and its tiles are the plan's constants."""
+    from sparse_train import plan as plan_mod
+    assert backward_config(4, 64, 64, 128, False, device="cpu").kv_gluon == 0
+    assert backward_config(4, 64, 64, 128, False, {"kv_gluon": True}, device="cpu").kv_gluon == 1
+    on = backward_config(4, 64, 64, 128, False, {"kv_gluon": True})
+    assert (on.gluon_tile_rows, on.gluon_stages) == (plan_mod.GLUON_TILE_ROWS, plan_mod.GLUON_RING)
+    # the Triton kernel's own tiles stay its tuned ones (it runs wherever the Gluon one does not apply)
+    assert on._replace(kv_gluon=0) == backward_config(4, 64, 64, 128, False)
+    if torch.cuda.is_available():
+        expected = int(torch.cuda.get_device_capability()[0] == 9)
+        assert backward_config(4, 64, 64, 128, False, device="cuda").kv_gluon == expected
+        assert backward_config(4, 64, 64, 128, False, {"kv_gluon": False}, device="cuda").kv_gluon == 0
+    with pytest.raises(ValueError, match="kv_gluon"):
+        backward_config(4, 64, 64, 128, False, {"kv_gluon": "yes"})
+
+
+def test_gluon_fallback_reasons():
+    """Each condition the Gluon kernel does not cover is named (the launcher then runs the Triton kernel)."""
+    q, k, v = make_qkv(1, 4, 2, 256, 64, torch.bfloat16, device="cpu")
+    kw = dict(block_q=64, block_k=64, tile_rows=64, heads_per_step=1, has_seq_lens=False, has_docs=False,
+              dropout=False, query_map=False)
+    assert "Hopper" in bg.gluon_kv_supported(q, k, v, q, k, v, **kw)
+
+
+@pytest.mark.gpu
+def test_gluon_fallback_reasons_on_hopper():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for Hopper")
+    q, k, v = make_qkv(1, 4, 2, 256, 64, torch.bfloat16, device="cpu")
+    _hopper_fallback_reasons(q, k, v, dict(block_q=64, block_k=64, tile_rows=64, heads_per_step=1,
+                                           has_seq_lens=False, has_docs=False, dropout=False, query_map=False))
+
+
+def _hopper_fallback_reasons(q, k, v, kw):
+    """On Hopper: supported as given and in the projections' strides; every other condition named."""
+    qc, kc, vc = (x.cuda() for x in (q, k, v))
+    assert bg.gluon_kv_supported(qc, kc, vc, qc, kc, vc, **kw) is None
+    assert "dropout" in bg.gluon_kv_supported(qc, kc, vc, qc, kc, vc, **dict(kw, dropout=True))
+    assert "multiple" in bg.gluon_kv_supported(qc[:, :, :250], kc[:, :, :250], vc[:, :, :250], qc[:, :, :250],
+                                               kc[:, :, :250], vc[:, :, :250], **kw)
+    assert "dtype" in bg.gluon_kv_supported(qc.float(), kc.float(), vc.float(), qc.float(), kc.float(),
+                                            vc.float(), **kw)
+    assert bg.gluon_kv_supported(qc.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, qc, kc, vc, **kw) is None
+    misaligned = torch.empty(qc.numel() + 1, device="cuda", dtype=qc.dtype)[1:].view(qc.shape)
+    assert "layout" in bg.gluon_kv_supported(misaligned, kc, vc, qc, kc, vc, **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
+                    reason="on Hopper the Gluon kernel runs (the GPU tests below)")
+@pytest.mark.usefixtures("poison_fresh_outputs")
+def test_without_hopper_kv_gluon_runs_the_triton_kernel_bitwise():
+    """Off Hopper (here the interpreter) ``kv_gluon`` changes nothing: the Triton kernel runs, same bits."""
+    idx = random_index(1, 2, 128, 32, 32, 2, 1, 1, seed=3)
+    q, k, v = make_qkv(1, 4, 2, 128, 32, torch.float32, device="cpu")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
+
+    def grads(options):
+        qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        o, _ = triton_sparse_attention(qs, ks, vs, idx, kernel_options=options)
+        return torch.autograd.grad(o, (qs, ks, vs), do)
+
+    plain = grads(None)
+    gluon = grads({"kv_gluon": True})
+    assert all(torch.equal(a, b) for a, b in zip(plain, gluon))
+
+
+GPU_CASES = [
+    # B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks, kv_chunk (None: the default), projection layout
+    # ([B, N, H, D] memory, as the module passes it)
+    pytest.param(2, 8, 2, 4096, 128, 64, 64, torch.bfloat16, 8, 4, 1, None, False, id="bf16-d128-b64-gqa4"),
+    pytest.param(1, 8, 8, 8192, 64, 128, 128, torch.float16, 6, 2, 1, None, False, id="fp16-d64-b128-8k-mha"),
+    pytest.param(1, 8, 2, 4096, 128, 128, 64, torch.bfloat16, 8, 4, 1, 2, False, id="bf16-d128-bq128-bk64-chunks2"),
+    pytest.param(1, 4, 1, 3136, 64, 64, 128, torch.float16, 5, 2, 1, 3, False,
+                 id="fp16-d64-bq64-bk128-gqa4-chunks3-N_not_multiple_of_BK"),
+    pytest.param(1, 8, 2, 8192, 128, 128, 128, torch.bfloat16, 8, 4, 1, None, False, id="bf16-d128-b128-8k"),
+    pytest.param(2, 8, 2, 4096, 128, 64, 64, torch.bfloat16, 8, 4, 1, None, True, id="bf16-d128-b64-projection-layout"),
+    pytest.param(1, 8, 8, 3200, 64, 64, 128, torch.bfloat16, 6, 2, 1, None, True,
+                 id="bf16-d64-bq64-bk128-projection-layout-N_not_multiple_of_BK"),
+]
+
+
+@pytest.fixture
+def poison_fresh_gradients(monkeypatch):
+    """As conftest's ``poison_fresh_outputs``, for ``torch.empty_like`` too (the launcher allocates dK and dV in
+    k's and v's layouts with it): a row the Gluon kernel leaves unwritten shows up as NaN."""
+    real_empty_like = torch.empty_like
+
+    def empty_like(*args, **kwargs):
+        t = real_empty_like(*args, **kwargs)
+        if t.is_floating_point():
+            with torch.no_grad():
+                t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poison_fresh_outputs", "poison_fresh_gradients")
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,dtype,topk,window,sinks,kv_chunk,projection_layout", GPU_CASES)
+def test_gluon_backward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks, kv_chunk, projection_layout):
+    """``kernel_options.kv_gluon`` on the H200: the Gluon kernel runs and o, dq, dk, dv match the fp32
+    reference at real sizes (fresh outputs NaN-poisoned); dq is bitwise the Triton path's (the dQ kernel is the
+    same), and so are dk and dv (same tile products, accumulated in the same order)."""
+    from test_kernel_backward import _gpu_compare
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernel is for Hopper")
+    idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N, device="cuda")
+    q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
+    if projection_layout:  # same values in [B, N, H, D] memory: the descriptors take the strides
+        q, k, v, do = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, do))
+    options = {"kv_gluon": True} if kv_chunk is None else {"kv_gluon": True, "kv_chunk": kv_chunk}
+    _, _, _, (dq, dk, dv) = _gpu_compare(idx, q, k, v, do, kernel_options=options)
+    assert kb.LAST_COMPILED["dkdv"].name == "_dkdv_gluon_kernel"
+    triton_options = {"kv_gluon": False} if kv_chunk is None else {"kv_gluon": False, "kv_chunk": kv_chunk}
+    _, _, _, (dq_triton, dk_triton, dv_triton) = _gpu_compare(idx, q, k, v, do, kernel_options=triton_options)
+    assert kb.LAST_COMPILED["dkdv"].name == "_dkdv_kernel"
+    print(f"max |dK gluon - dK triton| {float((dk.float() - dk_triton.float()).abs().max()):.3g}, "
+          f"|dV| {float((dv.float() - dv_triton.float()).abs().max()):.3g}")
+    assert torch.equal(dq, dq_triton) and torch.equal(dk, dk_triton) and torch.equal(dv, dv_triton)
+
+
+@pytest.mark.gpu
+def test_gluon_falls_back_where_it_does_not_apply():
+    """Dropout and a length that is not a multiple of BLOCK_Q take the Triton kernel under ``kv_gluon``,
+    with the Triton kernel's gradients (bitwise: deterministic mode on both sides)."""
+    from test_kernel_backward import _gpu_compare
+    idx = random_index(1, 2, 4099, 64, 64, 8, 4, 1, seed=7, device="cuda")
+    q, k, v = make_qkv(1, 8, 2, 4099, 128, torch.bfloat16, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
+    for kw in (dict(), dict(dropout_p=0.1, dropout_seed=3)):
+        _, _, _, gluon = _gpu_compare(idx, q, k, v, do, kernel_options={"kv_gluon": True}, deterministic=True, **kw)
+        assert kb.LAST_COMPILED["dkdv"].name == "_dkdv_kernel"
+        _, _, _, plain = _gpu_compare(idx, q, k, v, do, kernel_options={"kv_gluon": False}, deterministic=True,
+                                      **kw)
+        assert all(torch.equal(a, b) for a, b in zip(gluon, plain))
