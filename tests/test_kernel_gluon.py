@@ -126,7 +126,7 @@ def test_gluon_fallback_reasons():
     q, k, v = make_qkv(1, 4, 2, 256, 64, torch.bfloat16, device="cpu")
     kw = dict(block_q=64, block_k=64, tile_rows=64, heads_per_step=1, has_seq_lens=False, has_docs=False,
               dropout=False, query_map=False)
-    assert "Hopper" in bg.gluon_kv_supported(q, k, v, q, k, v, **kw)
+    assert "Hopper" in bg.gluon_kv_supported(q, k, v, q, **kw)
 
 
 @pytest.mark.gpu
@@ -141,15 +141,14 @@ def test_gluon_fallback_reasons_on_hopper():
 def _hopper_fallback_reasons(q, k, v, kw):
     """On Hopper: supported as given and in the projections' strides; every other condition named."""
     qc, kc, vc = (x.cuda() for x in (q, k, v))
-    assert bg.gluon_kv_supported(qc, kc, vc, qc, kc, vc, **kw) is None
-    assert "dropout" in bg.gluon_kv_supported(qc, kc, vc, qc, kc, vc, **dict(kw, dropout=True))
+    assert bg.gluon_kv_supported(qc, kc, vc, qc, **kw) is None
+    assert "dropout" in bg.gluon_kv_supported(qc, kc, vc, qc, **dict(kw, dropout=True))
     assert "multiple" in bg.gluon_kv_supported(qc[:, :, :250], kc[:, :, :250], vc[:, :, :250], qc[:, :, :250],
-                                               kc[:, :, :250], vc[:, :, :250], **kw)
-    assert "dtype" in bg.gluon_kv_supported(qc.float(), kc.float(), vc.float(), qc.float(), kc.float(),
-                                            vc.float(), **kw)
-    assert bg.gluon_kv_supported(qc.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, qc, kc, vc, **kw) is None
+                                               **kw)
+    assert "dtype" in bg.gluon_kv_supported(qc.float(), kc.float(), vc.float(), qc.float(), **kw)
+    assert bg.gluon_kv_supported(qc.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, qc, **kw) is None
     misaligned = torch.empty(qc.numel() + 1, device="cuda", dtype=qc.dtype)[1:].view(qc.shape)
-    assert "layout" in bg.gluon_kv_supported(misaligned, kc, vc, qc, kc, vc, **kw)
+    assert "layout" in bg.gluon_kv_supported(misaligned, kc, vc, qc, **kw)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,

@@ -27,7 +27,7 @@ the tile configuration come from sparse_train/plan.py.
 Gluon KV-centric kernel (``BackwardConfig.kv_gluon``, default on a Hopper GPU): the same work items, partials
 and finish, with the dK/dV tile products hand-scheduled in Gluon (backward_gluon.py: TMA ring of q/dO slices,
 asynchronous warpgroup MMAs); where it does not apply (documents, dropout, sequence lengths, a query-block
-map, N not a multiple of the blocks, fused or stored-dS mode) ``_dkdv_kernel`` runs.
+map, N not a multiple of BLOCK_Q, fused or stored-dS mode) ``_dkdv_kernel`` runs.
 
 Deterministic mode: no block is cold, so no atomics run; every dK/dV element comes from one program or
 from the fixed-order sum of chunk partials, dQ from one program per tile: gradients are bitwise
@@ -581,7 +581,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         stage_events[2].record()
     num_items = schedule.item_row.numel()
     gluon = bool(config.kv_gluon) and not (fused or stored) and gluon_kv_supported(
-        q, k, v, do, dk, dv, block_q=block_q, block_k=block_k, tile_rows=config.gluon_tile_rows,
+        q, k, v, do, block_q=block_q, block_k=block_k, tile_rows=config.gluon_tile_rows,
         heads_per_step=config.kv_heads_per_program, has_seq_lens=seq_lens is not None, has_docs=has_docs,
         dropout=dropout, query_map=has_map) is None
     if num_items > 0 and gluon:

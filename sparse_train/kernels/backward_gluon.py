@@ -199,7 +199,7 @@ if HAS_GLUON:
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def gluon_kv_supported(q, k, v, do, dk, dv, *, block_q: int, block_k: int, tile_rows: int, heads_per_step: int,
+def gluon_kv_supported(q, k, v, do, *, block_q: int, block_k: int, tile_rows: int, heads_per_step: int,
                        has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool) -> str | None:
     """None when the Gluon kernel can take this call, else why not (the launcher then runs the Triton
     kernel)."""
