@@ -365,6 +365,15 @@ GLUON_TILE_ROWS = 64
 slower; docs/benchmarks/speed_round2/h200_probe_gluon_kv_session14.json)."""
 GLUON_RING = 2
 """q/dO slices the Gluon KV-centric kernel keeps in flight (3: equal at D = 64, spills at D = 128)."""
+GLUON_DQ_RING = 2
+"""K/V tiles the Gluon dQ kernel keeps in flight (ring slots in shared memory; 3: equal or slower on the H200,
+and over 128 x 128 key tiles at D = 128 more shared memory than a program has)."""
+GLUON_DQ_ROWS = 64
+"""Query rows a Gluon dQ program aims at (heads x BQ; one head for BQ = 128). 64 rows (4 warps) let two programs
+share an SM, one computing its softmax while the other's products run: on the H200 at 64K, P64, the whole
+backward took 10.01 against 10.46 ms with 128 rows at D = 128, 6.01 against 6.64 at D = 64
+(docs/benchmarks/speed_round2/h200_probe_gluon_backward_session15_p64_heads.json). The Triton dQ kernel keeps
+its 128 rows (with one head at BQ = 64 it took 17.5 ms)."""
 
 
 def gluon_kernels(device) -> bool:
@@ -468,6 +477,13 @@ class KernelOptions:
     ``fused_dq`` nor ``stored_ds``; the Triton kernel runs elsewhere). Same products in the same order: the
     gradients equal the Triton kernel's. Default on where :func:`gluon_kernels` holds (H200, 64K: the
     backward 9-15% faster; docs/benchmarks/speed_round2/README.md, fourteenth session)."""
+    dq_gluon: bool | None = None
+    """The dQ kernel hand-scheduled in Gluon (:mod:`sparse_train.kernels.backward_gluon`: K/V tiles
+    prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
+    (as ``kv_gluon``, and no cold block: the atomic dK/dV products of cold blocks stay in the Triton kernel).
+    Same products in the same order: dQ equals the Triton kernel's bit for bit. Default on where
+    :func:`gluon_kernels` holds (H200, 64K, whole backward with the Gluon KV-centric kernel: 2.6-5% faster;
+    docs/benchmarks/speed_round2/README.md, fifteenth session)."""
 
 
 KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
@@ -523,7 +539,7 @@ def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> 
             value = _check_power_of_two(label, value)
             if value < _MIN_DOT_ROWS:
                 raise ValueError(f"{label} must be >= {_MIN_DOT_ROWS} (tensor-core tile), got {value}")
-        elif name in ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma", "kv_gluon"):
+        elif name in ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma", "kv_gluon", "dq_gluon"):
             value = check_bool(label, value)
         values[name] = value
     if values.get("fused_dq") and values.get("stored_ds"):
@@ -570,6 +586,13 @@ class BackwardConfig(NamedTuple):
     """Query rows per step of the Gluon kernel (:data:`GLUON_TILE_ROWS`)."""
     gluon_stages: int = 2
     """Depth of the Gluon kernel's q/dO ring in shared memory (:data:`GLUON_RING`)."""
+    dq_gluon: int = 0
+    """1: dQ runs the Gluon kernel where it applies (``KernelOptions.dq_gluon``)."""
+    dq_gluon_stages: int = 2
+    """Depth of the Gluon dQ kernel's K/V ring in shared memory (:data:`GLUON_DQ_RING`)."""
+    dq_gluon_heads_per_program: int = 1
+    """Query heads per Gluon dQ program (:data:`GLUON_DQ_ROWS`); ``dq_heads_per_program`` stays the Triton
+    kernel's, which runs where the Gluon one does not apply."""
 
 
 def _heads_per_program(group: int, block_q: int, rows: int) -> int:
@@ -633,8 +656,9 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     (``query_map``) and except over 128 x 128 key tiles without ``stored_ds`` (3 stages then at D = 64 over
     128-key blocks, 2 with pointer loads). The Gluon KV-centric kernel (``kv_gluon``) where
     :func:`gluon_kernels` holds for ``device`` (None: not assumed), with its own tiles (:data:`GLUON_TILE_ROWS`,
-    :data:`GLUON_RING`); the Triton kernel's fields stay as above for the calls it does not cover.
-    ``kernel_options`` override each field."""
+    :data:`GLUON_RING`), and likewise the Gluon dQ kernel (``dq_gluon``; :data:`GLUON_DQ_ROWS`,
+    :data:`GLUON_DQ_RING`); the Triton kernels' fields stay as above for the calls they cover.
+    ``kernel_options`` override each field (``dq_heads_per_program`` both dQ kernels' heads)."""
     options = normalize_kernel_options(kernel_options)
     dq_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=128)
     _divides_group("kernel_options.dq_heads_per_program", dq_heads, group)
@@ -668,6 +692,8 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     # the Gluon KV-centric kernel where it applies (H200, 64K, whole backward: P64 11.5 -> 10.1 ms, P128
     # 13.7 -> 11.7 at D = 128; 6.8 -> 6.2 and 8.3 -> 7.5 at D = 64)
     kv_gluon = _flag(options.kv_gluon, device is not None and gluon_kernels(device))
+    dq_gluon = _flag(options.dq_gluon, device is not None and gluon_kernels(device))
+    dq_gluon_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=GLUON_DQ_ROWS)
     kv_rows = kv_heads * block_q
     kv_tile_rows = options.kv_tile_rows or min(kv_rows, kv_slice or kv_rows)
     if kv_tile_rows > kv_rows:
@@ -677,7 +703,8 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
         dq_heads, options.dq_num_warps or dq_warps, options.dq_num_stages or dq_stages,
         kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or kv_stages,
         options.kv_chunk or KV_CHUNK, kv_tile_rows, int(bool(options.fused_dq)), dq_tma, kv_tma,
-        int(bool(options.stored_ds)), kv_gluon, GLUON_TILE_ROWS, GLUON_RING,
+        int(bool(options.stored_ds)), kv_gluon, GLUON_TILE_ROWS, GLUON_RING, dq_gluon, GLUON_DQ_RING,
+        dq_gluon_heads,
     )
 
 

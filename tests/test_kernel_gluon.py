@@ -1,11 +1,12 @@
-"""The Gluon KV-centric dK/dV kernel (``kernel_options.kv_gluon``, sparse_train/kernels/backward_gluon.py).
+"""The Gluon backward kernels (sparse_train/kernels/backward_gluon.py): KV-centric dK/dV
+(``kernel_options.kv_gluon``) and dQ (``kernel_options.dq_gluon``).
 
-Gluon kernels do not run in Triton's interpreter. On the CPU: the kernel compiles for sm_90a (a Hopper target
+Gluon kernels do not run in Triton's interpreter. On the CPU: each kernel compiles for sm_90a (a Hopper target
 set without a GPU; ptxas ships with triton) at the tiles ``plan.backward_config`` picks, without spilled
-registers; the launcher runs the Triton kernel wherever the Gluon one does not apply (here: no Hopper), with
-bitwise the Triton kernel's gradients; the config fields and the reasons for a fallback. On the GPU (marker
+registers; the launcher runs the Triton kernels wherever the Gluon ones do not apply (here: no Hopper), with
+bitwise the Triton kernels' gradients; the config fields and the reasons for a fallback. On the GPU (marker
 ``gpu``): o, dq, dk, dv against the fp32 reference at real sizes (c = 3, as tests/test_kernel_backward.py),
-with chunked rows (partials), GQA and MHA, and the compiled kernel shows that the Gluon kernel ran.
+with chunked rows (partials), GQA and MHA, and the compiled kernels show that the Gluon kernels ran.
 """
 import os
 import re
@@ -72,11 +73,22 @@ COMPILE_CASES = [
 ]
 
 
+def _compile_for_hopper(kernel, grid, args, kwargs):
+    """``kernel`` compiled for sm_90a on this CPU machine (the active driver answers sm_90 meanwhile)."""
+    driver = triton.runtime.driver
+    saved = driver._active
+    driver.set_active(_HopperTarget())
+    try:
+        return kernel.warmup(*args, grid=grid, **kwargs)
+    finally:
+        driver._active = saved
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
 @pytest.mark.parametrize("block,head_dim,group,spill_bytes", COMPILE_CASES)
 def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group, spill_bytes, tmp_path):
-    """The kernel at backward_config's Gluon tiles compiles to sm_90a and fits in registers (a spill would
-    put the accumulators in local memory, the defect the issue profiled in the Triton kernel)."""
+    """The KV-centric kernel at backward_config's Gluon tiles compiles to sm_90a and fits in registers (a spill
+    would put the accumulators in local memory, the defect the issue profiled in the Triton kernel)."""
     config = backward_config(group, block, block, head_dim, False, {"kv_gluon": True})
     n, hkv = 4 * block, 2
     q = torch.zeros(1, hkv * group, n, head_dim, dtype=torch.bfloat16)
@@ -87,13 +99,7 @@ def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group,
     grid, args, kwargs = bg.dkdv_gluon_arguments(
         q, k, k, q, stats, stats, items, items, items, items, items, k, k, partials, partials, block_q=block,
         block_k=block, scale=head_dim ** -0.5, tile_rows=config.gluon_tile_rows, num_buf=config.gluon_stages)
-    driver = triton.runtime.driver
-    saved = driver._active
-    driver.set_active(_HopperTarget())
-    try:
-        compiled = bg._dkdv_gluon_kernel.warmup(*args, grid=grid, **kwargs)
-    finally:
-        driver._active = saved
+    compiled = _compile_for_hopper(bg._dkdv_gluon_kernel, grid, args, kwargs)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in compiled.asm["ptx"]  # the q/dO ring is filled by TMA
     registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
@@ -103,22 +109,66 @@ def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group,
     assert compiled.metadata.shared <= 228 * 1024 // (2 if block == 64 else 1)  # programs per SM it was sized for
 
 
+DQ_COMPILE_CASES = [
+    # block (BQ = BK), head dim, GQA group, heads per program (None: backward_config's, one head = BQ rows)
+    pytest.param(64, 128, 4, None, id="P64-d128-gqa4"),
+    pytest.param(128, 128, 4, None, id="P128-d128-gqa4"),
+    pytest.param(64, 64, 4, None, id="P64-d64-gqa4"),
+    pytest.param(128, 64, 1, None, id="P128-d64-mha"),
+    pytest.param(64, 128, 4, 2, id="P64-d128-gqa4-two-heads-128-rows"),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
+@pytest.mark.parametrize("block,head_dim,group,heads", DQ_COMPILE_CASES)
+def test_gluon_dq_kernel_compiles_for_hopper_without_spills(block, head_dim, group, heads, tmp_path):
+    """The dQ kernel at backward_config's tiles (and 128 rows of two heads) compiles to sm_90a, K/V by TMA, and
+    fits in registers with its K/V ring in one program's shared memory."""
+    config = backward_config(group, block, block, head_dim, False, {"dq_gluon": True, "dq_heads_per_program": heads})
+    n, hkv = 4 * block, 2
+    q = torch.zeros(1, hkv * group, n, head_dim, dtype=torch.bfloat16)
+    k = torch.zeros(1, hkv, n, head_dim, dtype=torch.bfloat16)
+    stats = torch.zeros(1, hkv * group, n)
+    indices = torch.zeros(1, hkv, 4, 4, dtype=torch.int32)
+    counts = torch.zeros(1, hkv, 4, dtype=torch.int32)
+    grid, args, kwargs = bg.dq_gluon_arguments(
+        q, k, k, q, stats, stats, indices, counts, q, block_q=block, block_k=block, scale=head_dim ** -0.5,
+        heads_per_program=config.dq_gluon_heads_per_program, num_buf=config.dq_gluon_stages)
+    compiled = _compile_for_hopper(bg._dq_gluon_kernel, grid, args, kwargs)
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in compiled.asm["ptx"]  # the K/V ring is filled by TMA
+    registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
+    print(f"dQ block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
+          f"{compiled.metadata.shared} bytes of shared memory")
+    assert spills == 0
+    assert compiled.metadata.shared <= 227 * 1024
+
+
 def test_backward_config_gluon_default_follows_the_device():
     """``kv_gluon`` is on by default exactly where :func:`plan.gluon_kernels` holds (a Hopper GPU with Gluon),
     off on the CPU; the option overrides it either way, and its tiles are the plan's constants."""
     from sparse_train import plan as plan_mod
-    assert backward_config(4, 64, 64, 128, False, device="cpu").kv_gluon == 0
-    assert backward_config(4, 64, 64, 128, False, {"kv_gluon": True}, device="cpu").kv_gluon == 1
-    on = backward_config(4, 64, 64, 128, False, {"kv_gluon": True})
-    assert (on.gluon_tile_rows, on.gluon_stages) == (plan_mod.GLUON_TILE_ROWS, plan_mod.GLUON_RING)
-    # the Triton kernel's own tiles stay its tuned ones (it runs wherever the Gluon one does not apply)
-    assert on._replace(kv_gluon=0) == backward_config(4, 64, 64, 128, False)
-    if torch.cuda.is_available():
-        expected = int(torch.cuda.get_device_capability()[0] == 9)
-        assert backward_config(4, 64, 64, 128, False, device="cuda").kv_gluon == expected
-        assert backward_config(4, 64, 64, 128, False, {"kv_gluon": False}, device="cuda").kv_gluon == 0
-    with pytest.raises(ValueError, match="kv_gluon"):
-        backward_config(4, 64, 64, 128, False, {"kv_gluon": "yes"})
+    for name in ("kv_gluon", "dq_gluon"):
+        assert getattr(backward_config(4, 64, 64, 128, False, device="cpu"), name) == 0
+        assert getattr(backward_config(4, 64, 64, 128, False, {name: True}, device="cpu"), name) == 1
+        on = backward_config(4, 64, 64, 128, False, {name: True})
+        # the Triton kernels' own tiles stay their tuned ones (they run wherever the Gluon ones do not apply)
+        assert on._replace(**{name: 0}) == backward_config(4, 64, 64, 128, False)
+        if torch.cuda.is_available():
+            expected = int(torch.cuda.get_device_capability()[0] == 9)
+            assert getattr(backward_config(4, 64, 64, 128, False, device="cuda"), name) == expected
+            assert getattr(backward_config(4, 64, 64, 128, False, {name: False}, device="cuda"), name) == 0
+        with pytest.raises(ValueError, match=name):
+            backward_config(4, 64, 64, 128, False, {name: "yes"})
+    on = backward_config(4, 64, 64, 128, False)
+    assert (on.gluon_tile_rows, on.gluon_stages, on.dq_gluon_stages) == (
+        plan_mod.GLUON_TILE_ROWS, plan_mod.GLUON_RING, plan_mod.GLUON_DQ_RING)
+    # the Gluon dQ kernel takes one head of 64 rows, the Triton one stays at two (128 rows); an explicit
+    # dq_heads_per_program sets both
+    assert (on.dq_gluon_heads_per_program, on.dq_heads_per_program) == (1, 2)
+    assert backward_config(4, 32, 32, 128, False).dq_gluon_heads_per_program == 2
+    both = backward_config(4, 64, 64, 128, False, {"dq_heads_per_program": 4})
+    assert (both.dq_gluon_heads_per_program, both.dq_heads_per_program) == (4, 4)
 
 
 def test_gluon_fallback_reasons():
@@ -127,6 +177,13 @@ def test_gluon_fallback_reasons():
     kw = dict(block_q=64, block_k=64, tile_rows=64, heads_per_step=1, has_seq_lens=False, has_docs=False,
               dropout=False, query_map=False)
     assert "Hopper" in bg.gluon_kv_supported(q, k, v, q, **kw)
+    assert "Hopper" in bg.gluon_dq_supported(q, k, v, q, **_dq_support_args(kw))
+
+
+def _dq_support_args(kv_kw, **changes):
+    """gluon_dq_supported's keywords for the case gluon_kv_supported's ``kv_kw`` describes."""
+    kw = {name: value for name, value in kv_kw.items() if name not in ("tile_rows", "heads_per_step")}
+    return dict(kw, heads_per_program=2, has_cold=False, **changes)
 
 
 @pytest.mark.gpu
@@ -149,13 +206,19 @@ def _hopper_fallback_reasons(q, k, v, kw):
     assert bg.gluon_kv_supported(qc.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, qc, **kw) is None
     misaligned = torch.empty(qc.numel() + 1, device="cuda", dtype=qc.dtype)[1:].view(qc.shape)
     assert "layout" in bg.gluon_kv_supported(misaligned, kc, vc, qc, **kw)
+    dq_kw = _dq_support_args(kw)
+    assert bg.gluon_dq_supported(qc, kc, vc, qc, **dq_kw) is None
+    assert "cold" in bg.gluon_dq_supported(qc, kc, vc, qc, **dict(dq_kw, has_cold=True))
+    assert "rows per program" in bg.gluon_dq_supported(qc, kc, vc, qc, **dict(dq_kw, heads_per_program=4))
+    assert "layout" in bg.gluon_dq_supported(misaligned, kc, vc, qc, **dq_kw)
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
                     reason="on Hopper the Gluon kernel runs (the GPU tests below)")
 @pytest.mark.usefixtures("poison_fresh_outputs")
-def test_without_hopper_kv_gluon_runs_the_triton_kernel_bitwise():
-    """Off Hopper (here the interpreter) ``kv_gluon`` changes nothing: the Triton kernel runs, same bits."""
+def test_without_hopper_gluon_options_run_the_triton_kernels_bitwise():
+    """Off Hopper (here the interpreter) ``kv_gluon`` / ``dq_gluon`` change nothing: the Triton kernels run,
+    same bits."""
     idx = random_index(1, 2, 128, 32, 32, 2, 1, 1, seed=3)
     q, k, v = make_qkv(1, 4, 2, 128, 32, torch.float32, device="cpu")
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5))
@@ -166,7 +229,7 @@ def test_without_hopper_kv_gluon_runs_the_triton_kernel_bitwise():
         return torch.autograd.grad(o, (qs, ks, vs), do)
 
     plain = grads(None)
-    gluon = grads({"kv_gluon": True})
+    gluon = grads({"kv_gluon": True, "dq_gluon": True})
     assert all(torch.equal(a, b) for a, b in zip(plain, gluon))
 
 
@@ -207,7 +270,8 @@ def poison_fresh_gradients(monkeypatch):
 def test_gluon_backward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks, kv_chunk, projection_layout):
     """``kernel_options.kv_gluon`` on the H200: the Gluon kernel runs and o, dq, dk, dv match the fp32
     reference at real sizes (fresh outputs NaN-poisoned); dq is bitwise the Triton path's (the dQ kernel is the
-    same), and so are dk and dv (same tile products, accumulated in the same order)."""
+    same: the Triton one on both sides), and so are dk and dv (same tile products, accumulated in the same
+    order)."""
     from test_kernel_backward import _gpu_compare
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper")
@@ -216,15 +280,51 @@ def test_gluon_backward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, si
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
     if projection_layout:  # same values in [B, N, H, D] memory: the descriptors take the strides
         q, k, v, do = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, do))
-    options = {"kv_gluon": True} if kv_chunk is None else {"kv_gluon": True, "kv_chunk": kv_chunk}
-    _, _, _, (dq, dk, dv) = _gpu_compare(idx, q, k, v, do, kernel_options=options)
+    chunk = {} if kv_chunk is None else {"kv_chunk": kv_chunk}
+    _, _, _, (dq, dk, dv) = _gpu_compare(idx, q, k, v, do, kernel_options=dict(chunk, kv_gluon=True, dq_gluon=False))
     assert kb.LAST_COMPILED["dkdv"].name == "_dkdv_gluon_kernel"
-    triton_options = {"kv_gluon": False} if kv_chunk is None else {"kv_gluon": False, "kv_chunk": kv_chunk}
-    _, _, _, (dq_triton, dk_triton, dv_triton) = _gpu_compare(idx, q, k, v, do, kernel_options=triton_options)
+    _, _, _, (dq_triton, dk_triton, dv_triton) = _gpu_compare(idx, q, k, v, do,
+                                                              kernel_options=dict(chunk, kv_gluon=False, dq_gluon=False))
     assert kb.LAST_COMPILED["dkdv"].name == "_dkdv_kernel"
     print(f"max |dK gluon - dK triton| {float((dk.float() - dk_triton.float()).abs().max()):.3g}, "
           f"|dV| {float((dv.float() - dv_triton.float()).abs().max()):.3g}")
     assert torch.equal(dq, dq_triton) and torch.equal(dk, dk_triton) and torch.equal(dv, dv_triton)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poison_fresh_outputs", "poison_fresh_gradients")
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,dtype,topk,window,sinks,kv_chunk,projection_layout", GPU_CASES)
+def test_gluon_dq_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks, kv_chunk, projection_layout):
+    """``kernel_options.dq_gluon`` on the H200: the Gluon dQ kernel runs and o, dq, dk, dv match the fp32
+    reference at real sizes (fresh outputs NaN-poisoned); dq is bitwise the Triton dQ kernel's (same tile
+    products in the same order), dk and dv too (the same KV-centric kernel on both sides)."""
+    from test_kernel_backward import _gpu_compare
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper")
+    idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N + 1, device="cuda")
+    q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(q)
+    if projection_layout:  # same values in [B, N, H, D] memory: the descriptors take the strides
+        q, k, v, do = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, do))
+    chunk = {} if kv_chunk is None else {"kv_chunk": kv_chunk}
+    _, _, _, gluon = _gpu_compare(idx, q, k, v, do, kernel_options=dict(chunk, dq_gluon=True))
+    assert kb.LAST_COMPILED["dq"].name == "_dq_gluon_kernel"
+    _, _, _, plain = _gpu_compare(idx, q, k, v, do, kernel_options=dict(chunk, dq_gluon=False))
+    assert kb.LAST_COMPILED["dq"].name == "_dq_kernel"
+    print(f"max |dQ gluon - dQ triton| {float((gluon[0].float() - plain[0].float()).abs().max()):.3g}")
+    assert all(torch.equal(a, b) for a, b in zip(gluon, plain))
+
+
+@pytest.mark.gpu
+def test_gluon_dq_leaves_cold_blocks_to_the_triton_kernel():
+    """With cold blocks (r0 above the smallest reuse) the dQ kernel also adds their dK/dV by atomics, which the
+    Gluon kernel does not: the Triton dQ kernel runs under ``dq_gluon`` and the gradients match the reference."""
+    from test_kernel_backward import _gpu_compare
+    idx = random_index(1, 2, 4096, 64, 64, 8, 4, 1, seed=11, device="cuda")
+    q, k, v = make_qkv(1, 8, 2, 4096, 128, torch.bfloat16, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
+    _gpu_compare(idx, q, k, v, do, kernel_options={"dq_gluon": True, "r0": 4})
+    assert kb.LAST_COMPILED["dq"].name == "_dq_kernel"
 
 
 @pytest.mark.gpu
@@ -236,8 +336,10 @@ def test_gluon_falls_back_where_it_does_not_apply():
     q, k, v = make_qkv(1, 8, 2, 4099, 128, torch.bfloat16, device="cuda")
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
     for kw in (dict(), dict(dropout_p=0.1, dropout_seed=3)):
-        _, _, _, gluon = _gpu_compare(idx, q, k, v, do, kernel_options={"kv_gluon": True}, deterministic=True, **kw)
+        _, _, _, gluon = _gpu_compare(idx, q, k, v, do, kernel_options={"kv_gluon": True, "dq_gluon": True},
+                                      deterministic=True, **kw)
         assert kb.LAST_COMPILED["dkdv"].name == "_dkdv_kernel"
-        _, _, _, plain = _gpu_compare(idx, q, k, v, do, kernel_options={"kv_gluon": False}, deterministic=True,
-                                      **kw)
+        assert kb.LAST_COMPILED["dq"].name == "_dq_kernel"
+        _, _, _, plain = _gpu_compare(idx, q, k, v, do, kernel_options={"kv_gluon": False, "dq_gluon": False},
+                                      deterministic=True, **kw)
         assert all(torch.equal(a, b) for a, b in zip(gluon, plain))

@@ -88,7 +88,7 @@ from ._jit import (
     tile_pointers,
     tile_row_slice,
 )
-from .backward_gluon import gluon_kv_supported, launch_dkdv_gluon
+from .backward_gluon import gluon_dq_supported, gluon_kv_supported, launch_dkdv_gluon, launch_dq_gluon
 from ._launch import (
     LAST_COMPILED,
     kernel_document_ids,
@@ -565,7 +565,15 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     ds_tma = ds_operand is not None
     if not ds_tma:
         ds_operand = ds
-    if not (fused or stored):
+    dq_gluon = bool(config.dq_gluon) and not (fused or stored) and gluon_dq_supported(
+        q, k, v, do, block_q=block_q, block_k=block_k, heads_per_program=config.dq_gluon_heads_per_program,
+        has_cold=has_cold, has_seq_lens=seq_lens is not None, has_docs=has_docs, dropout=dropout,
+        query_map=has_map) is None
+    if dq_gluon:
+        LAST_COMPILED["dq"] = launch_dq_gluon(
+            q, k, v, do, lse, delta, indices, counts, dq, block_q=block_q, block_k=block_k, scale=float(scale),
+            heads_per_program=config.dq_gluon_heads_per_program, num_buf=config.dq_gluon_stages)
+    elif not (fused or stored):
         LAST_COMPILED["dq"] = launch(
             _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
             q, k, v, do, lse, delta, indices, counts, seq_lens_arg, docs_arg, query_map, query_row0, slots, dq,

@@ -44,7 +44,8 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 from ._launch import tma_addressable
 
-__all__ = ["HAS_GLUON", "dkdv_gluon_arguments", "gluon_kv_supported", "launch_dkdv_gluon"]
+__all__ = ["HAS_GLUON", "dkdv_gluon_arguments", "dq_gluon_arguments", "gluon_dq_supported", "gluon_kv_supported",
+           "launch_dkdv_gluon", "launch_dq_gluon"]
 
 LOG2E = 1.4426950408889634
 
@@ -196,29 +197,160 @@ if HAS_GLUON:
                 gl.store(DV_PARTIAL + workspace, dv)
 
 
+    @gluon.jit
+    def _issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv, t,
+                       BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+        # step t of a dQ program: the K and V tiles of its t-th selected key block ([1, 1, BK, D] boxes, rows
+        # past N arrive as 0) land in ring slot t % NUM_BUF
+        j = gl.load(selected + t * stride_ik)
+        slot = t % NUM_BUF
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 2 * desc_k.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_k, [b, hkv, j * BLOCK_K, 0], bar, k_ring.index(slot))
+        tma.async_copy_global_to_shared(desc_v, [b, hkv, j * BLOCK_K, 0], bar, v_ring.index(slot))
+
+    @gluon.jit
+    def _dq_gluon_kernel(
+        desc_q, desc_do, desc_k, desc_v, LSE, DELTA, INDICES, COUNTS, DQ,
+        stride_dqb, stride_dqh, stride_dqn, stride_dqd,
+        stride_ib, stride_ih, stride_iq, stride_ik,
+        stride_cb, stride_ch, stride_cq,
+        N, HQ, HKV, NQB, scale_log2, scale,
+        GROUP: gl.constexpr, HEADS_PER_PROGRAM: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr,
+        HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        # one program = the query tile of _dq_kernel: HEADS_PER_PROGRAM heads of one query block stacked into
+        # M rows, walking its index row; the tile of q and dO stays in shared memory, K/V tiles stream through
+        # a ring filled NUM_BUF - 1 steps ahead
+        HEAD_SUBSETS: gl.constexpr = GROUP // HEADS_PER_PROGRAM
+        M: gl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
+        # one warpgroup per 64 query rows in both MMA shapes, so a score row is held by the warps that hold
+        # the same dQ row (the dS -> operand conversion stays inside each thread)
+        scores_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_K, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+        operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        qb = NQB - 1 - pid_m // HEAD_SUBSETS  # late (long) rows first, as _dq_kernel
+        b = pid_bh // HKV
+        hkv = pid_bh % HKV
+        first_head = hkv * GROUP + (pid_m % HEAD_SUBSETS) * HEADS_PER_PROGRAM
+        count = gl.load(COUNTS + b.to(gl.int64) * stride_cb + hkv.to(gl.int64) * stride_ch
+                        + qb.to(gl.int64) * stride_cq)
+        selected = INDICES + b.to(gl.int64) * stride_ib + hkv.to(gl.int64) * stride_ih + qb.to(gl.int64) * stride_iq
+
+        # q and dO arrive as [1, HEADS_PER_PROGRAM, BQ, D] boxes (the heads' rows of a [B, H, N, D] tensor of
+        # any strides); the tile products take them as [M, D]
+        q_box = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
+        do_box = gl.allocate_shared_memory(desc_do.dtype, desc_do.block_type.shape, desc_do.layout)
+        k_ring = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUF, 1, 1, BLOCK_K, HEAD_DIM], desc_k.layout)
+        v_ring = gl.allocate_shared_memory(desc_v.dtype, [NUM_BUF, 1, 1, BLOCK_K, HEAD_DIM], desc_v.layout)
+        qdo_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(qdo_ready, count=1)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=1)
+
+        mbarrier.expect(qdo_ready, 2 * desc_q.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_q, [b, first_head, qb * BLOCK_Q, 0], qdo_ready, q_box)
+        tma.async_copy_global_to_shared(desc_do, [b, first_head, qb * BLOCK_Q, 0], qdo_ready, do_box)
+        for i in gl.static_range(NUM_BUF - 1):
+            if i < count:
+                _issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv, i,
+                               BLOCK_K, NUM_BUF)
+
+        q_smem = q_box.reshape([M, HEAD_DIM])
+        do_smem = do_box.reshape([M, HEAD_DIM])
+        offs_m = gl.arange(0, M, gl.SliceLayout(1, scores_layout))  # [M]
+        offs_k = gl.arange(0, BLOCK_K, gl.SliceLayout(0, scores_layout))  # [BK]
+        qpos = qb * BLOCK_Q + offs_m % BLOCK_Q  # [M]
+        # [M] rows of lse / delta ([B, HQ, N] contiguous); every query row is < N (N a multiple of BLOCK_Q)
+        row = (b * HQ + first_head + offs_m // BLOCK_Q).to(gl.int64) * N + qpos
+        lse = gl.load(LSE + row)
+        lse2 = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = gl.load(DELTA + row)
+        zero_scores = gl.zeros([M, BLOCK_K], gl.float32, scores_layout)
+        # loop-carried as an in-flight accumulator: each step's dQ product is waited for by the next step
+        dq = warpgroup_mma_init(gl.zeros([M, HEAD_DIM], gl.float32, acc_layout))
+        mbarrier.wait(qdo_ready, phase=0)
+        for t in range(count):
+            slot = t % NUM_BUF
+            j = gl.load(selected + t * stride_ik)
+            k_slot = k_ring.index(slot).reshape([BLOCK_K, HEAD_DIM])  # [BK, D]
+            v_slot = v_ring.index(slot).reshape([BLOCK_K, HEAD_DIM])  # [BK, D]
+            mbarrier.wait(ready.index(slot), phase=(t // NUM_BUF) & 1)
+            s = warpgroup_mma(q_smem, k_slot.permute((1, 0)), zero_scores, use_acc=False,
+                              is_async=True)  # [M, BK] = Q K^T
+            dp = warpgroup_mma(do_smem, v_slot.permute((1, 0)), zero_scores, use_acc=False,
+                               is_async=True)  # [M, BK] = dO V^T
+            # S done (and with it the previous step's dQ product, issued before it): the ring slot that product
+            # read is free for the step NUM_BUF - 1 ahead
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            if t + NUM_BUF - 1 < count:
+                _issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv,
+                               t + NUM_BUF - 1, BLOCK_K, NUM_BUF)
+            s = s * scale_log2
+            if (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > N):  # the forward's masks
+                kpos = j * BLOCK_K + offs_k
+                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < N)
+                s = gl.where(ok, s, float("-inf"))
+            p = gl.exp2(s - lse2[:, None])  # [M, BK]
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
+            ds = p * (dp - delta[:, None])  # [M, BK]
+            ds_operand = gl.convert_layout(ds.to(desc_k.dtype), operand_layout)
+            dq = warpgroup_mma(ds_operand, k_slot, dq, is_async=True)  # [M, D]
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.invalidate(qdo_ready)
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.invalidate(ready.index(i))
+
+        rows = gl.arange(0, M, gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
+        heads64 = (first_head + rows // BLOCK_Q).to(gl.int64)
+        qpos64 = (qb * BLOCK_Q + rows % BLOCK_Q).to(gl.int64)
+        dq_ptrs = DQ + b.to(gl.int64) * stride_dqb + heads64[:, None] * stride_dqh + qpos64[:, None] * stride_dqn \
+            + cols[None, :] * stride_dqd
+        gl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty))
+
+
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def gluon_kv_supported(q, k, v, do, *, block_q: int, block_k: int, tile_rows: int, heads_per_step: int,
-                       has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool) -> str | None:
-    """None when the Gluon kernel can take this call, else why not (the launcher then runs the Triton
-    kernel)."""
+def _gluon_call_supported(q, k, v, do, *, block_q: int, block_k: int, has_seq_lens: bool, has_docs: bool,
+                          dropout: bool, query_map: bool) -> str | None:
+    """The conditions both Gluon kernels share: None, or why this call is outside them."""
     if not HAS_GLUON:
         return "this triton has no Gluon"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "the Gluon kernel is for Hopper (sm_90)"
+        return "the Gluon kernels are for Hopper (sm_90)"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (bf16/fp16 only)"
     if has_seq_lens or has_docs or dropout or query_map:
         return "sequence lengths, documents, dropout or a query-block map"
-    if heads_per_step != 1:
-        return "more than one head per step"
-    if block_k not in (64, 128) or tile_rows not in (32, 64, 128) or block_q % tile_rows:
-        return f"tiles BK={block_k}, BQ={block_q}, rows per step {tile_rows}"
+    if block_k not in (64, 128):
+        return f"BK={block_k} (64 or 128 supported)"
     if q.shape[2] % block_q:
         return f"N={q.shape[2]} is not a multiple of BLOCK_Q={block_q}"
     if not all(tma_addressable(x) for x in (q, k, v, do)):
         return "a layout of q, k, v or dO that TMA cannot address"
+    return None
+
+
+def gluon_kv_supported(q, k, v, do, *, block_q: int, block_k: int, tile_rows: int, heads_per_step: int,
+                       has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool) -> str | None:
+    """None when the Gluon KV-centric kernel can take this call, else why not (the launcher then runs the
+    Triton kernel)."""
+    common = _gluon_call_supported(q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=has_seq_lens,
+                                   has_docs=has_docs, dropout=dropout, query_map=query_map)
+    if common is not None:
+        return common
+    if heads_per_step != 1:
+        return "more than one head per step"
+    if tile_rows not in (32, 64, 128) or block_q % tile_rows:
+        return f"tiles BQ={block_q}, rows per step {tile_rows}"
     return None
 
 
@@ -251,3 +383,49 @@ def launch_dkdv_gluon(*tensors, **options):
     :func:`dkdv_gluon_arguments`). Returns the compiled kernel."""
     grid, args, kwargs = dkdv_gluon_arguments(*tensors, **options)
     return _dkdv_gluon_kernel[grid](*args, **kwargs)
+
+
+def gluon_dq_supported(q, k, v, do, *, block_q: int, block_k: int, heads_per_program: int, has_cold: bool,
+                       has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool) -> str | None:
+    """None when the Gluon dQ kernel can take this call, else why not (the launcher then runs ``_dq_kernel``)."""
+    common = _gluon_call_supported(q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=has_seq_lens,
+                                   has_docs=has_docs, dropout=dropout, query_map=query_map)
+    if common is not None:
+        return common
+    if has_cold:
+        return "cold blocks (their atomic dK/dV products run in the Triton dQ kernel)"
+    if heads_per_program * block_q not in (64, 128):
+        return f"{heads_per_program} heads x BQ={block_q} rows per program (64 or 128 supported)"
+    return None
+
+
+def dq_gluon_arguments(q, k, v, do, lse, delta, indices, counts, dq, *, block_q: int, block_k: int, scale: float,
+                       heads_per_program: int, num_buf: int = 2):
+    """The grid, positional arguments and keyword arguments of :func:`launch_dq_gluon` (the CPU tests compile
+    the kernel from them without a GPU)."""
+    B, HQ, N, D = q.shape
+    HKV = k.shape[1]
+    group = HQ // HKV
+    gdtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def descriptor(x, heads, rows):
+        block = [1, heads, rows, D]
+        return TensorDescriptor(x, list(x.shape), list(x.stride()), block,
+                                gl.NVMMASharedLayout.get_default_for(block, gdtype))
+
+    nqb = indices.shape[2]
+    rows = heads_per_program * block_q
+    args = (descriptor(q, heads_per_program, block_q), descriptor(do, heads_per_program, block_q),
+            descriptor(k, 1, block_k), descriptor(v, 1, block_k), lse, delta, indices, counts, dq,
+            *dq.stride(), *indices.stride(), *counts.stride(), N, HQ, HKV, nqb, scale * LOG2E, scale)
+    kwargs = dict(GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
+                  NUM_BUF=num_buf, num_warps=4 * (rows // 64))
+    return (nqb * (group // heads_per_program), B * HKV), args, kwargs
+
+
+def launch_dq_gluon(*tensors, **options):
+    """Run the Gluon dQ kernel (q, do, dq ``[B, HQ, N, D]``, k, v ``[B, HKV, N, D]`` in TMA-addressable
+    strides, lse and delta ``[B, HQ, N]`` float32 contiguous, the index's indices / counts; arguments as
+    :func:`dq_gluon_arguments`). Returns the compiled kernel."""
+    grid, args, kwargs = dq_gluon_arguments(*tensors, **options)
+    return _dq_gluon_kernel[grid](*args, **kwargs)

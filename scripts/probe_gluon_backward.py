@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
-"""Probe (H200): the KV-centric dK/dV kernel hand-scheduled in Gluon (``kernel_options.kv_gluon``) against
-the Triton one, inside the whole backward (delta, dQ, KV-centric, finish), on the indices of
-``scripts/bench_attention.py`` (B=1, HQ=32, HKV=8, bf16).
+"""Probe (H200): the backward kernels hand-scheduled in Gluon (``kernel_options.kv_gluon`` for dK/dV,
+``dq_gluon`` for dQ) against the Triton ones, inside the whole backward (delta, dQ, KV-centric, finish), on the
+indices of ``scripts/bench_attention.py`` (B=1, HQ=32, HKV=8, bf16).
 
-Per (pattern, head dim): the backward with the Triton KV-centric kernel (``kv_gluon`` off), then the Gluon
-variants (rows per step x ring depth: ``BackwardConfig.gluon_tile_rows`` / ``gluon_stages``). Before each
-run the allocator's free memory is filled with NaN, so an output the kernel leaves unwritten cannot pass. Each variant's dQ/dK/dV are compared with the
-production backward's (max |diff|, and the production's own bf16 rounding scale), and at ``--check-n``
-(small) both are compared with a float64 evaluation of the same backward (the error ratio of DESIGN.md):
-a wrong kernel cannot pass as a fast one. Backward times are device times (median, p95; the GPU kept busy
-while the host launches). A variant that does not compile is a row with its error. One JSON row each on
-stdout and in ``--out``.
+Per (pattern, head dim): the backward with both Triton kernels (the reference row), then the variants of
+:data:`VARIANTS` (BackwardConfig overrides: which kernels run Gluon, their ring depths). Before each run the
+allocator's free memory is filled with NaN, so an output a kernel leaves unwritten cannot pass. Each variant's
+dQ/dK/dV are compared with the all-Triton backward's (max |diff|, bitwise equality), and at ``--check-n``
+(small) both are compared with a float64 evaluation of the same backward (the error ratio of DESIGN.md): a
+wrong kernel cannot pass as a fast one. Backward times are device times (median, p95; the GPU kept busy while
+the host launches). A variant that does not compile is a row with its error. One JSON row each on stdout and
+in ``--out``.
 
-    python scripts/probe_gluon_kv.py --out /tmp/probe_gluon.json
+    python scripts/probe_gluon_backward.py --out /tmp/probe_gluon.json
 """
 from __future__ import annotations
 
@@ -34,8 +34,18 @@ from sparse_train.kernels.backward import sparse_attn_backward  # noqa: E402
 from sparse_train.kernels.forward import sparse_attn_forward  # noqa: E402
 from sparse_train.plan import attention_schedule  # noqa: E402
 
-# (rows per step, ring depth); None: the defaults of plan.backward_config
-VARIANTS = ((None, None), (64, 3), (32, 2), (32, 3))
+# name -> BackwardConfig overrides (the rest: plan.backward_config's defaults for the device)
+TRITON = {"kv_gluon": 0, "dq_gluon": 0}
+VARIANTS = {
+    "gluon kv": {"kv_gluon": 1, "dq_gluon": 0},
+    "gluon kv + dq, dq ring 2": {"kv_gluon": 1, "dq_gluon": 1, "dq_gluon_stages": 2},
+    "gluon kv + dq, dq ring 3": {"kv_gluon": 1, "dq_gluon": 1, "dq_gluon_stages": 3},
+    # one head per dQ program (BQ rows, 4 warps when BQ = 64): more programs per SM, K/V read once per head
+    "gluon kv + dq, 1 head per dq program, ring 2": {"kv_gluon": 1, "dq_gluon": 1, "dq_heads_per_program": 1},
+    "gluon kv + dq, 1 head per dq program, ring 3": {"kv_gluon": 1, "dq_gluon": 1, "dq_heads_per_program": 1,
+                                                     "dq_gluon_stages": 3},
+    "triton kv + dq, 1 head per dq program": {"kv_gluon": 0, "dq_gluon": 0, "dq_heads_per_program": 1},
+}
 
 
 def _inputs(n, d, pattern, device, dtype, seed):
@@ -50,16 +60,10 @@ def _inputs(n, d, pattern, device, dtype, seed):
     return q, k, v, do, idx, plan, pat["block"]
 
 
-def _backward(q, k, v, do, o, lse, idx, plan, bs, variant):
-    """The backward's launcher on these inputs: ``variant`` None = the Triton KV-centric kernel, else
-    (rows, stages) of the Gluon one."""
-    sched = attention_schedule(idx, q.shape[1] // k.shape[1], q.shape[-1], q.device,
-                               {"plan": plan, "kv_gluon": variant is not None})
-    config = sched.backward
-    if variant is not None:
-        rows, stages = variant
-        config = config._replace(gluon_tile_rows=rows or config.gluon_tile_rows,
-                                 gluon_stages=stages or config.gluon_stages)
+def _backward(q, k, v, do, o, lse, idx, plan, bs, overrides):
+    """The backward's launcher on these inputs under ``plan.backward_config`` with ``overrides``."""
+    sched = attention_schedule(idx, q.shape[1] // k.shape[1], q.shape[-1], q.device, {"plan": plan})
+    config = sched.backward._replace(**overrides)
 
     def run():
         _poison_free_memory()
@@ -93,16 +97,16 @@ def check_small(pattern, d, n, results):
     out64, _ = reference_sparse_attention(q64, k64, v64, idx, scale=scale)
     out64.backward(do.double())
     ref = (q64.grad, k64.grad, v64.grad)
-    production = _backward(q, k, v, do, o, lse, idx, plan, bs, None)()
-    err_prod = [float((x.double() - r).abs().max()) for x, r in zip(production, ref)]
-    for rows, stages in VARIANTS:
-        row = dict(check_n=n, pattern=pattern, d=d, rows=rows, stages=stages, err_production=err_prod)
+    all_triton = _backward(q, k, v, do, o, lse, idx, plan, bs, TRITON)()
+    err_prod = [float((x.double() - r).abs().max()) for x, r in zip(all_triton, ref)]
+    for name, overrides in VARIANTS.items():
+        row = dict(check_n=n, pattern=pattern, d=d, variant=name, err_triton=err_prod)
         try:
-            got = _backward(q, k, v, do, o, lse, idx, plan, bs, (rows, stages))()
+            got = _backward(q, k, v, do, o, lse, idx, plan, bs, overrides)()
             torch.cuda.synchronize()
-            row["ran_gluon"] = _ran_gluon()
-            row["err_gluon"] = [float((x.double() - r).abs().max()) for x, r in zip(got, ref)]
-            row["ratio_dk_dv"] = [row["err_gluon"][i] / max(err_prod[i], 1e-30) for i in (1, 2)]
+            row["kernels"] = _kernels_ran()
+            row["err_variant"] = [float((x.double() - r).abs().max()) for x, r in zip(got, ref)]
+            row["ratio_dq_dk_dv"] = [row["err_variant"][i] / max(err_prod[i], 1e-30) for i in range(3)]
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {str(exc)[-800:]}"
             traceback.print_exc()
@@ -110,10 +114,13 @@ def check_small(pattern, d, n, results):
         print(json.dumps(row), flush=True)
 
 
-def _ran_gluon():
-    compiled = backward_module.LAST_COMPILED.get("dkdv")
-    name = getattr(getattr(compiled, "metadata", None), "name", "") or getattr(compiled, "name", "")
-    return "gluon" in str(name)
+def _kernels_ran():
+    """Names of the dQ and dK/dV kernels the last backward launched."""
+    names = {}
+    for part in ("dq", "dkdv"):
+        compiled = backward_module.LAST_COMPILED.get(part)
+        names[part] = str(getattr(getattr(compiled, "metadata", None), "name", "") or getattr(compiled, "name", ""))
+    return names
 
 
 def probe(pattern, d, n, results):
@@ -121,30 +128,30 @@ def probe(pattern, d, n, results):
     scale = d ** -0.5
     o, lse = sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale)
     base = dict(pattern=pattern, d=d, n=n)
-    run = _backward(q, k, v, do, o, lse, idx, plan, bs, None)
-    production = [x.clone() for x in run()]
+    run = _backward(q, k, v, do, o, lse, idx, plan, bs, TRITON)
+    all_triton = [x.clone() for x in run()]
     _POISON["on"] = False  # not inside the timed calls
     ms, p95, _ = timeit(run, busy=True)
     _POISON["on"] = True
-    row = dict(base, variant="production (Triton KV-centric)", ms=ms, p95_ms=p95)
+    row = dict(base, variant="triton (dq and dk/dv)", ms=ms, p95_ms=p95)
     results.append(row)
     print(json.dumps(row), flush=True)
-    for rows, stages in VARIANTS:
-        row = dict(base, variant="gluon", rows=rows, stages=stages)
+    for name, overrides in VARIANTS.items():
+        row = dict(base, variant=name)
         try:
-            run = _backward(q, k, v, do, o, lse, idx, plan, bs, (rows, stages))
+            run = _backward(q, k, v, do, o, lse, idx, plan, bs, overrides)
             got = run()
             torch.cuda.synchronize()
-            row["ran_gluon"] = _ran_gluon()
-            row["max_diff_vs_production"] = [float((x.float() - p.float()).abs().max()) for x, p in zip(got, production)]
-            row["bitwise_equal"] = all(torch.equal(x, p) for x, p in zip(got, production))
-            row["max_abs_production"] = [float(p.float().abs().max()) for p in production]
+            row["kernels"] = _kernels_ran()
+            row["max_diff_vs_triton"] = [float((x.float() - p.float()).abs().max()) for x, p in zip(got, all_triton)]
+            row["bitwise_equal_dq_dk_dv"] = [torch.equal(x, p) for x, p in zip(got, all_triton)]
+            row["max_abs_triton"] = [float(p.float().abs().max()) for p in all_triton]
             del got
             _POISON["on"] = False
             row["ms"], row["p95_ms"], _ = timeit(run, busy=True)
             _POISON["on"] = True
-            compiled = backward_module.LAST_COMPILED.get("dkdv")
-            row["regs"], row["spills"] = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+            row["regs_spills"] = {part: (getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None))
+                                  for part, compiled in backward_module.LAST_COMPILED.items()}
         except Exception as exc:
             row["error"] = f"{type(exc).__name__}: {str(exc)[-800:]}"
             traceback.print_exc()
@@ -158,8 +165,16 @@ def main():
     ap.add_argument("--check-n", type=int, default=2048)
     ap.add_argument("--patterns", nargs="*", default=["P64", "P128"], choices=list(PATTERNS))
     ap.add_argument("--head-dims", type=int, nargs="*", default=[128, 64])
+    ap.add_argument("--variants", nargs="*", default=None, help="names of VARIANTS to run (default: all)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.variants is not None:
+        unknown = set(args.variants) - set(VARIANTS)
+        if unknown:
+            raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {list(VARIANTS)}")
+        for name in list(VARIANTS):
+            if name not in args.variants:
+                del VARIANTS[name]
     results = []
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     for d in args.head_dims:
