@@ -365,6 +365,12 @@ GLUON_TILE_ROWS = 64
 slower; docs/benchmarks/speed_round2/h200_probe_gluon_kv_session14.json)."""
 GLUON_RING = 2
 """q/dO slices the Gluon KV-centric kernel keeps in flight (3: equal at D = 64, spills at D = 128)."""
+GLUON_FWD_ROWS = 64
+"""Query rows a Gluon forward program aims at (heads x BQ; one head for BQ >= 64): at head dim 64 over 64-key
+blocks two such programs share an SM (H200, 64K: 1.99 ms against 2.13 with 128 rows, 2.58 with 256, and 2.24
+for the Triton forward; docs/benchmarks/speed_round2/h200_probe_gluon_forward_session15.json)."""
+GLUON_FWD_RING = 2
+"""K/V tiles the Gluon forward keeps in flight."""
 GLUON_DQ_RING = 2
 """K/V tiles the Gluon dQ kernel keeps in flight (ring slots in shared memory; 3: equal or slower on the H200,
 and over 128 x 128 key tiles at D = 128 more shared memory than a program has)."""
@@ -477,6 +483,13 @@ class KernelOptions:
     ``fused_dq`` nor ``stored_ds``; the Triton kernel runs elsewhere). Same products in the same order: the
     gradients equal the Triton kernel's. Default on where :func:`gluon_kernels` holds (H200, 64K: the
     backward 9-15% faster; docs/benchmarks/speed_round2/README.md, fourteenth session)."""
+    fwd_gluon: bool | None = None
+    """The forward hand-scheduled in Gluon (:mod:`sparse_train.kernels.forward_gluon`: the q tile in shared
+    memory, K/V tiles prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where
+    it applies (Hopper, no documents, dropout, sequence lengths, query-block map or split rows, N a multiple of
+    the blocks); same products in the same order, so the outputs equal the Triton forward's bit for bit. Default
+    on where :func:`gluon_kernels` holds and the head dim and key blocks are 64, the one shape where it measured
+    faster (H200, 64K: 11%; 3-17% slower at D = 128 and over 128-key blocks)."""
     dq_gluon: bool | None = None
     """The dQ kernel hand-scheduled in Gluon (:mod:`sparse_train.kernels.backward_gluon`: K/V tiles
     prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
@@ -539,7 +552,8 @@ def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> 
             value = _check_power_of_two(label, value)
             if value < _MIN_DOT_ROWS:
                 raise ValueError(f"{label} must be >= {_MIN_DOT_ROWS} (tensor-core tile), got {value}")
-        elif name in ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma", "kv_gluon", "dq_gluon"):
+        elif name in ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma", "kv_gluon", "dq_gluon",
+                      "fwd_gluon"):
             value = check_bool(label, value)
         values[name] = value
     if values.get("fused_dq") and values.get("stored_ds"):
@@ -558,6 +572,12 @@ class ForwardConfig(NamedTuple):
     tma_loads: int = 0
     """1: the per-iteration K/V tiles come through TMA descriptors where the tensors allow one (an int so
     that the config travels as the custom op's int list)."""
+    gluon: int = 0
+    """1: the Gluon forward runs where it applies (``KernelOptions.fwd_gluon``)."""
+    gluon_heads_per_program: int = 1
+    """Query heads per Gluon forward program (:data:`GLUON_FWD_ROWS`)."""
+    gluon_stages: int = 2
+    """Depth of the Gluon forward's K/V ring in shared memory (:data:`GLUON_FWD_RING`)."""
 
 
 class BackwardConfig(NamedTuple):
@@ -638,7 +658,11 @@ def forward_config(group: int, block_q: int, block_k: int, head_dim: int,
     # TMA K/V loads: 4.17 -> 3.67 ms (P128, D = 128), 3.65 -> 3.45 (P64), 2.47 -> 2.32 (P128, D = 64), equal
     # at P64, D = 64 (H200, 64K: docs/benchmarks/speed_round2/h200_probe_tma_session12.json)
     tma = _flag(options.fwd_tma, device is None or copy_engine_loads(device))
-    return ForwardConfig(heads, options.fwd_num_warps or warps, options.fwd_num_stages or stages, tma)
+    gluon = _flag(options.fwd_gluon, head_dim == 64 and block_k == 64 and device is not None
+                  and gluon_kernels(device))
+    gluon_heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=GLUON_FWD_ROWS)
+    return ForwardConfig(heads, options.fwd_num_warps or warps, options.fwd_num_stages or stages, tma, gluon,
+                         gluon_heads, GLUON_FWD_RING)
 
 
 def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_cold: bool,

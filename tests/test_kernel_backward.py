@@ -172,7 +172,7 @@ def test_kernel_options_reach_the_launchers_and_keep_the_result(monkeypatch):
                    kv_num_warps=2, kv_num_stages=1, kv_chunk=1, kv_tile_rows=16, fwd_tma=False, dq_tma=True,
                    kv_tma=False)
     _compare(idx, q, k, v, dtype=torch.float32, kernel_options=options)
-    assert seen["fwd"] == (ForwardConfig(2, 2, 1, tma_loads=0), 2)
+    assert seen["fwd"] == (ForwardConfig(2, 2, 1, tma_loads=0, gluon_heads_per_program=2), 2)
     assert seen["bwd"] == BackwardConfig(4, 2, 1, 2, 2, 1, 1, 16, fused_dq=0, dq_tma=1, kv_tma=0,
                                          dq_gluon_heads_per_program=4)
 

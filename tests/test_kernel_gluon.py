@@ -1,5 +1,5 @@
-"""The Gluon backward kernels (sparse_train/kernels/backward_gluon.py): KV-centric dK/dV
-(``kernel_options.kv_gluon``) and dQ (``kernel_options.dq_gluon``).
+"""The Gluon kernels: the forward (``kernel_options.fwd_gluon``, sparse_train/kernels/forward_gluon.py), the
+KV-centric dK/dV (``kv_gluon``) and dQ (``dq_gluon``) of the backward (sparse_train/kernels/backward_gluon.py).
 
 Gluon kernels do not run in Triton's interpreter. On the CPU: each kernel compiles for sm_90a (a Hopper target
 set without a GPU; ptxas ships with triton) at the tiles ``plan.backward_config`` picks, without spilled
@@ -18,7 +18,8 @@ import triton
 
 from builders import make_qkv, random_index
 from sparse_train.kernels import backward_gluon as bg
-from sparse_train.plan import backward_config
+from sparse_train.kernels import forward_gluon as fg
+from sparse_train.plan import backward_config, forward_config
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
@@ -144,6 +145,61 @@ def test_gluon_dq_kernel_compiles_for_hopper_without_spills(block, head_dim, gro
     assert compiled.metadata.shared <= 227 * 1024
 
 
+FWD_COMPILE_CASES = [
+    # block (BQ = BK), head dim, GQA group, heads per program (None: forward_config's Gluon tile, BQ rows)
+    pytest.param(64, 128, 4, None, id="P64-d128-gqa4"),
+    pytest.param(128, 128, 4, None, id="P128-d128-gqa4"),
+    pytest.param(64, 64, 4, None, id="P64-d64-gqa4"),
+    pytest.param(128, 64, 1, None, id="P128-d64-mha"),
+    pytest.param(64, 128, 4, 4, id="P64-d128-gqa4-256-rows"),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
+@pytest.mark.parametrize("block,head_dim,group,heads", FWD_COMPILE_CASES)
+def test_gluon_forward_compiles_for_hopper_without_spills(block, head_dim, group, heads, tmp_path):
+    """The forward at forward_config's Gluon tiles (and 256 rows of four heads) compiles to sm_90a, K/V by TMA,
+    within registers and one program's shared memory."""
+    config = forward_config(group, block, block, head_dim, {"fwd_gluon": True})
+    n, hkv = 4 * block, 2
+    q = torch.zeros(1, hkv * group, n, head_dim, dtype=torch.bfloat16)
+    k = torch.zeros(1, hkv, n, head_dim, dtype=torch.bfloat16)
+    lse = torch.zeros(1, hkv * group, n)
+    indices = torch.zeros(1, hkv, 4, 4, dtype=torch.int32)
+    counts = torch.zeros(1, hkv, 4, dtype=torch.int32)
+    grid, args, kwargs = fg.fwd_gluon_arguments(
+        q, k, k, q, lse, indices, counts, block_q=block, block_k=block, scale=head_dim ** -0.5,
+        heads_per_program=heads or config.gluon_heads_per_program, num_buf=config.gluon_stages)
+    compiled = _compile_for_hopper(fg._fwd_gluon_kernel, grid, args, kwargs)
+    assert "wgmma.mma_async" in compiled.asm["ptx"]
+    assert "cp.async.bulk.tensor" in compiled.asm["ptx"]
+    registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
+    print(f"forward block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
+          f"{compiled.metadata.shared} bytes of shared memory")
+    assert spills == 0
+    assert compiled.metadata.shared <= 227 * 1024
+
+
+def test_forward_config_gluon_default_follows_the_device():
+    """``fwd_gluon`` is on by default where :func:`plan.gluon_kernels` holds and head dim and key blocks are 64
+    (where it measured faster), off on the CPU; the Triton forward's tiles stay its own (it runs wherever the
+    Gluon one does not apply)."""
+    from sparse_train import plan as plan_mod
+    assert forward_config(4, 64, 64, 64, device="cpu").gluon == 0
+    on = forward_config(4, 64, 64, 128, {"fwd_gluon": True})
+    assert on.gluon == 1 and on._replace(gluon=0) == forward_config(4, 64, 64, 128)
+    assert on.gluon_heads_per_program * 64 == plan_mod.GLUON_FWD_ROWS and on.gluon_stages == plan_mod.GLUON_FWD_RING
+    assert on.heads_per_program == 4  # the Triton forward's 256 rows at D = 128
+    if torch.cuda.is_available():
+        hopper = int(torch.cuda.get_device_capability()[0] == 9)
+        assert forward_config(4, 64, 64, 64, device="cuda").gluon == hopper
+        assert forward_config(4, 64, 64, 128, device="cuda").gluon == 0
+        assert forward_config(4, 128, 128, 64, device="cuda").gluon == 0
+        assert forward_config(4, 64, 64, 128, {"fwd_gluon": True}, device="cuda").gluon == 1
+    with pytest.raises(ValueError, match="fwd_gluon"):
+        forward_config(4, 64, 64, 128, {"fwd_gluon": "yes"})
+
+
 def test_backward_config_gluon_default_follows_the_device():
     """``kv_gluon`` is on by default exactly where :func:`plan.gluon_kernels` holds (a Hopper GPU with Gluon),
     off on the CPU; the option overrides it either way, and its tiles are the plan's constants."""
@@ -178,6 +234,13 @@ def test_gluon_fallback_reasons():
               dropout=False, query_map=False)
     assert "Hopper" in bg.gluon_kv_supported(q, k, v, q, **kw)
     assert "Hopper" in bg.gluon_dq_supported(q, k, v, q, **_dq_support_args(kw))
+    assert "Hopper" in fg.gluon_fwd_supported(q, k, v, **_fwd_support_args(kw))
+
+
+def _fwd_support_args(kv_kw, **changes):
+    """gluon_fwd_supported's keywords for the case gluon_kv_supported's ``kv_kw`` describes."""
+    kw = {name: value for name, value in kv_kw.items() if name not in ("tile_rows", "heads_per_step")}
+    return dict(kw, heads_per_program=2, num_splits=1, **changes)
 
 
 def _dq_support_args(kv_kw, **changes):
@@ -211,6 +274,10 @@ def _hopper_fallback_reasons(q, k, v, kw):
     assert "cold" in bg.gluon_dq_supported(qc, kc, vc, qc, **dict(dq_kw, has_cold=True))
     assert "rows per program" in bg.gluon_dq_supported(qc, kc, vc, qc, **dict(dq_kw, heads_per_program=4))
     assert "layout" in bg.gluon_dq_supported(misaligned, kc, vc, qc, **dq_kw)
+    fwd_kw = _fwd_support_args(kw)
+    assert fg.gluon_fwd_supported(qc, kc, vc, **fwd_kw) is None
+    assert "splits" in fg.gluon_fwd_supported(qc, kc, vc, **dict(fwd_kw, num_splits=2))
+    assert "documents" in fg.gluon_fwd_supported(qc, kc, vc, **dict(fwd_kw, has_docs=True))
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
@@ -229,7 +296,7 @@ def test_without_hopper_gluon_options_run_the_triton_kernels_bitwise():
         return torch.autograd.grad(o, (qs, ks, vs), do)
 
     plain = grads(None)
-    gluon = grads({"kv_gluon": True, "dq_gluon": True})
+    gluon = grads({"kv_gluon": True, "dq_gluon": True, "fwd_gluon": True})
     assert all(torch.equal(a, b) for a, b in zip(plain, gluon))
 
 
@@ -313,6 +380,38 @@ def test_gluon_dq_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks, k
     assert kb.LAST_COMPILED["dq"].name == "_dq_kernel"
     print(f"max |dQ gluon - dQ triton| {float((gluon[0].float() - plain[0].float()).abs().max()):.3g}")
     assert all(torch.equal(a, b) for a, b in zip(gluon, plain))
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poison_fresh_outputs", "poison_fresh_gradients")
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,dtype,topk,window,sinks,kv_chunk,projection_layout", GPU_CASES)
+def test_gluon_forward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks, kv_chunk, projection_layout):
+    """``kernel_options.fwd_gluon`` on the H200 (one split per row, the Gluon forward's condition): it runs and
+    o, dq, dk, dv match the fp32 reference at real sizes (fresh outputs NaN-poisoned); o and lse equal the Triton
+    forward's bit for bit (same products in the same order), also with a ring of 3."""
+    from test_kernel_backward import _gpu_compare
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper")
+    idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N + 2, device="cuda")
+    q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(3)).to(q)
+    if projection_layout:  # same values in [B, N, H, D] memory: the descriptors take the strides
+        q, k, v, do = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, do))
+    o, lse, _, _ = _gpu_compare(idx, q, k, v, do, kernel_options={"fwd_gluon": True, "num_splits": 1})
+    assert kb.LAST_COMPILED["fwd"].name == "_fwd_gluon_kernel"
+    o_triton, lse_triton, _, _ = _gpu_compare(idx, q, k, v, do, kernel_options={"fwd_gluon": False, "num_splits": 1})
+    assert kb.LAST_COMPILED["fwd"].name == "_fwd_kernel"
+    print(f"max |o gluon - o triton| {float((o.float() - o_triton.float()).abs().max()):.3g}, "
+          f"|lse| {float((lse - lse_triton).abs().max()):.3g}, bitwise o {torch.equal(o, o_triton)}")
+    from sparse_train.kernels.forward import sparse_attn_forward
+    from sparse_train.plan import attention_schedule
+    assert torch.equal(o, o_triton) and torch.equal(lse, lse_triton)
+    sched = attention_schedule(idx, HQ // HKV, D, q.device, {"fwd_gluon": True})
+    ring3 = sched.forward._replace(gluon_stages=3)
+    o3, lse3 = sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=BQ, block_k=BK, scale=D ** -0.5,
+                                   num_splits=1, config=ring3)
+    assert kb.LAST_COMPILED["fwd"].name == "_fwd_gluon_kernel"
+    assert torch.equal(o3, o) and torch.equal(lse3, lse)
 
 
 @pytest.mark.gpu

@@ -24,30 +24,24 @@ cannot run in Triton's interpreter; the CPU tests compile it for sm_90a instead 
 """
 from __future__ import annotations
 
-import torch
 import triton
 
-try:  # Gluon ships with triton >= 3.4; without it the Triton kernel is the only backward
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
+from ._gluon import HAS_GLUON, LOG2E, gluon_call_supported, gluon_descriptor
+
+if HAS_GLUON:
+    from ._gluon import (
+        gl,
+        gluon,
+        issue_kv_load,
         mbarrier,
         tma,
         warpgroup_mma,
         warpgroup_mma_init,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    HAS_GLUON = True
-except ImportError:  # pragma: no cover - depends on the installed triton
-    HAS_GLUON = False
-
-from ._launch import tma_addressable
 
 __all__ = ["HAS_GLUON", "dkdv_gluon_arguments", "dq_gluon_arguments", "gluon_dq_supported", "gluon_kv_supported",
            "launch_dkdv_gluon", "launch_dq_gluon"]
-
-LOG2E = 1.4426950408889634
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,18 +192,6 @@ if HAS_GLUON:
 
 
     @gluon.jit
-    def _issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv, t,
-                       BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
-        # step t of a dQ program: the K and V tiles of its t-th selected key block ([1, 1, BK, D] boxes, rows
-        # past N arrive as 0) land in ring slot t % NUM_BUF
-        j = gl.load(selected + t * stride_ik)
-        slot = t % NUM_BUF
-        bar = ready.index(slot)
-        mbarrier.expect(bar, 2 * desc_k.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [b, hkv, j * BLOCK_K, 0], bar, k_ring.index(slot))
-        tma.async_copy_global_to_shared(desc_v, [b, hkv, j * BLOCK_K, 0], bar, v_ring.index(slot))
-
-    @gluon.jit
     def _dq_gluon_kernel(
         desc_q, desc_do, desc_k, desc_v, LSE, DELTA, INDICES, COUNTS, DQ,
         stride_dqb, stride_dqh, stride_dqn, stride_dqd,
@@ -259,7 +241,7 @@ if HAS_GLUON:
         tma.async_copy_global_to_shared(desc_do, [b, first_head, qb * BLOCK_Q, 0], qdo_ready, do_box)
         for i in gl.static_range(NUM_BUF - 1):
             if i < count:
-                _issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv, i,
+                issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv, i,
                                BLOCK_K, NUM_BUF)
 
         q_smem = q_box.reshape([M, HEAD_DIM])
@@ -290,7 +272,7 @@ if HAS_GLUON:
             # read is free for the step NUM_BUF - 1 ahead
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
             if t + NUM_BUF - 1 < count:
-                _issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv,
+                issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv,
                                t + NUM_BUF - 1, BLOCK_K, NUM_BUF)
             s = s * scale_log2
             if (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > N):  # the forward's masks
@@ -319,31 +301,11 @@ if HAS_GLUON:
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def _gluon_call_supported(q, k, v, do, *, block_q: int, block_k: int, has_seq_lens: bool, has_docs: bool,
-                          dropout: bool, query_map: bool) -> str | None:
-    """The conditions both Gluon kernels share: None, or why this call is outside them."""
-    if not HAS_GLUON:
-        return "this triton has no Gluon"
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
-        return "the Gluon kernels are for Hopper (sm_90)"
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {q.dtype} (bf16/fp16 only)"
-    if has_seq_lens or has_docs or dropout or query_map:
-        return "sequence lengths, documents, dropout or a query-block map"
-    if block_k not in (64, 128):
-        return f"BK={block_k} (64 or 128 supported)"
-    if q.shape[2] % block_q:
-        return f"N={q.shape[2]} is not a multiple of BLOCK_Q={block_q}"
-    if not all(tma_addressable(x) for x in (q, k, v, do)):
-        return "a layout of q, k, v or dO that TMA cannot address"
-    return None
-
-
 def gluon_kv_supported(q, k, v, do, *, block_q: int, block_k: int, tile_rows: int, heads_per_step: int,
                        has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool) -> str | None:
     """None when the Gluon KV-centric kernel can take this call, else why not (the launcher then runs the
     Triton kernel)."""
-    common = _gluon_call_supported(q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=has_seq_lens,
+    common = gluon_call_supported(q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=has_seq_lens,
                                    has_docs=has_docs, dropout=dropout, query_map=query_map)
     if common is not None:
         return common
@@ -361,14 +323,8 @@ def dkdv_gluon_arguments(q, k, v, do, lse, delta, kv_qblocks, item_row, item_t0,
     compile the kernel from them without a GPU)."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
-    gdtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def descriptor(x, rows):
-        block = [1, 1, rows, D]
-        return TensorDescriptor(x, list(x.shape), list(x.stride()), block,
-                                gl.NVMMASharedLayout.get_default_for(block, gdtype))
-
-    args = (descriptor(q, tile_rows), descriptor(do, tile_rows), descriptor(k, block_k), descriptor(v, block_k),
+    args = (gluon_descriptor(q, 1, tile_rows), gluon_descriptor(do, 1, tile_rows), gluon_descriptor(k, 1, block_k),
+            gluon_descriptor(v, 1, block_k),
             lse, delta, kv_qblocks, item_row, item_t0, item_t1, item_part, dk, dv, dk_partial, dv_partial,
             *dk.stride(), *dv.stride(), N, HQ, HKV, triton.cdiv(N, block_k), scale * LOG2E, scale)
     kwargs = dict(GROUP=HQ // HKV, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D, TILE_ROWS=tile_rows,
@@ -388,7 +344,7 @@ def launch_dkdv_gluon(*tensors, **options):
 def gluon_dq_supported(q, k, v, do, *, block_q: int, block_k: int, heads_per_program: int, has_cold: bool,
                        has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool) -> str | None:
     """None when the Gluon dQ kernel can take this call, else why not (the launcher then runs ``_dq_kernel``)."""
-    common = _gluon_call_supported(q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=has_seq_lens,
+    common = gluon_call_supported(q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=has_seq_lens,
                                    has_docs=has_docs, dropout=dropout, query_map=query_map)
     if common is not None:
         return common
@@ -406,17 +362,11 @@ def dq_gluon_arguments(q, k, v, do, lse, delta, indices, counts, dq, *, block_q:
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     group = HQ // HKV
-    gdtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def descriptor(x, heads, rows):
-        block = [1, heads, rows, D]
-        return TensorDescriptor(x, list(x.shape), list(x.stride()), block,
-                                gl.NVMMASharedLayout.get_default_for(block, gdtype))
 
     nqb = indices.shape[2]
     rows = heads_per_program * block_q
-    args = (descriptor(q, heads_per_program, block_q), descriptor(do, heads_per_program, block_q),
-            descriptor(k, 1, block_k), descriptor(v, 1, block_k), lse, delta, indices, counts, dq,
+    args = (gluon_descriptor(q, heads_per_program, block_q), gluon_descriptor(do, heads_per_program, block_q),
+            gluon_descriptor(k, 1, block_k), gluon_descriptor(v, 1, block_k), lse, delta, indices, counts, dq,
             *dq.stride(), *indices.stride(), *counts.stride(), N, HQ, HKV, nqb, scale * LOG2E, scale)
     kwargs = dict(GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
                   NUM_BUF=num_buf, num_warps=4 * (rows // 64))

@@ -22,6 +22,11 @@ one split of them) and ``_merge_kernel`` (exact merge of split partials); (2) th
 (``triton_sparse_attention``) are in op.py, shared with the backward; the split count and the tile
 configuration come from sparse_train/plan.py; the PyTorch reference is reference.py.
 
+Gluon forward (``ForwardConfig.gluon``, default on a Hopper GPU at head dim 64 over 64-key blocks, where it
+measured faster): the same tiles' products hand-scheduled in Gluon (forward_gluon.py), bitwise this kernel's
+outputs; where it does not apply (documents, dropout, sequence lengths, a query-block map, split rows, N not a
+multiple of BLOCK_Q) ``_fwd_kernel`` runs.
+
 K/V loads: pointer tiles, or (``ForwardConfig.tma_loads``, Hopper and newer, a layout TMA addresses:
 ``_launch.tma_descriptor``) one TMA copy per tile, which keeps the [BK, D] address tensors out of the
 registers.
@@ -63,6 +68,7 @@ from ._launch import (
     launch,
     tma_operands,
 )
+from .forward_gluon import gluon_fwd_supported, launch_fwd_gluon
 from .reference import dropout_threshold, philox_key  # the one definition of the keep bits
 
 __all__ = ["sparse_attn_forward"]
@@ -253,6 +259,15 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
         partial_l = torch.empty((num_splits, total_rows), device=q.device, dtype=torch.float32)
     else:
         partial_o = partial_m = partial_l = lse  # unused
+    gluon = bool(config.gluon) and gluon_fwd_supported(
+        q, k, v, block_q=block_q, block_k=block_k, heads_per_program=config.gluon_heads_per_program,
+        num_splits=num_splits, has_seq_lens=seq_lens is not None, has_docs=document_ids is not None,
+        dropout=dropout, query_map=has_map) is None
+    if gluon:
+        LAST_COMPILED["fwd"] = launch_fwd_gluon(
+            q, k, v, o, lse, indices, counts, block_q=block_q, block_k=block_k, scale=float(scale),
+            heads_per_program=config.gluon_heads_per_program, num_buf=config.gluon_stages)
+        return o, lse
     k_operand, v_operand, tma = tma_operands(k, v, block_k, bool(config.tma_loads))
     LAST_COMPILED["fwd"] = launch(
         _fwd_kernel, grid, q, k, v, o, lse, indices, counts, seq_lens_arg, kernel_document_ids(document_ids, counts),
