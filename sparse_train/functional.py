@@ -212,8 +212,12 @@ def sparse_attention(
             defaults follow the H200 measurements, :func:`sparse_train.plan.backward_config`); ``kv_gluon``
             (bool) the KV-centric dK/dV kernel hand-scheduled in Gluon (default on a Hopper GPU, where it
             applies: no documents, dropout, sequence lengths, N a multiple of the blocks; same gradients as
-            the Triton kernel, 9-15% faster backward on the H200 at 64K). Validated on both backends; only the
-            Triton backend uses them.
+            the Triton kernel, 9-15% faster backward on the H200 at 64K); ``dq_gluon`` (bool) the dQ kernel
+            hand-scheduled in Gluon (default on a Hopper GPU where it applies, as ``kv_gluon`` and no cold
+            block; dQ bitwise the Triton kernel's; 2.6-5% faster backward); ``fwd_gluon`` (bool) the forward
+            hand-scheduled in Gluon (where it applies, also one split per row; outputs bitwise the Triton
+            forward's; default on a Hopper GPU at head dim 64 over 64-key blocks, the one shape where it
+            measured faster). Validated on both backends; only the Triton backend uses them.
         check_values: check the *values* of ``seq_lens`` and ``document_ids`` (default). These are the
             only checks that read device memory back to the host (a sync on CUDA); ``False`` skips
             them, for callers that must not sync (CUDA-graph capture, the ``SparseAttention`` module at

@@ -1,6 +1,7 @@
 """What the Gluon kernels (Hopper, hand-scheduled: backward_gluon.py, forward_gluon.py) share: the Gluon imports,
-the TMA descriptors of ``[B, H, N, D]`` tensors, the K/V ring load of a query-centric program, and the conditions
-every Gluon kernel needs (the launchers run the Triton kernels outside them)."""
+the TMA descriptors of ``[B, H, N, D]`` tensors, the conditions every Gluon kernel needs (the launchers run the
+Triton kernels outside them), and the pieces of a query-centric program (the forward and dQ kernels): its tile,
+its K/V ring, the forward's masks, the store of its rows."""
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,8 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 
 from ._launch import tma_addressable
 
-__all__ = ["HAS_GLUON", "LOG2E", "gl", "gluon", "gluon_call_supported", "gluon_descriptor", "mbarrier", "tma",
+__all__ = ["HAS_GLUON", "LOG2E", "gl", "gluon", "gluon_call_supported", "gluon_descriptor", "invalidate_ring",
+           "issue_kv_load", "kv_ring", "mask_query_scores", "mbarrier", "query_program", "store_query_rows", "tma",
            "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait"]
 
 LOG2E = 1.4426950408889634
@@ -71,3 +73,66 @@ if HAS_GLUON:
         mbarrier.expect(bar, 2 * desc_k.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_k, [b, hkv, j * BLOCK_K, 0], bar, k_ring.index(slot))
         tma.async_copy_global_to_shared(desc_v, [b, hkv, j * BLOCK_K, 0], bar, v_ring.index(slot))
+
+    @gluon.jit
+    def query_program(INDICES, COUNTS, stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq, HKV, NQB,
+                      GROUP: gl.constexpr, HEADS_PER_PROGRAM: gl.constexpr):
+        """The tile of a query-centric program on a grid (NQB * HEAD_SUBSETS, B * HKV), late (long) query blocks
+        first, as the Triton kernels' ``query_tile``: (query block, batch, KV head, first query head, number of
+        selected key blocks, pointer to the index row)."""
+        HEAD_SUBSETS: gl.constexpr = GROUP // HEADS_PER_PROGRAM
+        pid_m = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        qb = NQB - 1 - pid_m // HEAD_SUBSETS
+        b = pid_bh // HKV
+        hkv = pid_bh % HKV
+        first_head = hkv * GROUP + (pid_m % HEAD_SUBSETS) * HEADS_PER_PROGRAM
+        count = gl.load(COUNTS + b.to(gl.int64) * stride_cb + hkv.to(gl.int64) * stride_ch
+                        + qb.to(gl.int64) * stride_cq)
+        selected = INDICES + b.to(gl.int64) * stride_ib + hkv.to(gl.int64) * stride_ih + qb.to(gl.int64) * stride_iq
+        return qb, b, hkv, first_head, count, selected
+
+    @gluon.jit
+    def kv_ring(desc_k, desc_v, selected, stride_ik, b, hkv, count, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
+                NUM_BUF: gl.constexpr):
+        """The K/V ring of a query-centric program in shared memory (NUM_BUF slots and their barriers), its first
+        NUM_BUF - 1 steps already in flight (:func:`issue_kv_load`). Returns (K ring, V ring, barriers)."""
+        k_ring = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUF, 1, 1, BLOCK_K, HEAD_DIM], desc_k.layout)
+        v_ring = gl.allocate_shared_memory(desc_v.dtype, [NUM_BUF, 1, 1, BLOCK_K, HEAD_DIM], desc_v.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.init(ready.index(i), count=1)
+        for i in gl.static_range(NUM_BUF - 1):
+            if i < count:
+                issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv, i, BLOCK_K,
+                              NUM_BUF)
+        return k_ring, v_ring, ready
+
+    @gluon.jit
+    def invalidate_ring(ready, NUM_BUF: gl.constexpr):
+        """Retire the ring's barriers (every load they signalled has been waited for)."""
+        for i in gl.static_range(NUM_BUF):
+            mbarrier.invalidate(ready.index(i))
+
+    @gluon.jit
+    def mask_query_scores(s, qb, j, qpos, offs_k, N, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr):
+        """The forward's masks on scores ``s`` [M, BK] of key block ``j`` (-inf past the diagonal and past N),
+        applied only to the blocks that cross one of them, as the Triton kernels do."""
+        if (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > N):
+            kpos = j * BLOCK_K + offs_k
+            ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < N)
+            s = gl.where(ok, s, float("-inf"))
+        return s
+
+    @gluon.jit
+    def store_query_rows(X, tile, b, first_head, qb, stride_b, stride_h, stride_n, stride_d, BLOCK_Q: gl.constexpr,
+                         M: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+        """Store ``tile`` [M, D] (heads of query block ``qb`` stacked, in ``layout``) into X [B, H, N, D] through
+        its strides, in X's dtype."""
+        rows = gl.arange(0, M, gl.SliceLayout(1, layout))
+        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
+        heads64 = (first_head + rows // BLOCK_Q).to(gl.int64)
+        qpos64 = (qb * BLOCK_Q + rows % BLOCK_Q).to(gl.int64)
+        ptrs = X + b.to(gl.int64) * stride_b + heads64[:, None] * stride_h + qpos64[:, None] * stride_n \
+            + cols[None, :] * stride_d
+        gl.store(ptrs, tile.to(X.dtype.element_ty))

@@ -32,8 +32,13 @@ if HAS_GLUON:
     from ._gluon import (
         gl,
         gluon,
+        invalidate_ring,
         issue_kv_load,
+        kv_ring,
+        mask_query_scores,
         mbarrier,
+        query_program,
+        store_query_rows,
         tma,
         warpgroup_mma,
         warpgroup_mma_init,
@@ -204,7 +209,6 @@ if HAS_GLUON:
         # one program = the query tile of _dq_kernel: HEADS_PER_PROGRAM heads of one query block stacked into
         # M rows, walking its index row; the tile of q and dO stays in shared memory, K/V tiles stream through
         # a ring filled NUM_BUF - 1 steps ahead
-        HEAD_SUBSETS: gl.constexpr = GROUP // HEADS_PER_PROGRAM
         M: gl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
         # one warpgroup per 64 query rows in both MMA shapes, so a score row is held by the warps that hold
         # the same dQ row (the dS -> operand conversion stays inside each thread)
@@ -214,35 +218,20 @@ if HAS_GLUON:
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
         operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
-        pid_m = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        qb = NQB - 1 - pid_m // HEAD_SUBSETS  # late (long) rows first, as _dq_kernel
-        b = pid_bh // HKV
-        hkv = pid_bh % HKV
-        first_head = hkv * GROUP + (pid_m % HEAD_SUBSETS) * HEADS_PER_PROGRAM
-        count = gl.load(COUNTS + b.to(gl.int64) * stride_cb + hkv.to(gl.int64) * stride_ch
-                        + qb.to(gl.int64) * stride_cq)
-        selected = INDICES + b.to(gl.int64) * stride_ib + hkv.to(gl.int64) * stride_ih + qb.to(gl.int64) * stride_iq
-
+        qb, b, hkv, first_head, count, selected = query_program(
+            INDICES, COUNTS, stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq, HKV, NQB, GROUP,
+            HEADS_PER_PROGRAM)
         # q and dO arrive as [1, HEADS_PER_PROGRAM, BQ, D] boxes (the heads' rows of a [B, H, N, D] tensor of
         # any strides); the tile products take them as [M, D]
         q_box = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
         do_box = gl.allocate_shared_memory(desc_do.dtype, desc_do.block_type.shape, desc_do.layout)
-        k_ring = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUF, 1, 1, BLOCK_K, HEAD_DIM], desc_k.layout)
-        v_ring = gl.allocate_shared_memory(desc_v.dtype, [NUM_BUF, 1, 1, BLOCK_K, HEAD_DIM], desc_v.layout)
         qdo_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         mbarrier.init(qdo_ready, count=1)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(ready.index(i), count=1)
-
         mbarrier.expect(qdo_ready, 2 * desc_q.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_q, [b, first_head, qb * BLOCK_Q, 0], qdo_ready, q_box)
         tma.async_copy_global_to_shared(desc_do, [b, first_head, qb * BLOCK_Q, 0], qdo_ready, do_box)
-        for i in gl.static_range(NUM_BUF - 1):
-            if i < count:
-                issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv, i,
-                               BLOCK_K, NUM_BUF)
+        k_ring, v_ring, ready = kv_ring(desc_k, desc_v, selected, stride_ik, b, hkv, count, BLOCK_K, HEAD_DIM,
+                                        NUM_BUF)
 
         q_smem = q_box.reshape([M, HEAD_DIM])
         do_smem = do_box.reshape([M, HEAD_DIM])
@@ -274,11 +263,7 @@ if HAS_GLUON:
             if t + NUM_BUF - 1 < count:
                 issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv,
                                t + NUM_BUF - 1, BLOCK_K, NUM_BUF)
-            s = s * scale_log2
-            if (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > N):  # the forward's masks
-                kpos = j * BLOCK_K + offs_k
-                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < N)
-                s = gl.where(ok, s, float("-inf"))
+            s = mask_query_scores(s * scale_log2, qb, j, qpos, offs_k, N, BLOCK_Q, BLOCK_K)
             p = gl.exp2(s - lse2[:, None])  # [M, BK]
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
             ds = p * (dp - delta[:, None])  # [M, BK]
@@ -286,16 +271,9 @@ if HAS_GLUON:
             dq = warpgroup_mma(ds_operand, k_slot, dq, is_async=True)  # [M, D]
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         mbarrier.invalidate(qdo_ready)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.invalidate(ready.index(i))
-
-        rows = gl.arange(0, M, gl.SliceLayout(1, acc_layout))
-        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
-        heads64 = (first_head + rows // BLOCK_Q).to(gl.int64)
-        qpos64 = (qb * BLOCK_Q + rows % BLOCK_Q).to(gl.int64)
-        dq_ptrs = DQ + b.to(gl.int64) * stride_dqb + heads64[:, None] * stride_dqh + qpos64[:, None] * stride_dqn \
-            + cols[None, :] * stride_dqd
-        gl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty))
+        invalidate_ring(ready, NUM_BUF)
+        store_query_rows(DQ, dq * scale, b, first_head, qb, stride_dqb, stride_dqh, stride_dqn, stride_dqd, BLOCK_Q,
+                         M, HEAD_DIM, acc_layout)
 
 
 # ----------------------------------------------------------------------------------------------

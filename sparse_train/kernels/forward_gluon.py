@@ -29,8 +29,13 @@ if HAS_GLUON:
     from ._gluon import (
         gl,
         gluon,
+        invalidate_ring,
         issue_kv_load,
+        kv_ring,
+        mask_query_scores,
         mbarrier,
+        query_program,
+        store_query_rows,
         tma,
         warpgroup_mma,
         warpgroup_mma_init,
@@ -59,11 +64,7 @@ if HAS_GLUON:
                              BLOCK_K: gl.constexpr):
         # one key block of the online softmax: the forward's masks, the new running max and sum; returns the
         # unnormalised probabilities, the rescale factor of what was summed before, the new max and sum
-        s = s * scale_log2
-        if (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > N):  # diagonal or past N
-            kpos = j * BLOCK_K + offs_k
-            ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < N)
-            s = gl.where(ok, s, float("-inf"))
+        s = mask_query_scores(s * scale_log2, qb, j, qpos, offs_k, N, BLOCK_Q, BLOCK_K)
         m_new = gl.maximum(m_i, gl.reduce(s, 1, _maximum))
         # a row with nothing valid so far keeps m = -inf; 0 as the base gives exp2 = 0, not NaN
         m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -83,7 +84,6 @@ if HAS_GLUON:
         GROUP: gl.constexpr, HEADS_PER_PROGRAM: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr,
         HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
     ):
-        HEAD_SUBSETS: gl.constexpr = GROUP // HEADS_PER_PROGRAM
         M: gl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
         # the query rows split over the warps in both MMA shapes, so a score row is held by the warps that hold
         # the same output row (the P -> operand conversion and the rescale stay inside each thread)
@@ -95,30 +95,16 @@ if HAS_GLUON:
         rows_layout: gl.constexpr = gl.SliceLayout(1, scores_layout)
         acc_rows_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
 
-        pid_m = gl.program_id(0)
-        pid_bh = gl.program_id(1)
-        qb = NQB - 1 - pid_m // HEAD_SUBSETS  # late (long) rows first, as _fwd_kernel
-        b = pid_bh // HKV
-        hkv = pid_bh % HKV
-        first_head = hkv * GROUP + (pid_m % HEAD_SUBSETS) * HEADS_PER_PROGRAM
-        count = gl.load(COUNTS + b.to(gl.int64) * stride_cb + hkv.to(gl.int64) * stride_ch
-                        + qb.to(gl.int64) * stride_cq)
-        selected = INDICES + b.to(gl.int64) * stride_ib + hkv.to(gl.int64) * stride_ih + qb.to(gl.int64) * stride_iq
-
+        qb, b, hkv, first_head, count, selected = query_program(
+            INDICES, COUNTS, stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq, HKV, NQB, GROUP,
+            HEADS_PER_PROGRAM)
         q_box = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)  # [1, heads, BQ, D]
-        k_ring = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUF, 1, 1, BLOCK_K, HEAD_DIM], desc_k.layout)
-        v_ring = gl.allocate_shared_memory(desc_v.dtype, [NUM_BUF, 1, 1, BLOCK_K, HEAD_DIM], desc_v.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_ready, count=1)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.init(ready.index(i), count=1)
         mbarrier.expect(q_ready, desc_q.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_q, [b, first_head, qb * BLOCK_Q, 0], q_ready, q_box)
-        for i in gl.static_range(NUM_BUF - 1):
-            if i < count:
-                issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv, i,
-                              BLOCK_K, NUM_BUF)
+        k_ring, v_ring, ready = kv_ring(desc_k, desc_v, selected, stride_ik, b, hkv, count, BLOCK_K, HEAD_DIM,
+                                        NUM_BUF)
 
         q_smem = q_box.reshape([M, HEAD_DIM])  # [M, D]
         offs_m = gl.arange(0, M, rows_layout)  # [M]
@@ -149,21 +135,15 @@ if HAS_GLUON:
                                 is_async=True)  # [M, D]
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.invalidate(q_ready)
-        for i in gl.static_range(NUM_BUF):
-            mbarrier.invalidate(ready.index(i))
+        invalidate_ring(ready, NUM_BUF)
 
         # rows without a valid key (l = 0) give o = 0 and lse = -inf, as _fwd_kernel
         empty = l_i == 0.0
         l_safe = gl.where(empty, 1.0, l_i)
         lse = gl.where(empty, float("-inf"), (m_i + gl.log2(l_safe)) * 0.6931471805599453)  # [M]
         o = acc * gl.convert_layout(1.0 / l_safe, acc_rows_layout)[:, None]
-        rows = gl.arange(0, M, acc_rows_layout)
-        cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
-        heads64 = (first_head + rows // BLOCK_Q).to(gl.int64)
-        qpos64 = (qb * BLOCK_Q + rows % BLOCK_Q).to(gl.int64)
-        o_ptrs = O + b.to(gl.int64) * stride_ob + heads64[:, None] * stride_oh + qpos64[:, None] * stride_on \
-            + cols[None, :] * stride_od
-        gl.store(o_ptrs, o.to(O.dtype.element_ty))
+        store_query_rows(O, o, b, first_head, qb, stride_ob, stride_oh, stride_on, stride_od, BLOCK_Q, M, HEAD_DIM,
+                         acc_layout)
         lse_heads64 = (first_head + offs_m // BLOCK_Q).to(gl.int64)
         gl.store(LSE + b.to(gl.int64) * stride_lb + lse_heads64 * stride_lh + qpos.to(gl.int64) * stride_ln, lse)
 
