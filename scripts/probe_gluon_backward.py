@@ -28,7 +28,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_attention import PATTERNS, build_index, make_index, timeit  # noqa: E402
+from bench_attention import PATTERNS, build_index, make_index, packed_document_ids, timeit  # noqa: E402
 from sparse_train.kernels import backward as backward_module  # noqa: E402
 from sparse_train.kernels.backward import sparse_attn_backward  # noqa: E402
 from sparse_train.kernels.forward import sparse_attn_forward  # noqa: E402
@@ -38,14 +38,15 @@ from sparse_train.plan import attention_schedule  # noqa: E402
 TRITON = {"kv_gluon": 0, "dq_gluon": 0}
 VARIANTS = {
     "gluon kv": {"kv_gluon": 1, "dq_gluon": 0},
-    "gluon kv + dq, dq ring 2": {"kv_gluon": 1, "dq_gluon": 1, "dq_gluon_stages": 2},
+    "gluon kv + dq": {"kv_gluon": 1, "dq_gluon": 1},
     "gluon kv + dq, dq ring 3": {"kv_gluon": 1, "dq_gluon": 1, "dq_gluon_stages": 3},
-    # one head per dQ program (BQ rows, 4 warps when BQ = 64): more programs per SM, K/V read once per head
-    "gluon kv + dq, 1 head per dq program, ring 2": {"kv_gluon": 1, "dq_gluon": 1, "dq_heads_per_program": 1},
-    "gluon kv + dq, 1 head per dq program, ring 3": {"kv_gluon": 1, "dq_gluon": 1, "dq_heads_per_program": 1,
-                                                     "dq_gluon_stages": 3},
+    # two heads per Gluon dQ program (128 rows at BQ = 64, 8 warps; the default takes one head, 64 rows)
+    "gluon kv + dq, two heads per dq program": {"kv_gluon": 1, "dq_gluon": 1, "dq_gluon_heads_per_program": 2},
     "triton kv + dq, 1 head per dq program": {"kv_gluon": 0, "dq_gluon": 0, "dq_heads_per_program": 1},
 }
+PACKED = {"range": None}
+"""``--packed LOW:HIGH``: packed documents of lengths in [LOW, HIGH] (bench_attention's), the selection without
+the blocks that share no document with their query block, and the document mask in every kernel."""
 
 
 def _inputs(n, d, pattern, device, dtype, seed):
@@ -56,11 +57,14 @@ def _inputs(n, d, pattern, device, dtype, seed):
     k = torch.randn(b, hkv, n, d, device=device, dtype=dtype)
     v = torch.randn(b, hkv, n, d, device=device, dtype=dtype)
     do = torch.randn(b, hq, n, d, device=device, dtype=dtype)
-    idx, plan = build_index(make_index(n, pat, seed=seed, device=device), n, pat)
-    return q, k, v, do, idx, plan, pat["block"]
+    docs = None
+    if PACKED["range"] is not None:
+        docs, _ = packed_document_ids(n, *PACKED["range"], seed, device=device)
+    idx, plan = build_index(make_index(n, pat, seed=seed, device=device), n, pat, docs=docs)
+    return q, k, v, do, idx, plan, pat["block"], docs
 
 
-def _backward(q, k, v, do, o, lse, idx, plan, bs, overrides):
+def _backward(q, k, v, do, o, lse, idx, plan, bs, overrides, docs=None):
     """The backward's launcher on these inputs under ``plan.backward_config`` with ``overrides``."""
     sched = attention_schedule(idx, q.shape[1] // k.shape[1], q.shape[-1], q.device, {"plan": plan})
     config = sched.backward._replace(**overrides)
@@ -69,7 +73,7 @@ def _backward(q, k, v, do, o, lse, idx, plan, bs, overrides):
         _poison_free_memory()
         return sparse_attn_backward(do, q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks,
                                     sched.slots, sched.cold_capacity, block_q=bs, block_k=bs,
-                                    scale=q.shape[-1] ** -0.5, config=config)
+                                    scale=q.shape[-1] ** -0.5, config=config, document_ids=docs)
     return run
 
 
@@ -88,21 +92,22 @@ def _poison_free_memory():
 
 def check_small(pattern, d, n, results):
     """Float64 error ratio at a small N (both kernels against the same float64 backward)."""
-    q, k, v, do, idx, plan, bs = _inputs(n, d, pattern, "cuda", torch.bfloat16, seed=1)
+    q, k, v, do, idx, plan, bs, docs = _inputs(n, d, pattern, "cuda", torch.bfloat16, seed=1)
     scale = d ** -0.5
-    o, lse = sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale)
+    o, lse = sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale,
+                                 document_ids=docs)
     # float64 reference of the same backward: the PyTorch reference on the bf16 inputs, in float64
     from sparse_train.kernels.reference import reference_sparse_attention
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    out64, _ = reference_sparse_attention(q64, k64, v64, idx, scale=scale)
+    out64, _ = reference_sparse_attention(q64, k64, v64, idx, scale=scale, document_ids=docs)
     out64.backward(do.double())
     ref = (q64.grad, k64.grad, v64.grad)
-    all_triton = _backward(q, k, v, do, o, lse, idx, plan, bs, TRITON)()
+    all_triton = _backward(q, k, v, do, o, lse, idx, plan, bs, TRITON, docs)()
     err_prod = [float((x.double() - r).abs().max()) for x, r in zip(all_triton, ref)]
     for name, overrides in VARIANTS.items():
         row = dict(check_n=n, pattern=pattern, d=d, variant=name, err_triton=err_prod)
         try:
-            got = _backward(q, k, v, do, o, lse, idx, plan, bs, overrides)()
+            got = _backward(q, k, v, do, o, lse, idx, plan, bs, overrides, docs)()
             torch.cuda.synchronize()
             row["kernels"] = _kernels_ran()
             row["err_variant"] = [float((x.double() - r).abs().max()) for x, r in zip(got, ref)]
@@ -124,11 +129,12 @@ def _kernels_ran():
 
 
 def probe(pattern, d, n, results):
-    q, k, v, do, idx, plan, bs = _inputs(n, d, pattern, "cuda", torch.bfloat16, seed=n)
+    q, k, v, do, idx, plan, bs, docs = _inputs(n, d, pattern, "cuda", torch.bfloat16, seed=n)
     scale = d ** -0.5
-    o, lse = sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale)
-    base = dict(pattern=pattern, d=d, n=n)
-    run = _backward(q, k, v, do, o, lse, idx, plan, bs, TRITON)
+    o, lse = sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale,
+                                 document_ids=docs)
+    base = dict(pattern=pattern, d=d, n=n, packed=PACKED["range"])
+    run = _backward(q, k, v, do, o, lse, idx, plan, bs, TRITON, docs)
     all_triton = [x.clone() for x in run()]
     _POISON["on"] = False  # not inside the timed calls
     ms, p95, _ = timeit(run, busy=True)
@@ -139,7 +145,7 @@ def probe(pattern, d, n, results):
     for name, overrides in VARIANTS.items():
         row = dict(base, variant=name)
         try:
-            run = _backward(q, k, v, do, o, lse, idx, plan, bs, overrides)
+            run = _backward(q, k, v, do, o, lse, idx, plan, bs, overrides, docs)
             got = run()
             torch.cuda.synchronize()
             row["kernels"] = _kernels_ran()
@@ -166,8 +172,11 @@ def main():
     ap.add_argument("--patterns", nargs="*", default=["P64", "P128"], choices=list(PATTERNS))
     ap.add_argument("--head-dims", type=int, nargs="*", default=[128, 64])
     ap.add_argument("--variants", nargs="*", default=None, help="names of VARIANTS to run (default: all)")
+    ap.add_argument("--packed", default=None, metavar="LOW:HIGH", help="packed documents (see PACKED)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.packed:
+        PACKED["range"] = tuple(int(x) for x in args.packed.split(":"))
     if args.variants is not None:
         unknown = set(args.variants) - set(VARIANTS)
         if unknown:

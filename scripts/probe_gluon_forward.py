@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_attention import PATTERNS, timeit  # noqa: E402
-from probe_gluon_backward import _inputs, _poison_free_memory, _POISON  # noqa: E402
+from probe_gluon_backward import PACKED, _inputs, _poison_free_memory, _POISON  # noqa: E402
 from sparse_train.kernels import forward as forward_module  # noqa: E402
 from sparse_train.kernels.forward import sparse_attn_forward  # noqa: E402
 from sparse_train.plan import attention_schedule  # noqa: E402
@@ -42,7 +42,7 @@ VARIANTS = {
 }
 
 
-def _forward(q, k, v, idx, plan, bs, overrides):
+def _forward(q, k, v, idx, plan, bs, overrides, docs=None):
     """The forward's launcher under ``plan.forward_config`` with ``overrides`` (``gluon_rows``: heads x BQ)."""
     sched = attention_schedule(idx, q.shape[1] // k.shape[1], q.shape[-1], q.device, {"plan": plan})
     overrides = dict(overrides)
@@ -54,7 +54,8 @@ def _forward(q, k, v, idx, plan, bs, overrides):
     def run():
         _poison_free_memory()
         return sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs,
-                                   scale=q.shape[-1] ** -0.5, num_splits=sched.num_splits, config=config)
+                                   scale=q.shape[-1] ** -0.5, num_splits=sched.num_splits, config=config,
+                                   document_ids=docs)
     return run, config
 
 
@@ -64,15 +65,16 @@ def _kernel_ran():
 
 
 def check_small(pattern, d, n, results):
-    q, k, v, _, idx, plan, bs = _inputs(n, d, pattern, "cuda", torch.bfloat16, seed=1)
+    q, k, v, _, idx, plan, bs, docs = _inputs(n, d, pattern, "cuda", torch.bfloat16, seed=1)
     from sparse_train.kernels.reference import reference_sparse_attention
-    o64, lse64 = reference_sparse_attention(q.double(), k.double(), v.double(), idx, scale=d ** -0.5)
-    o_t, lse_t = _forward(q, k, v, idx, plan, bs, TRITON)[0]()
+    o64, lse64 = reference_sparse_attention(q.double(), k.double(), v.double(), idx, scale=d ** -0.5,
+                                            document_ids=docs)
+    o_t, lse_t = _forward(q, k, v, idx, plan, bs, TRITON, docs)[0]()
     err_t = [float((o_t.double() - o64).abs().max()), float((lse_t.double() - lse64).abs().max())]
     for name, overrides in VARIANTS.items():
         row = dict(check_n=n, pattern=pattern, d=d, variant=name, err_triton_o_lse=err_t)
         try:
-            o_g, lse_g = _forward(q, k, v, idx, plan, bs, overrides)[0]()
+            o_g, lse_g = _forward(q, k, v, idx, plan, bs, overrides, docs)[0]()
             torch.cuda.synchronize()
             row["kernel"] = _kernel_ran()
             row["err_variant_o_lse"] = [float((o_g.double() - o64).abs().max()),
@@ -86,9 +88,9 @@ def check_small(pattern, d, n, results):
 
 
 def probe(pattern, d, n, results):
-    q, k, v, _, idx, plan, bs = _inputs(n, d, pattern, "cuda", torch.bfloat16, seed=n)
-    base = dict(pattern=pattern, d=d, n=n)
-    run, config = _forward(q, k, v, idx, plan, bs, TRITON)
+    q, k, v, _, idx, plan, bs, docs = _inputs(n, d, pattern, "cuda", torch.bfloat16, seed=n)
+    base = dict(pattern=pattern, d=d, n=n, packed=PACKED["range"])
+    run, config = _forward(q, k, v, idx, plan, bs, TRITON, docs)
     o_t, lse_t = (x.clone() for x in run())
     _POISON["on"] = False
     ms, p95, _ = timeit(run, busy=True)
@@ -99,7 +101,7 @@ def probe(pattern, d, n, results):
     for name, overrides in VARIANTS.items():
         row = dict(base, variant=name)
         try:
-            run, config = _forward(q, k, v, idx, plan, bs, overrides)
+            run, config = _forward(q, k, v, idx, plan, bs, overrides, docs)
             o_g, lse_g = run()
             torch.cuda.synchronize()
             row["kernel"] = _kernel_ran()
@@ -127,8 +129,11 @@ def main():
     ap.add_argument("--check-n", type=int, default=2048)
     ap.add_argument("--patterns", nargs="*", default=["P64", "P128"], choices=list(PATTERNS))
     ap.add_argument("--head-dims", type=int, nargs="*", default=[128, 64])
+    ap.add_argument("--packed", default=None, metavar="LOW:HIGH", help="packed documents (probe_gluon_backward)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.packed:
+        PACKED["range"] = tuple(int(x) for x in args.packed.split(":"))
     results = []
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
     for d in args.head_dims:

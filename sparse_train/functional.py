@@ -211,7 +211,7 @@ def sparse_attention(
             q/dO slices (KV-centric) on Hopper and newer, where the tensors' layout allows a descriptor (the
             defaults follow the H200 measurements, :func:`sparse_train.plan.backward_config`); ``kv_gluon``
             (bool) the KV-centric dK/dV kernel hand-scheduled in Gluon (default on a Hopper GPU, where it
-            applies: no documents, dropout, sequence lengths, N a multiple of the blocks; same gradients as
+            applies: no dropout or sequence lengths, N a multiple of the blocks; same gradients as
             the Triton kernel, 9-15% faster backward on the H200 at 64K); ``dq_gluon`` (bool) the dQ kernel
             hand-scheduled in Gluon (default on a Hopper GPU where it applies, as ``kv_gluon`` and no cold
             block; dQ bitwise the Triton kernel's; 2.6-5% faster backward); ``fwd_gluon`` (bool) the forward

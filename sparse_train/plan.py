@@ -479,14 +479,14 @@ class KernelOptions:
     kv_gluon: bool | None = None
     """The KV-centric dK/dV kernel hand-scheduled in Gluon (:mod:`sparse_train.kernels.backward_gluon`:
     q/dO slices prefetched by TMA, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
-    (Hopper, no documents, dropout, sequence lengths or query-block map, N a multiple of the blocks, neither
+    (Hopper, no dropout, sequence lengths or query-block map, N a multiple of the blocks, neither
     ``fused_dq`` nor ``stored_ds``; the Triton kernel runs elsewhere). Same products in the same order: the
     gradients equal the Triton kernel's. Default on where :func:`gluon_kernels` holds (H200, 64K: the
     backward 9-15% faster; docs/benchmarks/speed_round2/README.md, fourteenth session)."""
     fwd_gluon: bool | None = None
     """The forward hand-scheduled in Gluon (:mod:`sparse_train.kernels.forward_gluon`: the q tile in shared
     memory, K/V tiles prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where
-    it applies (Hopper, no documents, dropout, sequence lengths, query-block map or split rows, N a multiple of
+    it applies (Hopper, no dropout, sequence lengths, query-block map or split rows, N a multiple of
     the blocks); same products in the same order, so the outputs equal the Triton forward's bit for bit. Default
     on where :func:`gluon_kernels` holds and the head dim and key blocks are 64, the one shape where it measured
     faster (H200, 64K: 11%; 3-17% slower at D = 128 and over 128-key blocks)."""

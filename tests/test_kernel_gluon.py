@@ -180,6 +180,52 @@ def test_gluon_forward_compiles_for_hopper_without_spills(block, head_dim, group
     assert compiled.metadata.shared <= 227 * 1024
 
 
+DOCS_COMPILE_CASES = [
+    # block, head dim, group, spill bytes allowed in the KV-centric kernel: with documents its [BK] key ids stay
+    # live beside the two fp32 accumulators, which at D = 128 costs a few spilled registers (ptxas of triton 3.6)
+    pytest.param(64, 128, 4, 28, id="P64-d128"),
+    pytest.param(128, 128, 4, 40, id="P128-d128"),
+    pytest.param(64, 64, 4, 0, id="P64-d64"),
+]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
+@pytest.mark.parametrize("block,head_dim,group,kv_spill_bytes", DOCS_COMPILE_CASES)
+def test_gluon_kernels_with_documents_compile_for_hopper(block, head_dim, group, kv_spill_bytes, tmp_path):
+    """The three Gluon kernels with the document mask compile to sm_90a at the default tiles; the forward and dQ
+    kernels without spills, the KV-centric kernel within the bound above."""
+    config = backward_config(group, block, block, head_dim, False, {"kv_gluon": True, "dq_gluon": True})
+    fconfig = forward_config(group, block, block, head_dim, {"fwd_gluon": True})
+    n, hkv = 4 * block, 2
+    q = torch.zeros(1, hkv * group, n, head_dim, dtype=torch.bfloat16)
+    k = torch.zeros(1, hkv, n, head_dim, dtype=torch.bfloat16)
+    stats = torch.zeros(1, hkv * group, n)
+    indices = torch.zeros(1, hkv, 4, 4, dtype=torch.int32)
+    counts = torch.zeros(1, hkv, 4, dtype=torch.int32)
+    docs = torch.zeros(1, n, dtype=torch.int32)
+    items = torch.zeros(8, dtype=torch.int32)
+    partials = torch.zeros(2, block, head_dim)
+    scale = head_dim ** -0.5
+    launches = {
+        "forward": (fg._fwd_gluon_kernel, fg.fwd_gluon_arguments(
+            q, k, k, q, stats, indices, counts, docs, block_q=block, block_k=block, scale=scale,
+            heads_per_program=fconfig.gluon_heads_per_program, num_buf=fconfig.gluon_stages), 0),
+        "dq": (bg._dq_gluon_kernel, bg.dq_gluon_arguments(
+            q, k, k, q, stats, stats, indices, counts, q, docs, block_q=block, block_k=block, scale=scale,
+            heads_per_program=config.dq_gluon_heads_per_program, num_buf=config.dq_gluon_stages), 0),
+        "kv": (bg._dkdv_gluon_kernel, bg.dkdv_gluon_arguments(
+            q, k, k, q, stats, stats, items, items, items, items, items, k, k, partials, partials, docs,
+            block_q=block, block_k=block, scale=scale, tile_rows=config.gluon_tile_rows,
+            num_buf=config.gluon_stages), kv_spill_bytes),
+    }
+    for name, (kernel, (grid, args, kwargs), spill_bytes) in launches.items():
+        assert kwargs["HAS_DOCS"]
+        compiled = _compile_for_hopper(kernel, grid, args, kwargs)
+        registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
+        print(f"{name} with documents, block {block} D {head_dim}: {registers} registers, {spills} bytes spilled")
+        assert spills <= spill_bytes
+
+
 def test_forward_config_gluon_default_follows_the_device():
     """``fwd_gluon`` is on by default where :func:`plan.gluon_kernels` holds and head dim and key blocks are 64
     (where it measured faster), off on the CPU; the Triton forward's tiles stay its own (it runs wherever the
@@ -277,7 +323,11 @@ def _hopper_fallback_reasons(q, k, v, kw):
     fwd_kw = _fwd_support_args(kw)
     assert fg.gluon_fwd_supported(qc, kc, vc, **fwd_kw) is None
     assert "splits" in fg.gluon_fwd_supported(qc, kc, vc, **dict(fwd_kw, num_splits=2))
-    assert "documents" in fg.gluon_fwd_supported(qc, kc, vc, **dict(fwd_kw, has_docs=True))
+    assert "dropout" in fg.gluon_fwd_supported(qc, kc, vc, **dict(fwd_kw, dropout=True))
+    # packed documents are within every Gluon kernel
+    assert fg.gluon_fwd_supported(qc, kc, vc, **dict(fwd_kw, has_docs=True)) is None
+    assert bg.gluon_dq_supported(qc, kc, vc, qc, **dict(dq_kw, has_docs=True)) is None
+    assert bg.gluon_kv_supported(qc, kc, vc, qc, **dict(kw, has_docs=True)) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
@@ -412,6 +462,41 @@ def test_gluon_forward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sin
                                    num_splits=1, config=ring3)
     assert kb.LAST_COMPILED["fwd"].name == "_fwd_gluon_kernel"
     assert torch.equal(o3, o) and torch.equal(lse3, lse)
+
+
+DOCS_GPU_CASES = [
+    # B, HQ, HKV, N, D, block, document lengths (low, high), dtype
+    pytest.param(2, 8, 2, 4096, 128, 64, (100, 900), torch.bfloat16, id="bf16-d128-b64-docs-100-900"),
+    pytest.param(1, 8, 2, 8192, 128, 128, (300, 3000), torch.bfloat16, id="bf16-d128-b128-docs-300-3000"),
+    pytest.param(1, 8, 8, 4096, 64, 64, (50, 400), torch.float16, id="fp16-d64-b64-mha-docs-50-400"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poison_fresh_outputs", "poison_fresh_gradients")
+@pytest.mark.parametrize("B,HQ,HKV,N,D,block,lengths,dtype", DOCS_GPU_CASES)
+def test_gluon_kernels_with_documents_on_gpu(B, HQ, HKV, N, D, block, lengths, dtype):
+    """Packed documents on the H200 through all three Gluon kernels (one split per row): o, lse, dq, dk, dv
+    against the float64 reference with the same document ids (error ratio, as test_kernel_documents.py), and
+    bitwise the all-Triton path's (same products and masks in the same order)."""
+    from test_kernel_documents import _check_against_reference
+    from sparse_train.documents import random_document_lengths
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper")
+    ids = torch.cat([torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+                     for lens in (random_document_lengths(N, *lengths, seed) for seed in range(B))])
+    ids = ids.view(B, N).to(device="cuda", dtype=torch.int32)
+    idx = random_index(B, HKV, N, block, block, 8, 4, 1, seed=N + 5, device="cuda")
+    q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(q)
+    on = {"fwd_gluon": True, "dq_gluon": True, "kv_gluon": True, "num_splits": 1}
+    gluon = _check_against_reference(idx, q, k, v, do, ids, dtype=dtype, kernel_options=on)
+    assert [kb.LAST_COMPILED[name].name for name in ("fwd", "dq", "dkdv")] == [
+        "_fwd_gluon_kernel", "_dq_gluon_kernel", "_dkdv_gluon_kernel"]
+    off = {"fwd_gluon": False, "dq_gluon": False, "kv_gluon": False, "num_splits": 1}
+    plain = _check_against_reference(idx, q, k, v, do, ids, dtype=dtype, kernel_options=off)
+    assert kb.LAST_COMPILED["dkdv"].name == "_dkdv_kernel"
+    assert all(torch.equal(a, b) for a, b in zip(gluon, plain))
 
 
 @pytest.mark.gpu

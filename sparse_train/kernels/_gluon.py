@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 from ._launch import tma_addressable
 
 __all__ = ["HAS_GLUON", "LOG2E", "gl", "gluon", "gluon_call_supported", "gluon_descriptor", "invalidate_ring",
-           "issue_kv_load", "kv_ring", "mask_query_scores", "mbarrier", "query_program", "store_query_rows", "tma",
+           "issue_kv_load", "kv_ring", "mask_query_scores", "mbarrier", "query_documents", "query_program", "store_query_rows", "tma",
            "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait"]
 
 LOG2E = 1.4426950408889634
@@ -43,15 +43,15 @@ def gluon_descriptor(x, heads: int, rows: int):
 def gluon_call_supported(q, k, v, do, *, block_q: int, block_k: int, has_seq_lens: bool, has_docs: bool,
                          dropout: bool, query_map: bool) -> str | None:
     """The conditions every Gluon kernel shares: None, or why this call is outside them (``do`` may be None:
-    the forward)."""
+    the forward). Documents (``has_docs``) are within them: the kernels take the document mask."""
     if not HAS_GLUON:
         return "this triton has no Gluon"
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] != 9:
         return "the Gluon kernels are for Hopper (sm_90)"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {q.dtype} (bf16/fp16 only)"
-    if has_seq_lens or has_docs or dropout or query_map:
-        return "sequence lengths, documents, dropout or a query-block map"
+    if has_seq_lens or dropout or query_map:
+        return "sequence lengths, dropout or a query-block map"
     if block_k not in (64, 128):
         return f"BK={block_k} (64 or 128 supported)"
     if q.shape[2] % block_q:
@@ -115,13 +115,39 @@ if HAS_GLUON:
             mbarrier.invalidate(ready.index(i))
 
     @gluon.jit
-    def mask_query_scores(s, qb, j, qpos, offs_k, N, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr):
-        """The forward's masks on scores ``s`` [M, BK] of key block ``j`` (-inf past the diagonal and past N),
-        applied only to the blocks that cross one of them, as the Triton kernels do."""
-        if (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > N):
-            kpos = j * BLOCK_K + offs_k
-            ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < N)
-            s = gl.where(ok, s, float("-inf"))
+    def query_documents(DOCS, b, qb, qpos, N, BLOCK_Q: gl.constexpr, HAS_DOCS: gl.constexpr):
+        """The query side of the document mask (ids int32 ``[B, N]``, non-decreasing; every query < N): (pointer
+        to batch row b's ids, the id of each query ``qpos``, the id of the block's last query, its largest).
+        Without documents, placeholders of the right kinds."""
+        if HAS_DOCS:
+            docs_row = DOCS + b.to(gl.int64) * N
+            doc_q = gl.load(docs_row + qpos)
+            doc_q_last = gl.load(docs_row + qb * BLOCK_Q + BLOCK_Q - 1)
+        else:
+            docs_row = DOCS
+            doc_q = qpos
+            doc_q_last = 0
+        return docs_row, doc_q, doc_q_last
+
+    @gluon.jit
+    def mask_query_scores(s, qb, j, qpos, offs_k, N, docs_row, doc_q, doc_q_last, BLOCK_Q: gl.constexpr,
+                          BLOCK_K: gl.constexpr, HAS_DOCS: gl.constexpr):
+        """The forward's masks on scores ``s`` [M, BK] of key block ``j``: -inf past the diagonal, past N and
+        (``HAS_DOCS``) across documents, applied only to blocks that can hold such a pair, as the Triton kernels'
+        ``mask_scores`` (a block before the whole query block holds two documents iff its first key's id differs
+        from the block's last query's)."""
+        edge = (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > N)
+        if HAS_DOCS:
+            if edge | (gl.load(docs_row + j * BLOCK_K) != doc_q_last):
+                kpos = j * BLOCK_K + offs_k
+                doc_k = gl.load(docs_row + kpos, mask=kpos < N, other=-1)
+                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < N) & (doc_q[:, None] == doc_k[None, :])
+                s = gl.where(ok, s, float("-inf"))
+        else:
+            if edge:
+                kpos = j * BLOCK_K + offs_k
+                ok = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] < N)
+                s = gl.where(ok, s, float("-inf"))
         return s
 
     @gluon.jit

@@ -26,7 +26,7 @@ the tile configuration come from sparse_train/plan.py.
 
 Gluon KV-centric kernel (``BackwardConfig.kv_gluon``, default on a Hopper GPU): the same work items, partials
 and finish, with the dK/dV tile products hand-scheduled in Gluon (backward_gluon.py: TMA ring of q/dO slices,
-asynchronous warpgroup MMAs); where it does not apply (documents, dropout, sequence lengths, a query-block
+asynchronous warpgroup MMAs; documents included); where it does not apply (dropout, sequence lengths, a query-block
 map, N not a multiple of BLOCK_Q, fused or stored-dS mode) ``_dkdv_kernel`` runs.
 
 Deterministic mode: no block is cold, so no atomics run; every dK/dV element comes from one program or
@@ -571,8 +571,8 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         query_map=has_map) is None
     if dq_gluon:
         LAST_COMPILED["dq"] = launch_dq_gluon(
-            q, k, v, do, lse, delta, indices, counts, dq, block_q=block_q, block_k=block_k, scale=float(scale),
-            heads_per_program=config.dq_gluon_heads_per_program, num_buf=config.dq_gluon_stages)
+            q, k, v, do, lse, delta, indices, counts, dq, docs_arg if has_docs else None, block_q=block_q,
+            block_k=block_k, scale=float(scale), heads_per_program=config.dq_gluon_heads_per_program, num_buf=config.dq_gluon_stages)
     elif not (fused or stored):
         LAST_COMPILED["dq"] = launch(
             _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
@@ -595,7 +595,8 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if num_items > 0 and gluon:
         LAST_COMPILED["dkdv"] = launch_dkdv_gluon(
             q, k, v, do, lse, delta, kv_qblocks, schedule.item_row, schedule.item_t0, schedule.item_t1,
-            schedule.item_part, dk, dv, dk_partial, dv_partial, block_q=block_q, block_k=block_k, scale=float(scale),
+            schedule.item_part, dk, dv, dk_partial, dv_partial, docs_arg if has_docs else None, block_q=block_q,
+            block_k=block_k, scale=float(scale),
             tile_rows=config.gluon_tile_rows, num_buf=config.gluon_stages)
     elif num_items > 0:
         LAST_COMPILED["dkdv"] = launch(

@@ -1,6 +1,6 @@
-"""KV-centric dK/dV of the block-sparse backward, hand-scheduled in Gluon for Hopper (opt-in).
+"""The block-sparse backward's KV-centric dK/dV and query-centric dQ kernels, hand-scheduled in Gluon for Hopper.
 
-Math (as backward.py, causal and length masks, no dropout, no documents):
+Math (as backward.py: causal, length and document masks; no dropout):
     P^T = exp2(scale_log2 K Q^T - lse2);  dS^T = P^T (V dO^T - delta)
     dV_k = sum_{h in group, q} P^T dO;  dK_k = scale sum_{h in group, q} dS^T Q
 
@@ -18,9 +18,12 @@ Known limits (the launcher falls back to the Triton kernel outside them, :func:`
 Hopper (sm_90) only, bf16/fp16, [B, H, N, D] tensors in layouts TMA addresses (any strides with the last
 one 1, e.g. the projections' [B, N, H, D] memory), N a multiple of BLOCK_Q (key rows past N arrive as zeros
 and are masked as in the Triton kernel; query rows past N would need masked lse/delta loads, whose registers
-spill the accumulators at D = 128), BLOCK_K in {64, 128} (4 warps per 64 key rows), no documents, dropout, sequence lengths or
-query-block map, one head per step; 128 x 128 key tiles at D = 128 spill 12 bytes (ptxas of triton 3.6). The kernel
-cannot run in Triton's interpreter; the CPU tests compile it for sm_90a instead (tests/test_kernel_gluon.py).
+spill the accumulators at D = 128), BLOCK_K in {64, 128} (4 warps per 64 key rows), no dropout, sequence lengths
+or query-block map, one head per step; 128 x 128 key tiles at D = 128 spill a few bytes (ptxas of triton 3.6). The
+dQ kernel (``_dq_gluon_kernel``, :func:`gluon_dq_supported`) is the query tile of ``_dq_kernel``: q and dO once
+by TMA, the K/V tiles of its index row through a ring (``_gluon.kv_ring``), S and dP as asynchronous MMAs; it
+leaves cold blocks (atomic dK/dV) to the Triton kernel. Gluon kernels cannot run in Triton's interpreter; the CPU
+tests compile them for sm_90a instead (tests/test_kernel_gluon.py).
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ if HAS_GLUON:
         kv_ring,
         mask_query_scores,
         mbarrier,
+        query_documents,
         query_program,
         store_query_rows,
         tma,
@@ -73,12 +77,12 @@ if HAS_GLUON:
     @gluon.jit
     def _dkdv_gluon_kernel(
         desc_q, desc_do, desc_k, desc_v, LSE, DELTA, KV_QBLOCKS, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
-        DK, DV, DK_PARTIAL, DV_PARTIAL,
+        DK, DV, DK_PARTIAL, DV_PARTIAL, DOCS,
         stride_dkb, stride_dkh, stride_dkn, stride_dkd,
         stride_dvb, stride_dvh, stride_dvn, stride_dvd,
         N, HQ, HKV, NKB, scale_log2, scale,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
-        TILE_ROWS: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
+        TILE_ROWS: gl.constexpr, NUM_BUF: gl.constexpr, HAS_DOCS: gl.constexpr, num_warps: gl.constexpr,
     ):
         ROW_SLICES: gl.constexpr = BLOCK_Q // TILE_ROWS
         STEPS_PER_BLOCK: gl.constexpr = GROUP * ROW_SLICES
@@ -132,6 +136,10 @@ if HAS_GLUON:
             offs_m = gl.arange(0, TILE_ROWS, query_cols_layout)  # [M]
             # the block's last key is past a query of some step's block (the diagonal), or past N: mask
             masked_block = j * BLOCK_K + BLOCK_K > N
+            if HAS_DOCS:  # the key side of the document mask: ids of the block's keys, of its first key
+                docs_row = DOCS + b.to(gl.int64) * N
+                doc_k = gl.load(docs_row + kpos, mask=kpos < N, other=-1)  # [BK]
+                doc_k_first = gl.load(docs_row + j * BLOCK_K)
             zero_scores = gl.zeros([BLOCK_K, TILE_ROWS], gl.float32, scores_layout)
             # loop-carried as in-flight accumulators: each step's dK/dV products are waited for by the next
             dk = warpgroup_mma_init(gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, acc_layout))
@@ -163,9 +171,18 @@ if HAS_GLUON:
                     _issue_qdo_load(desc_q, desc_do, q_ring, do_ring, ready, KV_QBLOCKS, t0, hkv, b,
                                     u + NUM_BUF - 1, GROUP, ROW_SLICES, BLOCK_Q, TILE_ROWS, NUM_BUF)
                 st = st * scale_log2
-                if masked_block | (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q):  # the forward's masks, where it had
-                    ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < N)
-                    st = gl.where(ok, st, float("-inf"))
+                edge = masked_block | (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q)
+                if HAS_DOCS:  # the forward's masks, where it had them (a block before the whole query block holds
+                    # two documents iff its first key's id differs from the query block's last id)
+                    if edge | (doc_k_first != gl.load(docs_row + qb * BLOCK_Q + BLOCK_Q - 1)):
+                        doc_q = gl.load(docs_row + qpos)  # [M]
+                        ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < N) \
+                            & (doc_k[:, None] == doc_q[None, :])
+                        st = gl.where(ok, st, float("-inf"))
+                else:
+                    if edge:  # the forward's masks, where it had them
+                        ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < N)
+                        st = gl.where(ok, st, float("-inf"))
                 pt = gl.exp2(st - lse2[None, :])  # [BK, M]
                 dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
                 dst = pt * (dpt - delta[None, :])  # [BK, M]
@@ -198,13 +215,13 @@ if HAS_GLUON:
 
     @gluon.jit
     def _dq_gluon_kernel(
-        desc_q, desc_do, desc_k, desc_v, LSE, DELTA, INDICES, COUNTS, DQ,
+        desc_q, desc_do, desc_k, desc_v, LSE, DELTA, INDICES, COUNTS, DQ, DOCS,
         stride_dqb, stride_dqh, stride_dqn, stride_dqd,
         stride_ib, stride_ih, stride_iq, stride_ik,
         stride_cb, stride_ch, stride_cq,
         N, HQ, HKV, NQB, scale_log2, scale,
         GROUP: gl.constexpr, HEADS_PER_PROGRAM: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr,
-        HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
+        HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, HAS_DOCS: gl.constexpr, num_warps: gl.constexpr,
     ):
         # one program = the query tile of _dq_kernel: HEADS_PER_PROGRAM heads of one query block stacked into
         # M rows, walking its index row; the tile of q and dO stays in shared memory, K/V tiles stream through
@@ -238,6 +255,7 @@ if HAS_GLUON:
         offs_m = gl.arange(0, M, gl.SliceLayout(1, scores_layout))  # [M]
         offs_k = gl.arange(0, BLOCK_K, gl.SliceLayout(0, scores_layout))  # [BK]
         qpos = qb * BLOCK_Q + offs_m % BLOCK_Q  # [M]
+        docs_row, doc_q, doc_q_last = query_documents(DOCS, b, qb, qpos, N, BLOCK_Q, HAS_DOCS)
         # [M] rows of lse / delta ([B, HQ, N] contiguous); every query row is < N (N a multiple of BLOCK_Q)
         row = (b * HQ + first_head + offs_m // BLOCK_Q).to(gl.int64) * N + qpos
         lse = gl.load(LSE + row)
@@ -263,7 +281,8 @@ if HAS_GLUON:
             if t + NUM_BUF - 1 < count:
                 issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv,
                                t + NUM_BUF - 1, BLOCK_K, NUM_BUF)
-            s = mask_query_scores(s * scale_log2, qb, j, qpos, offs_k, N, BLOCK_Q, BLOCK_K)
+            s = mask_query_scores(s * scale_log2, qb, j, qpos, offs_k, N, docs_row, doc_q, doc_q_last, BLOCK_Q,
+                                  BLOCK_K, HAS_DOCS)
             p = gl.exp2(s - lse2[:, None])  # [M, BK]
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
             ds = p * (dp - delta[:, None])  # [M, BK]
@@ -295,8 +314,8 @@ def gluon_kv_supported(q, k, v, do, *, block_q: int, block_k: int, tile_rows: in
 
 
 def dkdv_gluon_arguments(q, k, v, do, lse, delta, kv_qblocks, item_row, item_t0, item_t1, item_part, dk, dv,
-                         dk_partial, dv_partial, *, block_q: int, block_k: int, scale: float, tile_rows: int,
-                         num_buf: int = 2):
+                         dk_partial, dv_partial, document_ids=None, *, block_q: int, block_k: int, scale: float,
+                         tile_rows: int, num_buf: int = 2):
     """The grid, positional arguments and keyword arguments of :func:`launch_dkdv_gluon` (the CPU tests
     compile the kernel from them without a GPU)."""
     B, HQ, N, D = q.shape
@@ -304,17 +323,17 @@ def dkdv_gluon_arguments(q, k, v, do, lse, delta, kv_qblocks, item_row, item_t0,
     args = (gluon_descriptor(q, 1, tile_rows), gluon_descriptor(do, 1, tile_rows), gluon_descriptor(k, 1, block_k),
             gluon_descriptor(v, 1, block_k),
             lse, delta, kv_qblocks, item_row, item_t0, item_t1, item_part, dk, dv, dk_partial, dv_partial,
-            *dk.stride(), *dv.stride(), N, HQ, HKV, triton.cdiv(N, block_k), scale * LOG2E, scale)
+            lse if document_ids is None else document_ids, *dk.stride(), *dv.stride(), N, HQ, HKV, triton.cdiv(N, block_k), scale * LOG2E, scale)
     kwargs = dict(GROUP=HQ // HKV, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D, TILE_ROWS=tile_rows,
-                  NUM_BUF=num_buf, num_warps=4 * (block_k // 64))
+                  NUM_BUF=num_buf, HAS_DOCS=document_ids is not None, num_warps=4 * (block_k // 64))
     return (item_row.numel(),), args, kwargs
 
 
 def launch_dkdv_gluon(*tensors, **options):
     """Run the Gluon KV-centric kernel over the schedule's items (the buffers of the Triton kernel: q, do
     ``[B, HQ, N, D]``, k, v, dk, dv ``[B, HKV, N, D]`` in any TMA-addressable strides, lse and delta
-    ``[B, HQ, N]`` float32 contiguous, chunk partials ``[parts, BK, D]`` float32; arguments as
-    :func:`dkdv_gluon_arguments`). Returns the compiled kernel."""
+    ``[B, HQ, N]`` float32 contiguous, chunk partials ``[parts, BK, D]`` float32, document ids int32 contiguous
+    ``[B, N]`` or None; arguments as :func:`dkdv_gluon_arguments`). Returns the compiled kernel."""
     grid, args, kwargs = dkdv_gluon_arguments(*tensors, **options)
     return _dkdv_gluon_kernel[grid](*args, **kwargs)
 
@@ -333,8 +352,8 @@ def gluon_dq_supported(q, k, v, do, *, block_q: int, block_k: int, heads_per_pro
     return None
 
 
-def dq_gluon_arguments(q, k, v, do, lse, delta, indices, counts, dq, *, block_q: int, block_k: int, scale: float,
-                       heads_per_program: int, num_buf: int = 2):
+def dq_gluon_arguments(q, k, v, do, lse, delta, indices, counts, dq, document_ids=None, *, block_q: int,
+                       block_k: int, scale: float, heads_per_program: int, num_buf: int = 2):
     """The grid, positional arguments and keyword arguments of :func:`launch_dq_gluon` (the CPU tests compile
     the kernel from them without a GPU)."""
     B, HQ, N, D = q.shape
@@ -345,15 +364,15 @@ def dq_gluon_arguments(q, k, v, do, lse, delta, indices, counts, dq, *, block_q:
     rows = heads_per_program * block_q
     args = (gluon_descriptor(q, heads_per_program, block_q), gluon_descriptor(do, heads_per_program, block_q),
             gluon_descriptor(k, 1, block_k), gluon_descriptor(v, 1, block_k), lse, delta, indices, counts, dq,
-            *dq.stride(), *indices.stride(), *counts.stride(), N, HQ, HKV, nqb, scale * LOG2E, scale)
+            lse if document_ids is None else document_ids, *dq.stride(), *indices.stride(), *counts.stride(), N, HQ, HKV, nqb, scale * LOG2E, scale)
     kwargs = dict(GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
-                  NUM_BUF=num_buf, num_warps=4 * (rows // 64))
+                  NUM_BUF=num_buf, HAS_DOCS=document_ids is not None, num_warps=4 * (rows // 64))
     return (nqb * (group // heads_per_program), B * HKV), args, kwargs
 
 
 def launch_dq_gluon(*tensors, **options):
     """Run the Gluon dQ kernel (q, do, dq ``[B, HQ, N, D]``, k, v ``[B, HKV, N, D]`` in TMA-addressable
-    strides, lse and delta ``[B, HQ, N]`` float32 contiguous, the index's indices / counts; arguments as
-    :func:`dq_gluon_arguments`). Returns the compiled kernel."""
+    strides, lse and delta ``[B, HQ, N]`` float32 contiguous, the index's indices / counts, document ids int32
+    contiguous ``[B, N]`` or None; arguments as :func:`dq_gluon_arguments`). Returns the compiled kernel."""
     grid, args, kwargs = dq_gluon_arguments(*tensors, **options)
     return _dq_gluon_kernel[grid](*args, **kwargs)

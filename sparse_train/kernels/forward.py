@@ -24,8 +24,8 @@ configuration come from sparse_train/plan.py; the PyTorch reference is reference
 
 Gluon forward (``ForwardConfig.gluon``, default on a Hopper GPU at head dim 64 over 64-key blocks, where it
 measured faster): the same tiles' products hand-scheduled in Gluon (forward_gluon.py), bitwise this kernel's
-outputs; where it does not apply (documents, dropout, sequence lengths, a query-block map, split rows, N not a
-multiple of BLOCK_Q) ``_fwd_kernel`` runs.
+outputs, documents included; where it does not apply (dropout, sequence lengths, a query-block map, split rows,
+N not a multiple of BLOCK_Q) ``_fwd_kernel`` runs.
 
 K/V loads: pointer tiles, or (``ForwardConfig.tma_loads``, Hopper and newer, a layout TMA addresses:
 ``_launch.tma_descriptor``) one TMA copy per tile, which keeps the [BK, D] address tensors out of the
@@ -264,8 +264,9 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
         num_splits=num_splits, has_seq_lens=seq_lens is not None, has_docs=document_ids is not None,
         dropout=dropout, query_map=has_map) is None
     if gluon:
+        docs = None if document_ids is None else kernel_document_ids(document_ids, counts)
         LAST_COMPILED["fwd"] = launch_fwd_gluon(
-            q, k, v, o, lse, indices, counts, block_q=block_q, block_k=block_k, scale=float(scale),
+            q, k, v, o, lse, indices, counts, docs, block_q=block_q, block_k=block_k, scale=float(scale),
             heads_per_program=config.gluon_heads_per_program, num_buf=config.gluon_stages)
         return o, lse
     k_operand, v_operand, tma = tma_operands(k, v, block_k, bool(config.tma_loads))

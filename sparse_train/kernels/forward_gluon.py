@@ -1,6 +1,6 @@
 """Forward of exact block-sparse attention hand-scheduled in Gluon for Hopper (``kernel_options.fwd_gluon``).
 
-Math (as forward.py, causal and length masks, no dropout, no documents), per query row q over the keys k of its
+Math (as forward.py: causal, length and document masks; no dropout), per query row q over the keys k of its
 query block's selected key blocks, online in base 2:
     s = scale_log2 <Q_q, K_k>;  m = max_k s;  l = sum_k exp2(s - m);  O_q = sum_k exp2(s - m) V_k / l;  lse = (m + log2 l) ln 2
 
@@ -18,7 +18,7 @@ during this step's softmax (two score tiles live, a ring of 3) measured 1.2-1.5x
 
 Known limits (the launcher runs the Triton kernel outside them, :func:`gluon_fwd_supported`): Hopper (sm_90),
 bf16/fp16, tensors TMA addresses, N a multiple of BLOCK_Q, BLOCK_K in {64, 128}, M in {64, 128, 256}, no
-documents, dropout, sequence lengths, query-block map or split rows. Gluon kernels cannot run in Triton's
+dropout, sequence lengths, query-block map or split rows. Gluon kernels cannot run in Triton's
 interpreter; the CPU tests compile it for sm_90a instead (tests/test_kernel_gluon.py).
 """
 from __future__ import annotations
@@ -34,6 +34,7 @@ if HAS_GLUON:
         kv_ring,
         mask_query_scores,
         mbarrier,
+        query_documents,
         query_program,
         store_query_rows,
         tma,
@@ -60,11 +61,12 @@ if HAS_GLUON:
         return a + b
 
     @gluon.jit
-    def _online_softmax_step(s, m_i, l_i, qb, j, qpos, offs_k, N, scale_log2, BLOCK_Q: gl.constexpr,
-                             BLOCK_K: gl.constexpr):
+    def _online_softmax_step(s, m_i, l_i, qb, j, qpos, offs_k, N, scale_log2, docs_row, doc_q, doc_q_last,
+                             BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, HAS_DOCS: gl.constexpr):
         # one key block of the online softmax: the forward's masks, the new running max and sum; returns the
         # unnormalised probabilities, the rescale factor of what was summed before, the new max and sum
-        s = mask_query_scores(s * scale_log2, qb, j, qpos, offs_k, N, BLOCK_Q, BLOCK_K)
+        s = mask_query_scores(s * scale_log2, qb, j, qpos, offs_k, N, docs_row, doc_q, doc_q_last, BLOCK_Q, BLOCK_K,
+                              HAS_DOCS)
         m_new = gl.maximum(m_i, gl.reduce(s, 1, _maximum))
         # a row with nothing valid so far keeps m = -inf; 0 as the base gives exp2 = 0, not NaN
         m_base = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -75,14 +77,14 @@ if HAS_GLUON:
 
     @gluon.jit
     def _fwd_gluon_kernel(
-        desc_q, desc_k, desc_v, O, LSE, INDICES, COUNTS,
+        desc_q, desc_k, desc_v, O, LSE, INDICES, COUNTS, DOCS,
         stride_ob, stride_oh, stride_on, stride_od,
         stride_lb, stride_lh, stride_ln,
         stride_ib, stride_ih, stride_iq, stride_ik,
         stride_cb, stride_ch, stride_cq,
         N, HKV, NQB, scale_log2,
         GROUP: gl.constexpr, HEADS_PER_PROGRAM: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr,
-        HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, num_warps: gl.constexpr,
+        HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, HAS_DOCS: gl.constexpr, num_warps: gl.constexpr,
     ):
         M: gl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
         # the query rows split over the warps in both MMA shapes, so a score row is held by the warps that hold
@@ -110,6 +112,7 @@ if HAS_GLUON:
         offs_m = gl.arange(0, M, rows_layout)  # [M]
         offs_k = gl.arange(0, BLOCK_K, gl.SliceLayout(0, scores_layout))  # [BK]
         qpos = qb * BLOCK_Q + offs_m % BLOCK_Q  # [M]
+        docs_row, doc_q, doc_q_last = query_documents(DOCS, b, qb, qpos, N, BLOCK_Q, HAS_DOCS)
         m_i = gl.full([M], float("-inf"), gl.float32, rows_layout)
         l_i = gl.zeros([M], gl.float32, rows_layout)
         zero_scores = gl.zeros([M, BLOCK_K], gl.float32, scores_layout)
@@ -127,8 +130,8 @@ if HAS_GLUON:
             if t + NUM_BUF - 1 < count:
                 issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv,
                               t + NUM_BUF - 1, BLOCK_K, NUM_BUF)
-            p, alpha, m_i, l_i = _online_softmax_step(s, m_i, l_i, qb, j, qpos, offs_k, N, scale_log2,
-                                                      BLOCK_Q, BLOCK_K)
+            p, alpha, m_i, l_i = _online_softmax_step(s, m_i, l_i, qb, j, qpos, offs_k, N, scale_log2, docs_row,
+                                                      doc_q, doc_q_last, BLOCK_Q, BLOCK_K, HAS_DOCS)
             acc = acc * gl.convert_layout(alpha, acc_rows_layout)[:, None]
             p_operand = gl.convert_layout(p.to(desc_v.dtype), operand_layout)
             acc = warpgroup_mma(p_operand, v_ring.index(slot).reshape([BLOCK_K, HEAD_DIM]), acc,
@@ -165,8 +168,8 @@ def gluon_fwd_supported(q, k, v, *, block_q: int, block_k: int, heads_per_progra
     return None
 
 
-def fwd_gluon_arguments(q, k, v, o, lse, indices, counts, *, block_q: int, block_k: int, scale: float,
-                        heads_per_program: int, num_buf: int):
+def fwd_gluon_arguments(q, k, v, o, lse, indices, counts, document_ids=None, *, block_q: int, block_k: int,
+                        scale: float, heads_per_program: int, num_buf: int):
     """The grid, positional arguments and keyword arguments of :func:`launch_fwd_gluon` (the CPU tests compile
     the kernel from them without a GPU)."""
     B, HQ, N, D = q.shape
@@ -175,16 +178,18 @@ def fwd_gluon_arguments(q, k, v, o, lse, indices, counts, *, block_q: int, block
     nqb = indices.shape[2]
     rows = heads_per_program * block_q
     args = (gluon_descriptor(q, heads_per_program, block_q), gluon_descriptor(k, 1, block_k),
-            gluon_descriptor(v, 1, block_k), o, lse, indices, counts, *o.stride(), *lse.stride(),
+            gluon_descriptor(v, 1, block_k), o, lse, indices, counts,
+            lse if document_ids is None else document_ids, *o.stride(), *lse.stride(),
             *indices.stride(), *counts.stride(), N, HKV, nqb, scale * LOG2E)
     kwargs = dict(GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
-                  NUM_BUF=num_buf, num_warps=min(8, 4 * (rows // 64)))
+                  NUM_BUF=num_buf, HAS_DOCS=document_ids is not None, num_warps=min(8, 4 * (rows // 64)))
     return (nqb * (group // heads_per_program), B * HKV), args, kwargs
 
 
 def launch_fwd_gluon(*tensors, **options):
     """Run the Gluon forward (q ``[B, HQ, N, D]``, k, v ``[B, HKV, N, D]`` in TMA-addressable strides, o
     ``[B, HQ, N, D]`` and lse ``[B, HQ, N]`` float32 written through their strides, the index's indices /
-    counts; arguments as :func:`fwd_gluon_arguments`). Returns the compiled kernel."""
+    counts, document ids int32 contiguous ``[B, N]`` or None; arguments as :func:`fwd_gluon_arguments`).
+    Returns the compiled kernel."""
     grid, args, kwargs = fwd_gluon_arguments(*tensors, **options)
     return _fwd_gluon_kernel[grid](*args, **kwargs)
