@@ -24,7 +24,8 @@ except ImportError:  # pragma: no cover - depends on the installed triton
 from ._launch import tma_addressable
 
 __all__ = ["HAS_GLUON", "LOG2E", "gl", "gluon", "gluon_call_supported", "gluon_descriptor", "invalidate_ring",
-           "issue_kv_load", "kv_ring", "mask_query_scores", "mbarrier", "query_documents", "query_program", "store_query_rows", "tma",
+           "issue_kv_load", "kv_ring", "mask_query_scores", "mbarrier", "query_documents", "query_program",
+           "store_query_rows", "tma",
            "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait"]
 
 LOG2E = 1.4426950408889634
@@ -37,7 +38,8 @@ def gluon_descriptor(x, heads: int, rows: int):
     N arrive as zeros."""
     block = [1, heads, rows, x.shape[-1]]
     dtype = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
 
 
 def gluon_call_supported(q, k, v, do, *, block_q: int, block_k: int, has_seq_lens: bool, has_docs: bool,

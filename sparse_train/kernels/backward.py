@@ -572,7 +572,8 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if dq_gluon:
         LAST_COMPILED["dq"] = launch_dq_gluon(
             q, k, v, do, lse, delta, indices, counts, dq, docs_arg if has_docs else None, block_q=block_q,
-            block_k=block_k, scale=float(scale), heads_per_program=config.dq_gluon_heads_per_program, num_buf=config.dq_gluon_stages)
+            block_k=block_k, scale=float(scale), heads_per_program=config.dq_gluon_heads_per_program,
+            num_buf=config.dq_gluon_stages)
     elif not (fused or stored):
         LAST_COMPILED["dq"] = launch(
             _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
@@ -596,8 +597,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         LAST_COMPILED["dkdv"] = launch_dkdv_gluon(
             q, k, v, do, lse, delta, kv_qblocks, schedule.item_row, schedule.item_t0, schedule.item_t1,
             schedule.item_part, dk, dv, dk_partial, dv_partial, docs_arg if has_docs else None, block_q=block_q,
-            block_k=block_k, scale=float(scale),
-            tile_rows=config.gluon_tile_rows, num_buf=config.gluon_stages)
+            block_k=block_k, scale=float(scale), tile_rows=config.gluon_tile_rows, num_buf=config.gluon_stages)
     elif num_items > 0:
         LAST_COMPILED["dkdv"] = launch(
             _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, kv_pairs, seq_lens_arg, docs_arg,

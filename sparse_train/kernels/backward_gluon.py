@@ -323,7 +323,8 @@ def dkdv_gluon_arguments(q, k, v, do, lse, delta, kv_qblocks, item_row, item_t0,
     args = (gluon_descriptor(q, 1, tile_rows), gluon_descriptor(do, 1, tile_rows), gluon_descriptor(k, 1, block_k),
             gluon_descriptor(v, 1, block_k),
             lse, delta, kv_qblocks, item_row, item_t0, item_t1, item_part, dk, dv, dk_partial, dv_partial,
-            lse if document_ids is None else document_ids, *dk.stride(), *dv.stride(), N, HQ, HKV, triton.cdiv(N, block_k), scale * LOG2E, scale)
+            lse if document_ids is None else document_ids, *dk.stride(), *dv.stride(), N, HQ, HKV,
+            triton.cdiv(N, block_k), scale * LOG2E, scale)
     kwargs = dict(GROUP=HQ // HKV, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D, TILE_ROWS=tile_rows,
                   NUM_BUF=num_buf, HAS_DOCS=document_ids is not None, num_warps=4 * (block_k // 64))
     return (item_row.numel(),), args, kwargs
@@ -364,7 +365,8 @@ def dq_gluon_arguments(q, k, v, do, lse, delta, indices, counts, dq, document_id
     rows = heads_per_program * block_q
     args = (gluon_descriptor(q, heads_per_program, block_q), gluon_descriptor(do, heads_per_program, block_q),
             gluon_descriptor(k, 1, block_k), gluon_descriptor(v, 1, block_k), lse, delta, indices, counts, dq,
-            lse if document_ids is None else document_ids, *dq.stride(), *indices.stride(), *counts.stride(), N, HQ, HKV, nqb, scale * LOG2E, scale)
+            lse if document_ids is None else document_ids, *dq.stride(), *indices.stride(), *counts.stride(), N, HQ,
+            HKV, nqb, scale * LOG2E, scale)
     kwargs = dict(GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
                   NUM_BUF=num_buf, HAS_DOCS=document_ids is not None, num_warps=4 * (rows // 64))
     return (nqb * (group // heads_per_program), B * HKV), args, kwargs

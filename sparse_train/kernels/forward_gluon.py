@@ -2,7 +2,8 @@
 
 Math (as forward.py: causal, length and document masks; no dropout), per query row q over the keys k of its
 query block's selected key blocks, online in base 2:
-    s = scale_log2 <Q_q, K_k>;  m = max_k s;  l = sum_k exp2(s - m);  O_q = sum_k exp2(s - m) V_k / l;  lse = (m + log2 l) ln 2
+    s = scale_log2 <Q_q, K_k>;  m = max_k s;  l = sum_k exp2(s - m)
+    O_q = sum_k exp2(s - m) V_k / l;  lse = (m + log2 l) ln 2
 
 Notation: as forward.py; M = HEADS_PER_PROGRAM * BQ rows per program (heads of one query block stacked);
 NUM_BUF = the depth of the K/V ring in shared memory. One program = one query tile of ``_fwd_kernel`` (same grid,
