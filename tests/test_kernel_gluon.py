@@ -64,6 +64,25 @@ def _ptxas_report(ptx: str, tmp_path) -> tuple[int, int]:
     return registers, spills
 
 
+class _CompileInputs:
+    """Placeholder CPU tensors with the shapes, dtypes and strides a Gluon launch is specialised on (their values
+    never matter: the kernels are only compiled): q-like ``[1, 2 * group, 4 * block, D]``, k-like
+    ``[1, 2, 4 * block, D]``, per-row statistics, an index of 4 x 4 slots, document ids, work-item arrays and
+    chunk partials."""
+
+    def __init__(self, block: int, head_dim: int, group: int):
+        n, hkv = 4 * block, 2
+        self.q = torch.zeros(1, hkv * group, n, head_dim, dtype=torch.bfloat16)
+        self.k = torch.zeros(1, hkv, n, head_dim, dtype=torch.bfloat16)
+        self.stats = torch.zeros(1, hkv * group, n)
+        self.indices = torch.zeros(1, hkv, 4, 4, dtype=torch.int32)
+        self.counts = torch.zeros(1, hkv, 4, dtype=torch.int32)
+        self.docs = torch.zeros(1, n, dtype=torch.int32)
+        self.items = torch.zeros(8, dtype=torch.int32)
+        self.partials = torch.zeros(2, block, head_dim)
+        self.scale = head_dim ** -0.5
+
+
 COMPILE_CASES = [
     # block (BQ = BK), head dim, GQA group, spilled bytes allowed (ptxas of triton 3.6: 128 x 128 key tiles spill
     # 32 bytes at 8 warps; still the fastest variant measured on the H200)
@@ -91,15 +110,11 @@ def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group,
     """The KV-centric kernel at backward_config's Gluon tiles compiles to sm_90a and fits in registers (a spill
     would put the accumulators in local memory, the defect the issue profiled in the Triton kernel)."""
     config = backward_config(group, block, block, head_dim, False, {"kv_gluon": True})
-    n, hkv = 4 * block, 2
-    q = torch.zeros(1, hkv * group, n, head_dim, dtype=torch.bfloat16)
-    k = torch.zeros(1, hkv, n, head_dim, dtype=torch.bfloat16)
-    stats = torch.zeros(1, hkv * group, n)
-    items = torch.zeros(8, dtype=torch.int32)
-    partials = torch.zeros(2, block, head_dim)
+    x = _CompileInputs(block, head_dim, group)
     grid, args, kwargs = bg.dkdv_gluon_arguments(
-        q, k, k, q, stats, stats, items, items, items, items, items, k, k, partials, partials, block_q=block,
-        block_k=block, scale=head_dim ** -0.5, tile_rows=config.gluon_tile_rows, num_buf=config.gluon_stages)
+        x.q, x.k, x.k, x.q, x.stats, x.stats, x.items, x.items, x.items, x.items, x.items, x.k, x.k, x.partials,
+        x.partials, block_q=block, block_k=block, scale=x.scale, tile_rows=config.gluon_tile_rows,
+        num_buf=config.gluon_stages)
     compiled = _compile_for_hopper(bg._dkdv_gluon_kernel, grid, args, kwargs)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in compiled.asm["ptx"]  # the q/dO ring is filled by TMA
@@ -126,14 +141,9 @@ def test_gluon_dq_kernel_compiles_for_hopper_without_spills(block, head_dim, gro
     """The dQ kernel at backward_config's tiles (and 128 rows of two heads) compiles to sm_90a, K/V by TMA, and
     fits in registers with its K/V ring in one program's shared memory."""
     config = backward_config(group, block, block, head_dim, False, {"dq_gluon": True, "dq_heads_per_program": heads})
-    n, hkv = 4 * block, 2
-    q = torch.zeros(1, hkv * group, n, head_dim, dtype=torch.bfloat16)
-    k = torch.zeros(1, hkv, n, head_dim, dtype=torch.bfloat16)
-    stats = torch.zeros(1, hkv * group, n)
-    indices = torch.zeros(1, hkv, 4, 4, dtype=torch.int32)
-    counts = torch.zeros(1, hkv, 4, dtype=torch.int32)
+    x = _CompileInputs(block, head_dim, group)
     grid, args, kwargs = bg.dq_gluon_arguments(
-        q, k, k, q, stats, stats, indices, counts, q, block_q=block, block_k=block, scale=head_dim ** -0.5,
+        x.q, x.k, x.k, x.q, x.stats, x.stats, x.indices, x.counts, x.q, block_q=block, block_k=block, scale=x.scale,
         heads_per_program=config.dq_gluon_heads_per_program, num_buf=config.dq_gluon_stages)
     compiled = _compile_for_hopper(bg._dq_gluon_kernel, grid, args, kwargs)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
@@ -161,14 +171,9 @@ def test_gluon_forward_compiles_for_hopper_without_spills(block, head_dim, group
     """The forward at forward_config's Gluon tiles (and 256 rows of four heads) compiles to sm_90a, K/V by TMA,
     within registers and one program's shared memory."""
     config = forward_config(group, block, block, head_dim, {"fwd_gluon": True})
-    n, hkv = 4 * block, 2
-    q = torch.zeros(1, hkv * group, n, head_dim, dtype=torch.bfloat16)
-    k = torch.zeros(1, hkv, n, head_dim, dtype=torch.bfloat16)
-    lse = torch.zeros(1, hkv * group, n)
-    indices = torch.zeros(1, hkv, 4, 4, dtype=torch.int32)
-    counts = torch.zeros(1, hkv, 4, dtype=torch.int32)
+    x = _CompileInputs(block, head_dim, group)
     grid, args, kwargs = fg.fwd_gluon_arguments(
-        q, k, k, q, lse, indices, counts, block_q=block, block_k=block, scale=head_dim ** -0.5,
+        x.q, x.k, x.k, x.q, x.stats, x.indices, x.counts, block_q=block, block_k=block, scale=x.scale,
         heads_per_program=heads or config.gluon_heads_per_program, num_buf=config.gluon_stages)
     compiled = _compile_for_hopper(fg._fwd_gluon_kernel, grid, args, kwargs)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
@@ -196,26 +201,17 @@ def test_gluon_kernels_with_documents_compile_for_hopper(block, head_dim, group,
     kernels without spills, the KV-centric kernel within the bound above."""
     config = backward_config(group, block, block, head_dim, False, {"kv_gluon": True, "dq_gluon": True})
     fconfig = forward_config(group, block, block, head_dim, {"fwd_gluon": True})
-    n, hkv = 4 * block, 2
-    q = torch.zeros(1, hkv * group, n, head_dim, dtype=torch.bfloat16)
-    k = torch.zeros(1, hkv, n, head_dim, dtype=torch.bfloat16)
-    stats = torch.zeros(1, hkv * group, n)
-    indices = torch.zeros(1, hkv, 4, 4, dtype=torch.int32)
-    counts = torch.zeros(1, hkv, 4, dtype=torch.int32)
-    docs = torch.zeros(1, n, dtype=torch.int32)
-    items = torch.zeros(8, dtype=torch.int32)
-    partials = torch.zeros(2, block, head_dim)
-    scale = head_dim ** -0.5
+    x = _CompileInputs(block, head_dim, group)
     launches = {
         "forward": (fg._fwd_gluon_kernel, fg.fwd_gluon_arguments(
-            q, k, k, q, stats, indices, counts, docs, block_q=block, block_k=block, scale=scale,
+            x.q, x.k, x.k, x.q, x.stats, x.indices, x.counts, x.docs, block_q=block, block_k=block, scale=x.scale,
             heads_per_program=fconfig.gluon_heads_per_program, num_buf=fconfig.gluon_stages), 0),
         "dq": (bg._dq_gluon_kernel, bg.dq_gluon_arguments(
-            q, k, k, q, stats, stats, indices, counts, q, docs, block_q=block, block_k=block, scale=scale,
-            heads_per_program=config.dq_gluon_heads_per_program, num_buf=config.dq_gluon_stages), 0),
+            x.q, x.k, x.k, x.q, x.stats, x.stats, x.indices, x.counts, x.q, x.docs, block_q=block, block_k=block,
+            scale=x.scale, heads_per_program=config.dq_gluon_heads_per_program, num_buf=config.dq_gluon_stages), 0),
         "kv": (bg._dkdv_gluon_kernel, bg.dkdv_gluon_arguments(
-            q, k, k, q, stats, stats, items, items, items, items, items, k, k, partials, partials, docs,
-            block_q=block, block_k=block, scale=scale, tile_rows=config.gluon_tile_rows,
+            x.q, x.k, x.k, x.q, x.stats, x.stats, x.items, x.items, x.items, x.items, x.items, x.k, x.k, x.partials,
+            x.partials, x.docs, block_q=block, block_k=block, scale=x.scale, tile_rows=config.gluon_tile_rows,
             num_buf=config.gluon_stages), kv_spill_bytes),
     }
     for name, (kernel, (grid, args, kwargs), spill_bytes) in launches.items():
