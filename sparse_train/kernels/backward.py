@@ -88,7 +88,8 @@ from ._jit import (
     tile_pointers,
     tile_row_slice,
 )
-from .backward_gluon import gluon_dq_supported, gluon_kv_supported, launch_dkdv_gluon, launch_dq_gluon
+from ._gluon import gluon_call_supported
+from .backward_gluon import gluon_dq_tiles_supported, gluon_kv_tiles_supported, launch_dkdv_gluon, launch_dq_gluon
 from ._launch import (
     LAST_COMPILED,
     kernel_document_ids,
@@ -554,10 +555,19 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if stage_events:
         stage_events[1].record()
     scale_log2 = float(scale * LOG2E.value)
-    k_operand, v_operand, dq_tma = tma_operands(k, v, block_k, bool(config.dq_tma) and not fused)
+    # the Gluon kernels where they apply (one check of what they share); the Triton kernels' TMA descriptors are
+    # built only for the Triton kernels that run
+    gluon = bool(config.dq_gluon or config.kv_gluon) and not (fused or stored) and gluon_call_supported(
+        q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=seq_lens is not None, has_docs=has_docs,
+        dropout=dropout, query_map=has_map) is None
+    dq_gluon = gluon and bool(config.dq_gluon) and gluon_dq_tiles_supported(
+        block_q=block_q, heads_per_program=config.dq_gluon_heads_per_program, has_cold=has_cold) is None
+    kv_gluon = gluon and bool(config.kv_gluon) and gluon_kv_tiles_supported(
+        block_q=block_q, tile_rows=config.gluon_tile_rows, heads_per_step=config.kv_heads_per_program) is None
+    k_operand, v_operand, dq_tma = tma_operands(k, v, block_k, bool(config.dq_tma) and not fused and not dq_gluon)
     # the KV-centric kernel's TMA slices are rows of one head: one head per step, rows of q = positions
     kv_slices = bool(config.kv_tma) and config.kv_heads_per_program == 1 and not has_map
-    q_operand, do_operand, kv_tma = tma_operands(q, do, config.kv_tile_rows, kv_slices)
+    q_operand, do_operand, kv_tma = tma_operands(q, do, config.kv_tile_rows, kv_slices and not kv_gluon)
     # the dS slices go out through a descriptor under the same conditions as the q/dO slices come in (a slice is
     # then rows of one head); tile ids are int32 coordinates
     ds_operand = tma_descriptor(ds, 0, stored and kv_slices and 0 < ds.shape[0] < 2**31,
@@ -565,10 +575,6 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     ds_tma = ds_operand is not None
     if not ds_tma:
         ds_operand = ds
-    dq_gluon = bool(config.dq_gluon) and not (fused or stored) and gluon_dq_supported(
-        q, k, v, do, block_q=block_q, block_k=block_k, heads_per_program=config.dq_gluon_heads_per_program,
-        has_cold=has_cold, has_seq_lens=seq_lens is not None, has_docs=has_docs, dropout=dropout,
-        query_map=has_map) is None
     if dq_gluon:
         LAST_COMPILED["dq"] = launch_dq_gluon(
             q, k, v, do, lse, delta, indices, counts, dq, docs_arg if has_docs else None, block_q=block_q,
@@ -589,11 +595,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if stage_events and not stored:
         stage_events[2].record()
     num_items = schedule.item_row.numel()
-    gluon = bool(config.kv_gluon) and not (fused or stored) and gluon_kv_supported(
-        q, k, v, do, block_q=block_q, block_k=block_k, tile_rows=config.gluon_tile_rows,
-        heads_per_step=config.kv_heads_per_program, has_seq_lens=seq_lens is not None, has_docs=has_docs,
-        dropout=dropout, query_map=has_map) is None
-    if num_items > 0 and gluon:
+    if num_items > 0 and kv_gluon:
         LAST_COMPILED["dkdv"] = launch_dkdv_gluon(
             q, k, v, do, lse, delta, kv_qblocks, schedule.item_row, schedule.item_t0, schedule.item_t1,
             schedule.item_part, dk, dv, dk_partial, dv_partial, docs_arg if has_docs else None, block_q=block_q,

@@ -306,6 +306,12 @@ def gluon_kv_supported(q, k, v, do, *, block_q: int, block_k: int, tile_rows: in
                                    has_docs=has_docs, dropout=dropout, query_map=query_map)
     if common is not None:
         return common
+    return gluon_kv_tiles_supported(block_q=block_q, tile_rows=tile_rows, heads_per_step=heads_per_step)
+
+
+def gluon_kv_tiles_supported(*, block_q: int, tile_rows: int, heads_per_step: int) -> str | None:
+    """The KV-centric Gluon kernel's own conditions, beyond those every Gluon kernel shares
+    (``_gluon.gluon_call_supported``): None, or why not."""
     if heads_per_step != 1:
         return "more than one head per step"
     if tile_rows not in (32, 64, 128) or block_q % tile_rows:
@@ -346,6 +352,12 @@ def gluon_dq_supported(q, k, v, do, *, block_q: int, block_k: int, heads_per_pro
                                    has_docs=has_docs, dropout=dropout, query_map=query_map)
     if common is not None:
         return common
+    return gluon_dq_tiles_supported(block_q=block_q, heads_per_program=heads_per_program, has_cold=has_cold)
+
+
+def gluon_dq_tiles_supported(*, block_q: int, heads_per_program: int, has_cold: bool) -> str | None:
+    """The Gluon dQ kernel's own conditions, beyond those every Gluon kernel shares
+    (``_gluon.gluon_call_supported``): None, or why not."""
     if has_cold:
         return "cold blocks (their atomic dK/dV products run in the Triton dQ kernel)"
     if heads_per_program * block_q not in (64, 128):
