@@ -91,6 +91,8 @@ def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
 
 POINTWISE = {"on": True, "off": False, "auto": "auto"}
 """``--compile-pointwise`` values as ``TransformerConfig.compile_pointwise`` takes them."""
+GLUON = {"on": True, "off": False, "auto": None}
+"""``--gluon`` values as ``SparseAttentionConfig.gluon_kernels`` takes them."""
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -128,7 +130,8 @@ def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Trans
     # 500-step warm-up would make every timed step dense attention).
     sparse_cfg = dict(block_q=args.block, block_k=args.block, top_k=args.top_k, window=args.window,
                       sinks=args.sinks, distill=args.distill, backend=args.backend, dense_warmup_steps=0,
-                      fused_backward=args.fused_backward == "on", stored_ds_backward=args.stored_ds_backward == "on")
+                      fused_backward=args.fused_backward == "on", stored_ds_backward=args.stored_ds_backward == "on",
+                      gluon_kernels=GLUON[args.gluon])
     cfg = TransformerConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                             n_kv_heads=args.kv_heads, head_dim=args.head_dim, ffn_hidden=args.ffn,
                             rope_theta=args.rope_theta, tie_embeddings=False, attention=variant,
@@ -163,6 +166,9 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--stored-ds-backward", choices=["on", "off"], default="off",
                     help="sparse variant: dQ from dS tiles the KV-centric kernel stores "
                          "(SparseAttentionConfig.stored_ds_backward)")
+    ap.add_argument("--gluon", choices=sorted(GLUON), default="auto",
+                    help="sparse variant: the Gluon kernels (SparseAttentionConfig.gluon_kernels: auto = each kernel's "
+                         "default, on = wherever they apply, off = the Triton kernels only)")
     ap.add_argument("--compile-pointwise", choices=sorted(POINTWISE), default="auto",
                     help="RMSNorm, RoPE and the SwiGLU gate as torch.compile'd fused kernels "
                          "(TransformerConfig.compile_pointwise, both variants; auto = on for CUDA, the default)")
@@ -212,6 +218,7 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
                               "keep_attention": act_ckpt and args.keep_attention == "on",
                               "fused_backward": variant == "sparse" and args.fused_backward == "on",
                               "stored_ds_backward": variant == "sparse" and args.stored_ds_backward == "on",
+                              "gluon": args.gluon if variant == "sparse" else None,
                               "compile_pointwise": model_lib.compiles_pointwise(POINTWISE[args.compile_pointwise],
                                                                                 device),
                               "params": model.num_parameters(), "repeats": args.repeats}

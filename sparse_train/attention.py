@@ -615,7 +615,9 @@ class SparseAttention(nn.Module):
     def _kernel_options(self) -> dict:
         """The config's performance choices for :func:`sparse_train.sparse_attention` (both paths)."""
         cfg = self.config
-        return {"r0": cfg.r0, "fused_dq": cfg.fused_backward, "stored_ds": cfg.stored_ds_backward}
+        gluon = cfg.gluon_kernels
+        return {"r0": cfg.r0, "fused_dq": cfg.fused_backward, "stored_ds": cfg.stored_ds_backward,
+                "fwd_gluon": gluon, "dq_gluon": gluon, "kv_gluon": gluon}
 
     def _cp_distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
                               document_ids, check_values, rank, world, target=None) -> tuple[Tensor, tuple]:

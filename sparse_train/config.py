@@ -142,6 +142,14 @@ class SparseAttentionConfig:
     ``deterministic``, but not with ``fused_backward``. Off by default: on the H200 at 64K the backward is
     2-8% faster for a buffer of about 8 GB (B = 1, 32 heads; ``docs/benchmarks/speed_round2/README.md``)."""
 
+    gluon_kernels: bool | None = None
+    """The hand-scheduled Gluon kernels (Hopper only; ``kernel_options.fwd_gluon`` / ``dq_gluon`` / ``kv_gluon``
+    of :func:`sparse_train.sparse_attention`): ``None`` = each kernel's measured default (on an H200 the dQ and
+    KV-centric backward kernels always, the forward at head dim 64 over 64-key blocks); ``False`` = the Triton
+    kernels only; ``True`` = the Gluon kernels wherever they apply. Where a Gluon kernel does not apply (another
+    GPU, dropout, sequence lengths, context parallelism, N not a multiple of ``block_q``) the Triton kernel runs
+    either way; results are bitwise the same, only the speed differs."""
+
     distill: str = "sampled"
     """Selector training target: ``"sampled"`` = dense attention mass on all causal blocks for
     ``distill_query_blocks`` randomly sampled query blocks per step (exact for those rows, cost linear
@@ -249,6 +257,8 @@ class SparseAttentionConfig:
         for name in ("replay", "dense_fallback", "profile", "deterministic", "fused_backward", "stored_ds_backward",
                      "selector_distance_bias"):
             _check_bool(self, name)
+        if self.gluon_kernels is not None:
+            _check_bool(self, "gluon_kernels")
         if self.fused_backward and self.stored_ds_backward:
             raise ValueError("SparseAttentionConfig: fused_backward and stored_ds_backward are two ways of producing "
                              "dQ from the KV-centric kernel; set at most one of them")

@@ -24,7 +24,7 @@ CONFIG_INT_FIELDS = ["block_q", "block_k", "top_k", "window", "sinks", "selector
 CONFIG_FLOAT_FIELDS = ["dropout_p", "scale", "distill_weight", "dense_enter_density", "dense_exit_density",
                        "selector_lr_multiplier", "selector_rope_theta", "top_p"]
 CONFIG_BOOL_FIELDS = ["deterministic", "fused_backward", "stored_ds_backward", "replay", "dense_fallback", "profile",
-                      "selector_distance_bias"]
+                      "selector_distance_bias", "gluon_kernels"]
 CONFIG_CHOICE_FIELDS = ["backend", "distill", "index_check", "distill_row_pool", "distill_support", "key_pooling",
                         "query_pooling"]
 

@@ -158,6 +158,36 @@ def test_fused_and_stored_ds_backward_configs_reach_the_kernels(monkeypatch):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("gluon,expected", [(None, 0), (False, 0), (True, 1)], ids=["default", "off", "on"])
+def test_gluon_kernels_config_reaches_the_launch_schedule(monkeypatch, gluon, expected):
+    """``gluon_kernels`` sets the three Gluon switches of the launch schedule (None: each kernel's default, which on
+    this CPU is off); where the Gluon kernels do not apply (here: no Hopper GPU) the Triton kernels run and the
+    output is the same."""
+    from sparse_train.kernels import op
+
+    schedules = []
+    real_schedule = op.attention_schedule
+    monkeypatch.setattr(op, "attention_schedule", lambda *a, **kw: schedules.append(real_schedule(*a, **kw))
+                        or schedules[-1])
+    attn = make(backend="triton", dense_fallback=False, gluon_kernels=gluon)
+    attn.load_state_dict(make().state_dict())
+    torch.manual_seed(3)
+    q, k, v = qkv(2, 83)
+    out = attn(q, k, v)
+    assert len(schedules) == 1
+    schedule = schedules[0]
+    assert (schedule.forward.gluon, schedule.backward.dq_gluon, schedule.backward.kv_gluon) == (expected,) * 3
+    reference = make(backend="triton", dense_fallback=False)
+    reference.load_state_dict(make().state_dict())
+    torch.testing.assert_close(out, reference(q, k, v), rtol=0, atol=0)
+
+
+def test_gluon_kernels_config_takes_a_bool_or_none():
+    assert st.SparseAttentionConfig(gluon_kernels=None).gluon_kernels is None
+    with pytest.raises(ValueError, match="SparseAttentionConfig.gluon_kernels"):
+        st.SparseAttentionConfig(gluon_kernels="yes")
+
+
 @pytest.mark.parametrize("n", [30, 64, 80], ids=["n30", "n64", "n80"])
 def test_full_selection_takes_sdpa_and_equals_sparse_reference(n):
     attn = make()  # capacity 5 blocks of 16 -> N <= 80 is a full selection
