@@ -116,11 +116,12 @@ case "$phase" in
       timeout "$limit" python3 scripts/bench_step.py --act-ckpt on --out "$R/step_$name.json" "$@" > "$R/step_$name.log" 2>&1
       echo "bench_step $name rc=$?" >> "$R/step_$name.log"
     }
-    step 64k_keep 150 --contexts 65536 --repeats 4 --warmup 2 --profile --kernel-table "$R/kernels_64k_keep"
+    step 64k_keep 150 --contexts 65536 --repeats 4 --warmup 2 --profile --keep-attention on \
+      --kernel-table "$R/kernels_64k_keep"
     step 64k_recompute 150 --contexts 65536 --repeats 4 --warmup 2 --profile --keep-attention off \
       --kernel-table "$R/kernels_64k_recompute"
     step 64k_distill_off 60 --contexts 65536 --variants sparse --repeats 4 --warmup 2 --profile --distill off
-    step 128k_keep 200 --contexts 131072 --repeats 3 --warmup 1 --profile
+    step 128k_keep 200 --contexts 131072 --repeats 3 --warmup 1 --profile --keep-attention on
     # 16K is partly host-bound: 4 repeats read 0.874 of dense once where 10-repeat runs read 0.75-0.76
     step 16k 130 --contexts 16384 --repeats 10 --warmup 3 --kernel-table "$R/kernels_16k"
     cp "$R"/step_*.json "$OUT"/ 2>/dev/null

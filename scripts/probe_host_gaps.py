@@ -87,6 +87,135 @@ def split_ms(fwd, bwd_of, reps: int = 15):
     return float(t[:, 0].median()), float(t[:, 1].median())
 
 
+# (module, attribute) of the host steps the timeline marks; Triton kernels are marked by their ``run``
+_TIMELINE_FUNCTIONS = (
+    ("sparse_train.kernels.op", "check_attention_args"), ("sparse_train.kernels.op", "attention_schedule"),
+    ("sparse_train.kernels.op", "sparse_attn_forward"), ("sparse_train.kernels.op", "sparse_attn_backward"),
+    ("sparse_train.kernels.forward", "gluon_fwd_supported"), ("sparse_train.kernels.forward", "launch_fwd_gluon"),
+    ("sparse_train.kernels.forward", "tma_operands"), ("sparse_train.kernels.backward", "kv_schedule"),
+    ("sparse_train.kernels.backward", "tma_operands"), ("sparse_train.kernels.backward", "tma_descriptor"),
+    ("sparse_train.kernels.backward", "gluon_call_supported"), ("sparse_train.kernels.backward", "launch_dq_gluon"),
+    ("sparse_train.kernels.backward", "launch_dkdv_gluon"),
+)
+_TIMELINE_KERNELS = (
+    ("sparse_train.kernels.forward", "_fwd_kernel"), ("sparse_train.kernels.backward", "_delta_kernel"),
+    ("sparse_train.kernels.backward", "_dq_kernel"), ("sparse_train.kernels.backward", "_dkdv_kernel"),
+    ("sparse_train.kernels.backward", "_dkdv_finish_kernel"), ("sparse_train.kernels.schedule", "_kv_schedule_kernel"),
+    ("sparse_train.kernels.backward_gluon", "_dq_gluon_kernel"),
+    ("sparse_train.kernels.backward_gluon", "_dkdv_gluon_kernel"),
+    ("sparse_train.kernels.forward_gluon", "_fwd_gluon_kernel"),
+)
+
+
+def host_timeline(fn, calls: int = 7) -> list[dict]:
+    """When, in host milliseconds from the start of fn(), each marked step of the call begins and ends (GPU kept
+    busy, so no launch waits): the medians over ``calls`` calls, in order of their start. A kernel launch that
+    comes late in the host's work is GPU time lost whenever the GPU has nothing queued before it."""
+    import importlib
+
+    marks: list[tuple[str, float, float]] = []
+    clock = time.perf_counter
+
+    def wrap(name, inner):
+        def timed(*args, **kwargs):
+            start = clock()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                marks.append((name, start, clock()))
+        return timed
+
+    restore = []
+    for module_name, attr in _TIMELINE_FUNCTIONS:
+        module = importlib.import_module(module_name)
+        if hasattr(module, attr):
+            restore.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, wrap(attr, getattr(module, attr)))
+    for module_name, attr in _TIMELINE_KERNELS:
+        kernel = getattr(importlib.import_module(module_name), attr, None)
+        if kernel is not None:
+            restore.append((kernel, "run", None))
+            kernel.run = wrap(attr, kernel.run)
+    runs = []
+    try:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(1_000_000_000)
+        for _ in range(calls):
+            marks.clear()
+            t0 = clock()
+            fn()
+            runs.append([(name, (a - t0) * 1e3, (b - t0) * 1e3) for name, a, b in marks] + [("end", 0.0, (clock() - t0) * 1e3)])
+        torch.cuda.synchronize()
+    finally:
+        for owner, attr, original in reversed(restore):
+            if original is None:
+                del owner.run
+            else:
+                setattr(owner, attr, original)
+    steps = []
+    for i, (name, _, _) in enumerate(runs[0]):
+        starts = sorted(run[i][1] for run in runs)
+        ends = sorted(run[i][2] for run in runs)
+        steps.append(dict(step=name, start_ms=round(starts[len(starts) // 2], 3), end_ms=round(ends[len(ends) // 2], 3)))
+    return sorted(steps, key=lambda s: s["start_ms"])
+
+
+def device_timeline(fn, busy: bool, reps: int = 9) -> list[dict]:
+    """When, in GPU milliseconds from a start event recorded before fn(), each marked kernel starts and ends: a
+    CUDA event is recorded right before and right after every launch of a kernel of ``_TIMELINE_KERNELS``
+    (medians over ``reps`` calls, L2 flushed before each as the benchmark does; ``busy``: a sleep kernel queued
+    first, as for device time). A kernel whose start lies after the previous one's end waited for the host; a
+    kernel that takes longer here than with ``busy`` ran slower (clocks)."""
+    import importlib
+
+    _flush = __import__("bench_attention")._flush
+    pending: list[tuple[str, object, object]] = []
+
+    def wrap(name, inner):
+        def timed(*args, **kwargs):
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                after.record()
+                pending.append((name, before, after))
+        return timed
+
+    kernels = []
+    for module_name, attr in _TIMELINE_KERNELS:
+        kernel = getattr(importlib.import_module(module_name), attr, None)
+        if kernel is not None:
+            kernels.append(kernel)
+            kernel.run = wrap(attr, kernel.run)
+    runs = []
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    try:
+        fn()
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            pending.clear()
+            _flush()
+            if busy:
+                torch.cuda._sleep(20_000_000)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            runs.append([(name, start.elapsed_time(a), start.elapsed_time(b)) for name, a, b in pending]
+                        + [("end", start.elapsed_time(end), start.elapsed_time(end))])
+    finally:
+        for kernel in kernels:
+            del kernel.run
+    steps = []
+    for i, (name, _, _) in enumerate(runs[0]):
+        starts = sorted(run[i][1] for run in runs)
+        ends = sorted(run[i][2] for run in runs)
+        steps.append(dict(kernel=name, start_ms=round(starts[len(starts) // 2], 3),
+                          end_ms=round(ends[len(ends) // 2], 3)))
+    return steps
+
+
 def host_profile(fn, calls: int = 20, top: int = 35) -> str:
     """cProfile of ``calls`` calls of fn() with the GPU busy (Python 3.12's profiler sees every thread, so the
     backward launcher on autograd's device thread is in the same table as the forward)."""
@@ -161,6 +290,13 @@ def case(d: int, pattern: str, n: int, args, results):
     # ~1.9 GHz: 2e6 cycles ~ 1 ms of sleep ahead of the call
     row["fwdbwd_after_sleep_ms"] = {str(c): after_sleep_ms(fwd_bwd, c) for c in
                                     (0, 500_000, 1_000_000, 2_000_000, 4_000_000, 8_000_000)}
+    row["timeline"] = host_timeline(fwd_bwd)
+    for step in row["timeline"]:
+        print("  host", json.dumps(step), flush=True)
+    for busy in (False, True):
+        row[f"device_timeline_{'busy' if busy else 'benchmark'}"] = steps = device_timeline(fwd_bwd, busy)
+        for step in steps:
+            print(f"  gpu ({'busy' if busy else 'as benchmarked'})", json.dumps(step), flush=True)
     if args.host_profile:
         os.makedirs(args.host_profile, exist_ok=True)
         with open(os.path.join(args.host_profile, f"host_profile_d{d}_{pattern}.txt"), "w") as f:
@@ -181,7 +317,8 @@ def case(d: int, pattern: str, n: int, args, results):
         prof.export_chrome_trace(os.path.join(args.trace, f"host_gaps_d{d}_{pattern}.json"))
     results.append(row)
     brief = {key: (round(val, 3) if isinstance(val, float) else val) for key, val in row.items()
-             if key not in ("gaps", "host_waits", "device_ops")}
+             if key not in ("gaps", "host_waits", "device_ops", "timeline", "device_timeline_busy",
+                            "device_timeline_benchmark")}
     print(json.dumps(brief), flush=True)
     for gap in row["gaps"]:
         print("  gap", json.dumps(gap), flush=True)

@@ -79,3 +79,19 @@ def test_report_has_the_backward_modes_table(bench, tmp_path):
     assert "| 65536 | P64 | 0.0500 | 1.000 | 4.000 | 13.000 | 17.000 | 400 (50%) | 300 (38%) | 6.000 | 24.000 |" in text
     assert ("| 65536 | P64 | 13.000 | 17.000 | 13.500 | 17.500 | 18.000 | 22.000 | 12.000 | 16.000 | 1801 / 9993 |"
             in text)
+
+
+def test_report_has_the_cuda_graph_table(bench, tmp_path):
+    """Rows with CUDA-graph replay times get a table of their own: ours against Flex and cuDNN replayed alike, and
+    the share of the matmul ceiling (3.5x the forward's FLOPs in the graphed forward + backward)."""
+    ours = dict(kind="ours", N=65536, pattern="P128", density=0.05, index_plan_ms=1.0, fwd_ms=4.0, bwd_ms=12.0,
+                fwdbwd_ms=16.0, fwd_TFLOPs=400.0, fwd_frac_ceiling=0.5, bwd_TFLOPs=300.0, bwd_frac_ceiling=0.38,
+                fwdbwd_graph_ms=14.0)
+    flex = dict(kind="flex", N=65536, pattern="P128", fwd_ms=4.4, fwdbwd_ms=22.7, fwdbwd_graph_ms=21.0)
+    cudnn = dict(kind="dense_cudnn", N=65536, fwd_ms=58.0, fwdbwd_ms=218.0, fwdbwd_graph_ms=210.0)
+    results = dict(gpu="test", torch="x", triton="y", rows=[ours, flex, cudnn],
+                   ceilings={"copy_TBps": 4.0, "bf16_matmul_TFLOPs": 800.0})
+    bench.write_outputs(results, str(tmp_path))
+    text = (tmp_path / f"{bench.DATE}_h200_attention.md").read_text()
+    # 3.5 * 400 TFLOP/s * 4 ms = 5.6 TFLOP in 14 ms: 400 TFLOP/s, 50% of 800
+    assert "| 65536 | P128 | 14.000 | 50% | 21.000 | 210.000 | 0.67x | 15.0x |" in text

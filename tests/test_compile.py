@@ -11,7 +11,7 @@ import torch
 import sparse_train as st
 from sparse_train.selectors import BlockScorer, selection_candidates, selection_geometry
 from sparse_train.plan import cold_slots, kv_schedule, kv_schedule_capacity
-from builders import make_qkv
+from builders import ids_from_lengths, make_qkv, random_index
 
 HQ, HKV, D = 4, 2, 16
 
@@ -412,3 +412,43 @@ def test_selector_index_plan_capture_in_a_cuda_graph():
     torch.cuda.synchronize()
     for got, want in zip(captured, path(q2, k2)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,block,packed", [(128, 64, False), (64, 128, True)],
+                         ids=["d128-P64", "d64-P128-packed"])
+def test_attention_forward_backward_capture_in_a_cuda_graph(head_dim, block, packed):
+    """The attention's forward and backward (the default kernels: on an H200 the Gluon ones), captured once in a
+    CUDA graph and replayed on new q/k/v/dO, give bitwise what eager calls give on those inputs: no launch reads a
+    host value that the capture would freeze, and nothing syncs (``check_values=False``)."""
+    device = torch.device("cuda")
+    n, hq, hkv = 4096, 8, 2
+    index = random_index(1, hkv, n, block, block, 6, 2, 1, seed=3, device=device)
+    plan = index.plan()
+    docs = ids_from_lengths([1000, 2500, 596]).to(device) if packed else None
+    q, k, v = make_qkv(1, hq, hkv, n, head_dim, dtype=torch.bfloat16, seed=4, device=device, requires_grad=True)
+    do = torch.randn_like(q)
+
+    def step():
+        o = st.sparse_attention(q, k, v, index, backend="triton", kernel_options={"plan": plan},
+                                document_ids=docs, check_values=False)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    fresh = make_qkv(1, hq, hkv, n, head_dim, dtype=torch.bfloat16, seed=5, device=device)
+    with torch.no_grad():
+        for static, new in zip((q, k, v, do), (*fresh, torch.randn_like(do))):
+            static.copy_(new)
+    graph.replay()
+    torch.cuda.synchronize()
+    for name, got, want in zip(("o", "dq", "dk", "dv"), captured, step()):
+        assert torch.isfinite(want).all(), name
+        assert torch.equal(got, want), name
