@@ -382,7 +382,9 @@ class SparseAttention(nn.Module):
         compiling = torch.compiler.is_compiling()
         recomputing = not compiling and in_backward_pass()
         first_pass = not recomputing
-        profile = cfg.profile and first_pass and not compiling
+        profile = cfg.profile and not compiling
+        # a checkpoint's recompute of this call is timed as phases of its own (``time/attn_fwd_recompute_ms``, ...)
+        phase_suffix = "" if first_pass else "_recompute"
         device = q.device
         # lru_cache is opaque to dynamo: trace the plain function while compiling (once per shape)
         geometry_of = selection_geometry.__wrapped__ if compiling else selection_geometry
@@ -416,7 +418,7 @@ class SparseAttention(nn.Module):
         )
         scores = None
         if profile:
-            self._timings.mark("selector", 0, device)
+            self._timings.mark("selector" + phase_suffix, 0, device)
         if need_selection or distill_now:
             qbar, kbar = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens, position_ids)
             with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
@@ -429,7 +431,7 @@ class SparseAttention(nn.Module):
                 sinks=cfg.sinks, capacity=capacity, check=cfg.index_check, document_ids=document_ids,
             )
         if profile:
-            self._timings.mark("selector", 1, device)
+            self._timings.mark("selector" + phase_suffix, 1, device)
 
         # ---- what the kernels attend: the selection, or on the dense path with dropout the full causal
         # index, so the dropout bits come from the same counters on both paths (switching paths never
@@ -449,17 +451,17 @@ class SparseAttention(nn.Module):
             if path == "sparse" and backend == "reference" and backend_reason != "requested":
                 reason = f"reference_{backend_reason}"
         if profile:
-            self._timings.mark("plan", 0, device)
+            self._timings.mark("plan" + phase_suffix, 0, device)
         if attend_index is not None and backend == "triton" and plan is None:
             plan = attend_index.plan(cfg.r0)
         if profile:
-            self._timings.mark("plan", 1, device)
+            self._timings.mark("plan" + phase_suffix, 1, device)
         if attend_index is not None and dropout_p > 0.0 and dropout_seed is None:
             dropout_seed = draw_dropout_seed()
 
         # ---- attention
         if profile:
-            self._timings.mark("attn_fwd", 0, device)
+            self._timings.mark("attn_fwd" + phase_suffix, 0, device)
         lse = None
         if attend_index is None:
             # the kernel path checks these values inside sparse_attention
@@ -475,8 +477,9 @@ class SparseAttention(nn.Module):
             )
             lse = kernel_lse if path == "sparse" else None  # the sparse target reads the selection's lse
         if profile:
-            self._timings.mark("attn_fwd", 1, device)
-            self._hook_backward_timing(q, k, v, o)
+            self._timings.mark("attn_fwd" + phase_suffix, 1, device)
+            if first_pass:  # the recomputed output gets no gradient of its own
+                self._hook_backward_timing(q, k, v, o)
 
         # ---- distillation (selector-only gradients)
         loss = None

@@ -217,7 +217,8 @@ class SparseAttentionConfig:
 
     profile: bool = False
     """Time selector, plan, attention forward and backward of the last step (CUDA events on GPU,
-    ``perf_counter`` on CPU); reported by ``stats()`` under ``time/...``."""
+    ``perf_counter`` on CPU); reported by ``stats()`` under ``time/...``. Under activation checkpointing the
+    recompute's phases are reported apart, as ``time/<phase>_recompute_ms``."""
 
     def __post_init__(self) -> None:
         for name in ("block_q", "block_k", "selector_dim", "distill_every", "distill_query_blocks",

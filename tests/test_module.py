@@ -327,6 +327,24 @@ def test_sampled_distill_covering_every_block_equals_dense():
     assert few.scorer.query_proj.grad.abs().sum() > 0
 
 
+def test_profile_reports_the_checkpoint_recompute_apart():
+    """Under activation checkpointing the recomputed forward is timed as phases of its own
+    (``time/attn_fwd_recompute_ms``), so the first forward's times stay what they were and the recompute's cost is
+    visible; the backward is timed once (its gradient flows through the first forward's graph)."""
+    attn = make(profile=True)
+    q, k, v = qkv(1, 150, grad=True)
+    out = torch.utils.checkpoint.checkpoint(attn, q, k, v, use_reentrant=False)
+    out.sum().backward()
+    stats = attn.stats()
+    for key in ("time/selector_ms", "time/plan_ms", "time/attn_fwd_ms", "time/attn_bwd_ms",
+                "time/attn_fwd_recompute_ms", "time/plan_recompute_ms"):
+        assert key in stats and math.isfinite(stats[key]) and stats[key] >= 0, key
+    assert "time/attn_bwd_recompute_ms" not in stats
+    plain = make(profile=True)
+    plain(q, k, v).sum().backward()
+    assert not any(key.endswith("_recompute_ms") for key in plain.stats())
+
+
 def test_stats_metrics_profile_and_collect():
     model = torch.nn.ModuleDict({"a": make(metrics_every=1, profile=True), "b": make(metrics_every=1, profile=True)})
     q, k, v = qkv(1, 150, grad=True)

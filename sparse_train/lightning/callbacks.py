@@ -39,7 +39,7 @@ class StepTimer(Callback):
     ``memory/peak_allocated_gib`` (on CUDA: this device's peak of allocated memory since the start), and the means of ``st.collect_attention_stats`` under ``attn/``: ``attn/density``,
     ``attn/fallbacks/<reason>``, ``attn/selector_loss``, ``attn/recall`` and, when the sparse config has
     ``profile: true``, ``attn/time/selector_ms``, ``attn/time/plan_ms``, ``attn/time/attn_fwd_ms``,
-    ``attn/time/attn_bwd_ms``.
+    ``attn/time/attn_bwd_ms`` (with activation checkpointing also ``attn/time/<phase>_recompute_ms``).
 
     Args:
         every_n_steps: Measure every n-th training batch (on GPU each measured step waits for the
