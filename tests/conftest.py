@@ -1,6 +1,7 @@
 """Test configuration. Without a CUDA device, Triton kernels run through the interpreter, which must be
 switched on before any ``@triton.jit`` function is decorated, i.e. before sparse_train's kernel modules
-are imported; conftest runs first, so this is the place. Also: the hypothesis profiles, the ``gpu``
+are imported; conftest runs first, so this is the place. Also: undoing the interpreter's leaked patches of
+``triton.language`` after each test, the hypothesis profiles, the ``gpu``
 marker's skip without CUDA, and the NaN-poisoning fixture of the kernel tests. Input builders are in
 ``builders.py``."""
 
@@ -12,6 +13,37 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
+    # one worker per core (README: ``-n 2``); torch's own threads would make each worker fight the other
+    torch.set_num_threads(1)
+
+
+def _triton_language_namespaces() -> list:
+    """The objects whose attributes Triton's interpreter replaces while it runs a kernel (``_patch_lang``)."""
+    try:
+        import triton.language as tl
+    except ImportError:
+        return []
+    return [tl, tl.core, tl.math, tl.core.tensor, tl.core.tensor_descriptor_base]
+
+
+# Triton 3.6's interpreter patches triton.language's builtins for each call of a @triton.jit helper
+# (``InterpretedFunction.__call__``) and never restores them; a helper whose module sees ``triton.language.core``
+# (tl.max, tl.sum, ... from triton.language.standard) leaves ``triton.language.core.add`` & co. bound to the
+# interpreter. A later real compile (the Gluon kernels' compile-only tests for sm_90a) then builds ``a + b`` with
+# the interpreter's semantics and fails ("block_argument has no attribute get_element_ty"), but only when the
+# kernel is not in Triton's disk cache yet, i.e. on a fresh machine. The import-time attributes are put back
+# after every test.
+_LANGUAGE_SNAPSHOT = [(ns, dict(vars(ns))) for ns in _triton_language_namespaces()]
+
+
+@pytest.fixture(autouse=True)
+def _undo_leaked_interpreter_patches():
+    yield
+    for namespace, original in _LANGUAGE_SNAPSHOT:
+        for name, value in list(vars(namespace).items()):
+            if name in original and original[name] is not value:
+                setattr(namespace, name, original[name])
 
 try:
     from hypothesis import HealthCheck, settings

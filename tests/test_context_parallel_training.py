@@ -283,11 +283,11 @@ def test_scorer_and_selection_on_a_subset_of_query_blocks(documents):
         scorer(qbar[:, :, rows], kbar, 0.3, geometry, query_blocks=rows[:3])
 
 
-@pytest.mark.parametrize("deterministic,fused,stored", [(True, False, True), (False, True, False)],
-                         ids=["deterministic-stored-ds", "fused"])
-def test_cp_module_passes_its_kernel_settings(monkeypatch, deterministic, fused, stored):
-    """Under context parallelism the module hands ``deterministic``, ``r0``, ``fused_backward`` and
-    ``stored_ds_backward`` to the
+@pytest.mark.parametrize("deterministic,fused,stored,gluon", [(True, False, True, False), (False, True, False, True)],
+                         ids=["deterministic-stored-ds-triton-only", "fused-gluon"])
+def test_cp_module_passes_its_kernel_settings(monkeypatch, deterministic, fused, stored, gluon):
+    """Under context parallelism the module hands ``deterministic``, ``r0``, ``fused_backward``,
+    ``stored_ds_backward`` and ``gluon_kernels`` to the
     attention as the single-process path does (they were dropped before: a deterministic config ran the
     atomic backward under CP). One process, a world-1 gloo group."""
     if dist.is_initialized():
@@ -303,11 +303,12 @@ def test_cp_module_passes_its_kernel_settings(monkeypatch, deterministic, fused,
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         module = _module(dict(distill="sampled", deterministic=deterministic, fused_backward=fused,
-                              stored_ds_backward=stored, r0=3))
+                              stored_ds_backward=stored, r0=3, gluon_kernels=gluon))
         cp.enable_context_parallel(module)
         q, k, v = make_qkv(B, HQ, HKV, N, D, dtype=torch.float64, seed=1)
         module(q, k, v)
     finally:
         dist.destroy_process_group()
     assert seen == [{"deterministic": deterministic,
-                     "kernel_options": {"r0": 3, "fused_dq": fused, "stored_ds": stored}}]
+                     "kernel_options": {"r0": 3, "fused_dq": fused, "stored_ds": stored,
+                                        "fwd_gluon": gluon, "dq_gluon": gluon, "kv_gluon": gluon}}]
