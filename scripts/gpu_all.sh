@@ -14,7 +14,8 @@
 #                                                     # CUDA-graph capture), step (64K, --profile)
 #   OUT=/tmp/out bash scripts/gpu_all.sh step        # 1.1B step: 64K and 128K with kernel tables, the checkpoint
 #                                                     # policy (attention kept / recomputed) and distillation off;
-#                                                     # 16K with 10 repeats and its kernel table
+#                                                     # 16K with 10 repeats and its kernel table; the step's
+#                                                     # attention backward probe (scripts/probe_step_backward.py)
 #   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
 #                                                     # then block-mass GPU tests, selector and step benchmarks
 #
@@ -124,7 +125,10 @@ case "$phase" in
     step 128k_keep 200 --contexts 131072 --repeats 3 --warmup 1 --profile --keep-attention on
     # 16K is partly host-bound: 4 repeats read 0.874 of dense once where 10-repeat runs read 0.75-0.76
     step 16k 130 --contexts 16384 --repeats 10 --warmup 3 --kernel-table "$R/kernels_16k"
-    cp "$R"/step_*.json "$OUT"/ 2>/dev/null
+    # the step's attention backward against the kernel benchmark's: layout and selection swapped in one at a time
+    timeout 120 python3 scripts/probe_step_backward.py --out "$R/probe_step_backward.json" > "$R/probe_step_backward.log" 2>&1
+    echo "probe_step_backward rc=$?" >> "$R/probe_step_backward.log"
+    cp "$R"/step_*.json "$R"/probe_step_backward.json "$OUT"/ 2>/dev/null
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
