@@ -46,6 +46,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from sparse_train import plan as planning  # noqa: E402
+from sparse_train.cuda_graphs import capture_cuda_graph  # noqa: E402
 from sparse_train.documents import block_document_ranges, random_document_lengths  # noqa: E402
 from sparse_train.index import BlockIndex, shares_document  # noqa: E402
 
@@ -88,17 +89,9 @@ def timeit(fn, *, warmup=2, min_reps=5, max_reps=50, budget_ms=400.0, busy=False
 
 def graph_replay_ms(fn):
     """Median / p95 ms (as :func:`timeit`, L2 flushed per repeat) of fn() replayed from a CUDA graph: fn is warmed up
-    twice on a side stream, as ``torch.cuda.graphs`` asks, captured once and replayed, so no host work is left in
+    twice on a side stream and captured once (:func:`sparse_train.cuda_graphs.capture_cuda_graph`), then replayed, so no host work is left in
     the timed call (how a training step that graphs its layers runs it). Raises what the capture raises."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph, _ = capture_cuda_graph(fn, warmup=2)
     try:
         median, p95, _ = timeit(graph.replay)
     finally:
@@ -578,12 +571,24 @@ def inspect_compiled(results):
     print("compiled:", json.dumps(info), flush=True)
 
 
+def cell(x, fmt="{:.3f}"):
+    """A table cell: the number formatted, or n/a."""
+    return fmt.format(x) if isinstance(x, (int, float)) else "n/a"
+
+
+def vs_other(ours, other, key):
+    """``ours[key] / other[key]`` as "0.71x" (our time as a fraction of the competitor's), or n/a."""
+    return cell(ours[key] / other[key], "{:.2f}x") if key in other else "n/a"
+
+
+def speedup_over(other, ours, key):
+    """``other[key] / ours[key]`` as "15.2x" (how many times faster we are), or n/a."""
+    return cell(other[key] / ours[key], "{:.1f}x") if key in other else "n/a"
+
+
 def packed_table(rows):
     """Markdown lines of the packed-documents table (rows of kinds ours_packed and flex_packed)."""
     flex = {(r["N"], r["pattern"]): r for r in rows if r["kind"] == "flex_packed"}
-
-    def f(x, fmt="{:.3f}"):
-        return fmt.format(x) if isinstance(x, (int, float)) else "n/a"
 
     lines = ["| N | pattern | documents | density | valid pairs / selected | ours fwd (p95) | ours bwd (p95) | "
              "ours fwd+bwd (p95) | det fwd+bwd | same selection, no document mask: fwd, fwd+bwd | "
@@ -594,16 +599,16 @@ def packed_table(rows):
             continue
         fx = flex.get((r["N"], r["pattern"]), {})
         lines.append("| " + " | ".join([
-            str(r["N"]), r["pattern"], str(r["documents"]), f(r["density"], "{:.4f}"),
-            f(r["valid_pair_fraction"], "{:.3f}"),
-            f"{f(r['fwd_ms'])} ({f(r['fwd_p95_ms'])})", f"{f(r['bwd_ms'])} ({f(r['bwd_p95_ms'])})",
-            f"{f(r['fwdbwd_ms'])} ({f(r['fwdbwd_p95_ms'])})", f(r["det_fwdbwd_ms"]),
-            f"{f(r['nodocs_fwd_ms'])}, {f(r['nodocs_fwdbwd_ms'])}",
+            str(r["N"]), r["pattern"], str(r["documents"]), cell(r["density"], "{:.4f}"),
+            cell(r["valid_pair_fraction"], "{:.3f}"),
+            f"{cell(r['fwd_ms'])} ({cell(r['fwd_p95_ms'])})", f"{cell(r['bwd_ms'])} ({cell(r['bwd_p95_ms'])})",
+            f"{cell(r['fwdbwd_ms'])} ({cell(r['fwdbwd_p95_ms'])})", cell(r["det_fwdbwd_ms"]),
+            f"{cell(r['nodocs_fwd_ms'])}, {cell(r['nodocs_fwdbwd_ms'])}",
             f"{r['fwd_TFLOPs']:.0f} ({100 * r['fwd_frac_ceiling']:.0f}%)",
-            f"{f(fx.get('fwd_ms'))} ({f(fx.get('fwd_p95_ms'))})",
-            f"{f(fx.get('fwdbwd_ms'))} ({f(fx.get('fwdbwd_p95_ms'))})",
-            f(r["fwd_ms"] / fx["fwd_ms"], "{:.2f}x") if "fwd_ms" in fx else "n/a",
-            f(r["fwdbwd_ms"] / fx["fwdbwd_ms"], "{:.2f}x") if "fwdbwd_ms" in fx else "n/a",
+            f"{cell(fx.get('fwd_ms'))} ({cell(fx.get('fwd_p95_ms'))})",
+            f"{cell(fx.get('fwdbwd_ms'))} ({cell(fx.get('fwdbwd_p95_ms'))})",
+            vs_other(r, fx, "fwd_ms"),
+            vs_other(r, fx, "fwdbwd_ms"),
         ]) + " |")
     return lines
 
@@ -633,9 +638,6 @@ def write_outputs(results, out):
     dense = {(r["kind"], r["N"]): r for r in rows if r["kind"].startswith("dense")}
     flex = {(r["N"], r["pattern"]): r for r in rows if r["kind"] == "flex"}
 
-    def f(x, fmt="{:.3f}"):
-        return fmt.format(x) if isinstance(x, (int, float)) else "n/a"
-
     for r in rows:
         if r["kind"] != "ours" or "fwd_ms" not in r:
             continue
@@ -643,15 +645,15 @@ def write_outputs(results, out):
         cu = dense.get(("dense_cudnn", r["N"]), {})
         fl = dense.get(("dense_flash", r["N"]), {})
         lines.append("| " + " | ".join([
-            str(r["N"]), r["pattern"], f(r["density"], "{:.4f}"), f(r["index_plan_ms"]), f(r["fwd_ms"]), f(r["bwd_ms"]),
-            f(r["fwdbwd_ms"]),
+            str(r["N"]), r["pattern"], cell(r["density"], "{:.4f}"), cell(r["index_plan_ms"]), cell(r["fwd_ms"]), cell(r["bwd_ms"]),
+            cell(r["fwdbwd_ms"]),
             f"{r['fwd_TFLOPs']:.0f} ({100 * r['fwd_frac_ceiling']:.0f}%)", f"{r['bwd_TFLOPs']:.0f} ({100 * r['bwd_frac_ceiling']:.0f}%)",
-            f(fx.get("fwd_ms")), f(fx.get("fwdbwd_ms")), f(cu.get("fwd_ms")), f(cu.get("fwdbwd_ms")),
-            f(fl.get("fwd_ms")), f(fl.get("fwdbwd_ms")),
-            f(r["fwd_ms"] / fx["fwd_ms"], "{:.2f}x") if "fwd_ms" in fx else "n/a",
-            f(r["fwdbwd_ms"] / fx["fwdbwd_ms"], "{:.2f}x") if "fwdbwd_ms" in fx else "n/a",
-            f(cu["fwd_ms"] / r["fwd_ms"], "{:.1f}x") if "fwd_ms" in cu else "n/a",
-            f(cu["fwdbwd_ms"] / r["fwdbwd_ms"], "{:.1f}x") if "fwdbwd_ms" in cu else "n/a",
+            cell(fx.get("fwd_ms")), cell(fx.get("fwdbwd_ms")), cell(cu.get("fwd_ms")), cell(cu.get("fwdbwd_ms")),
+            cell(fl.get("fwd_ms")), cell(fl.get("fwdbwd_ms")),
+            vs_other(r, fx, "fwd_ms"),
+            vs_other(r, fx, "fwdbwd_ms"),
+            speedup_over(cu, r, "fwd_ms"),
+            speedup_over(cu, r, "fwdbwd_ms"),
         ]) + " |")
     device_rows = [r for r in rows if r["kind"] == "ours" and "fwdbwd_device_ms" in r]
     if device_rows:
@@ -670,11 +672,11 @@ def write_outputs(results, out):
             bwd_device = r["fwdbwd_device_ms"] - r["fwd_device_ms"]
             bwd_frac = 2.5 * f_fwd / bwd_device / 1e9 / ceiling if bwd_device > 0 else float("nan")
             lines.append("| " + " | ".join([
-                str(r["N"]), r["pattern"], f(r["fwd_device_ms"]), f(r["fwdbwd_device_ms"]),
+                str(r["N"]), r["pattern"], cell(r["fwd_device_ms"]), cell(r["fwdbwd_device_ms"]),
                 f"{100 * fwd_frac:.0f}% / {100 * bwd_frac:.0f}% (bwd = fwd+bwd - fwd)",
-                f(fx.get("fwd_device_ms")), f(fx.get("fwdbwd_device_ms")), f(cu.get("fwdbwd_device_ms")),
-                f(r["fwdbwd_device_ms"] / fx["fwdbwd_device_ms"], "{:.2f}x") if "fwdbwd_device_ms" in fx else "n/a",
-                f(cu["fwdbwd_device_ms"] / r["fwdbwd_device_ms"], "{:.1f}x") if "fwdbwd_device_ms" in cu else "n/a",
+                cell(fx.get("fwd_device_ms")), cell(fx.get("fwdbwd_device_ms")), cell(cu.get("fwdbwd_device_ms")),
+                vs_other(r, fx, "fwdbwd_device_ms"),
+                speedup_over(cu, r, "fwdbwd_device_ms"),
             ]) + " |")
     graph_rows = [r for r in rows if r["kind"] == "ours" and "fwdbwd_graph_ms" in r]
     if graph_rows:
@@ -689,11 +691,11 @@ def write_outputs(results, out):
             cu = dense.get(("dense_cudnn", r["N"]), {})
             flops = 3.5 * r["fwd_TFLOPs"] * r["fwd_ms"] * 1e9
             lines.append("| " + " | ".join([
-                str(r["N"]), r["pattern"], f(r["fwdbwd_graph_ms"]),
+                str(r["N"]), r["pattern"], cell(r["fwdbwd_graph_ms"]),
                 f"{100 * flops / r['fwdbwd_graph_ms'] / 1e9 / c['bf16_matmul_TFLOPs']:.0f}%",
-                f(fx.get("fwdbwd_graph_ms")), f(cu.get("fwdbwd_graph_ms")),
-                f(r["fwdbwd_graph_ms"] / fx["fwdbwd_graph_ms"], "{:.2f}x") if "fwdbwd_graph_ms" in fx else "n/a",
-                f(cu["fwdbwd_graph_ms"] / r["fwdbwd_graph_ms"], "{:.1f}x") if "fwdbwd_graph_ms" in cu else "n/a",
+                cell(fx.get("fwdbwd_graph_ms")), cell(cu.get("fwdbwd_graph_ms")),
+                vs_other(r, fx, "fwdbwd_graph_ms"),
+                speedup_over(cu, r, "fwdbwd_graph_ms"),
             ]) + " |")
     modes = [r for r in rows if r["kind"] == "ours" and "fwd_ms" in r]
     if modes:
@@ -704,10 +706,10 @@ def write_outputs(results, out):
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in modes:
             lines.append("| " + " | ".join([
-                str(r["N"]), r["pattern"], f(r["bwd_ms"]), f(r["fwdbwd_ms"]), f(r.get("det_bwd_ms")),
-                f(r.get("det_fwdbwd_ms")), f(r.get("fused_bwd_ms")), f(r.get("fused_fwdbwd_ms")),
-                f(r.get("stored_bwd_ms")), f(r.get("stored_fwdbwd_ms")),
-                f"{f(r.get('fwdbwd_peak_extra_MB'), '{:.0f}')} / {f(r.get('stored_fwdbwd_peak_extra_MB'), '{:.0f}')}",
+                str(r["N"]), r["pattern"], cell(r["bwd_ms"]), cell(r["fwdbwd_ms"]), cell(r.get("det_bwd_ms")),
+                cell(r.get("det_fwdbwd_ms")), cell(r.get("fused_bwd_ms")), cell(r.get("fused_fwdbwd_ms")),
+                cell(r.get("stored_bwd_ms")), cell(r.get("stored_fwdbwd_ms")),
+                f"{cell(r.get('fwdbwd_peak_extra_MB'), '{:.0f}')} / {cell(r.get('stored_fwdbwd_peak_extra_MB'), '{:.0f}')}",
             ]) + " |")
     errs = [r for r in rows if any("error" in kk for kk in r)]
     if errs:

@@ -54,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sparse_train as st  # noqa: E402
+from sparse_train.cuda_graphs import capture_cuda_graph  # noqa: E402
 from sparse_train.functional import resolve_backend  # noqa: E402
 from sparse_train.selectors import (  # noqa: E402
     BlockScorer,
@@ -243,15 +244,7 @@ def main(argv=None) -> int:
         if device.type != "cuda":
             notes.append("--graph needs CUDA; skipped")
         else:
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up off the capture stream (allocator, lazy inits)
-                for _ in range(3):
-                    selector_total()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = selector_total()
+            graph, captured = capture_cuda_graph(selector_total, warmup=3)
             timings["selector/total[cuda_graph]"] = measure(graph.replay, device, args.warmup, args.repeats)
             graph.replay()
             eager = selector_total()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sparse_train as st
+from sparse_train.cuda_graphs import capture_cuda_graph
 from sparse_train.selectors import BlockScorer, selection_candidates, selection_geometry
 from sparse_train.plan import cold_slots, kv_schedule, kv_schedule_capacity
 from builders import ids_from_lengths, make_qkv, random_index
@@ -419,6 +420,12 @@ def test_selector_index_plan_capture_in_a_cuda_graph():
         assert torch.equal(got, want)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal without a CUDA device")
+def test_capture_cuda_graph_without_cuda_names_the_device():
+    with pytest.raises(ValueError, match="capture_cuda_graph needs a CUDA device"):
+        capture_cuda_graph(lambda: torch.zeros(1))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim,block,packed", [(128, 64, False), (64, 128, True)],
                          ids=["d128-P64", "d64-P128-packed"])
@@ -439,15 +446,7 @@ def test_attention_forward_backward_capture_in_a_cuda_graph(head_dim, block, pac
                                 document_ids=docs, check_values=False)
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_cuda_graph(step, warmup=2)
     fresh = make_qkv(1, hq, hkv, n, head_dim, dtype=torch.bfloat16, seed=5, device=device)
     with torch.no_grad():
         for static, new in zip((q, k, v, do), (*fresh, torch.randn_like(do))):
