@@ -89,8 +89,9 @@ def timeit(fn, *, warmup=2, min_reps=5, max_reps=50, budget_ms=400.0, busy=False
 
 def graph_replay_ms(fn):
     """Median / p95 ms (as :func:`timeit`, L2 flushed per repeat) of fn() replayed from a CUDA graph: fn is warmed up
-    twice on a side stream and captured once (:func:`sparse_train.cuda_graphs.capture_cuda_graph`), then replayed, so no host work is left in
-    the timed call (how a training step that graphs its layers runs it). Raises what the capture raises."""
+    twice on a side stream and captured once (:func:`sparse_train.cuda_graphs.capture_cuda_graph`), then replayed,
+    so no host work is left in the timed call (how a training step that graphs its layers runs it). Raises what the
+    capture raises."""
     graph, _ = capture_cuda_graph(fn, warmup=2)
     try:
         median, p95, _ = timeit(graph.replay)
