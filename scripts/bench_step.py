@@ -43,6 +43,9 @@ from sparse_train.lightning import model as model_lib  # noqa: E402
 from sparse_train.lightning.model import Transformer, TransformerConfig  # noqa: E402
 from sparse_train.timing import Marks  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trace_attention_windows  # noqa: E402
+
 
 def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
     """Dense causal SDPA restricted to one backend. GQA goes through ``enable_gqa`` when the backend
@@ -242,17 +245,21 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
             for core in model.sparse_cores():
                 core.config.profile = False
     if args.kernel_table is not None and device.type == "cuda":
-        result["kernels"] = kernel_table(step, args.kernel_table, f"n{n}_{variant}_ckpt{int(act_ckpt)}")
+        result["kernels"], result["attention_windows"] = kernel_table(step, args.kernel_table,
+                                                                      f"n{n}_{variant}_ckpt{int(act_ckpt)}")
     del model, opt
     return result
 
 
-def kernel_table(step: Callable[[], dict[str, float]], out_dir: Path, tag: str, top: int = 25) -> list[dict[str, Any]]:
+def kernel_table(step: Callable[[], dict[str, float]], out_dir: Path, tag: str,
+                 top: int = 25) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One more step under ``torch.profiler``: every GPU kernel's total time, call count and share of the
     step's kernel time (the split the CUDA-event phases cannot give, e.g. how much of the backward is
-    the checkpoint recompute). Writes ``<out_dir>/kernels_<tag>.txt`` (profiler table) and
-    ``<out_dir>/trace_<tag>.json.gz`` (Chrome trace: every op and kernel in time order), and returns the
-    ``top`` kernels by total device time."""
+    the checkpoint recompute). Writes ``<out_dir>/kernels_<tag>.txt`` (profiler table),
+    ``<out_dir>/trace_<tag>.json.gz`` (Chrome trace: every op and kernel in time order) and
+    ``<out_dir>/windows_<tag>.json`` (each attention call's kernel and idle time on the GPU timeline,
+    ``scripts/trace_attention_windows.py``), and returns the ``top`` kernels by total device time and the
+    windows' medians."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -265,13 +272,15 @@ def kernel_table(step: Callable[[], dict[str, float]], out_dir: Path, tag: str, 
                     "share": e.self_device_time_total / total_us} for e in events),
                   key=lambda r: -r["total_ms"])
     out_dir.mkdir(parents=True, exist_ok=True)
-    prof.export_chrome_trace(str(out_dir / f"trace_{tag}.json.gz"))
+    trace_path = str(out_dir / f"trace_{tag}.json.gz")
+    prof.export_chrome_trace(trace_path)
     (out_dir / f"kernels_{tag}.txt").write_text(
         prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
     print(f"[bench] {tag}: kernel time {total_us / 1e3:.1f} ms in {len(events)} kernels; top:")
     for r in rows[:12]:
         print(f"    {r['total_ms']:9.2f} ms {r['share']:6.1%} x{r['calls']:<5} {r['kernel'][:90]}")
-    return rows[:top]
+    windows = trace_attention_windows.main([trace_path, "--out", str(out_dir / f"windows_{tag}.json")])
+    return rows[:top], windows
 
 
 def run_config(args: argparse.Namespace, n: int, variant: str) -> dict[str, Any]:

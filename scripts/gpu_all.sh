@@ -12,10 +12,12 @@
 #                                                     # with both visible
 #   OUT=/tmp/out bash scripts/gpu_all.sh checks      # attention (64K; BENCH_NS="..." for more), selector (with
 #                                                     # CUDA-graph capture), step (64K, --profile)
-#   OUT=/tmp/out bash scripts/gpu_all.sh step        # 1.1B step: 64K and 128K with kernel tables, the checkpoint
+#   OUT=/tmp/out bash scripts/gpu_all.sh step        # 1.1B step: 64K with kernel tables and 128K, the checkpoint
 #                                                     # policy (attention kept / recomputed) and distillation off;
 #                                                     # 16K with 10 repeats and its kernel table; the step's
-#                                                     # attention backward probe (scripts/probe_step_backward.py)
+#                                                     # attention backward probe (scripts/probe_step_backward.py);
+#                                                     # kernel tables come with attention windows
+#                                                     # (scripts/trace_attention_windows.py), clocks sampled
 #   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
 #                                                     # then block-mass GPU tests, selector and step benchmarks
 #
@@ -112,6 +114,10 @@ case "$phase" in
     cp "$R"/bench_selector.json "$R"/bench_step.json "$R"/gpu_tests_block_mass.log "$OUT"/ 2>/dev/null
     ;;
   step)
+    # the card's clocks and power through the runs: at the power cap the step's kernels run below the benchmark's
+    # clock (eighteenth session)
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 250 > "$R/clocks_step.csv" &
+    clocks_pid=$!
     step() {  # step <name> <timeout> <bench_step arguments...>
       local name=$1 limit=$2; shift 2
       timeout "$limit" python3 scripts/bench_step.py --act-ckpt on --out "$R/step_$name.json" "$@" > "$R/step_$name.log" 2>&1
@@ -126,8 +132,10 @@ case "$phase" in
     # 16K is partly host-bound: 4 repeats read 0.874 of dense once where 10-repeat runs read 0.75-0.76
     step 16k 130 --contexts 16384 --repeats 10 --warmup 3 --kernel-table "$R/kernels_16k"
     # the step's attention backward against the kernel benchmark's: layout and selection swapped in one at a time
-    timeout 120 python3 scripts/probe_step_backward.py --out "$R/probe_step_backward.json" > "$R/probe_step_backward.log" 2>&1
+    timeout 120 python3 scripts/probe_step_backward.py --trace-dir "$R/probe_traces" --out "$R/probe_step_backward.json" \
+      > "$R/probe_step_backward.log" 2>&1
     echo "probe_step_backward rc=$?" >> "$R/probe_step_backward.log"
+    kill "$clocks_pid"
     cp "$R"/step_*.json "$R"/probe_step_backward.json "$OUT"/ 2>/dev/null
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;

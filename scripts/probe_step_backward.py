@@ -16,7 +16,9 @@ in a step) on the step's shapes (B = 1, HQ = 32, HKV = 8, bf16) with each step-l
 - ``step_like``: both.
 
 Each row also has the index's density and plan statistics (hot / cold key blocks, maximum reuse), which decide the
-KV-centric kernel's work. ``--check`` (any device; the CPU runs the kernels through the Triton interpreter) runs one
+KV-centric kernel's work. ``--trace-dir DIR`` also runs a few backwards of each case under ``torch.profiler`` and
+adds the per-kernel medians (``scripts/trace_attention_windows.py``), to set beside the same kernels' times inside a
+step (``bench_step.py --kernel-table``). ``--check`` (any device; the CPU runs the kernels through the Triton interpreter) runs one
 forward + backward per case at a small N without timing and asserts that the two layouts give bitwise equal
 outputs and gradients.
 
@@ -36,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_attention import HKV, HQ, PATTERNS, build_index, make_index, timeit  # noqa: E402
+from trace_attention_windows import load_kernels, summarize, windows  # noqa: E402
 
 import sparse_train as st  # noqa: E402
 
@@ -70,7 +73,21 @@ def case_index(name: str, n: int, d: int, pat: dict, device: str, dtype: torch.d
     return build_index(make_index(n, pat, device=device), n, pat)
 
 
-def run_case(name: str, n: int, d: int, pattern: str, device: str, dtype: torch.dtype, time_it: bool) -> dict:
+def kernel_windows(backward, trace_path: str, repeats: int = 5) -> dict:
+    """``repeats`` calls of ``backward`` under ``torch.profiler``; their attention windows' medians."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            backward()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(trace_path)
+    return summarize(windows(load_kernels(trace_path)))
+
+
+def run_case(name: str, n: int, d: int, pattern: str, device: str, dtype: torch.dtype, time_it: bool,
+             trace_dir: str | None = None) -> dict:
     from sparse_train.kernels.op import triton_sparse_attention
 
     pat = PATTERNS[pattern]
@@ -88,6 +105,10 @@ def run_case(name: str, n: int, d: int, pattern: str, device: str, dtype: torch.
         row["bwd_device_ms"], row["bwd_device_p95_ms"], _ = timeit(
             lambda: torch.autograd.grad(kept, (qg, kg, vg), do, retain_graph=True), busy=True)
         row["bwd_ms"], _, _ = timeit(lambda: torch.autograd.grad(kept, (qg, kg, vg), do, retain_graph=True))
+        if trace_dir is not None:
+            os.makedirs(trace_dir, exist_ok=True)
+            row["windows"] = kernel_windows(lambda: torch.autograd.grad(kept, (qg, kg, vg), do, retain_graph=True),
+                                            os.path.join(trace_dir, f"trace_{name}.json"))
     grads = torch.autograd.grad(kept, (qg, kg, vg), do)
     row["_outputs"] = (kept.detach(), *grads)
     return row
@@ -111,6 +132,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--check", action="store_true", help="no timing: one forward + backward per case, layouts compared")
+    ap.add_argument("--trace-dir", default=None, help="also profile each case's backward (Chrome traces go here)")
     ap.add_argument("--out", default=None, help="JSON output path")
     args = ap.parse_args(argv)
     if not args.check and args.device != "cuda":
@@ -118,7 +140,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     rows = []
     for name in args.cases:
-        row = run_case(name, args.n, args.head_dim, args.pattern, args.device, dtype, time_it=not args.check)
+        row = run_case(name, args.n, args.head_dim, args.pattern, args.device, dtype, time_it=not args.check,
+                       trace_dir=args.trace_dir)
         rows.append(row)
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
                           if not k.startswith("_")}), flush=True)
