@@ -50,6 +50,7 @@ profiling are skipped while compiling.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Iterable
 
@@ -57,6 +58,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from .checkpointing import outside_selective_checkpoint
 from .config import SparseAttentionConfig
 from .functional import BACKEND_REASONS, dense_causal_attention, resolve_backend, sparse_attention
 from .documents import document_positions
@@ -399,10 +401,10 @@ class SparseAttention(nn.Module):
             path, reason, index, plan = record.path, record.reason, record.index, record.plan
             backend, dropout_seed, distill_now = record.backend, record.dropout_seed, record.distilled
             distill_blocks, distill_target = record.distill_blocks, record.distill_target
-            document_ids = record.document_ids
+            document_ids, pooled = record.document_ids, record.pooled
         else:
             path, reason = self._choose_path(geometry, update_state=first_pass)
-            index = plan = backend = None
+            index = plan = backend = pooled = None
             dropout_seed = distill_blocks = distill_target = None
             distill_now = self._distills_now(first_pass)
         metrics_now = (first_pass and not compiling and self.training and cfg.metrics_every > 0
@@ -417,47 +419,56 @@ class SparseAttention(nn.Module):
             path == "sparse" or (distill_now and self._distill_mode(path) == "sparse") or metrics_now
         )
         scores = None
+        # the selection, the plan, the distillation and the metrics are many small ops that an activation
+        # checkpoint keeping the attention would route one by one through its Python dispatch mode; they run
+        # outside it (in the recompute too), the attention call below stays inside (see checkpointing.py)
+        host_ops = contextlib.nullcontext if compiling else outside_selective_checkpoint
         if profile:
             self._timings.mark("selector" + phase_suffix, 0, device)
-        if need_selection or distill_now:
-            qbar, kbar = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens, position_ids)
-            with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
-                scores = self.scorer(qbar, kbar, scale, geometry)
-        if need_selection:
-            candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks,
-                                              seq_lens=seq_lens, document_ids=document_ids, top_p=cfg.top_p)
-            index = BlockIndex.from_selection(
-                candidates, seq_len=seq_len, block_q=cfg.block_q, block_k=cfg.block_k, window=cfg.window,
-                sinks=cfg.sinks, capacity=capacity, check=cfg.index_check, document_ids=document_ids,
-            )
+        with host_ops():
+            if need_selection or distill_now:
+                if pooled is None:
+                    pooled = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens, position_ids)
+                qbar, kbar = pooled
+                with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
+                    scores = self.scorer(qbar, kbar, scale, geometry)
+            if need_selection:
+                candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks,
+                                                  seq_lens=seq_lens, document_ids=document_ids, top_p=cfg.top_p)
+                index = BlockIndex.from_selection(
+                    candidates, seq_len=seq_len, block_q=cfg.block_q, block_k=cfg.block_k, window=cfg.window,
+                    sinks=cfg.sinks, capacity=capacity, check=cfg.index_check, document_ids=document_ids,
+                )
         if profile:
             self._timings.mark("selector" + phase_suffix, 1, device)
 
         # ---- what the kernels attend: the selection, or on the dense path with dropout the full causal
         # index, so the dropout bits come from the same counters on both paths (switching paths never
         # changes which probabilities drop); dense without dropout stays with SDPA.
-        if path == "sparse":
-            attend_index = index
-        elif dropout_p > 0.0:
-            attend_index = BlockIndex.full(batch, self.num_kv_heads, seq_len, cfg.block_q, cfg.block_k,
-                                           device=device, document_ids=document_ids,
-                                           check="cheap" if check_values else "none")
-        else:
-            attend_index = None
+        with host_ops():
+            if path == "sparse":
+                attend_index = index
+            elif dropout_p > 0.0:
+                attend_index = BlockIndex.full(batch, self.num_kv_heads, seq_len, cfg.block_q, cfg.block_k,
+                                               device=device, document_ids=document_ids,
+                                               check="cheap" if check_values else "none")
+            else:
+                attend_index = None
 
-        # ---- backend and plan
-        if attend_index is not None and record is None:
-            backend, backend_reason = resolve_backend(q, k, v, attend_index, cfg.backend, document_ids=document_ids)
-            if path == "sparse" and backend == "reference" and backend_reason != "requested":
-                reason = f"reference_{backend_reason}"
-        if profile:
-            self._timings.mark("plan" + phase_suffix, 0, device)
-        if attend_index is not None and backend == "triton" and plan is None:
-            plan = attend_index.plan(cfg.r0)
-        if profile:
-            self._timings.mark("plan" + phase_suffix, 1, device)
-        if attend_index is not None and dropout_p > 0.0 and dropout_seed is None:
-            dropout_seed = draw_dropout_seed()
+            # ---- backend and plan
+            if attend_index is not None and record is None:
+                backend, backend_reason = resolve_backend(q, k, v, attend_index, cfg.backend,
+                                                          document_ids=document_ids)
+                if path == "sparse" and backend == "reference" and backend_reason != "requested":
+                    reason = f"reference_{backend_reason}"
+            if profile:
+                self._timings.mark("plan" + phase_suffix, 0, device)
+            if attend_index is not None and backend == "triton" and plan is None:
+                plan = attend_index.plan(cfg.r0)
+            if profile:
+                self._timings.mark("plan" + phase_suffix, 1, device)
+            if attend_index is not None and dropout_p > 0.0 and dropout_seed is None:
+                dropout_seed = draw_dropout_seed()
 
         # ---- attention
         if profile:
@@ -485,10 +496,12 @@ class SparseAttention(nn.Module):
         loss = None
         if distill_now:
             mode = self._distill_mode(path)
-            if mode == "sampled" and distill_blocks is None:
-                distill_blocks = self._draw_distill_blocks(geometry, device)
-            loss, distill_target = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry, mode,
-                                                           distill_blocks, document_ids, check_values, distill_target)
+            with host_ops():
+                if mode == "sampled" and distill_blocks is None:
+                    distill_blocks = self._draw_distill_blocks(geometry, device)
+                loss, distill_target = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry,
+                                                               mode, distill_blocks, document_ids, check_values,
+                                                               distill_target)
 
         # ---- bookkeeping of the first pass only (a recompute must not count twice)
         if first_pass:
@@ -498,14 +511,15 @@ class SparseAttention(nn.Module):
             self.selector_loss = loss
             if metrics_now and index is not None:
                 picks = sample_query_blocks(index.num_q_blocks, cfg.metrics_query_blocks, self._metrics_rng)
-                self._last_quality = selection_quality(q, k, index, scale=scale, query_blocks=picks,
-                                                       seq_lens=seq_lens, document_ids=document_ids)
+                with host_ops():
+                    self._last_quality = selection_quality(q, k, index, scale=scale, query_blocks=picks,
+                                                           seq_lens=seq_lens, document_ids=document_ids)
             if cfg.replay and not compiling and torch.is_grad_enabled() and o.requires_grad:
                 self._replay.remember(
                     SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=plan,
                                     backend=backend, dropout_seed=dropout_seed, distilled=distill_now,
                                     distill_blocks=distill_blocks, distill_target=distill_target,
-                                    document_ids=document_ids),
+                                    pooled=pooled if distill_now else None, document_ids=document_ids),
                     anchors=[o, scores],
                 )
         return o

@@ -245,6 +245,30 @@ def test_recompute_reuses_the_first_forwards_distillation_target(distill, monkey
     assert calls == ["sparse_block_mass" if distill == "sparse" else "dense_block_mass"]
 
 
+@pytest.mark.parametrize("distill", ["sampled", "off"])
+def test_recompute_reuses_the_first_forwards_pooled_inputs(distill, monkeypatch):
+    """The selector's pooled inputs come from detached q and k: a distilling recompute scores from the first
+    forward's instead of pooling again (one pooling per step), and a record that will not distill keeps none.
+    Gradients equal the plain run's (``test_checkpointed_gradients_equal_plain_for_every_distill_mode``)."""
+    module = make(distill=distill)
+    calls = []
+    original = module.scorer.pool
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module.scorer, "pool", counted)
+    q, k, v, w = inputs()
+    out = checkpoint(layer(module), q, k, v, use_reentrant=False)
+    (record,) = module._replay.live_records()
+    assert (record.pooled is not None) == (distill != "off")
+    loss = (out * w).sum() + (module.selector_loss if module.selector_loss is not None else 0)
+    loss.backward()
+    assert module.stats()["replay/hits"] == 1
+    assert len(calls) == 1, calls
+
+
 def test_scoring_listed_query_blocks_equals_the_rows_of_every_blocks_scores():
     """Scoring only some query blocks (``BlockScorer(..., query_blocks=rows)``, what a context-parallel rank
     does with its own blocks): values and parameter gradients, distance bias included, equal those of scoring

@@ -2,6 +2,8 @@
 backward reruns the layer's other ops but takes the attention outputs of the first forward, and every
 gradient is bitwise the one of plain checkpointing and of no checkpointing."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -130,3 +132,61 @@ def test_hf_gradient_checkpointing_keeping_attention_equals_plain(attention, mon
         assert torch.equal(got[name], want[name]), name
     if attention == "sparse":
         assert (plain_launches, launches) == (4, 2)
+
+
+def record_policy_ops(monkeypatch, exclude_host_ops: bool) -> list:
+    """Names of the ops selective checkpointing's policy is asked about in one training step of the sparse
+    2-layer model with the attention kept (the policy decides in the first forward; the recompute follows
+    what it stored)."""
+    import sparse_train.attention as attention_module
+    import sparse_train.checkpointing as checkpointing
+
+    seen = []
+    keep = checkpointing._keep_attention
+
+    def recording(ctx, op, *args, **kwargs):
+        seen.append(str(op))
+        return keep(ctx, op, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "_keep_attention", recording)
+    if not exclude_host_ops:
+        monkeypatch.setattr(attention_module, "outside_selective_checkpoint", contextlib.nullcontext)
+    _, grads, _ = train_step("sparse", True, True, monkeypatch)
+    return seen, grads
+
+
+def test_selection_plan_and_distillation_run_outside_the_checkpoint_mode(monkeypatch):
+    """The selector's top-k, the plan's sort and the distillation's ops never reach the policy (they run outside
+    selective checkpointing's dispatch mode, for host time), the kept attention kernel still does (once per
+    layer), and the gradients are the same either way."""
+    seen, grads = record_policy_ops(monkeypatch, exclude_host_ops=True)
+    assert seen.count("sparse_train.sparse_attn_fwd.default") == 2, seen
+    assert not any(name.startswith(("aten.topk", "aten.sort", "aten.argsort")) for name in seen), seen
+    monkeypatch.undo()
+    seen_all, grads_all = record_policy_ops(monkeypatch, exclude_host_ops=False)
+    assert any(name.startswith(("aten.topk", "aten.sort", "aten.argsort")) for name in seen_all)
+    print(f"ops the policy is asked about: {len(seen)} outside, {len(seen_all)} without the exclusion")
+    assert len(seen) < len(seen_all)
+    for name in grads:
+        assert torch.equal(grads[name], grads_all[name]), name
+
+
+def test_outside_selective_checkpoint_leaves_other_modes_alone():
+    """Under any dispatch mode that is not selective checkpointing's, nothing is taken off."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sparse_train.checkpointing import outside_selective_checkpoint
+
+    class Counting(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        with outside_selective_checkpoint() as taken_off:
+            torch.ones(3).add(1)
+    assert not taken_off and Counting.calls >= 2
+    with outside_selective_checkpoint() as taken_off:
+        assert not taken_off

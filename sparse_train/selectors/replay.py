@@ -78,6 +78,10 @@ class SelectionRecord:
     """``(target, row_valid)`` of the first forward's distillation (detached): the recompute reuses it rather
     than computing the target again (same q and k, so the same tensors; saves its kernels, and under
     context parallelism a gather of K)."""
+    pooled: Any = None
+    """``(qbar, kbar)``, the selector's pooled inputs of a first forward that distilled (pooled from detached q
+    and k, so no gradient flows through them): the recompute scores from them rather than pooling again (same
+    q and k, so the same tensors; saves the two pooling kernels of every recomputed layer)."""
     document_ids: Any = None
     """The packed-document ids the first forward attended with (None without documents): the
     recompute masks with the same ones."""
