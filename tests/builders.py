@@ -1,7 +1,9 @@
 """Shared builders of test inputs and error measures: the one random-selection builder, the one q/k/v
 maker and the error-ratio check every numerical test uses. Imported by the test modules (functions, so
 module-level parameter lists and helpers can call them too); the fixtures are in conftest.py."""
+import importlib.util
 import math
+import os
 
 import torch
 
@@ -139,16 +141,9 @@ def cpu_fsdp_strategy(**kwargs):
     """A fresh Lightning ``FSDPStrategy(**kwargs)`` that runs on the CPU (gloo), through the shims of
     ``scripts/fsdp_check.py`` (``install_cpu_fsdp_shims``; they patch this process, so call it in spawned
     workers only)."""
-    import importlib.util
-    import os
-
     global _CPU_FSDP_STRATEGY
     if _CPU_FSDP_STRATEGY is None:  # the shims patch the process once; a second Trainer reuses the class
-        spec = importlib.util.spec_from_file_location(
-            "fsdp_check", os.path.join(os.path.dirname(__file__), "..", "scripts", "fsdp_check.py"))
-        script = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(script)
-        _CPU_FSDP_STRATEGY = script.install_cpu_fsdp_shims()
+        _CPU_FSDP_STRATEGY = load_script("fsdp_check").install_cpu_fsdp_shims()
     return _CPU_FSDP_STRATEGY(**kwargs)
 
 
@@ -190,3 +185,12 @@ def ids_from_starts(starts_per_row, seq_len: int):
         for doc, start in enumerate(starts):
             ids[b, start:] = doc
     return ids
+
+
+def load_script(name: str):
+    """The module ``scripts/<name>.py``, imported from its file (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "scripts",
+                                                                      f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,22 +1,16 @@
 """The CPU parts of scripts/bench_attention.py's packed-documents mode: argument parsing, the inputs
 (document ids, the pruned selection, the valid-pair count, the Flex BlockMask, checked by the script's
 own ``dry_run``) and the report writer. The timings themselves need the GPU."""
-import importlib.util
 import json
-import os
 
 import pytest
 import torch
-
-_PATH = os.path.join(os.path.dirname(__file__), "..", "scripts", "bench_attention.py")
+from builders import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_attention", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_attention")
 
 
 @pytest.mark.parametrize("text,expected", [("2048:16384", (2048, 16384)), ("7:7", (7, 7))], ids=["range", "fixed"])

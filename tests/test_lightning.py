@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import load_script
 
 import sparse_train as st
 from sparse_train import cli
@@ -143,14 +144,10 @@ def test_step_timer_logs_expected_keys(tmp_path):
 
 
 def test_plot_script_renders_csv(tmp_path):
-    import importlib.util
-
     path = tmp_path / "metrics.csv"
     path.write_text("epoch,step,train/loss,val/acc,time/forward_ms,time/backward_ms,attn/density\n"
                     "0,0,2.0,,1.0,2.0,0.3\n0,1,1.5,0.5,1.1,2.1,0.3\n")
-    spec = importlib.util.spec_from_file_location("plot_metrics", Path(__file__).parents[1] / "scripts/plot_metrics.py")
-    plot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(plot)
+    plot = load_script("plot_metrics")
     series = plot.read_csv_metrics(path)
     assert series["train/loss"] == [(0.0, 2.0), (1.0, 1.5)] and series["val/acc"] == [(1.0, 0.5)]
     written = plot.plot([("a", series), ("b", series)], tmp_path / "out")

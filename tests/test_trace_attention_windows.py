@@ -1,21 +1,15 @@
 """scripts/trace_attention_windows.py on a hand-made Chrome trace: how a timeline of kernels is cut into
 attention windows (kernel time, idle time inside, the gap before). The real traces come from the GPU."""
 import gzip
-import importlib.util
 import json
-import os
 
 import pytest
-
-_PATH = os.path.join(os.path.dirname(__file__), "..", "scripts", "trace_attention_windows.py")
+from builders import load_script
 
 
 @pytest.fixture(scope="module")
 def windows_script():
-    spec = importlib.util.spec_from_file_location("trace_attention_windows", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("trace_attention_windows")
 
 
 def kernel(name, ts, dur):
