@@ -120,4 +120,3 @@ def outside_selective_checkpoint() -> Iterator[bool]:
         return
     with dispatch._disable_current_modes():
         yield True
-
