@@ -4,7 +4,7 @@
 into kernel time and GPU idle time.
 
 A *window* is a run of the project's attention kernels of one kind (``forward``: ``_fwd*``/``_merge``;
-``backward``: delta, dQ, dK/dV and their finish kernels) together with whatever small kernels run between them
+``backward``: delta, the KV schedule, dQ, dK/dV and their finish kernels) together with whatever small kernels run between them
 (allocations' fills, casts). For each window the script reports its span (first kernel start to last kernel
 end), the kernel time inside it, the idle time inside it (span minus kernels: the GPU waiting for the host)
 and the idle gap just before it. ``bench_step --profile``'s ``attn_bwd`` phase spans about one backward window
@@ -24,7 +24,7 @@ from collections import defaultdict
 
 KINDS = {
     "forward": re.compile(r"^_(fwd|merge)\w*kernel"),
-    "backward": re.compile(r"^_(delta|dq|dkdv)\w*kernel"),
+    "backward": re.compile(r"^_(delta|kv_schedule|dq|dkdv)\w*kernel"),
 }
 # a window ends at the first kernel of another kind or at a kernel this long that is not ours (a matmul of the
 # next layer), whichever comes first
@@ -98,7 +98,9 @@ def summarize(rows: list[dict]) -> dict:
             "windows": len(mine),
             **{f"median_{key}": statistics.median(r[key] for r in mine)
                for key in ("span_ms", "kernel_ms", "idle_ms", "gap_before_ms")},
-            "median_ms_per_kernel": {n: statistics.median(r["kernels_ms"].get(n, 0.0) for r in mine) for n in names},
+            # over the windows that ran the kernel (the Gluon and Triton variants of a kernel never share one)
+            "median_ms_per_kernel": {n: statistics.median(r["kernels_ms"][n] for r in mine if n in r["kernels_ms"])
+                                     for n in names},
         }
     return out
 

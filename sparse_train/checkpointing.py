@@ -83,6 +83,7 @@ def checkpoint_keeping_attention(function: Callable, *args: Any, **kwargs: Any) 
     return checkpoint(function, *args, **checkpoint_kwargs(True), **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
 def _selective_checkpoint_modes() -> tuple:
     """The dispatch-mode classes of ``torch.utils.checkpoint``'s selective checkpointing (first forward and
     recompute); empty when this torch build names them otherwise."""
