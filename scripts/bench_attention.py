@@ -9,6 +9,10 @@ Warm-up, CUDA events, L2 flushed (256 MB write) before each repeat, median and p
 counting only causally valid (q, k) pairs inside selected blocks (4*D FLOPs per pair per query head
 forward, 2.5x that backward), fraction of the measured matmul ceiling, peak extra memory.
 r0 sweep (hybrid backward): time of the dQ+atomic kernel, of the KV-centric kernel, workspace bytes.
+Sustained (--sustained SECONDS, default 6): every implementation's forward + backward, and the matmul ceiling,
+back to back that long with nvidia-smi sampling power and SM clock: under load the H200 sits at its power cap
+and below its top clock, which the timings on a cool GPU do not show (eighteenth session: the 1.1B step's
+attention backward ran 20-30% slower than the kernel benchmark's for that reason).
 
 Patterns: P64 = BQ=BK=64, 1 sink + 8 window + 16 random top-k causal blocks (seeded);
           P128 = BQ=BK=128, 1 sink + 4 window + 8 top-k.   Shape: B=1, HQ=32, HKV=8, D=128, bf16.
@@ -37,6 +41,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -87,6 +92,91 @@ def timeit(fn, *, warmup=2, min_reps=5, max_reps=50, budget_ms=400.0, busy=False
     return float(t.median()), float(t.quantile(0.95)), len(times)
 
 
+def parse_smi_samples(text):
+    """``nvidia-smi --query-gpu=power.draw,clocks.sm --format=csv,noheader,nounits`` lines -> [(watts, MHz)];
+    lines that are not two numbers (a driver's "[N/A]", a cut last line) are skipped."""
+    samples = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 2:
+            continue
+        try:
+            samples.append((float(parts[0]), float(parts[1])))
+        except ValueError:
+            continue
+    return samples
+
+
+class SmiSampler:
+    """Power draw and SM clock of the benchmark's GPU, sampled by nvidia-smi every 100 ms while the with-block
+    runs; ``samples`` is empty where nvidia-smi is missing."""
+
+    def __enter__(self):
+        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+        try:
+            self._proc = subprocess.Popen(
+                ["nvidia-smi", "-i", gpu, "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits",
+                 "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self._proc = None
+        self.samples = []
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is not None:
+            self._proc.terminate()
+            out, _ = self._proc.communicate(timeout=10)
+            self.samples = parse_smi_samples(out)
+        return False
+
+
+def sustained_ms(fn, seconds):
+    """fn() back to back for ``seconds`` with no flush and no idle GPU between calls, so the card settles at its
+    power and clock limits as it does through a training run (the other timings start each call on a cool, idle
+    GPU). Each call is timed with CUDA events; the host waits for call i - 1 before it issues call i + 1, so one call
+    is always queued behind the running one and no more. Returns a dict: median / p95 ms
+    and count of the calls that started in the second half, and the mean power draw (W) and SM clock (MHz) of
+    the second half of nvidia-smi's samples (None without nvidia-smi)."""
+    fn()
+    torch.cuda.synchronize()
+    calls = []
+    with SmiSampler() as smi:
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            began = time.perf_counter() - start
+            s.record()
+            fn()
+            e.record()
+            calls.append((s, e, began))
+            if len(calls) > 1:
+                calls[-2][1].synchronize()
+        torch.cuda.synchronize()
+    times = torch.tensor([s.elapsed_time(e) for s, e, began in calls if began >= seconds / 2] or
+                         [calls[-1][0].elapsed_time(calls[-1][1])])
+    late = smi.samples[len(smi.samples) // 2:]
+    return dict(ms=float(times.median()), p95_ms=float(times.quantile(0.95)), calls=len(times),
+                watts=sum(w for w, _ in late) / len(late) if late else None,
+                sm_mhz=sum(m for _, m in late) / len(late) if late else None)
+
+
+def record_sustained(row, fn, seconds, key="fwdbwd"):
+    """``row[key + "_sustained_ms"]`` (p95, calls, W, MHz alike) of :func:`sustained_ms`, and how much the
+    allocator's reserve grew over it (GB); nothing when seconds is 0. A failure (out of memory) is reported in
+    ``row[key + "_sustained_error"]``, the rest of the row still measured."""
+    if seconds <= 0:
+        return
+    reserved = torch.cuda.memory_reserved()
+    try:
+        for name, value in sustained_ms(fn, seconds).items():
+            row[f"{key}_sustained_{name}"] = value
+    except Exception as exc:  # report, don't crash the run
+        row[f"{key}_sustained_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    row[f"{key}_sustained_reserve_growth_GB"] = (torch.cuda.memory_reserved() - reserved) / 2**30
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
 def graph_replay_ms(fn):
     """Median / p95 ms (as :func:`timeit`, L2 flushed per repeat) of fn() replayed from a CUDA graph: fn is warmed up
     twice on a side stream and captured once (:func:`sparse_train.cuda_graphs.capture_cuda_graph`), then replayed,
@@ -126,7 +216,10 @@ def peak_extra_mb(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def ceilings():
+def ceilings(sustained=0.0):
+    """Device copy bandwidth (TB/s) and bf16 matmul throughput (TFLOP/s, 8192^3), each call on a cool GPU; with
+    ``sustained`` seconds also the matmul back to back that long (:func:`sustained_ms`: the card at its power
+    limit), the ceiling the sustained timings are set against."""
     n = 2**30  # 1 GiB copy: bytes read + bytes written
     a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     b = torch.empty_like(a)
@@ -138,7 +231,12 @@ def ceilings():
     y = torch.randn(m, m, device="cuda", dtype=DT)
     t, _, _ = timeit(lambda: x @ y, warmup=3, min_reps=10, budget_ms=300)
     tf = 2 * m**3 / (t * 1e-3) / 1e12
-    return {"copy_TBps": bw, "bf16_matmul_TFLOPs": tf}
+    out = {"copy_TBps": bw, "bf16_matmul_TFLOPs": tf}
+    if sustained > 0:
+        held = sustained_ms(lambda: x @ y, sustained)
+        out.update(bf16_matmul_sustained_TFLOPs=2 * m**3 / (held["ms"] * 1e-3) / 1e12,
+                   matmul_sustained_watts=held["watts"], matmul_sustained_sm_mhz=held["sm_mhz"])
+    return out
 
 
 def _kernels():
@@ -146,6 +244,17 @@ def _kernels():
     from sparse_train.kernels import backward, forward, op
 
     return forward, backward, op.triton_sparse_attention
+
+
+def benchmark_inputs(N, d, seed, requires_grad=False, device="cuda"):
+    """q, k, v ``[B, H, N, d]`` (HQ query heads, HKV key/value heads) and the output gradient do, standard normal
+    bf16 drawn in that order after ``torch.manual_seed(seed)``: every benchmark and probe times the same data."""
+    torch.manual_seed(seed)
+    q = torch.randn(B, HQ, N, d, device=device, dtype=DT, requires_grad=requires_grad)
+    k = torch.randn(B, HKV, N, d, device=device, dtype=DT, requires_grad=requires_grad)
+    v = torch.randn(B, HKV, N, d, device=device, dtype=DT, requires_grad=requires_grad)
+    do = torch.randn(B, HQ, N, d, device=device, dtype=DT)
+    return q, k, v, do
 
 
 def make_index(N, pat, seed=0, device="cuda"):
@@ -300,6 +409,9 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
                                                 check_values=False)
                 torch.autograd.grad(oo, (qg, kg, vg), do)
 
+            # before any capture: after a capture's warm-up on a side stream the held loop's memory grew by a
+            # call's worth per call until it ran out (H200, nineteenth session)
+            record_sustained(row, fb, args.sustained)
             record_graph_time(row, fb_capturable)
         row.update({f"{pfx}bwd_ms": tb, f"{pfx}bwd_p95_ms": tb95, f"{pfx}fwdbwd_ms": tfb, f"{pfx}fwdbwd_p95_ms": tfb95,
                     f"{pfx}bwd_TFLOPs": f_bwd / tb / 1e9, f"{pfx}bwd_frac_ceiling": f_bwd / tb / 1e9 / ceil})
@@ -318,7 +430,7 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
     return idx, plan
 
 
-def run_dense(N, results, q, k, v, do):
+def run_dense(N, results, q, k, v, do, sustained=0.0):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     g = HQ // HKV
@@ -339,6 +451,7 @@ def run_dense(N, results, q, k, v, do):
 
                 tfb, tfb95, _ = timeit(fb, warmup=1, min_reps=3, budget_ms=budget)
                 tfb_device, _, _ = timeit(fb, warmup=0, min_reps=3, budget_ms=budget, busy=True)
+                record_sustained(row, fb, sustained)  # before the capture (run_ours)
                 record_graph_time(row, fb)
             row.update(fwd_ms=t, fwd_p95_ms=t95, fwdbwd_ms=tfb, fwdbwd_p95_ms=tfb95, bwd_ms=tfb - t,
                        fwdbwd_device_ms=tfb_device,
@@ -352,7 +465,7 @@ def run_dense(N, results, q, k, v, do):
 _FLEX = None
 
 
-def run_flex(N, pat_name, idx, results, q, k, v, do, docs=None):
+def run_flex(N, pat_name, idx, results, q, k, v, do, docs=None, sustained=0.0):
     global _FLEX
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -414,6 +527,7 @@ def run_flex(N, pat_name, idx, results, q, k, v, do, docs=None):
             tfb, tfb95, _ = timeit(fb)
             row.update(fwdbwd_ms=tfb, fwdbwd_p95_ms=tfb95, fwdbwd_kernel_options=str(opts))
             row["fwdbwd_device_ms"], _, _ = timeit(fb, busy=True)
+            record_sustained(row, fb, sustained)  # before the capture (run_ours)
             record_graph_time(row, fb)
             if "fwd_ms" in row:
                 row["bwd_ms"] = tfb - row["fwd_ms"]
@@ -698,6 +812,33 @@ def write_outputs(results, out):
                 vs_other(r, fx, "fwdbwd_graph_ms"),
                 speedup_over(cu, r, "fwdbwd_graph_ms"),
             ]) + " |")
+    held_rows = [r for r in rows if r["kind"] == "ours" and "fwdbwd_sustained_ms" in r]
+    if held_rows:
+        held_ceiling = c.get("bf16_matmul_sustained_TFLOPs") or c["bf16_matmul_TFLOPs"]
+        lines += ["", "Sustained (ms; each implementation's forward + backward back to back for seconds, no flush, "
+                  "medians of the second half: the card at its power and clock limits, as through a training run; "
+                  f"% of the matmul ceiling held the same way, {held_ceiling:.0f} TFLOP/s"
+                  + (f" at {c['matmul_sustained_watts']:.0f} W, {c['matmul_sustained_sm_mhz']:.0f} MHz"
+                     if c.get("matmul_sustained_watts") else "") + "):", "",
+                  "| N | pattern | ours fwd+bwd | % of ceiling | ours W / MHz | Flex fwd+bwd | Flex W / MHz | "
+                  "cuDNN fwd+bwd | fwd+bwd vs Flex | fwd+bwd speedup vs cuDNN |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+
+        def power(r):
+            watts, mhz = r.get("fwdbwd_sustained_watts"), r.get("fwdbwd_sustained_sm_mhz")
+            return "-" if watts is None or mhz is None else f"{watts:.0f} / {mhz:.0f}"
+
+        for r in held_rows:
+            fx = flex.get((r["N"], r["pattern"]), {})
+            cu = dense.get(("dense_cudnn", r["N"]), {})
+            flops = 3.5 * r["fwd_TFLOPs"] * r["fwd_ms"] * 1e9
+            lines.append("| " + " | ".join([
+                str(r["N"]), r["pattern"], cell(r["fwdbwd_sustained_ms"]),
+                f"{100 * flops / r['fwdbwd_sustained_ms'] / 1e9 / held_ceiling:.0f}%", power(r),
+                cell(fx.get("fwdbwd_sustained_ms")), power(fx), cell(cu.get("fwdbwd_sustained_ms")),
+                vs_other(r, fx, "fwdbwd_sustained_ms"),
+                speedup_over(cu, r, "fwdbwd_sustained_ms"),
+            ]) + " |")
     modes = [r for r in rows if r["kind"] == "ours" and "fwd_ms" in r]
     if modes:
         lines += ["", "Backward modes on the same index (ms; the default is the hybrid two-kernel backward; "
@@ -849,6 +990,9 @@ def main():
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--packed", type=parse_packed, default=None, metavar="LO:HI",
                     help="packed documents with lengths uniform in [LO, HI] (module docstring)")
+    ap.add_argument("--sustained", type=float, default=6.0, metavar="SECONDS",
+                    help="forward + backward of ours, Flex and SDPA (and the matmul ceiling) back to back this long, "
+                         "the card at its power limit (default 6; 0 skips)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: build and check the packed inputs (default --packed 64:700, N 1000 3001), no timing")
     args = ap.parse_args()
@@ -863,15 +1007,11 @@ def main():
     import triton
 
     results["triton"] = triton.__version__
-    results["ceilings"] = ceilings()
+    results["ceilings"] = ceilings(args.sustained)
     print("ceilings:", results["ceilings"], flush=True)
     ceil = results["ceilings"]["bf16_matmul_TFLOPs"]
     for N in ns:
-        torch.manual_seed(N)
-        q = torch.randn(B, HQ, N, D, device="cuda", dtype=DT)
-        k = torch.randn(B, HKV, N, D, device="cuda", dtype=DT)
-        v = torch.randn(B, HKV, N, D, device="cuda", dtype=DT)
-        do = torch.randn(B, HQ, N, D, device="cuda", dtype=DT)
+        q, k, v, do = benchmark_inputs(N, D, seed=N)
         docs = None if args.packed is None else packed_document_ids(N, *args.packed, seed=N)[0]
         for pat_name in args.pattern:
             pat = PATTERNS[pat_name]
@@ -885,7 +1025,7 @@ def main():
             if args.tune is not None and N == max(ns) and docs is None:
                 tune(N, pat_name, pat, sel, results, q, k, v, do, parts=args.tune or TUNE_PARTS)
             if not args.no_flex:
-                run_flex(N, pat_name, idx, results, q, k, v, do, docs=docs)
+                run_flex(N, pat_name, idx, results, q, k, v, do, docs=docs, sustained=args.sustained)
             if not args.no_sweep and N == args.sweep_n and docs is None:
                 try:
                     r0_sweep(N, pat_name, pat, sel, results, q, k, v, do)
@@ -893,7 +1033,7 @@ def main():
                     traceback.print_exc()
             write_outputs(results, args.out)
         if not args.no_dense and docs is None:
-            run_dense(N, results, q, k, v, do)
+            run_dense(N, results, q, k, v, do, sustained=args.sustained)
         del q, k, v, do
         torch.cuda.empty_cache()
         write_outputs(results, args.out)

@@ -20,6 +20,11 @@
 #                                                     # (scripts/trace_attention_windows.py), clocks sampled
 #   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
 #                                                     # then block-mass GPU tests, selector and step benchmarks
+#   OUT=/tmp/out bash scripts/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
+#                                                     # benchmark with its sustained (power-capped) column, then
+#                                                     # Nsight Compute over one forward + backward per pattern
+#                                                     # (NCU_PATTERNS, default "P128 P64"; NCU_TIMEOUT s each;
+#                                                     # scripts/ncu_kernel_limits.py), summarised to JSON and md
 #
 # Environment (PYTHONPATH, NVLink multicast off, wheels from .whl/): scripts/gpu_env.sh.
 set -uo pipefail
@@ -113,6 +118,28 @@ case "$phase" in
     done
     cp "$R"/bench_selector.json "$R"/bench_step.json "$R"/gpu_tests_block_mass.log "$OUT"/ 2>/dev/null
     ;;
+  limits)
+    d=${HEAD_DIM:-128}
+    timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_attention.py --out "$R/bench_attention_d$d" --no-sweep \
+      --n 65536 --head-dim "$d" > "$R/bench_attention_d$d.log" 2>&1
+    echo "bench_attention rc=$?" >> "$R/bench_attention_d$d.log"
+    ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    if [ -z "$ncu_bin" ]; then
+      echo "no ncu on this machine" > "$R/ncu_missing.txt"
+    fi
+    for pattern in ${NCU_PATTERNS:-P128 P64}; do
+      [ -n "$ncu_bin" ] || break
+      name="ncu_d${d}_$pattern"
+      # --clock-control none: the card's clocks stay as they are
+      timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --clock-control none --profile-from-start off --print-units base --csv --page raw \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy --section LaunchStats \
+        python3 scripts/ncu_kernel_limits.py run --head-dim "$d" --pattern "$pattern" > "$R/$name.csv" 2> "$R/$name.log"
+      echo "ncu rc=$?" >> "$R/$name.log"
+      python3 scripts/ncu_kernel_limits.py summarize "$R/$name.csv" --out "$R/$name.json" > "$R/$name.md" 2>> "$R/$name.log"
+    done
+    cp -r "$R"/bench_attention_d* "$R"/ncu_* "$OUT"/ 2>/dev/null
+    ;;
   step)
     # the card's clocks and power through the runs: at the power cap the step's kernels run below the benchmark's
     # clock (eighteenth session)
@@ -149,6 +176,8 @@ for f in "$R"/*.log; do echo "--- $(basename "$f")"; grep -E "rc=|passed|failed|
 [ -f "$R/bench_step.log" ] && tail -n 15 "$R/bench_step.log"
 for f in "$R"/step_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -vE "^ {4}" "$f" | tail -n 6; }; done
 ls "$R"/bench_attention/*.md >/dev/null 2>&1 && head -n 20 "$R"/bench_attention/*.md
+for f in "$R"/bench_attention_d*/*.md; do [ -f "$f" ] && sed -n '/^| N | pattern | density/,$p' "$f" | head -n 40; done
+for f in "$R"/ncu_*.md; do [ -f "$f" ] && { echo "--- $(basename "$f")"; cat "$f"; }; done
 for run in retrieval_16k retrieval_16k_dense; do
   m=$(find "$R/$run" -name metrics.csv 2>/dev/null | head -n 1)
   [ -n "$m" ] && { echo "--- $run metrics (val rows)"; head -n 1 "$m" | cut -c1-300; grep -E "val" "$m" | tail -n 3 | cut -c1-300; }

@@ -36,11 +36,7 @@ def main():
     ap.add_argument("--modes", nargs="*", default=list(MODES), choices=list(MODES))
     args = ap.parse_args()
     n, d, pat = args.n, args.head_dim, bench.PATTERNS[args.pattern]
-    torch.manual_seed(n)
-    q = torch.randn(bench.B, bench.HQ, n, d, device="cuda", dtype=bench.DT, requires_grad=True)
-    k = torch.randn(bench.B, bench.HKV, n, d, device="cuda", dtype=bench.DT, requires_grad=True)
-    v = torch.randn(bench.B, bench.HKV, n, d, device="cuda", dtype=bench.DT, requires_grad=True)
-    do = torch.randn(bench.B, bench.HQ, n, d, device="cuda", dtype=bench.DT)
+    q, k, v, do = bench.benchmark_inputs(n, d, seed=n, requires_grad=True)
     idx, plan = bench.build_index(bench.make_index(n, pat, seed=n), n, pat)
     bs = pat["block"]
     pair_heads = float(idx.counts.sum()) * (bench.HQ // bench.HKV)  # (query block, key block, query head) triples

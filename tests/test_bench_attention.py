@@ -89,3 +89,46 @@ def test_report_has_the_cuda_graph_table(bench, tmp_path):
     text = (tmp_path / f"{bench.DATE}_h200_attention.md").read_text()
     # 3.5 * 400 TFLOP/s * 4 ms = 5.6 TFLOP in 14 ms: 400 TFLOP/s, 50% of 800
     assert "| 65536 | P128 | 14.000 | 50% | 21.000 | 210.000 | 0.67x | 15.0x |" in text
+
+
+def test_parse_smi_samples(bench):
+    text = "612.53, 1980\n[N/A], 1980\n700.10, 1755\n699.0"
+    assert bench.parse_smi_samples(text) == [(612.53, 1980.0), (700.1, 1755.0)]
+
+
+def test_report_has_the_sustained_table(bench, tmp_path):
+    """Rows timed back to back get a table of their own, set against the matmul ceiling held the same way, with
+    the power and clock each implementation ran at."""
+    ours = dict(kind="ours", N=65536, pattern="P128", density=0.05, index_plan_ms=1.0, fwd_ms=4.0, bwd_ms=12.0,
+                fwdbwd_ms=16.0, fwd_TFLOPs=400.0, fwd_frac_ceiling=0.5, bwd_TFLOPs=300.0, bwd_frac_ceiling=0.38,
+                fwdbwd_sustained_ms=20.0, fwdbwd_sustained_watts=690.4, fwdbwd_sustained_sm_mhz=1702.0)
+    flex = dict(kind="flex", N=65536, pattern="P128", fwd_ms=4.4, fwdbwd_ms=22.7, fwdbwd_sustained_ms=25.0,
+                fwdbwd_sustained_watts=650.0, fwdbwd_sustained_sm_mhz=1800.0)
+    cudnn = dict(kind="dense_cudnn", N=65536, fwd_ms=58.0, fwdbwd_ms=218.0, fwdbwd_sustained_ms=300.0)
+    results = dict(gpu="test", torch="x", triton="y", rows=[ours, flex, cudnn],
+                   ceilings={"copy_TBps": 4.0, "bf16_matmul_TFLOPs": 800.0, "bf16_matmul_sustained_TFLOPs": 700.0,
+                             "matmul_sustained_watts": 698.0, "matmul_sustained_sm_mhz": 1650.0})
+    bench.write_outputs(results, str(tmp_path))
+    text = (tmp_path / f"{bench.DATE}_h200_attention.md").read_text()
+    # 3.5 * 400 TFLOP/s * 4 ms = 5.6 TFLOP in 20 ms: 280 TFLOP/s, 40% of the 700 held
+    assert "700 TFLOP/s at 698 W, 1650 MHz" in text
+    assert "| 65536 | P128 | 20.000 | 40% | 690 / 1702 | 25.000 | 650 / 1800 | 300.000 | 0.80x | 15.0x |" in text
+
+
+def test_smi_sampler_reads_nvidia_smi_and_tolerates_its_absence(bench, tmp_path, monkeypatch):
+    import shutil
+    import time
+
+    fake = tmp_path / "nvidia-smi"  # prints two samples, then runs on until the sampler terminates it
+    fake.write_text(f"#!/bin/sh\nprintf '650.0, 1900\\n701.5, 1710\\n'\nexec {shutil.which('sleep')} 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}")
+    start = time.perf_counter()
+    with bench.SmiSampler() as smi:
+        time.sleep(0.5)
+    assert time.perf_counter() - start < 10
+    assert smi.samples == [(650.0, 1900.0), (701.5, 1710.0)]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with bench.SmiSampler() as smi:
+        pass
+    assert smi.samples == []
