@@ -23,7 +23,7 @@
 #   OUT=/tmp/out bash scripts/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
 #                                                     # benchmark with its sustained (power-capped) column, then
 #                                                     # Nsight Compute over one forward + backward per pattern
-#                                                     # (NCU_PATTERNS, default "P128 P64"; NCU_TIMEOUT s each;
+#                                                     # (NCU_PATTERNS, default "P128 P64", "" for none; NCU_TIMEOUT s each;
 #                                                     # scripts/ncu_kernel_limits.py), summarised to JSON and md
 #
 # Environment (PYTHONPATH, NVLink multicast off, wheels from .whl/): scripts/gpu_env.sh.
@@ -127,7 +127,7 @@ case "$phase" in
     if [ -z "$ncu_bin" ]; then
       echo "no ncu on this machine" > "$R/ncu_missing.txt"
     fi
-    for pattern in ${NCU_PATTERNS:-P128 P64}; do
+    for pattern in ${NCU_PATTERNS-P128 P64}; do
       [ -n "$ncu_bin" ] || break
       name="ncu_d${d}_$pattern"
       # --clock-control none: the card's clocks stay as they are
@@ -138,7 +138,8 @@ case "$phase" in
       echo "ncu rc=$?" >> "$R/$name.log"
       python3 scripts/ncu_kernel_limits.py summarize "$R/$name.csv" --out "$R/$name.json" > "$R/$name.md" 2>> "$R/$name.log"
     done
-    cp -r "$R"/bench_attention_d* "$R"/ncu_* "$OUT"/ 2>/dev/null
+    # the device tool returns 8 files: the tarball has every log and raw CSV
+    cp "$R"/bench_attention_d*/*.json "$R"/bench_attention_d*/*.md "$R"/ncu_*.json "$OUT"/ 2>/dev/null
     ;;
   step)
     # the card's clocks and power through the runs: at the power cap the step's kernels run below the benchmark's
