@@ -39,6 +39,8 @@ TRITON = {"kv_gluon": 0, "dq_gluon": 0}
 VARIANTS = {
     "gluon kv": {"kv_gluon": 1, "dq_gluon": 0},
     "gluon kv + dq": {"kv_gluon": 1, "dq_gluon": 1},
+    # a 128-key block as one 8-warp program (the default since the nineteenth session: two 64-key-row programs)
+    "gluon kv + dq, one 128-key-row kv program": {"kv_gluon": 1, "dq_gluon": 1, "gluon_key_rows": 128},
     "gluon kv + dq, dq ring 3": {"kv_gluon": 1, "dq_gluon": 1, "dq_gluon_stages": 3},
     # two heads per Gluon dQ program (128 rows at BQ = 64, 8 warps; the default takes one head, 64 rows)
     "gluon kv + dq, two heads per dq program": {"kv_gluon": 1, "dq_gluon": 1, "dq_gluon_heads_per_program": 2},

@@ -365,6 +365,11 @@ GLUON_TILE_ROWS = 64
 slower; docs/benchmarks/speed_round2/h200_probe_gluon_kv_session14.json)."""
 GLUON_RING = 2
 """q/dO slices the Gluon KV-centric kernel keeps in flight (3: equal at D = 64, spills at D = 128)."""
+GLUON_KEY_ROWS = 64
+"""Key rows one Gluon KV-centric program takes: a 128-key block runs as two 64-row programs (4 warps each), so
+two programs share an SM and one's softmax runs while the other's products do, as with 64-key blocks; one
+128-row program of 8 warps filled the SM alone and kept the tensor pipe busy 55% of the time against 64% over
+64-key blocks (H200, 64K, D = 128, Nsight Compute: docs/benchmarks/speed_round2/README.md, nineteenth session)."""
 GLUON_FWD_ROWS = 64
 """Query rows a Gluon forward program aims at (heads x BQ; one head for BQ >= 64): at head dim 64 over 64-key
 blocks two such programs share an SM (H200, 64K: 1.99 ms against 2.13 with 128 rows, 2.58 with 256, and 2.24
@@ -613,6 +618,8 @@ class BackwardConfig(NamedTuple):
     dq_gluon_heads_per_program: int = 1
     """Query heads per Gluon dQ program (:data:`GLUON_DQ_ROWS`); ``dq_heads_per_program`` stays the Triton
     kernel's, which runs where the Gluon one does not apply."""
+    gluon_key_rows: int = GLUON_KEY_ROWS
+    """Key rows per Gluon KV-centric program (:data:`GLUON_KEY_ROWS`; at most BK)."""
 
 
 def _heads_per_program(group: int, block_q: int, rows: int) -> int:
@@ -680,7 +687,7 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     (``query_map``) and except over 128 x 128 key tiles without ``stored_ds`` (3 stages then at D = 64 over
     128-key blocks, 2 with pointer loads). The Gluon KV-centric kernel (``kv_gluon``) where
     :func:`gluon_kernels` holds for ``device`` (None: not assumed), with its own tiles (:data:`GLUON_TILE_ROWS`,
-    :data:`GLUON_RING`), and likewise the Gluon dQ kernel (``dq_gluon``; :data:`GLUON_DQ_ROWS`,
+    :data:`GLUON_RING`, :data:`GLUON_KEY_ROWS`), and likewise the Gluon dQ kernel (``dq_gluon``; :data:`GLUON_DQ_ROWS`,
     :data:`GLUON_DQ_RING`); the Triton kernels' fields stay as above for the calls they cover.
     ``kernel_options`` override each field (``dq_heads_per_program`` both dQ kernels' heads)."""
     options = normalize_kernel_options(kernel_options)
@@ -728,7 +735,7 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
         kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or kv_stages,
         options.kv_chunk or KV_CHUNK, kv_tile_rows, int(bool(options.fused_dq)), dq_tma, kv_tma,
         int(bool(options.stored_ds)), kv_gluon, GLUON_TILE_ROWS, GLUON_RING, dq_gluon, GLUON_DQ_RING,
-        dq_gluon_heads,
+        dq_gluon_heads, GLUON_KEY_ROWS,
     )
 
 

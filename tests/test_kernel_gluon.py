@@ -84,12 +84,13 @@ class _CompileInputs:
 
 
 COMPILE_CASES = [
-    # block (BQ = BK), head dim, GQA group, spilled bytes allowed (ptxas of triton 3.6: 128 x 128 key tiles spill
-    # 32 bytes at 8 warps; still the fastest variant measured on the H200)
-    pytest.param(64, 128, 4, 0, id="P64-d128-gqa4"),
-    pytest.param(128, 128, 4, 32, id="P128-d128-gqa4"),
-    pytest.param(64, 64, 4, 0, id="P64-d64-gqa4"),
-    pytest.param(128, 64, 1, 0, id="P128-d64-mha"),
+    # block (BQ = BK), head dim, GQA group, key rows per program (None: backward_config's, 64), spilled bytes
+    # allowed (ptxas of triton 3.6: a whole 128 x 128 key tile in one 8-warp program spills 32 bytes)
+    pytest.param(64, 128, 4, None, 0, id="P64-d128-gqa4"),
+    pytest.param(128, 128, 4, None, 0, id="P128-d128-gqa4-two-64-row-programs"),
+    pytest.param(128, 128, 4, 128, 32, id="P128-d128-gqa4-one-128-row-program"),
+    pytest.param(64, 64, 4, None, 0, id="P64-d64-gqa4"),
+    pytest.param(128, 64, 1, None, 0, id="P128-d64-mha"),
 ]
 
 
@@ -105,16 +106,19 @@ def _compile_for_hopper(kernel, grid, args, kwargs):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
-@pytest.mark.parametrize("block,head_dim,group,spill_bytes", COMPILE_CASES)
-def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group, spill_bytes, tmp_path):
+@pytest.mark.parametrize("block,head_dim,group,key_rows,spill_bytes", COMPILE_CASES)
+def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group, key_rows, spill_bytes, tmp_path):
     """The KV-centric kernel at backward_config's Gluon tiles compiles to sm_90a and fits in registers (a spill
-    would put the accumulators in local memory, the defect the issue profiled in the Triton kernel)."""
+    would put the accumulators in local memory, the defect the issue profiled in the Triton kernel), and in the
+    shared memory of the programs per SM it was sized for: two 64-key-row programs, or one of 128 rows."""
     config = backward_config(group, block, block, head_dim, False, {"kv_gluon": True})
+    key_rows = key_rows or config.gluon_key_rows
     x = _CompileInputs(block, head_dim, group)
     grid, args, kwargs = bg.dkdv_gluon_arguments(
         x.q, x.k, x.k, x.q, x.stats, x.stats, x.items, x.items, x.items, x.items, x.items, x.k, x.k, x.partials,
         x.partials, block_q=block, block_k=block, scale=x.scale, tile_rows=config.gluon_tile_rows,
-        num_buf=config.gluon_stages)
+        num_buf=config.gluon_stages, key_rows=key_rows)
+    assert kwargs["KEY_ROWS"] == min(block, key_rows) and grid == (x.items.numel() * block // kwargs["KEY_ROWS"],)
     compiled = _compile_for_hopper(bg._dkdv_gluon_kernel, grid, args, kwargs)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in compiled.asm["ptx"]  # the q/dO ring is filled by TMA
@@ -122,7 +126,7 @@ def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group,
     print(f"block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
           f"{compiled.metadata.shared} bytes of shared memory")
     assert spills <= spill_bytes
-    assert compiled.metadata.shared <= 228 * 1024 // (2 if block == 64 else 1)  # programs per SM it was sized for
+    assert compiled.metadata.shared <= 228 * 1024 // (2 if kwargs["KEY_ROWS"] == 64 else 1)
 
 
 DQ_COMPILE_CASES = [
@@ -189,7 +193,7 @@ DOCS_COMPILE_CASES = [
     # block, head dim, group, spill bytes allowed in the KV-centric kernel: with documents its [BK] key ids stay
     # live beside the two fp32 accumulators, which at D = 128 costs a few spilled registers (ptxas of triton 3.6)
     pytest.param(64, 128, 4, 28, id="P64-d128"),
-    pytest.param(128, 128, 4, 40, id="P128-d128"),
+    pytest.param(128, 128, 4, 28, id="P128-d128"),
     pytest.param(64, 64, 4, 0, id="P64-d64"),
 ]
 
@@ -212,7 +216,7 @@ def test_gluon_kernels_with_documents_compile_for_hopper(block, head_dim, group,
         "kv": (bg._dkdv_gluon_kernel, bg.dkdv_gluon_arguments(
             x.q, x.k, x.k, x.q, x.stats, x.stats, x.items, x.items, x.items, x.items, x.items, x.k, x.k, x.partials,
             x.partials, x.docs, block_q=block, block_k=block, scale=x.scale, tile_rows=config.gluon_tile_rows,
-            num_buf=config.gluon_stages), kv_spill_bytes),
+            num_buf=config.gluon_stages, key_rows=config.gluon_key_rows), kv_spill_bytes),
     }
     for name, (kernel, (grid, args, kwargs), spill_bytes) in launches.items():
         assert kwargs["HAS_DOCS"]
@@ -402,6 +406,47 @@ def test_gluon_backward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, si
     print(f"max |dK gluon - dK triton| {float((dk.float() - dk_triton.float()).abs().max()):.3g}, "
           f"|dV| {float((dv.float() - dv_triton.float()).abs().max()):.3g}")
     assert torch.equal(dq, dq_triton) and torch.equal(dk, dk_triton) and torch.equal(dv, dv_triton)
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("poison_fresh_outputs", "poison_fresh_gradients")
+@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,dtype,topk,window,sinks,kv_chunk,projection_layout",
+                         [case for case in GPU_CASES if case.values[6] == 128])
+def test_gluon_kv_key_slices_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks, kv_chunk,
+                                    projection_layout):
+    """Over 128-key blocks the Gluon KV-centric kernel runs each block as two 64-key-row programs (the default,
+    ``plan.GLUON_KEY_ROWS``) or as one 128-row program: dK and dV are the same bits (each key row gets the same
+    products in the same order; the dQ kernel is the same), NaN-poisoned outputs, chunked rows included."""
+    from sparse_train.kernels.backward import sparse_attn_backward
+    from sparse_train.kernels.forward import sparse_attn_forward
+    from sparse_train.plan import attention_schedule
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon kernels are for Hopper")
+    idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N + 3, device="cuda")
+    q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device="cuda")
+    do = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(q)
+    if projection_layout:
+        q, k, v, do = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, do))
+    options = {"kv_gluon": True} if kv_chunk is None else {"kv_gluon": True, "kv_chunk": kv_chunk}
+    sched = attention_schedule(idx, HQ // HKV, D, q.device, options)
+    assert sched.backward.gluon_key_rows == 64
+    o, lse = sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=BQ, block_k=BK, scale=D ** -0.5,
+                                 num_splits=1, config=sched.forward)
+
+    def backward(key_rows):
+        config = sched.backward._replace(gluon_key_rows=key_rows)
+        grads = sparse_attn_backward(do, q, k, v, o, lse, idx.indices, idx.counts, sched.plan.kv_indptr,
+                                     sched.plan.kv_qblocks, sched.slots, sched.cold_capacity, block_q=BQ,
+                                     block_k=BK, scale=D ** -0.5, config=config)
+        compiled = kb.LAST_COMPILED["dkdv"]
+        assert compiled.name == "_dkdv_gluon_kernel"
+        return grads, compiled.metadata.num_warps
+
+    (dq2, dk2, dv2), warps2 = backward(64)
+    (dq1, dk1, dv1), warps1 = backward(128)
+    assert (warps2, warps1) == (4, 8)
+    assert not dk2.isnan().any() and not dv2.isnan().any()
+    assert torch.equal(dk2, dk1) and torch.equal(dv2, dv1) and torch.equal(dq2, dq1)
 
 
 @pytest.mark.gpu

@@ -563,7 +563,8 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     dq_gluon = gluon and bool(config.dq_gluon) and gluon_dq_tiles_supported(
         block_q=block_q, heads_per_program=config.dq_gluon_heads_per_program, has_cold=has_cold) is None
     kv_gluon = gluon and bool(config.kv_gluon) and gluon_kv_tiles_supported(
-        block_q=block_q, tile_rows=config.gluon_tile_rows, heads_per_step=config.kv_heads_per_program) is None
+        block_q=block_q, tile_rows=config.gluon_tile_rows, heads_per_step=config.kv_heads_per_program,
+        block_k=block_k, key_rows=config.gluon_key_rows) is None
     k_operand, v_operand, dq_tma = tma_operands(k, v, block_k, bool(config.dq_tma) and not fused and not dq_gluon)
     # the KV-centric kernel's TMA slices are rows of one head: one head per step, rows of q = positions
     kv_slices = bool(config.kv_tma) and config.kv_heads_per_program == 1 and not has_map
@@ -599,7 +600,8 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         LAST_COMPILED["dkdv"] = launch_dkdv_gluon(
             q, k, v, do, lse, delta, kv_qblocks, schedule.item_row, schedule.item_t0, schedule.item_t1,
             schedule.item_part, dk, dv, dk_partial, dv_partial, docs_arg if has_docs else None, block_q=block_q,
-            block_k=block_k, scale=float(scale), tile_rows=config.gluon_tile_rows, num_buf=config.gluon_stages)
+            block_k=block_k, scale=float(scale), tile_rows=config.gluon_tile_rows, num_buf=config.gluon_stages,
+            key_rows=config.gluon_key_rows)
     elif num_items > 0:
         LAST_COMPILED["dkdv"] = launch(
             _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, kv_pairs, seq_lens_arg, docs_arg,

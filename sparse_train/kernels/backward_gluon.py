@@ -5,7 +5,8 @@ Math (as backward.py: causal, length and document masks; no dropout):
     dV_k = sum_{h in group, q} P^T dO;  dK_k = scale sum_{h in group, q} dS^T Q
 
 Notation: as backward.py; M = TILE_ROWS query rows per step (one head, one row slice of a query block);
-NUM_BUF = the depth of the q/dO ring in shared memory. One program = one work item of the KV schedule
+KR = KEY_ROWS key rows per program (all of the block's BK, or a slice); NUM_BUF = the depth of the q/dO ring in
+shared memory. One program = one work item of the KV schedule
 (a KV block and a chunk [t0, t1) of its transposed row), exactly the Triton kernel's items, so the plan,
 the chunk partials and the finish kernel are shared with it.
 
@@ -18,8 +19,10 @@ Known limits (the launcher falls back to the Triton kernel outside them, :func:`
 Hopper (sm_90) only, bf16/fp16, [B, H, N, D] tensors in layouts TMA addresses (any strides with the last
 one 1, e.g. the projections' [B, N, H, D] memory), N a multiple of BLOCK_Q (key rows past N arrive as zeros
 and are masked as in the Triton kernel; query rows past N would need masked lse/delta loads, whose registers
-spill the accumulators at D = 128), BLOCK_K in {64, 128} (4 warps per 64 key rows), no dropout, sequence lengths
-or query-block map, one head per step; 128 x 128 key tiles at D = 128 spill a few bytes (ptxas of triton 3.6). The
+spill the accumulators at D = 128), BLOCK_K in {64, 128}, no dropout, sequence lengths or query-block map, one
+head per step. A program takes KEY_ROWS (64 or 128) rows of its block, 4 warps per 64 rows: a 128-key block runs as
+two 64-row programs by default (``plan.GLUON_KEY_ROWS``), each loading the item's q/dO slices itself; 128 x 128 key
+tiles at D = 128 (one program per block) spill a few bytes (ptxas of triton 3.6). The
 dQ kernel (``_dq_gluon_kernel``, :func:`gluon_dq_supported`) is the query tile of ``_dq_kernel``: q and dO once
 by TMA, the K/V tiles of its index row through a ring (``_gluon.kv_ring``), S and dP as asynchronous MMAs; it
 leaves cold blocks (atomic dK/dV) to the Triton kernel. Gluon kernels cannot run in Triton's interpreter; the CPU
@@ -82,10 +85,12 @@ if HAS_GLUON:
         stride_dvb, stride_dvh, stride_dvn, stride_dvd,
         N, HQ, HKV, NKB, scale_log2, scale,
         GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
-        TILE_ROWS: gl.constexpr, NUM_BUF: gl.constexpr, HAS_DOCS: gl.constexpr, num_warps: gl.constexpr,
+        TILE_ROWS: gl.constexpr, KEY_ROWS: gl.constexpr, NUM_BUF: gl.constexpr, HAS_DOCS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         ROW_SLICES: gl.constexpr = BLOCK_Q // TILE_ROWS
         STEPS_PER_BLOCK: gl.constexpr = GROUP * ROW_SLICES
+        KEY_SLICES: gl.constexpr = BLOCK_K // KEY_ROWS
         # one warpgroup per 64 key rows: both MMA shapes split the key rows over the warps, so a score
         # tile's rows are held by the warps that hold the same dK/dV rows (the P^T -> operand conversion
         # stays inside each thread)
@@ -97,7 +102,10 @@ if HAS_GLUON:
         key_rows_layout: gl.constexpr = gl.SliceLayout(1, scores_layout)
         query_cols_layout: gl.constexpr = gl.SliceLayout(0, scores_layout)
 
-        item = gl.program_id(0)
+        # KEY_SLICES programs per work item, each the dK/dV of KEY_ROWS keys of the block (neighbouring program
+        # ids: the slices of one item read the same q/dO slices at about the same time, from L2)
+        item = gl.program_id(0) // KEY_SLICES
+        key_row0_in_block = (gl.program_id(0) % KEY_SLICES) * KEY_ROWS
         kv_row = gl.load(ITEM_ROW + item)  # (b*HKV + hkv)*NKB + j; -1: padding item
         if kv_row >= 0:
             t0 = gl.load(ITEM_T0 + item)
@@ -123,27 +131,29 @@ if HAS_GLUON:
                 mbarrier.init(ready.index(i), count=1)
 
             mbarrier.expect(kv_ready, 2 * desc_k.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_k, [b, hkv, j * BLOCK_K, 0], kv_ready, k_box)
-            tma.async_copy_global_to_shared(desc_v, [b, hkv, j * BLOCK_K, 0], kv_ready, v_box)
+            key_row0 = j * BLOCK_K + key_row0_in_block
+            tma.async_copy_global_to_shared(desc_k, [b, hkv, key_row0, 0], kv_ready, k_box)
+            tma.async_copy_global_to_shared(desc_v, [b, hkv, key_row0, 0], kv_ready, v_box)
             for i in gl.static_range(NUM_BUF - 1):
                 if i < num_steps:
                     _issue_qdo_load(desc_q, desc_do, q_ring, do_ring, ready, KV_QBLOCKS, t0, hkv, b, i,
                                     GROUP, ROW_SLICES, BLOCK_Q, TILE_ROWS, NUM_BUF)
 
-            k_smem = k_box.reshape([BLOCK_K, HEAD_DIM])
-            v_smem = v_box.reshape([BLOCK_K, HEAD_DIM])
-            kpos = j * BLOCK_K + gl.arange(0, BLOCK_K, key_rows_layout)  # [BK]
+            k_smem = k_box.reshape([KEY_ROWS, HEAD_DIM])
+            v_smem = v_box.reshape([KEY_ROWS, HEAD_DIM])
+            kpos = key_row0 + gl.arange(0, KEY_ROWS, key_rows_layout)  # [KR]
             offs_m = gl.arange(0, TILE_ROWS, query_cols_layout)  # [M]
-            # the block's last key is past a query of some step's block (the diagonal), or past N: mask
+            # the block's last key is past a query of some step's block (the diagonal), or past N: mask. Decided
+            # per block, as in the Triton kernel, also for a slice that needs no mask (masking it changes nothing)
             masked_block = j * BLOCK_K + BLOCK_K > N
             if HAS_DOCS:  # the key side of the document mask: ids of the block's keys, of its first key
                 docs_row = DOCS + b.to(gl.int64) * N
-                doc_k = gl.load(docs_row + kpos, mask=kpos < N, other=-1)  # [BK]
+                doc_k = gl.load(docs_row + kpos, mask=kpos < N, other=-1)  # [KR]
                 doc_k_first = gl.load(docs_row + j * BLOCK_K)
-            zero_scores = gl.zeros([BLOCK_K, TILE_ROWS], gl.float32, scores_layout)
+            zero_scores = gl.zeros([KEY_ROWS, TILE_ROWS], gl.float32, scores_layout)
             # loop-carried as in-flight accumulators: each step's dK/dV products are waited for by the next
-            dk = warpgroup_mma_init(gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, acc_layout))
-            dv = warpgroup_mma_init(gl.zeros([BLOCK_K, HEAD_DIM], gl.float32, acc_layout))
+            dk = warpgroup_mma_init(gl.zeros([KEY_ROWS, HEAD_DIM], gl.float32, acc_layout))
+            dv = warpgroup_mma_init(gl.zeros([KEY_ROWS, HEAD_DIM], gl.float32, acc_layout))
             mbarrier.wait(kv_ready, phase=0)
             for u in range(num_steps):
                 slot = u % NUM_BUF
@@ -154,9 +164,9 @@ if HAS_GLUON:
                 do_slot = do_ring.index(slot).reshape([TILE_ROWS, HEAD_DIM])  # [M, D]
                 mbarrier.wait(ready.index(slot), phase=(u // NUM_BUF) & 1)
                 st = warpgroup_mma(k_smem, q_slot.permute((1, 0)), zero_scores, use_acc=False,
-                                   is_async=True)  # [BK, M] = K Q^T
+                                   is_async=True)  # [KR, M] = K Q^T
                 dpt = warpgroup_mma(v_smem, do_slot.permute((1, 0)), zero_scores, use_acc=False,
-                                    is_async=True)  # [BK, M] = V dO^T
+                                    is_async=True)  # [KR, M] = V dO^T
                 qpos = qb * BLOCK_Q + first_row + offs_m  # [M]
                 # [M] rows of lse / delta ([B, HQ, N] contiguous); every query row is < N (N a multiple of
                 # BLOCK_Q: unmasked loads, whose masks would cost the registers the accumulators need)
@@ -183,24 +193,24 @@ if HAS_GLUON:
                     if edge:  # the forward's masks, where it had them
                         ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < N)
                         st = gl.where(ok, st, float("-inf"))
-                pt = gl.exp2(st - lse2[None, :])  # [BK, M]
+                pt = gl.exp2(st - lse2[None, :])  # [KR, M]
                 dpt = warpgroup_mma_wait(num_outstanding=0, deps=(dpt,))
-                dst = pt * (dpt - delta[None, :])  # [BK, M]
+                dst = pt * (dpt - delta[None, :])  # [KR, M]
                 pt_operand = gl.convert_layout(pt.to(desc_do.dtype), operand_layout)
                 dst_operand = gl.convert_layout(dst.to(desc_q.dtype), operand_layout)
-                dv = warpgroup_mma(pt_operand, do_slot, dv, is_async=True)  # [BK, D]
-                dk = warpgroup_mma(dst_operand, q_slot, dk, is_async=True)  # [BK, D]
+                dv = warpgroup_mma(pt_operand, do_slot, dv, is_async=True)  # [KR, D]
+                dk = warpgroup_mma(dst_operand, q_slot, dk, is_async=True)  # [KR, D]
             dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
             mbarrier.invalidate(kv_ready)
             for i in gl.static_range(NUM_BUF):
                 mbarrier.invalidate(ready.index(i))
 
-            rows = gl.arange(0, BLOCK_K, gl.SliceLayout(1, acc_layout))
+            rows = gl.arange(0, KEY_ROWS, gl.SliceLayout(1, acc_layout))
             cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, acc_layout))
             if part < 0:
                 # whole row in this item: dK/dV once, in the output dtype, through their strides
-                kpos64 = (j * BLOCK_K + rows).to(gl.int64)
-                kv_ok = (j * BLOCK_K + rows < N)[:, None]
+                kpos64 = (key_row0 + rows).to(gl.int64)
+                kv_ok = (key_row0 + rows < N)[:, None]
                 dk_ptrs = DK + b.to(gl.int64) * stride_dkb + hkv.to(gl.int64) * stride_dkh \
                     + kpos64[:, None] * stride_dkn + cols[None, :] * stride_dkd
                 dv_ptrs = DV + b.to(gl.int64) * stride_dvb + hkv.to(gl.int64) * stride_dvh \
@@ -208,7 +218,8 @@ if HAS_GLUON:
                 gl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
                 gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok)
             else:
-                workspace = part.to(gl.int64) * (BLOCK_K * HEAD_DIM) + rows[:, None] * HEAD_DIM + cols[None, :]
+                block_rows = key_row0_in_block + rows
+                workspace = part.to(gl.int64) * (BLOCK_K * HEAD_DIM) + block_rows[:, None] * HEAD_DIM + cols[None, :]
                 gl.store(DK_PARTIAL + workspace, dk)
                 gl.store(DV_PARTIAL + workspace, dv)
 
@@ -299,41 +310,55 @@ if HAS_GLUON:
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
 def gluon_kv_supported(q, k, v, do, *, block_q: int, block_k: int, tile_rows: int, heads_per_step: int,
-                       has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool) -> str | None:
+                       has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool,
+                       key_rows: int = 64) -> str | None:
     """None when the Gluon KV-centric kernel can take this call, else why not (the launcher then runs the
     Triton kernel)."""
     common = gluon_call_supported(q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=has_seq_lens,
                                    has_docs=has_docs, dropout=dropout, query_map=query_map)
     if common is not None:
         return common
-    return gluon_kv_tiles_supported(block_q=block_q, tile_rows=tile_rows, heads_per_step=heads_per_step)
+    return gluon_kv_tiles_supported(block_q=block_q, tile_rows=tile_rows, heads_per_step=heads_per_step,
+                                    block_k=block_k, key_rows=key_rows)
 
 
-def gluon_kv_tiles_supported(*, block_q: int, tile_rows: int, heads_per_step: int) -> str | None:
+def gluon_kv_key_rows(block_k: int, key_rows: int) -> int:
+    """Key rows one Gluon KV-centric program takes: ``key_rows`` (``BackwardConfig.gluon_key_rows``), at most the
+    block's ``block_k``."""
+    return min(block_k, key_rows)
+
+
+def gluon_kv_tiles_supported(*, block_q: int, tile_rows: int, heads_per_step: int, block_k: int = 64,
+                             key_rows: int = 64) -> str | None:
     """The KV-centric Gluon kernel's own conditions, beyond those every Gluon kernel shares
     (``_gluon.gluon_call_supported``): None, or why not."""
     if heads_per_step != 1:
         return "more than one head per step"
     if tile_rows not in (32, 64, 128) or block_q % tile_rows:
         return f"tiles BQ={block_q}, rows per step {tile_rows}"
+    rows = gluon_kv_key_rows(block_k, key_rows)
+    if rows not in (64, 128) or block_k % rows:
+        return f"{rows} key rows per program of a {block_k}-key block"
     return None
 
 
 def dkdv_gluon_arguments(q, k, v, do, lse, delta, kv_qblocks, item_row, item_t0, item_t1, item_part, dk, dv,
                          dk_partial, dv_partial, document_ids=None, *, block_q: int, block_k: int, scale: float,
-                         tile_rows: int, num_buf: int = 2):
+                         tile_rows: int, num_buf: int = 2, key_rows: int = 64):
     """The grid, positional arguments and keyword arguments of :func:`launch_dkdv_gluon` (the CPU tests
-    compile the kernel from them without a GPU)."""
+    compile the kernel from them without a GPU). ``key_rows``: keys per program (:func:`gluon_kv_key_rows`);
+    a 128-key block split into two 64-row programs lets two programs share an SM."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
-    args = (gluon_descriptor(q, 1, tile_rows), gluon_descriptor(do, 1, tile_rows), gluon_descriptor(k, 1, block_k),
-            gluon_descriptor(v, 1, block_k),
+    rows = gluon_kv_key_rows(block_k, key_rows)
+    args = (gluon_descriptor(q, 1, tile_rows), gluon_descriptor(do, 1, tile_rows), gluon_descriptor(k, 1, rows),
+            gluon_descriptor(v, 1, rows),
             lse, delta, kv_qblocks, item_row, item_t0, item_t1, item_part, dk, dv, dk_partial, dv_partial,
             lse if document_ids is None else document_ids, *dk.stride(), *dv.stride(), N, HQ, HKV,
             triton.cdiv(N, block_k), scale * LOG2E, scale)
     kwargs = dict(GROUP=HQ // HKV, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D, TILE_ROWS=tile_rows,
-                  NUM_BUF=num_buf, HAS_DOCS=document_ids is not None, num_warps=4 * (block_k // 64))
-    return (item_row.numel(),), args, kwargs
+                  KEY_ROWS=rows, NUM_BUF=num_buf, HAS_DOCS=document_ids is not None, num_warps=4 * (rows // 64))
+    return (item_row.numel() * (block_k // rows),), args, kwargs
 
 
 def launch_dkdv_gluon(*tensors, **options):
