@@ -702,6 +702,24 @@ def speedup_over(other, ours, key):
     return cell(other[key] / ours[key], "{:.1f}x") if key in other else "n/a"
 
 
+def sustained_power(row):
+    """A row's sustained power draw and SM clock as "W / MHz", or "-"."""
+    watts, mhz = row.get("fwdbwd_sustained_watts"), row.get("fwdbwd_sustained_sm_mhz")
+    return "-" if watts is None or mhz is None else f"{watts:.0f} / {mhz:.0f}"
+
+
+def fwdbwd_row(ours, flex_row, cudnn_row, key, ceiling, power=None):
+    """One line of a forward + backward table timed one way (``key``: graph replay, sustained): our time, its share
+    of ``ceiling`` (3.5x the forward's FLOPs), with ``power`` our and Flex's "W / MHz" after each time, cuDNN's
+    time, our time as a fraction of Flex's and the speedup over cuDNN."""
+    flops = 3.5 * ours["fwd_TFLOPs"] * ours["fwd_ms"] * 1e9
+    cells = [str(ours["N"]), ours["pattern"], cell(ours[key]), f"{100 * flops / ours[key] / 1e9 / ceiling:.0f}%"]
+    cells += [power(ours)] if power else []
+    cells += [cell(flex_row.get(key))] + ([power(flex_row)] if power else [])
+    cells += [cell(cudnn_row.get(key)), vs_other(ours, flex_row, key), speedup_over(cudnn_row, ours, key)]
+    return "| " + " | ".join(cells) + " |"
+
+
 def packed_table(rows):
     """Markdown lines of the packed-documents table (rows of kinds ours_packed and flex_packed)."""
     flex = {(r["N"], r["pattern"]): r for r in rows if r["kind"] == "flex_packed"}
@@ -803,16 +821,8 @@ def write_outputs(results, out):
                   "fwd+bwd speedup vs cuDNN |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in graph_rows:
-            fx = flex.get((r["N"], r["pattern"]), {})
-            cu = dense.get(("dense_cudnn", r["N"]), {})
-            flops = 3.5 * r["fwd_TFLOPs"] * r["fwd_ms"] * 1e9
-            lines.append("| " + " | ".join([
-                str(r["N"]), r["pattern"], cell(r["fwdbwd_graph_ms"]),
-                f"{100 * flops / r['fwdbwd_graph_ms'] / 1e9 / c['bf16_matmul_TFLOPs']:.0f}%",
-                cell(fx.get("fwdbwd_graph_ms")), cell(cu.get("fwdbwd_graph_ms")),
-                vs_other(r, fx, "fwdbwd_graph_ms"),
-                speedup_over(cu, r, "fwdbwd_graph_ms"),
-            ]) + " |")
+            lines.append(fwdbwd_row(r, flex.get((r["N"], r["pattern"]), {}), dense.get(("dense_cudnn", r["N"]), {}),
+                                    "fwdbwd_graph_ms", c["bf16_matmul_TFLOPs"]))
     held_rows = [r for r in rows if r["kind"] == "ours" and "fwdbwd_sustained_ms" in r]
     if held_rows:
         held_ceiling = c.get("bf16_matmul_sustained_TFLOPs") or c["bf16_matmul_TFLOPs"]
@@ -824,22 +834,9 @@ def write_outputs(results, out):
                   "| N | pattern | ours fwd+bwd | % of ceiling | ours W / MHz | Flex fwd+bwd | Flex W / MHz | "
                   "cuDNN fwd+bwd | fwd+bwd vs Flex | fwd+bwd speedup vs cuDNN |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-
-        def power(r):
-            watts, mhz = r.get("fwdbwd_sustained_watts"), r.get("fwdbwd_sustained_sm_mhz")
-            return "-" if watts is None or mhz is None else f"{watts:.0f} / {mhz:.0f}"
-
         for r in held_rows:
-            fx = flex.get((r["N"], r["pattern"]), {})
-            cu = dense.get(("dense_cudnn", r["N"]), {})
-            flops = 3.5 * r["fwd_TFLOPs"] * r["fwd_ms"] * 1e9
-            lines.append("| " + " | ".join([
-                str(r["N"]), r["pattern"], cell(r["fwdbwd_sustained_ms"]),
-                f"{100 * flops / r['fwdbwd_sustained_ms'] / 1e9 / held_ceiling:.0f}%", power(r),
-                cell(fx.get("fwdbwd_sustained_ms")), power(fx), cell(cu.get("fwdbwd_sustained_ms")),
-                vs_other(r, fx, "fwdbwd_sustained_ms"),
-                speedup_over(cu, r, "fwdbwd_sustained_ms"),
-            ]) + " |")
+            lines.append(fwdbwd_row(r, flex.get((r["N"], r["pattern"]), {}), dense.get(("dense_cudnn", r["N"]), {}),
+                                    "fwdbwd_sustained_ms", held_ceiling, power=sustained_power))
     modes = [r for r in rows if r["kind"] == "ours" and "fwd_ms" in r]
     if modes:
         lines += ["", "Backward modes on the same index (ms; the default is the hybrid two-kernel backward; "
