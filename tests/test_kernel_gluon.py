@@ -263,8 +263,8 @@ def test_backward_config_gluon_default_follows_the_device():
         with pytest.raises(ValueError, match=name):
             backward_config(4, 64, 64, 128, False, {name: "yes"})
     on = backward_config(4, 64, 64, 128, False)
-    assert (on.gluon_tile_rows, on.gluon_stages, on.dq_gluon_stages) == (
-        plan_mod.GLUON_TILE_ROWS, plan_mod.GLUON_RING, plan_mod.GLUON_DQ_RING)
+    assert (on.gluon_tile_rows, on.gluon_stages, on.dq_gluon_stages, on.gluon_key_rows) == (
+        plan_mod.GLUON_TILE_ROWS, plan_mod.GLUON_RING, plan_mod.GLUON_DQ_RING, plan_mod.GLUON_KEY_ROWS)
     # the Gluon dQ kernel takes one head of 64 rows, the Triton one stays at two (128 rows); an explicit
     # dq_heads_per_program sets both
     assert (on.dq_gluon_heads_per_program, on.dq_heads_per_program) == (1, 2)
@@ -281,6 +281,18 @@ def test_gluon_fallback_reasons():
     assert "Hopper" in bg.gluon_kv_supported(q, k, v, q, **kw)
     assert "Hopper" in bg.gluon_dq_supported(q, k, v, q, **_dq_support_args(kw))
     assert "Hopper" in fg.gluon_fwd_supported(q, k, v, **_fwd_support_args(kw))
+
+
+@pytest.mark.parametrize("block_k,key_rows,expected", [
+    (128, 64, None), (128, 128, None), (64, 64, None), (64, 128, None), (128, 32, "32 key rows"),
+    (128, 96, "96 key rows")], ids=["128-in-two", "128-whole", "64-whole", "64-capped", "too-thin", "not-dividing"])
+def test_gluon_kv_key_rows(block_k, key_rows, expected):
+    """A Gluon KV-centric program takes 64 or 128 rows of its key block (at most the block), a divisor of it;
+    anything else is named and the launcher runs the Triton kernel."""
+    reason = bg.gluon_kv_tiles_supported(block_q=64, tile_rows=64, heads_per_step=1, block_k=block_k,
+                                         key_rows=key_rows)
+    assert reason is None if expected is None else expected in reason
+    assert bg.gluon_kv_key_rows(block_k, key_rows) == min(block_k, key_rows)
 
 
 def _fwd_support_args(kv_kw, **changes):

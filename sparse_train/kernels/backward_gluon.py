@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import triton
 
+from ..plan import GLUON_KEY_ROWS
 from ._gluon import HAS_GLUON, LOG2E, gluon_call_supported, gluon_descriptor
 
 if HAS_GLUON:
@@ -311,7 +312,7 @@ if HAS_GLUON:
 # ----------------------------------------------------------------------------------------------
 def gluon_kv_supported(q, k, v, do, *, block_q: int, block_k: int, tile_rows: int, heads_per_step: int,
                        has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool,
-                       key_rows: int = 64) -> str | None:
+                       key_rows: int = GLUON_KEY_ROWS) -> str | None:
     """None when the Gluon KV-centric kernel can take this call, else why not (the launcher then runs the
     Triton kernel)."""
     common = gluon_call_supported(q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=has_seq_lens,
@@ -328,8 +329,8 @@ def gluon_kv_key_rows(block_k: int, key_rows: int) -> int:
     return min(block_k, key_rows)
 
 
-def gluon_kv_tiles_supported(*, block_q: int, tile_rows: int, heads_per_step: int, block_k: int = 64,
-                             key_rows: int = 64) -> str | None:
+def gluon_kv_tiles_supported(*, block_q: int, tile_rows: int, heads_per_step: int, block_k: int,
+                             key_rows: int = GLUON_KEY_ROWS) -> str | None:
     """The KV-centric Gluon kernel's own conditions, beyond those every Gluon kernel shares
     (``_gluon.gluon_call_supported``): None, or why not."""
     if heads_per_step != 1:
@@ -344,7 +345,7 @@ def gluon_kv_tiles_supported(*, block_q: int, tile_rows: int, heads_per_step: in
 
 def dkdv_gluon_arguments(q, k, v, do, lse, delta, kv_qblocks, item_row, item_t0, item_t1, item_part, dk, dv,
                          dk_partial, dv_partial, document_ids=None, *, block_q: int, block_k: int, scale: float,
-                         tile_rows: int, num_buf: int = 2, key_rows: int = 64):
+                         tile_rows: int, num_buf: int = 2, key_rows: int = GLUON_KEY_ROWS):
     """The grid, positional arguments and keyword arguments of :func:`launch_dkdv_gluon` (the CPU tests
     compile the kernel from them without a GPU). ``key_rows``: keys per program (:func:`gluon_kv_key_rows`);
     a 128-key block split into two 64-row programs lets two programs share an SM."""
