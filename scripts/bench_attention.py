@@ -411,8 +411,8 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
                                                 check_values=False)
                 torch.autograd.grad(oo, (qg, kg, vg), do)
 
-            # before any capture: after a capture's warm-up on a side stream the held loop's memory grew by a
-            # call's worth per call until it ran out (H200, nineteenth session)
+            # before any capture: run after one, the held loop's allocator reserve grew until it ran out of memory
+            # (H200, nineteenth session; the mechanism was not isolated)
             record_sustained(row, fb, args.sustained)
             record_graph_time(row, fb_capturable)
         row.update({f"{pfx}bwd_ms": tb, f"{pfx}bwd_p95_ms": tb95, f"{pfx}fwdbwd_ms": tfb, f"{pfx}fwdbwd_p95_ms": tfb95,

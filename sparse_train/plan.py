@@ -368,8 +368,9 @@ GLUON_RING = 2
 GLUON_KEY_ROWS = 64
 """Key rows one Gluon KV-centric program takes: a 128-key block runs as two 64-row programs (4 warps each), so
 two programs share an SM and one's softmax runs while the other's products do, as with 64-key blocks; one
-128-row program of 8 warps filled the SM alone and kept the tensor pipe busy 55% of the time against 64% over
-64-key blocks (H200, 64K, D = 128, Nsight Compute: docs/benchmarks/speed_round2/README.md, nineteenth session)."""
+128-row program of 8 warps filled the SM alone and kept the tensor pipe busy 55% of the time, two 64-row programs
+64% (H200, 64K, D = 128, Nsight Compute); whole backward at P128 11.29 -> 10.53 ms (D = 128), 7.47 -> 6.77 ms
+(D = 64), bitwise equal (docs/benchmarks/speed_round2/h200_probe_gluon_key_rows_session19.json)."""
 GLUON_FWD_ROWS = 64
 """Query rows a Gluon forward program aims at (heads x BQ; one head for BQ >= 64): at head dim 64 over 64-key
 blocks two such programs share an SM (H200, 64K: 1.99 ms against 2.13 with 128 rows, 2.58 with 256, and 2.24
