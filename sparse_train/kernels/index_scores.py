@@ -47,8 +47,8 @@ from ._jit import documents_row, dot, last_document, sequence_length
 from ._launch import kernel_document_ids, kernel_seq_lens, launch
 from .reference_index_scores import IndexScoreArgs, check_index_score_args, reference_index_block_scores
 
-__all__ = ["BACKWARD_CHUNK_BYTES", "IndexScoreOptions", "index_block_scores", "index_block_scores_launch",
-           "index_scores_support"]
+__all__ = ["BACKWARD_CHUNK_BYTES", "MAX_ROW_TILE", "TILE_VALUES_PER_THREAD", "IndexScoreOptions", "index_block_scores",
+           "index_block_scores_launch", "index_scores_support", "tile_options", "winner_gradients"]
 
 BACKWARD_CHUNK_BYTES = 256 * 2**20
 """Largest float32 buffer of gathered rows in one step of the backward's scatter-add."""
@@ -58,31 +58,55 @@ BACKENDS = ("auto", "triton", "reference")
 
 class IndexScoreOptions(NamedTuple):
     """Tile choices of the index-scores kernel; they change speed, never the result (beyond float32 order).
+    A field left None takes the value of :func:`tile_options` for the call's block sizes, E and S.
 
     Attributes:
-        key_tile: keys per loop step (KEY_BLOCKS = max(1, key_tile // block_k) whole key blocks), a power of two.
+        key_tile: keys per loop step (KEY_BLOCKS = max(1, key_tile // block_k) whole key blocks), a power of
+            two >= 16.
         row_tile: most rows of u per ``tl.dot`` (a power of two >= 16); a block with more rows (BQ * E padded)
             is walked in slices of this many rows, the later slices reloaded per key step.
         num_warps: warps per program (1, 2, 4, 8 or 16).
         num_stages: software pipeline depth of the key loop (>= 1).
     """
 
-    key_tile: int = 128
-    row_tile: int = 128
-    num_warps: int = 4
+    key_tile: int | None = None
+    row_tile: int | None = None
+    num_warps: int | None = None
     num_stages: int = 2
 
 
-def _check_options(options) -> IndexScoreOptions:
+TILE_VALUES_PER_THREAD = 64
+"""Float32 logits per thread of one step's [row_tile, key_tile] tile in the automatic tiles (:func:`tile_options`):
+more spills past the register file (compiled for sm_90a: 64 gives 70-130 registers at S <= 32)."""
+MAX_ROW_TILE = 256
+"""Largest automatic row tile: E * BQ rows above it are walked in slices."""
+
+
+def tile_options(block_q: int, block_k: int, index_heads: int, index_dim: int,
+                 options: IndexScoreOptions | None = None) -> IndexScoreOptions:
+    """``options`` with every None field filled: the whole block's rows in one tile up to :data:`MAX_ROW_TILE`
+    (4 warps up to 128 rows, 8 above), and as many keys per step as keep :data:`TILE_VALUES_PER_THREAD` logits
+    per thread (half as many for S > 32, whose operand tiles take registers too), at least one key block."""
+    options = options or IndexScoreOptions()
+    rows = triton.next_power_of_2(block_q * index_heads)
+    row_tile = options.row_tile or min(rows, MAX_ROW_TILE)
+    num_warps = options.num_warps or (4 if min(rows, row_tile) <= 128 else 8)
+    values = TILE_VALUES_PER_THREAD * 32 * num_warps // (2 if index_dim > 32 else 1)
+    key_tile = options.key_tile or max(block_k, min(256, triton.next_power_of_2(max(16, values // min(rows, row_tile)))))
+    return IndexScoreOptions(key_tile=key_tile, row_tile=row_tile, num_warps=num_warps, num_stages=options.num_stages)
+
+
+def _check_options(options) -> IndexScoreOptions | None:
     if options is None:
-        return IndexScoreOptions()
+        return None
     if not isinstance(options, IndexScoreOptions):
         raise ValueError(f"options must be an IndexScoreOptions or None, got {type(options).__name__}")
     for name in ("key_tile", "row_tile"):
-        value = check_int(f"options.{name}", getattr(options, name), minimum=16)
-        if value & (value - 1):
+        value = check_int(f"options.{name}", getattr(options, name), minimum=16, optional=True)
+        if value is not None and value & (value - 1):
             raise ValueError(f"options.{name} must be a power of two >= 16, got {value}")
-    check_choice("options.num_warps", options.num_warps, (1, 2, 4, 8, 16))
+    if options.num_warps is not None:
+        check_choice("options.num_warps", options.num_warps, (1, 2, 4, 8, 16))
     check_int("options.num_stages", options.num_stages, minimum=1)
     return options
 
@@ -94,7 +118,7 @@ def _check_options(options) -> IndexScoreOptions:
 def _load_u_slice(U, u_head, block_row0, q_first, seqlen, slice_index, stride_um, stride_ue, stride_us, offs_s, S,
                   E: tl.constexpr, BLOCK_Q: tl.constexpr, ROW_TILE: tl.constexpr):
     """Rows ``slice_index * ROW_TILE ..`` of one block's u tile: (tile [ROW_TILE, S_P2], 0 where invalid; the
-    tile-row ids m; the query position of each row; whether the row is a real query)."""
+    query position of each row; whether the row is a real query)."""
     offs_m = slice_index * ROW_TILE + tl.arange(0, ROW_TILE)  # [ROW_TILE] m = r * E + e
     r = offs_m // E
     e = offs_m % E
@@ -103,7 +127,7 @@ def _load_u_slice(U, u_head, block_row0, q_first, seqlen, slice_index, stride_um
     pointers = (u_head + (block_row0 + r).to(tl.int64)[:, None] * stride_um + e.to(tl.int64)[:, None] * stride_ue
                 + offs_s.to(tl.int64)[None, :] * stride_us)
     tile = tl.load(pointers, mask=row_ok[:, None] & (offs_s[None, :] < S), other=0.0)
-    return tile, offs_m, pos, row_ok
+    return tile, pos, row_ok
 
 
 @triton.jit
@@ -144,7 +168,7 @@ def _index_block_scores_kernel(
             doc_first = tl.load(docs_row + q_first)
             lo = q_first * 0
             hi = q_first
-            for _ in range(0, SEARCH_STEPS):
+            for _ in range(SEARCH_STEPS):
                 mid = (lo + hi) // 2
                 right = tl.load(docs_row + mid) < doc_first
                 lo = tl.where(right, mid + 1, lo)
@@ -158,8 +182,8 @@ def _index_block_scores_kernel(
     offs_keys = tl.arange(0, KEYS)
     offs_in_block = tl.arange(0, BLOCK_K)
     out_row = (bh.to(tl.int64) * R + i) * NKB
-    u0, m0, pos0, row_ok0 = _load_u_slice(U, u_head, block_row0, q_first, seqlen, 0, stride_um, stride_ue,
-                                          stride_us, offs_s, S, E, BLOCK_Q, ROW_TILE)
+    u0, pos0, row_ok0 = _load_u_slice(U, u_head, block_row0, q_first, seqlen, 0, stride_um, stride_ue, stride_us,
+                                      offs_s, S, E, BLOCK_Q, ROW_TILE)
     rows_cut = (q_first + BLOCK_Q > seqlen) | PADDED_ROWS  # some row of the tile is not a real query
     for j0 in range(j_start, j_end, KEY_BLOCKS):
         key_first = j0 * BLOCK_K
@@ -176,10 +200,10 @@ def _index_block_scores_kernel(
         best_m = tl.zeros([KEYS], tl.int32)
         for sl in tl.static_range(ROW_SLICES):
             if sl == 0:
-                u, offs_m, pos, row_ok = u0, m0, pos0, row_ok0
+                u, pos, row_ok = u0, pos0, row_ok0
             else:
-                u, offs_m, pos, row_ok = _load_u_slice(U, u_head, block_row0, q_first, seqlen, sl, stride_um,
-                                                       stride_ue, stride_us, offs_s, S, E, BLOCK_Q, ROW_TILE)
+                u, pos, row_ok = _load_u_slice(U, u_head, block_row0, q_first, seqlen, sl, stride_um, stride_ue,
+                                               stride_us, offs_s, S, E, BLOCK_Q, ROW_TILE)
             s = dot(u, tl.trans(w), IEEE)  # [ROW_TILE, KEYS] float32
             if needs_mask:
                 ok = row_ok[:, None] & (kpos[None, :] <= pos[:, None])
@@ -240,9 +264,9 @@ def index_block_scores_launch(u: Tensor, w: Tensor, args: IndexScoreArgs, *, seq
     A winner row is ``m * E + e`` (m the row of u, e the index head) and a winner key the key position t of the
     (r, e, t) that gives the score; both -1 where the score is -inf. Computed only with ``with_winner``. No
     validation (``args`` from :func:`check_index_score_args`); u and w are read through their strides."""
-    options = options or IndexScoreOptions()
     B, H, N, R, NKB = args.B, args.H, args.N, args.rows, args.num_k_blocks
     block_q, block_k, E, S = args.block_q, args.block_k, args.E, args.S
+    options = tile_options(block_q, block_k, E, S, options)
     out = torch.empty((B, H, R, NKB), device=u.device, dtype=torch.float32)
     win_row = win_key = None
     if with_winner:
@@ -381,7 +405,8 @@ def index_block_scores(u: Tensor, w: Tensor, *, block_q: int, block_k: int, seq_
             reference otherwise; ``"triton"``: the kernel (CPU tensors too when ``TRITON_INTERPRET=1``; raises
             when it cannot run the input); ``"reference"``:
             :func:`~sparse_train.kernels.reference_index_scores.reference_index_block_scores`.
-        options: tile choices (:class:`IndexScoreOptions`); default ``IndexScoreOptions()``.
+        options: tile choices (:class:`IndexScoreOptions`); None fields (all by default) take
+            :func:`tile_options`.
 
     Returns:
         float32 ``[B, H, R, NKB]``, NKB = ceil(N / block_k), R = NQB = ceil(N / block_q) without
