@@ -363,3 +363,98 @@ def test_index_scores_gpu_128k_on_listed_query_blocks():
         full = index_block_scores(u, w, block_q=P, block_k=P)
         listed = index_block_scores(u_blocks, w, block_q=P, block_k=P, query_blocks=blocks)
     assert torch.equal(full[:, :, blocks], listed)
+
+
+# ---------------------------------------------------------------------------------------------- compile for Hopper
+def hopper_compile_report(cases):
+    """[(registers, spill store bytes, shared bytes)] of the kernel compiled for sm_90a at the automatic tiles of
+    each ``(E, S, with_winner_docs_lengths)`` case (block 64, bf16). Runs in a process without the interpreter
+    (the test below starts one): the active driver answers sm_90 while ``warmup`` compiles."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from sparse_train.kernels.index_scores import _index_block_scores_kernel, tile_options
+
+    class Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    report = []
+    for E, S, full in cases:
+        block, N = 64, 256
+        tiles = tile_options(block, block, E, S)
+        rows = triton.next_power_of_2(block * E)
+        u = torch.zeros(1, 2, N, E, S, dtype=torch.bfloat16)
+        w = torch.zeros(1, 2, N, S, dtype=torch.bfloat16)
+        out, ints = torch.zeros(1, 2, 4, 4), torch.zeros(4, dtype=torch.int32)
+        driver = triton.runtime.driver
+        saved = driver._active
+        driver.set_active(Hopper())
+        try:
+            compiled = _index_block_scores_kernel.warmup(
+                u, w, ints, ints, ints, out, ints, ints, *u.stride(), *w.stride(), 2, N, 4, 4, S, 9,
+                E=E, BLOCK_Q=block, BLOCK_K=block, S_P2=max(16, triton.next_power_of_2(S)), ROW_TILE=tiles.row_tile,
+                ROW_SLICES=rows // tiles.row_tile, KEY_BLOCKS=max(1, tiles.key_tile // block), FILL=256,
+                HAS_QUERY_BLOCKS=full, HAS_SEQ_LENS=full, HAS_DOCS=full, WITH_WINNER=full, IEEE=False,
+                num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=(1, 1))
+        finally:
+            driver._active = saved
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.ptx")
+            with open(path, "w") as f:
+                f.write(compiled.asm["ptx"])
+            text = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True,
+                                  text=True, check=True).stderr
+        report.append((int(re.search(r"Used (\d+) registers", text).group(1)),
+                       int(re.search(r"(\d+) bytes spill stores", text).group(1)), compiled.metadata.shared))
+    return report
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
+def test_index_scores_kernel_compiles_for_hopper_without_spills():
+    """The interpreter accepts programs the compiler rejects: the kernel compiles for sm_90a (ptxas ships with
+    triton) at the automatic tiles of the benchmark's (E, S), with winners, documents, lengths and listed query
+    blocks (the most registers) and without, and no register spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip("this triton ships no ptxas")
+    cases = [(1, 32, False), (1, 32, True), (1, 64, True), (2, 32, True), (4, 16, True), (4, 32, True)]
+    import sparse_train
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the child imports the package this process tests (a worktree's, not whatever the venv points to)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(sparse_train.__file__)),
+                                         env.get("PYTHONPATH", "")])
+    code = ("import json, test_kernel_index_scores as t; "
+            f"print(json.dumps(t.hopper_compile_report({cases!r})))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for (E, S, full), (registers, spills, shared) in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
+        print(f"E={E} S={S} full={full}: {registers} registers, {spills} bytes spilled, {shared} bytes shared")
+        assert spills == 0

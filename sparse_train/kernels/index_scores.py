@@ -143,7 +143,9 @@ def _index_block_scores_kernel(
     KEYS: tl.constexpr = KEY_BLOCKS * BLOCK_K
     # rows of the tile that are never real (E * BQ padded to a power of two): the mask is needed on every block
     PADDED_ROWS: tl.constexpr = ROW_TILE * ROW_SLICES != BLOCK_Q * E
-    i = tl.program_id(0)  # output row (local query block)
+    # output row (local query block), the last first: late query blocks walk the most key blocks, so the launch
+    # ends on short programs
+    i = R - 1 - tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
