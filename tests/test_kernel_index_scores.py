@@ -365,6 +365,46 @@ def test_index_scores_gpu_128k_on_listed_query_blocks():
     assert torch.equal(full[:, :, blocks], listed)
 
 
+@pytest.mark.gpu
+def test_index_scores_gpu_never_synchronises_and_captures():
+    """Forward and backward make no device -> host synchronisation (``set_sync_debug_mode("error")`` raises on
+    one), with seq_lens, documents and listed query blocks; the no-grad forward captures in a CUDA graph whose
+    replay gives the eager scores."""
+    from sparse_train.cuda_graphs import capture_cuda_graph
+
+    N, H, E, S, P = 4097, 4, 2, 32, 64
+    u, w = _inputs(2, H, N, E, S, blocks=(64, 3, 30), block_q=P, seed=2, dtype=torch.bfloat16, device="cuda",
+                   seq_lens=(N, 3000))
+    kwargs = {"block_q": P, "block_k": P, "seq_lens": torch.tensor([N, 3000], device="cuda"),
+              "document_ids": ids_from_lengths((1000, N - 1000), (N,)).cuda(),
+              "query_blocks": torch.tensor([64, 3, 30], device="cuda")}
+    u.requires_grad_()
+    w.requires_grad_()
+
+    def step():
+        scores = index_block_scores(u, w, **kwargs)
+        return torch.autograd.grad(scores, (u, w), torch.ones_like(scores))
+
+    step()  # warm-up: Triton compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        du, dw = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(du).all() and torch.isfinite(dw).all()
+
+    def forward():
+        with torch.no_grad():
+            return index_block_scores(u, w, **kwargs)
+
+    eager = forward()
+    graph, captured = capture_cuda_graph(forward)
+    captured.fill_(0.0)
+    graph.replay()
+    assert torch.equal(captured, eager)
+
+
 # ---------------------------------------------------------------------------------------------- compile for Hopper
 def hopper_compile_report(cases):
     """[(registers, spill store bytes, shared bytes)] of the kernel compiled for sm_90a at the automatic tiles of
