@@ -56,6 +56,7 @@ CASES = [
     pytest.param(2, 2, 147, 2, 16, 32, 16, (147, 100), None, (4, 1, 3), id="query-blocks-unsorted-partial-last"),
     pytest.param(1, 2, 147, 2, 32, 32, 32, None, ((20, 90, 37),), (2, 0, 4), id="query-blocks-documents"),
     pytest.param(1, 2, 90, 3, 20, 16, 16, None, None, None, id="e3-s20-padded-tile"),
+    pytest.param(1, 1, 70, 1, 8, 16, 16, None, None, None, id="s8-padded-to-16"),
     pytest.param(2, 1, 120, 2, 16, 16, 32, (0, 120), None, None, id="all-masked-row"),
 ]
 
@@ -183,6 +184,19 @@ def test_index_scores_deterministic_mode_repeats_bitwise():
     for a, b, c in zip(first, second, plain):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
+
+
+def test_index_scores_read_any_strides():
+    """u and w as permuted views (no copy): the scores equal those of contiguous copies bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    u_store = torch.randn(16, 2, 3, 100, 2, generator=g).to(DEV)  # [S, B, E, N, H] memory order
+    w_store = torch.randn(100, 2, 2, 16, generator=g).to(DEV)  # [N, H, B, S]
+    u = u_store.permute(1, 4, 3, 2, 0)  # [B, H, N, E, S]
+    w = w_store.permute(2, 1, 0, 3)  # [B, H, N, S]
+    assert not u.is_contiguous() and not w.is_contiguous()
+    strided = index_block_scores(u, w, block_q=32, block_k=16, backend=BACKEND)
+    dense = index_block_scores(u.contiguous(), w.contiguous(), block_q=32, block_k=16, backend=BACKEND)
+    assert torch.equal(strided, dense)
 
 
 def test_index_scores_without_grad_equal_the_autograd_path():

@@ -15,7 +15,8 @@ has ROWS = BQ * E rows, row m = r * E + e (query row r = m // E, index head e = 
 two; the index dim is zero-padded to S_P2 = max(16, next power of two of S) (``tl.dot`` needs K >= 16; zeros
 change no product).
 
-Layers: (1) ``_index_block_scores_kernel``: one program per (query block row, b * H + h); the u tile is loaded
+Layers: (1) ``_index_block_scores_kernel``: one program per (query block row, b * H + h), the last rows launched
+first (they walk the most key blocks, so the launch ends on short programs); the u tile is loaded
 once (in ROW_TILE-row slices when ROWS exceeds the option's row tile: then the later slices are reloaded per
 key step); the program walks the key blocks from the first that can share a document with the block's first
 row (a binary search over the non-decreasing document ids) to the last the block's last valid row reaches,
@@ -28,7 +29,8 @@ into ``dw[t]`` at the winners, by ``index_add_``, or ``index_put_(accumulate=Tru
 ``torch.use_deterministic_algorithms``); (4) the public function :func:`index_block_scores`.
 
 Known limits: float16 / bfloat16 / float32 (float32 products exact: IEEE dot); float64 goes to the reference;
-bfloat16 runs on CUDA only (the interpreter's bf16 math is wrong); block sizes 16..128, powers of two. The
+bfloat16 runs on CUDA only (the interpreter's bf16 math is wrong); block sizes 16..128, powers of two; M * E
+below 2^31 (int32 winner rows). The
 backward holds float32 ``[chunk * NKB, S]`` gathered rows per chunk of output rows (:data:`BACKWARD_CHUNK_BYTES`).
 """
 
