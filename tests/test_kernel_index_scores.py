@@ -108,19 +108,25 @@ def test_index_scores_fp16_match_reference():
     check_close("grad w fp16", _finite(dw), _finite(ref_dw), _finite(low_dw), torch.float16)
 
 
+@pytest.mark.parametrize("blocks", [None, (9, 2, 5)], ids=["all-blocks", "three-listed-blocks"])
 @pytest.mark.parametrize("options", [
     IndexScoreOptions(key_tile=16, row_tile=16, num_warps=1, num_stages=1),
     IndexScoreOptions(key_tile=64, row_tile=32, num_warps=2),
     IndexScoreOptions(key_tile=256, row_tile=256, num_warps=8),
-], ids=["one-block-16-row-slices", "two-blocks-32-row-slices", "sixteen-blocks-whole-tile"])
-def test_index_scores_tile_options_give_the_same_scores(options):
-    """Key blocks per step and row slices change the order of nothing but the max: scores and winners equal
-    the default tiles' bit for bit (rows of 16 * 2 = 32 per block: two slices of 16, one of 32 or 256)."""
-    u, w = _inputs(2, 2, 147, 2, 16, seed=5, seq_lens=(147, 101))
-    args = check_index_score_args(u, w, 16, 16, torch.tensor([147, 101], device=DEV),
-                                  ids_from_lengths((60, 87), (30, 117)).to(DEV))
-    common = dict(seq_lens=torch.tensor([147, 101], device=DEV),
-                  document_ids=ids_from_lengths((60, 87), (30, 117)).to(DEV), with_winner=True)
+    IndexScoreOptions(blocks_per_program=2),
+    IndexScoreOptions(key_tile=32, row_tile=16, blocks_per_program=2),
+], ids=["one-block-16-row-slices", "two-blocks-32-row-slices", "sixteen-blocks-whole-tile", "pairs",
+        "pairs-row-slices"])
+def test_index_scores_tile_options_give_the_same_scores(options, blocks):
+    """Key blocks per step, row slices and query blocks per program change the order of nothing but the max:
+    scores and winners equal the default tiles' bit for bit (rows of 16 * 2 = 32 per block: two slices of 16,
+    one of 32 or 256; pairs of query blocks, the last one alone when their number is odd)."""
+    lens = torch.tensor([147, 101], device=DEV)
+    docs = ids_from_lengths((60, 87), (30, 117)).to(DEV)
+    listed = None if blocks is None else torch.tensor(blocks, device=DEV)
+    u, w = _inputs(2, 2, 147, 2, 16, blocks=blocks, block_q=16, seed=5, seq_lens=(147, 101))
+    args = check_index_score_args(u, w, 16, 16, lens, docs, listed)
+    common = {"seq_lens": lens, "document_ids": docs, "query_blocks": listed, "with_winner": True}
     base = index_block_scores_launch(u, w, args, **common)
     other = index_block_scores_launch(u, w, args, options=options, **common)
     for a, b in zip(base, other):
@@ -274,6 +280,8 @@ def test_index_scores_reject_bad_arguments(call, match, which):
                  id="row-tile"),
     pytest.param(dict(options=IndexScoreOptions(num_warps=3)), "options.num_warps must be one of", id="warps"),
     pytest.param(dict(options=IndexScoreOptions(num_stages=0)), "options.num_stages must be", id="stages"),
+    pytest.param(dict(options=IndexScoreOptions(blocks_per_program=4)), "options.blocks_per_program must be one of",
+                 id="blocks-per-program"),
     pytest.param(dict(options={"key_tile": 64}), "options must be an IndexScoreOptions", id="options-dict"),
 ])
 def test_index_scores_reject_bad_backend_and_options(kwargs, match):
@@ -422,7 +430,7 @@ def test_index_scores_gpu_never_synchronises_and_captures():
 # ---------------------------------------------------------------------------------------------- compile for Hopper
 def hopper_compile_report(cases):
     """[(registers, spill store bytes, shared bytes)] of the kernel compiled for sm_90a at the automatic tiles of
-    each ``(E, S, with_winner_docs_lengths)`` case (block 64, bf16). Runs in a process without the interpreter
+    each ``(E, S, with_winner_docs_lengths, blocks_per_program)`` case (block 64, bf16). Runs in a process without the interpreter
     (the test below starts one): the active driver answers sm_90 while ``warmup`` compiles."""
     import os
     import re
@@ -452,9 +460,9 @@ def hopper_compile_report(cases):
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     report = []
-    for E, S, full in cases:
+    for E, S, full, per_program in cases:
         block, N = 64, 256
-        tiles = tile_options(block, block, E, S)
+        tiles = tile_options(block, block, E, S, IndexScoreOptions(blocks_per_program=per_program))
         rows = triton.next_power_of_2(block * E)
         u = torch.zeros(1, 2, N, E, S, dtype=torch.bfloat16)
         w = torch.zeros(1, 2, N, S, dtype=torch.bfloat16)
@@ -466,7 +474,8 @@ def hopper_compile_report(cases):
             compiled = _index_block_scores_kernel.warmup(
                 u, w, ints, ints, ints, out, ints, ints, *u.stride(), *w.stride(), 2, N, 4, 4, S, 9,
                 E=E, BLOCK_Q=block, BLOCK_K=block, S_P2=max(16, triton.next_power_of_2(S)), ROW_TILE=tiles.row_tile,
-                ROW_SLICES=rows // tiles.row_tile, KEY_BLOCKS=max(1, tiles.key_tile // block), FILL=256,
+                ROW_SLICES=rows // tiles.row_tile, KEY_BLOCKS=max(1, tiles.key_tile // block),
+                PAIR=per_program == 2, FILL=256,
                 HAS_QUERY_BLOCKS=full, HAS_SEQ_LENS=full, HAS_DOCS=full, WITH_WINNER=full, IEEE=False,
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=(1, 1))
         finally:
@@ -486,7 +495,7 @@ def hopper_compile_report(cases):
 def test_index_scores_kernel_compiles_for_hopper_without_spills():
     """The interpreter accepts programs the compiler rejects: the kernel compiles for sm_90a (ptxas ships with
     triton) at the automatic tiles of the benchmark's (E, S), with winners, documents, lengths and listed query
-    blocks (the most registers) and without, and no register spills."""
+    blocks (the most registers) and without, one or two query blocks per program, and no register spills."""
     import json
     import os
     import subprocess
@@ -497,7 +506,8 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("this triton ships no ptxas")
-    cases = [(1, 32, False), (1, 32, True), (1, 64, True), (2, 32, True), (4, 16, True), (4, 32, True)]
+    cases = [(1, 32, False, 1), (1, 32, True, 1), (1, 64, True, 1), (2, 32, True, 1), (4, 16, True, 1),
+             (4, 32, True, 1), (1, 32, False, 2), (1, 32, True, 2), (2, 32, True, 2)]
     import sparse_train
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -509,6 +519,7 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
     done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    for (E, S, full), (registers, spills, shared) in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
-        print(f"E={E} S={S} full={full}: {registers} registers, {spills} bytes spilled, {shared} bytes shared")
+    for (E, S, full, pair), (registers, spills, shared) in zip(cases,
+                                                               json.loads(done.stdout.strip().splitlines()[-1])):
+        print(f"E={E} S={S} full={full} blocks per program {pair}: {registers} registers, {spills} bytes spilled, {shared} bytes shared")
         assert spills == 0

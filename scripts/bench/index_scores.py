@@ -6,7 +6,8 @@ Times, in one process, ``index_block_scores`` at B=1, H=8, block 64 (query and k
 * ``fwd``     the scores only (no autograd: the selection path)
 * ``fwd_bwd`` the scores with the winners stored, then the backward's scatter-add into du and dw
 
-with the automatic tiles (``tile_options``) at every N, and at N = 65536 also two other tile variants. CUDA
+with the automatic tiles (``tile_options``) at every N, and at N = 65536 also three other tile variants (64 keys
+per step on 4 warps, 256 keys on 8 warps, two query blocks per program). CUDA
 events (``sparse_train.timing``), warm-up, median and p95; effective TFLOP/s counts the causal work,
 N^2 / 2 (row, key) pairs x 2 E S flops x H. Correctness: for each (N, E, S), the kernel on three listed query
 blocks (first, middle, last) against the float64 reference (largest error relative to the largest |score|),
@@ -47,6 +48,7 @@ VARIANTS = {
     "auto": None,
     "keys64-w4": IndexScoreOptions(key_tile=64, num_warps=4),
     "keys256-w8": IndexScoreOptions(key_tile=256, num_warps=8),
+    "pairs": IndexScoreOptions(blocks_per_program=2),
 }
 BUDGET_MS = 1.2
 """Forward budget at N = 65536, H = 8 (issue 34: scoring + top-k + plan <= 2.0 ms in all)."""
@@ -162,7 +164,7 @@ def main(argv=None) -> int:
     (args.out / "index_scores.json").write_text(json.dumps({"env": env, "results": results, "checks": checks,
                                                             "budget": budget}, indent=1))
     lines = [f"Index block scores, B=1, H={args.heads}, block {args.block}, {dtype}, {env['device']}, {env['date']}",
-             "", "| N | E | S | tiles (key, row, warps) | fwd ms (p95) | fwd TFLOP/s | fwd+bwd ms (p95) |",
+             "", "| N | E | S | tiles (key, row, warps, blocks) | fwd ms (p95) | fwd TFLOP/s | fwd+bwd ms (p95) |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
         if r["mode"] != "fwd":
@@ -171,8 +173,8 @@ def main(argv=None) -> int:
                   all(x[k] == r[k] for k in ("N", "E", "S", "variant")))
         tl = r["tiles"]
         lines.append(f"| {r['N']} | {r['E']} | {r['S']} | {r['variant']} ({tl['key_tile']}, {tl['row_tile']}, "
-                     f"{tl['num_warps']}) | {r['median_ms']:.3f} ({r['p95_ms']:.3f}) | {r['tflops']:.1f} | "
-                     f"{fb['median_ms']:.3f} ({fb['p95_ms']:.3f}) |")
+                     f"{tl['num_warps']}, {tl['blocks_per_program']}) | {r['median_ms']:.3f} ({r['p95_ms']:.3f}) | "
+                     f"{r['tflops']:.1f} | {fb['median_ms']:.3f} ({fb['p95_ms']:.3f}) |")
     lines += ["", f"Budget: forward at N={VARIANT_LENGTH} <= {BUDGET_MS} ms (best tiles):", ""]
     lines += [f"- E={b['E']} S={b['S']}: {b['median_ms']:.3f} ms ({b['best_variant']}) "
               f"{'within' if b['within_budget'] else 'OVER'}" for b in budget]
