@@ -430,8 +430,8 @@ def test_index_scores_gpu_never_synchronises_and_captures():
 # ---------------------------------------------------------------------------------------------- compile for Hopper
 def hopper_compile_report(cases):
     """[(registers, spill store bytes, shared bytes)] of the kernel compiled for sm_90a at the automatic tiles of
-    each ``(E, S, with_winner_docs_lengths, blocks_per_program)`` case (block 64, bf16). Runs in a process without the interpreter
-    (the test below starts one): the active driver answers sm_90 while ``warmup`` compiles."""
+    each ``(E, S, with_winner_docs_lengths, blocks_per_program)`` case (block 64, bf16). Runs in a process without
+    the interpreter (the test below starts one): the active driver answers sm_90 while ``warmup`` compiles."""
     import os
     import re
     import subprocess
@@ -521,5 +521,6 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
     assert done.returncode == 0, done.stderr[-3000:]
     for (E, S, full, pair), (registers, spills, shared) in zip(cases,
                                                                json.loads(done.stdout.strip().splitlines()[-1])):
-        print(f"E={E} S={S} full={full} blocks per program {pair}: {registers} registers, {spills} bytes spilled, {shared} bytes shared")
+        print(f"E={E} S={S} full={full} blocks per program {pair}: {registers} registers, {spills} bytes spilled, "
+              f"{shared} bytes shared")
         assert spills == 0

@@ -98,7 +98,8 @@ def tile_options(block_q: int, block_k: int, index_heads: int, index_dim: int,
     row_tile = options.row_tile or min(rows, MAX_ROW_TILE)
     num_warps = options.num_warps or (4 if min(rows, row_tile) <= 128 else 8)
     values = TILE_VALUES_PER_THREAD * 32 * num_warps // (2 if index_dim > 32 else 1)
-    key_tile = options.key_tile or max(block_k, min(256, triton.next_power_of_2(max(16, values // min(rows, row_tile)))))
+    keys = triton.next_power_of_2(max(16, values // min(rows, row_tile)))
+    key_tile = options.key_tile or max(block_k, min(256, keys))
     return IndexScoreOptions(key_tile=key_tile, row_tile=row_tile, num_warps=num_warps, num_stages=options.num_stages,
                              blocks_per_program=options.blocks_per_program or 1)
 
@@ -179,7 +180,8 @@ def _block_step(u0, pos0, row_ok0, U, u_head, block_row0, q_first, q_end, seqlen
     and its tile row m ([KEYS] int32; with ``WITH_WINNER``)."""
     # every (row, key) of the step is valid unless a key may follow a row, a row is not a real query (past the
     # length, or padding rows of the tile), or the step's first key and the block's last row lie in two documents
-    needs_mask = (key_first + KEYS - 1 > q_first) | (q_first + BLOCK_Q > seqlen) | (ROW_TILE * ROW_SLICES != BLOCK_Q * E)
+    padded_rows: tl.constexpr = ROW_TILE * ROW_SLICES != BLOCK_Q * E
+    needs_mask = (key_first + KEYS - 1 > q_first) | (q_first + BLOCK_Q > seqlen) | padded_rows
     if HAS_DOCS:
         needs_mask = needs_mask | (tl.load(docs_row + key_first) != doc_q_last)
     best = tl.full([KEYS], float("-inf"), tl.float32)
@@ -371,12 +373,14 @@ def index_block_scores_launch(u: Tensor, w: Tensor, args: IndexScoreArgs, *, seq
     blocks = None if query_blocks is None else query_blocks.to(torch.int32).contiguous()
     launch(
         _index_block_scores_kernel, (triton.cdiv(R, options.blocks_per_program), B * H),
-        u, w, out if blocks is None else blocks, kernel_seq_lens(seq_lens, N, out), kernel_document_ids(document_ids, out),
+        u, w, out if blocks is None else blocks, kernel_seq_lens(seq_lens, N, out),
+        kernel_document_ids(document_ids, out),
         out, out if win_row is None else win_row, out if win_key is None else win_key,
         *u.stride(), *w.stride(),
         H, N, R, NKB, S, max(1, N.bit_length()),
         E=E, BLOCK_Q=block_q, BLOCK_K=block_k, S_P2=max(16, triton.next_power_of_2(S)), ROW_TILE=row_tile,
-        ROW_SLICES=rows // row_tile, KEY_BLOCKS=key_blocks, PAIR=options.blocks_per_program == 2, FILL=_FILL, HAS_QUERY_BLOCKS=blocks is not None,
+        ROW_SLICES=rows // row_tile, KEY_BLOCKS=key_blocks, PAIR=options.blocks_per_program == 2, FILL=_FILL,
+        HAS_QUERY_BLOCKS=blocks is not None,
         HAS_SEQ_LENS=seq_lens is not None, HAS_DOCS=document_ids is not None, WITH_WINNER=with_winner,
         IEEE=u.dtype == torch.float32, num_warps=options.num_warps, num_stages=options.num_stages,
     )
@@ -464,7 +468,8 @@ def index_scores_support(u: Tensor) -> tuple[bool, str]:
         if not _interpreter():
             return False, "CPU tensors need TRITON_INTERPRET=1 for the Triton kernel"
         if u.dtype not in (torch.float16, torch.float32):
-            return False, f"dtype {u.dtype} under the Triton interpreter (float16, float32 only: its bf16 math is wrong)"
+            return False, (f"dtype {u.dtype} under the Triton interpreter (float16, float32 only: its bf16 math is "
+                           "wrong)")
         return True, "ok"
     return False, f"device type {u.device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"
 
