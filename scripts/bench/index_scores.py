@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                 u_grad = u.detach().requires_grad_()
                 w_grad = w.detach().requires_grad_()
 
-                def forward(options=options):
+                def forward(options=options, u=u, w=w):
                     with torch.no_grad():
                         index_block_scores(u, w, block_q=args.block, block_k=args.block, options=options)
 
