@@ -83,7 +83,7 @@ class SparseAttentionConfig:
     ``"mean"`` = the mean alone. The few rows that need a distant block (the question of a retrieval task) are 1/BQ of
     the mean but can set the max. Measured on 16K hard retrieval (H200, 4 seeds, sparse and dense
     continuations branched from one checkpoint per seed): sparse reached 0.991x the dense branch with
-    ``"mean_max"`` against 0.927x with ``"mean"`` (docs/benchmarks/selector_2026-11-30, round 15)."""
+    ``"mean_max"`` against 0.927x with ``"mean"`` (docs/benchmarks/selector_quality.md)."""
 
     selector_rope_theta: float | None = None
     """RoPE base of the q and k this layer receives (rotate-half convention over the whole head dim).
@@ -133,18 +133,18 @@ class SparseAttentionConfig:
     """One backward kernel instead of two: the KV-centric dK/dV kernel also adds dQ into a float32 buffer
     with atomics (``kernel_options.fused_dq`` of :func:`sparse_train.sparse_attention`), which saves the
     dQ kernel's recomputation of the scores. dQ is then not bitwise reproducible, so it cannot be combined
-    with ``deterministic``. Off by default: on the H200 at 64K the atomics cost more than they save (backward
-    0.59-0.90x the two-kernel speed at head dim 128, 0.95-1.02x at 64; :mod:`sparse_train.kernels.backward`)."""
+    with ``deterministic``. Off by default: the atomics cost more than they save (measured slower at 64K;
+    docs/kernel_tuning.md)."""
 
     stored_ds_backward: bool = False
     """The KV-centric kernel stores each dS tile and the dQ kernel reads it instead of recomputing the scores
     (``kernel_options.stored_ds`` of :func:`sparse_train.sparse_attention`): no atomics, so it combines with
-    ``deterministic``, but not with ``fused_backward``. Off by default: on the H200 at 64K the backward is
-    2-8% faster for a buffer of about 8 GB (B = 1, 32 heads; ``docs/benchmarks/speed_round2/README.md``)."""
+    ``deterministic``, but not with ``fused_backward``. Off by default: not faster than the default backward,
+    for a buffer of about 8 GB at 64K (B = 1, 32 heads; ``docs/kernel_tuning.md``)."""
 
     gluon_kernels: bool | None = None
     """The hand-scheduled Gluon kernels (Hopper only; ``kernel_options.fwd_gluon`` / ``dq_gluon`` / ``kv_gluon``
-    of :func:`sparse_train.sparse_attention`): ``None`` = each kernel's measured default (on an H200 the dQ and
+    of :func:`sparse_train.sparse_attention`): ``None`` = each kernel's measured default (on Hopper the dQ and
     KV-centric backward kernels always, the forward at head dim 64 over 64-key blocks); ``False`` = the Triton
     kernels only; ``True`` = the Gluon kernels wherever they apply. Where a Gluon kernel does not apply (another
     GPU, dropout, sequence lengths, context parallelism, N not a multiple of ``block_q``) the Triton kernel runs

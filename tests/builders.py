@@ -124,9 +124,8 @@ def spawn_ranks(worker, world: int, *args) -> None:
 
     A worker that returns ends its process with ``os._exit(0)``: the interpreter's own shutdown of a
     process that ran gloo collectives (FSDP in particular) sometimes aborts in a C++ destructor
-    ("terminate called without an active exception", SIGABRT; measured in 1 of 22 runs of
-    tests/test_fsdp.py on the session's starting code and in 7 of 34 on later trees, on 2 CPU cores; none in
-    12 with this exit), after every result has been written."""
+    ("terminate called without an active exception", SIGABRT, in a few percent of the runs of
+    tests/test_fsdp.py on 2 CPU cores; none with this exit), after every result has been written."""
     import socket
 
     import torch.multiprocessing as mp

@@ -1,4 +1,4 @@
-"""Constructor validation (issue 11, "Reliability"): every config field and every constructor argument of
+"""Constructor validation: every config field and every constructor argument of
 the Lightning model, module, data and callback classes rejects NaN/inf floats, floats/bools/strings for
 ints, negative or zero sizes and inconsistent shapes with a ValueError that names the argument and the
 value, instead of a NaN loss, a ZeroDivisionError or a silent fallback to the default."""

@@ -16,12 +16,11 @@ rounding, ~4e-3 rad at position 65536), under the interpreter from tl.cos / tl.s
 
 Layers: (1) ``_block_pool_kernel``, one program per (block, batch, chunk of HEADS_PER_PROGRAM pooled heads): with
 the block in one row step, the cosine and sine of its rows are computed once and serve every head of the chunk
-(they depend on the position only), and each rotated pair is loaded as two half tiles, every channel once (the
-first version loaded every channel a second time as its partner and computed the angles per head and row step:
-0.277 ms at 64K, D = 64, q and k, now 0.179; 0.50 ms at D = 128, now 0.274); (2) the launcher ``block_pool_launch``
-(tiling from ``plan.pool_config``); no autograd op (the selector's pooled inputs are detached); (4) the public
-function ``triton_block_pool``. The reference with the same semantics is ``kernels/reference_pool.py``; tests
-compare the two in float64.
+(they depend on the position only), and each rotated pair is loaded as two half tiles, every channel once
+(loading each channel again as its partner, or computing the angles per head, costs more); (2) the launcher
+``block_pool_launch`` (tiling from ``plan.pool_config``); no autograd op (the selector's pooled inputs are
+detached); (4) the public function ``triton_block_pool``. The reference with the same semantics is
+``kernels/reference_pool.py``; tests compare the two in float64.
 
 Known limits: head dims that are powers of two (the selector calls it where the attention kernels run: 16 to
 128); any strides; float32 accumulation, so the mean differs from the reference's by rounding (the reference

@@ -367,8 +367,8 @@ def reference_block_logits(qs: Tensor, ks: Tensor, temperature: Tensor, bias: Te
 class _BucketLookup(torch.autograd.Function):
     """``table[:, buckets]`` (``table [H, C]``, int ``buckets [NQB, NKB]`` -> ``[H, NQB, NKB]``) whose
     backward sums the gradient per bucket with one masked reduction per bucket. Autograd's own backward
-    of this indexing (a deterministic sort-based scatter of NQB * NKB values into C = 16 buckets) took
-    49 ms at 64K on the H200, 2.5x the attention it served; C reductions over the gradient are a few
+    of this indexing (a deterministic sort-based scatter of NQB * NKB values into C = 16 buckets) costs
+    more than the attention it serves at 64K; C reductions over the gradient are a few
     passes over memory, deterministic, and need no host read."""
 
     @staticmethod
