@@ -191,3 +191,45 @@ def test_context_parallel_refuses_other_selectors(selector):
     attn = st.SparseAttention(st.SparseAttentionConfig(selector=selector), 4, 2, 32)
     with pytest.raises(ValueError, match="pooled selector only"):
         st.enable_context_parallel(attn, group=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (12, 4), (32, 8)], ids=["mha", "gqa3", "gqa4"])
+def test_token_selector_on_gpu(hq, hkv):
+    """The module with the token selector on CUDA (index-score kernel, bf16): its scores against the float64
+    scores of the same indexer on the CPU, and a training step with NaN padding and packed documents."""
+    torch.manual_seed(5)
+    n, d, batch = 4097, 64, 2
+    cfg = st.SparseAttentionConfig(top_k=4, window=1, sinks=1, dense_warmup_steps=0, selector="token",
+                                   selector_rope_theta=10000.0)
+    attn = st.SparseAttention(cfg, hq, hkv, d).cuda().train()
+    q = torch.randn(batch, hq, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(batch, hkv, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(batch, hkv, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    seq_lens = torch.tensor([n, 3001], device="cuda")
+    with torch.no_grad():
+        pad = torch.arange(n, device="cuda").view(1, 1, n, 1) >= seq_lens.view(-1, 1, 1, 1)
+        for t in (q, k, v):
+            t.masked_fill_(pad, float("nan"))
+    documents = (torch.arange(n, device="cuda") // 1500).expand(batch, n).contiguous()
+    geometry = selection_geometry(n, 64, 64, 4, 1, 1)
+    inputs = attn.scorer.pool(q, k, 64, 64, seq_lens)
+    got = attn.scorer(*inputs, attn.scale, geometry, seq_lens=seq_lens, document_ids=documents)
+    cpu = TokenIndexer(hq, hkv, d, index_dim=cfg.selector_dim, lr_multiplier=cfg.selector_lr_multiplier,
+                       distance_bias=True).double()
+    cpu.load_state_dict(attn.scorer.state_dict())
+    cpu.set_rope(attn.scorer.rope_inv_freq.cpu())
+    ref_inputs = cpu.pool(q.detach().cpu().double(), k.detach().cpu().double(), 64, 64, seq_lens.cpu())
+    want = cpu(*ref_inputs, attn.scale, geometry, seq_lens=seq_lens.cpu(), document_ids=documents.cpu())
+    filled = want > EMPTY_BLOCK_SCORE
+    assert torch.equal(got.cpu() > EMPTY_BLOCK_SCORE, filled)
+    error = (got.cpu().double()[filled] - want[filled]).abs().max()
+    print(f"token scores, bf16 kernel vs float64: max abs error {error:.3e}, max |score| {want[filled].abs().max():.3e}")
+    assert error <= 2e-2 * want[filled].abs().max()
+    o = attn(q, k, v, seq_lens=seq_lens, document_ids=documents)
+    valid = ~pad.expand_as(o)
+    assert torch.isfinite(o[valid]).all()
+    loss = torch.where(valid, o.float(), 0.0).square().mean() + st.collect_selector_losses(attn)
+    loss.backward()
+    for name, param in attn.named_parameters():
+        assert param.grad is not None and torch.isfinite(param.grad).all(), name
