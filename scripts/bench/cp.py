@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Context-parallel training-step benchmark: the 1.1B model of ``scripts/bench_step.py`` (its
 ``build_model``; RMSNorm, RoPE, GQA 32/8 heads, head dim 64, SwiGLU, sparse attention, activation
 checkpointing, bf16 autocast) trained with CP=W over NCCL against one GPU.

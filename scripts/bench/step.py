@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Training-step benchmark: a ~1B-parameter Llama-style model, sparse vs dense cuDNN attention.
 
 One optimisation step (forward + loss, backward, AdamW step) of the repository's

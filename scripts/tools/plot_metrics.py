@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Render a training run's metrics to PNG plots: loss, accuracy, step-time split and attention density.
 
 Inputs (one or more runs, overlaid for A/B comparisons such as sparse vs dense):

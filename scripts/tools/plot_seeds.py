@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Plot one metric per step for groups of seeds (A/B evidence): a thin line per run and a thick line for
 the group's mean over the steps every run logged.
 

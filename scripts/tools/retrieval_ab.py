@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Run recipe variants side by side (seeds x variants) and summarise their learning quality.
 
 Each run is ``python -m sparse_train.cli fit --config <recipe> <overrides> --seed_everything=<seed>``
