@@ -3,7 +3,6 @@ maker and the error-ratio check every numerical test uses. Imported by the test 
 module-level parameter lists and helpers can call them too); the fixtures are in conftest.py."""
 import importlib
 import math
-import os
 
 import torch
 

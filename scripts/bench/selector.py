@@ -15,6 +15,10 @@ Transformer and the Hugging Face integration set it; 0 turns it off):
                             replayed (proves it is capturable; the replay is checked against eager)
 * ``distill/sparse[rows]``  sparse distillation target (from the kernel's lse) + KL + its backward,
                             for all rows of each query block and for a row subsample
+* ``distill/sampled_target[blocks]`` the sampled dense target (``distill="sampled"``) alone: ``dense_block_mass``
+                            over ``--sampled-blocks`` random query blocks with all their causal key blocks (the
+                            per-row log-mass kernel where it runs); ``reference/sampled_target[blocks]`` the same
+                            target by the PyTorch reference on fp32 copies (the path unsupported inputs take)
 * ``attention/fwd_bwd``     ``st.sparse_attention(..., backend="auto")`` forward + backward
 * ``module/fwd_bwd``        ``st.SparseAttention`` end to end on its sparse path (selector, plan, kernels,
                             distillation) with distill off / sparse / sampled (the default); the
@@ -58,11 +62,14 @@ from scripts.bench.inputs import benchmark_inputs
 from sparse_train.cuda_graphs import capture_cuda_graph
 from sparse_train.functional import resolve_backend
 from sparse_train.kernels.pool import block_pool_launch
+from sparse_train.kernels.reference_block_mass import reference_dense_block_mass
 from sparse_train.plan import pool_config
 from sparse_train.selectors import (
     BlockScorer,
     block_kl,
+    dense_block_mass,
     rope_inverse_frequencies,
+    sample_query_blocks,
     selection_candidates,
     selection_geometry,
     sparse_block_mass,
@@ -101,6 +108,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep-pool", action="store_true",
                    help="(CUDA) time the pooling kernel's tilings (rows, warps, heads per program) for q and k; the "
                         "source of plan.pool_config's defaults")
+    p.add_argument("--sampled-blocks", type=int, default=st.SparseAttentionConfig().distill_query_blocks,
+                   help="query blocks of the sampled dense target (default: the config's distill_query_blocks); "
+                        "0 skips its timing")
     p.add_argument("--selector-only", action="store_true", help="time only the selector phases (no distillation, "
                    "attention or module timings)")
     p.add_argument("--out", type=Path, required=True, help="JSON output path")
@@ -266,6 +276,17 @@ def main(argv=None) -> int:
         except torch.OutOfMemoryError as err:
             notes.append(f"distill rows={label}: out of memory ({err})")
             torch.cuda.empty_cache()
+    if args.sampled_blocks > 0 and not args.selector_only:
+        picks = sample_query_blocks(-(-n // blk), args.sampled_blocks, torch.Generator().manual_seed(0))
+        label = f"blocks={len(picks)}"
+        qd, kd = q.detach(), k.detach()
+        qf, kf = qd.float(), kd.float()
+        timings[f"distill/sampled_target[{label}]"] = measure(
+            lambda: dense_block_mass(qd, kd, block_q=blk, block_k=blk, scale=scale, query_blocks=picks),
+            device, args.warmup, args.repeats)
+        timings[f"reference/sampled_target[{label}]"] = measure(
+            lambda: reference_dense_block_mass(qf, kf, block_q=blk, block_k=blk, scale=scale, query_blocks=picks),
+            device, args.warmup, args.repeats)
 
     if time_attention:
         fixed_plan = index.plan()

@@ -26,7 +26,6 @@ import contextlib
 import gc
 import json
 import platform
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -108,7 +107,7 @@ def time_steps(step: Callable[[], dict[str, float]], warmup: int, repeats: int, 
     result: dict[str, Any] = {}
     for key in samples[0]:
         vals = [sample[key] for sample in samples]
-        result[key] = statistics.median(vals)
+        result[key] = quantile(vals, 0.5)
         result[key.replace("_ms", f"_p{round(100 * q)}_ms")] = quantile(vals, q)
     result["tokens_per_s"] = tokens / (result["step_ms"] / 1e3)
     if device.type == "cuda":
