@@ -52,7 +52,15 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from scripts.bench.harness import ceilings, flush_l2, measure, peak_extra_mb, record_graph_time, record_sustained
+from scripts.bench.harness import (
+    ceilings,
+    flush_l2,
+    measure,
+    peak_extra_mb,
+    quantile,
+    record_graph_time,
+    record_sustained,
+)
 from scripts.bench.inputs import (
     B,
     D,
@@ -345,7 +353,7 @@ def r0_sweep(N, pat_name, pat, sel, results, q, k, v, do):
                 pre.append(elapsed_ms(ev[0], ev[1]))
                 dq_t.append(elapsed_ms(ev[1], ev[2]))
                 kv_t.append(elapsed_ms(ev[2], ev[3]))
-            med = lambda xs: float(torch.tensor(xs).median())  # noqa: E731
+            med = lambda xs: quantile(xs, 0.5)  # noqa: E731
             rec(results, dict(kind="r0_sweep", N=N, pattern=pat_name, r0=r0, deterministic=det, bwd_ms=t, bwd_p95_ms=t95,
                               preprocess_ms=med(pre), dq_atomic_kernel_ms=med(dq_t), kv_centric_kernel_ms=med(kv_t),
                               num_hot=0 if det else plan.num_hot, num_cold=num_cold,

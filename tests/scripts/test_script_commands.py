@@ -10,30 +10,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULES = [
-    "scripts.bench.attention",
-    "scripts.bench.cp",
-    "scripts.bench.reference_cpu",
-    "scripts.bench.selector",
-    "scripts.bench.step",
-    "scripts.tools.fsdp_check",
-    "scripts.tools.ncu_kernel_limits",
-    "scripts.tools.plot_metrics",
-    "scripts.tools.plot_seeds",
-    "scripts.tools.retrieval_ab",
-    "scripts.tools.trace_attention_windows",
-]
-SHELL = ["scripts/tools/gpu_all.sh", "scripts/tools/gpu_env.sh"]
+SHARED = {"scripts.bench.harness", "scripts.bench.inputs"}  # imported by the benchmarks, no command of their own
+MODULES = [name for name in sorted(".".join(path.relative_to(ROOT).with_suffix("").parts)
+                                   for sub in ("bench", "tools") for path in (ROOT / "scripts" / sub).glob("*.py")
+                                   if path.name != "__init__.py") if name not in SHARED]
+SHELL = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "scripts").rglob("*.sh"))
 
 
-def test_every_script_is_listed():
-    """A script added under scripts/bench or scripts/tools has to be added here too (its ``--help`` is checked)."""
-    found = {".".join(path.relative_to(ROOT).with_suffix("").parts)
-             for sub in ("bench", "tools") for path in (ROOT / "scripts" / sub).glob("*.py")
-             if path.name != "__init__.py"}
-    shared = {"scripts.bench.harness", "scripts.bench.inputs"}  # imported by the benchmarks, no command of their own
-    assert found - shared == set(MODULES)
-    assert {str(p.relative_to(ROOT)) for p in (ROOT / "scripts").rglob("*.sh")} == set(SHELL)
+def test_the_scripts_are_found():
+    assert {"scripts.bench.attention", "scripts.tools.fsdp_check"} <= set(MODULES)
+    assert "scripts/tools/gpu_all.sh" in SHELL
 
 
 @pytest.mark.parametrize("name", MODULES)
