@@ -1,7 +1,8 @@
-# Sourced by the GPU runners (scripts/gpu_*.sh) from the repository root: the environment every GPU run
-# of this repository uses, defined once.
+# Sourced from the repository root by the GPU runner (scripts/tools/gpu_all.sh) and before a GPU run by hand
+# (`source scripts/tools/gpu_env.sh`): the environment every GPU run of this repository uses, defined once.
 #
-# - PYTHONPATH: the source checkout, so the runs need no install on the GPU machine.
+# - PYTHONPATH: the source checkout, so the runs (`python3 -m scripts.bench.<name>`, `python3 -m sparse_train.cli`)
+#   need no install on the GPU machine.
 # - NVLink multicast off (NCCL, torch symmetric memory, NVSHMEM): multi-GPU runs use plain NCCL.
 # - .whl/ (git-ignored): pure-Python wheels the GPU machine's Python lacks, e.g. jsonargparse, which
 #   LightningCLI needs. When present they are installed, without index or dependencies, into

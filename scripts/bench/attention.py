@@ -1,21 +1,27 @@
-"""Benchmark: Triton block-sparse attention vs dense causal SDPA (cuDNN, flash) vs compiled
-FlexAttention on the SAME block indices, on one GPU, in one process.
+"""Benchmark: Triton block-sparse attention against dense causal SDPA (cuDNN, flash) and compiled
+FlexAttention on the same block indices, on one GPU, in one process.
+
+    python -m scripts.bench.attention --out docs/benchmarks
+    python -m scripts.bench.attention --n 65536 --head-dim 64 --no-sweep --out /tmp/attention
+    python -m scripts.bench.attention --packed 2048:16384 --n 65536 --no-sweep --out /tmp/packed
+    python -m scripts.bench.attention --dry-run            # CPU: the packed inputs built and checked, no timing
 
 Protocol (CONTRIBUTING.md, "Benchmarks"): ceilings first (device copy bandwidth, bf16 matmul, random data);
 then per sequence length N and pattern: index build + plan time, our fwd / bwd / fwd+bwd (and
-deterministic fwd+bwd), dense causal SDPA (cuDNN and flash backends), FlexAttention compiled with a
-BlockMask built from our indices (diagonal blocks partial with a causal mask_mod, the rest full).
-Warm-up, CUDA events, L2 flushed (256 MB write) before each repeat, median and p95, effective TFLOP/s
-counting only causally valid (q, k) pairs inside selected blocks (4*D FLOPs per pair per query head
-forward, 2.5x that backward), fraction of the measured matmul ceiling, peak extra memory.
+deterministic, fused-dQ and stored-dS fwd+bwd), dense causal SDPA (cuDNN and flash backends), FlexAttention
+compiled with a BlockMask built from our indices (diagonal blocks partial with a causal mask_mod, the rest full).
+Timing (scripts/bench/harness.py): warm-up, L2 flushed before each repeat, median and p95; effective TFLOP/s
+counting only causally valid (q, k) pairs inside selected blocks (4*D FLOPs per pair per query head forward, 2.5x
+that backward), fraction of the measured matmul ceiling, peak extra memory. Device time: the GPU kept busy by a
+sleep kernel while the host launches. CUDA-graph replay: forward + backward captured once and replayed.
 r0 sweep (hybrid backward): time of the dQ+atomic kernel, of the KV-centric kernel, workspace bytes.
 Sustained (--sustained SECONDS, default 6): every implementation's forward + backward, and the matmul ceiling,
-back to back that long with nvidia-smi sampling power and SM clock: under load the H200 sits at its power cap
-and below its top clock, which the timings on a cool GPU do not show (eighteenth session: the 1.1B step's
-attention backward ran 20-30% slower than the kernel benchmark's for that reason).
+back to back that long with nvidia-smi sampling power and SM clock: under load the GPU sits at its power cap and
+below its top clock, which timings on a cool GPU do not show.
 
-Patterns: P64 = BQ=BK=64, 1 sink + 8 window + 16 random top-k causal blocks (seeded);
-          P128 = BQ=BK=128, 1 sink + 4 window + 8 top-k.   Shape: B=1, HQ=32, HKV=8, D=128, bf16.
+Inputs (scripts/bench/inputs.py): B=1, HQ=32, HKV=8, D=128 (--head-dim), bf16; patterns
+P64 = BQ=BK=64, 1 sink + 8 window + 16 random top-k causal blocks (seeded);
+P128 = BQ=BK=128, 1 sink + 4 window + 8 top-k.
 
 Packed mode (--packed LO:HI): the row packs documents of random lengths in [LO, HI] (seeded per N, the
 last one cut at N); each token attends its own document only (``document_ids``). The pattern's
@@ -25,15 +31,12 @@ our kernels without it (the mask's overhead), and FlexAttention with a BlockMask
 index plus a document_id mask_mod (blocks crossing the diagonal or a document boundary partial, the
 rest full). TFLOP/s count only the valid (same-document, causal) pairs. No dense SDPA, no r0 sweep.
 --dry-run builds the packed inputs, selection and Flex BlockMask on the CPU at small N and checks them
-(no timing; the CPU test of this script runs it).
+(no timing; tests/scripts/test_bench_attention.py runs it).
 
-Usage (on the GPU):  PYTHONPATH=. python3 scripts/bench_attention.py --out docs/benchmarks
-    --quick            N=65536 only, fewer repeats        --n 65536 16384   chosen lengths
-    --pattern P128     one pattern                         --no-flex / --no-dense / --no-sweep
-    --tune [fwd dq kv chunk tma stored]  sweep launch configs (heads per program, warps, stages, KV rows per
-                       step) at the largest N          --head-dim 64   D (default 128)
-    --packed 2048:16384  packed documents (above)          --dry-run   CPU check of the packed inputs
-Outputs: <out>/<date>_h200_attention.{json,md,png} (packed: <date>_h200_attention_packed.*)
+Options: --quick (N=65536 only), --n N [N ...], --pattern P64|P128, --no-flex / --no-dense / --no-sweep,
+--tune [fwd dq kv chunk tma stored] (launch-config sweeps at the largest N), --head-dim D, --packed LO:HI,
+--sustained SECONDS, --dry-run.
+Outputs: <out>/attention.{json,md,png} (packed: <out>/attention_packed.*), the run's date inside.
 """
 from __future__ import annotations
 
@@ -41,252 +44,42 @@ import argparse
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 import traceback
 
 import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from scripts.bench.harness import (
+    ceilings,
+    flush_l2,
+    measure,
+    peak_extra_mb,
+    quantile,
+    record_graph_time,
+    record_sustained,
+)
+from scripts.bench.inputs import (
+    B,
+    D,
+    HKV,
+    HQ,
+    PATTERNS,
+    benchmark_inputs,
+    build_index,
+    packed_document_ids,
+    random_selection,
+)
+from sparse_train import plan as planning
+from sparse_train.documents import block_document_ranges
+from sparse_train.kernels import backward as kb
+from sparse_train.kernels import forward as kf
+from sparse_train.kernels.op import triton_sparse_attention
+from sparse_train.timing import elapsed_ms, stage_events
 
-from sparse_train import plan as planning  # noqa: E402
-from sparse_train.cuda_graphs import capture_cuda_graph  # noqa: E402
-from sparse_train.documents import block_document_ranges, random_document_lengths  # noqa: E402
-from sparse_train.index import BlockIndex, shares_document  # noqa: E402
-
-DATE = "2026-11-30"
-PATTERNS = {"P64": dict(block=64, sinks=1, window=8, topk=16), "P128": dict(block=128, sinks=1, window=4, topk=8)}
-B, HQ, HKV, D = 1, 32, 8, 128
-DT = torch.bfloat16
-
-_FLUSH = None
-
-
-def _flush():
-    global _FLUSH
-    if _FLUSH is None:
-        _FLUSH = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
-    _FLUSH.zero_()
-
-
-def timeit(fn, *, warmup=2, min_reps=5, max_reps=50, budget_ms=400.0, busy=False):
-    """median / p95 (ms) of fn() timed with CUDA events, L2 flushed before each repeat. ``busy``: a sleep kernel
-    queued before the start event keeps the GPU occupied while the host issues fn(), so host work the GPU
-    would wait for is not counted (device time only)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    while len(times) < max_reps and (len(times) < min_reps or sum(times) < budget_ms):
-        _flush()
-        if busy:
-            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU clock cycles: longer than the host part of any call timed
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    t = torch.tensor(times)
-    return float(t.median()), float(t.quantile(0.95)), len(times)
-
-
-def parse_smi_samples(text):
-    """``nvidia-smi --query-gpu=power.draw,clocks.sm --format=csv,noheader,nounits`` lines -> [(watts, MHz)];
-    lines that are not two numbers (a driver's "[N/A]", a cut last line) are skipped."""
-    samples = []
-    for line in text.splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 2:
-            continue
-        try:
-            samples.append((float(parts[0]), float(parts[1])))
-        except ValueError:
-            continue
-    return samples
-
-
-class SmiSampler:
-    """Power draw and SM clock of the benchmark's GPU, sampled by nvidia-smi every 100 ms while the with-block
-    runs; ``samples`` is empty where nvidia-smi is missing."""
-
-    def __enter__(self):
-        gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
-        try:
-            self._proc = subprocess.Popen(
-                ["nvidia-smi", "-i", gpu, "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits",
-                 "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        except OSError:
-            self._proc = None
-        self.samples = []
-        return self
-
-    def __exit__(self, *exc):
-        if self._proc is not None:
-            self._proc.terminate()
-            out, _ = self._proc.communicate(timeout=10)
-            self.samples = parse_smi_samples(out)
-        return False
-
-
-def sustained_ms(fn, seconds):
-    """fn() back to back for ``seconds`` with no flush and no idle GPU between calls, so the card settles at its
-    power and clock limits as it does through a training run (the other timings start each call on a cool, idle
-    GPU). Each call is timed with CUDA events; the host waits for call i - 1 before it issues call i + 1, so one call
-    is always queued behind the running one and no more. Returns a dict: median / p95 ms
-    and count of the calls that started in the second half, and the mean power draw (W) and SM clock (MHz) of
-    the second half of nvidia-smi's samples (None without nvidia-smi)."""
-    fn()
-    torch.cuda.synchronize()
-    calls = []
-    with SmiSampler() as smi:
-        start = time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            began = time.perf_counter() - start
-            s.record()
-            fn()
-            e.record()
-            calls.append((s, e, began))
-            if len(calls) > 1:
-                calls[-2][1].synchronize()
-        torch.cuda.synchronize()
-    times = torch.tensor([s.elapsed_time(e) for s, e, began in calls if began >= seconds / 2] or
-                         [calls[-1][0].elapsed_time(calls[-1][1])])
-    late = smi.samples[len(smi.samples) // 2:]
-    return dict(ms=float(times.median()), p95_ms=float(times.quantile(0.95)), calls=len(times),
-                watts=sum(w for w, _ in late) / len(late) if late else None,
-                sm_mhz=sum(m for _, m in late) / len(late) if late else None)
-
-
-def record_sustained(row, fn, seconds, key="fwdbwd"):
-    """``row[key + "_sustained_ms"]`` (p95, calls, W, MHz alike) of :func:`sustained_ms`, and how much the
-    allocator's reserve grew over it (GB); nothing when seconds is 0. A failure (out of memory) is reported in
-    ``row[key + "_sustained_error"]``, the rest of the row still measured."""
-    if seconds <= 0:
-        return
-    reserved = torch.cuda.memory_reserved()
-    try:
-        for name, value in sustained_ms(fn, seconds).items():
-            row[f"{key}_sustained_{name}"] = value
-    except Exception as exc:  # report, don't crash the run
-        row[f"{key}_sustained_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-    row[f"{key}_sustained_reserve_growth_GB"] = (torch.cuda.memory_reserved() - reserved) / 2**30
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-
-
-def graph_replay_ms(fn):
-    """Median / p95 ms (as :func:`timeit`, L2 flushed per repeat) of fn() replayed from a CUDA graph: fn is warmed up
-    twice on a side stream and captured once (:func:`sparse_train.cuda_graphs.capture_cuda_graph`), then replayed,
-    so no host work is left in the timed call (how a training step that graphs its layers runs it). Raises what the
-    capture raises."""
-    graph, _ = capture_cuda_graph(fn, warmup=2)
-    try:
-        median, p95, _ = timeit(graph.replay)
-    finally:
-        del graph
-        torch.cuda.synchronize()
-    return median, p95
-
-
-def record_graph_time(row, fn, key="fwdbwd", attempts=2):
-    """``row[key + "_graph_ms"]`` (and p95) of fn() replayed from a CUDA graph, or ``row[key + "_graph_error"]``.
-    A failed capture is tried again once and its error kept as ``key + "_graph_first_error"``."""
-    for attempt in range(attempts):
-        try:
-            row[f"{key}_graph_ms"], row[f"{key}_graph_p95_ms"] = graph_replay_ms(fn)
-            row.pop(f"{key}_graph_error", None)
-            return
-        except Exception as exc:  # report, don't crash the run
-            error = f"{type(exc).__name__}: {str(exc)[:300]}"
-            row[f"{key}_graph_error" if attempt == attempts - 1 else f"{key}_graph_first_error"] = error
-            torch.cuda.synchronize()
-
-
-def peak_extra_mb(fn):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
-def ceilings(sustained=0.0):
-    """Device copy bandwidth (TB/s) and bf16 matmul throughput (TFLOP/s, 8192^3), each call on a cool GPU; with
-    ``sustained`` seconds also the matmul back to back that long (:func:`sustained_ms`: the card at its power
-    limit), the ceiling the sustained timings are set against."""
-    n = 2**30  # 1 GiB copy: bytes read + bytes written
-    a = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    b = torch.empty_like(a)
-    t, _, _ = timeit(lambda: b.copy_(a), warmup=3, min_reps=10, budget_ms=200)
-    bw = 2 * n / (t * 1e-3) / 1e12
-    del a, b
-    m = 8192
-    x = torch.randn(m, m, device="cuda", dtype=DT)
-    y = torch.randn(m, m, device="cuda", dtype=DT)
-    t, _, _ = timeit(lambda: x @ y, warmup=3, min_reps=10, budget_ms=300)
-    tf = 2 * m**3 / (t * 1e-3) / 1e12
-    out = {"copy_TBps": bw, "bf16_matmul_TFLOPs": tf}
-    if sustained > 0:
-        held = sustained_ms(lambda: x @ y, sustained)
-        out.update(bf16_matmul_sustained_TFLOPs=2 * m**3 / (held["ms"] * 1e-3) / 1e12,
-                   matmul_sustained_watts=held["watts"], matmul_sustained_sm_mhz=held["sm_mhz"])
-    return out
-
-
-def _kernels():
-    """The kernel modules, imported on first use (the CPU dry run never needs them)."""
-    from sparse_train.kernels import backward, forward, op
-
-    return forward, backward, op.triton_sparse_attention
-
-
-def benchmark_inputs(N, d, seed, requires_grad=False, device="cuda"):
-    """q, k, v ``[B, H, N, d]`` (HQ query heads, HKV key/value heads) and the output gradient do, standard normal
-    bf16 drawn in that order after ``torch.manual_seed(seed)``: every benchmark and probe times the same data."""
-    torch.manual_seed(seed)
-    q = torch.randn(B, HQ, N, d, device=device, dtype=DT, requires_grad=requires_grad)
-    k = torch.randn(B, HKV, N, d, device=device, dtype=DT, requires_grad=requires_grad)
-    v = torch.randn(B, HKV, N, d, device=device, dtype=DT, requires_grad=requires_grad)
-    do = torch.randn(B, HQ, N, d, device=device, dtype=DT)
-    return q, k, v, do
-
-
-def make_index(N, pat, seed=0, device="cuda"):
-    bs = pat["block"]
-    nqb = nkb = math.ceil(N / bs)
-    g = torch.Generator(device=device).manual_seed(seed)
-    scores = torch.rand(B, HKV, nqb, nkb, device=device, generator=g)
-    last = (torch.clamp((torch.arange(nqb, device=device) + 1) * bs, max=N) - 1) // bs
-    causal = torch.arange(nkb, device=device).view(1, 1, 1, -1) <= last.view(1, 1, -1, 1)
-    scores = scores.masked_fill(~causal, -1.0)
-    val, sel = scores.topk(min(pat["topk"], nkb), dim=-1)
-    sel = torch.where(val >= 0, sel, -1).to(torch.int32)
-    return sel
-
-
-def packed_document_ids(N, low, high, seed, device="cuda"):
-    """int32 ``[B, N]`` ids of documents with lengths drawn uniformly in [low, high] (seeded), the last
-    one cut at N; and the lengths."""
-    lengths = random_document_lengths(N, low, high, seed)
-    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    return ids.to(device=device, dtype=torch.int32).view(1, N).expand(B, N).contiguous(), lengths
-
-
-def build_index(sel, N, pat, r0=None, docs=None):
-    idx = BlockIndex.from_selection(sel, seq_len=N, block_q=pat["block"], block_k=pat["block"],
-                                    window=pat["window"], sinks=pat["sinks"])
-    if docs is not None:
-        # drop the blocks a document-aware selection drops (no shared document with the query block)
-        every_key_block = torch.arange(idx.num_k_blocks, device=docs.device)
-        every_key_block = every_key_block.expand(docs.shape[0], 1, idx.num_q_blocks, -1)
-        same = shares_document(docs, every_key_block, block_q=idx.block_q, block_k=idx.block_k)  # [B, 1, NQB, NKB]
-        idx = BlockIndex.from_dense(idx.to_dense() & same, seq_len=N, block_q=idx.block_q, block_k=idx.block_k)
-    plan = idx.plan(r0)
-    return idx, plan
+OUTPUT_STEM = "attention"
 
 
 def valid_pairs(idx, docs=None, chunk=64):
@@ -314,8 +107,6 @@ def flex_block_mask(idx, N, docs=None):
     """BlockMask from our canonical index: blocks crossing the diagonal (and, with ``docs`` int32
     ``[B, N]``, a document boundary) are partial, with a causal (and same-document) mask_mod, the others
     full.  H = HQ (each query head gets its KV head's selection)."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     bq, bk = idx.block_q, idx.block_k
     dense = idx.to_dense()  # [B, HKV, NQB, NKB]
     nqb, nkb = dense.shape[-2:]
@@ -356,9 +147,8 @@ def rec(results, row):
 
 
 def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None):
-    _, _, triton_sparse_attention = _kernels()
     # index build + plan, each rep a fresh index (the plan cache lives on the index)
-    t_idx, t_idx95, _ = timeit(lambda: build_index(sel, N, pat, docs=docs), warmup=1, min_reps=5, budget_ms=200)
+    t_idx, t_idx95, *_ = measure(lambda: build_index(sel, N, pat, docs=docs), warmup=1, min_reps=5, budget_ms=200)
     idx, plan = build_index(sel, N, pat, docs=docs)
     pairs = idx.density() * N * (N + 1) / 2 * B * HQ if docs is None else valid_pairs(idx, docs) * (HQ // HKV)
     f_fwd = 4 * D * pairs
@@ -370,9 +160,10 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
         row.update(documents=int(docs[0, -1]) + 1,
                    valid_pair_fraction=pairs / (idx.density() * N * (N + 1) / 2 * B * HQ))
         # the same selection without the document mask: the mask's cost (a different function)
-        t, _, _ = timeit(lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan}))
+        t = measure(lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan})).median_ms
         row["nodocs_fwd_ms"] = t
-    t, t95, n = timeit(lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan}, document_ids=docs))
+    t, t95, *_ = measure(lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan},
+                                                         document_ids=docs))
     row.update(fwd_ms=t, fwd_p95_ms=t95, fwd_TFLOPs=f_fwd / t / 1e9, fwd_frac_ceiling=f_fwd / t / 1e9 / ceil)
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
     if docs is not None:
@@ -380,46 +171,44 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
             oo, _ = triton_sparse_attention(qg, kg, vg, idx, kernel_options={"plan": plan})
             torch.autograd.grad(oo, (qg, kg, vg), do)
 
-        row["nodocs_fwdbwd_ms"], _, _ = timeit(fb_nodocs)
+        row["nodocs_fwdbwd_ms"] = measure(fb_nodocs).median_ms
     # the default backward, the deterministic one, the fused one (dQ from the KV-centric kernel by atomics) and
     # the stored-dS one (the KV-centric kernel files dS, the dQ kernel reads it)
     for pfx, det, extra in (("", False, {}), ("det_", True, {}), ("fused_", False, {"fused_dq": True}),
                             ("stored_", False, {"stored_ds": True})):
         options = {"plan": plan, **extra}
         o, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options=options, document_ids=docs)
-        tb, tb95, _ = timeit(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
+        tb, tb95, *_ = measure(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
         # o's graph holds the leaves' gradient accumulators, made on the default stream: alive through the capture
-        # below, they make the captured backward wait on that stream, which invalidates the capture (nineteenth
-        # session: the "first capture of a process fails" of sessions 16-18)
-        del o
+        # below, they make the captured backward wait on that stream, which invalidates the capture
+        o = None
 
         def fb():
             oo, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options=options,
                                             document_ids=docs)
             torch.autograd.grad(oo, (qg, kg, vg), do)
 
-        tfb, tfb95, _ = timeit(fb)
+        tfb, tfb95, *_ = measure(fb)
         if pfx == "":
             # device time: the GPU kept busy while the host launches (as in a training step, where the previous
             # layer's kernels hide the host work); the competitors are timed the same way
-            row["fwd_device_ms"], _, _ = timeit(lambda: triton_sparse_attention(
-                q, k, v, idx, kernel_options={"plan": plan}, document_ids=docs), busy=True)
-            row["fwdbwd_device_ms"], _, _ = timeit(fb, busy=True)
+            row["fwd_device_ms"] = measure(lambda: triton_sparse_attention(
+                q, k, v, idx, kernel_options={"plan": plan}, document_ids=docs), busy=True).median_ms
+            row["fwdbwd_device_ms"] = measure(fb, busy=True).median_ms
 
             def fb_capturable():  # no host read of the document ids' values (a capture cannot sync)
                 oo, _ = triton_sparse_attention(qg, kg, vg, idx, kernel_options=options, document_ids=docs,
                                                 check_values=False)
                 torch.autograd.grad(oo, (qg, kg, vg), do)
 
-            # before any capture: run after one, the held loop's allocator reserve grew until it ran out of memory
-            # (H200, nineteenth session; the mechanism was not isolated)
+            # before any capture: run after one, the held loop's allocator reserve grows until it runs out of
+            # memory (observed; the mechanism is not isolated)
             record_sustained(row, fb, args.sustained)
             record_graph_time(row, fb_capturable)
         row.update({f"{pfx}bwd_ms": tb, f"{pfx}bwd_p95_ms": tb95, f"{pfx}fwdbwd_ms": tfb, f"{pfx}fwdbwd_p95_ms": tfb95,
                     f"{pfx}bwd_TFLOPs": f_bwd / tb / 1e9, f"{pfx}bwd_frac_ceiling": f_bwd / tb / 1e9 / ceil})
         if pfx in ("", "stored_"):
             row[f"{pfx}fwdbwd_peak_extra_MB"] = peak_extra_mb(fb)
-        _, kb, _ = _kernels()
         for name in ("dq", "dkdv"):  # the fused mode does not launch dQ: its entry is the last default one
             if name in kb.LAST_COMPILED and not (name == "dq" and pfx == "fused_"):
                 ck = kb.LAST_COMPILED[name]
@@ -432,8 +221,6 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
 
 
 def run_dense(N, results, q, k, v, do, sustained=0.0):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     g = HQ // HKV
     ke, ve = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     f_fwd = 4 * D * N * (N + 1) / 2 * B * HQ
@@ -443,15 +230,15 @@ def run_dense(N, results, q, k, v, do, sustained=0.0):
             with sdpa_kernel([be]):
                 fwd = lambda: torch.nn.functional.scaled_dot_product_attention(q, ke, ve, is_causal=True)  # noqa: E731
                 budget = 400.0
-                t, t95, _ = timeit(fwd, warmup=1, min_reps=3, budget_ms=budget)
+                t, t95, *_ = measure(fwd, warmup=1, min_reps=3, budget_ms=budget)
                 qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, ke, ve))
 
                 def fb():
                     o = torch.nn.functional.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
                     torch.autograd.grad(o, (qg, kg, vg), do)
 
-                tfb, tfb95, _ = timeit(fb, warmup=1, min_reps=3, budget_ms=budget)
-                tfb_device, _, _ = timeit(fb, warmup=0, min_reps=3, budget_ms=budget, busy=True)
+                tfb, tfb95, *_ = measure(fb, warmup=1, min_reps=3, budget_ms=budget)
+                tfb_device = measure(fb, warmup=0, min_reps=3, budget_ms=budget, busy=True).median_ms
                 record_sustained(row, fb, sustained)  # before the capture (run_ours)
                 record_graph_time(row, fb)
             row.update(fwd_ms=t, fwd_p95_ms=t95, fwdbwd_ms=tfb, fwdbwd_p95_ms=tfb95, bwd_ms=tfb - t,
@@ -460,7 +247,6 @@ def run_dense(N, results, q, k, v, do, sustained=0.0):
         except Exception as exc:  # report, don't crash the run
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rec(results, row)
-    del ke, ve
 
 
 _FLEX = None
@@ -468,12 +254,9 @@ _FLEX = None
 
 def run_flex(N, pat_name, idx, results, q, k, v, do, docs=None, sustained=0.0):
     global _FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-
-    _, _, triton_sparse_attention = _kernels()
     # Every (N, pattern, kernel options) is a new specialisation; past dynamo's recompile limit the
-    # compiled wrapper silently runs flex_attention EAGERLY (unfused, materialises N^2 scores: seen
-    # on the 2026-11-30 H200 run from the 4th specialisation on).  Reset dynamo per case.
+    # compiled wrapper silently runs flex_attention EAGERLY (unfused, materialises N^2 scores).
+    # Reset dynamo per case.
     torch._dynamo.reset()
     for name, val in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 1024)):
         if hasattr(torch._dynamo.config, name):
@@ -481,9 +264,9 @@ def run_flex(N, pat_name, idx, results, q, k, v, do, docs=None, sustained=0.0):
     _FLEX = torch.compile(flex_attention, dynamic=False)
     row = dict(kind="flex" if docs is None else "flex_packed", N=N, pattern=pat_name)
     try:
-        t0 = time.time()
+        t0 = time.perf_counter()
         bm = flex_block_mask(idx, N, docs)
-        row["blockmask_build_s"] = time.time() - t0
+        row["blockmask_build_s"] = time.perf_counter() - t0
     except Exception as exc:
         row["error"] = f"BlockMask: {type(exc).__name__}: {str(exc)[:300]}"
         rec(results, row)
@@ -492,13 +275,13 @@ def run_flex(N, pat_name, idx, results, q, k, v, do, docs=None, sustained=0.0):
     for opts in opts_list:
         try:
             fwd = lambda: _FLEX(q, k, v, block_mask=bm, enable_gqa=True, kernel_options=opts)  # noqa: E731
-            t0 = time.time()
+            t0 = time.perf_counter()
             fwd()
             torch.cuda.synchronize()
-            row["fwd_compile_s"] = time.time() - t0
-            t, t95, _ = timeit(fwd)
+            row["fwd_compile_s"] = time.perf_counter() - t0
+            t, t95, *_ = measure(fwd)
             row.update(fwd_ms=t, fwd_p95_ms=t95, fwd_kernel_options=str(opts))
-            row["fwd_device_ms"], _, _ = timeit(fwd, busy=True)
+            row["fwd_device_ms"] = measure(fwd, busy=True).median_ms
             # same indices, same function: the outputs must agree (bf16 rounding only)
             ours, _ = triton_sparse_attention(q, k, v, idx, document_ids=docs)
             ref = fwd().float()
@@ -521,13 +304,13 @@ def run_flex(N, pat_name, idx, results, q, k, v, do, docs=None, sustained=0.0):
                 o = _FLEX(qg, kg, vg, block_mask=bm, enable_gqa=True, kernel_options=opts)
                 torch.autograd.grad(o, (qg, kg, vg), do)
 
-            t0 = time.time()
+            t0 = time.perf_counter()
             fb()
             torch.cuda.synchronize()
-            row["bwd_compile_s"] = time.time() - t0
-            tfb, tfb95, _ = timeit(fb)
+            row["bwd_compile_s"] = time.perf_counter() - t0
+            tfb, tfb95, *_ = measure(fb)
             row.update(fwdbwd_ms=tfb, fwdbwd_p95_ms=tfb95, fwdbwd_kernel_options=str(opts))
-            row["fwdbwd_device_ms"], _, _ = timeit(fb, busy=True)
+            row["fwdbwd_device_ms"] = measure(fb, busy=True).median_ms
             record_sustained(row, fb, sustained)  # before the capture (run_ours)
             record_graph_time(row, fb)
             if "fwd_ms" in row:
@@ -542,7 +325,6 @@ def run_flex(N, pat_name, idx, results, q, k, v, do, docs=None, sustained=0.0):
 
 
 def r0_sweep(N, pat_name, pat, sel, results, q, k, v, do):
-    kf, kb, _ = _kernels()
     idx, _ = build_index(sel, N, pat)
     base = idx.plan(1)
     max_reuse = base.max_reuse
@@ -555,24 +337,23 @@ def r0_sweep(N, pat_name, pat, sel, results, q, k, v, do):
             plan = idx.plan(r0)
             slots = planning.cold_slots(plan.hot, plan.reuse, det)
             num_cold = 0 if det else plan.num_cold
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            ev = stage_events(4)
 
             def bwd():
                 kb.sparse_attn_backward(do, qd, kd, vd, o, lse, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks,
                                         slots, num_cold, block_q=pat["block"], block_k=pat["block"], scale=scale,
                                         stage_events=ev)
 
-            t, t95, _ = timeit(bwd)
+            t, t95, *_ = measure(bwd)
             # per-stage breakdown (median over a few runs)
             pre, dq_t, kv_t = [], [], []
             for _ in range(5):
-                _flush()
+                flush_l2()
                 bwd()
-                torch.cuda.synchronize()
-                pre.append(ev[0].elapsed_time(ev[1]))
-                dq_t.append(ev[1].elapsed_time(ev[2]))
-                kv_t.append(ev[2].elapsed_time(ev[3]))
-            med = lambda xs: float(torch.tensor(xs).median())  # noqa: E731
+                pre.append(elapsed_ms(ev[0], ev[1]))
+                dq_t.append(elapsed_ms(ev[1], ev[2]))
+                kv_t.append(elapsed_ms(ev[2], ev[3]))
+            med = lambda xs: quantile(xs, 0.5)  # noqa: E731
             rec(results, dict(kind="r0_sweep", N=N, pattern=pat_name, r0=r0, deterministic=det, bwd_ms=t, bwd_p95_ms=t95,
                               preprocess_ms=med(pre), dq_atomic_kernel_ms=med(dq_t), kv_centric_kernel_ms=med(kv_t),
                               num_hot=0 if det else plan.num_hot, num_cold=num_cold,
@@ -589,7 +370,6 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
     on and off in each kernel (default tiles, and one pipeline stage more with TMA); the stored-dS backward with
     the KV-centric kernel's TMA (q/dO loads and dS stores) on and off. ``parts``: which
     of :data:`TUNE_PARTS` to sweep."""
-    kf, kb, _ = _kernels()
     idx, plan = build_index(sel, N, pat)
     scale = 1 / math.sqrt(D)
     bs = pat["block"]
@@ -599,8 +379,8 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         cfg = dict(kind="tune_fwd", N=N, pattern=pat_name, hpp=hpp, num_warps=nw, num_stages=ns)
         try:
             config = planning.ForwardConfig(hpp, nw, ns)
-            t, _, _ = timeit(lambda: kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs,
-                                                            scale=scale, config=config), budget_ms=100)
+            t = measure(lambda: kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs,
+                                                            scale=scale, config=config), budget_ms=100).median_ms
             ck = kf.LAST_COMPILED["fwd"]
             cfg.update(ms=t, TFLOPs=4 * D * pairs / t / 1e9, regs=ck.n_regs, spills=ck.n_spills)
         except Exception as exc:
@@ -609,7 +389,7 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
     group = HQ // HKV
     for fwd_tma in ((False, True) if "tma" in parts else ()):
         config = planning.forward_config(group, bs, bs, D, {"fwd_tma": fwd_tma})
-        t, t95, _ = timeit(lambda: kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs,
+        t, t95, *_ = measure(lambda: kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs,
                                                           scale=scale, config=config), busy=True)
         ck = kf.LAST_COMPILED["fwd"]
         rec(results, dict(kind="tune_tma", N=N, pattern=pat_name, kernel="fwd", tma=fwd_tma, config=str(config), ms=t,
@@ -630,8 +410,8 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         stages = default.dq_num_stages if kernel == "dq" else default.kv_num_stages
         tma_variants += [{f"{kernel}_tma": False}, {f"{kernel}_tma": True},
                          {f"{kernel}_tma": True, f"{kernel}_num_stages": stages + 1}]
-    # the stored-dS dQ kernel's tiles varied by under 2% at D = 128 (12 configs; thirteenth session,
-    # docs/benchmarks/speed_round2/README.md), so only the KV-centric kernel's loads and dS stores are varied
+    # the stored-dS mode varies only the KV-centric kernel's loads and dS stores (its dQ kernel's tiles barely
+    # change its time)
     variants = (([dict(dq=c) for c in dq_cfgs] if "dq" in parts else [])
                 + ([dict(stored=True, tma={"kv_tma": t}) for t in (False, True)] if "stored" in parts else [])
                 + ([dict(kv=c) for c in kv_cfgs] if "kv" in parts else [])
@@ -642,7 +422,7 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         stored = var.get("stored", False)
         cfg = dict(kind="tune_bwd_det", N=N, pattern=pat_name, dq_cfg=str(dqc), kv_cfg=str(kvc), kv_chunk=chunk,
                    tma_options=str(var.get("tma")), stored_ds=stored)
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        ev = stage_events(4)
         options = dict(var.get("tma") or {})
         if stored:
             options["stored_ds"] = True
@@ -660,10 +440,9 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
                 kb.sparse_attn_backward(do, q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr,
                                         plan.kv_qblocks, slots, 0, block_q=bs, block_k=bs, scale=scale,
                                         stage_events=ev, config=config, kv_pairs=plan.kv_pairs)
-            t, _, _ = timeit(bwd, budget_ms=100)
-            torch.cuda.synchronize()
+            t = measure(bwd, budget_ms=100).median_ms
             # the stored-dS mode runs the KV-centric kernel first (its events: backward.sparse_attn_backward)
-            first, second = ev[1].elapsed_time(ev[2]), ev[2].elapsed_time(ev[3])
+            first, second = elapsed_ms(ev[1], ev[2]), elapsed_ms(ev[2], ev[3])
             cfg.update(ms=t, dq_ms=second if stored else first, kv_ms=first if stored else second,
                        TFLOPs=2.5 * 4 * D * pairs / t / 1e9,
                        dq_regs=kb.LAST_COMPILED["dq"].n_regs, dq_spills=kb.LAST_COMPILED["dq"].n_spills,
@@ -674,7 +453,6 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
 
 
 def inspect_compiled(results):
-    kf, _, _ = _kernels()
     info = {}
     for name, ck in kf.LAST_COMPILED.items():
         ptx = ck.asm.get("ptx", "")
@@ -750,12 +528,12 @@ def packed_table(rows):
 def write_outputs(results, out):
     os.makedirs(out, exist_ok=True)
     packed = results.get("packed")
-    stem = os.path.join(out, f"{DATE}_h200_attention" + ("_packed" if packed else ""))
+    stem = os.path.join(out, OUTPUT_STEM + ("_packed" if packed else ""))
     with open(stem + ".json", "w") as f:
         json.dump(results, f, indent=1)
     rows = results["rows"]
     c = results["ceilings"]
-    lines = [f"# Block-sparse attention benchmark, {results['gpu']}, {DATE}", "",
+    lines = [f"# Block-sparse attention benchmark, {results['gpu']}, {results['date']}", "",
              f"B={B}, HQ={HQ}, HKV={HKV}, D={D}, bf16, causal. Ceilings measured in the same process: "
              f"copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s. "
              "Medians of CUDA-event timings (ms), L2 flushed per repeat; TFLOP/s counts only causally valid "
@@ -902,7 +680,7 @@ def write_outputs(results, out):
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
         what = "causal, packed documents" if packed else "causal"
-        fig.suptitle(f"B={B} HQ={HQ} HKV={HKV} D={D} bf16 {what}, {results['gpu']}, {DATE}")
+        fig.suptitle(f"B={B} HQ={HQ} HKV={HKV} D={D} bf16 {what}, {results['gpu']}, {results['date']}")
         fig.tight_layout()
         fig.savefig(stem + ".png", dpi=110)
     except Exception as exc:
@@ -943,7 +721,7 @@ def dry_run(ns, patterns, packed):
         for name in patterns:
             pat = PATTERNS[name]
             bs = pat["block"]
-            sel = make_index(n, pat, seed=n, device="cpu")
+            sel = random_selection(n, pat, seed=n, device="cpu")
             full, _ = build_index(sel, n, pat)
             idx, plan = build_index(sel, n, pat, docs=docs)
             nb = idx.num_q_blocks
@@ -972,7 +750,7 @@ def dry_run(ns, patterns, packed):
     return out
 
 
-def main():
+def main(argv=None):
     global D
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, nargs="*", default=None)
@@ -993,18 +771,16 @@ def main():
                          "the card at its power limit (default 6; 0 skips)")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: build and check the packed inputs (default --packed 64:700, N 1000 3001), no timing")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.dry_run:
         for row in dry_run(args.n or [1000, 3001], args.pattern, args.packed or (64, 700)):
             print(json.dumps(row), flush=True)
         return
     D = args.head_dim
     ns = args.n or ([65536] if args.quick else [8192, 16384, 32768, 65536, 131072])
-    results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=DATE, rows=[],
+    results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   date=time.strftime("%Y-%m-%d", time.gmtime()), rows=[],
                    shape=dict(B=B, HQ=HQ, HKV=HKV, D=D, dtype="bf16"), packed=args.packed)
-    import triton
-
-    results["triton"] = triton.__version__
     results["ceilings"] = ceilings(args.sustained)
     print("ceilings:", results["ceilings"], flush=True)
     ceil = results["ceilings"]["bf16_matmul_TFLOPs"]
@@ -1013,7 +789,7 @@ def main():
         docs = None if args.packed is None else packed_document_ids(N, *args.packed, seed=N)[0]
         for pat_name in args.pattern:
             pat = PATTERNS[pat_name]
-            sel = make_index(N, pat, seed=N)
+            sel = random_selection(N, pat, seed=N)
             try:
                 idx, plan = run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=docs)
             except Exception:

@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """Plot one metric per step for groups of seeds (A/B evidence): a thin line per run and a thick line for
 the group's mean over the steps every run logged.
 
-    python scripts/plot_seeds.py --metric val/acc --title "16K retrieval" --out acc.png \\
+    python -m scripts.tools.plot_seeds --metric val/acc --title "16K retrieval" --out acc.png \\
         dense=runs/d_s0,runs/d_s1 sparse=runs/s_s0,runs/s_s1
 
 Each run is anything ``plot_metrics.load_run`` reads (a run directory, ``metrics.csv`` or W&B file).
@@ -13,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from plot_metrics import load_run  # noqa: E402
+from scripts.tools.plot_metrics import load_run
 
 
 def parse_group(text: str) -> tuple[str, list[Path]]:
@@ -28,14 +24,14 @@ def parse_group(text: str) -> tuple[str, list[Path]]:
     return label, [Path(p) for p in runs.split(",")]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("groups", nargs="+", type=parse_group, help="LABEL=RUN[,RUN...]")
     ap.add_argument("--metric", action="append", required=True)
     ap.add_argument("--title", default="")
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-step", type=float, default=None, help="leave out points after this step")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import matplotlib
 

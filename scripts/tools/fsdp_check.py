@@ -23,8 +23,8 @@ Outputs (``--out``): ``losses.csv`` (per step, every run), ``summary.md`` (loss 
 steps and all steps, tokens/s per GPU, peak memory per GPU, final-weight differences read from the
 checkpoints Lightning wrote, ``load_weights`` of the FSDP checkpoint), ``logs/<run>.log``.
 
-    source scripts/gpu_env.sh && python3 scripts/fsdp_check.py --out "$OUT/fsdp"
-    python3 scripts/fsdp_check.py --cpu-smoke --out /tmp/fsdp_smoke     # CPU dry run: tiny model, gloo, 3 steps
+    source scripts/tools/gpu_env.sh && python3 -m scripts.tools.fsdp_check --out "$OUT/fsdp"
+    python3 -m scripts.tools.fsdp_check --cpu-smoke --out /tmp/fsdp_smoke     # CPU dry run: tiny model, gloo, 3 steps
 
 ``--cpu-smoke`` runs the same pipeline on the CPU with a tiny model: one process, DDP on two gloo
 processes, and FSDP on two gloo processes through Lightning's FSDPStrategy with the CPU shims of
@@ -42,13 +42,24 @@ import os
 import subprocess
 import sys
 import sysconfig
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+import lightning.pytorch.strategies.fsdp as lightning_fsdp
+import torch
+import transformers
+from lightning.pytorch.strategies import FSDPStrategy
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel, StateDictType
 
-# NVLink multicast off for every process (scripts/gpu_env.sh sets the same; repeated here so that the
+from sparse_train.cli import main as cli_main
+from sparse_train.lightning import HFCausalLMModule, load_weights
+
+REPO = Path(__file__).resolve().parents[2]
+
+# NVLink multicast off for every process (scripts/tools/gpu_env.sh sets the same; repeated here so that the
 # script is safe when run without it).
 MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -71,12 +82,6 @@ def install_cpu_fsdp_shims() -> type:
     which crashes FSDP1 (SIGSEGV, torch 2.13) when the parameters already live on the CPU (the same
     context is opened without the offload). The returned class is also ``CPUFSDPStrategy`` of this module.
     """
-    import lightning.pytorch.strategies.fsdp as lightning_fsdp
-    import torch
-    from lightning.pytorch.strategies import FSDPStrategy
-    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
     if getattr(FullyShardedDataParallel.__init__, "_cpu_shim", False):
         return globals()["CPUFSDPStrategy"]
     init = FullyShardedDataParallel.__init__
@@ -127,10 +132,6 @@ def write_corpus(path: Path, max_chars: int) -> int:
 def build_model_dir(model_dir: Path, corpus: Path, shape: dict) -> int:
     """Train a byte-level BPE tokenizer on ``corpus`` and save it with a random Llama of ``shape`` (its
     ``vocab_size`` replaced by the tokenizer's) into ``model_dir``. Returns the parameter count."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines() if line]
     specials = ["<unk>", "<pad>", "<s>", "</s>"]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -182,7 +183,8 @@ def cli_command(run: dict, args, work: Path, model_dir: Path, corpus: Path) -> l
         callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
                           "init_args": {"dirpath": str(root / "ckpt"), "save_last": True,
                                         "every_n_train_steps": run["steps"]}})
-    entry = [str(Path(__file__).resolve()), "--cli-with-cpu-fsdp"] if run.get("cpu_fsdp") else ["-m", "sparse_train.cli"]
+    entry = (["-m", "scripts.tools.fsdp_check", "--cli-with-cpu-fsdp"] if run.get("cpu_fsdp")
+             else ["-m", "sparse_train.cli"])
     cmd = [sys.executable, *entry, "fit", "--config", "finetune_hf_stage3_sparse",
            f"--model.init_args.pretrained_path={model_dir}", "--model.init_args.init_from=null",
            f"--data.init_args.paths=[{corpus}]", f"--data.init_args.seq_len={args.seq_len}",
@@ -235,10 +237,6 @@ def loss_diffs(a: dict, b: dict, key: str = "train/lm_loss") -> dict[str, float]
 def checkpoint_report(single: Path, sharded: Path) -> list[str]:
     """Final weights of two runs compared from their checkpoints, and ``load_weights`` of the sharded run's
     checkpoint into a freshly built module (selector tensors must load under their own names)."""
-    import torch
-
-    from sparse_train.lightning import HFCausalLMModule, load_weights
-
     a = torch.load(single, map_location="cpu", weights_only=False)
     b = torch.load(sharded, map_location="cpu", weights_only=False)
     sa, sb = a["state_dict"], b["state_dict"]
@@ -361,8 +359,6 @@ def main(argv=None) -> int:
     (out / "summary.md").write_text(summary)
     print(summary, flush=True)
     if not args.keep and args.work is None:
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
     return 0 if all(rc == 0 for rc, _ in status.values()) else 1
 
@@ -372,8 +368,6 @@ if __name__ == "__main__":
         # A CLI run whose FSDP strategy is CPUFSDPStrategy (CPU smoke); Lightning's launcher re-runs this
         # same command line for the second rank, which installs the shims too.
         install_cpu_fsdp_shims()
-        from sparse_train.cli import main as cli_main
-
         cli_main(sys.argv[2:])
     else:
         sys.exit(main())

@@ -1,20 +1,20 @@
 """What bounds each attention kernel, read by Nsight Compute on the GPU and summarised anywhere.
 
-``run`` (GPU): the forward + backward of ``bench_attention.py``'s shape (B = 1, HQ = 32, HKV = 8, bf16, its random
-top-k + window + sinks index) with the default kernels; two warm-up calls, then one call inside a profiler range
-(``cudaProfilerStart``/``Stop``), so Nsight Compute started with ``--profile-from-start off`` profiles exactly the
-kernels of one forward + backward:
+``run`` (GPU): the forward + backward of the attention benchmark's inputs (scripts/bench/inputs.py: B = 1, HQ = 32,
+HKV = 8, bf16, a random top-k + window + sinks index) with the default kernels; two warm-up calls, then one call
+inside a profiler range (``cudaProfilerStart``/``Stop``), so Nsight Compute started with ``--profile-from-start off``
+profiles exactly the kernels of one forward + backward:
 
     ncu --clock-control none --profile-from-start off --print-units base --csv --page raw \\
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \\
         --section WarpStateStats --section Occupancy --section LaunchStats \\
-        python3 scripts/ncu_kernel_limits.py run --head-dim 128 --pattern P128 > raw.csv
+        python3 -m scripts.tools.ncu_kernel_limits run --head-dim 128 --pattern P128 > raw.csv
 
 ``summarize`` (anywhere): ncu's raw CSV -> one row per kernel: time, SM / tensor-pipe / issue-slot / DRAM
 utilisation, achieved occupancy, registers, and the stall reasons that hold its warps most (each as its share of
 the warps' cycles between two issued instructions, ncu's ``..._issue_stalled_<reason>_per_issue_active``):
 
-    python3 scripts/ncu_kernel_limits.py summarize raw.csv --out limits.json
+    python3 -m scripts.tools.ncu_kernel_limits summarize raw.csv --out limits.json
 
 ``--clock-control none`` leaves the card's clocks as they are (never lock or change them on a lent machine).
 """
@@ -23,9 +23,13 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import re
 import sys
+
+import torch
+
+from scripts.bench.inputs import PATTERNS, benchmark_inputs, build_index, random_selection
+from sparse_train.kernels.op import triton_sparse_attention
 
 # ncu's raw-page metric names a summary row reports, the first present of each tuple (ncu versions name some
 # differently); absent ones are left out
@@ -134,16 +138,9 @@ def markdown(summary):
 
 
 def run(args):
-    import torch
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import bench_attention as bench
-    from sparse_train.kernels.op import triton_sparse_attention
-
-    pattern = bench.PATTERNS[args.pattern]
-    q, k, v, do = bench.benchmark_inputs(args.n, args.head_dim, seed=args.n, requires_grad=True)
-    idx, plan = bench.build_index(bench.make_index(args.n, pattern, seed=args.n), args.n, pattern)
+    pattern = PATTERNS[args.pattern]
+    q, k, v, do = benchmark_inputs(args.n, args.head_dim, seed=args.n, requires_grad=True)
+    idx, plan = build_index(random_selection(args.n, pattern, seed=args.n), args.n, pattern)
 
     def forward_backward():
         o, _ = triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan})
@@ -158,17 +155,17 @@ def run(args):
     print(f"profiled one forward + backward: N={args.n} D={args.head_dim} {args.pattern}", file=sys.stderr)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     run_ap = sub.add_parser("run", help="(GPU) one forward + backward inside a profiler range")
     run_ap.add_argument("--n", type=int, default=65536)
     run_ap.add_argument("--head-dim", type=int, default=128)
-    run_ap.add_argument("--pattern", default="P128", choices=["P64", "P128"])
+    run_ap.add_argument("--pattern", default="P128", choices=list(PATTERNS))
     sum_ap = sub.add_parser("summarize", help="ncu's raw CSV -> JSON (and a markdown table on stdout)")
     sum_ap.add_argument("csv", help="ncu --csv --page raw output")
     sum_ap.add_argument("--out", default=None, help="JSON file (default: print only)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.command == "run":
         run(args)
         return

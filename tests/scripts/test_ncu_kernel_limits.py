@@ -1,14 +1,10 @@
-"""scripts/ncu_kernel_limits.py's CPU half: Nsight Compute's raw CSV read into one summary row per kernel (the
-profiling itself needs the GPU)."""
+"""scripts/tools/ncu_kernel_limits.py's CPU half: Nsight Compute's raw CSV read into one summary row per kernel
+(the profiling itself needs the GPU)."""
 import json
 
 import pytest
-from builders import load_script
 
-
-@pytest.fixture(scope="module")
-def limits():
-    return load_script("ncu_kernel_limits")
+from scripts.tools import ncu_kernel_limits as limits
 
 
 HEADER = ['"ID"', '"Kernel Name"', '"gpu__time_duration.sum"', '"sm__throughput.avg.pct_of_peak_sustained_elapsed"',
@@ -30,7 +26,7 @@ def raw_csv(*rows):
     return "\n".join(lines) + "\n"
 
 
-def test_summary_rows_in_launch_order(limits):
+def test_summary_rows_in_launch_order():
     text = raw_csv(
         ["0", "_dkdv_gluon_kernel(int, float)", "5,580,123", "61.5", "12.0", "168", "55.2", "8.0", "3.0", "1.0",
          "2.0", "0.5", "1,730,000,000"],
@@ -48,6 +44,6 @@ def test_summary_rows_in_launch_order(limits):
     json.dumps([first, second])
 
 
-def test_missing_table_is_an_error(limits):
+def test_missing_table_is_an_error():
     with pytest.raises(ValueError, match="no ncu raw CSV"):
         limits.summarize("==PROF== no kernels were profiled\n")

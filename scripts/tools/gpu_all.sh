@@ -5,32 +5,34 @@
 # tarred to $OUT/results-<phase>.tar.gz, the main result files are also copied to $OUT, and a summary
 # prints last.
 #
-#   OUT=/tmp/out bash scripts/gpu_all.sh tests       # every GPU test, in four pytest processes side by side
-#                                                     # (three kernel parts and the rest; at most 280 s each:
-#                                                     # the kernel tests outgrew one 280 s process in the
-#                                                     # thirteenth session), then on two GPUs the two-GPU tests
-#                                                     # with both visible
-#   OUT=/tmp/out bash scripts/gpu_all.sh checks      # attention (64K; BENCH_NS="..." for more), selector (with
-#                                                     # CUDA-graph capture), step (64K, --profile)
-#   OUT=/tmp/out bash scripts/gpu_all.sh step        # 1.1B step: 64K with kernel tables and 128K, the checkpoint
-#                                                     # policy (attention kept / recomputed) and distillation off;
-#                                                     # 16K with 10 repeats and its kernel table; the step's
-#                                                     # attention backward probe (scripts/probe_step_backward.py);
-#                                                     # kernel tables come with attention windows
-#                                                     # (scripts/trace_attention_windows.py), clocks sampled
-#   OUT=/tmp/out bash scripts/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
-#                                                     # then block-mass GPU tests, selector and step benchmarks
-#   OUT=/tmp/out bash scripts/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
-#                                                     # benchmark with its sustained (power-capped) column, then
-#                                                     # Nsight Compute over one forward + backward per pattern
-#                                                     # (NCU_PATTERNS, default "P128 P64", "" for none; NCU_TIMEOUT s each;
-#                                                     # scripts/ncu_kernel_limits.py), summarised to JSON and md
+# Run from the repository root:
 #
-# Environment (PYTHONPATH, NVLink multicast off, wheels from .whl/): scripts/gpu_env.sh.
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh tests       # every GPU test, in four pytest processes side by side
+#                                                           # (three kernel parts and the rest; at most 280 s
+#                                                           # each), then on two GPUs the two-GPU tests with both
+#                                                           # visible
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh checks      # attention (64K; BENCH_NS="..." for more), selector
+#                                                           # (with CUDA-graph capture), step (64K, --profile)
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh step        # 1.1B step: 64K with kernel tables and 128K, the
+#                                                           # checkpoint policy (attention kept / recomputed) and
+#                                                           # distillation off; 16K with 10 repeats and its kernel
+#                                                           # table; kernel tables come with attention windows
+#                                                           # (scripts/tools/trace_attention_windows.py), clocks
+#                                                           # sampled
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
+#                                                           # then block-mass GPU tests, selector and step benchmarks
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
+#                                                           # benchmark with its sustained (power-capped) column,
+#                                                           # then Nsight Compute over one forward + backward per
+#                                                           # pattern (NCU_PATTERNS, default "P128 P64", "" for none;
+#                                                           # NCU_TIMEOUT s each; scripts/tools/ncu_kernel_limits.py),
+#                                                           # summarised to JSON and md
+#
+# Environment (PYTHONPATH, NVLink multicast off, wheels from .whl/): scripts/tools/gpu_env.sh.
 set -uo pipefail
 phase=${1:-checks}
-# shellcheck source=scripts/gpu_env.sh
-source scripts/gpu_env.sh
+# shellcheck source=scripts/tools/gpu_env.sh
+source scripts/tools/gpu_env.sh
 OUT=${OUT:-/tmp/gpu_out}
 R=/tmp/gpu_work_$$   # everything goes here; $OUT gets the tarball and the main result files only
 mkdir -p "$R" "$OUT"
@@ -38,7 +40,6 @@ ngpu=$(nvidia-smi -L | wc -l)
 { nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$R/env_$phase.txt" 2>&1
 gpu_b=$(( ngpu > 1 ? 1 : 0 ))
-cli() { python3 -m sparse_train.cli "$@"; }
 
 track() {  # track <gpu> <commands...>: run a command list on one GPU in the background
   local gpu=$1; shift
@@ -52,15 +53,15 @@ gpu_tests() {  # gpu_tests <log name> <timeout> <pytest paths...>
 }
 
 checks_gpu_a() {
-  timeout 220 python3 scripts/bench_attention.py --out "$R/bench_attention" --no-sweep \
+  timeout 220 python3 -m scripts.bench.attention --out "$R/bench_attention" --no-sweep \
     --n ${BENCH_NS:-65536} > "$R/bench_attention.log" 2>&1
   echo "bench_attention rc=$?" >> "$R/bench_attention.log"
 }
 
 checks_gpu_b() {
-  timeout 120 python3 scripts/bench_selector.py --graph --out "$R/bench_selector.json" > "$R/bench_selector.log" 2>&1
+  timeout 120 python3 -m scripts.bench.selector --graph --out "$R/bench_selector.json" > "$R/bench_selector.log" 2>&1
   echo "bench_selector rc=$?" >> "$R/bench_selector.log"
-  timeout 300 python3 scripts/bench_step.py --profile --contexts 65536 --out "$R/bench_step.json" --repeats 4 \
+  timeout 300 python3 -m scripts.bench.step --profile --contexts 65536 --out "$R/bench_step.json" --repeats 4 \
     --warmup 2 > "$R/bench_step.log" 2>&1
   echo "bench_step rc=$?" >> "$R/bench_step.log"
 }
@@ -73,8 +74,7 @@ retrieval_run() {  # retrieval_run <recipe>
 
 case "$phase" in
   tests)
-    # Most of the suite's time is Triton compiling on the CPU, so parts side by side share one GPU well: on one
-    # H200 the three kernel parts took 129 s together, the rest 183 s (thirteenth session).
+    # Most of the suite's time is Triton compiling on the CPU, so parts side by side share one GPU well.
     kernel_part1="tests/test_kernel_backward.py"
     kernel_part2="tests/test_kernel_forward.py tests/test_kernel_tma.py tests/test_kernel_documents.py"
     kernel_part3=$(ls tests/test_kernel_*.py | grep -v -E "tests/test_kernel_(backward|forward|tma|documents)\.py")
@@ -103,12 +103,12 @@ case "$phase" in
       retrieval_run retrieval_16k
       timeout 60 python3 -m pytest -q -rA -s -m gpu tests/test_kernel_block_mass.py > "$R/gpu_tests_block_mass.log" 2>&1
       echo "block mass gpu tests rc=$?" >> "$R/gpu_tests_block_mass.log"
-      timeout 90 python3 scripts/bench_selector.py --out "$R/bench_selector.json" > "$R/bench_selector.log" 2>&1
+      timeout 90 python3 -m scripts.bench.selector --out "$R/bench_selector.json" > "$R/bench_selector.log" 2>&1
       echo "bench_selector rc=$?" >> "$R/bench_selector.log"
     }
     after_dense() {
       retrieval_run retrieval_16k_dense
-      timeout 240 python3 scripts/bench_step.py --out "$R/bench_step.json" --repeats 4 --warmup 2 > "$R/bench_step.log" 2>&1
+      timeout 240 python3 -m scripts.bench.step --out "$R/bench_step.json" --repeats 4 --warmup 2 > "$R/bench_step.log" 2>&1
       echo "bench_step rc=$?" >> "$R/bench_step.log"
     }
     track 0 after_sparse; track "$gpu_b" after_dense; wait
@@ -120,7 +120,7 @@ case "$phase" in
     ;;
   limits)
     d=${HEAD_DIM:-128}
-    timeout "${BENCH_TIMEOUT:-300}" python3 scripts/bench_attention.py --out "$R/bench_attention_d$d" --no-sweep \
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.bench.attention --out "$R/bench_attention_d$d" --no-sweep \
       --n 65536 --head-dim "$d" > "$R/bench_attention_d$d.log" 2>&1
     echo "bench_attention rc=$?" >> "$R/bench_attention_d$d.log"
     ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
@@ -134,21 +134,21 @@ case "$phase" in
       timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --clock-control none --profile-from-start off --print-units base --csv --page raw \
         --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section Occupancy --section LaunchStats \
-        python3 scripts/ncu_kernel_limits.py run --head-dim "$d" --pattern "$pattern" > "$R/$name.csv" 2> "$R/$name.log"
+        python3 -m scripts.tools.ncu_kernel_limits run --head-dim "$d" --pattern "$pattern" > "$R/$name.csv" 2> "$R/$name.log"
       echo "ncu rc=$?" >> "$R/$name.log"
-      python3 scripts/ncu_kernel_limits.py summarize "$R/$name.csv" --out "$R/$name.json" > "$R/$name.md" 2>> "$R/$name.log"
+      python3 -m scripts.tools.ncu_kernel_limits summarize "$R/$name.csv" --out "$R/$name.json" > "$R/$name.md" 2>> "$R/$name.log"
     done
     # the device tool returns 8 files: the tarball has every log and raw CSV
     cp "$R"/bench_attention_d*/*.json "$R"/bench_attention_d*/*.md "$R"/ncu_*.json "$OUT"/ 2>/dev/null
     ;;
   step)
     # the card's clocks and power through the runs: at the power cap the step's kernels run below the benchmark's
-    # clock (eighteenth session)
+    # clock
     nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 250 > "$R/clocks_step.csv" &
     clocks_pid=$!
     step() {  # step <name> <timeout> <bench_step arguments...>
       local name=$1 limit=$2; shift 2
-      timeout "$limit" python3 scripts/bench_step.py --act-ckpt on --out "$R/step_$name.json" "$@" > "$R/step_$name.log" 2>&1
+      timeout "$limit" python3 -m scripts.bench.step --act-ckpt on --out "$R/step_$name.json" "$@" > "$R/step_$name.log" 2>&1
       echo "bench_step $name rc=$?" >> "$R/step_$name.log"
     }
     step 64k_keep 150 --contexts 65536 --repeats 4 --warmup 2 --profile --keep-attention on \
@@ -157,14 +157,10 @@ case "$phase" in
       --kernel-table "$R/kernels_64k_recompute"
     step 64k_distill_off 60 --contexts 65536 --variants sparse --repeats 4 --warmup 2 --profile --distill off
     step 128k_keep 200 --contexts 131072 --repeats 3 --warmup 1 --profile --keep-attention on
-    # 16K is partly host-bound: 4 repeats read 0.874 of dense once where 10-repeat runs read 0.75-0.76
+    # 16K is partly host-bound, so its step time varies more: 10 repeats
     step 16k 130 --contexts 16384 --repeats 10 --warmup 3 --kernel-table "$R/kernels_16k"
-    # the step's attention backward against the kernel benchmark's: layout and selection swapped in one at a time
-    timeout 120 python3 scripts/probe_step_backward.py --trace-dir "$R/probe_traces" --out "$R/probe_step_backward.json" \
-      > "$R/probe_step_backward.log" 2>&1
-    echo "probe_step_backward rc=$?" >> "$R/probe_step_backward.log"
     kill "$clocks_pid"
-    cp "$R"/step_*.json "$R"/probe_step_backward.json "$OUT"/ 2>/dev/null
+    cp "$R"/step_*.json "$OUT"/ 2>/dev/null
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

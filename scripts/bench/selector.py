@@ -15,6 +15,10 @@ Transformer and the Hugging Face integration set it; 0 turns it off):
                             replayed (proves it is capturable; the replay is checked against eager)
 * ``distill/sparse[rows]``  sparse distillation target (from the kernel's lse) + KL + its backward,
                             for all rows of each query block and for a row subsample
+* ``distill/sampled_target[blocks]`` the sampled dense target (``distill="sampled"``) alone: ``dense_block_mass``
+                            over ``--sampled-blocks`` random query blocks with all their causal key blocks (the
+                            per-row log-mass kernel where it runs); ``reference/sampled_target[blocks]`` the same
+                            target by the PyTorch reference on fp32 copies (the path unsupported inputs take)
 * ``attention/fwd_bwd``     ``st.sparse_attention(..., backend="auto")`` forward + backward
 * ``module/fwd_bwd``        ``st.SparseAttention`` end to end on its sparse path (selector, plan, kernels,
                             distillation) with distill off / sparse / sampled (the default); the
@@ -24,17 +28,19 @@ With ``--kernel-table`` it also profiles five selections (the kernels, their dev
 selection); with ``--sweep-pool`` it times the pooling kernel's tilings (``plan.pool_config``'s source);
 
 and prints a table with each cost as a fraction of the attention forward+backward, against the
-budgets the table checks: selector <= 10 %, sparse distillation <= 15 %. CUDA events, warm-up, median and p95.
+budgets the table checks: selector <= 10 %, sparse distillation <= 15 %. Timing: scripts/bench/harness.py
+(warm-up, then ``--repeats`` repeats, median and p95; no cache flush: the phases run back to back in a step);
+inputs: scripts/bench/inputs.py (seed 0).
 If the Triton backend is unavailable the script says so, still times the selector, and skips the
 attention timings unless ``--allow-reference`` (the reference backend is far slower, so ratios
 against it mean little).
 
 Usage::
 
-    python scripts/bench_selector.py --out selector_bench.json
-    python scripts/bench_selector.py --graph --repeats 100 --out selector_graph.json   # + CUDA-graph replay
-    python scripts/bench_selector.py --selector-only --d 64 --kernel-table kernels.txt --sweep-pool --out s.json
-    python scripts/bench_selector.py --device cpu --n 2048 --hq 4 --hkv 2 --d 64 --out /tmp/s.json  # smoke
+    python -m scripts.bench.selector --out selector_bench.json
+    python -m scripts.bench.selector --graph --repeats 100 --out selector_graph.json   # + CUDA-graph replay
+    python -m scripts.bench.selector --selector-only --d 64 --kernel-table kernels.txt --sweep-pool --out s.json
+    python -m scripts.bench.selector --device cpu --n 2048 --hq 4 --hkv 2 --d 64 --out /tmp/s.json  # smoke
 """
 
 from __future__ import annotations
@@ -43,23 +49,27 @@ import argparse
 import json
 import math
 import platform
-import statistics
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import sparse_train as st  # noqa: E402
-from sparse_train.cuda_graphs import capture_cuda_graph  # noqa: E402
-from sparse_train.functional import resolve_backend  # noqa: E402
-from sparse_train.selectors import (  # noqa: E402
+import sparse_train as st
+from scripts.bench.harness import measure as measure_call
+from scripts.bench.inputs import benchmark_inputs
+from sparse_train.cuda_graphs import capture_cuda_graph
+from sparse_train.functional import resolve_backend
+from sparse_train.kernels.pool import block_pool_launch
+from sparse_train.kernels.reference_block_mass import reference_dense_block_mass
+from sparse_train.plan import pool_config
+from sparse_train.selectors import (
     BlockScorer,
     block_kl,
+    dense_block_mass,
     rope_inverse_frequencies,
+    sample_query_blocks,
     selection_candidates,
     selection_geometry,
     sparse_block_mass,
@@ -98,6 +108,9 @@ def parse_args(argv=None):
     p.add_argument("--sweep-pool", action="store_true",
                    help="(CUDA) time the pooling kernel's tilings (rows, warps, heads per program) for q and k; the "
                         "source of plan.pool_config's defaults")
+    p.add_argument("--sampled-blocks", type=int, default=st.SparseAttentionConfig().distill_query_blocks,
+                   help="query blocks of the sampled dense target (default: the config's distill_query_blocks); "
+                        "0 skips its timing")
     p.add_argument("--selector-only", action="store_true", help="time only the selector phases (no distillation, "
                    "attention or module timings)")
     p.add_argument("--out", type=Path, required=True, help="JSON output path")
@@ -105,35 +118,16 @@ def parse_args(argv=None):
 
 
 def measure(fn, device, warmup, repeats):
-    """Median / p95 / min milliseconds of ``fn()`` (CUDA events on GPU, perf_counter on CPU)."""
-    for _ in range(warmup):
-        fn()
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-    samples = []
-    for _ in range(repeats):
-        if cuda:
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            samples.append(start.elapsed_time(stop))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-    samples.sort()
-    p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)]
-    return {"median_ms": statistics.median(samples), "p95_ms": p95, "min_ms": samples[0], "repeats": repeats}
+    """``{"median_ms", "p95_ms", "min_ms", "repeats"}`` of ``fn()``: ``warmup`` untimed calls, then ``repeats``
+    timed ones back to back (no cache flush)."""
+    timing = measure_call(fn, device=device, warmup=warmup, min_reps=repeats, max_reps=repeats, flush=False)
+    return {"median_ms": timing.median_ms, "p95_ms": timing.p95_ms, "min_ms": timing.min_ms,
+            "repeats": timing.repeats}
 
 
 def kernel_table(selection, device, path: Path, repeats: int = 5) -> list[dict]:
     """Profile ``repeats`` selections; write the profiler's table to ``path`` and return the kernels (device
     time and launches per selection, largest first)."""
-    from torch.profiler import ProfilerActivity, profile
-
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     selection()
@@ -159,9 +153,6 @@ def kernel_table(selection, device, path: Path, repeats: int = 5) -> list[dict]:
 def sweep_pool(q, k, block: int, group: int, scorer, args) -> list[dict]:
     """Median milliseconds of the pooling kernel on q and k for each tiling (rows per step, warps, heads per
     program) around ``plan.pool_config``'s default, with the scorer's RoPE frequencies and mean + max pooling."""
-    from sparse_train.kernels.pool import block_pool_launch
-    from sparse_train.plan import pool_config
-
     inv_freq = scorer.rope_inv_freq if scorer.rope_inv_freq.numel() else None
     default = pool_config(inv_freq is not None, block, q.shape[-1])
     padded = 1 << max(0, block - 1).bit_length()
@@ -192,12 +183,9 @@ def main(argv=None) -> int:
         print("CUDA is not available; rerun with --device cpu for a smoke run", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
-    torch.manual_seed(0)
     b, hq, hkv, n, d, blk = args.batch, args.hq, args.hkv, args.n, args.d, args.block
-    q = torch.randn(b, hq, n, d, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(b, hkv, n, d, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn(b, hkv, n, d, device=device, dtype=dtype, requires_grad=True)
-    grad_out = torch.randn(b, hq, n, d, device=device, dtype=dtype)
+    q, k, v, grad_out = benchmark_inputs(n, d, seed=0, batch=b, heads=hq, kv_heads=hkv, dtype=dtype, device=device,
+                                         requires_grad=True)
     scale = 1.0 / math.sqrt(d)
     geom = selection_geometry(n, blk, blk, args.top_k, args.window, args.sinks)
     defaults = st.SparseAttentionConfig()  # the module's scorer: its pooling and distance bias
@@ -288,6 +276,17 @@ def main(argv=None) -> int:
         except torch.OutOfMemoryError as err:
             notes.append(f"distill rows={label}: out of memory ({err})")
             torch.cuda.empty_cache()
+    if args.sampled_blocks > 0 and not args.selector_only:
+        picks = sample_query_blocks(-(-n // blk), args.sampled_blocks, torch.Generator().manual_seed(0))
+        label = f"blocks={len(picks)}"
+        qd, kd = q.detach(), k.detach()
+        qf, kf = qd.float(), kd.float()
+        timings[f"distill/sampled_target[{label}]"] = measure(
+            lambda: dense_block_mass(qd, kd, block_q=blk, block_k=blk, scale=scale, query_blocks=picks),
+            device, args.warmup, args.repeats)
+        timings[f"reference/sampled_target[{label}]"] = measure(
+            lambda: reference_dense_block_mass(qf, kf, block_q=blk, block_k=blk, scale=scale, query_blocks=picks),
+            device, args.warmup, args.repeats)
 
     if time_attention:
         fixed_plan = index.plan()

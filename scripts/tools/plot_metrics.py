@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Render a training run's metrics to PNG plots: loss, accuracy, step-time split and attention density.
 
 Inputs (one or more runs, overlaid for A/B comparisons such as sparse vs dense):
@@ -6,7 +5,7 @@ Inputs (one or more runs, overlaid for A/B comparisons such as sparse vs dense):
   * a W&B offline run directory (``wandb/offline-run-*``) or its ``run-*.wandb`` file; the history
     records are read straight from the file, without network or a W&B account.
 
-    python scripts/plot_metrics.py runs/retrieval runs/retrieval_dense --labels sparse dense --out plots/
+    python -m scripts.tools.plot_metrics runs/retrieval runs/retrieval_dense --labels sparse dense --out plots/
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
-#!/usr/bin/env python3
 """Training-step benchmark: a ~1B-parameter Llama-style model, sparse vs dense cuDNN attention.
 
 One optimisation step (forward + loss, backward, AdamW step) of the repository's
 :class:`~sparse_train.lightning.model.Transformer` (RMSNorm, RoPE, GQA, SwiGLU; random init), B=1,
 bf16 autocast with fp32 master weights (or pure bf16 weights with ``--precision bf16``), timed per
-phase with CUDA events. Warm-up steps are discarded; the table and JSON report the median (and p95)
-over ``--repeats`` steps plus the peak allocated memory.
+phase with :class:`sparse_train.timing.Marks` (CUDA events on a GPU). Warm-up steps are discarded; the table and
+JSON report the median (and p95) over ``--repeats`` steps plus the peak allocated memory. The tokens come from
+scripts/bench/inputs.py (``benchmark_tokens``, seed 1: the same as the context-parallel benchmark's).
 
 Default shape (Llama-3.2-1B-like, 32K vocabulary): d_model 2048, 16 layers, 32 query heads, 8 KV
 heads, head dim 64, SwiGLU 8192 -> about 1.1B parameters.
 
-    python scripts/bench_step.py --out docs/benchmarks/bench_step.json            # 32K and 64K, both variants
-    python scripts/bench_step.py --contexts 65536 --variants sparse --act-ckpt on
-    python scripts/bench_step.py --device cpu --contexts 512 --layers 2 --d-model 128 --heads 4 \\
+    python -m scripts.bench.step --out docs/benchmarks/bench_step.json            # 32K and 64K, both variants
+    python -m scripts.bench.step --contexts 65536 --variants sparse --act-ckpt on
+    python -m scripts.bench.step --device cpu --contexts 512 --layers 2 --d-model 128 --heads 4 \\
         --kv-heads 2 --ffn 256 --vocab 256 --repeats 2 --warmup 1            # CPU smoke test
 
 A configuration that runs out of memory is retried with activation checkpointing (``--act-ckpt auto``)
@@ -25,26 +25,23 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import platform
-import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
-
-import sparse_train as st  # noqa: E402
-from sparse_train.lightning import model as model_lib  # noqa: E402
-from sparse_train.lightning.model import Transformer, TransformerConfig  # noqa: E402
-from sparse_train.timing import Marks  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import trace_attention_windows  # noqa: E402
+import sparse_train as st
+from scripts.bench.harness import quantile
+from scripts.bench.inputs import benchmark_tokens
+from scripts.tools import trace_attention_windows
+from sparse_train.lightning import model as model_lib
+from sparse_train.lightning.model import Transformer, TransformerConfig
+from sparse_train.timing import Marks
 
 
 def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
@@ -53,8 +50,6 @@ def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
     before the timed model runs: never inside a call, where the probe would run in a checkpointed block's
     first forward but not in its recompute, and selective checkpointing (which hands the recompute the kept
     SDPA outputs in call order) would give the recompute the probe's output."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     backends = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
                 "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH]}
     state: dict[str, Any] = {"expand": None}
@@ -98,15 +93,10 @@ GLUON = {"on": True, "off": False, "auto": None}
 """``--gluon`` values as ``SparseAttentionConfig.gluon_kernels`` takes them."""
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
 def time_steps(step: Callable[[], dict[str, float]], warmup: int, repeats: int, device: torch.device,
-               tokens: int, quantile: float) -> dict[str, Any]:
+               tokens: int, q: float) -> dict[str, Any]:
     """Run ``step`` (returning ``{"<phase>_ms": ...}``, ``step_ms`` among them) ``warmup`` times untimed,
-    then ``repeats`` times: the median of each phase, its ``quantile`` (key ``<phase>_p<100 q>_ms``),
+    then ``repeats`` times: the median of each phase, its ``q`` quantile (key ``<phase>_p<100 q>_ms``),
     tokens/s from the median step, and the peak CUDA memory of the timed steps (GiB)."""
     for _ in range(warmup):
         step()
@@ -117,8 +107,8 @@ def time_steps(step: Callable[[], dict[str, float]], warmup: int, repeats: int, 
     result: dict[str, Any] = {}
     for key in samples[0]:
         vals = [sample[key] for sample in samples]
-        result[key] = statistics.median(vals)
-        result[key.replace("_ms", f"_p{round(100 * quantile)}_ms")] = _pct(vals, quantile)
+        result[key] = quantile(vals, 0.5)
+        result[key.replace("_ms", f"_p{round(100 * q)}_ms")] = quantile(vals, q)
     result["tokens_per_s"] = tokens / (result["step_ms"] / 1e3)
     if device.type == "cuda":
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -127,7 +117,7 @@ def time_steps(step: Callable[[], dict[str, float]], warmup: int, repeats: int, 
 
 def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Transformer:
     """The benchmark's model (shape and sparse config from the :func:`add_model_arguments` options), seeded
-    with 0, on the CPU in fp32 (``scripts/bench_cp.py`` builds the same one)."""
+    with 0, on the CPU in fp32 (``scripts/bench/cp.py`` builds the same one)."""
     torch.manual_seed(0)
     # No dense warm-up: the benchmark times the sparse path a trained selector runs (the module's default
     # 500-step warm-up would make every timed step dense attention).
@@ -178,7 +168,7 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--loss", choices=["chunked", "logits"], default="chunked",
                     help="LM loss: the model's chunked head + cross-entropy (forward(labels=...), as the training "
                          "recipes; logits of 8,192 tokens at a time) or F.cross_entropy on the full [N, vocab] "
-                         "logits (what the sixth session's committed numbers used)")
+                         "logits")
 
 
 def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> dict[str, Any]:
@@ -190,7 +180,7 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
         model = model.to(torch.bfloat16)
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
-    tokens = torch.randint(args.vocab, (1, n + 1), device=device)
+    tokens = benchmark_tokens(n, args.vocab, device=device)
     if variant == "dense":
         model_lib.dense_causal_attention.prepare(device, args.heads, args.kv_heads, model.cfg.resolved_head_dim,
                                                  torch.bfloat16)
@@ -225,7 +215,7 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
                               "compile_pointwise": model_lib.compiles_pointwise(POINTWISE[args.compile_pointwise],
                                                                                 device),
                               "params": model.num_parameters(), "repeats": args.repeats}
-    result.update(time_steps(step, args.warmup, args.repeats, device, n, quantile=0.95))
+    result.update(time_steps(step, args.warmup, args.repeats, device, n, q=0.95))
     if variant == "sparse":
         stats = st.collect_attention_stats(model)
         result["density"] = stats.get("density")
@@ -247,7 +237,6 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
     if args.kernel_table is not None and device.type == "cuda":
         result["kernels"], result["attention_windows"] = kernel_table(step, args.kernel_table,
                                                                       f"n{n}_{variant}_ckpt{int(act_ckpt)}")
-    del model, opt
     return result
 
 
@@ -258,10 +247,8 @@ def kernel_table(step: Callable[[], dict[str, float]], out_dir: Path, tag: str,
     the checkpoint recompute). Writes ``<out_dir>/kernels_<tag>.txt`` (profiler table),
     ``<out_dir>/trace_<tag>.json.gz`` (Chrome trace: every op and kernel in time order) and
     ``<out_dir>/windows_<tag>.json`` (each attention call's kernel and idle time on the GPU timeline,
-    ``scripts/trace_attention_windows.py``), and returns the ``top`` kernels by total device time and the
+    ``scripts/tools/trace_attention_windows.py``), and returns the ``top`` kernels by total device time and the
     windows' medians."""
-    from torch.profiler import ProfilerActivity, profile
-
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         step()

@@ -1,19 +1,19 @@
-#!/usr/bin/env python3
-"""Context-parallel training-step benchmark: the 1.1B model of ``scripts/bench_step.py`` (its
+"""Context-parallel training-step benchmark: the 1.1B model of ``scripts/bench/step.py`` (its
 ``build_model``; RMSNorm, RoPE, GQA 32/8 heads, head dim 64, SwiGLU, sparse attention, activation
 checkpointing, bf16 autocast) trained with CP=W over NCCL against one GPU.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 scripts/bench_cp.py --modes cp --out /tmp/cp \\
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m scripts.bench.cp --modes cp --out /tmp/cp \\
         --contexts 131072 196608 262144 327680 393216 524288
-    torchrun --nproc-per-node 1 scripts/bench_cp.py --modes single --out /tmp/single --contexts 131072 196608 229376
-    # CPU smoke test (gloo, tiny shapes, ~15 s on two cores; not in the test suite for its time):
-    TRITON_INTERPRET=1 torchrun --nproc-per-node 2 scripts/bench_cp.py --device cpu --smoke --out /tmp/cp_smoke
+    torchrun --nproc-per-node 1 -m scripts.bench.cp --modes single --out /tmp/single --contexts 131072 196608 229376
+    # CPU smoke test (gloo, tiny shapes, seconds on two cores; not in the test suite for its time):
+    TRITON_INTERPRET=1 torchrun --nproc-per-node 2 -m scripts.bench.cp --device cpu --smoke --out /tmp/cp_smoke
 
 For every N (ascending): the CP step on all W ranks (each holds the zig-zag shard of the N tokens; DDP-style
 gradient all-reduce over the CP group, bucketed), then the single-GPU step on rank 0 (the other ranks wait).
 One step = forward (+ LM loss over the local tokens / N + the selectors' loss shares), backward, gradient
-all-reduce, AdamW. Reported per mode and N: step time (median and p95 over ``--repeats`` after ``--warmup``,
-CUDA events), tokens/s (N per step), peak allocated memory per GPU, and the communication share of the
+all-reduce, AdamW. Tokens: scripts/bench/inputs.py (``benchmark_tokens``, seed 1), each rank taking its shard.
+Reported per mode and N: step time (median and p95 over ``--repeats`` after ``--warmup``,
+:class:`sparse_train.timing.Marks`), tokens/s (N per step), peak allocated memory per GPU, and the communication share of the
 step: the device time of the NCCL kernels (torch profiler, one extra profiled step) over the step's wall
 time, split by collective (K/V all-gather, reduce-scatter, gradient all-reduce, small selector collectives).
 Run each mode in its own process (above): memory of a step that ran out of memory can stay allocated, so every
@@ -43,15 +43,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_step  # noqa: E402
-
-import sparse_train as st  # noqa: E402
-import sparse_train.context_parallel as cpm  # noqa: E402
-from sparse_train.timing import Marks  # noqa: E402
+import sparse_train as st
+import sparse_train.context_parallel as cpm
+from scripts.bench import step as bench_step
+from scripts.bench.inputs import benchmark_tokens
+from sparse_train.timing import Marks
 
 SMOKE = ["--layers", "2", "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "97",
          "--block", "16", "--top-k", "2", "--window", "2", "--contexts", "256", "--repeats", "2", "--warmup", "1",
@@ -84,8 +82,7 @@ class Run:
         fused = device.type == "cuda"
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
                                      fused=fused)
-        g = torch.Generator().manual_seed(1)
-        tokens = torch.randint(args.vocab, (1, n + 1), generator=g).to(device)
+        tokens = benchmark_tokens(n, args.vocab, seed=1, device=device)
         x, y = tokens[:, :-1], tokens[:, 1:]
         if group is not None:
             x, y = (cpm.shard_sequence(t, 1, self.rank, self.world) for t in (x, y))
@@ -127,8 +124,6 @@ class Run:
 
     def communication(self) -> dict[str, float]:
         """Device time of the collective kernels in one profiled step, by kind, in ms."""
-        from torch.profiler import ProfilerActivity, profile
-
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         with profile(activities=activities) as prof:
             self.step()
@@ -150,7 +145,7 @@ class Run:
 def measure(args: argparse.Namespace, n: int, group, device: torch.device) -> dict[str, Any]:
     run = Run(args, n, group, device)
     result: dict[str, Any] = {"context": n, "status": "ok", "repeats": args.repeats}
-    result.update(bench_step.time_steps(run.step, args.warmup, args.repeats, device, n, quantile=0.95))
+    result.update(bench_step.time_steps(run.step, args.warmup, args.repeats, device, n, q=0.95))
     comm = run.communication()
     result["comm_ms"] = comm
     result["comm_share"] = sum(comm.values()) / result["step_ms"] if result["step_ms"] else float("nan")
@@ -169,9 +164,8 @@ def _cleanup(device: torch.device) -> None:
 
 _OOM_SEEN = False
 """Set by the first out-of-memory error of this process. Memory of the failed step can stay allocated after
-it (on two H200s, a CP OOM at 393K left ~28 GiB that made the later one-GPU runs report 113.9 instead of 85.8
-GiB at 128K and fail at 196K, which fits in a fresh process), so every later result is flagged ``after_oom``
-and is not evidence of what fits: run such a mode again alone (``--modes single``)."""
+it (later runs then report more peak memory and can fail at an N that fits in a fresh process), so every later
+result is flagged ``after_oom`` and is not evidence of what fits: run such a mode again alone (``--modes single``)."""
 
 
 def run_mode(args: argparse.Namespace, mode: str, group, device: torch.device, rank: int) -> list[dict[str, Any]]:
@@ -220,7 +214,7 @@ def run_mode(args: argparse.Namespace, mode: str, group, device: torch.device, r
 
 def markdown(results: list[dict[str, Any]], world: int, meta: dict[str, Any]) -> str:
     lines = [f"# Context-parallel training step ({meta['date']}, {meta['device']}, CP={world} vs one GPU)", "",
-             f"Model: bench_step's build_model ({meta['args']['layers']} layers, d_model {meta['args']['d_model']}, "
+             f"Model: scripts/bench/step.py's build_model ({meta['args']['layers']} layers, d_model {meta['args']['d_model']}, "
              f"{meta['args']['heads']}/{meta['args']['kv_heads']} heads), sparse attention (top_k "
              f"{meta['args']['top_k']}, window {meta['args']['window']}, block {meta['args']['block']}, distill "
              f"{meta['args']['distill']}, backend {meta['args']['backend']}), LM loss {meta['args'].get('loss')}, "
@@ -265,7 +259,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     raw = list(sys.argv[1:] if argv is None else argv)
     args = ap.parse_args((SMOKE + raw) if "--smoke" in raw else raw)
 
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off on the lent H200 machines
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off: plain NCCL (as scripts/tools/gpu_env.sh)
     backend = "nccl" if args.device == "cuda" else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.timeout_min))

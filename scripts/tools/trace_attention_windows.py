@@ -1,17 +1,17 @@
-#!/usr/bin/env python3
 """Where a training step's attention time goes on the GPU timeline: reads a ``torch.profiler`` Chrome trace
-(``bench_step.py --kernel-table DIR`` writes ``DIR/trace_<tag>.json.gz``) and splits every attention call
-into kernel time and GPU idle time.
+(``python -m scripts.bench.step --kernel-table DIR`` writes ``DIR/trace_<tag>.json.gz``) and splits every attention
+call into kernel time and GPU idle time.
 
 A *window* is a run of the project's attention kernels of one kind (``forward``: ``_fwd*``/``_merge``;
-``backward``: delta, the KV schedule, dQ, dK/dV and their finish kernels) together with whatever small kernels run between them
-(allocations' fills, casts). For each window the script reports its span (first kernel start to last kernel
-end), the kernel time inside it, the idle time inside it (span minus kernels: the GPU waiting for the host)
-and the idle gap just before it. ``bench_step --profile``'s ``attn_bwd`` phase spans about one backward window
+``backward``: delta, the KV schedule, dQ, dK/dV and their finish kernels) together with whatever small kernels run
+between them (allocations' fills, casts). For each window the script reports its span (first kernel start to last
+kernel end), the kernel time inside it, the idle time inside it (span minus kernels: the GPU waiting for the host)
+and the idle gap just before it. The ``attn_bwd`` phase of ``scripts.bench.step --profile`` spans about one backward
+window
 plus the gap before it, so a phase longer than the kernel benchmark's device time is either idle (host-bound
 launches) or kernels running slower in the step (clocks, L2): this tells which.
 
-    python scripts/trace_attention_windows.py DIR/trace_n65536_sparse_ckpt1.json.gz --out windows.json
+    python -m scripts.tools.trace_attention_windows DIR/trace_n65536_sparse_ckpt1.json.gz --out windows.json
 """
 from __future__ import annotations
 

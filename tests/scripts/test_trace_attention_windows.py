@@ -1,15 +1,11 @@
-"""scripts/trace_attention_windows.py on a hand-made Chrome trace: how a timeline of kernels is cut into
+"""scripts/tools/trace_attention_windows.py on a hand-made Chrome trace: how a timeline of kernels is cut into
 attention windows (kernel time, idle time inside, the gap before). The real traces come from the GPU."""
 import gzip
 import json
 
 import pytest
-from builders import load_script
 
-
-@pytest.fixture(scope="module")
-def windows_script():
-    return load_script("trace_attention_windows")
+from scripts.tools import trace_attention_windows as windows_script
 
 
 def kernel(name, ts, dur):
@@ -36,7 +32,7 @@ TIMELINE = [
 
 
 @pytest.mark.parametrize("compressed", [False, True], ids=["json", "json.gz"])
-def test_windows_split_kernel_and_idle_time(windows_script, tmp_path, compressed):
+def test_windows_split_kernel_and_idle_time(tmp_path, compressed):
     path = tmp_path / ("trace.json.gz" if compressed else "trace.json")
     opener = gzip.open if compressed else open
     with opener(path, "wt") as f:
@@ -57,7 +53,7 @@ def test_windows_split_kernel_and_idle_time(windows_script, tmp_path, compressed
     assert summary["backward"]["median_ms_per_kernel"]["_delta_kernel"] == pytest.approx(0.1)
 
 
-def test_main_writes_the_windows(windows_script, tmp_path, capsys):
+def test_main_writes_the_windows(tmp_path, capsys):
     path, out = tmp_path / "trace.json", tmp_path / "windows.json"
     path.write_text(json.dumps(TIMELINE))  # a bare event list is a valid Chrome trace too
     windows_script.main([str(path), "--out", str(out)])

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Run recipe variants side by side (seeds x variants) and summarise their learning quality.
 
 Each run is ``python -m sparse_train.cli fit --config <recipe> <overrides> --seed_everything=<seed>``
@@ -8,7 +7,7 @@ run, the last value of every metric that tells whether sparse attention learns w
 ``val/acc``, ``val/needle_recall`` (and per layer), ``attn/mass_recall_mean`` / ``attn/mass_recall_p5``
 (and per layer), ``attn/density``, the step time, plus the wall time and the final line.
 
-    python scripts/retrieval_ab.py --plan docs/benchmarks/plans/cpu_demo_ab.json --seeds 0 1 \\
+    python -m scripts.tools.retrieval_ab --plan docs/benchmarks/plans/cpu_demo_ab.json --seeds 0 1 \\
         --parallel 8 --out runs/ab
 
 The plan is a JSON list of ``{"name": ..., "config": <recipe name or path>, "args": [overrides]}``
@@ -34,6 +33,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 KEEP_PREFIXES = ("val/", "attn/mass_recall", "attn/oracle_mass_recall", "attn/oracle_density", "attn/layers/", "attn/density", "attn/warmup", "train/acc",
                  "time/step_ms", "throughput/tokens_per_s")
 
@@ -57,8 +58,6 @@ def last_values(run_dir: Path) -> dict[str, float]:
 def resume_copy(resume: dict, seed: int, run_dir: Path) -> Path:
     """A copy of ``resume["ckpt"]`` (``{seed}`` replaced) in ``run_dir`` whose stored hyperparameters have
     ``resume["hparams"]`` set (dotted keys into ``hyper_parameters``; each key must exist)."""
-    import torch
-
     source = resume["ckpt"].replace("{seed}", str(seed))
     ckpt = torch.load(source, map_location="cpu", weights_only=False)
     for dotted, value in resume.get("hparams", {}).items():
@@ -118,7 +117,7 @@ def summarise(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plan", required=True, help="JSON list of {name, config, args}")
     parser.add_argument("--only", nargs="*", help="run only these variant names")
@@ -129,7 +128,7 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=0, help="spread the runs over this many GPUs (0: leave "
                         "CUDA_VISIBLE_DEVICES as it is)")
     parser.add_argument("--out", default="runs/ab")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     plan = json.loads(Path(args.plan).read_text())
     jobs = [{**variant, "seed": seed} for variant in plan for seed in variant.get("seeds", args.seeds)
             if not args.only or variant["name"] in args.only]
