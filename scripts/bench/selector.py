@@ -65,8 +65,8 @@ from sparse_train.kernels.pool import block_pool_launch
 from sparse_train.kernels.reference_block_mass import reference_dense_block_mass
 from sparse_train.plan import pool_config
 from sparse_train.selectors import (
-    BlockScorer,
     block_kl,
+    build_selector,
     dense_block_mass,
     rope_inverse_frequencies,
     sample_query_blocks,
@@ -87,7 +87,10 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--sinks", type=int, default=1)
+    p.add_argument("--selector", choices=["pooled", "token"], default="pooled",
+                   help="SparseAttentionConfig.selector: block-pooled scorer or token-level indexer")
     p.add_argument("--selector-dim", type=int, default=32)
+    p.add_argument("--index-heads", type=int, default=1, help="SparseAttentionConfig.selector_index_heads (token)")
     p.add_argument("--rope-theta", type=float, default=10000.0,
                    help="the selector un-rotates RoPE of this base before pooling, as the Transformer and the Hugging "
                         "Face integration set it; 0 pools q and k as given")
@@ -188,9 +191,10 @@ def main(argv=None) -> int:
                                          requires_grad=True)
     scale = 1.0 / math.sqrt(d)
     geom = selection_geometry(n, blk, blk, args.top_k, args.window, args.sinks)
-    defaults = st.SparseAttentionConfig()  # the module's scorer: its pooling and distance bias
-    scorer = BlockScorer(hq, hkv, d, args.selector_dim, key_pooling=defaults.key_pooling,
-                         query_pooling=defaults.query_pooling, distance_bias=defaults.selector_distance_bias).to(device)
+    # the module's scorer with its defaults (pooling, distance bias), of the kind --selector names
+    selector_cfg = st.SparseAttentionConfig(selector=args.selector, selector_dim=args.selector_dim,
+                                            selector_index_heads=args.index_heads)
+    scorer = build_selector(selector_cfg, hq, hkv, d).to(device)
     if args.rope_theta > 0:
         scorer.set_rope(rope_inverse_frequencies(args.rope_theta, d))
     timings: dict[str, dict] = {}
@@ -243,8 +247,8 @@ def main(argv=None) -> int:
     kernels = kernel_table(selector_total, device, args.kernel_table) if args.kernel_table else None
     pool_sweep = None
     if args.sweep_pool:
-        if device.type != "cuda" or scorer.rope_inv_freq.device.type != "cuda":
-            notes.append("--sweep-pool needs CUDA; skipped")
+        if device.type != "cuda" or scorer.rope_inv_freq.device.type != "cuda" or args.selector != "pooled":
+            notes.append("--sweep-pool needs CUDA and the pooled selector; skipped")
         else:
             pool_sweep = sweep_pool(q, k, blk, hq // hkv, scorer, args)
 
@@ -266,7 +270,7 @@ def main(argv=None) -> int:
 
         def distill():
             target, valid = sparse_block_mass(q, k, index, scale=scale, lse=lse, rows_per_block=rows_arg)
-            logits = scorer(qbar, kbar, scale).gather(-1, slots.clamp(min=0))
+            logits = scorer(qbar, kbar, scale, geom).gather(-1, slots.clamp(min=0))
             loss = block_kl(target, logits, slots >= 0, valid)
             loss.backward()
             return loss
@@ -303,7 +307,8 @@ def main(argv=None) -> int:
         # to distill="off" are what the distillation costs inside a training step
         for distill in ("off", "sparse", "sampled"):
             cfg = st.SparseAttentionConfig(block_q=blk, block_k=blk, top_k=args.top_k, window=args.window,
-                                           sinks=args.sinks, selector_dim=args.selector_dim, distill=distill,
+                                           sinks=args.sinks, selector=args.selector, selector_dim=args.selector_dim,
+                                           selector_index_heads=args.index_heads, distill=distill,
                                            dense_warmup_steps=0,
                                            selector_rope_theta=args.rope_theta if args.rope_theta > 0 else None)
             module = st.SparseAttention(cfg, num_heads=hq, num_kv_heads=hkv, head_dim=d).to(device).train()
@@ -348,8 +353,9 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "shape": {"N": n, "B": b, "HQ": hq, "HKV": hkv, "D": d, "dtype": args.dtype, "BQ": blk, "BK": blk,
                   "top_k": args.top_k, "window": args.window, "sinks": args.sinks, "selector_dim": args.selector_dim,
-                  "rope_theta": args.rope_theta, "query_pooling": scorer.query_pooling,
-                  "key_pooling": scorer.key_pooling, "distance_bias": scorer.distance_bias is not None},
+                  "rope_theta": args.rope_theta, "selector": args.selector, "index_heads": args.index_heads,
+                  "query_pooling": selector_cfg.query_pooling, "key_pooling": selector_cfg.key_pooling,
+                  "distance_bias": scorer.distance_bias is not None},
         "index": {"capacity": index.capacity, "selected_blocks_per_head": geom.selected_blocks,
                   "block_density": geom.block_density},
         "backend": backend,

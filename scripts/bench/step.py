@@ -124,7 +124,8 @@ def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Trans
     sparse_cfg = dict(block_q=args.block, block_k=args.block, top_k=args.top_k, window=args.window,
                       sinks=args.sinks, distill=args.distill, backend=args.backend, dense_warmup_steps=0,
                       fused_backward=args.fused_backward == "on", stored_ds_backward=args.stored_ds_backward == "on",
-                      gluon_kernels=GLUON[args.gluon])
+                      gluon_kernels=GLUON[args.gluon], selector=args.selector,
+                      selector_index_heads=args.index_heads)
     cfg = TransformerConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                             n_kv_heads=args.kv_heads, head_dim=args.head_dim, ffn_hidden=args.ffn,
                             rope_theta=args.rope_theta, tie_embeddings=False, attention=variant,
@@ -148,6 +149,10 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--sinks", type=int, default=1)
+    ap.add_argument("--selector", choices=["pooled", "token"], default="pooled",
+                    help="sparse variant: SparseAttentionConfig.selector")
+    ap.add_argument("--index-heads", type=int, default=1,
+                    help="sparse variant: SparseAttentionConfig.selector_index_heads (token selector)")
     ap.add_argument("--distill", choices=["sparse", "dense", "sampled", "off"], default="sampled",
                     help="selector distillation during the timed steps (part of a real training step; default: the module default)")
     ap.add_argument("--backend", default="auto", help="sparse kernel backend: auto | triton | reference")
