@@ -75,8 +75,8 @@ from .validation import (
 from .selectors.distill import block_kl_sum, dense_block_mass, renormalise, sparse_block_mass
 from .selectors.metrics import draw_query_blocks, sample_query_blocks, selection_quality
 from .selectors.replay import SelectionRecord, SelectionReplay, in_backward_pass
+from .selectors.indexer import build_selector
 from .selectors.scorer import (
-    BlockScorer,
     allowed_dynamic_blocks,
     causal_block_mask,
     rope_inverse_frequencies,
@@ -110,8 +110,10 @@ class SparseAttention(nn.Module):
         num_heads: HQ. num_kv_heads: HKV (HQ must be a multiple). head_dim: D.
 
     Attributes:
-        scorer: the learned :class:`~sparse_train.selectors.BlockScorer` (its parameters are the
-            selector's; they appear in ``state_dict`` under ``scorer.``).
+        scorer: the block scorer ``config.selector`` names (:func:`~sparse_train.selectors.build_selector`: the
+            learned :class:`~sparse_train.selectors.BlockScorer` or :class:`~sparse_train.selectors.TokenIndexer`,
+            or the parameter-free :class:`~sparse_train.selectors.OracleSelector`); its parameters are the
+            selector's and appear in ``state_dict`` under ``scorer.``.
         selector_loss: the last training forward's distillation loss (scalar, gradients only into
             ``scorer``), or None.
         fallback_counts: dict reason -> number of calls that took that fallback.
@@ -131,9 +133,7 @@ class SparseAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim)
-        self.scorer = BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim,
-                                  lr_multiplier=config.selector_lr_multiplier, key_pooling=config.key_pooling,
-                                  distance_bias=config.selector_distance_bias, query_pooling=config.query_pooling)
+        self.scorer = build_selector(config, num_heads, num_kv_heads, head_dim)
         if config.selector_rope_theta is not None:
             self.scorer.set_rope(rope_inverse_frequencies(config.selector_rope_theta, head_dim))
         # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every).
@@ -431,7 +431,7 @@ class SparseAttention(nn.Module):
                     pooled = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens, position_ids)
                 qbar, kbar = pooled
                 with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
-                    scores = self.scorer(qbar, kbar, scale, geometry)
+                    scores = self.scorer(qbar, kbar, scale, geometry, seq_lens=seq_lens, document_ids=document_ids)
             if need_selection:
                 candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks,
                                                   seq_lens=seq_lens, document_ids=document_ids, top_p=cfg.top_p)
@@ -712,7 +712,8 @@ class SparseAttention(nn.Module):
         if not first_pass:
             return self._last_distilled
         cfg = self.config
-        self._last_distilled = (cfg.distill != "off" and self.training and torch.is_grad_enabled()
+        self._last_distilled = (cfg.distill != "off" and cfg.selector != "oracle" and self.training
+                                and torch.is_grad_enabled()
                                 and self._training_calls % cfg.distill_every == 0)
         return self._last_distilled
 

@@ -3,11 +3,10 @@
 Plain activation checkpointing (``torch.utils.checkpoint``) reruns a layer's whole forward inside the
 backward. For a long-context layer with dense attention the attention dominates that rerun, while its
 outputs are small: ``o`` ``[B, HQ, N, D]`` in the compute dtype and the float32 log-sum-exp ``[B, HQ, N]``.
-Measured on the H200 (``scripts/bench_step.py --keep-attention``, 1.1B model, 64K tokens): keeping them saves
-the dense cuDNN step 593 ms of 4.2 s (37 ms per layer), the sparse step 23 ms of 1.61 s (its attention forward
-is 2.9 ms per layer), for 3.9 GiB of peak memory. Selective checkpointing (``context_fn`` of
-``torch.utils.checkpoint``) keeps the outputs of the attention ops from the first forward and hands them to
-the recompute, which then reruns only projections, norms, RoPE, the MLP and the selector's scores.
+Keeping them saves the dense step much of its recompute and the sparse step little (its attention forward is
+cheap), for a few GiB of peak memory. Selective checkpointing (``context_fn`` of ``torch.utils.checkpoint``)
+keeps the outputs of the attention ops from the first forward and hands them to the recompute, which then
+reruns only projections, norms, RoPE, the MLP and the selector's scores.
 
 Ops kept: the block-sparse kernel's forward (``sparse_train::sparse_attn_fwd``) and PyTorch's fused SDPA
 kernels (flash, cuDNN, memory-efficient, CPU flash), so the dense twin gets the same policy. Memory:
@@ -21,11 +20,10 @@ first forward's path and selection, so it does.
 
 Host time: selective checkpointing routes every op of the checkpointed forward through a Python dispatch mode
 (the policy is asked once per op). The sparse module's selection, plan and distillation are hundreds of small
-ops per layer that the policy never keeps, and through the mode their host time outran the GPU: in a profiled
-1.1B step at 64K on the H200 the GPU sat idle for 240 of the forward's ~500 ms (the recompute policy, no mode:
-20 ms). The module runs those parts inside :func:`outside_selective_checkpoint`, which takes the mode off while
-they run, in the first forward and in the recompute alike, so the policy still sees every op it keeps, in the
-same order (profiled idle 240 -> 100 ms; unprofiled forward 390 -> 369 ms, step 1153 -> 1124 ms).
+ops per layer that the policy never keeps, and through the mode their host time outruns the GPU (the GPU
+idles for much of a long-context forward). The module runs those parts inside
+:func:`outside_selective_checkpoint`, which takes the mode off while they run, in the first forward and in
+the recompute alike, so the policy still sees every op it keeps, in the same order.
 
 Exact: the kept tensors are the ones the first forward computed, and the recompute attends with the
 selection the first forward made (:mod:`sparse_train.selectors.replay`), so the backward sees the

@@ -13,15 +13,17 @@ from typing import Any
 from .functional import BACKENDS
 from .index import INDEX_CHECKS
 from .kernels.reference_block_mass import ROW_POOLS as DISTILL_ROW_POOLS
+from .kernels.reference_pool import ROPE_STYLES
 from .validation import check_bool, check_choice, check_float, check_int
 
 __all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "DISTILL_ROW_POOLS", "DISTILL_SUPPORTS",
-           "INDEX_CHECKS", "KEY_POOLINGS", "QUERY_POOLINGS"]
+           "INDEX_CHECKS", "KEY_POOLINGS", "QUERY_POOLINGS", "ROPE_STYLES", "SELECTORS"]
 
 DISTILL_MODES = ("sparse", "sampled", "dense", "off")
 DISTILL_SUPPORTS = ("dynamic", "causal")
 KEY_POOLINGS = ("mean", "mean_max")
 QUERY_POOLINGS = ("mean", "mean_max")
+SELECTORS = ("pooled", "token", "oracle")
 
 
 # One line per field in __post_init__: the label is the field's qualified name, the value its attribute.
@@ -69,8 +71,35 @@ class SparseAttentionConfig:
     sinks: int = 1
     """Attention-sink blocks: key blocks ``0 .. sinks-1`` are always selected (clipped to causal)."""
 
+    selector: str = "pooled"
+    """How key blocks are scored for the top-k:
+
+    - ``"pooled"``: learned projections of block summaries (mean and max of each block's queries and keys,
+      ``query_pooling`` / ``key_pooling``); cost O(N D + NQB NKB S).
+    - ``"token"``: a token-level indexer. Every query row and every key gets small learned index vectors
+      (``selector_index_heads`` heads of width ``selector_dim`` per query row, one of width ``selector_dim`` per
+      key); a (query block, key block) pair scores the largest index logit over its causal (row, key) pairs, so a
+      single key that matters to a single row decides the block's rank. Cost O(N^2 E S / 2) in one fused kernel,
+      no N x N tensor.
+    - ``"oracle"``: the true dense attention mass of each key block, max over the query block's rows and GQA heads
+      (the distillation target itself), same budget. Diagnostic: it computes dense attention scores (O(N^2 D)) and
+      has nothing to train; comparing a model's accuracy under ``"oracle"`` and under a learned selector tells
+      whether a gap is the selector's or the budget's."""
+
     selector_dim: int = 32
-    """Width S of the selector's per-KV-head projections of pooled queries and keys."""
+    """Width S of the selector's per-KV-head projections: of the pooled queries and keys (``"pooled"``), or of
+    each index head and index key (``"token"``)."""
+
+    selector_index_heads: int = 1
+    """Index heads E per KV head of the ``"token"`` selector: each query row gets E index vectors, projected from
+    the concatenated queries of its GQA group; a block pair scores the max over rows, index heads and keys."""
+
+    selector_rope_style: str = "rotate_half"
+    """RoPE convention of the q and k this layer receives, for the selector's un-rotation
+    (``selector_rope_theta`` or ``SparseAttention.set_rope``): ``"rotate_half"`` turns channel pairs
+    ``(i, i + R/2)`` (Hugging Face Llama / Qwen / Mistral, this package's ``Transformer``); ``"interleaved"`` turns
+    pairs ``(2i, 2i + 1)`` (torchtune, Meta's reference Llama, GPT-J). Un-rotating with the wrong convention
+    does not fail: it silently scrambles the content the selector compares."""
 
     key_pooling: str = "mean_max"
     """Key-block summary the selector scores: ``"mean_max"`` = the block's mean key and its
@@ -83,10 +112,11 @@ class SparseAttentionConfig:
     ``"mean"`` = the mean alone. The few rows that need a distant block (the question of a retrieval task) are 1/BQ of
     the mean but can set the max. Measured on 16K hard retrieval (H200, 4 seeds, sparse and dense
     continuations branched from one checkpoint per seed): sparse reached 0.991x the dense branch with
-    ``"mean_max"`` against 0.927x with ``"mean"`` (docs/benchmarks/selector_2026-11-30, round 15)."""
+    ``"mean_max"`` against 0.927x with ``"mean"`` (docs/benchmarks/selector_quality.md)."""
 
     selector_rope_theta: float | None = None
-    """RoPE base of the q and k this layer receives (rotate-half convention over the whole head dim).
+    """RoPE base of the q and k this layer receives (over the whole head dim, in the ``selector_rope_style``
+    convention).
     When set, the selector un-rotates q and k before pooling, so its block scores compare content and
     do not depend on absolute position. ``None`` = pool the rotated q and k as given. The Hugging Face
     integration sets the model's exact frequencies itself (``SparseAttention.set_rope``)."""
@@ -133,18 +163,18 @@ class SparseAttentionConfig:
     """One backward kernel instead of two: the KV-centric dK/dV kernel also adds dQ into a float32 buffer
     with atomics (``kernel_options.fused_dq`` of :func:`sparse_train.sparse_attention`), which saves the
     dQ kernel's recomputation of the scores. dQ is then not bitwise reproducible, so it cannot be combined
-    with ``deterministic``. Off by default: on the H200 at 64K the atomics cost more than they save (backward
-    0.59-0.90x the two-kernel speed at head dim 128, 0.95-1.02x at 64; :mod:`sparse_train.kernels.backward`)."""
+    with ``deterministic``. Off by default: the atomics cost more than they save (measured slower at 64K;
+    docs/kernel_tuning.md)."""
 
     stored_ds_backward: bool = False
     """The KV-centric kernel stores each dS tile and the dQ kernel reads it instead of recomputing the scores
     (``kernel_options.stored_ds`` of :func:`sparse_train.sparse_attention`): no atomics, so it combines with
-    ``deterministic``, but not with ``fused_backward``. Off by default: on the H200 at 64K the backward is
-    2-8% faster for a buffer of about 8 GB (B = 1, 32 heads; ``docs/benchmarks/speed_round2/README.md``)."""
+    ``deterministic``, but not with ``fused_backward``. Off by default: not faster than the default backward,
+    for a buffer of about 8 GB at 64K (B = 1, 32 heads; ``docs/kernel_tuning.md``)."""
 
     gluon_kernels: bool | None = None
     """The hand-scheduled Gluon kernels (Hopper only; ``kernel_options.fwd_gluon`` / ``dq_gluon`` / ``kv_gluon``
-    of :func:`sparse_train.sparse_attention`): ``None`` = each kernel's measured default (on an H200 the dQ and
+    of :func:`sparse_train.sparse_attention`): ``None`` = each kernel's measured default (on Hopper the dQ and
     KV-centric backward kernels always, the forward at head dim 64 over 64-key blocks); ``False`` = the Triton
     kernels only; ``True`` = the Gluon kernels wherever they apply. Where a Gluon kernel does not apply (another
     GPU, dropout, sequence lengths, context parallelism, N not a multiple of ``block_q``) the Triton kernel runs
@@ -221,7 +251,7 @@ class SparseAttentionConfig:
     recompute's phases are reported apart, as ``time/<phase>_recompute_ms``."""
 
     def __post_init__(self) -> None:
-        for name in ("block_q", "block_k", "selector_dim", "distill_every", "distill_query_blocks",
+        for name in ("block_q", "block_k", "selector_dim", "selector_index_heads", "distill_every", "distill_query_blocks",
                      "distill_chunk_mb", "metrics_query_blocks"):
             _check_int(self, name, minimum=1)
         for name in ("top_k", "window", "sinks", "metrics_every", "dense_warmup_steps"):
@@ -244,6 +274,8 @@ class SparseAttentionConfig:
         _check_choice(self, "distill", DISTILL_MODES)
         _check_choice(self, "distill_row_pool", DISTILL_ROW_POOLS)
         _check_choice(self, "distill_support", DISTILL_SUPPORTS)
+        _check_choice(self, "selector", SELECTORS)
+        _check_choice(self, "selector_rope_style", ROPE_STYLES)
         _check_choice(self, "key_pooling", KEY_POOLINGS)
         _check_choice(self, "query_pooling", QUERY_POOLINGS)
         _check_choice(self, "index_check", INDEX_CHECKS)

@@ -363,7 +363,8 @@ def context_parallel_block_scores(
     """
     group, world, rank = _group_info(group)
     if not isinstance(scorer, BlockScorer):
-        raise ValueError(f"scorer must be a BlockScorer, got {type(scorer).__name__}")
+        raise ValueError(f"context parallelism supports the pooled selector only (selector='pooled'), got a "
+                         f"{type(scorer).__name__}")
     _, _, _, local, _ = check_qkv(q, k, k)
     seq_len = local * world
     check_layout(seq_len, world, block_q, block_k)
@@ -525,9 +526,15 @@ def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str 
         The number of modules switched (at least 1).
 
     Raises:
-        ValueError: torch.distributed not initialised or this process outside ``group``; ``backend`` not
+        ValueError: a module with a selector other than ``"pooled"``; torch.distributed not initialised or this
+            process outside ``group``; ``backend`` not
             a string or None; no module of ``model`` supports context parallelism (for example a Hugging
             Face model: its RoPE is applied at local positions, which the integration does not shift)."""
+    for module in model.modules():
+        scorer = getattr(module, "scorer", None)
+        if hasattr(module, "context_parallel_group") and scorer is not None and not isinstance(scorer, BlockScorer):
+            raise ValueError(f"context parallelism supports the pooled selector only (SparseAttentionConfig."
+                             f"selector='pooled'); {type(model).__name__} has a {type(scorer).__name__}")
     group, _, _ = _group_info(group)
     if backend is not None and not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or None, got {backend!r}")

@@ -22,7 +22,7 @@ def capture_cuda_graph(fn: Callable[[], T], warmup: int = 2) -> tuple[torch.cuda
     A backward inside ``fn`` captures only if no autograd graph made outside the capture through the same leaf
     tensors is still alive (an output kept with ``retain_graph``, a loss not yet freed): that graph holds the
     leaves' gradient accumulators, made on the default stream, and the captured backward then waits on that
-    stream, which invalidates the capture ("operation failed due to a previous error during capture"; H200,
+    stream, which invalidates the capture ("operation failed due to a previous error during capture" with
     torch 2.11). Drop such outputs first.
 
     Raises:

@@ -202,19 +202,19 @@ def sparse_attention(
             KV-centric kernels; ``kv_chunk`` query blocks per KV-centric work item; ``kv_tile_rows``
             query rows the KV-centric kernel takes per step (a power of two >= 16); ``fused_dq`` (bool) one
             backward pass, dQ added by the KV-centric kernel with float32 atomics (not bitwise
-            reproducible, so refused with ``deterministic``; off by default: on the H200 at 64K it is slower at
-            head dim 128 and level at 64, ``docs/benchmarks/speed_round2/README.md``); ``stored_ds`` (bool) the
+            reproducible, so refused with ``deterministic``; off by default: measured slower,
+            ``docs/kernel_tuning.md``); ``stored_ds`` (bool) the
             KV-centric kernel stores dS and the dQ kernel reads it instead of recomputing S and dP
-            (deterministic; a buffer of B*HQ*NQB*K*BQ*BK elements in q's dtype; off by default: 2-8% faster
-            backward on the H200 at 64K for about 8 GB more memory);
+            (deterministic; a buffer of B*HQ*NQB*K*BQ*BK elements in q's dtype; off by default: not faster
+            than the default backward, for about 8 GB more memory at 64K);
             ``{fwd,dq,kv}_tma`` (bool) TMA tensor-descriptor loads of the K/V tiles (forward, dQ) and of the
             q/dO slices (KV-centric) on Hopper and newer, where the tensors' layout allows a descriptor (the
-            defaults follow the H200 measurements, :func:`sparse_train.plan.backward_config`); ``kv_gluon``
+            defaults follow the measurements in ``docs/kernel_tuning.md``); ``kv_gluon``
             (bool) the KV-centric dK/dV kernel hand-scheduled in Gluon (default on a Hopper GPU, where it
             applies: no dropout or sequence lengths, N a multiple of the blocks; same gradients as
-            the Triton kernel, 9-15% faster backward on the H200 at 64K); ``dq_gluon`` (bool) the dQ kernel
+            the Triton kernel, a faster backward); ``dq_gluon`` (bool) the dQ kernel
             hand-scheduled in Gluon (default on a Hopper GPU where it applies, as ``kv_gluon`` and no cold
-            block; dQ bitwise the Triton kernel's; 2.6-5% faster backward); ``fwd_gluon`` (bool) the forward
+            block; dQ bitwise the Triton kernel's; a faster backward); ``fwd_gluon`` (bool) the forward
             hand-scheduled in Gluon (where it applies, also one split per row; outputs bitwise the Triton
             forward's; default on a Hopper GPU at head dim 64 over 64-key blocks, the one shape where it
             measured faster). Validated on both backends; only the Triton backend uses them.

@@ -18,8 +18,8 @@ over the chunks in that precision.
 
 Under ``torch.compile`` the loss takes a second path with the same result, :func:`_checkpointed_chunks`:
 plain differentiable chunks, each under activation checkpointing (its logits recomputed in the backward,
-never stored). The autograd function above cannot be traced: with torch 2.11 (measured on the H200, CPU and
-CUDA alike) the compiled graph of a ``torch.autograd.Function`` that computes its gradients in the forward
+never stored). The autograd function above cannot be traced: with torch 2.11 (CPU and CUDA alike) the
+compiled graph of a ``torch.autograd.Function`` that computes its gradients in the forward
 returns zero gradients, silently; torch 2.13 traces it correctly.
 
 Known limits: no label smoothing, no logit soft-capping, no bias; the gradients of hidden and head are held

@@ -13,8 +13,8 @@ walk it, and nothing here changes a result beyond floating-point order:
 * The forward's split count :func:`choose_num_splits` (split-KV only when the grid cannot fill the
   device, whose SM count :func:`device_sm_count` reads).
 * Tile configurations: :func:`forward_config`, :func:`backward_config`, :func:`block_mass_config`
-  (query heads stacked per program, warps, pipeline stages), tuned on an H200 at 64K
-  (``docs/benchmarks/kernel_tuning.md``).
+  (query heads stacked per program, warps, pipeline stages), from the measurements in
+  ``docs/kernel_tuning.md``.
 * The ``kernel_options`` mapping of :func:`sparse_train.sparse_attention`:
   :func:`normalize_kernel_options` is the one function that validates it (:data:`KERNEL_OPTIONS`).
 
@@ -71,7 +71,7 @@ DEFAULT_R0 = 1
 """Default reuse threshold of the hybrid backward: KV blocks selected by at least this many query
 blocks take the KV-centric dK/dV kernel, the others accumulate with fp32 atomics from the dQ pass.
 1 = every selected block KV-centric, no atomics (the fastest routing measured; see
-``docs/benchmarks/kernel_tuning.md``); the atomic path stays available per call and in the config."""
+``docs/kernel_tuning.md``); the atomic path stays available per call and in the config."""
 
 KV_CHUNK = 64
 """Query blocks per KV-centric work item: a KV block selected by more query blocks (a sink, a popular
@@ -361,31 +361,27 @@ def copy_engine_loads(device) -> bool:
 
 GLUON_TILE_ROWS = 64
 """Query rows per step of the Gluon KV-centric kernel: at D = 128 its two [BK, D] accumulators and two
-[BK, 64] score tiles fit in 255 registers (H200, 64K: 32 rows 2-10% slower, 128 rows spill and run 1.4-1.9x
-slower; docs/benchmarks/speed_round2/h200_probe_gluon_kv_session14.json)."""
+[BK, 64] score tiles fit in 255 registers (32 rows are slower, 128 rows spill; docs/kernel_tuning.md)."""
 GLUON_RING = 2
 """q/dO slices the Gluon KV-centric kernel keeps in flight (3: equal at D = 64, spills at D = 128)."""
 GLUON_KEY_ROWS = 64
 """Key rows one Gluon KV-centric program takes: a 128-key block runs as two 64-row programs (4 warps each), so
 two programs share an SM and one's softmax runs while the other's products do, as with 64-key blocks; one
-128-row program of 8 warps filled the SM alone and kept the tensor pipe busy 55% of the time, two 64-row programs
-64% (H200, 64K, D = 128, Nsight Compute); whole backward at P128 11.29 -> 10.53 ms (D = 128), 7.47 -> 6.77 ms
-(D = 64), bitwise equal (docs/benchmarks/speed_round2/h200_probe_gluon_key_rows_session19.json)."""
+128-row program of 8 warps fills the SM alone and keeps the tensor pipe less busy (Nsight Compute); bitwise equal
+results, faster backward (docs/kernel_tuning.md)."""
 GLUON_FWD_ROWS = 64
 """Query rows a Gluon forward program aims at (heads x BQ; one head for BQ >= 64): at head dim 64 over 64-key
-blocks two such programs share an SM (H200, 64K: 1.99 ms against 2.13 with 128 rows, 2.58 with 256, and 2.24
-for the Triton forward; docs/benchmarks/speed_round2/h200_probe_gluon_forward_session15.json)."""
+blocks two such programs share an SM (faster than 128 or 256 rows and than the Triton forward;
+docs/kernel_tuning.md)."""
 GLUON_FWD_RING = 2
 """K/V tiles the Gluon forward keeps in flight."""
 GLUON_DQ_RING = 2
-"""K/V tiles the Gluon dQ kernel keeps in flight (ring slots in shared memory; 3: equal or slower on the H200,
+"""K/V tiles the Gluon dQ kernel keeps in flight (ring slots in shared memory; 3: equal or slower,
 and over 128 x 128 key tiles at D = 128 more shared memory than a program has)."""
 GLUON_DQ_ROWS = 64
 """Query rows a Gluon dQ program aims at (heads x BQ; one head for BQ = 128). 64 rows (4 warps) let two programs
-share an SM, one computing its softmax while the other's products run: on the H200 at 64K, P64, the whole
-backward took 10.01 against 10.46 ms with 128 rows at D = 128, 6.01 against 6.64 at D = 64
-(docs/benchmarks/speed_round2/h200_probe_gluon_backward_session15_p64_heads.json). The Triton dQ kernel keeps
-its 128 rows (with one head at BQ = 64 it took 17.5 ms)."""
+share an SM, one computing its softmax while the other's products run: a faster backward than with 128 rows
+(docs/kernel_tuning.md). The Triton dQ kernel keeps its 128 rows (one head at BQ = 64 is much slower there)."""
 
 
 def gluon_kernels(device) -> bool:
@@ -460,11 +456,11 @@ class KernelOptions:
     kv_heads_per_program * BQ; default the whole tile): thinner slices keep fewer scores live."""
     fwd_tma: bool | None = None
     """Forward: load the K/V tiles through TMA tensor descriptors (Hopper and newer; pointer loads where
-    a tensor's strides or alignment do not allow a descriptor). Default on (H200, 64K: 5-12% faster at
-    three of four shapes, equal at the fourth)."""
+    a tensor's strides or alignment do not allow a descriptor). Default on: faster or equal at every shape
+    measured (docs/kernel_tuning.md)."""
     dq_tma: bool | None = None
-    """dQ kernel: load the K/V tiles through TMA tensor descriptors (as ``fwd_tma``). Default on (H200, 64K:
-    4-12% faster)."""
+    """dQ kernel: load the K/V tiles through TMA tensor descriptors (as ``fwd_tma``). Default on: faster at
+    every shape measured (docs/kernel_tuning.md)."""
     kv_tma: bool | None = None
     """KV-centric kernel: load the q/dO row slices through TMA tensor descriptors (one head per step and
     no query-block map only; pointer loads otherwise). Default on except over 128 x 128 key tiles, where
@@ -473,36 +469,36 @@ class KernelOptions:
     """One backward pass: the KV-centric kernel also adds each tile's dQ share into a float32 buffer with
     atomics, and the dQ kernel does not run (5 tile products per block pair instead of 7). Every block is
     then KV-centric. The atomics sum in no fixed order, so dQ is not bitwise reproducible: refused with
-    ``deterministic``. Default off: measured slower on the H200 (the atomics cost more than the saved
-    recomputation; :mod:`sparse_train.kernels.backward`)."""
+    ``deterministic``. Default off: measured slower (the atomics cost more than the saved
+    recomputation; docs/kernel_tuning.md)."""
     stored_ds: bool | None = None
     """The KV-centric kernel stores every tile's dS (in q's dtype, the operand the dQ product takes) in a
     buffer of ``B*HQ*NQB*K*BQ*BK`` elements (K the index capacity), and the dQ kernel reads it instead of
     recomputing S and dP: 5 tile products per block pair instead of 7, no atomics (deterministic). Every
-    block is then KV-centric (``r0`` does not apply). Excludes ``fused_dq``. Default off: on the H200 at 64K
-    the backward is 2-8% faster (0.98-1.08x by shape), for about 8 GB more peak memory at B = 1, HQ = 32
-    (docs/benchmarks/speed_round2/README.md, thirteenth session)."""
+    block is then KV-centric (``r0`` does not apply). Excludes ``fused_dq``. Default off: not faster than the
+    default backward, for about 8 GB more peak memory at B = 1, HQ = 32 at 64K
+    (docs/kernel_tuning.md)."""
     kv_gluon: bool | None = None
     """The KV-centric dK/dV kernel hand-scheduled in Gluon (:mod:`sparse_train.kernels.backward_gluon`:
     q/dO slices prefetched by TMA, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
     (Hopper, no dropout, sequence lengths or query-block map, N a multiple of the blocks, neither
     ``fused_dq`` nor ``stored_ds``; the Triton kernel runs elsewhere). Same products in the same order: the
-    gradients equal the Triton kernel's. Default on where :func:`gluon_kernels` holds (H200, 64K: the
-    backward 9-15% faster; docs/benchmarks/speed_round2/README.md, fourteenth session)."""
+    gradients equal the Triton kernel's. Default on where :func:`gluon_kernels` holds (a faster backward;
+    docs/kernel_tuning.md)."""
     fwd_gluon: bool | None = None
     """The forward hand-scheduled in Gluon (:mod:`sparse_train.kernels.forward_gluon`: the q tile in shared
     memory, K/V tiles prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where
     it applies (Hopper, no dropout, sequence lengths, query-block map or split rows, N a multiple of
     the blocks); same products in the same order, so the outputs equal the Triton forward's bit for bit. Default
     on where :func:`gluon_kernels` holds and the head dim and key blocks are 64, the one shape where it measured
-    faster (H200, 64K: 11%; 3-17% slower at D = 128 and over 128-key blocks)."""
+    faster (docs/kernel_tuning.md)."""
     dq_gluon: bool | None = None
     """The dQ kernel hand-scheduled in Gluon (:mod:`sparse_train.kernels.backward_gluon`: K/V tiles
     prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
     (as ``kv_gluon``, and no cold block: the atomic dK/dV products of cold blocks stay in the Triton kernel).
     Same products in the same order: dQ equals the Triton kernel's bit for bit. Default on where
-    :func:`gluon_kernels` holds (H200, 64K, whole backward with the Gluon KV-centric kernel: 2.6-5% faster;
-    docs/benchmarks/speed_round2/README.md, fifteenth session)."""
+    :func:`gluon_kernels` holds (a faster backward beside the Gluon KV-centric kernel;
+    docs/kernel_tuning.md)."""
 
 
 KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
@@ -647,24 +643,23 @@ def forward_config(group: int, block_q: int, block_k: int, head_dim: int,
                    kernel_options: Mapping | KernelOptions | None = None, device=None) -> ForwardConfig:
     """Forward tile: heads * BQ = 256 rows at head dim >= 128 (K/V loaded once for 4 heads at BQ = 64), 128
     rows below (at D = 64 the K/V loads are half as large and the smaller tile gives twice the programs:
-    2 heads 11% faster than 4 on the H200); 8 warps once a [rows, max(D, BK)] tile reaches 128 x 64
+    2 heads faster than 4); 8 warps once a [rows, max(D, BK)] tile reaches 128 x 64
     elements, 4 below, 3 stages (2 for 256-row tiles over 128-key blocks: shared memory); but 4 warps and 2
     stages below head dim 128 over 128-key blocks; K/V through TMA descriptors where ``device`` takes them
-    (:func:`copy_engine_loads`; None: assumed). Measured: docs/benchmarks/kernel_tuning.md,
-    docs/benchmarks/speed_round2/. ``kernel_options`` override each field."""
+    (:func:`copy_engine_loads`; None: assumed). Measured: docs/kernel_tuning.md.
+    ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
     heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=256 if head_dim >= 128 else 128)
     _divides_group("kernel_options.fwd_heads_per_program", heads, group)
     rows = heads * block_q
     if head_dim < 128 and block_k >= 128:
-        # measured (64K, D = 64, 128-blocks): 4 warps / 2 stages 2.41 ms, 4 / 3 2.57, 8 / 3 3.05 (255 registers,
-        # no spill at 4 warps)
+        # the fastest of the warps / stages measured at D = 64 over 128-blocks (255 registers, no spill at 4
+        # warps; docs/kernel_tuning.md)
         warps, stages = 4, 2
     else:
         warps = 8 if rows * max(head_dim, block_k) >= 128 * 64 else 4
         stages = 2 if (rows >= 256 and block_k >= 128) else 3
-    # TMA K/V loads: 4.17 -> 3.67 ms (P128, D = 128), 3.65 -> 3.45 (P64), 2.47 -> 2.32 (P128, D = 64), equal
-    # at P64, D = 64 (H200, 64K: docs/benchmarks/speed_round2/h200_probe_tma_session12.json)
+    # TMA K/V loads: faster or equal at every shape measured (docs/kernel_tuning.md)
     tma = _flag(options.fwd_tma, device is None or copy_engine_loads(device))
     gluon = _flag(options.fwd_gluon, head_dim == 64 and block_k == 64 and device is not None
                   and gluon_kernels(device))
@@ -682,7 +677,7 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     dK/dV accumulators already live in registers), taking its query tile in row slices: 128 x 128 key
     tiles 8 warps, 2 stages, 64-row slices; 64 x 128 key tiles 4 warps, 3 stages, 32-row slices (128 x 64:
     2 stages);
-    smaller 4 warps, 3 stages, the whole tile (measured on the H200: docs/benchmarks/kernel_tuning.md).
+    smaller 4 warps, 3 stages, the whole tile (measured: docs/kernel_tuning.md).
     TMA loads where ``device`` takes them (:func:`copy_engine_loads`; None: assumed): the dQ kernel's K/V
     tiles; the KV-centric kernel's q/dO slices with one head per step, without a query-block map
     (``query_map``) and except over 128 x 128 key tiles without ``stored_ds`` (3 stages then at D = 64 over
@@ -697,32 +692,29 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     kv_heads = options.kv_heads_per_program or 1
     _divides_group("kernel_options.kv_heads_per_program", kv_heads, group)
     # the [rows, D] dQ accumulator and the [rows, BK] scores and dP live at once: 8 warps once either reaches
-    # 128 x 128 (at D = 64 with 128-key blocks 4 warps spilled 150 slots on the H200)
+    # 128 x 128 (at D = 64 with 128-key blocks 4 warps spill)
     dq_warps = 8 if dq_heads * block_q * max(head_dim, block_k) > 64 * 128 else 4
     if block_k * head_dim >= 128 * 128:
         dq_stages = 1 if has_cold else 2
     else:
         dq_stages = 3 if dq_warps == 8 else 2
-    # TMA q/dO loads in the KV-centric kernel (H200, 64K): 7.1 -> 6.5 ms (P64, D = 128), 3.9 -> 3.7 (P64,
-    # D = 64), 5.5 -> 4.5 (P128, D = 64, with 3 stages); slower over 128 x 128 key tiles (7.6 -> 8.3)
-    # with stored dS (whose slices then leave by TMA stores too) also over 128 x 128 key tiles: 10.9 -> 10.3 ms
+    # TMA q/dO loads in the KV-centric kernel: faster, except over 128 x 128 key tiles, where only
+    # stored dS (whose slices then leave by TMA stores too) gains from them (docs/kernel_tuning.md)
     tma = device is None or copy_engine_loads(device)
     kv_tma = _flag(options.kv_tma, tma and kv_heads == 1 and not query_map
                    and (block_k * head_dim < 128 * 128 or bool(options.stored_ds)))
-    # TMA K/V loads in the dQ kernel (H200, 64K): 5.49 -> 4.85 ms (P64, D = 128), 5.47 -> 4.98 (P128, D = 128),
-    # 2.92 -> 2.80 (P64, D = 64), 3.36 -> 3.10 (P128, D = 64)
+    # TMA K/V loads in the dQ kernel: faster at every shape measured (docs/kernel_tuning.md)
     dq_tma = _flag(options.dq_tma, tma)
     # the row slice bounds the scores (S^T and dP^T, [BK, rows] fp32) live beside the accumulators
     if block_k * head_dim >= 128 * 128:
         kv_warps, kv_stages, kv_slice = 8, 2, 64
     elif block_k * head_dim >= 64 * 128:
-        # 128-key blocks at D = 64: with pointer loads 2 stages (5.5 ms against 6.1 with 3 on the H200, fewer
-        # spills); with TMA loads 3 (4.5 ms against 5.5 with 2)
+        # 128-key blocks at D = 64: with pointer loads 2 stages (fewer spills than 3); with TMA loads 3
+        # (docs/kernel_tuning.md)
         kv_warps, kv_stages, kv_slice = 4, 3 if block_k < 128 or kv_tma else 2, 32
     else:
         kv_warps, kv_stages, kv_slice = 4, 3, None
-    # the Gluon KV-centric kernel where it applies (H200, 64K, whole backward: P64 11.5 -> 10.1 ms, P128
-    # 13.7 -> 11.7 at D = 128; 6.8 -> 6.2 and 8.3 -> 7.5 at D = 64)
+    # the Gluon KV-centric kernel where it applies (a faster backward: docs/kernel_tuning.md)
     kv_gluon = _flag(options.kv_gluon, device is not None and gluon_kernels(device))
     dq_gluon = _flag(options.dq_gluon, device is not None and gluon_kernels(device))
     dq_gluon_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=GLUON_DQ_ROWS)
@@ -817,13 +809,13 @@ def block_mass_config(group: int, block_q: int) -> ForwardConfig:
 
 def pool_config(rope: bool, block: int, head_dim: int) -> tuple[int, int, int]:
     """(rows per step, warps, pooled heads per program) of the selector's pooling kernel (``kernels/pool.py``)
-    for blocks of ``block`` rows, measured on the H200 at 64K and 16K
-    (``docs/benchmarks/speed_round2/h200_pool_sweep_session11.json``).
+    for blocks of ``block`` rows, measured at 64K and 16K
+    (``docs/benchmarks/selector_pool_sweep_h200.json``).
 
     Without RoPE the kernel streams q and k: 64-row steps on 2 warps, one head per program (2.5-3 TB/s).
     With RoPE a program takes the whole block in one step, so the angles' cosine and sine are computed once
     per row, on one warp per 32 rows; when a [rows, D/2] tile is small (64-row blocks at D = 64) they also
-    serve 4 heads per program (0.179 against 0.193 ms at 64K), larger tiles run best one head per program."""
+    serve 4 heads per program, larger tiles run best one head per program (docs/kernel_tuning.md)."""
     rows = 1 << max(0, block - 1).bit_length()  # the block's rows padded to a power of two
     if not rope:
         return min(64, rows), 2, 1

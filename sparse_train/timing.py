@@ -1,7 +1,7 @@
 """Wall-clock marks for timing phases of a step, on the device that runs them.
 
 One helper for every timer in the project (the module's attention profile, the Lightning
-``StepTimer`` callback, ``scripts/bench_step.py``):
+``StepTimer`` callback, the benchmarks under ``scripts/bench``):
 
 * on a CUDA device a mark is a ``torch.cuda.Event`` recorded on the current stream. Recording does
   not wait for the device, so marking phases does not serialise the host with the GPU; the time
@@ -17,7 +17,7 @@ from typing import Hashable, Optional, Union
 
 import torch
 
-__all__ = ["Stamp", "stamp", "elapsed_ms", "Marks", "PhaseTimer"]
+__all__ = ["Stamp", "stamp", "stage_events", "elapsed_ms", "Marks", "PhaseTimer"]
 
 Stamp = Union[float, torch.cuda.Event]
 
@@ -29,6 +29,12 @@ def stamp(device: Union[torch.device, str]) -> Stamp:
         event.record()
         return event
     return time.perf_counter()
+
+
+def stage_events(count: int) -> list[torch.cuda.Event]:
+    """``count`` CUDA events not yet recorded, for code that records its own stage boundaries (the backward
+    launcher's ``stage_events``); read the time between two of them with :func:`elapsed_ms`."""
+    return [torch.cuda.Event(enable_timing=True) for _ in range(count)]
 
 
 def elapsed_ms(start: Stamp, stop: Stamp) -> float:

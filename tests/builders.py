@@ -1,9 +1,8 @@
 """Shared builders of test inputs and error measures: the one random-selection builder, the one q/k/v
 maker and the error-ratio check every numerical test uses. Imported by the test modules (functions, so
 module-level parameter lists and helpers can call them too); the fixtures are in conftest.py."""
-import importlib.util
+import importlib
 import math
-import os
 
 import torch
 
@@ -124,9 +123,8 @@ def spawn_ranks(worker, world: int, *args) -> None:
 
     A worker that returns ends its process with ``os._exit(0)``: the interpreter's own shutdown of a
     process that ran gloo collectives (FSDP in particular) sometimes aborts in a C++ destructor
-    ("terminate called without an active exception", SIGABRT; measured in 1 of 22 runs of
-    tests/test_fsdp.py on the session's starting code and in 7 of 34 on later trees, on 2 CPU cores; none in
-    12 with this exit), after every result has been written."""
+    ("terminate called without an active exception", SIGABRT, in a few percent of the runs of
+    tests/test_fsdp.py on 2 CPU cores; none with this exit), after every result has been written."""
     import socket
 
     import torch.multiprocessing as mp
@@ -139,7 +137,7 @@ def spawn_ranks(worker, world: int, *args) -> None:
 
 def cpu_fsdp_strategy(**kwargs):
     """A fresh Lightning ``FSDPStrategy(**kwargs)`` that runs on the CPU (gloo), through the shims of
-    ``scripts/fsdp_check.py`` (``install_cpu_fsdp_shims``; they patch this process, so call it in spawned
+    ``scripts/tools/fsdp_check.py`` (``install_cpu_fsdp_shims``; they patch this process, so call it in spawned
     workers only)."""
     global _CPU_FSDP_STRATEGY
     if _CPU_FSDP_STRATEGY is None:  # the shims patch the process once; a second Trainer reuses the class
@@ -188,9 +186,6 @@ def ids_from_starts(starts_per_row, seq_len: int):
 
 
 def load_script(name: str):
-    """The module ``scripts/<name>.py``, imported from its file (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(__file__), "..", "scripts",
-                                                                      f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The tool ``scripts/tools/<name>.py``, imported as the package module ``scripts.tools.<name>`` (the tests run
+    from the repository root, ``python -m pytest``, which puts it on the path)."""
+    return importlib.import_module(f"scripts.tools.{name}")

@@ -1,4 +1,4 @@
-"""Argument validation of the public index / attention API (issue 11): every bad argument gets a
+"""Argument validation of the public index / attention API: every bad argument gets a
 ValueError naming it, the same on both backends; state that does not belong to the call (a plan of
 another index, of index tensors modified since) is refused; the dropout seed domain [0, 2**64) gives
 the same bits on both backends up to its top."""
@@ -200,7 +200,7 @@ def test_block_index_constructor_checks_metadata(make, match):
 # ------------------------------------------------------------------------------ plans bound to their index
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_plan_of_another_index_is_refused(backend):
-    """Issue 11: a plan from another index was accepted and the backward read past its arrays."""
+    """A plan from another index is refused (the backward would read past its arrays)."""
     q, k, v, idx_a = _inputs(seed=1)
     _, _, _, idx_b = _inputs(seed=2)
     assert idx_a.indices.shape == idx_b.indices.shape
@@ -240,7 +240,7 @@ SEEDS_AT_THE_TOP = [2**63 - 1, 2**63, 2**64 - 2**31, DROPOUT_SEED_LIMIT - 1]
 @pytest.mark.skipif(not TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("seed", SEEDS_AT_THE_TOP, ids=lambda s: f"seed{s:#x}")
 def test_dropout_seed_at_the_top_of_the_domain_same_bits_both_backends(seed):
-    """Issue 11: seeds >= 2**63 crashed the Triton path (the op's int is int64); the reference took them.
+    """Seeds >= 2**63 run on the Triton path (the op's int is int64) with the reference's keep bits.
     Recover the kernel's keep bits with q = 0 (uniform P) and V = identity, forward and backward."""
     B, HQ, HKV, N, D, p = 1, 2, 1, 32, 16, 0.4
     idx = st.BlockIndex.full(B, HKV, N, 16, 16, device=DEV)

@@ -88,7 +88,7 @@ def test_bad_override_is_one_line_naming_the_key(override, expected):
     ],
 )
 def test_console_run_prints_two_lines_and_exits_non_zero(override, marker, tmp_path):
-    """What a user sees: the whole stderr+stdout of the process (the old output was ~90 lines)."""
+    """What a user sees: the whole stderr+stdout of the process is two lines."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("SPARSE_TRAIN_DEBUG", None)
     proc = subprocess.run([sys.executable, "-m", "sparse_train.cli", "fit", "--config", "retrieval", override],

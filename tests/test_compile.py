@@ -1,4 +1,4 @@
-"""Issue 12: ``torch.compile(module, fullgraph=True)`` of the sparse training path (distillation on) and
+"""``torch.compile(module, fullgraph=True)`` of the sparse training path (distillation on) and
 its equality with eager; on the GPU also the sync-debug check of a training step and the CUDA-graph
 capture of selector + canonicalize + plan.
 
@@ -301,9 +301,9 @@ def test_fullgraph_inductor_compile_equals_eager_on_gpu(distill, with_lens, with
 
 GPU_GRADIENT_LIMIT = 1.5e-2
 """Relative gradient error (Frobenius norm) allowed between a compiled and an eager bf16 model on the GPU; the
-selector's parameters get :data:`GPU_SELECTOR_GRADIENT_LIMIT`. Measured on the H200 (torch 2.11, ninth
-session): model parameters at most 8.7e-3, the selector's up to 2.3e-2 (its gradients pass through a KL of
-two softmaxes of bf16 scores).
+selector's parameters get :data:`GPU_SELECTOR_GRADIENT_LIMIT`. Measured on an H200 with torch 2.11: model
+parameters at most 8.7e-3, the selector's up to 2.3e-2 (its gradients pass through a KL of two softmaxes of
+bf16 scores).
 
 The sparse GPU cases select no top-k blocks (``top_k=0``: window and sinks only, a selection no rounding can
 change). With top-k blocks, bf16 projections rounded in another order move the selector's scores and a near

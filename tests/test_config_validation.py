@@ -1,4 +1,4 @@
-"""Constructor validation (issue 11, "Reliability"): every config field and every constructor argument of
+"""Constructor validation: every config field and every constructor argument of
 the Lightning model, module, data and callback classes rejects NaN/inf floats, floats/bools/strings for
 ints, negative or zero sizes and inconsistent shapes with a ValueError that names the argument and the
 value, instead of a NaN loss, a ZeroDivisionError or a silent fallback to the default."""
@@ -18,7 +18,8 @@ NAN, INF = float("nan"), float("inf")
 
 # Kept explicit (not derived from the annotations) so the test reads as the list of what is checked; the
 # completeness test below fails when a field is added without being listed here.
-CONFIG_INT_FIELDS = ["block_q", "block_k", "top_k", "window", "sinks", "selector_dim", "r0", "distill_every",
+CONFIG_INT_FIELDS = ["block_q", "block_k", "top_k", "window", "sinks", "selector_dim", "selector_index_heads", "r0",
+                     "distill_every",
                      "distill_query_rows", "distill_query_blocks", "distill_chunk_mb", "metrics_every",
                      "metrics_query_blocks", "dense_warmup_steps"]
 CONFIG_FLOAT_FIELDS = ["dropout_p", "scale", "distill_weight", "dense_enter_density", "dense_exit_density",
@@ -26,7 +27,7 @@ CONFIG_FLOAT_FIELDS = ["dropout_p", "scale", "distill_weight", "dense_enter_dens
 CONFIG_BOOL_FIELDS = ["deterministic", "fused_backward", "stored_ds_backward", "replay", "dense_fallback", "profile",
                       "selector_distance_bias", "gluon_kernels"]
 CONFIG_CHOICE_FIELDS = ["backend", "distill", "index_check", "distill_row_pool", "distill_support", "key_pooling",
-                        "query_pooling"]
+                        "query_pooling", "selector", "selector_rope_style"]
 
 
 def test_config_field_lists_cover_every_field():

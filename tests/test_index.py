@@ -304,7 +304,7 @@ def test_cuda_index_matches_cpu():
     assert math.isclose(gpu.density(), cpu.density(), rel_tol=1e-12)
 
 
-# --------------------------------------------------------------------------- issue 11: stale state, domains
+# ------------------------------------------------------------------------------------ stale state, domains
 def test_plan_cache_follows_in_place_writes_to_the_index():
     """A cached plan is reused only while the index tensors are unmodified (version counters)."""
     a = st.BlockIndex.from_selection(ragged_selection(1, 2, 512, 64, 64, 3, seed=1), seq_len=512, window=1, capacity=8)
@@ -321,8 +321,8 @@ def test_plan_cache_follows_in_place_writes_to_the_index():
 
 
 def test_from_canonical_buffers_rewritten_in_place_never_give_a_stale_plan():
-    """Issue 11: from_canonical (buffers a CUDA graph updates in place) cached its plan; after
-    buf.copy_(new) the backward used the plan of the old selection."""
+    """from_canonical (buffers a CUDA graph updates in place) caches no plan: after buf.copy_(new)
+    the plan is the new selection's."""
     a = st.BlockIndex.from_selection(ragged_selection(2, 2, 640, 64, 64, 4, seed=3), seq_len=640, sinks=1, capacity=8)
     b = st.BlockIndex.from_selection(ragged_selection(2, 2, 640, 64, 64, 4, seed=4), seq_len=640, sinks=1, capacity=8)
     buf_i, buf_c = a.indices.clone(), a.counts.clone()
@@ -337,7 +337,7 @@ def test_from_canonical_buffers_rewritten_in_place_never_give_a_stale_plan():
 
 
 def test_capacity_zero_is_rejected():
-    """Issue 11: capacity=0 was accepted and then crashed the reference."""
+    """capacity=0 is refused (the reference would crash on it)."""
     sel = torch.full((1, 1, 4, 1), -1, dtype=torch.int64)
     with pytest.raises(ValueError, match="capacity must be a positive int, got 0"):
         st.BlockIndex.from_selection(sel, seq_len=256, capacity=0)
@@ -346,7 +346,7 @@ def test_capacity_zero_is_rejected():
 
 
 def test_capacity_above_nkb_is_clamped_to_nkb():
-    """Issue 11: a huge explicit capacity crashed the allocator. A row never holds more than NKB
+    """A huge explicit capacity does not reach the allocator. A row never holds more than NKB
     blocks, so capacity is clamped to NKB (the same cap capacity_tier applies)."""
     sel = torch.tensor([[[[0], [0], [1], [2]]]])
     exact = st.BlockIndex.from_selection(sel, seq_len=256, window=3, capacity=4)
@@ -375,7 +375,7 @@ def test_trusted_capacity_too_small_truncates_rows_consistently():
 
 
 def test_from_csr_rejects_float_col_indices():
-    """Issue 11: float col_indices were truncated silently (2.7 -> 2)."""
+    """Float col_indices are refused, not truncated (2.7 -> 2)."""
     indptr = torch.tensor([0, 1, 2, 3, 4])
     with pytest.raises(ValueError, match="col_indices must have an integer dtype, got torch.float32"):
         st.BlockIndex.from_csr(indptr, torch.tensor([0.0, 0.9, 1.5, 2.7]), batch=1, num_kv_heads=1, seq_len=256)

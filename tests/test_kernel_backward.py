@@ -368,10 +368,10 @@ def test_caller_index_mutation_after_forward_does_not_change_grads():
         assert torch.equal(a, b)
 
 
-# ---------------------------------------------------------------------------------------------- issue 11
+# ------------------------------------------------------------------------------ strides and stale state
 def test_strided_seq_lens_column():
-    """Issue 11: seq_lens = t[:, 0] of an int32 [B, 2] tensor (stride 2) was read as if contiguous:
-    outputs off by ~70% and wrong gradients. Forward and backward against the fp64 reference."""
+    """seq_lens = t[:, 0] of an int32 [B, 2] tensor (stride 2) is read with its stride (read as
+    contiguous, outputs are off by ~70%). Forward and backward against the fp64 reference."""
     B, HQ, HKV, N, D = 3, 2, 1, 80, 16
     idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=41, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=41, device=DEV)
@@ -516,8 +516,8 @@ def launcher_baseline():
 @pytest.mark.parametrize("name", LAUNCHER_ARGS)
 def test_launchers_honour_strides_of_every_tensor_argument(launcher_baseline, name):
     """Every tensor a launcher hands to a kernel is either passed with its strides or made contiguous:
-    a strided copy of any argument gives bitwise the same forward and backward (issue 11: seq_lens,
-    kv_qblocks and slots were indexed as if contiguous)."""
+    a strided copy of any argument gives bitwise the same forward and backward (seq_lens, kv_qblocks
+    and slots included)."""
     args, want = launcher_baseline
     got = _launch_all(args, strided=name)
     for label, a, b in zip(("o", "lse", "dq", "dk", "dv"), got, want):
@@ -539,8 +539,8 @@ def test_block_mass_launcher_honours_strides():
 
 
 def test_from_canonical_buffer_rewritten_in_place_gives_fresh_gradients():
-    """Issue 11: from_canonical cached the plan of its buffers; after buf.copy_(new) the backward used
-    the old plan (dK off by ~110%). The gradients must equal those of an index built from `new`."""
+    """from_canonical caches no plan of its buffers: after buf.copy_(new) the gradients must equal
+    those of an index built from `new` (a stale plan puts dK off by ~110%)."""
     B, HQ, HKV, N, D = 1, 2, 1, 96, 16
     a = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=51, device=DEV)
     b = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=52, device=DEV)
@@ -581,7 +581,7 @@ def test_nonfinite_padding_reaches_no_output_or_gradient(poison):
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 def test_caller_seq_lens_mutation_after_forward_does_not_change_grads(dtype):
-    """seq_lens is copied at forward time like the index (an int32 one used to be saved by reference)."""
+    """seq_lens is copied at forward time like the index, int32 as well as int64."""
     B, HQ, HKV, N, D = 2, 2, 1, 64, 16
     idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=33, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=33, device=DEV)
@@ -721,7 +721,7 @@ def test_torch_compile_no_graph_break():
 @pytest.mark.gpu
 @pytest.mark.parametrize("seed", [2**63 + 12345, 2**64 - 1], ids=["seed-2^63+12345", "seed-2^64-1"])
 def test_strided_seq_lens_nan_padding_and_top_seeds_on_gpu(seed):
-    """Issue 11 on the GPU: seq_lens as a strided int32 column (the kernels index it without a stride),
+    """On the GPU: seq_lens as a strided int32 column (the kernels index it without a stride),
     NaN in k/v past it (never loaded), and dropout seeds at the top of [0, 2**64) (a u64 kernel
     argument): forward and backward against the fp32 reference on the clean inputs."""
     B, HQ, HKV, N, D, cut = 2, 8, 2, 2051, 64, 1300

@@ -109,7 +109,7 @@ def _compile_for_hopper(kernel, grid, args, kwargs):
 @pytest.mark.parametrize("block,head_dim,group,key_rows,spill_bytes", COMPILE_CASES)
 def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group, key_rows, spill_bytes, tmp_path):
     """The KV-centric kernel at backward_config's Gluon tiles compiles to sm_90a and fits in registers (a spill
-    would put the accumulators in local memory, the defect the issue profiled in the Triton kernel), and in the
+    would put the accumulators in local memory, as Nsight Compute shows for spilling Triton tiles), and in the
     shared memory of the programs per SM it was sized for: two 64-key-row programs, or one of 128 rows."""
     config = backward_config(group, block, block, head_dim, False, {"kv_gluon": True})
     key_rows = key_rows or config.gluon_key_rows

@@ -145,3 +145,56 @@ def test_scorer_pool_on_gpu_matches_reference(rope, dtype):
                                        with_max=True)
         assert torch.isfinite(got).all()
         check_close(f"scorer {name}", got, ref, ref_low, torch.float32)
+
+
+def _rope_forward(x, inv_freq, style):
+    """RoPE as a model applies it (the inverse of ``unrotate``), in float64, positions 0..N-1."""
+    half = inv_freq.shape[0]
+    angles = torch.arange(x.shape[2], dtype=torch.float64).unsqueeze(-1) * inv_freq.double()
+    cos, sin = angles.cos(), angles.sin()
+    x = x.double()
+    if style == "interleaved":
+        x1, x2 = x[..., 0: 2 * half: 2], x[..., 1: 2 * half: 2]
+        turned = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    else:
+        x1, x2 = x[..., :half], x[..., half: 2 * half]
+        turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((turned, x[..., 2 * half:]), dim=-1)
+
+
+@pytest.mark.parametrize("style", ["rotate_half", "interleaved"])
+@pytest.mark.parametrize("rope", [16, 32], ids=["rope-partial", "rope-full"])
+def test_unrotate_inverts_each_convention(style, rope):
+    """``unrotate`` recovers the content a model rotated in either convention, and the other convention's
+    un-rotation does not (the mismatch the selector would otherwise suffer silently)."""
+    from sparse_train.kernels.reference_pool import unrotate
+
+    x = torch.randn(2, 3, 50, 32, dtype=torch.float64)
+    inv_freq = rope_inverse_frequencies(10000.0, rope).double()
+    rotated = _rope_forward(x, inv_freq, style)
+    torch.testing.assert_close(unrotate(rotated, inv_freq, style=style), x, rtol=0, atol=1e-12)
+    other = "interleaved" if style == "rotate_half" else "rotate_half"
+    assert (unrotate(rotated, inv_freq, style=other) - x).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("G,rope,lengths", [(1, 32, None), (4, 32, (150, 70)), (2, 16, (0, 99))],
+                         ids=["keys-rope-full", "gqa4-odd-lengths", "partial-rope-empty-row"])
+def test_pool_interleaved_matches_reference(G, rope, lengths):
+    x, inv_freq, pos, valid = _inputs(2, 2, G, 150, 32, rope=rope, positions="shifted", lengths=lengths)
+    got = triton_block_pool(x, 32, G, valid_len=valid, inv_freq=inv_freq, positions=pos, with_max=True,
+                            rope_style="interleaved")
+    ref = reference_block_pool(x.double(), 32, G, valid_len=valid, inv_freq=inv_freq.double(), positions=pos,
+                               with_max=True, rope_style="interleaved")
+    ref_low = reference_block_pool(x, 32, G, valid_len=valid, inv_freq=inv_freq, positions=pos, with_max=True,
+                                   rope_style="interleaved")
+    rotate_half = reference_block_pool(x.double(), 32, G, valid_len=valid, inv_freq=inv_freq.double(), positions=pos,
+                                       with_max=True)
+    assert torch.isfinite(got).all()
+    check_close("pool interleaved", got, ref, ref_low, torch.float32)
+    assert (ref - rotate_half).abs().max() > 1e-3  # the two conventions pool different values
+
+
+def test_pool_rejects_unknown_rope_style():
+    x, inv_freq, _, _ = _inputs(1, 1, 1, 64, 32, rope=32, positions=None, lengths=None)
+    with pytest.raises(ValueError, match="rope_style"):
+        triton_block_pool(x, 32, 1, inv_freq=inv_freq, rope_style="neox")

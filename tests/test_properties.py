@@ -58,7 +58,7 @@ def problems(draw, head_dims=(8, 16), max_len=80):
     )
 
 
-# every issue-11 hazard at once: strided seq_lens, NaN past them, transposed q/k/v, GQA 3, duplicates
+# every input hazard at once: strided seq_lens, NaN past them, transposed q/k/v, GQA 3, duplicates
 # and -1 in the selection, dropout with the largest seed
 ALL_HAZARDS = dict(batch=2, kv_heads=1, group=3, seq_len=70, head_dim=16, block_q=32, block_k=16, topk=4, window=1,
                    sinks=1, seq_lens="column-int32", layout="transposed", poison="nan", dropout_p=0.3,

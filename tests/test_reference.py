@@ -178,8 +178,8 @@ def test_functional_draws_reproducible_seed():
                          ids=["nan", "inf", "neg-inf", "huge"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=["nodrop", "drop0.3"])
 def test_nonfinite_padding_reaches_no_output_or_gradient(poison, dropout_p):
-    """Issue 11: NaN in k/v past seq_lens made dQ of valid rows NaN (0 x NaN in the backward of the
-    gathered keys). Outputs and q/k/v gradients must equal a run with clean padding, bit for bit, and
+    """NaN in k/v past seq_lens reaches no dQ of valid rows (masking by multiplication would give 0 x NaN
+    in the backward of the gathered keys). Outputs and q/k/v gradients must equal a run with clean padding, bit for bit, and
     the padded keys get zero gradient."""
     b, hq, hkv, n, d = 2, 4, 2, 150, 8
     q, k, v = make_qkv(b, hq, hkv, n, d, seed=12, dtype=torch.float64)

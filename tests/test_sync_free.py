@@ -1,4 +1,4 @@
-"""Issue 12: the selector -> index -> plan -> kernels path reads nothing back to the host.
+"""The selector -> index -> plan -> kernels path reads nothing back to the host.
 
 * The plan and the KV-centric schedule have shapes fixed by the index's shape; they must equal what the
   previous, exactly-sized implementation produced (its algorithm is kept below as the oracle) on the
@@ -94,8 +94,8 @@ def test_detector_sees_the_reads_it_looks_for(host_reads):
 
 
 # ---------------------------------------------------------------------------------------------- oracle
-def previous_plan(indices, num_k_blocks, r0):
-    """The plan as built before issue 12 (exact sizes, boolean-mask compaction, host-read stats)."""
+def exact_size_plan(indices, num_k_blocks, r0):
+    """The plan with exact sizes, boolean-mask compaction and host-read stats (a straightforward oracle)."""
     b, h, nqb, _ = indices.shape
     idx = indices.to(torch.int64)
     valid = idx >= 0
@@ -111,8 +111,8 @@ def previous_plan(indices, num_k_blocks, r0):
                 max_reuse=int(reuse.max()) if reuse.numel() else 0)
 
 
-def previous_kv_schedule(reuse, kv_indptr, slots, chunk):
-    """The KV-centric schedule as built before issue 12 (exact number of items and partials)."""
+def exact_size_kv_schedule(reuse, kv_indptr, slots, chunk):
+    """The KV-centric schedule with the exact number of items and partials (a straightforward oracle)."""
     reuse = reuse.reshape(-1).to(torch.int64)
     kv_centric = (slots < 0) & (reuse > 0)
     num_chunks = torch.where(kv_centric, (reuse + chunk - 1) // chunk, 0)
@@ -154,10 +154,10 @@ def _index(shape, options, lengths, seed, capacity=None, check="cheap"):
 
 @pytest.mark.parametrize("r0", [1, 3], ids=lambda r: f"r0={r}")
 @pytest.mark.parametrize("shape,options,lengths", CASES)
-def test_plan_equals_the_previous_plan(shape, options, lengths, r0):
+def test_plan_equals_the_exact_size_plan(shape, options, lengths, r0):
     index = _index(shape, options, lengths, seed=sum(shape))
     plan = index.plan(r0)
-    want = previous_plan(index.indices, index.num_k_blocks, r0)
+    want = exact_size_plan(index.indices, index.num_k_blocks, r0)
     for name in ("reuse", "kv_indptr", "hot"):
         assert torch.equal(getattr(plan, name), want[name]), name
     nnz = want["nnz"]
@@ -172,11 +172,11 @@ def test_plan_equals_the_previous_plan(shape, options, lengths, r0):
 
 @pytest.mark.parametrize("chunk", [1, 2, 5], ids=lambda c: f"chunk={c}")
 @pytest.mark.parametrize("shape,options,lengths", CASES)
-def test_kv_schedule_equals_the_previous_one_within_its_bounds(shape, options, lengths, chunk):
+def test_kv_schedule_equals_the_exact_size_one_within_its_bounds(shape, options, lengths, chunk):
     index = _index(shape, options, lengths, seed=7 * sum(shape))
     plan = index.plan(3)
     slots = plan_mod.cold_slots(plan.hot, plan.reuse, False)
-    want = previous_kv_schedule(plan.reuse, plan.kv_indptr, slots, chunk)
+    want = exact_size_kv_schedule(plan.reuse, plan.kv_indptr, slots, chunk)
     items, parts = plan_mod.kv_schedule_capacity(plan.reuse.numel(), index.num_q_blocks, index.indices.numel(), chunk)
     got = plan_mod.kv_schedule(plan.reuse, plan.kv_indptr, slots, chunk, num_items=items, num_parts=parts)
     real = want[0].numel()

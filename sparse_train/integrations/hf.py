@@ -54,7 +54,8 @@ from ..documents import document_ids_from_cu_seqlens, document_ids_from_position
 __all__ = ["ATTENTION_NAME", "register", "enable", "disable", "save_pretrained", "from_pretrained",
            "sparse_train_attention_forward", "sparse_train_mask", "seq_lens_from_padding_mask",
            "padding_from_mask", "document_ids_for_call",
-           "attention_layers", "rope_frequencies", "SELECTOR_WEIGHTS_NAME", "SELECTOR_CONFIG_NAME"]
+           "attention_layers", "rope_frequencies", "rope_style", "INTERLEAVED_ROPE_MODEL_TYPES",
+           "SELECTOR_WEIGHTS_NAME", "SELECTOR_CONFIG_NAME"]
 
 ATTENTION_NAME = "sparse_train"
 SUBMODULE_NAME = "sparse_attention"
@@ -328,6 +329,18 @@ def rope_frequencies(model: nn.Module) -> Tensor | None:
     return found[0]
 
 
+INTERLEAVED_ROPE_MODEL_TYPES = ("gptj", "cohere", "cohere2")
+"""Hugging Face ``model_type`` values whose RoPE turns channel pairs ``(2i, 2i + 1)``; every other model
+(Llama, Qwen2, Mistral, ...) turns ``(i, i + R/2)`` (``rotate_half``)."""
+
+
+def rope_style(model: nn.Module) -> str:
+    """The RoPE convention of a Hugging Face model: ``"interleaved"`` for the model types of
+    :data:`INTERLEAVED_ROPE_MODEL_TYPES`, ``"rotate_half"`` otherwise."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return "interleaved" if model_type in INTERLEAVED_ROPE_MODEL_TYPES else "rotate_half"
+
+
 def _set_implementation(model: nn.Module, name: str) -> None:
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(name)
@@ -340,8 +353,9 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
     the model to ``attn_implementation="sparse_train"``. Returns the model.
 
     The selector inherits the model's logit scale unless ``config.scale`` is set, and un-rotates q
-    and k by the model's own RoPE frequencies before scoring (:func:`rope_frequencies`) unless
-    ``config.selector_rope_theta`` is set; existing selectors are kept (calling ``enable`` twice does
+    and k by the model's own RoPE frequencies in the model's convention before scoring
+    (:func:`rope_frequencies`, :func:`rope_style`) unless ``config.selector_rope_theta`` is set (then the
+    config's theta and ``selector_rope_style`` apply); existing selectors are kept (calling ``enable`` twice does
     not reset trained selectors).
     """
     config = SparseAttentionConfig() if config is None else config
@@ -370,7 +384,7 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
             layer_config = dataclasses.replace(config, scale=float(layer.scaling))
         sparse = SparseAttention(layer_config, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=layer.head_dim)
         if config.selector_rope_theta is None:
-            sparse.scorer.set_rope(inv_freq)
+            sparse.scorer.set_rope(inv_freq, rope_style(model))
         sparse.to(device=next(layer.parameters()).device)
         sparse.train(layer.training)
         layer.add_module(SUBMODULE_NAME, sparse)

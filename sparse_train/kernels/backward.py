@@ -38,11 +38,9 @@ KV-centric kernel also computes each slice's dQ share, dS K (from the dS^T tile 
 it by float32 atomics into a zeroed ``[B, HQ, L, D]`` buffer that is cast to q's dtype at the end; the dQ
 kernel does not run. 5 tile products per (block, head) pair instead of 7, at the price of B*HQ*L*D*4
 bytes of buffer and one atomic add per dQ element per selected key block. The atomic order varies, so
-dQ is not bitwise reproducible (refused with deterministic mode). Opt-in because it does not pay: on the
-H200 at 64K (B=1, HQ=32, HKV=8) the backward takes 25.8 against 15.1 ms (P64) and 18.3 against 16.4 ms
-(P128) at D=128, 9.2 against 8.7 ms and 14.2 against 14.5 ms at D=64; the float32 atomics (one per dQ
-element and selected key block, ~27 GB at P64 D=128) cost more than the saved recomputation
-(docs/benchmarks/speed_round2/README.md, eighth session).
+dQ is not bitwise reproducible (refused with deterministic mode). Opt-in because it does not pay: the
+float32 atomics (one per dQ element and selected key block, ~27 GB at 64K, P64, D=128, B=1, HQ=32) cost
+more than the saved recomputation (the backward modes of docs/benchmarks/attention_64k_h200_d128.md).
 
 Stored-dS mode (``BackwardConfig.stored_ds``, ``kernel_options.stored_ds``): every block is KV-centric; the
 KV-centric kernel files each dS^T tile it computes, in q's dtype (the operand the dQ product takes), under

@@ -11,11 +11,10 @@ late query blocks first), walking its index row in order.
 
 What the hand schedule adds over the Triton kernel: the q tile arrives once by TMA and stays in shared memory;
 the K/V tiles of step t + NUM_BUF - 1 are in flight by TMA while step t computes, and each step's P V product
-runs while the next step waits for its tiles and scores. On the H200 (64K) that is 11% faster than the Triton
-forward at head dim 64 over 64-key blocks (64-row programs, two per SM) and 3-17% slower at the other three
-shapes measured, so the default takes it only there (``plan.forward_config``). Computing the next step's scores
-during this step's softmax (two score tiles live, a ring of 3) measured 1.2-1.5x slower and was dropped
-(docs/benchmarks/speed_round2/README.md, fifteenth session).
+runs while the next step waits for its tiles and scores. That is faster than the Triton forward at head dim
+64 over 64-key blocks (64-row programs, two per SM) and slower at the other shapes measured, so the default
+takes it only there (``plan.forward_config``; docs/kernel_tuning.md). Computing the next step's scores during
+this step's softmax (two score tiles live, a ring of 3) measures slower, so the kernel does not.
 
 Known limits (the launcher runs the Triton kernel outside them, :func:`gluon_fwd_supported`): Hopper (sm_90),
 bf16/fp16, tensors TMA addresses, N a multiple of BLOCK_Q, BLOCK_K in {64, 128}, M in {64, 128, 256}, no

@@ -6,9 +6,10 @@ Math, per pooled head h, block j and channel d (x ``[B, H * G, N, D]``, rows n <
     a block without a valid row gives 0.
 
 Notation: B batch, H pooled (KV) heads, G = GROUP heads averaged per pooled head, N length, D = HEAD_DIM,
-BLK = BLOCK rows per block, ROWS rows loaded per step, R = 2 * ROT_HALF rotated channels: for d < R/2 the
-partner is p(d) = d + R/2 with s_d = +1, for R/2 <= d < R p(d) = d - R/2 with s_d = -1, channels d >= R are
-not rotated; w_d = inv_freq[d mod R/2]. The angle is the float32 product of the float32 position and
+BLK = BLOCK rows per block, ROWS rows loaded per step, R = 2 * ROT_HALF rotated channels. Rotate-half: for d < R/2
+the partner is p(d) = d + R/2 with s_d = +1, for R/2 <= d < R p(d) = d - R/2 with s_d = -1, w_d = inv_freq[d mod
+R/2]; interleaved (INTERLEAVED): p(2i) = 2i + 1 with s = +1, p(2i + 1) = 2i with s = -1, w = inv_freq[i].
+Channels d >= R are not rotated. The angle is the float32 product of the float32 position and
 frequency, as in the reference; on the GPU its cosine and sine come from the hardware approximations after a
 reduction by whole turns (FAST_TRIG: the accurate library functions made the first version of this kernel
 3.2x (D = 64) to 5.4x (D = 128) slower than without RoPE; both errors are far below the float32 angle's own
@@ -16,12 +17,11 @@ rounding, ~4e-3 rad at position 65536), under the interpreter from tl.cos / tl.s
 
 Layers: (1) ``_block_pool_kernel``, one program per (block, batch, chunk of HEADS_PER_PROGRAM pooled heads): with
 the block in one row step, the cosine and sine of its rows are computed once and serve every head of the chunk
-(they depend on the position only), and each rotated pair is loaded as two half tiles, every channel once (the
-first version loaded every channel a second time as its partner and computed the angles per head and row step:
-0.277 ms at 64K, D = 64, q and k, now 0.179; 0.50 ms at D = 128, now 0.274); (2) the launcher ``block_pool_launch``
-(tiling from ``plan.pool_config``); no autograd op (the selector's pooled inputs are detached); (4) the public
-function ``triton_block_pool``. The reference with the same semantics is ``kernels/reference_pool.py``; tests
-compare the two in float64.
+(they depend on the position only), and each rotated pair is loaded as two half tiles, every channel once
+(loading each channel again as its partner, or computing the angles per head, costs more); (2) the launcher
+``block_pool_launch`` (tiling from ``plan.pool_config``); no autograd op (the selector's pooled inputs are
+detached); (4) the public function ``triton_block_pool``. The reference with the same semantics is
+``kernels/reference_pool.py``; tests compare the two in float64.
 
 Known limits: head dims that are powers of two (the selector calls it where the attention kernels run: 16 to
 128); any strides; float32 accumulation, so the mean differs from the reference's by rounding (the reference
@@ -38,7 +38,7 @@ from torch import Tensor
 from triton.language.extra import libdevice
 
 from ..plan import pool_config
-from .reference_pool import check_rope_args
+from .reference_pool import ROPE_STYLES, check_rope_args
 
 __all__ = ["triton_block_pool", "block_pool_launch"]
 
@@ -97,11 +97,12 @@ def _block_pool_kernel(
     N, H, NB, HEADS_PER_PROGRAM,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
     ROT_HALF: tl.constexpr, HALF_P2: tl.constexpr, TAIL_P2: tl.constexpr, HAS_POS: tl.constexpr,
-    HAS_VALID_LEN: tl.constexpr, WITH_MAX: tl.constexpr, FAST_TRIG: tl.constexpr,
+    HAS_VALID_LEN: tl.constexpr, WITH_MAX: tl.constexpr, FAST_TRIG: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     # one program: block j of batch b for HEADS_PER_PROGRAM pooled heads. With RoPE and the block in one row
     # step the angles' cosine and sine are computed once and serve every head (they depend on the row only).
-    # The rotated pairs are loaded as two half tiles (d < R/2 and its partner d + R/2), each channel once.
+    # The rotated pairs are loaded as two half tiles (pair i: channels i and i + R/2, or 2i and 2i + 1 when
+    # INTERLEAVED), each channel once.
     ONE_STEP: tl.constexpr = ROWS >= BLOCK
     TAIL: tl.constexpr = HEAD_DIM - 2 * ROT_HALF  # channels past the rotated ones (all of them without RoPE)
     j = tl.program_id(0)
@@ -113,8 +114,14 @@ def _block_pool_kernel(
         limit = tl.minimum(tl.maximum(tl.load(VALID_LEN + b), 0), N)
     count = tl.minimum(limit - j * BLOCK, BLOCK)  # valid rows of this block (<= 0: none)
     if ROT_HALF > 0:
-        half = tl.arange(0, HALF_P2)  # [HALF] first-half channels; their partners are half + ROT_HALF
+        half = tl.arange(0, HALF_P2)  # [HALF] pair index i
         half_ok = half < ROT_HALF
+        if INTERLEAVED:
+            first_ch = 2 * half  # [HALF] the pair's first channel and its partner
+            second_ch = 2 * half + 1
+        else:
+            first_ch = half
+            second_ch = half + ROT_HALF
         freq = tl.load(INV_FREQ + half, mask=half_ok, other=0.0).to(tl.float32)  # [HALF]
         if ONE_STEP:
             block_rows = j * BLOCK + tl.arange(0, ROWS)
@@ -145,9 +152,9 @@ def _block_pool_kernel(
                     cos, sin = cos_block, sin_block
                 else:
                     cos, sin = _rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS, FAST_TRIG, stride_pb, stride_pn)
-                x_1 = _group_sum(x_head, rows64, row_ok, half, half_ok, stride_xh, stride_xn, stride_xd,
+                x_1 = _group_sum(x_head, rows64, row_ok, first_ch, half_ok, stride_xh, stride_xn, stride_xd,
                                  GROUP) / GROUP  # [ROWS, HALF] the group's mean rows
-                x_2 = _group_sum(x_head, rows64, row_ok, half + ROT_HALF, half_ok, stride_xh, stride_xn, stride_xd,
+                x_2 = _group_sum(x_head, rows64, row_ok, second_ch, half_ok, stride_xh, stride_xn, stride_xd,
                                  GROUP) / GROUP  # [ROWS, HALF]
                 turned_1 = x_1 * cos + x_2 * sin
                 turned_2 = x_2 * cos - x_1 * sin
@@ -163,8 +170,8 @@ def _block_pool_kernel(
                 if WITH_MAX:
                     best_t = tl.maximum(best_t, tl.max(tl.where(row_ok[:, None], x_t, float("-inf")), axis=0))
         if ROT_HALF > 0:
-            _store_pooled(out, half, half_ok, total_1, best_1, count, HEAD_DIM, WITH_MAX)
-            _store_pooled(out, half + ROT_HALF, half_ok, total_2, best_2, count, HEAD_DIM, WITH_MAX)
+            _store_pooled(out, first_ch, half_ok, total_1, best_1, count, HEAD_DIM, WITH_MAX)
+            _store_pooled(out, second_ch, half_ok, total_2, best_2, count, HEAD_DIM, WITH_MAX)
         if TAIL > 0:
             _store_pooled(out, tail, tail_ok, total_t, best_t, count, HEAD_DIM, WITH_MAX)
 
@@ -173,8 +180,9 @@ def _block_pool_kernel(
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
 def block_pool_launch(x: Tensor, block: int, group: int, valid_len: Tensor | None, inv_freq: Tensor | None,
-                      positions: Tensor | None, with_max: bool, *, rows: int | None = None,
-                      num_warps: int | None = None, heads_per_program: int | None = None) -> Tensor:
+                      positions: Tensor | None, with_max: bool, *, rope_style: str = "rotate_half",
+                      rows: int | None = None, num_warps: int | None = None,
+                      heads_per_program: int | None = None) -> Tensor:
     """float32 ``[B, H, NB, (1 + with_max) * D]``. No validation: ``valid_len`` int ``[B]`` contiguous,
     ``inv_freq`` float ``[R/2]`` contiguous or None, ``positions`` ``[N]`` or ``[B, N]`` or None. ``rows`` /
     ``num_warps`` / ``heads_per_program``: the tile and the heads a program walks (default
@@ -202,7 +210,8 @@ def block_pool_launch(x: Tensor, block: int, group: int, valid_len: Tensor | Non
             GROUP=group, BLOCK=block, ROWS=rows, HEAD_DIM=D, ROT_HALF=rot_half,
             HALF_P2=triton.next_power_of_2(max(rot_half, 1)), TAIL_P2=triton.next_power_of_2(max(D - 2 * rot_half, 1)),
             HAS_POS=positions is not None, HAS_VALID_LEN=valid_len is not None, WITH_MAX=with_max,
-            FAST_TRIG=x.device.type == "cuda", num_warps=num_warps or default_warps,
+            FAST_TRIG=x.device.type == "cuda", INTERLEAVED=rope_style == "interleaved",
+            num_warps=num_warps or default_warps,
         )
     return out
 
@@ -213,7 +222,7 @@ def block_pool_launch(x: Tensor, block: int, group: int, valid_len: Tensor | Non
 @torch.no_grad()
 def triton_block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tensor | None = None,
                       inv_freq: Tensor | None = None, positions: Tensor | None = None,
-                      with_max: bool = False) -> Tensor:
+                      with_max: bool = False, rope_style: str = "rotate_half") -> Tensor:
     """Block pooling of the selector in one kernel; the semantics of
     :func:`~sparse_train.kernels.reference_pool.reference_block_pool`.
 
@@ -223,8 +232,9 @@ def triton_block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tenso
         block: rows per block (>= 1; the last block may be partial). group: heads averaged per pooled head.
         valid_len: optional int ``[B]`` on x's device: rows at positions >= valid_len[b] are never read
             (values are clamped to [0, N]).
-        inv_freq: optional float ``[R / 2]``, 2 * R/2 <= D: un-rotate RoPE (rotate-half convention) at
-            ``positions`` (integer or float ``[N]`` or ``[B, N]``; default ``0..N-1``).
+        inv_freq: optional float ``[R / 2]``, 2 * R/2 <= D: un-rotate RoPE at ``positions`` (integer or float
+            ``[N]`` or ``[B, N]``; default ``0..N-1``), in the ``rope_style`` convention (``"rotate_half"`` or
+            ``"interleaved"``, :func:`~sparse_train.kernels.reference_pool.unrotate`).
         with_max: append the block maxima after the means.
 
     Returns:
@@ -263,4 +273,6 @@ def triton_block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tenso
                 positions = positions.to(torch.float32)
     else:
         positions = None
-    return block_pool_launch(x, block, group, valid_len, inv_freq, positions, with_max)
+    if rope_style not in ROPE_STYLES:
+        raise ValueError(f"rope_style must be one of {ROPE_STYLES}, got {rope_style!r}")
+    return block_pool_launch(x, block, group, valid_len, inv_freq, positions, with_max, rope_style=rope_style)

@@ -16,24 +16,27 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["block_mean", "block_max", "unrotate", "check_rope_args", "reference_block_pool"]
+__all__ = ["ROPE_STYLES", "block_mean", "block_max", "unrotate", "check_rope_args", "reference_block_pool"]
+
+ROPE_STYLES = ("rotate_half", "interleaved")
+"""RoPE conventions :func:`unrotate` undoes: pairs ``(i, i + R/2)`` or ``(2i, 2i + 1)``."""
 
 
 def reference_block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tensor | None = None,
                          inv_freq: Tensor | None = None, positions: Tensor | None = None,
-                         with_max: bool = False) -> Tensor:
+                         with_max: bool = False, rope_style: str = "rotate_half") -> Tensor:
     """Block pooling of ``x`` ``[B, H * group, N, D]`` as the selector pools its queries (``group`` = the GQA
     group) and keys (``group`` = 1): float32 ``[B, H, ceil(N / block), D]`` of block means, or
     ``[..., 2 * D]`` with the block maxima after them (``with_max``); float64 for a float64 ``x``.
 
-    ``inv_freq`` (``[R / 2]``, optional): un-rotate RoPE (:func:`unrotate`, at ``positions`` ``[N]`` or
-    ``[B, N]``, default ``0..N-1``) after averaging the group and before pooling. ``valid_len`` (int ``[B]``):
+    ``inv_freq`` (``[R / 2]``, optional): un-rotate RoPE (:func:`unrotate` in the ``rope_style`` convention, at
+    ``positions`` ``[N]`` or ``[B, N]``, default ``0..N-1``) after averaging the group and before pooling. ``valid_len`` (int ``[B]``):
     rows at positions >= valid_len[b] are left out (never read: NaN there stays out)."""
     rope = inv_freq is not None and inv_freq.numel() > 0
     if rope or (with_max and group > 1):
         x, group = group_mean(x, group), 1
     if rope:
-        x = unrotate(x, inv_freq, positions)
+        x = unrotate(x, inv_freq, positions, rope_style)
     mean = block_mean(x, block, group, valid_len)
     return torch.cat([mean, block_max(x, block, 1, valid_len)], dim=-1) if with_max else mean
 
@@ -111,19 +114,23 @@ def _block_pool(x: Tensor, block: int, group: int, valid_len: Tensor | None, how
     return torch.where(rows > 0, pooled, 0.0)
 
 
-def unrotate(x: Tensor, inv_freq: Tensor, positions: Tensor | None = None) -> Tensor:
-    """Undo rotate-half RoPE: float32 ``[B, H, N, D]`` from ``x [B, H, N, D]`` (float64 for a float64 ``x``:
-    the oracle of the tests).
+def unrotate(x: Tensor, inv_freq: Tensor, positions: Tensor | None = None, style: str = "rotate_half") -> Tensor:
+    """Undo RoPE: float32 ``[B, H, N, D]`` from ``x [B, H, N, D]`` (float64 for a float64 ``x``: the oracle
+    of the tests).
 
-    RoPE turns the pair ``(x[i], x[i + R/2])`` of the first ``R = 2 * len(inv_freq)`` channels by the
-    angle ``n * inv_freq[i]`` at position n (the Llama / Hugging Face convention; channels past R are
-    not rotated); this applies the opposite turn, which recovers the content the model wrote before
-    the rotation.
+    RoPE turns pair i of the first ``R = 2 * len(inv_freq)`` channels by the angle ``n * inv_freq[i]`` at
+    position n (channels past R are not rotated); this applies the opposite turn, which recovers the content
+    the model wrote before the rotation. The pairs are ``(x[i], x[i + R/2])`` with ``style="rotate_half"`` (Hugging
+    Face Llama / Qwen) and ``(x[2i], x[2i + 1])`` with ``style="interleaved"`` (torchtune, Meta's reference
+    Llama, GPT-J).
 
     Args:
         positions: the positions RoPE used, integer or float ``[N]`` or ``[B, N]`` (packed documents
             restart at 0 per document, left-padded rows start later); ``None`` = ``0..N-1``.
+        style: ``"rotate_half"`` or ``"interleaved"``.
     """
+    if style not in ROPE_STYLES:
+        raise ValueError(f"RoPE style must be one of {ROPE_STYLES}, got {style!r}")
     half = inv_freq.shape[0]
     batch, _, seq_len, dim = x.shape
     check_rope_args(inv_freq, positions, batch, seq_len, dim)
@@ -136,5 +143,10 @@ def unrotate(x: Tensor, inv_freq: Tensor, positions: Tensor | None = None) -> Te
         angles = angles.unsqueeze(1)  # [B, 1, N, R/2]
     cos, sin = angles.cos(), angles.sin()
     x = x.to(dtype)
-    x1, x2, rest = x[..., :half], x[..., half: 2 * half], x[..., 2 * half:]
+    rest = x[..., 2 * half:]
+    if style == "interleaved":
+        x1, x2 = x[..., 0: 2 * half: 2], x[..., 1: 2 * half: 2]
+        turned = torch.stack((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).flatten(-2)
+        return torch.cat((turned, rest), dim=-1)
+    x1, x2 = x[..., :half], x[..., half: 2 * half]
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, rest), dim=-1)

@@ -72,13 +72,13 @@ class TransformerConfig:
     """With ``activation_checkpointing``: keep each block's attention output from the first forward and recompute
     only the rest of the block (:mod:`sparse_train.checkpointing`; both cores). Costs ``B * N * HQ * (D * 2 + 4)``
     bytes per block in bf16 (64K tokens, 32 heads of 64: 272 MB), saves an attention forward per block and step.
-    Off by default: the sparse forward is cheap to recompute (1.1B model at 64K on the H200: the step 0-2%
-    faster for 3.9 GiB more), while a dense core gains much more (14% of its step)."""
+    Off by default: the sparse forward is cheap to recompute (the step gains little for a few GiB more), while
+    a dense core gains much more."""
     compile_pointwise: Union[bool, Literal["auto"]] = "auto"
     """Run the elementwise parts of the model (RMSNorm, RoPE, the SwiGLU gate) as ``torch.compile``'d functions:
     each becomes one fused kernel forward and one backward instead of a chain of eager float32 elementwise
-    kernels. Measured on the H200 (1.1B model, activation checkpointing): the sparse step 19-20% faster at 64K
-    and 128K, the dense one 4-7%. Matmuls and the attention core stay eager. ``"auto"`` (default): compiled
+    kernels, which makes a long-context training step measurably faster, the sparse one most (its attention is
+    a small share of the step). Matmuls and the attention core stay eager. ``"auto"`` (default): compiled
     when the activations are on a CUDA device and inductor has Triton there, eager elsewhere (on the CPU
     inductor would need a C++ compiler and gains little); True / False force it. The first step on the GPU
     pays the compilation (seconds)."""

@@ -40,13 +40,14 @@ from torch import Tensor, nn
 from ..config import KEY_POOLINGS, QUERY_POOLINGS
 from ..functional import choose_backend
 from ..index import capacity_tier, causal_last_block, document_sink_candidates, shares_document
-from ..kernels.reference_pool import block_max, block_mean, reference_block_pool, unrotate
+from ..kernels.reference_pool import ROPE_STYLES, block_max, block_mean, reference_block_pool, unrotate
 from ..plan import triton_runs_on
 from ..validation import check_choice, check_float, check_integer_tensor
 
 __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_pool", "block_mean", "block_max",
            "rope_inverse_frequencies", "unrotate", "block_distance_buckets", "DISTANCE_BUCKETS",
-           "selection_candidates", "allowed_dynamic_blocks", "causal_block_mask", "reference_block_logits"]
+           "selection_candidates", "allowed_dynamic_blocks", "causal_block_mask", "reference_block_logits",
+           "add_distance_bias", "checked_rope", "EMPTY_BLOCK_SCORE"]
 
 _PROJECTION_SEED = 20261130
 """Seed of the initial random projection (the same in every layer; layers differ by their q and k)."""
@@ -172,6 +173,23 @@ def rope_inverse_frequencies(theta: float, rotary_dim: int) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
 
 
+def checked_rope(inv_freq: Tensor | None, style: str | None, current_style: str, head_dim: int,
+                 device) -> tuple[Tensor, str]:
+    """A selector's RoPE state after ``set_rope(inv_freq, style)``: the float32 frequencies on ``device``
+    (empty for ``None``) and the convention (``style``, or ``current_style`` when None). Raises ValueError for
+    frequencies that are not a finite 1-D tensor of at most ``head_dim / 2`` values, or an unknown style."""
+    style = current_style if style is None else style
+    check_choice("rope style", style, ROPE_STYLES)
+    if inv_freq is None:
+        return torch.zeros(0, device=device), style
+    if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or not 0 < 2 * inv_freq.shape[0] <= head_dim:
+        raise ValueError(f"RoPE inv_freq must be a 1-D tensor of at most head_dim/2={head_dim // 2} "
+                         f"frequencies, got {getattr(inv_freq, 'shape', inv_freq)!r}")
+    if not torch.isfinite(inv_freq).all():
+        raise ValueError("RoPE inv_freq must be finite")
+    return inv_freq.detach().to(device, torch.float32), style
+
+
 def block_distance_buckets(geometry: SelectionGeometry, device=None) -> Tensor:
     """int64 ``[NQB, NKB]``: log2 bucket of how many key blocks block j lies behind the last key
     block query block i reaches (0 on and past the causal edge, 1 for one block back, 2 for 2-3, ...)."""
@@ -183,7 +201,8 @@ def block_distance_buckets(geometry: SelectionGeometry, device=None) -> Tensor:
 
 @torch.no_grad()
 def block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tensor | None = None,
-               inv_freq: Tensor | None = None, positions: Tensor | None = None, with_max: bool = False) -> Tensor:
+               inv_freq: Tensor | None = None, positions: Tensor | None = None, with_max: bool = False,
+               rope_style: str = "rotate_half") -> Tensor:
     """The selector's block pooling (:func:`~sparse_train.kernels.reference_pool.reference_block_pool`: arguments,
     returns): one Triton kernel (``kernels/pool.py``) where the attention kernels run, the PyTorch reference
     otherwise. No gradient."""
@@ -191,9 +210,9 @@ def block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tensor | Non
         from ..kernels.pool import triton_block_pool
 
         return triton_block_pool(x, block, group, valid_len=valid_len, inv_freq=inv_freq, positions=positions,
-                                 with_max=with_max)
+                                 with_max=with_max, rope_style=rope_style)
     return reference_block_pool(x, block, group, valid_len=valid_len, inv_freq=inv_freq, positions=positions,
-                                with_max=with_max)
+                                with_max=with_max, rope_style=rope_style)
 
 
 class BlockScorer(nn.Module):
@@ -222,9 +241,11 @@ class BlockScorer(nn.Module):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, selector_dim: int,
                  lr_multiplier: float = 1.0, key_pooling: str = "mean", distance_bias: bool = False,
-                 query_pooling: str = "mean") -> None:
+                 query_pooling: str = "mean", rope_style: str = "rotate_half") -> None:
         super().__init__()
         check_choice("key_pooling", key_pooling, KEY_POOLINGS)
+        check_choice("rope_style", rope_style, ROPE_STYLES)
+        self.rope_style = rope_style
         check_choice("query_pooling", query_pooling, QUERY_POOLINGS)
         lr_multiplier = check_float("lr_multiplier", lr_multiplier, exclusive_minimum=0.0)
         self.num_heads = num_heads
@@ -245,18 +266,12 @@ class BlockScorer(nn.Module):
         self.register_buffer("rope_inv_freq", torch.zeros(0), persistent=False)
         self.reset_parameters()
 
-    def set_rope(self, inv_freq: Tensor | None) -> None:
-        """Un-rotate q and k by these RoPE frequencies (``[R/2]``, rotate-half convention over the
-        first R channels) before pooling; ``None`` pools the rotated q and k as given."""
-        if inv_freq is None:
-            self.rope_inv_freq = torch.zeros(0, device=self.query_proj.device)
-            return
-        if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or not 0 < 2 * inv_freq.shape[0] <= self.head_dim:
-            raise ValueError(f"RoPE inv_freq must be a 1-D tensor of at most head_dim/2={self.head_dim // 2} "
-                             f"frequencies, got {getattr(inv_freq, 'shape', inv_freq)!r}")
-        if not torch.isfinite(inv_freq).all():
-            raise ValueError("RoPE inv_freq must be finite")
-        self.rope_inv_freq = inv_freq.detach().to(self.query_proj.device, torch.float32)
+    def set_rope(self, inv_freq: Tensor | None, style: str | None = None) -> None:
+        """Un-rotate q and k by these RoPE frequencies (``[R/2]``, over the first R channels) before pooling;
+        ``None`` pools the rotated q and k as given. ``style``: the RoPE convention (``"rotate_half"`` or
+        ``"interleaved"``, :func:`unrotate`); ``None`` keeps the scorer's."""
+        self.rope_inv_freq, self.rope_style = checked_rope(inv_freq, style, self.rope_style, self.head_dim,
+                                                           self.query_proj.device)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # A selector saved before the distance bias existed scored without one, which is a zero bias:
@@ -300,20 +315,22 @@ class BlockScorer(nn.Module):
         group = self.num_heads // self.num_kv_heads
         inv_freq = self.rope_inv_freq if self.rope_inv_freq.numel() else None
         qbar = block_pool(q.detach(), block_q, group, valid_len=seq_lens, inv_freq=inv_freq, positions=positions,
-                          with_max=self.query_pooling == "mean_max")
+                          with_max=self.query_pooling == "mean_max", rope_style=self.rope_style)
         kbar = block_pool(k.detach(), block_k, 1, valid_len=seq_lens, inv_freq=inv_freq, positions=positions,
-                          with_max=self.key_pooling == "mean_max")
+                          with_max=self.key_pooling == "mean_max", rope_style=self.rope_style)
         return qbar.float(), kbar.float()  # float32 also for float64 inputs, as the projections are
 
     def forward(self, qbar: Tensor, kbar: Tensor, scale: float, geometry: SelectionGeometry | None = None,
-                query_blocks: Tensor | None = None) -> Tensor:
+                query_blocks: Tensor | None = None, *, seq_lens: Tensor | None = None,
+                document_ids: Tensor | None = None) -> Tensor:
         """Block logits float32 ``[B, HKV, NQB, NKB]`` (gradients reach only this module's parameters);
         the distance bias is added when ``geometry`` (of the pooled call) is given.
 
         ``query_blocks`` (optional int ``[S]``): the GLOBAL query-block ids of ``qbar``'s rows, when
         ``qbar`` holds only some query blocks (``[B, HKV, S, D]``; context parallelism: a rank's local
         blocks) and ``kbar`` all of them; the distance bias then uses those rows of the bucket table.
-        Default: ``qbar`` holds every query block in order.
+        Default: ``qbar`` holds every query block in order. ``seq_lens`` and ``document_ids`` are accepted for the
+        selectors' common call and not needed here (the pooling leaves padded rows out; top-k masks documents).
 
         The logits are float32 also under autocast (a bfloat16 product would tie blocks the selector ranks), on
         the kernel path (eager CUDA) and the reference path (CPU, torch.compile) alike."""
@@ -358,6 +375,14 @@ def reference_block_logits(qs: Tensor, ks: Tensor, temperature: Tensor, bias: Te
     logits = torch.matmul(qs, ks.transpose(-1, -2)) * temperature.view(1, -1, 1, 1)
     if bias is None:
         return logits
+    return add_distance_bias(logits, bias, geometry, query_blocks)
+
+
+def add_distance_bias(logits: Tensor, bias: Tensor, geometry: SelectionGeometry,
+                      query_blocks: Tensor | None = None) -> Tensor:
+    """``logits [B, H, R, NKB] + bias[h, bucket(i, j)]`` (``bias [H, C]``; the buckets of
+    :func:`block_distance_buckets` for the rows' query blocks: all of them in order, or the global ids
+    ``query_blocks``), with a backward that sums the gradient per bucket."""
     buckets = block_distance_buckets(geometry, logits.device)
     if query_blocks is not None:
         buckets = buckets.index_select(0, query_blocks.to(logits.device, torch.int64))
@@ -367,8 +392,8 @@ def reference_block_logits(qs: Tensor, ks: Tensor, temperature: Tensor, bias: Te
 class _BucketLookup(torch.autograd.Function):
     """``table[:, buckets]`` (``table [H, C]``, int ``buckets [NQB, NKB]`` -> ``[H, NQB, NKB]``) whose
     backward sums the gradient per bucket with one masked reduction per bucket. Autograd's own backward
-    of this indexing (a deterministic sort-based scatter of NQB * NKB values into C = 16 buckets) took
-    49 ms at 64K on the H200, 2.5x the attention it served; C reductions over the gradient are a few
+    of this indexing (a deterministic sort-based scatter of NQB * NKB values into C = 16 buckets) costs
+    more than the attention it serves at 64K; C reductions over the gradient are a few
     passes over memory, deterministic, and need no host read."""
 
     @staticmethod

@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the project, one phase per invocation, on a machine with one or two
+# GPUs (two GPUs run two tracks side by side; on one GPU the tracks run in turn and the DDP step is
+# skipped). Each command has its own timeout so a phase ends in about ten minutes. Logs and results are
+# tarred to $OUT/results-<phase>.tar.gz, the main result files are also copied to $OUT, and a summary
+# prints last.
+#
+# Run from the repository root:
+#
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh tests       # every GPU test, in four pytest processes side by side
+#                                                           # (three kernel parts and the rest; at most 280 s
+#                                                           # each), then on two GPUs the two-GPU tests with both
+#                                                           # visible
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh checks      # attention (64K; BENCH_NS="..." for more), selector
+#                                                           # (with CUDA-graph capture), step (64K, --profile)
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh step        # 1.1B step: 64K with kernel tables and 128K, the
+#                                                           # checkpoint policy (attention kept / recomputed) and
+#                                                           # distillation off; 16K with 10 repeats and its kernel
+#                                                           # table; kernel tables come with attention windows
+#                                                           # (scripts/tools/trace_attention_windows.py), clocks
+#                                                           # sampled
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
+#                                                           # then block-mass GPU tests, selector and step benchmarks
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
+#                                                           # benchmark with its sustained (power-capped) column,
+#                                                           # then Nsight Compute over one forward + backward per
+#                                                           # pattern (NCU_PATTERNS, default "P128 P64", "" for none;
+#                                                           # NCU_TIMEOUT s each; scripts/tools/ncu_kernel_limits.py),
+#                                                           # summarised to JSON and md
+#
+# Environment (PYTHONPATH, NVLink multicast off, wheels from .whl/): scripts/tools/gpu_env.sh.
+set -uo pipefail
+phase=${1:-checks}
+# shellcheck source=scripts/tools/gpu_env.sh
+source scripts/tools/gpu_env.sh
+OUT=${OUT:-/tmp/gpu_out}
+R=/tmp/gpu_work_$$   # everything goes here; $OUT gets the tarball and the main result files only
+mkdir -p "$R" "$OUT"
+ngpu=$(nvidia-smi -L | wc -l)
+{ nvidia-smi --query-gpu=index,name,clocks.sm,clocks.max.sm,clocks.mem,power.draw,temperature.gpu --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } > "$R/env_$phase.txt" 2>&1
+gpu_b=$(( ngpu > 1 ? 1 : 0 ))
+
+track() {  # track <gpu> <commands...>: run a command list on one GPU in the background
+  local gpu=$1; shift
+  ( export CUDA_VISIBLE_DEVICES=$gpu; "$@" ) &
+}
+
+gpu_tests() {  # gpu_tests <log name> <timeout> <pytest paths...>
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m pytest -q -rA -s -m gpu "$@" > "$R/$name.log" 2>&1
+  echo "gpu tests rc=$?" >> "$R/$name.log"
+}
+
+checks_gpu_a() {
+  timeout 220 python3 -m scripts.bench.attention --out "$R/bench_attention" --no-sweep \
+    --n ${BENCH_NS:-65536} > "$R/bench_attention.log" 2>&1
+  echo "bench_attention rc=$?" >> "$R/bench_attention.log"
+}
+
+checks_gpu_b() {
+  timeout 120 python3 -m scripts.bench.selector --graph --out "$R/bench_selector.json" > "$R/bench_selector.log" 2>&1
+  echo "bench_selector rc=$?" >> "$R/bench_selector.log"
+  timeout 300 python3 -m scripts.bench.step --profile --contexts 65536 --out "$R/bench_step.json" --repeats 4 \
+    --warmup 2 > "$R/bench_step.log" 2>&1
+  echo "bench_step rc=$?" >> "$R/bench_step.log"
+}
+
+retrieval_run() {  # retrieval_run <recipe>
+  timeout 230 python3 -m sparse_train.cli fit --config "recipes/$1.yaml" --logger_backend csv \
+    --trainer.max_steps=900 --trainer.val_check_interval=150 --trainer.default_root_dir="$R/$1" > "$R/$1.log" 2>&1
+  echo "$1 rc=$?" >> "$R/$1.log"
+}
+
+case "$phase" in
+  tests)
+    # Most of the suite's time is Triton compiling on the CPU, so parts side by side share one GPU well.
+    kernel_part1="tests/test_kernel_backward.py"
+    kernel_part2="tests/test_kernel_forward.py tests/test_kernel_tma.py tests/test_kernel_documents.py"
+    kernel_part3=$(ls tests/test_kernel_*.py | grep -v -E "tests/test_kernel_(backward|forward|tma|documents)\.py")
+    other_tests=$(ls tests/test_*.py | grep -v "tests/test_kernel_")
+    track 0 gpu_tests gpu_tests_kernels_part1 280 $kernel_part1
+    track 0 gpu_tests gpu_tests_kernels_part2 280 $kernel_part2
+    track "$gpu_b" gpu_tests gpu_tests_kernels_part3 280 $kernel_part3
+    track "$gpu_b" gpu_tests gpu_tests_rest 280 $other_tests
+    wait
+    if [ "$ngpu" -ge 2 ]; then
+      # each part sees one GPU, so the two-GPU tests skipped there: run them with both visible
+      gpu_tests gpu_tests_two_gpus 150 tests/test_kernel_query_blocks.py -k two_gpus
+    fi
+    cp "$R"/gpu_tests_*.log "$OUT"/ 2>/dev/null
+    ;;
+  checks)
+    if [ "$ngpu" -ge 2 ]; then
+      track 0 checks_gpu_a; track 1 checks_gpu_b; wait
+    else
+      checks_gpu_a; checks_gpu_b
+    fi
+    cp -r "$R"/bench_attention "$R"/bench_selector.json "$R"/bench_step.json "$OUT"/ 2>/dev/null
+    ;;
+  retrieval)
+    after_sparse() {
+      retrieval_run retrieval_16k
+      timeout 60 python3 -m pytest -q -rA -s -m gpu tests/test_kernel_block_mass.py > "$R/gpu_tests_block_mass.log" 2>&1
+      echo "block mass gpu tests rc=$?" >> "$R/gpu_tests_block_mass.log"
+      timeout 90 python3 -m scripts.bench.selector --out "$R/bench_selector.json" > "$R/bench_selector.log" 2>&1
+      echo "bench_selector rc=$?" >> "$R/bench_selector.log"
+    }
+    after_dense() {
+      retrieval_run retrieval_16k_dense
+      timeout 240 python3 -m scripts.bench.step --out "$R/bench_step.json" --repeats 4 --warmup 2 > "$R/bench_step.log" 2>&1
+      echo "bench_step rc=$?" >> "$R/bench_step.log"
+    }
+    track 0 after_sparse; track "$gpu_b" after_dense; wait
+    for run in retrieval_16k retrieval_16k_dense; do
+      m=$(find "$R/$run" -name metrics.csv 2>/dev/null | head -n 1)
+      [ -n "$m" ] && cp "$m" "$OUT/${run}_metrics.csv"
+    done
+    cp "$R"/bench_selector.json "$R"/bench_step.json "$R"/gpu_tests_block_mass.log "$OUT"/ 2>/dev/null
+    ;;
+  limits)
+    d=${HEAD_DIM:-128}
+    timeout "${BENCH_TIMEOUT:-300}" python3 -m scripts.bench.attention --out "$R/bench_attention_d$d" --no-sweep \
+      --n 65536 --head-dim "$d" > "$R/bench_attention_d$d.log" 2>&1
+    echo "bench_attention rc=$?" >> "$R/bench_attention_d$d.log"
+    ncu_bin=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+    if [ -z "$ncu_bin" ]; then
+      echo "no ncu on this machine" > "$R/ncu_missing.txt"
+    fi
+    for pattern in ${NCU_PATTERNS-P128 P64}; do
+      [ -n "$ncu_bin" ] || break
+      name="ncu_d${d}_$pattern"
+      # --clock-control none: the card's clocks stay as they are
+      timeout "${NCU_TIMEOUT:-150}" "$ncu_bin" --clock-control none --profile-from-start off --print-units base --csv --page raw \
+        --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section Occupancy --section LaunchStats \
+        python3 -m scripts.tools.ncu_kernel_limits run --head-dim "$d" --pattern "$pattern" > "$R/$name.csv" 2> "$R/$name.log"
+      echo "ncu rc=$?" >> "$R/$name.log"
+      python3 -m scripts.tools.ncu_kernel_limits summarize "$R/$name.csv" --out "$R/$name.json" > "$R/$name.md" 2>> "$R/$name.log"
+    done
+    # the device tool returns 8 files: the tarball has every log and raw CSV
+    cp "$R"/bench_attention_d*/*.json "$R"/bench_attention_d*/*.md "$R"/ncu_*.json "$OUT"/ 2>/dev/null
+    ;;
+  step)
+    # the card's clocks and power through the runs: at the power cap the step's kernels run below the benchmark's
+    # clock
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 250 > "$R/clocks_step.csv" &
+    clocks_pid=$!
+    step() {  # step <name> <timeout> <bench_step arguments...>
+      local name=$1 limit=$2; shift 2
+      timeout "$limit" python3 -m scripts.bench.step --act-ckpt on --out "$R/step_$name.json" "$@" > "$R/step_$name.log" 2>&1
+      echo "bench_step $name rc=$?" >> "$R/step_$name.log"
+    }
+    step 64k_keep 150 --contexts 65536 --repeats 4 --warmup 2 --profile --keep-attention on \
+      --kernel-table "$R/kernels_64k_keep"
+    step 64k_recompute 150 --contexts 65536 --repeats 4 --warmup 2 --profile --keep-attention off \
+      --kernel-table "$R/kernels_64k_recompute"
+    step 64k_distill_off 60 --contexts 65536 --variants sparse --repeats 4 --warmup 2 --profile --distill off
+    step 128k_keep 200 --contexts 131072 --repeats 3 --warmup 1 --profile --keep-attention on
+    # 16K is partly host-bound, so its step time varies more: 10 repeats
+    step 16k 130 --contexts 16384 --repeats 10 --warmup 3 --kernel-table "$R/kernels_16k"
+    kill "$clocks_pid"
+    cp "$R"/step_*.json "$OUT"/ 2>/dev/null
+    ;;
+  *) echo "unknown phase $phase"; exit 2 ;;
+esac
+
+tar czf "$OUT/results-$phase.tar.gz" --exclude='*.ckpt' -C "$R" . 2>/dev/null
+echo "==== summary ($phase) ===="
+cat "$R/env_$phase.txt"
+for f in "$R"/*.log; do echo "--- $(basename "$f")"; grep -E "rc=|passed|failed|Error|error:" "$f" | tail -n 6; done
+[ -f "$R/bench_selector.log" ] && tail -n 25 "$R/bench_selector.log"
+[ -f "$R/bench_step.log" ] && tail -n 15 "$R/bench_step.log"
+for f in "$R"/step_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -vE "^ {4}" "$f" | tail -n 6; }; done
+ls "$R"/bench_attention/*.md >/dev/null 2>&1 && head -n 20 "$R"/bench_attention/*.md
+for f in "$R"/bench_attention_d*/*.md; do [ -f "$f" ] && sed -n '/^| N | pattern | density/,$p' "$f" | head -n 40; done
+for f in "$R"/ncu_*.md; do [ -f "$f" ] && { echo "--- $(basename "$f")"; cat "$f"; }; done
+for run in retrieval_16k retrieval_16k_dense; do
+  m=$(find "$R/$run" -name metrics.csv 2>/dev/null | head -n 1)
+  [ -n "$m" ] && { echo "--- $run metrics (val rows)"; head -n 1 "$m" | cut -c1-300; grep -E "val" "$m" | tail -n 3 | cut -c1-300; }
+done
+exit 0
