@@ -7,11 +7,18 @@ N = 4097 and 16384 with H in {1, 3, 4, 8}, and 128K on listed query blocks."""
 
 import pytest
 import torch
-
 from builders import check_close, ids_from_lengths, rel_err
+
 from sparse_train.kernels import index_scores as index_scores_mod
-from sparse_train.kernels.index_scores import IndexScoreOptions, index_block_scores, index_block_scores_launch
-from sparse_train.kernels.reference_index_scores import check_index_score_args, reference_index_block_scores
+from sparse_train.kernels.index_scores import (
+    IndexScoreOptions,
+    index_block_scores,
+    index_block_scores_launch,
+)
+from sparse_train.kernels.reference_index_scores import (
+    check_index_score_args,
+    reference_index_block_scores,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = "auto" if DEV == "cuda" else "triton"
@@ -64,10 +71,10 @@ CASES = [
 @pytest.mark.parametrize("B,H,N,E,S,BQ,BK,seq_lens,docs,blocks", CASES)
 def test_index_scores_match_reference(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks):
     u, w = _inputs(B, H, N, E, S, blocks=blocks, block_q=BQ, seed=N + E, seq_lens=seq_lens)
-    kwargs = dict(block_q=BQ, block_k=BK,
-                  seq_lens=None if seq_lens is None else torch.tensor(seq_lens, device=DEV),
-                  document_ids=None if docs is None else ids_from_lengths(*docs).to(DEV),
-                  query_blocks=None if blocks is None else torch.tensor(blocks, device=DEV))
+    kwargs = {"block_q": BQ, "block_k": BK,
+              "seq_lens": None if seq_lens is None else torch.tensor(seq_lens, device=DEV),
+              "document_ids": None if docs is None else ids_from_lengths(*docs).to(DEV),
+              "query_blocks": None if blocks is None else torch.tensor(blocks, device=DEV)}
     u.requires_grad_()
     w.requires_grad_()
     got = index_block_scores(u, w, backend=BACKEND, **kwargs)
@@ -94,7 +101,7 @@ def test_index_scores_fp16_match_reference():
     against the same float16 inputs summed in float32 by PyTorch."""
     B, H, N, E, S, BQ, BK = 1, 2, 147, 2, 32, 32, 16
     u, w = _inputs(B, H, N, E, S, seed=3, dtype=torch.float16, seq_lens=(140,))
-    kwargs = dict(block_q=BQ, block_k=BK, seq_lens=torch.tensor([140], device=DEV))
+    kwargs = {"block_q": BQ, "block_k": BK, "seq_lens": torch.tensor([140], device=DEV)}
     u.requires_grad_()
     w.requires_grad_()
     got = index_block_scores(u, w, backend=BACKEND, **kwargs)
@@ -225,7 +232,7 @@ def test_index_scores_auto_backend_takes_the_reference_on_cpu(monkeypatch):
 
 def _bad_calls():
     u, w = _inputs(1, 2, 64, 2, 16, device="cpu")
-    ok = dict(block_q=16, block_k=16)
+    ok = {"block_q": 16, "block_k": 16}
     blocks = torch.tensor([0, 3])
     u_blocks = u[:, :, :32]
     return [
@@ -273,16 +280,16 @@ def test_index_scores_reject_bad_arguments(call, match, which):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    pytest.param(dict(backend="cuda"), "backend must be one of", id="backend"),
-    pytest.param(dict(options=IndexScoreOptions(key_tile=24)), "options.key_tile must be a power of two",
+    pytest.param({"backend": "cuda"}, "backend must be one of", id="backend"),
+    pytest.param({"options": IndexScoreOptions(key_tile=24)}, "options.key_tile must be a power of two",
                  id="key-tile"),
-    pytest.param(dict(options=IndexScoreOptions(row_tile=8)), "options.row_tile must be an int >= 16",
+    pytest.param({"options": IndexScoreOptions(row_tile=8)}, "options.row_tile must be an int >= 16",
                  id="row-tile"),
-    pytest.param(dict(options=IndexScoreOptions(num_warps=3)), "options.num_warps must be one of", id="warps"),
-    pytest.param(dict(options=IndexScoreOptions(num_stages=0)), "options.num_stages must be", id="stages"),
-    pytest.param(dict(options=IndexScoreOptions(blocks_per_program=4)), "options.blocks_per_program must be one of",
-                 id="blocks-per-program"),
-    pytest.param(dict(options={"key_tile": 64}), "options must be an IndexScoreOptions", id="options-dict"),
+    pytest.param({"options": IndexScoreOptions(num_warps=3)}, "options.num_warps must be one of", id="warps"),
+    pytest.param({"options": IndexScoreOptions(num_stages=0)}, "options.num_stages must be", id="stages"),
+    pytest.param({"options": IndexScoreOptions(blocks_per_program=4)},
+                 "options.blocks_per_program must be one of", id="blocks-per-program"),
+    pytest.param({"options": {"key_tile": 64}}, "options must be an IndexScoreOptions", id="options-dict"),
 ])
 def test_index_scores_reject_bad_backend_and_options(kwargs, match):
     u, w = _inputs(1, 1, 64, 1, 16, device="cpu")
@@ -440,7 +447,10 @@ def hopper_compile_report(cases):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from sparse_train.kernels.index_scores import _index_block_scores_kernel, tile_options
+    from sparse_train.kernels.index_scores import (
+        _index_block_scores_kernel,
+        tile_options,
+    )
 
     class Hopper:
         def get_current_target(self):
@@ -517,7 +527,7 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
     code = ("import json, test_kernel_index_scores as t; "
             f"print(json.dumps(t.hopper_compile_report({cases!r})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True,
-                          text=True)
+                          text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     for (E, S, full, pair), (registers, spills, shared) in zip(cases,
                                                                json.loads(done.stdout.strip().splitlines()[-1])):

@@ -7,9 +7,9 @@ Times, in one process, ``index_block_scores`` at B=1, H=8, block 64 (query and k
 * ``fwd_bwd`` the scores with the winners stored, then the backward's scatter-add into du and dw
 
 with the automatic tiles (``tile_options``) at every N, and at N = 65536 also three other tile variants (64 keys
-per step on 4 warps, 256 keys on 8 warps, two query blocks per program). CUDA
-events (``sparse_train.timing``), warm-up, median and p95; effective TFLOP/s counts the causal work,
-N^2 / 2 (row, key) pairs x 2 E S flops x H. Correctness: for each (N, E, S), the kernel on three listed query
+per step on 4 warps, 256 keys on 8 warps, two query blocks per program). Timed by
+``scripts.bench.harness.measure`` (CUDA events, warm-up, L2 flushed before each repeat, device time only), median
+and p95; effective TFLOP/s counts the causal work, N^2 / 2 (row, key) pairs x 2 E S flops x H. Correctness: for each (N, E, S), the kernel on three listed query
 blocks (first, middle, last) against the float64 reference (largest error relative to the largest |score|),
 and the full kernel's rows at those blocks equal the listed ones bit for bit. Checks the budget: forward at
 N = 65536 (best tiles) <= 1.2 ms.
@@ -18,9 +18,10 @@ Writes ``index_scores.json`` and ``index_scores.md`` (a markdown table) to ``--o
 
 Usage::
 
-    python scripts/bench/index_scores.py --out bench_out
-    python scripts/bench/index_scores.py --out /tmp/smoke --n 256 --heads 1 --shapes 1x16 --device cpu   # CPU
-    (the CPU smoke needs TRITON_INTERPRET=1 in the environment)
+    python -m scripts.bench.index_scores --out bench_out
+    python -m scripts.bench.index_scores --out /tmp/smoke --n 256 --heads 1 --shapes 1x16 --device cpu   # smoke
+
+(on the CPU the scores take the PyTorch reference: the smoke checks the script, not the kernel)
 """
 
 from __future__ import annotations
@@ -29,15 +30,18 @@ import argparse
 import json
 import math
 import platform
-import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from sparse_train.kernels.index_scores import IndexScoreOptions, index_block_scores, tile_options
+from scripts.bench.harness import measure
+from sparse_train.kernels.index_scores import (
+    IndexScoreOptions,
+    index_block_scores,
+    tile_options,
+)
 from sparse_train.kernels.reference_index_scores import reference_index_block_scores
-from sparse_train.timing import elapsed_ms, stamp
 
 SHAPES = ((1, 32), (1, 64), (2, 32), (4, 16), (4, 32))
 """(E index heads, S index dim) pairs timed."""
@@ -61,24 +65,11 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8, help="heads H (KV heads of the selector)")
     p.add_argument("--block", type=int, default=64, help="block size (query and key)")
     p.add_argument("--shapes", nargs="+", default=[f"{e}x{s}" for e, s in SHAPES], help="ExS pairs")
-    p.add_argument("--repeats", type=int, default=20, help="timed repeats at 16K (fewer at longer N, >= 5)")
+    p.add_argument("--max-repeats", type=int, default=20, help="most timed repeats of one call (at least 5, and "
+                   "until 400 ms are measured)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda")
     return p.parse_args(argv)
-
-
-def measure(fn, device, warmup: int, repeats: int) -> dict:
-    """Median, p95 and min milliseconds of ``fn()``."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = stamp(device)
-        fn()
-        samples.append(elapsed_ms(start, stamp(device)))
-    samples.sort()
-    p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)]
-    return {"median_ms": statistics.median(samples), "p95_ms": p95, "min_ms": samples[0], "repeats": repeats}
 
 
 def causal_flops(seq_len: int, heads: int, index_heads: int, index_dim: int) -> float:
@@ -112,7 +103,6 @@ def main(argv=None) -> int:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     results, checks = [], []
     for n in args.n:
-        repeats = max(5, args.repeats * 16384 // n)
         for E, S in shapes:
             g = torch.Generator(device=device).manual_seed(n + E * S)
             u = torch.randn(1, args.heads, n, E, S, device=device, generator=g).to(dtype)
@@ -138,7 +128,8 @@ def main(argv=None) -> int:
 
                 flops = causal_flops(n, args.heads, E, S)
                 for mode, fn in (("fwd", forward), ("fwd_bwd", forward_backward)):
-                    t = measure(fn, device, args.warmup, repeats)
+                    t = measure(fn, device=device, warmup=args.warmup, max_reps=max(5, args.max_repeats),
+                                busy=device.type == "cuda")._asdict()
                     row = {"N": n, "H": args.heads, "E": E, "S": S, "block": args.block, "variant": name,
                            "tiles": tiles._asdict(), "mode": mode, **t,
                            "tflops": flops / (t["median_ms"] * 1e-3) / 1e12 if mode == "fwd" else None}
