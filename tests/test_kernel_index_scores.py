@@ -7,11 +7,18 @@ N = 4097 and 16384 with H in {1, 3, 4, 8}, and 128K on listed query blocks."""
 
 import pytest
 import torch
-
 from builders import check_close, ids_from_lengths, rel_err
+
 from sparse_train.kernels import index_scores as index_scores_mod
-from sparse_train.kernels.index_scores import IndexScoreOptions, index_block_scores, index_block_scores_launch
-from sparse_train.kernels.reference_index_scores import check_index_score_args, reference_index_block_scores
+from sparse_train.kernels.index_scores import (
+    IndexScoreOptions,
+    index_block_scores,
+    index_block_scores_launch,
+)
+from sparse_train.kernels.reference_index_scores import (
+    check_index_score_args,
+    reference_index_block_scores,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = "auto" if DEV == "cuda" else "triton"
@@ -56,6 +63,7 @@ CASES = [
     pytest.param(2, 2, 147, 2, 16, 32, 16, (147, 100), None, (4, 1, 3), id="query-blocks-unsorted-partial-last"),
     pytest.param(1, 2, 147, 2, 32, 32, 32, None, ((20, 90, 37),), (2, 0, 4), id="query-blocks-documents"),
     pytest.param(1, 2, 90, 3, 20, 16, 16, None, None, None, id="e3-s20-padded-tile"),
+    pytest.param(1, 1, 70, 1, 8, 16, 16, None, None, None, id="s8-padded-to-16"),
     pytest.param(2, 1, 120, 2, 16, 16, 32, (0, 120), None, None, id="all-masked-row"),
 ]
 
@@ -63,10 +71,10 @@ CASES = [
 @pytest.mark.parametrize("B,H,N,E,S,BQ,BK,seq_lens,docs,blocks", CASES)
 def test_index_scores_match_reference(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks):
     u, w = _inputs(B, H, N, E, S, blocks=blocks, block_q=BQ, seed=N + E, seq_lens=seq_lens)
-    kwargs = dict(block_q=BQ, block_k=BK,
-                  seq_lens=None if seq_lens is None else torch.tensor(seq_lens, device=DEV),
-                  document_ids=None if docs is None else ids_from_lengths(*docs).to(DEV),
-                  query_blocks=None if blocks is None else torch.tensor(blocks, device=DEV))
+    kwargs = {"block_q": BQ, "block_k": BK,
+              "seq_lens": None if seq_lens is None else torch.tensor(seq_lens, device=DEV),
+              "document_ids": None if docs is None else ids_from_lengths(*docs).to(DEV),
+              "query_blocks": None if blocks is None else torch.tensor(blocks, device=DEV)}
     u.requires_grad_()
     w.requires_grad_()
     got = index_block_scores(u, w, backend=BACKEND, **kwargs)
@@ -93,7 +101,7 @@ def test_index_scores_fp16_match_reference():
     against the same float16 inputs summed in float32 by PyTorch."""
     B, H, N, E, S, BQ, BK = 1, 2, 147, 2, 32, 32, 16
     u, w = _inputs(B, H, N, E, S, seed=3, dtype=torch.float16, seq_lens=(140,))
-    kwargs = dict(block_q=BQ, block_k=BK, seq_lens=torch.tensor([140], device=DEV))
+    kwargs = {"block_q": BQ, "block_k": BK, "seq_lens": torch.tensor([140], device=DEV)}
     u.requires_grad_()
     w.requires_grad_()
     got = index_block_scores(u, w, backend=BACKEND, **kwargs)
@@ -107,19 +115,25 @@ def test_index_scores_fp16_match_reference():
     check_close("grad w fp16", _finite(dw), _finite(ref_dw), _finite(low_dw), torch.float16)
 
 
+@pytest.mark.parametrize("blocks", [None, (9, 2, 5)], ids=["all-blocks", "three-listed-blocks"])
 @pytest.mark.parametrize("options", [
     IndexScoreOptions(key_tile=16, row_tile=16, num_warps=1, num_stages=1),
     IndexScoreOptions(key_tile=64, row_tile=32, num_warps=2),
     IndexScoreOptions(key_tile=256, row_tile=256, num_warps=8),
-], ids=["one-block-16-row-slices", "two-blocks-32-row-slices", "sixteen-blocks-whole-tile"])
-def test_index_scores_tile_options_give_the_same_scores(options):
-    """Key blocks per step and row slices change the order of nothing but the max: scores and winners equal
-    the default tiles' bit for bit (rows of 16 * 2 = 32 per block: two slices of 16, one of 32 or 256)."""
-    u, w = _inputs(2, 2, 147, 2, 16, seed=5, seq_lens=(147, 101))
-    args = check_index_score_args(u, w, 16, 16, torch.tensor([147, 101], device=DEV),
-                                  ids_from_lengths((60, 87), (30, 117)).to(DEV))
-    common = dict(seq_lens=torch.tensor([147, 101], device=DEV),
-                  document_ids=ids_from_lengths((60, 87), (30, 117)).to(DEV), with_winner=True)
+    IndexScoreOptions(blocks_per_program=2),
+    IndexScoreOptions(key_tile=32, row_tile=16, blocks_per_program=2),
+], ids=["one-block-16-row-slices", "two-blocks-32-row-slices", "sixteen-blocks-whole-tile", "pairs",
+        "pairs-row-slices"])
+def test_index_scores_tile_options_give_the_same_scores(options, blocks):
+    """Key blocks per step, row slices and query blocks per program change the order of nothing but the max:
+    scores and winners equal the default tiles' bit for bit (rows of 16 * 2 = 32 per block: two slices of 16,
+    one of 32 or 256; pairs of query blocks, the last one alone when their number is odd)."""
+    lens = torch.tensor([147, 101], device=DEV)
+    docs = ids_from_lengths((60, 87), (30, 117)).to(DEV)
+    listed = None if blocks is None else torch.tensor(blocks, device=DEV)
+    u, w = _inputs(2, 2, 147, 2, 16, blocks=blocks, block_q=16, seed=5, seq_lens=(147, 101))
+    args = check_index_score_args(u, w, 16, 16, lens, docs, listed)
+    common = {"seq_lens": lens, "document_ids": docs, "query_blocks": listed, "with_winner": True}
     base = index_block_scores_launch(u, w, args, **common)
     other = index_block_scores_launch(u, w, args, options=options, **common)
     for a, b in zip(base, other):
@@ -185,6 +199,19 @@ def test_index_scores_deterministic_mode_repeats_bitwise():
         torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
 
 
+def test_index_scores_read_any_strides():
+    """u and w as permuted views (no copy): the scores equal those of contiguous copies bit for bit."""
+    g = torch.Generator().manual_seed(6)
+    u_store = torch.randn(16, 2, 3, 100, 2, generator=g).to(DEV)  # [S, B, E, N, H] memory order
+    w_store = torch.randn(100, 2, 2, 16, generator=g).to(DEV)  # [N, H, B, S]
+    u = u_store.permute(1, 4, 3, 2, 0)  # [B, H, N, E, S]
+    w = w_store.permute(2, 1, 0, 3)  # [B, H, N, S]
+    assert not u.is_contiguous() and not w.is_contiguous()
+    strided = index_block_scores(u, w, block_q=32, block_k=16, backend=BACKEND)
+    dense = index_block_scores(u.contiguous(), w.contiguous(), block_q=32, block_k=16, backend=BACKEND)
+    assert torch.equal(strided, dense)
+
+
 def test_index_scores_without_grad_equal_the_autograd_path():
     u, w = _inputs(1, 2, 100, 2, 16, seed=4)
     with torch.no_grad():
@@ -205,7 +232,7 @@ def test_index_scores_auto_backend_takes_the_reference_on_cpu(monkeypatch):
 
 def _bad_calls():
     u, w = _inputs(1, 2, 64, 2, 16, device="cpu")
-    ok = dict(block_q=16, block_k=16)
+    ok = {"block_q": 16, "block_k": 16}
     blocks = torch.tensor([0, 3])
     u_blocks = u[:, :, :32]
     return [
@@ -253,14 +280,16 @@ def test_index_scores_reject_bad_arguments(call, match, which):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    pytest.param(dict(backend="cuda"), "backend must be one of", id="backend"),
-    pytest.param(dict(options=IndexScoreOptions(key_tile=24)), "options.key_tile must be a power of two",
+    pytest.param({"backend": "cuda"}, "backend must be one of", id="backend"),
+    pytest.param({"options": IndexScoreOptions(key_tile=24)}, "options.key_tile must be a power of two",
                  id="key-tile"),
-    pytest.param(dict(options=IndexScoreOptions(row_tile=8)), "options.row_tile must be an int >= 16",
+    pytest.param({"options": IndexScoreOptions(row_tile=8)}, "options.row_tile must be an int >= 16",
                  id="row-tile"),
-    pytest.param(dict(options=IndexScoreOptions(num_warps=3)), "options.num_warps must be one of", id="warps"),
-    pytest.param(dict(options=IndexScoreOptions(num_stages=0)), "options.num_stages must be", id="stages"),
-    pytest.param(dict(options={"key_tile": 64}), "options must be an IndexScoreOptions", id="options-dict"),
+    pytest.param({"options": IndexScoreOptions(num_warps=3)}, "options.num_warps must be one of", id="warps"),
+    pytest.param({"options": IndexScoreOptions(num_stages=0)}, "options.num_stages must be", id="stages"),
+    pytest.param({"options": IndexScoreOptions(blocks_per_program=4)},
+                 "options.blocks_per_program must be one of", id="blocks-per-program"),
+    pytest.param({"options": {"key_tile": 64}}, "options must be an IndexScoreOptions", id="options-dict"),
 ])
 def test_index_scores_reject_bad_backend_and_options(kwargs, match):
     u, w = _inputs(1, 1, 64, 1, 16, device="cpu")
@@ -365,11 +394,51 @@ def test_index_scores_gpu_128k_on_listed_query_blocks():
     assert torch.equal(full[:, :, blocks], listed)
 
 
+@pytest.mark.gpu
+def test_index_scores_gpu_never_synchronises_and_captures():
+    """Forward and backward make no device -> host synchronisation (``set_sync_debug_mode("error")`` raises on
+    one), with seq_lens, documents and listed query blocks; the no-grad forward captures in a CUDA graph whose
+    replay gives the eager scores."""
+    from sparse_train.cuda_graphs import capture_cuda_graph
+
+    N, H, E, S, P = 4097, 4, 2, 32, 64
+    u, w = _inputs(2, H, N, E, S, blocks=(64, 3, 30), block_q=P, seed=2, dtype=torch.bfloat16, device="cuda",
+                   seq_lens=(N, 3000))
+    kwargs = {"block_q": P, "block_k": P, "seq_lens": torch.tensor([N, 3000], device="cuda"),
+              "document_ids": ids_from_lengths((1000, N - 1000), (N,)).cuda(),
+              "query_blocks": torch.tensor([64, 3, 30], device="cuda")}
+    u.requires_grad_()
+    w.requires_grad_()
+
+    def step():
+        scores = index_block_scores(u, w, **kwargs)
+        return torch.autograd.grad(scores, (u, w), torch.ones_like(scores))
+
+    step()  # warm-up: Triton compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        du, dw = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(du).all() and torch.isfinite(dw).all()
+
+    def forward():
+        with torch.no_grad():
+            return index_block_scores(u, w, **kwargs)
+
+    eager = forward()
+    graph, captured = capture_cuda_graph(forward)
+    captured.fill_(0.0)
+    graph.replay()
+    assert torch.equal(captured, eager)
+
+
 # ---------------------------------------------------------------------------------------------- compile for Hopper
 def hopper_compile_report(cases):
     """[(registers, spill store bytes, shared bytes)] of the kernel compiled for sm_90a at the automatic tiles of
-    each ``(E, S, with_winner_docs_lengths)`` case (block 64, bf16). Runs in a process without the interpreter
-    (the test below starts one): the active driver answers sm_90 while ``warmup`` compiles."""
+    each ``(E, S, with_winner_docs_lengths, blocks_per_program)`` case (block 64, bf16). Runs in a process without
+    the interpreter (the test below starts one): the active driver answers sm_90 while ``warmup`` compiles."""
     import os
     import re
     import subprocess
@@ -378,7 +447,10 @@ def hopper_compile_report(cases):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from sparse_train.kernels.index_scores import _index_block_scores_kernel, tile_options
+    from sparse_train.kernels.index_scores import (
+        _index_block_scores_kernel,
+        tile_options,
+    )
 
     class Hopper:
         def get_current_target(self):
@@ -398,9 +470,9 @@ def hopper_compile_report(cases):
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     report = []
-    for E, S, full in cases:
+    for E, S, full, per_program in cases:
         block, N = 64, 256
-        tiles = tile_options(block, block, E, S)
+        tiles = tile_options(block, block, E, S, IndexScoreOptions(blocks_per_program=per_program))
         rows = triton.next_power_of_2(block * E)
         u = torch.zeros(1, 2, N, E, S, dtype=torch.bfloat16)
         w = torch.zeros(1, 2, N, S, dtype=torch.bfloat16)
@@ -412,7 +484,8 @@ def hopper_compile_report(cases):
             compiled = _index_block_scores_kernel.warmup(
                 u, w, ints, ints, ints, out, ints, ints, *u.stride(), *w.stride(), 2, N, 4, 4, S, 9,
                 E=E, BLOCK_Q=block, BLOCK_K=block, S_P2=max(16, triton.next_power_of_2(S)), ROW_TILE=tiles.row_tile,
-                ROW_SLICES=rows // tiles.row_tile, KEY_BLOCKS=max(1, tiles.key_tile // block), FILL=256,
+                ROW_SLICES=rows // tiles.row_tile, KEY_BLOCKS=max(1, tiles.key_tile // block),
+                PAIR=per_program == 2, FILL=256,
                 HAS_QUERY_BLOCKS=full, HAS_SEQ_LENS=full, HAS_DOCS=full, WITH_WINNER=full, IEEE=False,
                 num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=(1, 1))
         finally:
@@ -432,7 +505,7 @@ def hopper_compile_report(cases):
 def test_index_scores_kernel_compiles_for_hopper_without_spills():
     """The interpreter accepts programs the compiler rejects: the kernel compiles for sm_90a (ptxas ships with
     triton) at the automatic tiles of the benchmark's (E, S), with winners, documents, lengths and listed query
-    blocks (the most registers) and without, and no register spills."""
+    blocks (the most registers) and without, one or two query blocks per program, and no register spills."""
     import json
     import os
     import subprocess
@@ -443,7 +516,8 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("this triton ships no ptxas")
-    cases = [(1, 32, False), (1, 32, True), (1, 64, True), (2, 32, True), (4, 16, True), (4, 32, True)]
+    cases = [(1, 32, False, 1), (1, 32, True, 1), (1, 64, True, 1), (2, 32, True, 1), (4, 16, True, 1),
+             (4, 32, True, 1), (1, 32, False, 2), (1, 32, True, 2), (2, 32, True, 2)]
     import sparse_train
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -453,8 +527,10 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
     code = ("import json, test_kernel_index_scores as t; "
             f"print(json.dumps(t.hopper_compile_report({cases!r})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True,
-                          text=True)
+                          text=True, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    for (E, S, full), (registers, spills, shared) in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
-        print(f"E={E} S={S} full={full}: {registers} registers, {spills} bytes spilled, {shared} bytes shared")
+    for (E, S, full, pair), (registers, spills, shared) in zip(cases,
+                                                               json.loads(done.stdout.strip().splitlines()[-1])):
+        print(f"E={E} S={S} full={full} blocks per program {pair}: {registers} registers, {spills} bytes spilled, "
+              f"{shared} bytes shared")
         assert spills == 0

@@ -6,9 +6,10 @@ Times, in one process, ``index_block_scores`` at B=1, H=8, block 64 (query and k
 * ``fwd``     the scores only (no autograd: the selection path)
 * ``fwd_bwd`` the scores with the winners stored, then the backward's scatter-add into du and dw
 
-with the automatic tiles (``tile_options``) at every N, and at N = 65536 also two other tile variants. CUDA
-events (``sparse_train.timing``), warm-up, median and p95; effective TFLOP/s counts the causal work,
-N^2 / 2 (row, key) pairs x 2 E S flops x H. Correctness: for each (N, E, S), the kernel on three listed query
+with the automatic tiles (``tile_options``) at every N, and at N = 65536 also three other tile variants (64 keys
+per step on 4 warps, 256 keys on 8 warps, two query blocks per program). Timed by
+``scripts.bench.harness.measure`` (CUDA events, warm-up, L2 flushed before each repeat, device time only), median
+and p95; effective TFLOP/s counts the causal work, N^2 / 2 (row, key) pairs x 2 E S flops x H. Correctness: for each (N, E, S), the kernel on three listed query
 blocks (first, middle, last) against the float64 reference (largest error relative to the largest |score|),
 and the full kernel's rows at those blocks equal the listed ones bit for bit. Checks the budget: forward at
 N = 65536 (best tiles) <= 1.2 ms.
@@ -17,9 +18,10 @@ Writes ``index_scores.json`` and ``index_scores.md`` (a markdown table) to ``--o
 
 Usage::
 
-    python scripts/bench/index_scores.py --out bench_out
-    python scripts/bench/index_scores.py --out /tmp/smoke --n 256 --heads 1 --shapes 1x16 --device cpu   # CPU
-    (the CPU smoke needs TRITON_INTERPRET=1 in the environment)
+    python -m scripts.bench.index_scores --out bench_out
+    python -m scripts.bench.index_scores --out /tmp/smoke --n 256 --heads 1 --shapes 1x16 --device cpu   # smoke
+
+(on the CPU the scores take the PyTorch reference: the smoke checks the script, not the kernel)
 """
 
 from __future__ import annotations
@@ -28,15 +30,18 @@ import argparse
 import json
 import math
 import platform
-import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-from sparse_train.kernels.index_scores import IndexScoreOptions, index_block_scores, tile_options
+from scripts.bench.harness import measure
+from sparse_train.kernels.index_scores import (
+    IndexScoreOptions,
+    index_block_scores,
+    tile_options,
+)
 from sparse_train.kernels.reference_index_scores import reference_index_block_scores
-from sparse_train.timing import elapsed_ms, stamp
 
 SHAPES = ((1, 32), (1, 64), (2, 32), (4, 16), (4, 32))
 """(E index heads, S index dim) pairs timed."""
@@ -47,6 +52,7 @@ VARIANTS = {
     "auto": None,
     "keys64-w4": IndexScoreOptions(key_tile=64, num_warps=4),
     "keys256-w8": IndexScoreOptions(key_tile=256, num_warps=8),
+    "pairs": IndexScoreOptions(blocks_per_program=2),
 }
 BUDGET_MS = 1.2
 """Forward budget at N = 65536, H = 8 (issue 34: scoring + top-k + plan <= 2.0 ms in all)."""
@@ -59,24 +65,11 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8, help="heads H (KV heads of the selector)")
     p.add_argument("--block", type=int, default=64, help="block size (query and key)")
     p.add_argument("--shapes", nargs="+", default=[f"{e}x{s}" for e, s in SHAPES], help="ExS pairs")
-    p.add_argument("--repeats", type=int, default=20, help="timed repeats at 16K (fewer at longer N, >= 5)")
+    p.add_argument("--max-repeats", type=int, default=20, help="most timed repeats of one call (at least 5, and "
+                   "until 400 ms are measured)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda")
     return p.parse_args(argv)
-
-
-def measure(fn, device, warmup: int, repeats: int) -> dict:
-    """Median, p95 and min milliseconds of ``fn()``."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        start = stamp(device)
-        fn()
-        samples.append(elapsed_ms(start, stamp(device)))
-    samples.sort()
-    p95 = samples[min(len(samples) - 1, math.ceil(0.95 * len(samples)) - 1)]
-    return {"median_ms": statistics.median(samples), "p95_ms": p95, "min_ms": samples[0], "repeats": repeats}
 
 
 def causal_flops(seq_len: int, heads: int, index_heads: int, index_dim: int) -> float:
@@ -110,7 +103,6 @@ def main(argv=None) -> int:
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes]
     results, checks = [], []
     for n in args.n:
-        repeats = max(5, args.repeats * 16384 // n)
         for E, S in shapes:
             g = torch.Generator(device=device).manual_seed(n + E * S)
             u = torch.randn(1, args.heads, n, E, S, device=device, generator=g).to(dtype)
@@ -125,7 +117,7 @@ def main(argv=None) -> int:
                 u_grad = u.detach().requires_grad_()
                 w_grad = w.detach().requires_grad_()
 
-                def forward(options=options):
+                def forward(options=options, u=u, w=w):
                     with torch.no_grad():
                         index_block_scores(u, w, block_q=args.block, block_k=args.block, options=options)
 
@@ -136,7 +128,8 @@ def main(argv=None) -> int:
 
                 flops = causal_flops(n, args.heads, E, S)
                 for mode, fn in (("fwd", forward), ("fwd_bwd", forward_backward)):
-                    t = measure(fn, device, args.warmup, repeats)
+                    t = measure(fn, device=device, warmup=args.warmup, max_reps=max(5, args.max_repeats),
+                                busy=device.type == "cuda")._asdict()
                     row = {"N": n, "H": args.heads, "E": E, "S": S, "block": args.block, "variant": name,
                            "tiles": tiles._asdict(), "mode": mode, **t,
                            "tflops": flops / (t["median_ms"] * 1e-3) / 1e12 if mode == "fwd" else None}
@@ -162,7 +155,7 @@ def main(argv=None) -> int:
     (args.out / "index_scores.json").write_text(json.dumps({"env": env, "results": results, "checks": checks,
                                                             "budget": budget}, indent=1))
     lines = [f"Index block scores, B=1, H={args.heads}, block {args.block}, {dtype}, {env['device']}, {env['date']}",
-             "", "| N | E | S | tiles (key, row, warps) | fwd ms (p95) | fwd TFLOP/s | fwd+bwd ms (p95) |",
+             "", "| N | E | S | tiles (key, row, warps, blocks) | fwd ms (p95) | fwd TFLOP/s | fwd+bwd ms (p95) |",
              "|---|---|---|---|---|---|---|"]
     for r in results:
         if r["mode"] != "fwd":
@@ -171,8 +164,8 @@ def main(argv=None) -> int:
                   all(x[k] == r[k] for k in ("N", "E", "S", "variant")))
         tl = r["tiles"]
         lines.append(f"| {r['N']} | {r['E']} | {r['S']} | {r['variant']} ({tl['key_tile']}, {tl['row_tile']}, "
-                     f"{tl['num_warps']}) | {r['median_ms']:.3f} ({r['p95_ms']:.3f}) | {r['tflops']:.1f} | "
-                     f"{fb['median_ms']:.3f} ({fb['p95_ms']:.3f}) |")
+                     f"{tl['num_warps']}, {tl['blocks_per_program']}) | {r['median_ms']:.3f} ({r['p95_ms']:.3f}) | "
+                     f"{r['tflops']:.1f} | {fb['median_ms']:.3f} ({fb['p95_ms']:.3f}) |")
     lines += ["", f"Budget: forward at N={VARIANT_LENGTH} <= {BUDGET_MS} ms (best tiles):", ""]
     lines += [f"- E={b['E']} S={b['S']}: {b['median_ms']:.3f} ms ({b['best_variant']}) "
               f"{'within' if b['within_budget'] else 'OVER'}" for b in budget]

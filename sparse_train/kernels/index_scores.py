@@ -15,7 +15,9 @@ has ROWS = BQ * E rows, row m = r * E + e (query row r = m // E, index head e = 
 two; the index dim is zero-padded to S_P2 = max(16, next power of two of S) (``tl.dot`` needs K >= 16; zeros
 change no product).
 
-Layers: (1) ``_index_block_scores_kernel``: one program per (query block row, b * H + h); the u tile is loaded
+Layers: (1) ``_index_block_scores_kernel``: one program per (query block row, b * H + h), or per two adjacent
+rows that share each loaded key tile (``blocks_per_program``), the last rows launched first (they walk the most
+key blocks, so the launch ends on short programs); the u tile is loaded
 once (in ROW_TILE-row slices when ROWS exceeds the option's row tile: then the later slices are reloaded per
 key step); the program walks the key blocks from the first that can share a document with the block's first
 row (a binary search over the non-decreasing document ids) to the last the block's last valid row reaches,
@@ -28,7 +30,8 @@ into ``dw[t]`` at the winners, by ``index_add_``, or ``index_put_(accumulate=Tru
 ``torch.use_deterministic_algorithms``); (4) the public function :func:`index_block_scores`.
 
 Known limits: float16 / bfloat16 / float32 (float32 products exact: IEEE dot); float64 goes to the reference;
-bfloat16 runs on CUDA only (the interpreter's bf16 math is wrong); block sizes 16..128, powers of two. The
+bfloat16 runs on CUDA only (the interpreter's bf16 math is wrong); block sizes 16..128, powers of two; M * E
+below 2^31 (int32 winner rows). The
 backward holds float32 ``[chunk * NKB, S]`` gathered rows per chunk of output rows (:data:`BACKWARD_CHUNK_BYTES`).
 """
 
@@ -45,7 +48,11 @@ from torch import Tensor
 from ..validation import check_choice, check_int
 from ._jit import documents_row, dot, last_document, sequence_length
 from ._launch import kernel_document_ids, kernel_seq_lens, launch
-from .reference_index_scores import IndexScoreArgs, check_index_score_args, reference_index_block_scores
+from .reference_index_scores import (
+    IndexScoreArgs,
+    check_index_score_args,
+    reference_index_block_scores,
+)
 
 __all__ = ["BACKWARD_CHUNK_BYTES", "MAX_ROW_TILE", "TILE_VALUES_PER_THREAD", "IndexScoreOptions", "index_block_scores",
            "index_block_scores_launch", "index_scores_support", "tile_options", "winner_gradients"]
@@ -67,12 +74,15 @@ class IndexScoreOptions(NamedTuple):
             is walked in slices of this many rows, the later slices reloaded per key step.
         num_warps: warps per program (1, 2, 4, 8 or 16).
         num_stages: software pipeline depth of the key loop (>= 1).
+        blocks_per_program: query blocks per program, 1 or 2: two adjacent blocks share each loaded key tile
+            (half the key traffic from L2, two u tiles held).
     """
 
     key_tile: int | None = None
     row_tile: int | None = None
     num_warps: int | None = None
     num_stages: int = 2
+    blocks_per_program: int | None = None
 
 
 TILE_VALUES_PER_THREAD = 64
@@ -92,8 +102,10 @@ def tile_options(block_q: int, block_k: int, index_heads: int, index_dim: int,
     row_tile = options.row_tile or min(rows, MAX_ROW_TILE)
     num_warps = options.num_warps or (4 if min(rows, row_tile) <= 128 else 8)
     values = TILE_VALUES_PER_THREAD * 32 * num_warps // (2 if index_dim > 32 else 1)
-    key_tile = options.key_tile or max(block_k, min(256, triton.next_power_of_2(max(16, values // min(rows, row_tile)))))
-    return IndexScoreOptions(key_tile=key_tile, row_tile=row_tile, num_warps=num_warps, num_stages=options.num_stages)
+    keys = triton.next_power_of_2(max(16, values // min(rows, row_tile)))
+    key_tile = options.key_tile or max(block_k, min(256, keys))
+    return IndexScoreOptions(key_tile=key_tile, row_tile=row_tile, num_warps=num_warps, num_stages=options.num_stages,
+                             blocks_per_program=options.blocks_per_program or 1)
 
 
 def _check_options(options) -> IndexScoreOptions | None:
@@ -108,6 +120,8 @@ def _check_options(options) -> IndexScoreOptions | None:
     if options.num_warps is not None:
         check_choice("options.num_warps", options.num_warps, (1, 2, 4, 8, 16))
     check_int("options.num_stages", options.num_stages, minimum=1)
+    if options.blocks_per_program is not None:
+        check_choice("options.blocks_per_program", options.blocks_per_program, (1, 2))
     return options
 
 
@@ -131,39 +145,21 @@ def _load_u_slice(U, u_head, block_row0, q_first, seqlen, slice_index, stride_um
 
 
 @triton.jit
-def _index_block_scores_kernel(
-    U, W, QUERY_BLOCKS, SEQ_LENS, DOCS, OUT, WIN_ROW, WIN_KEY,
-    stride_ub, stride_uh, stride_um, stride_ue, stride_us,
-    stride_wb, stride_wh, stride_wn, stride_ws,
-    H, N, R, NKB, S, SEARCH_STEPS,
-    E: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, S_P2: tl.constexpr, ROW_TILE: tl.constexpr,
-    ROW_SLICES: tl.constexpr, KEY_BLOCKS: tl.constexpr, FILL: tl.constexpr, HAS_QUERY_BLOCKS: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr, HAS_DOCS: tl.constexpr, WITH_WINNER: tl.constexpr, IEEE: tl.constexpr,
-):
-    KEYS: tl.constexpr = KEY_BLOCKS * BLOCK_K
-    # rows of the tile that are never real (E * BQ padded to a power of two): the mask is needed on every block
-    PADDED_ROWS: tl.constexpr = ROW_TILE * ROW_SLICES != BLOCK_Q * E
-    # output row (local query block), the last first: late query blocks walk the most key blocks, so the launch
-    # ends on short programs
-    i = R - 1 - tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    b64 = b.to(tl.int64)
+def _block_bounds(QUERY_BLOCKS, i, present, seqlen, docs_row, N, SEARCH_STEPS, BLOCK_Q: tl.constexpr,
+                  BLOCK_K: tl.constexpr, HAS_QUERY_BLOCKS: tl.constexpr, HAS_DOCS: tl.constexpr):
+    """(first position, end of the valid rows, first and end key block that can hold a valid key, document of the
+    block's last row) of local query block ``i``; an absent block (``present`` False: past R) has no rows."""
     if HAS_QUERY_BLOCKS:
-        qb = tl.load(QUERY_BLOCKS + i)
+        qb = tl.load(QUERY_BLOCKS + i, mask=present, other=0)
     else:
         qb = i
-    seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)  # in [0, N] (the launcher clamps)
     q_first = qb * BLOCK_Q
-    q_end = tl.minimum(q_first + BLOCK_Q, seqlen)  # valid rows are q_first .. q_end - 1
+    q_end = tl.where(present, tl.minimum(q_first + BLOCK_Q, seqlen), q_first)  # valid rows: q_first .. q_end - 1
     # key blocks j_start .. j_end - 1 can hold a valid key: t <= r < q_end
     j_end = tl.where(q_end > q_first, (q_end + BLOCK_K - 1) // BLOCK_K, 0)
     j_start = q_first * 0
-    docs_row = DOCS
-    doc_q_last = 0
+    doc_q_last = q_first * 0
     if HAS_DOCS:
-        docs_row = documents_row(DOCS, b64, N)
         doc_q_last = last_document(docs_row, q_first, BLOCK_Q, N)
         if j_end > 0:
             # first key position of the document of the block's first row (ids are non-decreasing)
@@ -176,66 +172,73 @@ def _index_block_scores_kernel(
                 lo = tl.where(right, mid + 1, lo)
                 hi = tl.where(right, hi, mid)
             j_start = lo // BLOCK_K
+    return q_first, q_end, j_start, j_end, doc_q_last
 
-    u_head = U + b64 * stride_ub + h.to(tl.int64) * stride_uh
-    w_head = W + b64 * stride_wb + h.to(tl.int64) * stride_wh
-    block_row0 = i * BLOCK_Q  # first row of this block in u
-    offs_s = tl.arange(0, S_P2)
-    offs_keys = tl.arange(0, KEYS)
-    offs_in_block = tl.arange(0, BLOCK_K)
-    out_row = (bh.to(tl.int64) * R + i) * NKB
-    u0, pos0, row_ok0 = _load_u_slice(U, u_head, block_row0, q_first, seqlen, 0, stride_um, stride_ue, stride_us,
-                                      offs_s, S, E, BLOCK_Q, ROW_TILE)
-    rows_cut = (q_first + BLOCK_Q > seqlen) | PADDED_ROWS  # some row of the tile is not a real query
-    for j0 in range(j_start, j_end, KEY_BLOCKS):
-        key_first = j0 * BLOCK_K
-        kpos = key_first + offs_keys  # [KEYS]
-        w = tl.load(w_head + kpos.to(tl.int64)[:, None] * stride_wn + offs_s.to(tl.int64)[None, :] * stride_ws,
-                    mask=(kpos < q_end)[:, None] & (offs_s[None, :] < S), other=0.0)  # [KEYS, S_P2]
-        # every (row, key) of the step is valid unless a key may follow a row, a row is not a real query, or the
-        # step's first key and the block's last row lie in two documents
-        needs_mask = (key_first + KEYS - 1 > q_first) | rows_cut
-        if HAS_DOCS:
-            needs_mask = needs_mask | (tl.load(docs_row + key_first) != doc_q_last)
-            doc_k = tl.load(docs_row + kpos.to(tl.int64), mask=kpos < q_end, other=-1)
-        best = tl.full([KEYS], float("-inf"), tl.float32)
-        best_m = tl.zeros([KEYS], tl.int32)
-        for sl in tl.static_range(ROW_SLICES):
-            if sl == 0:
-                u, pos, row_ok = u0, pos0, row_ok0
-            else:
-                u, pos, row_ok = _load_u_slice(U, u_head, block_row0, q_first, seqlen, sl, stride_um, stride_ue,
-                                               stride_us, offs_s, S, E, BLOCK_Q, ROW_TILE)
-            s = dot(u, tl.trans(w), IEEE)  # [ROW_TILE, KEYS] float32
-            if needs_mask:
-                ok = row_ok[:, None] & (kpos[None, :] <= pos[:, None])
-                if HAS_DOCS:
-                    doc_r = tl.load(docs_row + pos.to(tl.int64), mask=row_ok, other=-2)
-                    ok = ok & (doc_r[:, None] == doc_k[None, :])
-                s = tl.where(ok, s, float("-inf"))
-            if WITH_WINNER:
-                col, col_m = tl.max(s, axis=0, return_indices=True)  # [KEYS]: best row of each key
-                col_m = col_m + sl * ROW_TILE
-                better = col > best
-                best_m = tl.where(better, col_m, best_m)
-                best = tl.where(better, col, best)
-            else:
-                best = tl.maximum(best, tl.max(s, axis=0))
-        j = j0 + tl.arange(0, KEY_BLOCKS)  # [KEY_BLOCKS]
-        store_ok = j < j_end
-        per_block = tl.reshape(best, (KEY_BLOCKS, BLOCK_K))
-        if WITH_WINNER:
-            score, key_arg = tl.max(per_block, axis=1, return_indices=True)  # [KEY_BLOCKS]
-            pick = offs_in_block[None, :] == key_arg[:, None]
-            m = tl.sum(tl.where(pick, tl.reshape(best_m, (KEY_BLOCKS, BLOCK_K)), 0), axis=1)
-            found = score > float("-inf")
-            tl.store(WIN_ROW + out_row + j, tl.where(found, block_row0 * E + m, -1), mask=store_ok)
-            tl.store(WIN_KEY + out_row + j, tl.where(found, j * BLOCK_K + key_arg, -1), mask=store_ok)
+
+@triton.jit
+def _block_step(u0, pos0, row_ok0, U, u_head, block_row0, q_first, q_end, seqlen, w, kpos, key_first, docs_row,
+                doc_k, doc_q_last, stride_um, stride_ue, stride_us, offs_s, S, IEEE: tl.constexpr,
+                E: tl.constexpr, BLOCK_Q: tl.constexpr, ROW_TILE: tl.constexpr, ROW_SLICES: tl.constexpr,
+                KEYS: tl.constexpr, HAS_DOCS: tl.constexpr, WITH_WINNER: tl.constexpr):
+    """Best logit of each of the step's keys over the block's rows ([KEYS] float32, -inf where no row is valid)
+    and its tile row m ([KEYS] int32; with ``WITH_WINNER``)."""
+    # every (row, key) of the step is valid unless a key may follow a row, a row is not a real query (past the
+    # length, or padding rows of the tile), or the step's first key and the block's last row lie in two documents
+    padded_rows: tl.constexpr = ROW_TILE * ROW_SLICES != BLOCK_Q * E
+    needs_mask = (key_first + KEYS - 1 > q_first) | (q_first + BLOCK_Q > seqlen) | padded_rows
+    if HAS_DOCS:
+        needs_mask = needs_mask | (tl.load(docs_row + key_first) != doc_q_last)
+    best = tl.full([KEYS], float("-inf"), tl.float32)
+    best_m = tl.zeros([KEYS], tl.int32)
+    for sl in tl.static_range(ROW_SLICES):
+        if sl == 0:
+            u, pos, row_ok = u0, pos0, row_ok0
         else:
-            score = tl.max(per_block, axis=1)
-        tl.store(OUT + out_row + j, score, mask=store_ok)
+            u, pos, row_ok = _load_u_slice(U, u_head, block_row0, q_first, seqlen, sl, stride_um, stride_ue,
+                                           stride_us, offs_s, S, E, BLOCK_Q, ROW_TILE)
+        s = dot(u, tl.trans(w), IEEE)  # [ROW_TILE, KEYS] float32
+        if needs_mask:
+            ok = row_ok[:, None] & (kpos[None, :] <= pos[:, None])
+            if HAS_DOCS:
+                doc_r = tl.load(docs_row + pos.to(tl.int64), mask=row_ok, other=-2)
+                ok = ok & (doc_r[:, None] == doc_k[None, :])
+            s = tl.where(ok, s, float("-inf"))
+        if WITH_WINNER:
+            col, col_m = tl.max(s, axis=0, return_indices=True)  # [KEYS]: best row of each key
+            col_m = col_m + sl * ROW_TILE
+            better = col > best
+            best_m = tl.where(better, col_m, best_m)
+            best = tl.where(better, col, best)
+        else:
+            best = tl.maximum(best, tl.max(s, axis=0))
+    return best, best_m
 
-    # columns no valid key reaches: before the first document-sharing block and past the causal edge
+
+@triton.jit
+def _store_step(best, best_m, OUT, WIN_ROW, WIN_KEY, out_row, j0, j_start, j_end, block_row0, E: tl.constexpr,
+                BLOCK_K: tl.constexpr, KEY_BLOCKS: tl.constexpr, WITH_WINNER: tl.constexpr):
+    """Scores (and winners) of the step's key blocks j0 .. j0 + KEY_BLOCKS - 1 that lie in [j_start, j_end)."""
+    j = j0 + tl.arange(0, KEY_BLOCKS)  # [KEY_BLOCKS]
+    store_ok = (j >= j_start) & (j < j_end)
+    per_block = tl.reshape(best, (KEY_BLOCKS, BLOCK_K))
+    if WITH_WINNER:
+        score, key_arg = tl.max(per_block, axis=1, return_indices=True)  # [KEY_BLOCKS]
+        pick = tl.arange(0, BLOCK_K)[None, :] == key_arg[:, None]
+        m = tl.sum(tl.where(pick, tl.reshape(best_m, (KEY_BLOCKS, BLOCK_K)), 0), axis=1)
+        found = score > float("-inf")
+        tl.store(WIN_ROW + out_row + j, tl.where(found, block_row0 * E + m, -1), mask=store_ok)
+        tl.store(WIN_KEY + out_row + j, tl.where(found, j * BLOCK_K + key_arg, -1), mask=store_ok)
+    else:
+        score = tl.max(per_block, axis=1)
+    tl.store(OUT + out_row + j, score, mask=store_ok)
+
+
+@triton.jit
+def _fill_outside(OUT, WIN_ROW, WIN_KEY, out_row, j_start, j_end, fill_end, FILL: tl.constexpr,
+                  WITH_WINNER: tl.constexpr):
+    """-inf scores (winners -1) in the columns no valid key reaches: before ``j_start`` (the first block that can
+    share a document) and from ``j_end`` (past the causal edge) to ``fill_end`` (NKB; ``j_end`` for an absent
+    block, which stores nothing)."""
     for c0 in range(0, j_start, FILL):
         cols = c0 + tl.arange(0, FILL)
         fill_ok = cols < j_start
@@ -243,13 +246,105 @@ def _index_block_scores_kernel(
         if WITH_WINNER:
             tl.store(WIN_ROW + out_row + cols, tl.full([FILL], -1, tl.int32), mask=fill_ok)
             tl.store(WIN_KEY + out_row + cols, tl.full([FILL], -1, tl.int32), mask=fill_ok)
-    for c0 in range(j_end, NKB, FILL):
+    for c0 in range(j_end, fill_end, FILL):
         cols = c0 + tl.arange(0, FILL)
-        fill_ok = cols < NKB
+        fill_ok = cols < fill_end
         tl.store(OUT + out_row + cols, tl.full([FILL], float("-inf"), tl.float32), mask=fill_ok)
         if WITH_WINNER:
             tl.store(WIN_ROW + out_row + cols, tl.full([FILL], -1, tl.int32), mask=fill_ok)
             tl.store(WIN_KEY + out_row + cols, tl.full([FILL], -1, tl.int32), mask=fill_ok)
+
+
+@triton.jit
+def _index_block_scores_kernel(
+    U, W, QUERY_BLOCKS, SEQ_LENS, DOCS, OUT, WIN_ROW, WIN_KEY,
+    stride_ub, stride_uh, stride_um, stride_ue, stride_us,
+    stride_wb, stride_wh, stride_wn, stride_ws,
+    H, N, R, NKB, S, SEARCH_STEPS,
+    E: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, S_P2: tl.constexpr, ROW_TILE: tl.constexpr,
+    ROW_SLICES: tl.constexpr, KEY_BLOCKS: tl.constexpr, PAIR: tl.constexpr, FILL: tl.constexpr,
+    HAS_QUERY_BLOCKS: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, HAS_DOCS: tl.constexpr, WITH_WINNER: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    KEYS: tl.constexpr = KEY_BLOCKS * BLOCK_K
+    # the program's output rows (local query blocks): one, or two adjacent ones (PAIR) that share each key tile;
+    # the last first: late query blocks walk the most key blocks, so the launch ends on short programs
+    PER_PROGRAM: tl.constexpr = 2 if PAIR else 1
+    i0 = (tl.cdiv(R, PER_PROGRAM) - 1 - tl.program_id(0)) * PER_PROGRAM
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    b64 = b.to(tl.int64)
+    seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)  # in [0, N] (the launcher clamps)
+    docs_row = DOCS
+    if HAS_DOCS:
+        docs_row = documents_row(DOCS, b64, N)
+    u_head = U + b64 * stride_ub + h.to(tl.int64) * stride_uh
+    w_head = W + b64 * stride_wb + h.to(tl.int64) * stride_wh
+    offs_s = tl.arange(0, S_P2)
+    offs_keys = tl.arange(0, KEYS)
+
+    q_first0, q_end0, j_start0, j_end0, doc_last0 = _block_bounds(QUERY_BLOCKS, i0, i0 < R, seqlen, docs_row, N,
+                                                                  SEARCH_STEPS, BLOCK_Q, BLOCK_K, HAS_QUERY_BLOCKS,
+                                                                  HAS_DOCS)
+    u0, pos0, row_ok0 = _load_u_slice(U, u_head, i0 * BLOCK_Q, q_first0, seqlen, 0, stride_um, stride_ue, stride_us,
+                                      offs_s, S, E, BLOCK_Q, ROW_TILE)
+    out_row0 = (bh.to(tl.int64) * R + i0) * NKB
+    # the key blocks the program walks (a block without valid rows adds none)
+    j_lo = tl.where(j_end0 > 0, j_start0, NKB)
+    j_hi = j_end0
+    q_end_max = q_end0
+    if PAIR:
+        i1 = i0 + 1
+        present1 = i1 < R
+        q_first1, q_end1, j_start1, j_end1, doc_last1 = _block_bounds(QUERY_BLOCKS, i1, present1, seqlen, docs_row,
+                                                                      N, SEARCH_STEPS, BLOCK_Q, BLOCK_K,
+                                                                      HAS_QUERY_BLOCKS, HAS_DOCS)
+        u1, pos1, row_ok1 = _load_u_slice(U, u_head, i1 * BLOCK_Q, q_first1, seqlen, 0, stride_um, stride_ue,
+                                          stride_us, offs_s, S, E, BLOCK_Q, ROW_TILE)
+        out_row1 = out_row0 + NKB
+        j_lo = tl.minimum(j_lo, tl.where(j_end1 > 0, j_start1, NKB))
+        j_hi = tl.maximum(j_hi, j_end1)
+        q_end_max = tl.maximum(q_end_max, q_end1)
+
+    for j0 in range(j_lo, j_hi, KEY_BLOCKS):
+        key_first = j0 * BLOCK_K
+        kpos = key_first + offs_keys  # [KEYS]
+        key_in = kpos < q_end_max  # keys at or past every block's valid rows are never loaded (NaN padding)
+        w = tl.load(w_head + kpos.to(tl.int64)[:, None] * stride_wn + offs_s.to(tl.int64)[None, :] * stride_ws,
+                    mask=key_in[:, None] & (offs_s[None, :] < S), other=0.0)  # [KEYS, S_P2]
+        doc_k = kpos
+        if HAS_DOCS:
+            doc_k = tl.load(docs_row + kpos.to(tl.int64), mask=key_in, other=-1)
+        if PAIR:
+            # each block of the pair computes only the steps inside its own range
+            if (j0 + KEY_BLOCKS > j_start0) & (j0 < j_end0):
+                best, best_m = _block_step(u0, pos0, row_ok0, U, u_head, i0 * BLOCK_Q, q_first0, q_end0, seqlen, w,
+                                           kpos, key_first, docs_row, doc_k, doc_last0, stride_um, stride_ue,
+                                           stride_us, offs_s, S, IEEE, E, BLOCK_Q, ROW_TILE, ROW_SLICES, KEYS,
+                                           HAS_DOCS, WITH_WINNER)
+                _store_step(best, best_m, OUT, WIN_ROW, WIN_KEY, out_row0, j0, j_start0, j_end0, i0 * BLOCK_Q, E,
+                            BLOCK_K, KEY_BLOCKS, WITH_WINNER)
+            if (j0 + KEY_BLOCKS > j_start1) & (j0 < j_end1):
+                best1, best_m1 = _block_step(u1, pos1, row_ok1, U, u_head, i1 * BLOCK_Q, q_first1, q_end1, seqlen, w,
+                                             kpos, key_first, docs_row, doc_k, doc_last1, stride_um, stride_ue,
+                                             stride_us, offs_s, S, IEEE, E, BLOCK_Q, ROW_TILE, ROW_SLICES, KEYS,
+                                             HAS_DOCS, WITH_WINNER)
+                _store_step(best1, best_m1, OUT, WIN_ROW, WIN_KEY, out_row1, j0, j_start1, j_end1, i1 * BLOCK_Q, E,
+                            BLOCK_K, KEY_BLOCKS, WITH_WINNER)
+        else:
+            # the loop is this block's range: no branch around the dot (the pipeliner keeps the key loads ahead)
+            best, best_m = _block_step(u0, pos0, row_ok0, U, u_head, i0 * BLOCK_Q, q_first0, q_end0, seqlen, w, kpos,
+                                       key_first, docs_row, doc_k, doc_last0, stride_um, stride_ue, stride_us,
+                                       offs_s, S, IEEE, E, BLOCK_Q, ROW_TILE, ROW_SLICES, KEYS, HAS_DOCS,
+                                       WITH_WINNER)
+            _store_step(best, best_m, OUT, WIN_ROW, WIN_KEY, out_row0, j0, j_start0, j_end0, i0 * BLOCK_Q, E,
+                        BLOCK_K, KEY_BLOCKS, WITH_WINNER)
+
+    _fill_outside(OUT, WIN_ROW, WIN_KEY, out_row0, j_start0, j_end0, NKB, FILL, WITH_WINNER)
+    if PAIR:
+        _fill_outside(OUT, WIN_ROW, WIN_KEY, out_row1, j_start1, j_end1, tl.where(present1, NKB, j_end1), FILL,
+                      WITH_WINNER)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,13 +376,15 @@ def index_block_scores_launch(u: Tensor, w: Tensor, args: IndexScoreArgs, *, seq
     key_blocks = max(1, options.key_tile // block_k)
     blocks = None if query_blocks is None else query_blocks.to(torch.int32).contiguous()
     launch(
-        _index_block_scores_kernel, (R, B * H),
-        u, w, out if blocks is None else blocks, kernel_seq_lens(seq_lens, N, out), kernel_document_ids(document_ids, out),
+        _index_block_scores_kernel, (triton.cdiv(R, options.blocks_per_program), B * H),
+        u, w, out if blocks is None else blocks, kernel_seq_lens(seq_lens, N, out),
+        kernel_document_ids(document_ids, out),
         out, out if win_row is None else win_row, out if win_key is None else win_key,
         *u.stride(), *w.stride(),
         H, N, R, NKB, S, max(1, N.bit_length()),
         E=E, BLOCK_Q=block_q, BLOCK_K=block_k, S_P2=max(16, triton.next_power_of_2(S)), ROW_TILE=row_tile,
-        ROW_SLICES=rows // row_tile, KEY_BLOCKS=key_blocks, FILL=_FILL, HAS_QUERY_BLOCKS=blocks is not None,
+        ROW_SLICES=rows // row_tile, KEY_BLOCKS=key_blocks, PAIR=options.blocks_per_program == 2, FILL=_FILL,
+        HAS_QUERY_BLOCKS=blocks is not None,
         HAS_SEQ_LENS=seq_lens is not None, HAS_DOCS=document_ids is not None, WITH_WINNER=with_winner,
         IEEE=u.dtype == torch.float32, num_warps=options.num_warps, num_stages=options.num_stages,
     )
@@ -375,7 +472,8 @@ def index_scores_support(u: Tensor) -> tuple[bool, str]:
         if not _interpreter():
             return False, "CPU tensors need TRITON_INTERPRET=1 for the Triton kernel"
         if u.dtype not in (torch.float16, torch.float32):
-            return False, f"dtype {u.dtype} under the Triton interpreter (float16, float32 only: its bf16 math is wrong)"
+            return False, (f"dtype {u.dtype} under the Triton interpreter (float16, float32 only: its bf16 math is "
+                           "wrong)")
         return True, "ok"
     return False, f"device type {u.device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"
 

@@ -40,7 +40,7 @@ class IndexScoreArgs:
     """The checked geometry of one call: batch ``B``, heads ``H``, rows ``M`` of u, index heads ``E``, index dim
     ``S``, length ``N``, block sizes, ``NQB``, ``NKB`` and the number of output rows ``R``."""
 
-    __slots__ = ("B", "H", "M", "E", "S", "N", "block_q", "block_k", "num_q_blocks", "num_k_blocks", "rows")
+    __slots__ = ("B", "E", "H", "M", "N", "S", "block_k", "block_q", "num_k_blocks", "num_q_blocks", "rows")
 
     def __init__(self, B, H, M, E, S, N, block_q, block_k, rows):
         self.B, self.H, self.M, self.E, self.S, self.N = B, H, M, E, S, N
