@@ -430,7 +430,11 @@ class SparseAttention(nn.Module):
                 if pooled is None:
                     pooled = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens, position_ids)
                 qbar, kbar = pooled
-                with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
+                # the token indexer's sampled distillation scores its few query blocks apart (with gradients);
+                # the selection's scores over every block then need none (the winners' bookkeeping costs more
+                # than the scores)
+                scores_apart = distill_now and cfg.selector == "token" and self._distill_mode(path) == "sampled"
+                with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now and not scores_apart):
                     scores = self.scorer(qbar, kbar, scale, geometry, seq_lens=seq_lens, document_ids=document_ids)
             if need_selection:
                 candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks,
@@ -499,9 +503,15 @@ class SparseAttention(nn.Module):
             with host_ops():
                 if mode == "sampled" and distill_blocks is None:
                     distill_blocks = self._draw_distill_blocks(geometry, device)
+                row_scores = None
+                if cfg.selector == "token" and mode == "sampled":
+                    def row_scores(rows: Tensor) -> Tensor:
+                        rows_q = self.scorer.query_rows(pooled[0], rows, cfg.block_q)
+                        return self.scorer(rows_q, pooled[1], scale, geometry, rows, seq_lens=seq_lens,
+                                           document_ids=document_ids)
                 loss, distill_target = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry,
                                                                mode, distill_blocks, document_ids, check_values,
-                                                               distill_target)
+                                                               distill_target, row_scores)
 
         # ---- bookkeeping of the first pass only (a recompute must not count twice)
         if first_pass:
@@ -732,10 +742,13 @@ class SparseAttention(nn.Module):
         return "sampled" if (mode == "sparse" and path == "dense") else mode
 
     def _distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
-                           document_ids=None, check_values=True, target=None) -> tuple[Tensor, tuple]:
+                           document_ids=None, check_values=True, target=None,
+                           row_scores=None) -> tuple[Tensor, tuple]:
         """KL from the row-pooled attention-mass target to the selector's distribution, and the target
         (``(target, row_valid)``). ``target``: the first forward's, which a checkpoint recompute reuses (the
         target is detached and a function of the same q and k, so computing it again would only cost time).
+        ``row_scores`` (optional): query block ids -> the selector's scores of those blocks with gradients, for
+        a selector whose full ``scores`` were computed without them (``"sampled"`` only).
 
         ``distill_support="dynamic"`` restricts both to the blocks top-k chooses from (window and
         sinks are always selected, so ranking them teaches the selector nothing it uses). With packed
@@ -749,7 +762,7 @@ class SparseAttention(nn.Module):
                                             check_values)  # [B, HKV, S, NKB] twice
             if rows is not None:
                 support = support.index_select(2, rows)
-                scores = scores.index_select(2, rows)
+                scores = scores.index_select(2, rows) if row_scores is None else row_scores(rows)
             allowed = support
         else:
             if target is None:

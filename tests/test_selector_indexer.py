@@ -233,3 +233,24 @@ def test_token_selector_on_gpu(hq, hkv):
     loss.backward()
     for name, param in attn.named_parameters():
         assert param.grad is not None and torch.isfinite(param.grad).all(), name
+
+
+def test_token_scores_of_listed_query_blocks_equal_the_full_rows():
+    """The sampled distillation scores its query blocks apart (query_rows + query_blocks): the same values and
+    the same parameter gradients as those rows of the full scores."""
+    torch.manual_seed(6)
+    hq, hkv, n, d = 4, 2, 150, 32
+    indexer = TokenIndexer(hq, hkv, d, index_dim=16, index_heads=2, lr_multiplier=10.0, distance_bias=True)
+    q, k = indexer.pool(torch.randn(2, hq, n, d), torch.randn(2, hkv, n, d), 32, 32, torch.tensor([150, 70]))
+    geometry = selection_geometry(n, 32, 32, 2, 1, 1)
+    rows = torch.tensor([4, 0, 2])  # unsorted, with the partial last block
+    weights = torch.randn(2, hkv, 3, geometry.num_k_blocks)
+    full = indexer(q, k, 0.3, geometry, seq_lens=torch.tensor([150, 70])).index_select(2, rows)
+    (full * weights).sum().backward()
+    want = {name: p.grad.clone() for name, p in indexer.named_parameters()}
+    indexer.zero_grad()
+    listed = indexer(indexer.query_rows(q, rows, 32), k, 0.3, geometry, rows, seq_lens=torch.tensor([150, 70]))
+    (listed * weights).sum().backward()
+    torch.testing.assert_close(listed, full, rtol=1e-6, atol=1e-6)
+    for name, p in indexer.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6)

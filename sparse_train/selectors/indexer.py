@@ -123,10 +123,24 @@ class TokenIndexer(nn.Module):
         inv_freq = self.rope_inv_freq if self.rope_inv_freq.numel() else None
         q, k = q.detach(), k.detach()
         dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.promote_types(q.dtype, torch.float32)
+        if seq_lens is not None:
+            # rows past a sequence's length may hold anything (NaN padding); zeros keep it out of the index
+            # projections' gradients (0 * NaN), the kernel never reads them for a score
+            keep = torch.arange(q.shape[2], device=q.device).view(1, 1, -1, 1) < seq_lens.view(-1, 1, 1, 1)
+            q, k = torch.where(keep, q, 0.0), torch.where(keep, k, 0.0)
         if inv_freq is not None:
             q = unrotate(q, inv_freq, positions, self.rope_style)
             k = unrotate(k, inv_freq, positions, self.rope_style)
         return q.to(dtype), k.to(dtype)
+
+    @staticmethod
+    def query_rows(q: Tensor, query_blocks: Tensor, block_q: int) -> Tensor:
+        """The rows of ``query_blocks`` (int ``[R]``) of :meth:`pool`'s ``q`` ``[B, HQ, N, D]``, block by block:
+        ``[B, HQ, R * block_q, D]`` (the positions past N of a partial last block repeat row N - 1; the scores
+        ignore them), the layout :meth:`forward` takes with ``query_blocks``."""
+        offsets = torch.arange(block_q, device=q.device)
+        positions = query_blocks.to(q.device, torch.int64).view(-1, 1) * block_q + offsets
+        return q.index_select(2, positions.reshape(-1).clamp(max=q.shape[2] - 1))
 
     def forward(self, q: Tensor, k: Tensor, scale: float, geometry: SelectionGeometry | None = None,
                 query_blocks: Tensor | None = None, *, seq_lens: Tensor | None = None,
