@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 import traceback
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -156,15 +156,16 @@ def _density(model: EvalModel) -> float | None:
     return None
 
 
-def run_job(cfg: JobConfig) -> dict:
-    """Train and evaluate one job; the record written to results.jsonl (``error`` set when it failed)."""
+def run_job(cfg: JobConfig, verbose: bool = False) -> dict:
+    """Train and evaluate one job; the record written to results.jsonl (``error`` set when it failed).
+    ``verbose`` prints the training curve as it is logged."""
     try:
-        return _run_job(cfg)
+        return _run_job(cfg, verbose)
     except Exception:  # a failed job is reported and the sweep goes on
         return {"key": cfg.key, "config": asdict(cfg), "error": traceback.format_exc()}
 
 
-def _run_job(cfg: JobConfig) -> dict:
+def _run_job(cfg: JobConfig, verbose: bool) -> dict:
     device = torch.device(cfg.device)
     cuda = device.type == "cuda"
     fam = family(cfg.family)
@@ -209,6 +210,9 @@ def _run_job(cfg: JobConfig) -> dict:
             task = torch.stack(losses).float().mean().item()
             sel = torch.stack(selector_losses).float().mean().item()
             curve.append([step + 1, task, sel])
+            if verbose:
+                print(f"[heldout] {cfg.family}/{cfg.mode}/seed {cfg.seed}/N {cfg.seq_len} step {step + 1}: "
+                      f"loss {task:.4f}, selector loss {sel:.4f}", flush=True)
             losses, selector_losses = [], []
     if cuda:
         torch.cuda.synchronize(device)
@@ -342,7 +346,9 @@ def run_sweep(args: argparse.Namespace) -> Path:
     for mode, message in skipped.items():
         print(f"[heldout] {message}" if mode.startswith("note/") else f"[heldout] skipping: {message}", flush=True)
     done = {record["key"] for record in read_results(out)}
-    todo = [cfg for cfg in configs if cfg.key not in done]
+    # seed by seed, so that a sweep cut short holds complete comparisons of its first seeds
+    todo = sorted((cfg for cfg in configs if cfg.key not in done),
+                  key=lambda c: (c.seq_len, seeds.index(c.seed), families.index(c.family), modes.index(c.mode)))
     print(f"[heldout] {len(configs)} jobs, {len(configs) - len(todo)} already in {out / 'results.jsonl'}, "
           f"{len(todo)} to run on {device} with {args.jobs} at a time", flush=True)
     for name in families:
@@ -367,22 +373,38 @@ def run_sweep(args: argparse.Namespace) -> Path:
                 results.write(json.dumps(record) + "\n")
                 results.flush()
                 elapsed = time.perf_counter() - start
-                eta = elapsed / index * (len(todo) - index)
+                eta = elapsed / index * (len(todo) - index)  # jobs finish in waves: a rough guide
                 print(f"[heldout] {index}/{len(todo)} {label}: accuracy {record['accuracy']:.3f} "
                       f"(chance {record['chance']:.3f}), {record['steps_per_s']:.1f} steps/s, density "
                       f"{record['eval_density']:.3f}; elapsed {elapsed / 60:.1f} min, about {eta / 60:.1f} min left",
                       flush=True)
 
+        def may_start() -> bool:
+            return args.stop_after_min is None or time.perf_counter() - start < 60 * args.stop_after_min
+
+        pending = list(todo)
+        count = 0
         if args.jobs == 1:
-            for i, cfg in enumerate(todo, 1):
-                finished(run_job(cfg), i)
-        elif todo:
+            while pending and may_start():
+                count += 1
+                finished(run_job(pending.pop(0), args.verbose), count)
+        elif pending:
             context = mp.get_context("spawn")
             with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context, max_tasks_per_child=1,
                                      initializer=_worker_init, initargs=(threads,)) as pool:
-                futures = [pool.submit(run_job, cfg) for cfg in todo]
-                for i, future in enumerate(as_completed(futures), 1):
-                    finished(future.result(), i)
+                running = set()
+                while pending or running:
+                    while pending and len(running) < args.jobs and may_start():
+                        running.add(pool.submit(run_job, pending.pop(0), args.verbose))
+                    if not running:
+                        break
+                    done_now, running = wait(running, return_when=FIRST_COMPLETED)
+                    for future in done_now:
+                        count += 1
+                        finished(future.result(), count)
+        if pending:
+            print(f"[heldout] --stop-after-min {args.stop_after_min}: {len(pending)} jobs not started; "
+                  "the same command resumes them", flush=True)
     summarize(out)
     return out
 
@@ -551,6 +573,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=50, help="training-loss curve and mass-recall interval (steps)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes at once (1: run in this process)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--stop-after-min", type=float, default=None,
+                   help="start no job after this many minutes (running jobs finish; a rerun resumes)")
+    p.add_argument("--verbose", action="store_true", help="print every job's training curve as it is logged")
     p.add_argument("--out", default=None, help="output directory (results.jsonl, summary.md/json, plot.png)")
     p.add_argument("--summarize", default=None, metavar="DIR", help="only rebuild DIR's summary from results.jsonl")
     args = p.parse_args(argv)

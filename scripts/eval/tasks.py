@@ -1,27 +1,30 @@
 """Held-out task families for the selector evaluation: token rows with a few answer positions.
 
 Every family writes rows of exactly ``seq_len`` tokens over one shared vocabulary of ``VOCAB_SIZE``
-tokens: random filler with a few *facts* scattered through it and a question at the end. ``targets``
-holds -100 everywhere except at the positions whose next token is an answer (next-token prediction:
-``targets[p] == tokens[p + 1]``); accuracy is the fraction of those positions predicted exactly.
-Answers are given to the model as inputs after each answer position (teacher forcing), so an answer
-of several tokens (a chain, a span) is a sequence of single lookups: a 2-layer model composes one
-lookup per position, not several.
+tokens: ``BOS``, random filler with a few *fact tokens* scattered through it, and questions at the end.
+A fact is one token that carries both of its parts (as the needles of ``sparse_train``'s retrieval task
+and the issue's measurement): ``fact(k, v)`` says key ``k`` has value ``v``; ``link(k1, k2)`` says key
+``k1`` leads to key ``k2``; ``span(i, c)`` is symbol ``c`` at slot ``i`` of a span. A question is a query
+token followed by its answer token; ``targets`` holds -100 everywhere except at the query positions,
+whose target is the answer (next-token prediction: ``targets[p] == tokens[p + 1]``). Accuracy is the
+fraction of query positions predicted exactly.
 
-The facts a question needs are a few tokens each, so they lie in a few key blocks: ``top_k`` of a
-family is the number of facts its question needs, the selection budget that suffices when the
-selector finds them.
+Reading one fact is one attention lookup, so a two-layer model can learn every family in a few hundred
+steps, and a two-hop question needs exactly its two layers. The facts a question needs are single
+tokens, so they lie in a few key blocks: ``top_k`` of a family is the number of facts its questions need,
+the selection budget that suffices when the selector finds them.
 
 Families:
 
-* ``needles``: 8 facts ``k v`` (key, value) in filler; 4 asked as ``? k v``.
-* ``multihop``: 4 chains ``MARK k1 k2`` and ``MARK k2 v`` (two hops) in filler; 2 asked as
-  ``? k1 k2 v`` (answers: the intermediate key, then the value).
-* ``vartrack``: 4 chains of assignments ``Xa = n``, ``Xb = Xa``, ``Xc = Xb`` (in this order in the
-  row, chains interleaved); 2 asked as ``? Xc Xb Xa n`` (answers: each variable's right-hand side).
-* ``copy``: one span ``OPEN s1 .. sL CLOSE`` (L in 8..16, distinct tokens); reproduced at the end as
-  ``ASK s1 .. sL`` (answers: every span token).
-* ``assoc``: 48 facts ``k v`` in filler (associative recall over many keys); 4 asked as ``? k v``.
+* ``needles``: 8 facts over 8 keys in filler, 4 asked (the issue's task).
+* ``multihop``: 4 chains ``link(k1, k2)``, ``fact(k2, v)`` over 16 keys; 2 asked by their first key,
+  answered by the value (two lookups, one per layer).
+* ``vartrack``: 8 variables each assigned twice, ``fact(x, v)`` at two random places (different values);
+  2 asked, answered by the later assignment (variable tracking: the latest update wins).
+* ``copy``: one contiguous span ``span(0, c0) .. span(L-1, c_{L-1})`` (L in 8..16); reproduced at the end
+  as ``ASK index(0) c0 index(1) c1 ..`` (every symbol asked).
+* ``assoc``: 32 facts, one for each of 32 keys, spread over the row; 4 asked (associative recall over
+  many keys).
 
 ``solve(family, tokens)`` recovers every answer from the tokens alone (the rule a perfect model
 applies); the tests compare it with the generator's targets.
@@ -35,40 +38,46 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "Family", "VOCAB_SIZE", "family", "make_batch", "solve", "stream_seed"]
+__all__ = ["FAMILIES", "Family", "IGNORE", "VOCAB_SIZE", "family", "make_batch", "solve", "stream_seed"]
 
-# vocabulary
-BOS, QUERY, EQ, MARK, OPEN, CLOSE, ASK = 1, 2, 3, 4, 5, 6, 7
-FILLER = range(8, 40)      # 32 filler tokens, never part of a fact
-KEYS = range(40, 104)      # 64 keys / variable names / span tokens
-VALUES = range(104, 120)   # 16 values
-VOCAB_SIZE = 128
+NUM_KEYS = 32
+NUM_VALUES = 8
+NUM_FILLER = 32
+NUM_SLOTS = 16
+LINK_KEYS = 16
+
+# vocabulary: consecutive ranges
+BOS, ASK = 1, 2
+FILLER = range(3, 3 + NUM_FILLER)
+QUERY = range(FILLER.stop, FILLER.stop + NUM_KEYS)                      # query(k)
+VALUE = range(QUERY.stop, QUERY.stop + NUM_VALUES)                      # answers and span symbols
+FACT = range(VALUE.stop, VALUE.stop + NUM_KEYS * NUM_VALUES)            # fact(k, v) = FACT[k * NUM_VALUES + v]
+LINK = range(FACT.stop, FACT.stop + LINK_KEYS * LINK_KEYS)              # link(a, b) = LINK[a * LINK_KEYS + b]
+SPAN = range(LINK.stop, LINK.stop + NUM_SLOTS * NUM_VALUES)             # span(i, c) = SPAN[i * NUM_VALUES + c]
+INDEX = range(SPAN.stop, SPAN.stop + NUM_SLOTS)                         # index(i)
+VOCAB_SIZE = 768
+assert INDEX.stop <= VOCAB_SIZE
 IGNORE = -100
 
 
 @dataclass(frozen=True)
 class Family:
-    """One task family: its name, the facts its question needs (``top_k``), the chance accuracy of a
-    uniform guess over each answer's alphabet (mean over answer tokens) and the shortest row."""
+    """One task family: its name, the facts its questions need (``top_k``), the chance accuracy of a
+    uniform guess over the answer alphabet and the shortest row."""
 
     name: str
     top_k: int
-    chance: float
     min_len: int
     description: str
+    chance: float = 1.0 / NUM_VALUES
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("needles", 4, 1 / len(VALUES), 64,
-           "8 single-token key->value needles in filler, 4 asked"),
-    Family("multihop", 4, (1 / len(KEYS) + 1 / len(VALUES)) / 2, 96,
-           "4 two-hop chains k1->k2->v in filler, 2 asked (answers k2 then v)"),
-    Family("vartrack", 6, (2 / len(KEYS) + 1 / len(VALUES)) / 3, 128,
-           "4 chains Xa=n, Xb=Xa, Xc=Xb in filler, 2 asked (answers Xb, Xa, n)"),
-    Family("copy", 2, 1 / len(KEYS), 64,
-           "one marked span of 8-16 distinct tokens, reproduced at the end"),
-    Family("assoc", 4, 1 / len(VALUES), 192,
-           "48 key->value pairs spread over the row, 4 asked"),
+    Family("needles", 4, 32, "8 single-token key->value needles in filler, 4 asked"),
+    Family("multihop", 4, 32, "4 two-hop chains k1->k2->v in filler, 2 asked by k1 (answer v)"),
+    Family("vartrack", 4, 32, "8 variables assigned twice in filler, 2 asked (answer: the later value)"),
+    Family("copy", 2, 64, "a span of 8-16 slot-tagged symbols, every symbol asked at the end"),
+    Family("assoc", 4, 64, "32 key->value facts spread over the row, 4 asked"),
 )}
 
 
@@ -80,92 +89,91 @@ def family(name: str) -> Family:
 
 
 def stream_seed(*parts: object) -> int:
-    """A stable 31-bit seed from any labels (family, split, run seed): the same labels give the same
-    stream in every process and Python version, different labels independent streams."""
+    """A stable 31-bit seed from any labels (family, split, length, run seed): the same labels give the
+    same stream in every process, different labels independent streams."""
     return zlib.crc32("/".join(map(str, parts)).encode()) & 0x7FFFFFFF
 
 
-def _pick(pool: range, count: int, gen: torch.Generator) -> list[int]:
-    """``count`` distinct tokens of ``pool`` in random order."""
-    order = torch.randperm(len(pool), generator=gen)[:count]
-    return [pool.start + int(i) for i in order]
+def _perm(count: int, gen: torch.Generator) -> list[int]:
+    return torch.randperm(count, generator=gen).tolist()
 
 
-def _slots(count: int, size: int, start: int, stop: int, gen: torch.Generator) -> list[int]:
-    """Start positions of ``count`` non-overlapping facts of ``size`` tokens in ``[start, stop)``, ascending."""
-    free = (stop - start) // size
-    if free < count:
-        raise ValueError(f"seq_len too short: {count} facts of {size} tokens need {count * size} haystack positions, "
-                         f"{stop - start} available")
-    chosen = torch.randperm(free, generator=gen)[:count].sort().values
-    return [start + int(s) * size for s in chosen]
+def _values(count: int, gen: torch.Generator) -> list[int]:
+    return torch.randint(NUM_VALUES, (count,), generator=gen).tolist()
 
 
 def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """tokens, targets (int64 ``[n]``) of one row of family ``name``."""
-    facts: list[list[int]] = []      # in the order they appear in the row
-    question: list[int] = []
-    answers: list[int] = []          # indices into question whose token is an answer
-    ordered = False
+    facts: list[int] = []            # fact tokens, each at its own random haystack position
+    block: list[int] = []            # copy: one contiguous run of tokens at a random position
+    questions: list[tuple[int, int]] = []     # (query token, answer token)
+    prefix: list[int] = []           # tokens between the haystack and the questions
     if name in ("needles", "assoc"):
-        count, asked = (8, 4) if name == "needles" else (48, 4)
-        keys = _pick(KEYS, count, gen)
-        values = torch.randint(VALUES.start, VALUES.stop, (count,), generator=gen).tolist()
-        facts = [[k, v] for k, v in zip(keys, values)]
-        for i in torch.randperm(count, generator=gen)[:asked].tolist():
-            question += [QUERY, keys[i], values[i]]
-            answers.append(len(question) - 1)
+        keys, asked = (8, 4) if name == "needles" else (32, 4)
+        chosen = _perm(keys, gen)
+        values = _values(keys, gen)
+        facts = [FACT[k * NUM_VALUES + v] for k, v in zip(chosen, values)]
+        questions = [(QUERY[chosen[i]], VALUE[values[i]]) for i in _perm(keys, gen)[:asked]]
     elif name == "multihop":
         chains, asked = 4, 2
-        keys = _pick(KEYS, 2 * chains, gen)
-        values = torch.randint(VALUES.start, VALUES.stop, (chains,), generator=gen).tolist()
+        keys = _perm(LINK_KEYS, gen)[:2 * chains]
+        values = _values(chains, gen)
         for c in range(chains):
-            k1, k2 = keys[2 * c], keys[2 * c + 1]
-            facts += [[MARK, k1, k2], [MARK, k2, values[c]]]
-        for c in torch.randperm(chains, generator=gen)[:asked].tolist():
-            question += [QUERY, keys[2 * c], keys[2 * c + 1], values[c]]
-            answers += [len(question) - 2, len(question) - 1]
+            first, second = keys[2 * c], keys[2 * c + 1]
+            facts += [LINK[first * LINK_KEYS + second], FACT[second * NUM_VALUES + values[c]]]
+        questions = [(QUERY[keys[2 * c]], VALUE[values[c]]) for c in _perm(chains, gen)[:asked]]
     elif name == "vartrack":
-        chains, depth, asked = 4, 3, 2
-        names = _pick(KEYS, chains * depth, gen)
-        values = torch.randint(VALUES.start, VALUES.stop, (chains,), generator=gen).tolist()
-        # chain c: names[c*depth + 0] = value, names[c*depth + i] = names[c*depth + i - 1]
-        statements = {c: [[names[c * depth], EQ, values[c]]] + [[names[c * depth + i], EQ, names[c * depth + i - 1]]
-                                                              for i in range(1, depth)] for c in range(chains)}
-        # interleave the chains at random, each chain's statements in order
-        owners = torch.tensor([c for c in range(chains) for _ in range(depth)])
-        owners = owners[torch.randperm(len(owners), generator=gen)].tolist()
-        seen = {c: 0 for c in range(chains)}
-        for c in owners:
-            facts.append(statements[c][seen[c]])
-            seen[c] += 1
-        ordered = True
-        for c in torch.randperm(chains, generator=gen)[:asked].tolist():
-            question += [QUERY] + [names[c * depth + i] for i in reversed(range(depth))] + [values[c]]
-            answers += [len(question) - 1 - i for i in reversed(range(depth))]
+        variables, asked = 8, 2
+        chosen = _perm(NUM_KEYS, gen)[:variables]
+        first = _values(variables, gen)
+        # the second assignment differs from the first, so the latest one is the only right answer
+        second = [(v + 1 + s) % NUM_VALUES for v, s in zip(first, torch.randint(NUM_VALUES - 1, (variables,),
+                                                                                 generator=gen).tolist())]
+        facts = [FACT[k * NUM_VALUES + v] for k, v in zip(chosen, first)]
+        facts += [FACT[k * NUM_VALUES + v] for k, v in zip(chosen, second)]
+        questions = [(QUERY[chosen[i]], None) for i in _perm(variables, gen)[:asked]]  # answered after placement
     elif name == "copy":
-        length = int(torch.randint(8, 17, (1,), generator=gen))
-        span = _pick(KEYS, length, gen)
-        facts = [[OPEN] + span + [CLOSE]]
-        question = [ASK] + span
-        answers = list(range(1, len(question)))
+        length = int(torch.randint(8, NUM_SLOTS + 1, (1,), generator=gen))
+        symbols = _values(length, gen)
+        block = [SPAN[i * NUM_VALUES + c] for i, c in enumerate(symbols)]
+        prefix = [ASK]
+        questions = [(INDEX[i], VALUE[c]) for i, c in enumerate(symbols)]
     else:
         family(name)
-    size = max(len(f) for f in facts)
-    start, stop = 1, n - len(question)
-    positions = _slots(len(facts), size, start, stop, gen)
-    if not ordered:
-        order = torch.randperm(len(facts), generator=gen).tolist()
-        facts = [facts[i] for i in order]
+    tail = len(prefix) + 2 * len(questions)
+    stop = n - tail                   # haystack: positions 1 .. stop-1
+    units = len(facts) + (1 if block else 0)
+    room = stop - 1 - len(block) + (1 if block else 0)   # positions when the block counts as one unit
+    if room < units:
+        raise ValueError(f"seq_len={n} is too short for family {name!r} ({units} facts, {tail} question tokens)")
     tokens = torch.randint(FILLER.start, FILLER.stop, (n,), generator=gen)
     tokens[0] = BOS
-    for pos, fact in zip(positions, facts):
-        tokens[pos:pos + len(fact)] = torch.tensor(fact)
-    tokens[stop:] = torch.tensor(question)
+    # choose `units` distinct slots among `room`, then shift the slots after the block by its length
+    slots = torch.randperm(room, generator=gen)[:units].sort().values.tolist()
+    order = _perm(units, gen)
+    items = [[f] for f in facts] + ([block] if block else [])
+    shift = 0
+    for slot, item in zip(slots, (items[i] for i in order)):
+        start = 1 + slot + shift
+        tokens[start:start + len(item)] = torch.tensor(item)
+        shift += len(item) - 1
+    if name == "vartrack":
+        hay = tokens[:stop].tolist()
+        questions = [(q, _latest_value(hay, q - QUERY.start)) for q, _ in questions]
+    tail_tokens = prefix + [t for pair in questions for t in pair]
+    tokens[stop:] = torch.tensor(tail_tokens)
     targets = torch.full((n,), IGNORE, dtype=torch.int64)
-    where = torch.tensor(answers) + stop
-    targets[where - 1] = tokens[where]
+    query_pos = stop + len(prefix) + 2 * torch.arange(len(questions))
+    targets[query_pos] = tokens[query_pos + 1]
     return tokens, targets
+
+
+def _latest_value(hay: list[int], key: int) -> int:
+    """The value token of the last fact about ``key`` in ``hay``."""
+    found = [t for t in hay if t in FACT and (t - FACT.start) // NUM_VALUES == key]
+    if not found:
+        raise ValueError(f"no fact about key {key} in the haystack")
+    return VALUE[(found[-1] - FACT.start) % NUM_VALUES]
 
 
 def make_batch(name: str, seq_len: int, batch: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -180,45 +188,46 @@ def make_batch(name: str, seq_len: int, batch: int, gen: torch.Generator) -> tup
     return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 
-def _lookup(row: list[int], key: int, before: int, prefix: int | None, suffix: int | None) -> int:
-    """The token after the unique occurrence of ``key`` before position ``before`` that is preceded by
-    ``prefix`` (when given) and followed by ``suffix`` (when given; the answer is then the token after it)."""
-    hits = [p for p in range(before) if row[p] == key
-            and (prefix is None or (p > 0 and row[p - 1] == prefix))
-            and (suffix is None or row[p + 1] == suffix)]
-    if len(hits) != 1:
-        raise ValueError(f"key {key} occurs {len(hits)} times in the haystack with the fact's shape")
-    return row[hits[0] + (2 if suffix is not None else 1)]
+def _unique(found: list[int], what: str) -> int:
+    if len(found) != 1:
+        raise ValueError(f"{what}: {len(found)} matching facts in the haystack")
+    return found[0]
 
 
 def solve(name: str, tokens: Tensor) -> Tensor:
     """The answers of one row recovered from its tokens alone, as targets (int64 ``[n]``, -100 where
-    nothing is asked): the exact rule of each family (find the fact the question's current token names,
-    read its answer), independent of how the row was generated."""
+    nothing is asked): each query token names what to look up, the haystack's fact tokens give the answer
+    (for ``vartrack`` the last assignment), independent of how the row was generated."""
     family(name)
     row = tokens.tolist()
     n = len(row)
     out = torch.full((n,), IGNORE, dtype=torch.int64)
-    if name == "copy":
-        ask = row.index(ASK)
-        start = row.index(OPEN)
-        out[ask] = row[start + 1]
-        for p in range(ask + 1, n - 1):
-            j = row.index(row[p], start + 1)
-            if row[j + 1] != CLOSE:
-                out[p] = row[j + 1]
-        return out
-    first = row.index(QUERY)
-    for p in range(first, n - 1):
-        if row[p] == QUERY:
+    query_range = INDEX if name == "copy" else QUERY
+    # the questions: (query, answer) pairs filling the end of the row
+    p = n - 2
+    while p >= 0 and row[p] in query_range:
+        p -= 2
+    first = p + 2
+    hay = row[:first - (1 if name == "copy" else 0)]
+    facts = [t - FACT.start for t in hay if t in FACT]
+    for q in range(first, n, 2):
+        if name == "copy":
+            slot = row[q] - INDEX.start
+            symbol = _unique([(t - SPAN.start) % NUM_VALUES for t in hay
+                              if t in SPAN and (t - SPAN.start) // NUM_VALUES == slot], f"slot {slot}")
+            out[q] = VALUE[symbol]
             continue
-        if name in ("needles", "assoc"):
-            if row[p - 1] == QUERY:
-                out[p] = _lookup(row, row[p], first, None, None)
-        elif name == "multihop":
-            if row[p - 1] == QUERY or (p >= 2 and row[p - 2] == QUERY):
-                out[p] = _lookup(row, row[p], first, MARK, None)
+        key = row[q] - QUERY.start
+        about = [f % NUM_VALUES for f in facts if f // NUM_VALUES == key]
+        if name == "multihop":
+            second = _unique([(t - LINK.start) % LINK_KEYS for t in hay
+                              if t in LINK and (t - LINK.start) // LINK_KEYS == key], f"link from {key}")
+            about = [f % NUM_VALUES for f in facts if f // NUM_VALUES == second]
+            out[q] = VALUE[_unique(about, f"fact of key {second}")]
         elif name == "vartrack":
-            if row[p] in KEYS:
-                out[p] = _lookup(row, row[p], first, None, EQ)
+            if not about:
+                raise ValueError(f"no assignment of variable {key}")
+            out[q] = VALUE[about[-1]]
+        else:
+            out[q] = VALUE[_unique(about, f"fact of key {key}")]
     return out
