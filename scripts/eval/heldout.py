@@ -86,6 +86,8 @@ class JobConfig:
     num_kv_heads: int
     rope_theta: float
     warmup_fraction: float
+    short_steps: int
+    short_len: int
     eval_rows: int
     log_every: int
     device: str = "cpu"
@@ -171,7 +173,7 @@ def _run_job(cfg: JobConfig, verbose: bool) -> dict:
     fam = family(cfg.family)
     model, sparse_cfg, note = build_model(cfg)
     model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.01)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warm = max(1, cfg.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) * (
         0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps)))))
@@ -196,7 +198,8 @@ def _run_job(cfg: JobConfig, verbose: bool) -> dict:
             if cuda:
                 torch.cuda.synchronize(device)
             timestamps["after_warmup"] = (step, time.perf_counter())
-        tokens, targets = (to_device(t) for t in make_batch(cfg.family, cfg.seq_len, cfg.batch, train_gen))
+        length = cfg.short_len if step < cfg.short_steps else cfg.seq_len
+        tokens, targets = (to_device(t) for t in make_batch(cfg.family, length, cfg.batch, train_gen))
         task_loss, _ = forward_loss(tokens, targets)
         selector_loss = st.collect_selector_losses(model)
         (task_loss + selector_loss).backward()
@@ -282,8 +285,8 @@ def step_flops(cfg: JobConfig) -> float:
 def estimate_seconds(configs: list[JobConfig], jobs: int) -> float:
     """Expected wall time of the sweep on one H200 (see EST_* above): GPU-bound aggregate compute plus
     one start-up per wave of ``jobs`` processes."""
-    compute = sum(cfg.steps * step_flops(cfg) * EST_STEP_FACTOR.get(cfg.mode, 2.3) / EST_AGGREGATE_FLOPS
-                  for cfg in configs)
+    compute = sum((cfg.steps - min(cfg.steps, cfg.short_steps)) * step_flops(cfg) * EST_STEP_FACTOR.get(cfg.mode, 2.3)
+                  / EST_AGGREGATE_FLOPS for cfg in configs)
     return compute + math.ceil(len(configs) / max(1, jobs)) * EST_STARTUP_S
 
 
@@ -332,7 +335,8 @@ def run_sweep(args: argparse.Namespace) -> Path:
                     cfg = JobConfig(family=name, mode=mode, seed=seed, seq_len=n, steps=args.steps, batch=args.batch,
                                     lr=args.lr, layers=args.layers, d_model=args.d_model, num_heads=args.num_heads,
                                     num_kv_heads=args.num_kv_heads, rope_theta=args.rope_theta,
-                                    warmup_fraction=args.warmup_fraction, eval_rows=args.eval_rows,
+                                    warmup_fraction=args.warmup_fraction, short_steps=args.short_steps,
+                                    short_len=args.short_len, eval_rows=args.eval_rows,
                                     log_every=args.log_every, device=device)
                     if MODES[mode] is not None:
                         try:
@@ -561,7 +565,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", default="2048", help="sequence length(s), comma-separated")
     p.add_argument("--steps", type=int, default=600, help="training steps of every job")
     p.add_argument("--batch", type=int, default=16, help="rows per training step (and per eval batch)")
-    p.add_argument("--lr", type=float, default=2e-3, help="AdamW peak learning rate (warm-up 5%%, cosine to 10%%)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (warm-up 5%%, cosine to 10%%)")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--num-heads", type=int, default=4)
@@ -569,6 +573,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--warmup-fraction", type=float, default=0.25,
                    help="dense warm-up of every sparse mode, as a fraction of --steps")
+    p.add_argument("--short-steps", type=int, default=100,
+                   help="the first this-many steps train on rows of --short-len tokens (a length curriculum: the "
+                        "lookups are learnt on short rows, where attention at initialisation is not spread over "
+                        "thousands of keys); 0 = every step at --seq-len")
+    p.add_argument("--short-len", type=int, default=64, help="row length of the first --short-steps steps")
     p.add_argument("--eval-rows", type=int, default=256, help="held-out rows evaluated per job")
     p.add_argument("--log-every", type=int, default=50, help="training-loss curve and mass-recall interval (steps)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes at once (1: run in this process)")

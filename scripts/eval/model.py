@@ -162,6 +162,9 @@ class EvalModel(nn.Module):
                                     for _ in range(layers))
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
+        # GPT-2's embedding scale: nn.Embedding's N(0, 1) rows are so long that Adam's steps of size lr
+        # barely turn them, and every token's embedding is learnt from scratch here
+        nn.init.normal_(self.embed.weight, std=0.02)
 
     def set_cores(self, make: Callable[[], nn.Module]) -> None:
         for block in self.blocks:

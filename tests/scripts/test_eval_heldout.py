@@ -114,7 +114,8 @@ def test_row_oracle_keeps_each_rows_heaviest_blocks():
 
 def test_same_seed_same_initial_weights_in_every_mode():
     base = dict(family="needles", seed=3, seq_len=256, steps=4, batch=2, lr=1e-3, layers=2, d_model=128,
-                num_heads=2, num_kv_heads=1, rope_theta=10000.0, warmup_fraction=0.25, eval_rows=2, log_every=2)
+                num_heads=2, num_kv_heads=1, rope_theta=10000.0, warmup_fraction=0.25, short_steps=0, short_len=64, eval_rows=2,
+                log_every=2)
     models = {mode: heldout.build_model(heldout.JobConfig(mode=mode, **base))[0] for mode in ("dense", "pooled",
                                                                                                 "row_oracle")}
     own = {name: p for name, p in models["dense"].named_parameters()}
@@ -128,7 +129,7 @@ def test_same_seed_same_initial_weights_in_every_mode():
 def test_runner_end_to_end(tmp_path):
     out = tmp_path / "run"
     argv = ["--families", "needles,copy", "--modes", "dense,pooled", "--seeds", "0", "--seq-len", "256",
-            "--steps", "3", "--batch", "4", "--eval-rows", "8", "--log-every", "2", "--jobs", "2",
+            "--steps", "3", "--short-steps", "1", "--batch", "4", "--eval-rows", "8", "--log-every", "2", "--jobs", "2",
             "--device", "cpu", "--out", str(out)]
     assert heldout.main(argv) == 0
     lines = (out / "results.jsonl").read_text().splitlines()
