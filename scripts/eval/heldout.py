@@ -3,7 +3,9 @@ trained at equal steps on task families no recipe was tuned for.
 
 Every (family, sequence length, mode, seed) is one job: the model of :mod:`scripts.eval.model` built from
 the seed (the same initial weights and the same training rows in every mode), trained for ``--steps``
-steps with one AdamW over ``model.parameters()``, loss = cross-entropy on the answer positions
+steps (the first ``--short-steps`` on rows of ``--short-len`` tokens, a length curriculum: the lookups
+are learnt where attention at initialisation is not spread over thousands of keys) with one AdamW over
+``model.parameters()``, loss = cross-entropy on the answer positions
 + ``st.collect_selector_losses(model)``, ``st.clip_grad_norms(model, 1.0)``, bf16 autocast on CUDA; then
 evaluated on held-out rows (another seed stream, the same rows for every mode and seed). Jobs run
 ``--jobs`` at a time in spawned worker processes; each finished job appends one JSON line to
@@ -17,7 +19,8 @@ Modes (``MODES``): ``dense`` (causal SDPA), ``row_oracle`` (this runner's own: e
 ``top_k`` key blocks of largest dense attention mass, plus window and sinks, as a mask on SDPA), and
 ``st.SparseAttention`` with the keyword arguments of the table on top of the shared ones
 (:func:`sparse_kwargs`: 64-token blocks, ``top_k`` = the facts the family's question needs, window 1,
-sink 1, the model's RoPE base and convention, a dense warm-up of ``--warmup-fraction`` of the steps).
+sink 1, the model's RoPE base and convention, a dense warm-up of the short-row steps and
+``--warmup-fraction`` of the full-length steps; the row oracle keeps the same warm-up).
 A mode whose keywords this sparse_train's ``SparseAttentionConfig`` does not accept is reported as not
 supported and skipped; ``pooled`` then runs without the selector keywords (the module's only selector,
 scoring the rotated q and k as given, since un-rotating with another RoPE convention would be wrong).
@@ -99,7 +102,10 @@ class JobConfig:
 
     @property
     def dense_warmup_steps(self) -> int:
-        return int(round(self.warmup_fraction * self.steps))
+        """The short-row steps (one block: attention is dense there anyway) and ``warmup_fraction`` of the
+        steps at full length."""
+        short = min(self.steps, self.short_steps)
+        return short + int(round(self.warmup_fraction * (self.steps - short)))
 
 
 class ModeUnsupported(Exception):
@@ -572,7 +578,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--warmup-fraction", type=float, default=0.25,
-                   help="dense warm-up of every sparse mode, as a fraction of --steps")
+                   help="dense warm-up of every sparse mode after the short-row steps, as a fraction of the "
+                        "full-length steps")
     p.add_argument("--short-steps", type=int, default=100,
                    help="the first this-many steps train on rows of --short-len tokens (a length curriculum: the "
                         "lookups are learnt on short rows, where attention at initialisation is not spread over "
