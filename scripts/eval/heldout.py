@@ -105,7 +105,7 @@ class JobConfig:
         """The short-row steps (one block: attention is dense there anyway) and ``warmup_fraction`` of the
         steps at full length."""
         short = min(self.steps, self.short_steps)
-        return short + int(round(self.warmup_fraction * (self.steps - short)))
+        return short + round(self.warmup_fraction * (self.steps - short))
 
 
 class ModeUnsupported(Exception):
@@ -114,9 +114,9 @@ class ModeUnsupported(Exception):
 
 def sparse_kwargs(cfg: JobConfig) -> dict:
     """The SparseAttentionConfig keyword arguments every st.SparseAttention mode shares."""
-    return dict(block_q=BLOCK, block_k=BLOCK, top_k=family(cfg.family).top_k, window=WINDOW, sinks=SINKS,
-                selector_rope_theta=cfg.rope_theta, selector_rope_style="interleaved",
-                dense_warmup_steps=cfg.dense_warmup_steps, metrics_every=max(1, cfg.log_every))
+    return {"block_q": BLOCK, "block_k": BLOCK, "top_k": family(cfg.family).top_k, "window": WINDOW, "sinks": SINKS,
+            "selector_rope_theta": cfg.rope_theta, "selector_rope_style": "interleaved",
+            "dense_warmup_steps": cfg.dense_warmup_steps, "metrics_every": max(1, cfg.log_every)}
 
 
 def sparse_config(cfg: JobConfig) -> tuple[st.SparseAttentionConfig, str]:
@@ -169,7 +169,7 @@ def run_job(cfg: JobConfig, verbose: bool = False) -> dict:
     ``verbose`` prints the training curve as it is logged."""
     try:
         return _run_job(cfg, verbose)
-    except Exception:  # a failed job is reported and the sweep goes on
+    except Exception:  # noqa: BLE001  (any failure of one job is reported and the sweep goes on)
         return {"key": cfg.key, "config": asdict(cfg), "error": traceback.format_exc()}
 
 
@@ -454,7 +454,7 @@ def build_summary(records: list[dict]) -> list[dict]:
     summary = []
     for key in sorted(groups, key=lambda k: (k[0], order.get(k[1], 99), k[2], k[3])):
         group = groups[key]
-        for name, mode in group["modes"].items():
+        for mode in group["modes"].values():
             mode["seeds"] = dict(sorted(mode["seeds"].items()))
             mode["mean"] = _mean(list(mode["seeds"].values()))
             for field in ("density", "mass_recall_mean", "steps_per_s"):
@@ -482,8 +482,8 @@ def summary_markdown(summary: list[dict], records: list[dict]) -> str:
     modes = [m for m in MODES if any(m in g["modes"] for g in summary)]
     ratio_names = sorted({r for g in summary for r in g["ratios"]}, key=lambda r: (r.split("/")[1], r))
     lines = ["# Held-out selector evaluation", "",
-             "Accuracy on held-out rows (fraction of answer tokens predicted exactly): mean over seeds, the "
-             "per-seed values in brackets. Same initial weights, training rows and steps in every mode.", ""]
+             ("Accuracy on held-out rows (fraction of answer tokens predicted exactly): mean over seeds, the "
+              "per-seed values in brackets. Same initial weights, training rows and steps in every mode."), ""]
     devices = sorted({r.get("device_name", "?") for r in records if "error" not in r})
     versions = sorted({f"torch {r.get('torch')}, sparse_train {r.get('sparse_train')}" for r in records
                        if "error" not in r})
@@ -498,8 +498,8 @@ def summary_markdown(summary: list[dict], records: list[dict]) -> str:
                        f"{_fmt(mode['mean'])} ({' / '.join(_fmt(v) for v in mode['seeds'].values())})")
         row += [_fmt(g["ratios"].get(r)) for r in ratio_names]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "Per mode: density attended at eval (fraction of the causal area), attention-mass recall at the "
-              "last training measurement (st.collect_attention_stats), training steps/s.", ""]
+    lines += ["", ("Per mode: density attended at eval (fraction of the causal area), attention-mass recall at the "
+                   "last training measurement (st.collect_attention_stats), training steps/s."), ""]
     header = ["family", "N"] + [f"{m} density / recall / steps/s" for m in modes]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for g in summary:

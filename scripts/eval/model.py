@@ -11,7 +11,7 @@ selection across a query block costs).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

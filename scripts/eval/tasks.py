@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["FAMILIES", "Family", "IGNORE", "VOCAB_SIZE", "family", "make_batch", "solve", "stream_seed"]
+__all__ = ["FAMILIES", "IGNORE", "VOCAB_SIZE", "Family", "family", "make_batch", "solve", "stream_seed"]
 
 NUM_KEYS = 32
 NUM_VALUES = 8

@@ -7,10 +7,17 @@ import math
 import pytest
 import torch
 
-from scripts.eval import heldout
+from scripts.eval import heldout, tasks
 from scripts.eval.model import EvalModel, rope_interleaved, row_oracle_mask
-from scripts.eval import tasks
-from scripts.eval.tasks import FAMILIES, IGNORE, VOCAB_SIZE, family, make_batch, solve, stream_seed
+from scripts.eval.tasks import (
+    FAMILIES,
+    IGNORE,
+    VOCAB_SIZE,
+    family,
+    make_batch,
+    solve,
+    stream_seed,
+)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -113,9 +120,9 @@ def test_row_oracle_keeps_each_rows_heaviest_blocks():
 
 
 def test_same_seed_same_initial_weights_in_every_mode():
-    base = dict(family="needles", seed=3, seq_len=256, steps=4, batch=2, lr=1e-3, layers=2, d_model=128,
-                num_heads=2, num_kv_heads=1, rope_theta=10000.0, warmup_fraction=0.25, short_steps=0, short_len=64, eval_rows=2,
-                log_every=2)
+    base = {"family": "needles", "seed": 3, "seq_len": 256, "steps": 4, "batch": 2, "lr": 1e-3, "layers": 2,
+            "d_model": 128, "num_heads": 2, "num_kv_heads": 1, "rope_theta": 10000.0, "warmup_fraction": 0.25,
+            "short_steps": 0, "short_len": 64, "eval_rows": 2, "log_every": 2}
     models = {mode: heldout.build_model(heldout.JobConfig(mode=mode, **base))[0] for mode in ("dense", "pooled",
                                                                                                 "row_oracle")}
     own = {name: p for name, p in models["dense"].named_parameters()}
