@@ -1,0 +1,179 @@
+"""The held-out evaluation suite (scripts/eval): task generators checked by exact solvers, the model's
+interleaved RoPE and row oracle, and the runner end to end on the CPU (two families, dense and pooled)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from scripts.eval import heldout, tasks
+from scripts.eval.model import EvalModel, rope_interleaved, row_oracle_mask
+from scripts.eval.tasks import (
+    FAMILIES,
+    IGNORE,
+    VOCAB_SIZE,
+    family,
+    make_batch,
+    solve,
+    stream_seed,
+)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("seq_len", [256, 333])
+def test_answers_are_recoverable_from_the_row(name, seq_len):
+    gen = torch.Generator().manual_seed(stream_seed(name, seq_len))
+    tokens, targets = make_batch(name, seq_len, 6, gen)
+    assert tokens.shape == targets.shape == (6, seq_len)
+    assert int(tokens.min()) >= 0 and int(tokens.max()) < VOCAB_SIZE
+    for row_tokens, row_targets in zip(tokens, targets):
+        asked = row_targets != IGNORE
+        assert int(asked.sum()) > 0
+        # next-token targets: the answer is the following input token (teacher forcing)
+        positions = asked.nonzero().flatten()
+        assert torch.equal(row_targets[positions], row_tokens[positions + 1])
+        assert torch.equal(solve(name, row_tokens), row_targets)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_solver_reads_the_answers_from_the_haystack(name):
+    # shift the value part of every fact and span token in the haystack by one: every answer the solver
+    # reads shifts by one too (the generator's targets are not consulted)
+    tokens, targets = make_batch(name, 300, 3, torch.Generator().manual_seed(7))
+    for row, row_targets in zip(tokens, targets):
+        asked = (row_targets != IGNORE).nonzero().flatten()
+        shifted = row.clone()
+        for p in range(int(asked[0]) - 1):
+            t = int(row[p])
+            for r in (tasks.FACT, tasks.SPAN):
+                if t in r:
+                    base = t - (t - r.start) % tasks.NUM_VALUES
+                    shifted[p] = base + ((t - base) + 1) % tasks.NUM_VALUES
+        expected = row_targets.clone()
+        expected[asked] = tasks.VALUE.start + (row_targets[asked] - tasks.VALUE.start + 1) % tasks.NUM_VALUES
+        assert torch.equal(solve(name, shifted), expected)
+
+
+def test_streams_are_reproducible_and_held_out():
+    def rows(*labels):
+        return make_batch("needles", 256, 2, torch.Generator().manual_seed(stream_seed(*labels)))[0]
+
+    assert torch.equal(rows("needles", "train", 256, 0), rows("needles", "train", 256, 0))
+    assert not torch.equal(rows("needles", "train", 256, 0), rows("needles", "train", 256, 1))
+    assert not torch.equal(rows("needles", "train", 256, 0), rows("needles", "eval", 256))
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="family"):
+        family("nope")
+    with pytest.raises(ValueError, match="seq_len"):
+        make_batch("assoc", 63, 1, torch.Generator())
+    with pytest.raises(ValueError, match="batch"):
+        make_batch("copy", 256, 0, torch.Generator())
+
+
+def test_rope_rotates_interleaved_pairs():
+    # Meta's reference formulation: consecutive pairs as complex numbers times exp(i * pos * freq)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 10, 8, dtype=torch.float64)
+    pos = torch.arange(10)
+    freqs = 500.0 ** (-torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+    rot = torch.polar(torch.ones(10, 4, dtype=torch.float64), pos[:, None] * freqs[None, :])
+    expected = torch.view_as_real(torch.view_as_complex(x.reshape(2, 3, 10, 4, 2)) * rot).flatten(-2)
+    assert torch.allclose(rope_interleaved(x, pos, 500.0).double(), expected, atol=1e-5)
+    # scores depend on relative position only
+    q, k = torch.randn(8), torch.randn(8)
+    def score(m, n):
+        qm = rope_interleaved(q.view(1, 1, 1, 8).expand(1, 1, 20, 8), torch.arange(20), 500.0)[0, 0, m]
+        kn = rope_interleaved(k.view(1, 1, 1, 8).expand(1, 1, 20, 8), torch.arange(20), 500.0)[0, 0, n]
+        return float(qm @ kn)
+    assert math.isclose(score(7, 3), score(15, 11), rel_tol=1e-4, abs_tol=1e-5)
+
+
+def test_row_oracle_keeps_each_rows_heaviest_blocks():
+    torch.manual_seed(0)
+    n, block, d = 8 * 16, 16, 8
+    q = torch.randn(1, 4, n, d) * 0.1
+    k = torch.randn(1, 2, n, d) * 0.1
+    # every query row of group 0 looks at key 40 (block 2), of group 1 at key 75 (block 4)
+    q[:, :2] += 3.0 * torch.eye(d)[0]
+    k[:, 0, 40] += 3.0 * torch.eye(d)[0]
+    q[:, 2:] += 3.0 * torch.eye(d)[1]
+    k[:, 1, 75] += 3.0 * torch.eye(d)[1]
+    mask = row_oracle_mask(q, k, (0, n), top_k=1, block=block, window=1, sinks=1, scale=1.0)
+    assert mask.shape == (1, 4, n, n)
+    blocks = mask.view(1, 4, n, n // block, block).any(-1)           # [1, 4, rows, NKB]
+    target_of_group = {0: 2, 1: 4}
+    for row in range(n):
+        own = row // block
+        for head in range(4):
+            got = set(blocks[0, head, row].nonzero().flatten().tolist())
+            assert {0, own} <= got and len(got) <= 3                 # sink, window, at most top_k more
+            target = target_of_group[head // 2]
+            if 0 < target < own:
+                assert target in got
+        assert not mask[0, :, row, row + 1:].any()                   # causal
+    # with a budget covering every block the mask is the causal mask
+    full = row_oracle_mask(q, k, (0, n), top_k=n // block, block=block, window=1, sinks=1, scale=1.0)
+    assert torch.equal(full[0, 0], torch.ones(n, n, dtype=torch.bool).tril())
+
+
+def test_same_seed_same_initial_weights_in_every_mode():
+    base = {"family": "needles", "seed": 3, "seq_len": 256, "steps": 4, "batch": 2, "lr": 1e-3, "layers": 2,
+            "d_model": 128, "num_heads": 2, "num_kv_heads": 1, "rope_theta": 10000.0, "warmup_fraction": 0.25,
+            "short_steps": 0, "short_len": 64, "eval_rows": 2, "log_every": 2}
+    models = {mode: heldout.build_model(heldout.JobConfig(mode=mode, **base))[0] for mode in ("dense", "pooled",
+                                                                                                "row_oracle")}
+    own = {name: p for name, p in models["dense"].named_parameters()}
+    for mode in ("pooled", "row_oracle"):
+        params = dict(models[mode].named_parameters())
+        for name, p in own.items():
+            assert torch.equal(params[name], p), (mode, name)
+    assert isinstance(models["dense"], EvalModel)
+
+
+def test_runner_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    argv = ["--families", "needles,copy", "--modes", "dense,pooled", "--seeds", "0", "--seq-len", "256",
+            "--steps", "3", "--short-steps", "1", "--batch", "4", "--eval-rows", "8", "--log-every", "2", "--jobs", "2",
+            "--device", "cpu", "--out", str(out)]
+    assert heldout.main(argv) == 0
+    lines = (out / "results.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert sorted((r["config"]["family"], r["config"]["mode"]) for r in records) == [
+        ("copy", "dense"), ("copy", "pooled"), ("needles", "dense"), ("needles", "pooled")]
+    for r in records:
+        assert "error" not in r
+        assert 0.0 <= r["accuracy"] <= 1.0 and r["answers"] > 0
+        assert [point[0] for point in r["train_curve"]] == [2, 3]
+        assert all(math.isfinite(point[1]) for point in r["train_curve"])
+        assert r["steps_per_s"] > 0 and 0.0 < r["eval_density"] <= 1.0
+        assert r["chance"] == family(r["config"]["family"]).chance
+        if r["config"]["mode"] == "pooled":
+            assert r["sparse_config"]["top_k"] == family(r["config"]["family"]).top_k
+            assert r["sparse_config"]["window"] == 1 and r["sparse_config"]["sinks"] == 1
+            assert r["sparse_config"]["dense_warmup_steps"] == 1
+            assert "selector_loss" in r["train_stats"]
+    # the same initial weights and rows: the first training losses agree (dense warm-up step)
+    for name in ("needles", "copy"):
+        first = {r["config"]["mode"]: r["train_curve"][0][1] for r in records if r["config"]["family"] == name}
+        assert math.isclose(first["dense"], first["pooled"], rel_tol=1e-4)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(g["family"], g["seq_len"]) for g in summary] == [("needles", 256), ("copy", 256)]
+    for g in summary:
+        assert set(g["modes"]) == {"dense", "pooled"}
+        assert g["modes"]["dense"]["seeds"] == {"0": next(r["accuracy"] for r in records if
+                                                          (r["config"]["family"], r["config"]["mode"]) ==
+                                                          (g["family"], "dense"))}
+        assert math.isclose(g["ratios"]["pooled/dense"], g["modes"]["pooled"]["mean"] / g["modes"]["dense"]["mean"])
+    table = (out / "summary.md").read_text()
+    assert "| needles | 256 | 3 x 4 |" in table and "| copy | 256 | 3 x 4 |" in table
+    assert (out / "plot.png").stat().st_size > 0
+    # resumable: a rerun finds every job done and appends nothing
+    assert heldout.main(argv) == 0
+    assert (out / "results.jsonl").read_text().splitlines() == lines
+    # the summary is rebuilt from results.jsonl alone
+    (out / "summary.md").unlink()
+    assert heldout.main(["--summarize", str(out)]) == 0
+    assert (out / "summary.md").read_text() == table
