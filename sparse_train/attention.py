@@ -504,14 +504,19 @@ class SparseAttention(nn.Module):
                 if mode == "sampled" and distill_blocks is None:
                     distill_blocks = self._draw_distill_blocks(geometry, device)
                 row_scores = None
-                if cfg.selector == "token" and mode == "sampled":
+                if cfg.selector == "token" and mode == "sampled" and cfg.selector_distill == "token":
+                    loss = self._mean_kl(*self.scorer.token_distillation_loss(
+                        pooled[0], pooled[1], q, k, distill_blocks.to(device), scale, cfg.block_q, seq_lens=seq_lens,
+                        document_ids=document_ids))
+                elif cfg.selector == "token" and mode == "sampled":
                     def row_scores(rows: Tensor) -> Tensor:
                         rows_q = self.scorer.query_rows(pooled[0], rows, cfg.block_q)
                         return self.scorer(rows_q, pooled[1], scale, geometry, rows, seq_lens=seq_lens,
                                            document_ids=document_ids)
-                loss, distill_target = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry,
-                                                               mode, distill_blocks, document_ids, check_values,
-                                                               distill_target, row_scores)
+                if loss is None:
+                    loss, distill_target = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale,
+                                                                   geometry, mode, distill_blocks, document_ids,
+                                                                   check_values, distill_target, row_scores)
 
         # ---- bookkeeping of the first pass only (a recompute must not count twice)
         if first_pass:

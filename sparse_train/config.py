@@ -17,13 +17,15 @@ from .kernels.reference_pool import ROPE_STYLES
 from .validation import check_bool, check_choice, check_float, check_int
 
 __all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "DISTILL_ROW_POOLS", "DISTILL_SUPPORTS",
-           "INDEX_CHECKS", "KEY_POOLINGS", "QUERY_POOLINGS", "ROPE_STYLES", "SELECTORS"]
+           "INDEX_CHECKS", "KEY_POOLINGS", "QUERY_POOLINGS", "ROPE_STYLES", "SELECTORS",
+           "SELECTOR_DISTILLS"]
 
 DISTILL_MODES = ("sparse", "sampled", "dense", "off")
 DISTILL_SUPPORTS = ("dynamic", "causal")
 KEY_POOLINGS = ("mean", "mean_max")
 QUERY_POOLINGS = ("mean", "mean_max")
 SELECTORS = ("pooled", "token", "oracle")
+SELECTOR_DISTILLS = ("block", "token")
 
 
 # One line per field in __post_init__: the label is the field's qualified name, the value its attribute.
@@ -93,6 +95,13 @@ class SparseAttentionConfig:
     selector_index_heads: int = 1
     """Index heads E per KV head of the ``"token"`` selector: each query row gets E index vectors, projected from
     the concatenated queries of its GQA group; a block pair scores the max over rows, index heads and keys."""
+
+    selector_distill: str = "block"
+    """What the ``"token"`` selector's distillation compares (``distill="sampled"``): ``"block"`` = its block
+    scores against the row-max block mass, as every selector; ``"token"`` = for every row of the sampled query
+    blocks, the softmax over keys of its index logits (max over index heads) against the row's dense attention
+    over keys (max over the GQA group's heads, renormalised), a KL per row. The token-level loss reaches every key's
+    index vector, where the block loss reaches only each block pair's winning (row, key)."""
 
     selector_rope_style: str = "rotate_half"
     """RoPE convention of the q and k this layer receives, for the selector's un-rotation
@@ -276,6 +285,7 @@ class SparseAttentionConfig:
         _check_choice(self, "distill_support", DISTILL_SUPPORTS)
         _check_choice(self, "selector", SELECTORS)
         _check_choice(self, "selector_rope_style", ROPE_STYLES)
+        _check_choice(self, "selector_distill", SELECTOR_DISTILLS)
         _check_choice(self, "key_pooling", KEY_POOLINGS)
         _check_choice(self, "query_pooling", QUERY_POOLINGS)
         _check_choice(self, "index_check", INDEX_CHECKS)

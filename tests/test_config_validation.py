@@ -27,7 +27,7 @@ CONFIG_FLOAT_FIELDS = ["dropout_p", "scale", "distill_weight", "dense_enter_dens
 CONFIG_BOOL_FIELDS = ["deterministic", "fused_backward", "stored_ds_backward", "replay", "dense_fallback", "profile",
                       "selector_distance_bias", "gluon_kernels"]
 CONFIG_CHOICE_FIELDS = ["backend", "distill", "index_check", "distill_row_pool", "distill_support", "key_pooling",
-                        "query_pooling", "selector", "selector_rope_style"]
+                        "query_pooling", "selector", "selector_rope_style", "selector_distill"]
 
 
 def test_config_field_lists_cover_every_field():

@@ -254,3 +254,49 @@ def test_token_scores_of_listed_query_blocks_equal_the_full_rows():
     torch.testing.assert_close(listed, full, rtol=1e-6, atol=1e-6)
     for name, p in indexer.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6)
+
+
+def test_token_distillation_loss_matches_brute_force():
+    """selector_distill="token": the per-row KL from the row's dense attention over keys (max over the group's
+    heads, renormalised) to the softmax of its index logits, against a direct float64 computation."""
+    torch.manual_seed(7)
+    hq, hkv, n, d, block = 4, 2, 70, 16, 16
+    indexer = TokenIndexer(hq, hkv, d, index_dim=16, index_heads=2, lr_multiplier=10.0).double()
+    q, k = torch.randn(2, hq, n, d, dtype=torch.float64), torch.randn(2, hkv, n, d, dtype=torch.float64)
+    seq_lens = torch.tensor([70, 41])
+    documents = torch.stack([torch.arange(n) // 30, torch.zeros(n, dtype=torch.int64)])
+    blocks = torch.tensor([4, 1])
+    q_index, k_index = indexer.pool(q, k, block, block, seq_lens)
+    total, count = indexer.token_distillation_loss(q_index, k_index, q, k, blocks, 0.25, block, seq_lens=seq_lens,
+                                                   document_ids=documents)
+    want_total, want_count = torch.zeros((), dtype=torch.float64), 0
+    u, w = indexer._index_vectors(q_index, k_index)
+    temperature = indexer._temperature(0.25)
+    for b in range(2):
+        for h in range(hkv):
+            for blk in blocks.tolist():
+                for r in range(blk * block, min((blk + 1) * block, n)):
+                    if r >= seq_lens[b]:
+                        continue
+                    keys = [t for t in range(r + 1) if documents[b, t] == documents[b, r]]
+                    att = torch.stack([torch.softmax(0.25 * q[b, h * 2 + g, r] @ k[b, h, keys].T, 0) for g in range(2)])
+                    target = att.amax(0) / att.amax(0).sum()
+                    logits = (u[b, h, r] @ w[b, h, keys].T).amax(0) * temperature[h]
+                    want_total += (target * (target.log() - torch.log_softmax(logits, 0))).sum()
+                    want_count += 1
+    assert int(count) == want_count
+    torch.testing.assert_close(total.double(), want_total, rtol=1e-5, atol=1e-6)
+
+
+def test_module_trains_with_token_level_distillation():
+    torch.manual_seed(8)
+    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=2, window=1, sinks=1, dense_warmup_steps=0,
+                                   selector="token", selector_distill="token", selector_dim=16)
+    attn = st.SparseAttention(cfg, 4, 2, 32).train()
+    q, k, v = (torch.randn(2, h, 150, 32, requires_grad=True) for h in (4, 2, 2))
+    o = attn(q, k, v, seq_lens=torch.tensor([150, 97]))
+    (o.square().mean() + st.collect_selector_losses(attn)).backward()
+    assert torch.isfinite(attn.selector_loss) and attn.selector_loss > 0
+    for name in ("query_proj", "key_proj", "log_temperature"):
+        grad = getattr(attn.scorer, name).grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name

@@ -55,10 +55,11 @@ MODES: dict[str, dict | None] = {
     "dense": None,
     "pooled": {"selector": "pooled"},
     "token": {"selector": "token"},
+    "token_kl": {"selector": "token", "selector_distill": "token"},
     "oracle": {"selector": "oracle"},
     "row_oracle": None,
 }
-LEARNED = ("pooled", "token")
+LEARNED = ("pooled", "token", "token_kl")
 BLOCK = 64
 WINDOW = 1
 SINKS = 1

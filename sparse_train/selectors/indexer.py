@@ -158,24 +158,83 @@ class TokenIndexer(nn.Module):
             raise ValueError(f"TokenIndexer expects q [B, {self.num_heads}, M, {self.head_dim}] and k "
                              f"[B, {self.num_kv_heads}, N, {self.head_dim}], got {tuple(q.shape)} and {tuple(k.shape)}")
         multiplier = self.lr_multiplier.to(torch.float32)
-        wq = (self.query_proj.to(torch.float32) * multiplier).to(q.dtype)
-        wk = (self.key_proj.to(torch.float32) * multiplier).to(k.dtype)
         with torch.autocast(q.device.type, enabled=False):
-            grouped = q.reshape(batch, self.num_kv_heads, self.group, rows, dim)
-            u = torch.einsum("bhgmd,hgdx->bhmx", grouped, wq.view(self.num_kv_heads, self.group, dim, -1))
-            u = u.reshape(batch, self.num_kv_heads, rows, self.index_heads, self.index_dim)
-            w = torch.einsum("bhnd,hds->bhns", k, wk)
+            u, w = self._index_vectors(q, k)
             raw = index_block_scores(u, w, block_q=geometry.block_q, block_k=geometry.block_k, seq_lens=seq_lens,
                                      document_ids=document_ids, query_blocks=query_blocks)  # [B, HKV, R, NKB]
             # an empty pair (-inf) takes no part in the products (its gradient would be NaN) and scores
             # EMPTY_BLOCK_SCORE: finite for the KL and the top-k, below every real score
             filled = torch.isfinite(raw)
-            temperature = torch.exp(self.log_temperature.to(torch.float32) * multiplier) * scale
-            scores = torch.where(filled, raw.float(), 0.0) * temperature.view(1, -1, 1, 1)
+            scores = torch.where(filled, raw.float(), 0.0) * self._temperature(scale).view(1, -1, 1, 1)
             if self.distance_bias is not None:
                 scores = add_distance_bias(scores, self.distance_bias.to(torch.float32) * multiplier, geometry,
                                            query_blocks)
             return torch.where(filled, scores, EMPTY_BLOCK_SCORE)
+
+
+    def _index_vectors(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Index queries ``u [B, HKV, M, E, S]`` of q ``[B, HQ, M, D]`` and index keys ``w [B, HKV, N, S]`` of k, in
+        q's dtype."""
+        return self._index_queries(q), self._index_keys(k)
+
+    def _index_queries(self, q: Tensor) -> Tensor:
+        batch, _, rows, dim = q.shape
+        wq = (self.query_proj.to(torch.float32) * self.lr_multiplier.to(torch.float32)).to(q.dtype)
+        grouped = q.reshape(batch, self.num_kv_heads, self.group, rows, dim)
+        u = torch.einsum("bhgmd,hgdx->bhmx", grouped, wq.view(self.num_kv_heads, self.group, dim, -1))
+        return u.reshape(batch, self.num_kv_heads, rows, self.index_heads, self.index_dim)
+
+    def _index_keys(self, k: Tensor) -> Tensor:
+        wk = (self.key_proj.to(torch.float32) * self.lr_multiplier.to(torch.float32)).to(k.dtype)
+        return torch.einsum("bhnd,hds->bhns", k, wk)
+
+    def _temperature(self, scale: float) -> Tensor:
+        """float32 ``[HKV]``: the learned temperature times the logit scale."""
+        return torch.exp(self.log_temperature.to(torch.float32) * self.lr_multiplier.to(torch.float32)) * scale
+
+    def token_distillation_loss(self, q_index: Tensor, k_index: Tensor, q: Tensor, k: Tensor, query_blocks: Tensor,
+                                scale: float, block_q: int, *, seq_lens: Tensor | None = None,
+                                document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Token-level distillation (``selector_distill="token"``) on the rows of ``query_blocks``: per row r, the KL
+        from the row's dense attention over keys (softmax of ``scale q_g[r] . k[t]`` over the causal, valid,
+        same-document keys, max over the GQA heads g, renormalised) to the softmax over the same keys of the index
+        logits ``temperature * max_e u[r, e] . w[t]``. Returns the KL summed over the valid rows and their count
+        (float32 scalars); gradients reach only this module's parameters.
+
+        ``q_index`` / ``k_index``: :meth:`pool`'s outputs; ``q`` ``[B, HQ, N, D]`` / ``k`` ``[B, HKV, N, D]``: the
+        attention's own (detached here). One query block at a time: memory O(HQ BQ N)."""
+        batch, _, seq_len, dim = q.shape
+        device = q.device
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        count = torch.zeros((), device=device, dtype=torch.float32)
+        keys = torch.arange(seq_len, device=device)
+        limit = (torch.full((batch,), seq_len, device=device) if seq_lens is None
+                 else seq_lens.to(device).clamp(max=seq_len))
+        temperature = self._temperature(scale).view(1, -1, 1, 1)
+        w = self._index_keys(k_index)
+        for block in query_blocks.to(device, torch.int64).unbind(0):
+            positions = block * block_q + torch.arange(block_q, device=device)
+            rows = positions.clamp(max=seq_len - 1)
+            valid = (positions < seq_len).view(1, -1, 1) & (rows.view(1, -1, 1) < limit.view(-1, 1, 1))  # [B, BQ, 1]
+            allowed = (keys.view(1, 1, -1) <= rows.view(1, -1, 1)) & (keys.view(1, 1, -1) < limit.view(-1, 1, 1))
+            if document_ids is not None:
+                allowed = allowed & (document_ids[:, rows].unsqueeze(-1) == document_ids.unsqueeze(1))
+            allowed = (allowed & valid).unsqueeze(1)  # [B, 1, BQ, N]
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                q_rows = q[:, :, rows].detach().float().view(batch, self.num_kv_heads, self.group, block_q, dim)
+                logits = torch.einsum("bhgrd,bhnd->bhgrn", q_rows, k.detach().float()) * scale
+                probs = torch.softmax(logits.masked_fill(~allowed.unsqueeze(2), float("-inf")), dim=-1)
+                target = torch.nan_to_num(probs).amax(dim=2)  # [B, HKV, BQ, N]: max over the group's heads
+                target = target / target.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+            with torch.autocast(device.type, enabled=False):
+                u = self._index_queries(q_index[:, :, rows])
+                index_logits = torch.einsum("bhres,bhns->bhren", u, w).amax(dim=3).float() * temperature
+                log_p = torch.log_softmax(index_logits.masked_fill(~allowed, float("-inf")), dim=-1)
+                kl = torch.where(target > 0, target * (torch.log(target.clamp(min=1e-30)) - log_p), 0.0)
+                row_has_keys = allowed.any(dim=-1)  # [B, 1, BQ]
+                total = total + torch.where(row_has_keys, kl.sum(dim=-1), 0.0).sum()
+                count = count + row_has_keys.sum() * self.num_kv_heads
+        return total, count
 
 
 class OracleSelector(nn.Module):
