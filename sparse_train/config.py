@@ -11,8 +11,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .functional import BACKENDS
-from .index import INDEX_CHECKS
-from .kernels.reference_block_mass import ROW_POOLS as DISTILL_ROW_POOLS
+from .index.block_index import INDEX_CHECKS
+from .kernels.reference.block_mass import ROW_POOLS as DISTILL_ROW_POOLS
 from .validation import check_bool, check_choice, check_float, check_int
 
 __all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "DISTILL_ROW_POOLS", "DISTILL_SUPPORTS",
@@ -111,7 +111,7 @@ class SparseAttentionConfig:
     warm-up are dense too. 0 = sparse from the first step (a selector loaded from a checkpoint)."""
 
     r0: int | None = None
-    """Reuse threshold of the hybrid dK/dV backward; ``None`` = ``sparse_train.plan.DEFAULT_R0``."""
+    """Reuse threshold of the hybrid dK/dV backward; ``None`` = ``sparse_train.plan.plan.DEFAULT_R0``."""
 
     dropout_p: float = 0.0
     """Dropout on attention probabilities during training, in [0, 1) (ignored in eval mode). The bits
@@ -134,7 +134,7 @@ class SparseAttentionConfig:
     with atomics (``kernel_options.fused_dq`` of :func:`sparse_train.sparse_attention`), which saves the
     dQ kernel's recomputation of the scores. dQ is then not bitwise reproducible, so it cannot be combined
     with ``deterministic``. Off by default: on the H200 at 64K the atomics cost more than they save (backward
-    0.59-0.90x the two-kernel speed at head dim 128, 0.95-1.02x at 64; :mod:`sparse_train.kernels.backward`)."""
+    0.59-0.90x the two-kernel speed at head dim 128, 0.95-1.02x at 64; :mod:`sparse_train.kernels.triton.backward`)."""
 
     stored_ds_backward: bool = False
     """The KV-centric kernel stores each dS tile and the dQ kernel reads it instead of recomputing the scores

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .index import BlockIndex
-from .kernels.reference import query_block_args, query_block_positions, reference_sparse_attention
-from .plan import KernelOptions, check_fused_dq_allowed, check_no_plan_with_query_blocks
+from .index.block_index import BlockIndex
+from .kernels.reference.attention import query_block_args, query_block_positions, reference_sparse_attention
+from .plan.plan import KernelOptions, check_fused_dq_allowed, check_no_plan_with_query_blocks
 from .validation import check_attention_args, check_bool, check_choice, check_inputs, draw_dropout_seed
 
 __all__ = [
@@ -46,7 +46,7 @@ counts ``reference_<code>`` fallbacks), never free text to be matched."""
 
 
 def _triton_op():
-    from .kernels import op  # deferred: imports triton and compiles nothing until first launch
+    from .kernels.triton import op  # deferred: imports triton and compiles nothing until first launch
 
     return op
 
@@ -193,10 +193,10 @@ def sparse_attention(
             by ``torch.use_deterministic_algorithms(True)``.
         backend: one of :data:`BACKENDS`: ``"auto"`` (Triton on supported CUDA inputs, reference
             otherwise), ``"triton"``, ``"reference"``.
-        kernel_options: ``None`` or a dict with keys among :data:`sparse_train.plan.KERNEL_OPTIONS`,
+        kernel_options: ``None`` or a dict with keys among :data:`sparse_train.plan.plan.KERNEL_OPTIONS`,
             each None (default) or: ``plan`` a precomputed ``index.plan(r0)`` of this very index, to
             reuse across layers; ``r0`` the reuse threshold of the hybrid backward (default
-            :data:`sparse_train.plan.DEFAULT_R0`; must equal ``plan.r0`` when both are given);
+            :data:`sparse_train.plan.plan.DEFAULT_R0`; must equal ``plan.r0`` when both are given);
             ``num_splits`` the forward's split-KV count (1..64); ``{fwd,dq,kv}_heads_per_program``,
             ``{fwd,dq,kv}_num_warps``, ``{fwd,dq,kv}_num_stages`` the tiles of the forward, dQ and
             KV-centric kernels; ``kv_chunk`` query blocks per KV-centric work item; ``kv_tile_rows``
@@ -209,7 +209,7 @@ def sparse_attention(
             backward on the H200 at 64K for about 8 GB more memory);
             ``{fwd,dq,kv}_tma`` (bool) TMA tensor-descriptor loads of the K/V tiles (forward, dQ) and of the
             q/dO slices (KV-centric) on Hopper and newer, where the tensors' layout allows a descriptor (the
-            defaults follow the H200 measurements, :func:`sparse_train.plan.backward_config`); ``kv_gluon``
+            defaults follow the H200 measurements, :func:`sparse_train.plan.plan.backward_config`); ``kv_gluon``
             (bool) the KV-centric dK/dV kernel hand-scheduled in Gluon (default on a Hopper GPU, where it
             applies: no dropout or sequence lengths, N a multiple of the blocks; same gradients as
             the Triton kernel, 9-15% faster backward on the H200 at 64K); ``dq_gluon`` (bool) the dQ kernel
@@ -226,7 +226,7 @@ def sparse_attention(
             document ids only decide masks) but gives a result for the clamped lengths / those masks.
             Skipped anyway while ``torch.compile`` traces.
         query_blocks: optional int ``[NQL]`` on q's device: distinct global query-block ids, in any order
-            (the query-block map of context parallelism, :mod:`sparse_train.context_parallel`). q is then
+            (the query-block map of context parallelism, :mod:`sparse_train.parallel.context_parallel`). q is then
             ``[B, HQ, L, D]`` with L = len(query_blocks) * BQ (less by the missing rows when the short last
             block of the sequence is listed): the rows of the listed blocks concatenated in the listed
             order. k, v, ``index``, ``seq_lens`` and ``document_ids`` stay global (``[B, HKV, N, D]``, the

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .plan import KernelOptions
+    from .plan.plan import KernelOptions
 
 __all__ = [
     "DROPOUT_SEED_LIMIT",
@@ -353,7 +353,7 @@ def check_block_index(index) -> None:
     """Metadata of a BlockIndex (no data read): int32 ``indices [B, HKV, NQB, K>=1]`` and ``counts
     [B, HKV, NQB]`` on one device, NQB = ceil(seq_len / block_q). The canonical invariants of the
     values are `BlockIndex.validate`'s job (exhaustive, a host sync)."""
-    from .index import BlockIndex
+    from .index.block_index import BlockIndex
 
     if not isinstance(index, BlockIndex):
         raise ValueError(f"index must be a sparse_train.BlockIndex, got {type(index).__name__}")
@@ -446,7 +446,7 @@ def source_is_current(source: PlanSource, index) -> bool:
 def check_plan(plan, index, r0=None) -> None:
     """``plan`` was built by ``index.plan(r0)`` from the index's current contents. A plan of another
     index would make the backward read past its arrays."""
-    from .plan import BlockPlan
+    from .plan.plan import BlockPlan
 
     if not isinstance(plan, BlockPlan):
         raise ValueError(f"plan must be a sparse_train.BlockPlan (from index.plan(r0)), got {type(plan).__name__}")
@@ -482,7 +482,7 @@ class AttentionArgs(NamedTuple):
     dropout_p: float
     dropout_seed: int | None
     kernel_options: KernelOptions
-    """`sparse_train.plan.KernelOptions`; a plan among them belongs to the index."""
+    """`sparse_train.plan.plan.KernelOptions`; a plan among them belongs to the index."""
 
 
 def check_attention_args(
@@ -502,8 +502,8 @@ def check_attention_args(
     """Every argument of `sparse_attention` that has a meaning for both backends. The backends call it
     with ``seq_lens_values=True`` (the host syncs of the seq_lens and document_ids values, see the module
     docstring); the dispatcher calls it before choosing a backend with ``False``. ``kernel_options`` are normalised by
-    `sparse_train.plan.normalize_kernel_options`; a plan among them must belong to ``index``."""
-    from .plan import normalize_kernel_options
+    `sparse_train.plan.plan.normalize_kernel_options`; a plan among them must belong to ``index``."""
+    from .plan.plan import normalize_kernel_options
 
     head_dim = check_inputs(q, k, v, index, seq_lens, seq_lens_values=seq_lens_values, document_ids=document_ids)
     p, seed = check_dropout(dropout_p, dropout_seed)

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from sparse_train.index import BlockIndex
+from sparse_train.index.block_index import BlockIndex
 
 
 def random_selection(batch, kv_heads, seq_len, block_q, block_k, k, *, seed=0, generator=None, distinct=True,
@@ -125,7 +125,7 @@ def spawn_ranks(worker, world: int, *args) -> None:
     A worker that returns ends its process with ``os._exit(0)``: the interpreter's own shutdown of a
     process that ran gloo collectives (FSDP in particular) sometimes aborts in a C++ destructor
     ("terminate called without an active exception", SIGABRT; measured in 1 of 22 runs of
-    tests/test_fsdp.py on the session's starting code and in 7 of 34 on later trees, on 2 CPU cores; none in
+    tests/parallel/test_fsdp.py on the session's starting code and in 7 of 34 on later trees, on 2 CPU cores; none in
     12 with this exit), after every result has been written."""
     import socket
 

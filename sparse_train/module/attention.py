@@ -1,0 +1,1007 @@
+"""``SparseAttention``: learned block selection -> ``BlockIndex`` -> plan -> ``sparse_attention``.
+
+The module is the attention *core* (no projections): it takes post-RoPE ``q [B, HQ, N, D]`` and
+``k, v [B, HKV, N, D]`` and returns ``o [B, HQ, N, D]``, like causal SDPA.
+
+Per call:
+
+1. **Path.** Dense during the warm-up (``dense_warmup_steps``). Otherwise, from N alone (no device
+   sync) the selection geometry says how many blocks each query block will select. A full selection (every causal block; short sequences) takes dense causal SDPA,
+   which computes the same function faster. Near-full selections use hysteresis: the dense path is
+   entered when the selected fraction of causal blocks reaches ``dense_enter_density`` and left only
+   when it falls to ``dense_exit_density``, so sequence lengths wobbling around the crossover do not
+   flip the path (and re-plan) every step.
+2. **Selection.** Pooled queries/keys -> :class:`~sparse_train.selection.BlockScorer` logits ->
+   top-k among causal blocks not covered by window/sinks -> ``BlockIndex.from_selection`` (adds window
+   and sinks, dedups, canonical form). The top-k is hard and integer: the attention output has no
+   gradient path into the selector.
+3. **Backend.** Triton on CUDA when the kernels support dtype/head dim/block size, the PyTorch
+   reference otherwise; every non-Triton run is counted with its reason.
+4. **Distillation** (training): KL from a target built from the main attention (detached q/k) to
+   the selector's distribution over the blocks top-k chooses from. The target is, per key block, the
+   largest attention mass any single row of the query block gives it (``distill_row_pool="max"``),
+   on every causal block of a few sampled query blocks (``distill="sampled"``), so blocks the
+   selector misses are supervised too. The loss is in ``selector_loss`` and only reaches the
+   selector's parameters, which learn ``selector_lr_multiplier`` times faster than the model under
+   the same optimizer; ``dense_warmup_steps`` runs dense attention while the selector first learns.
+5. **Replay.** Under activation checkpointing the recompute reuses the first forward's decisions
+   (:mod:`sparse_train.selection.replay`).
+
+Packed documents (``document_ids`` ``[B, N]``, :mod:`sparse_train.documents`): each token attends only
+its own document on every path. The index drops key blocks that share no document with the query
+block (window and sinks per document), top-k never picks them, the distillation target and the
+quality metrics are computed with the document mask, and the dense paths mask by document too.
+
+Host synchronisation: none on the sparse training path at the defaults (``index_check="none"``,
+``metrics_every=0``, ``profile=False``, ``dropout_p=0``). The path decision is Python on shapes; the
+index capacity follows from (N, block sizes, top_k, window, sinks, documents or not); the plan and the
+kernel schedules have shapes fixed by the index's shape; the distillation sample is drawn on the device
+from a counter buffer; fallback counts live in a tensor buffer. Checks of *values* that need a device
+-> host read (seq_lens in [0, N], document ids non-decreasing, the selector's candidates) run on CUDA
+only with ``index_check="cheap"`` or ``"full"``; on CPU tensors they always run (no device is waited
+on). Unchecked values are safe for memory (kernels clamp seq_lens, document ids only decide masks).
+Metrics (``metrics_every``), profiling, ``stats()`` and ``dropout_p > 0`` without a fixed seed (the
+seed is drawn on the host) read the host by design.
+
+torch.compile: the sparse training path, distillation included, traces into one graph
+(``fullgraph=True``; the Triton kernels are ``torch.library`` custom ops); replay, metrics and
+profiling are skipped while compiling.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from .checkpointing import outside_selective_checkpoint
+from ..config import SparseAttentionConfig
+from ..functional import BACKEND_REASONS, dense_causal_attention, resolve_backend, sparse_attention
+from ..documents import document_positions
+from ..index.block_index import BlockIndex
+from ..timing import PhaseTimer
+from ..validation import (
+    check_document_ids,
+    check_dropout_p,
+    check_float,
+    check_qkv,
+    check_seq_lens,
+    draw_dropout_seed,
+)
+from ..selection.distill import block_kl_sum, dense_block_mass, renormalise, sparse_block_mass
+from ..selection.metrics import draw_query_blocks, sample_query_blocks, selection_quality
+from ..selection.replay import SelectionRecord, SelectionReplay, in_backward_pass
+from ..selection.scorer import (
+    BlockScorer,
+    allowed_dynamic_blocks,
+    causal_block_mask,
+    rope_inverse_frequencies,
+    selection_candidates,
+    selection_geometry,
+)
+
+__all__ = [
+    "SparseAttention",
+    "FALLBACK_REASONS",
+    "collect_selector_losses",
+    "collect_attention_stats",
+]
+
+FALLBACK_REASONS = ("dense_warmup", "dense_full_selection", "dense_hysteresis", "decode") + tuple(
+    f"reference_{code}" for code in BACKEND_REASONS if code not in ("requested", "supported")
+)
+"""Every reason a call leaves the Triton sparse path; ``fallback_counts`` and ``stats()`` use these names
+(the reference ones are ``resolve_backend``'s codes, so a new code cannot be miscounted)."""
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+
+
+class SparseAttention(nn.Module):
+    """Learned block-sparse causal attention core (see module docstring).
+
+    Args:
+        config: :class:`~sparse_train.SparseAttentionConfig`.
+        num_heads: HQ. num_kv_heads: HKV (HQ must be a multiple). head_dim: D.
+
+    Attributes:
+        scorer: the learned :class:`~sparse_train.selection.BlockScorer` (its parameters are the
+            selector's; they appear in ``state_dict`` under ``scorer.``).
+        selector_loss: the last training forward's distillation loss (scalar, gradients only into
+            ``scorer``), or None.
+        fallback_counts: dict reason -> number of calls that took that fallback.
+    """
+
+    def __init__(self, config: SparseAttentionConfig, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        if not isinstance(config, SparseAttentionConfig):
+            raise ValueError(f"config must be a SparseAttentionConfig, got {type(config).__name__}")
+        for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.config = config
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim)
+        self.scorer = BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim,
+                                  lr_multiplier=config.selector_lr_multiplier, key_pooling=config.key_pooling,
+                                  distance_bias=config.selector_distance_bias, query_pooling=config.query_pooling)
+        if config.selector_rope_theta is not None:
+            self.scorer.set_rope(rope_inverse_frequencies(config.selector_rope_theta, head_dim))
+        # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every).
+        # The Python int is the source of truth (reading a CUDA buffer would sync every call); the
+        # buffer mirrors it for the state dict so a resumed run continues its schedule.
+        self.register_buffer("selector_steps", torch.zeros((), dtype=torch.int64))
+        # A tensor (not a dict of ints) so counting inside a compiled graph is an in-graph add, not a
+        # Python side effect that would guard and recompile on every call.
+        self.register_buffer("fallback_counter", torch.zeros(len(FALLBACK_REASONS), dtype=torch.int64), persistent=False)
+        # Draw number of the distillation's query-block sample (draw_query_blocks), advanced on the
+        # device: no generator object (torch.compile cannot trace one) and no host read.
+        self.register_buffer("distill_draws", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.selector_loss: Tensor | None = None
+        self._dense_mode = False
+        self._training_calls = 0
+        self._last_distilled = False
+        self._last_index: BlockIndex | None = None
+        self._last_path = "sparse"
+        self._last_quality: dict[str, Tensor] = {}
+        self._replay = SelectionReplay()
+        self._timings = PhaseTimer()
+        self._metrics_rng = torch.Generator().manual_seed(0)
+        # Context parallelism (sparse_train.parallel.context_parallel.enable_context_parallel): the process group
+        # whose ranks hold the zig-zag shards of one sequence, and the backend their attention runs on
+        # (None: config.backend). None = the whole sequence is here.
+        self.context_parallel_group = None
+        self.context_parallel_backend: str | None = None
+
+    # ------------------------------------------------------------------------------------ public
+    @property
+    def fallback_counts(self) -> dict[str, int]:
+        """reason -> calls that took it (only reasons that occurred)."""
+        counts = self.fallback_counter.tolist()
+        return {reason: int(n) for reason, n in zip(FALLBACK_REASONS, counts) if n}
+
+    @property
+    def last_selection(self) -> BlockIndex | None:
+        """The ``BlockIndex`` the last forward attended with, or None when it ran dense."""
+        return self._last_index if self._last_path == "sparse" else None
+
+    def reset_stats(self) -> None:
+        """Zero fallback counts, replay counters and the last measurements."""
+        self.fallback_counter.zero_()
+        self._replay.hits = self._replay.misses = self._replay.ambiguous = 0
+        self._last_quality = {}
+        self._timings = PhaseTimer()
+
+    def stats(self) -> dict[str, float]:
+        """Floats for logging: ``density`` (fraction of the causal area the last call attended),
+        ``dense_path``, ``selector_loss``, ``mass_recall_mean`` / ``mass_recall_p5`` (attention-mass
+        recall per query row, when measured) and ``oracle_mass_recall_*`` (the same for the best
+        selection of that size), ``oracle_density_r90`` (the density a perfect selector needs for a mean
+        recall of 0.90), ``warmup`` (1 while the dense warm-up runs),
+        ``fallbacks/<reason>`` for every reason, ``replay/*`` and, with ``profile``, ``time/*_ms``.
+        Reading it synchronises the device (call it once per logged step, not per layer call)."""
+        out: dict[str, float] = {}
+        if self._last_path == "dense":
+            out["density"] = 1.0
+        elif self._last_index is not None:
+            out["density"] = self._last_index.density()
+        out["dense_path"] = 1.0 if self._last_path == "dense" else 0.0
+        out["warmup"] = 1.0 if self.warming_up else 0.0
+        if self._last_index is not None:
+            out["selection_density"] = self._last_index.density()
+        out["selector_loss"] = float(self.selector_loss.detach()) if self.selector_loss is not None else float("nan")
+        for name, value in self._last_quality.items():
+            out[name] = float(value)
+        counts = self.fallback_counter.tolist()
+        for reason, n in zip(FALLBACK_REASONS, counts):
+            out[f"fallbacks/{reason}"] = float(n)
+        out.update(self._replay.stats())
+        if self.config.profile:
+            out.update(self._timings.elapsed_ms())
+        return out
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+                f"block_q={c.block_q}, block_k={c.block_k}, top_k={c.top_k}, window={c.window}, sinks={c.sinks}, "
+                f"distill={c.distill!r}, backend={c.backend!r}")
+
+    # ------------------------------------------------------------------------------------ checks
+    def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None,
+                      document_ids: Tensor | None = None, position_ids: Tensor | None = None) -> None:
+        """The shared API rules (:mod:`sparse_train.validation`), then what this module was built for.
+        The seq_lens and document_ids *values* are checked by the path that runs, when
+        :meth:`_checks_values` says so."""
+        if isinstance(q, Tensor) and q.dim() == 4 and q.shape[1] != self.num_heads:
+            raise ValueError(f"q has {q.shape[1]} heads in dim 1, this module was built for "
+                             f"num_heads={self.num_heads} (expected q [B, HQ, N, D])")
+        batch, _, hkv, n, d = check_qkv(q, k, v)
+        if q.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"q has dtype {q.dtype}; supported: {', '.join(map(str, _SUPPORTED_DTYPES))}")
+        if d != self.head_dim:
+            raise ValueError(f"q has head dim {d}, this module was built for head_dim={self.head_dim}")
+        if hkv != self.num_kv_heads:
+            raise ValueError(f"k/v must have shape [B={batch}, HKV={self.num_kv_heads}, N={n}, D={d}], "
+                             f"got {tuple(k.shape)}")
+        if n == 0:
+            raise ValueError("sequence length N must be > 0")
+        check_seq_lens(seq_lens, batch, n, q.device, values=False)
+        check_document_ids(document_ids, batch, n, q.device, values=False)
+        if position_ids is not None:
+            if not isinstance(position_ids, Tensor) or tuple(position_ids.shape) not in ((n,), (batch, n)):
+                raise ValueError(f"position_ids must be a tensor [B, N] = [{batch}, {n}] or [N], got "
+                                 f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
+            if position_ids.device != q.device:
+                raise ValueError(f"position_ids is on {position_ids.device} but q is on {q.device}")
+
+    # ------------------------------------------------------------------------------------ policy
+    @property
+    def warming_up(self) -> bool:
+        """True while the dense warm-up (``dense_warmup_steps``) runs: attention is dense and the
+        selector distills from it."""
+        return self._training_calls < self.config.dense_warmup_steps
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._training_calls = int(self.selector_steps)
+
+    def _choose_path(self, geometry, update_state: bool) -> tuple[str, str | None]:
+        """``("dense" | "sparse", fallback reason)`` from shapes, the warm-up and the hysteresis state."""
+        cfg = self.config
+        if self.warming_up:
+            return "dense", "dense_warmup"
+        if not cfg.dense_fallback:
+            return "sparse", None
+        density = geometry.block_density
+        dense_mode = self._dense_mode
+        if dense_mode and density <= cfg.dense_exit_density and not geometry.is_full:
+            dense_mode = False
+        elif not dense_mode and (density >= cfg.dense_enter_density or geometry.is_full):
+            dense_mode = True
+        if update_state:
+            self._dense_mode = dense_mode
+        if geometry.is_full:
+            return "dense", "dense_full_selection"
+        return ("dense", "dense_hysteresis") if dense_mode else ("sparse", None)
+
+    def _checks_values(self, device: torch.device) -> bool:
+        """Whether this call checks the *values* of seq_lens and document_ids: always on CPU tensors (a
+        host read there waits on no device), on an accelerator only with ``index_check`` "cheap" or
+        "full" (each check is a device -> host sync). The module docstring states the rule."""
+        return device.type == "cpu" or self.config.index_check != "none"
+
+    def _count(self, reason: str | None) -> None:
+        if reason is not None:
+            self.fallback_counter[FALLBACK_REASONS.index(reason)] += 1
+
+    def decode(self, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = None,
+               scale: float | None = None) -> Tensor:
+        """Attention of the last ``Nq`` positions over ``Nk >= Nq`` keys (KV-cache decoding, chunked
+        prefill): dense causal attention aligned at the end (query i sits at position Nk - Nq + i),
+        counted as the fallback ``"decode"``. No selection is made: with a handful of queries the
+        dense read of the cache is what a selection would cost anyway, and the result is exact.
+
+        Args:
+            q: ``[B, HQ, Nq, D]``; k, v: ``[B, HKV, Nk, D]`` (the whole cache, this step included).
+            key_padding_mask: optional ``[B, Nk]``, nonzero/True = a real key (any padding pattern).
+            scale: logit scale; ``None`` = the module's.
+
+        Raises:
+            ValueError: shapes, dtypes or devices that do not fit, Nq > Nk, or a query row left with
+                no real key.
+        """
+        if self.context_parallel_group is not None:
+            raise ValueError("decode: not supported under context parallelism (decoding reads one cache on one "
+                             "rank); call sparse_train.parallel.context_parallel.disable_context_parallel(model) first")
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4:
+                raise ValueError(f"decode: {name} must be a 4-D tensor [B, H, N, D], got "
+                                 f"{getattr(t, 'shape', type(t).__name__)}")
+        batch, heads, num_queries, dim = q.shape
+        num_keys = k.shape[2]
+        if heads != self.num_heads or dim != self.head_dim:
+            raise ValueError(f"decode: q must be [B, HQ={self.num_heads}, Nq, D={self.head_dim}], got {tuple(q.shape)}")
+        expected = (batch, self.num_kv_heads, num_keys, dim)
+        if tuple(k.shape) != expected or tuple(v.shape) != expected:
+            raise ValueError(f"decode: k and v must both be [B, HKV, Nk, D] = {expected}, got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        if not 0 < num_queries <= num_keys:
+            raise ValueError(f"decode: needs 0 < Nq <= Nk, got Nq={num_queries}, Nk={num_keys}")
+        if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+            raise ValueError(f"decode: q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} "
+                             f"on {q.device}/{k.device}/{v.device}")
+        scale = self.scale if scale is None else check_float("scale", scale, exclusive_minimum=0.0)
+        query_pos = torch.arange(num_keys - num_queries, num_keys, device=q.device)
+        allowed = torch.arange(num_keys, device=q.device).view(1, -1) <= query_pos.view(-1, 1)  # [Nq, Nk]
+        allowed = allowed.view(1, 1, num_queries, num_keys)
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, Tensor) or tuple(key_padding_mask.shape) != (batch, num_keys):
+                raise ValueError(f"decode: key_padding_mask must be [B, Nk] = {(batch, num_keys)}, got "
+                                 f"{getattr(key_padding_mask, 'shape', type(key_padding_mask).__name__)}")
+            allowed = allowed & key_padding_mask.to(device=q.device, dtype=torch.bool).view(batch, 1, 1, num_keys)
+            if not torch.compiler.is_compiling() and not bool(allowed.any(dim=-1).all()):
+                raise ValueError("decode: a query row has no real key to attend (check key_padding_mask)")
+        self._count("decode")
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
+                                              enable_gqa=self.num_heads != self.num_kv_heads)
+
+    # ------------------------------------------------------------------------------------ forward
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        seq_lens: Tensor | None = None,
+        *,
+        document_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        scale: float | None = None,
+        dropout_p: float | None = None,
+    ) -> Tensor:
+        """q ``[B, HQ, N, D]`` (post-RoPE), k/v ``[B, HKV, N, D]``, seq_lens optional int ``[B]``
+        (right padding: keys at positions >= seq_lens[b] are masked) -> o ``[B, HQ, N, D]``.
+
+        ``document_ids`` (optional int ``[B, N]`` on q's device, non-decreasing along N, values >= 0):
+        packed documents; query i sees key j only when ``document_ids[b, j] == document_ids[b, i]``
+        (besides j <= i), on the sparse and the dense paths, in the selection and in the selector's
+        distillation target. ``position_ids`` (optional ``[B, N]`` or ``[N]``): the RoPE positions of
+        the tokens, used only to un-rotate q and k for the selector (``selector_rope_theta``); the
+        default is ``0..N-1``, restarting at 0 at every document start when ``document_ids`` is given
+        (the usual packing convention).
+
+        ``scale`` / ``dropout_p`` override the config for this call (the Hugging Face integration
+        passes the model's own values). Under autocast q, k and v are cast to the autocast dtype first,
+        as ``F.scaled_dot_product_attention`` does.
+
+        Raises:
+            ValueError: q/k/v, seq_lens, document_ids or position_ids of the wrong shape, dtype or
+                device; seq_lens values outside [0, N]; document_ids negative or decreasing (values: on
+                CPU tensors always, on CUDA with ``index_check`` "cheap"/"full", see the module docstring)."""
+        if isinstance(q, Tensor) and torch.is_autocast_enabled(q.device.type):
+            # as F.scaled_dot_product_attention under autocast: one compute dtype for q, k and v (a
+            # model's RoPE in fp32 hands over fp32 q and k beside a bf16 v); non-tensors are left for
+            # _check_inputs to name
+            dtype = torch.get_autocast_dtype(q.device.type)
+            q, k, v = (t.to(dtype) if isinstance(t, Tensor) else t for t in (q, k, v))
+        if self.context_parallel_group is not None:
+            return self._forward_context_parallel(q, k, v, seq_lens, document_ids, position_ids, scale, dropout_p)
+        self._check_inputs(q, k, v, seq_lens, document_ids, position_ids)
+        cfg = self.config
+        batch, _, seq_len, _ = q.shape
+        check_values = self._checks_values(q.device)
+        scale = self.scale if scale is None else check_float("scale", scale, exclusive_minimum=0.0)
+        dropout_p = cfg.dropout_p if dropout_p is None else check_dropout_p(dropout_p)
+        dropout_p = dropout_p if self.training else 0.0
+        compiling = torch.compiler.is_compiling()
+        recomputing = not compiling and in_backward_pass()
+        first_pass = not recomputing
+        profile = cfg.profile and not compiling
+        # a checkpoint's recompute of this call is timed as phases of its own (``time/attn_fwd_recompute_ms``, ...)
+        phase_suffix = "" if first_pass else "_recompute"
+        device = q.device
+        # lru_cache is opaque to dynamo: trace the plain function while compiling (once per shape)
+        geometry_of = selection_geometry.__wrapped__ if compiling else selection_geometry
+        geometry = geometry_of(seq_len, cfg.block_q, cfg.block_k, cfg.top_k, cfg.window, cfg.sinks)
+
+        if position_ids is None and document_ids is not None and self.scorer.rope_inv_freq.numel():
+            position_ids = document_positions(document_ids)
+        capacity = geometry.capacity if document_ids is None else geometry.document_capacity
+
+        record = self._replay.lookup(batch, seq_len) if (recomputing and cfg.replay) else None
+        if record is not None:
+            path, reason, index, plan = record.path, record.reason, record.index, record.plan
+            backend, dropout_seed, distill_now = record.backend, record.dropout_seed, record.distilled
+            distill_blocks, distill_target = record.distill_blocks, record.distill_target
+            document_ids, pooled = record.document_ids, record.pooled
+        else:
+            path, reason = self._choose_path(geometry, update_state=first_pass)
+            index = plan = backend = pooled = None
+            dropout_seed = distill_blocks = distill_target = None
+            distill_now = self._distills_now(first_pass)
+        metrics_now = (first_pass and not compiling and self.training and cfg.metrics_every > 0
+                       and self._training_calls % cfg.metrics_every == 0)
+        if first_pass and self.training:
+            self._training_calls += 1
+            if not compiling:
+                self.selector_steps.fill_(self._training_calls)
+
+        # ---- selector: scores (with grad when distilling) and, unless replayed, the selection
+        need_selection = index is None and (
+            path == "sparse" or (distill_now and self._distill_mode(path) == "sparse") or metrics_now
+        )
+        scores = None
+        # the selection, the plan, the distillation and the metrics are many small ops that an activation
+        # checkpoint keeping the attention would route one by one through its Python dispatch mode; they run
+        # outside it (in the recompute too), the attention call below stays inside (see checkpointing.py)
+        host_ops = contextlib.nullcontext if compiling else outside_selective_checkpoint
+        if profile:
+            self._timings.mark("selector" + phase_suffix, 0, device)
+        with host_ops():
+            if need_selection or distill_now:
+                if pooled is None:
+                    pooled = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens, position_ids)
+                qbar, kbar = pooled
+                with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
+                    scores = self.scorer(qbar, kbar, scale, geometry)
+            if need_selection:
+                candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks,
+                                                  seq_lens=seq_lens, document_ids=document_ids, top_p=cfg.top_p)
+                index = BlockIndex.from_selection(
+                    candidates, seq_len=seq_len, block_q=cfg.block_q, block_k=cfg.block_k, window=cfg.window,
+                    sinks=cfg.sinks, capacity=capacity, check=cfg.index_check, document_ids=document_ids,
+                )
+        if profile:
+            self._timings.mark("selector" + phase_suffix, 1, device)
+
+        # ---- what the kernels attend: the selection, or on the dense path with dropout the full causal
+        # index, so the dropout bits come from the same counters on both paths (switching paths never
+        # changes which probabilities drop); dense without dropout stays with SDPA.
+        with host_ops():
+            if path == "sparse":
+                attend_index = index
+            elif dropout_p > 0.0:
+                attend_index = BlockIndex.full(batch, self.num_kv_heads, seq_len, cfg.block_q, cfg.block_k,
+                                               device=device, document_ids=document_ids,
+                                               check="cheap" if check_values else "none")
+            else:
+                attend_index = None
+
+            # ---- backend and plan
+            if attend_index is not None and record is None:
+                backend, backend_reason = resolve_backend(q, k, v, attend_index, cfg.backend,
+                                                          document_ids=document_ids)
+                if path == "sparse" and backend == "reference" and backend_reason != "requested":
+                    reason = f"reference_{backend_reason}"
+            if profile:
+                self._timings.mark("plan" + phase_suffix, 0, device)
+            if attend_index is not None and backend == "triton" and plan is None:
+                plan = attend_index.plan(cfg.r0)
+            if profile:
+                self._timings.mark("plan" + phase_suffix, 1, device)
+            if attend_index is not None and dropout_p > 0.0 and dropout_seed is None:
+                dropout_seed = draw_dropout_seed()
+
+        # ---- attention
+        if profile:
+            self._timings.mark("attn_fwd" + phase_suffix, 0, device)
+        lse = None
+        if attend_index is None:
+            # the kernel path checks these values inside sparse_attention
+            check_seq_lens(seq_lens, batch, seq_len, q.device, values=check_values)
+            check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
+            o = dense_causal_attention(q, k, v, scale=scale, seq_lens=seq_lens, document_ids=document_ids)
+        else:
+            o, kernel_lse = sparse_attention(
+                q, k, v, attend_index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                deterministic=cfg.deterministic, return_lse=True, backend=backend, seq_lens=seq_lens,
+                document_ids=document_ids, kernel_options={"plan": plan, **self._kernel_options()},
+                check_values=check_values,
+            )
+            lse = kernel_lse if path == "sparse" else None  # the sparse target reads the selection's lse
+        if profile:
+            self._timings.mark("attn_fwd" + phase_suffix, 1, device)
+            if first_pass:  # the recomputed output gets no gradient of its own
+                self._hook_backward_timing(q, k, v, o)
+
+        # ---- distillation (selector-only gradients)
+        loss = None
+        if distill_now:
+            mode = self._distill_mode(path)
+            with host_ops():
+                if mode == "sampled" and distill_blocks is None:
+                    distill_blocks = self._draw_distill_blocks(geometry, device)
+                loss, distill_target = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry,
+                                                               mode, distill_blocks, document_ids, check_values,
+                                                               distill_target)
+
+        # ---- bookkeeping of the first pass only (a recompute must not count twice)
+        if first_pass:
+            self._count(reason)
+            self._last_path = path
+            self._last_index = index
+            self.selector_loss = loss
+            if metrics_now and index is not None:
+                picks = sample_query_blocks(index.num_q_blocks, cfg.metrics_query_blocks, self._metrics_rng)
+                with host_ops():
+                    self._last_quality = selection_quality(q, k, index, scale=scale, query_blocks=picks,
+                                                           seq_lens=seq_lens, document_ids=document_ids)
+            if cfg.replay and not compiling and torch.is_grad_enabled() and o.requires_grad:
+                self._replay.remember(
+                    SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=plan,
+                                    backend=backend, dropout_seed=dropout_seed, distilled=distill_now,
+                                    distill_blocks=distill_blocks, distill_target=distill_target,
+                                    pooled=pooled if distill_now else None, document_ids=document_ids),
+                    anchors=[o, scores],
+                )
+        return o
+
+    # ------------------------------------------------------------------------------------ context parallel
+    def _forward_context_parallel(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None,
+                                  document_ids: Tensor | None, position_ids: Tensor | None, scale: float | None,
+                                  dropout_p: float | None) -> Tensor:
+        """The forward under context parallelism (:func:`~sparse_train.parallel.context_parallel.enable_context_parallel`).
+
+        q/k/v hold this rank's zig-zag shard (``[B, H, N/W, D]``); ``seq_lens``, ``document_ids`` and
+        ``position_ids`` are GLOBAL (``[B]``, ``[B, N]``, ``[N]`` or ``[B, N]``). Every rank takes the same
+        path (a function of N and of the call count, the same on every rank), builds the same global index
+        (:func:`~sparse_train.parallel.context_parallel.context_parallel_selection`) and attends its own rows
+        (:func:`~sparse_train.parallel.context_parallel.context_parallel_sparse_attention`); the dense paths attend
+        the full causal index through the same function. Outputs and input gradients are the rows of the
+        single-process call; the distillation loss is this rank's share (the ranks' losses and their
+        selector gradients sum to the single-process ones, see :meth:`_cp_distillation_loss`)."""
+        from ..parallel import context_parallel as cpm
+
+        group = self.context_parallel_group
+        rank, world = cpm.context_parallel_rank(group)
+        cfg = self.config
+        if cfg.metrics_every > 0:
+            raise ValueError("SparseAttention under context parallelism: metrics_every > 0 is not supported (the "
+                             "recall metrics need every query row on one rank); set metrics_every=0")
+        self._check_inputs(q, k, v, None)
+        batch, _, local_len, _ = q.shape
+        seq_len = local_len * world
+        cpm.check_layout(seq_len, world, cfg.block_q, cfg.block_k)
+        check_values = self._checks_values(q.device)
+        check_seq_lens(seq_lens, batch, seq_len, q.device, values=check_values)
+        check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
+        if position_ids is not None and (not isinstance(position_ids, Tensor)
+                                         or tuple(position_ids.shape) not in ((seq_len,), (batch, seq_len))):
+            raise ValueError(f"position_ids under context parallelism must be the GLOBAL positions [B, N] = "
+                             f"[{batch}, {seq_len}] or [N], got "
+                             f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
+        scale = self.scale if scale is None else check_float("scale", scale, exclusive_minimum=0.0)
+        dropout_p = cfg.dropout_p if dropout_p is None else check_dropout_p(dropout_p)
+        dropout_p = dropout_p if self.training else 0.0
+        backend = self.context_parallel_backend or cfg.backend
+        recomputing = in_backward_pass()
+        first_pass = not recomputing
+        device = q.device
+        geometry = selection_geometry(seq_len, cfg.block_q, cfg.block_k, cfg.top_k, cfg.window, cfg.sinks)
+        capacity = geometry.capacity if document_ids is None else geometry.document_capacity
+
+        record = self._replay.lookup(batch, seq_len) if (recomputing and cfg.replay) else None
+        if record is not None:
+            path, reason, index = record.path, record.reason, record.index
+            dropout_seed, distill_now, distill_blocks = record.dropout_seed, record.distilled, record.distill_blocks
+            distill_target, document_ids = record.distill_target, record.document_ids
+        else:
+            path, reason = self._choose_path(geometry, update_state=first_pass)
+            index = dropout_seed = distill_blocks = distill_target = None
+            distill_now = self._distills_now(first_pass)
+        if first_pass and self.training:
+            self._training_calls += 1
+            self.selector_steps.fill_(self._training_calls)
+
+        need_selection = index is None and (path == "sparse" or (distill_now and self._distill_mode(path) == "sparse"))
+        scores = None
+        if need_selection or distill_now:
+            with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
+                scores = cpm.context_parallel_block_scores(
+                    self.scorer, q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, group=group,
+                    seq_lens=seq_lens, position_ids=position_ids, document_ids=document_ids, geometry=geometry)
+        if need_selection:
+            index = cpm.context_parallel_selection(scores, geometry, window=cfg.window, sinks=cfg.sinks, group=group,
+                                                   seq_lens=seq_lens, document_ids=document_ids, top_p=cfg.top_p,
+                                                   capacity=capacity, check=cfg.index_check)
+        if dropout_p > 0.0 and dropout_seed is None:
+            dropout_seed = cpm.shared_dropout_seed(group)
+        common = dict(group=group, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
+                      document_ids=document_ids, backend=backend, return_lse=True)
+        if path == "sparse":
+            o, lse = cpm.context_parallel_sparse_attention(
+                q, k, v, index, deterministic=cfg.deterministic, kernel_options=self._kernel_options(), **common)
+        else:
+            o, lse = cpm.context_parallel_dense_attention(q, k, v, block_q=cfg.block_q, block_k=cfg.block_k,
+                                                          check="cheap" if check_values else "none", **common)
+            lse = None
+
+        loss = None
+        if distill_now:
+            mode = self._distill_mode(path)
+            if mode == "sampled" and distill_blocks is None:
+                # the same global blocks on every rank: the draw counter advances identically everywhere
+                distill_blocks = self._draw_distill_blocks(geometry, device)
+            loss, distill_target = self._cp_distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry,
+                                                              mode, distill_blocks, document_ids, check_values, rank,
+                                                              world, distill_target)
+
+        if first_pass:
+            self._count(reason)
+            self._last_path = path
+            self._last_index = index
+            self.selector_loss = loss
+            if cfg.replay and torch.is_grad_enabled() and o.requires_grad:
+                self._replay.remember(
+                    SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=None,
+                                    backend=backend, dropout_seed=dropout_seed, distilled=distill_now,
+                                    distill_blocks=distill_blocks, distill_target=distill_target,
+                                    document_ids=document_ids),
+                    anchors=[o] if scores is None else [o, scores],
+                )
+        return o
+
+    def _kernel_options(self) -> dict:
+        """The config's performance choices for :func:`sparse_train.sparse_attention` (both paths)."""
+        cfg = self.config
+        gluon = cfg.gluon_kernels
+        return {"r0": cfg.r0, "fused_dq": cfg.fused_backward, "stored_ds": cfg.stored_ds_backward,
+                "fwd_gluon": gluon, "dq_gluon": gluon, "kv_gluon": gluon}
+
+    def _cp_distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
+                              document_ids, check_values, rank, world, target=None) -> tuple[Tensor, tuple]:
+        """This rank's share of the distillation loss under context parallelism, and its target (``target``:
+        the first forward's, which a checkpoint recompute reuses instead of gathering and computing it again).
+
+        The target of a query block is computed where its query rows live, against the all-gathered keys
+        (detached, at global positions); ``scores`` holds this rank's query blocks. ``"dense"``: every
+        local query block. ``"sampled"``: the sampled blocks are GLOBAL ids drawn identically on every rank
+        (one sample of the whole sequence, as one process draws it); each rank supervises those of them it
+        holds. The loss is the sum of the KL over this rank's valid rows divided by the number of valid rows
+        of ALL ranks (one all-reduce of a count), so the ranks' losses, and their gradients to the
+        selector, sum to the single-process loss and gradient.
+
+        Cost: one more all-gather of K (detached); the block-mass functions take the global q (and lse),
+        so the local rows are placed in a zero ``[B, HQ, N, D]`` buffer (transient, no grad). The
+        ``dense`` / ``sampled`` targets read only the listed blocks' rows; the ``sparse`` target walks an
+        index whose rows of other ranks are emptied."""
+        from ..parallel import context_parallel as cpm
+
+        cfg = self.config
+        group = self.context_parallel_group
+        seq_len = geometry.seq_len
+        device = q.device
+        local_blocks = cpm.local_query_blocks(seq_len, cfg.block_q, rank, world, device=device)
+        positions = cpm.zigzag_positions(seq_len, rank, world, device=device)
+        if target is None:
+            with torch.no_grad():
+                k_full = cpm.gather_sequence(k.detach(), 2, group)
+                q_full = q.new_zeros(q.shape[0], q.shape[1], seq_len, q.shape[3]).index_copy_(2, positions,
+                                                                                          q.detach())
+        support = self._distill_support(geometry, device, document_ids)
+        if mode in ("dense", "sampled"):
+            if mode == "dense":
+                rows, picks, held = local_blocks, None, None
+            else:
+                rows = distill_blocks.to(device)
+                # local row of each sampled block (-1: another rank holds it); shapes stay fixed, so no
+                # host read: the blocks of other ranks are computed on placeholder rows and masked out
+                where = torch.full((geometry.num_q_blocks,), -1, dtype=torch.int64, device=device)
+                where[local_blocks] = torch.arange(local_blocks.shape[0], device=device)
+                picks = where[rows]
+                held = picks >= 0
+                picks = picks.clamp(min=0)
+            if target is None:
+                target = self._dense_target(q_full, k_full, rows, scale, seq_lens, document_ids,
+                                            check_values)  # [B, HKV, S, NKB] twice
+            target, row_valid = target
+            if held is not None:
+                row_valid = row_valid & held.view(1, 1, -1)
+                scores = scores.index_select(2, picks)
+            allowed = support.index_select(2, rows)
+        else:
+            if target is None:
+                lse_full = lse.new_zeros(lse.shape[0], lse.shape[1], seq_len).index_copy_(2, positions,
+                                                                                         lse.detach())
+                mine = torch.zeros(geometry.num_q_blocks, dtype=torch.bool, device=device)
+                mine[local_blocks] = True
+                mine = mine.view(1, 1, -1)
+                own_rows = BlockIndex(indices=torch.where(mine.unsqueeze(-1), index.indices, -1),
+                                      counts=torch.where(mine, index.counts, 0), seq_len=seq_len,
+                                      block_q=index.block_q, block_k=index.block_k)
+                full_target, full_valid = self._sparse_target(q_full, k_full, own_rows, lse_full, scale, seq_lens,
+                                                              document_ids, check_values)  # [B, HKV, NQB, K]
+                target = full_target.index_select(2, local_blocks), full_valid.index_select(2, local_blocks)
+            target, row_valid = target
+            scores, allowed = self._slot_scores(scores, index.indices.index_select(2, local_blocks),
+                                                support.index_select(2, local_blocks))
+        total, count = self._kl_parts(target, scores, allowed, row_valid)
+        return self._mean_kl(total, cpm.all_reduce_sum(count, group)), (target, row_valid)
+
+    def _distills_now(self, first_pass: bool) -> bool:
+        """Whether this call computes the distillation loss (training with grad, ``distill`` on, every
+        ``distill_every``-th training forward); a checkpoint recompute repeats its first pass's answer."""
+        if not first_pass:
+            return self._last_distilled
+        cfg = self.config
+        self._last_distilled = (cfg.distill != "off" and self.training and torch.is_grad_enabled()
+                                and self._training_calls % cfg.distill_every == 0)
+        return self._last_distilled
+
+    def _draw_distill_blocks(self, geometry, device) -> Tensor:
+        """This call's ``distill_query_blocks`` sampled query blocks: drawn on the device from the draw
+        counter (no host read), which then advances."""
+        draws = self.distill_draws
+        blocks = draw_query_blocks(geometry.num_q_blocks, self.config.distill_query_blocks, draws.to(device))
+        draws.add_(1)
+        return blocks
+
+    def _distill_mode(self, path: str) -> str:
+        """The target this call distills from: ``"sparse"`` needs the sparse kernels' selection and
+        lse, so on the dense path (warm-up, full selection) it becomes ``"sampled"``."""
+        mode = self.config.distill
+        return "sampled" if (mode == "sparse" and path == "dense") else mode
+
+    def _distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
+                           document_ids=None, check_values=True, target=None) -> tuple[Tensor, tuple]:
+        """KL from the row-pooled attention-mass target to the selector's distribution, and the target
+        (``(target, row_valid)``). ``target``: the first forward's, which a checkpoint recompute reuses (the
+        target is detached and a function of the same q and k, so computing it again would only cost time).
+
+        ``distill_support="dynamic"`` restricts both to the blocks top-k chooses from (window and
+        sinks are always selected, so ranking them teaches the selector nothing it uses). With packed
+        documents the support is per batch row and excludes blocks of other documents, and the
+        target is computed with the document mask."""
+        support = self._distill_support(geometry, q.device, document_ids)
+        if mode in ("dense", "sampled"):
+            rows = None if mode == "dense" else distill_blocks.to(q.device)
+            if target is None:
+                target = self._dense_target(q, k, rows, scale, seq_lens, document_ids,
+                                            check_values)  # [B, HKV, S, NKB] twice
+            if rows is not None:
+                support = support.index_select(2, rows)
+                scores = scores.index_select(2, rows)
+            allowed = support
+        else:
+            if target is None:
+                target = self._sparse_target(q, k, index, lse, scale, seq_lens, document_ids,
+                                             check_values)  # [B, HKV, NQB, K] twice
+            scores, allowed = self._slot_scores(scores, index.indices, support)
+        mass, row_valid = target
+        return self._mean_kl(*self._kl_parts(mass, scores, allowed, row_valid)), target
+
+    def _distill_support(self, geometry, device, document_ids) -> Tensor:
+        """bool ``[1 or B, 1, NQB, NKB]``: the blocks the distillation KL is taken over
+        (``distill_support``; per batch row with packed documents)."""
+        cfg = self.config
+        if cfg.distill_support == "dynamic":
+            support = allowed_dynamic_blocks(geometry, cfg.window, cfg.sinks, device, document_ids)
+        else:
+            support = causal_block_mask(geometry, device)
+            if document_ids is not None:
+                support = support & allowed_dynamic_blocks(geometry, 0, 0, device, document_ids)
+        return support.view(1, 1, *support.shape) if support.dim() == 2 else support.unsqueeze(1)
+
+    def _dense_target(self, q, k, query_blocks, scale, seq_lens, document_ids, check_values):
+        """The config's dense-attention target of ``query_blocks`` (None: every query block)."""
+        cfg = self.config
+        return dense_block_mass(q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
+                                rows_per_block=cfg.distill_query_rows, query_blocks=query_blocks,
+                                row_pool=cfg.distill_row_pool, chunk_mb=cfg.distill_chunk_mb,
+                                document_ids=document_ids, check_values=check_values)
+
+    def _sparse_target(self, q, k, index, lse, scale, seq_lens, document_ids, check_values):
+        """The config's target over the slots of ``index`` (normalised by the main attention's ``lse``)."""
+        cfg = self.config
+        return sparse_block_mass(q, k, index, scale=scale, lse=lse, seq_lens=seq_lens,
+                                 rows_per_block=cfg.distill_query_rows, row_pool=cfg.distill_row_pool,
+                                 chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids, check_values=check_values)
+
+    @staticmethod
+    def _slot_scores(scores: Tensor, slot_blocks: Tensor, support: Tensor) -> tuple[Tensor, Tensor]:
+        """The ``sparse`` target is per index slot: the selector's scores ``[B, HKV, R, NKB]`` at the slots'
+        key blocks ``slot_blocks`` ``[B, HKV, R, K]`` (-1 = empty), and which slots the KL is taken over
+        (filled and inside ``support`` ``[1 or B, 1, R, NKB]``)."""
+        slots = slot_blocks.to(torch.int64).clamp(min=0)
+        slot_support = support.expand(*slot_blocks.shape[:2], -1, -1).gather(-1, slots)
+        return scores.gather(-1, slots), (slot_blocks >= 0) & slot_support
+
+    def _mean_kl(self, total: Tensor, count: Tensor) -> Tensor:
+        """The distillation loss: the KL sum over the valid rows divided by their count (under context
+        parallelism the count of all ranks), weighted by ``distill_weight``."""
+        return total / count.clamp(min=1).to(total.dtype) * self.config.distill_weight
+
+    @staticmethod
+    def _kl_parts(target, scores, allowed, row_valid) -> tuple[Tensor, Tensor]:
+        """The KL sum and the valid-row count (:func:`block_kl_sum`) of the target renormalised over
+        ``allowed``; rows whose target has no mass there are left out."""
+        target = renormalise(torch.where(allowed, target, 0.0))
+        row_valid = row_valid & (target.sum(dim=-1) > 0)
+        return block_kl_sum(target, scores, allowed, row_valid)
+
+    def _hook_backward_timing(self, q: Tensor, k: Tensor, v: Tensor, o: Tensor) -> None:
+        inputs = [t for t in (q, k, v) if t.requires_grad]
+        if not o.requires_grad or not inputs:
+            return
+        device = o.device
+        timings = self._timings
+
+        def started(grad: Tensor) -> None:
+            timings.mark("attn_bwd", 0, device)
+
+        def finished(grads) -> None:
+            timings.mark("attn_bwd", 1, device)
+
+        o.register_hook(started)
+        torch.autograd.graph.register_multi_grad_hook(inputs, finished, mode="all")
+
+
+def _sparse_modules(model: nn.Module) -> Iterable[SparseAttention]:
+    return (module for _, module in _named_sparse_modules(model))
+
+
+def collect_selector_losses(model: nn.Module) -> Tensor:
+    """Sum of the last ``selector_loss`` of every ``SparseAttention`` in ``model`` (a scalar tensor;
+    zero without gradient when no module computed one, e.g. in eval mode or with distill="off")."""
+    losses = [m.selector_loss for m in _sparse_modules(model) if m.selector_loss is not None]
+    if losses:
+        return torch.stack([loss.to(torch.float32) for loss in losses]).sum()
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return torch.zeros((), device=device)
+
+
+def selector_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every parameter that lives inside an ``SparseAttention`` of ``model`` (its selector), each once."""
+    seen: dict[int, nn.Parameter] = {}
+    for module in _sparse_modules(model):
+        for p in module.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def selector_parameter_names(model: nn.Module) -> set[str]:
+    """Names (relative to ``model``) of the parameters of :func:`selector_parameters`."""
+    return {f"{prefix}{name}" for prefix, module in _named_sparse_modules(model)
+            for name, _ in module.named_parameters()}
+
+
+def selector_state_names(model: nn.Module) -> set[str]:
+    """Every state-dict key (parameters and buffers) of ``model`` that lives inside an ``SparseAttention``."""
+    return {f"{prefix}{key}" for prefix, module in _named_sparse_modules(model) for key in module.state_dict()}
+
+
+def _named_sparse_modules(model: nn.Module) -> Iterable[tuple[str, SparseAttention]]:
+    # (name prefix with its trailing dot, module) of every SparseAttention; the model itself has prefix ""
+    return ((f"{name}." if name else "", m) for name, m in model.named_modules() if isinstance(m, SparseAttention))
+
+
+def clip_grad_norms(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
+                    process_group: "torch.distributed.ProcessGroup | None" = None) -> tuple[Tensor, Tensor]:
+    """Clip the gradient norm of the model's own parameters and of its selectors' separately.
+
+    Use this instead of one ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``: the
+    selectors' distillation gradients are large (``selector_lr_multiplier`` scales them) and never
+    reach the model's weights, yet inside one global norm they shrink every model step whenever the
+    selectors learn, so a sparse model would train slower than its dense twin even during the dense
+    warm-up. With separate norms the model's update is the one it would get without selectors.
+
+    Sharded gradients (FSDP) give the norms of the whole, unsharded gradients: each rank sums
+    ``|g|**norm_type`` over its own shards of each group, one all-reduce adds the two sums over the ranks
+    (a max for ``inf``), and every rank scales its shards by the same ``min(1, max_norm / (norm + 1e-6))``
+    (the coefficient of ``clip_grad_norm_``). Two kinds of sharding are recognised:
+
+    * DTensor gradients (FSDP2 ``fully_shard``): their local shards, reduced over their device mesh's
+      ``Shard`` dimensions (``Replicate`` dimensions hold copies and are not summed);
+    * ``process_group`` given (FSDP1 with ``use_orig_params=True``, as Lightning's ``FSDPStrategy``): every
+      plain-tensor gradient is this rank's piece of a parameter split across ``process_group``; FSDP
+      leaves ``grad`` None on ranks that hold no piece of a parameter.
+
+    Without either, the gradients are taken to be whole (single device, DDP). Under sharding every rank
+    of the group must call this (it is a collective), whatever gradients it holds.
+
+    Args:
+        model: any module; parameters without a gradient are skipped.
+        max_norm: largest norm of each group, > 0.
+        norm_type: the p of the p-norm, > 0 or ``inf`` (as ``clip_grad_norm_``).
+        process_group: the group plain-tensor gradients are sharded over (see above); None = whole.
+
+    Returns:
+        ``(model_norm, selector_norm)``: each group's total norm before clipping (0 for an empty
+        group), fp32 scalars (fp64 for fp64 gradients) on the gradients' device, equal on every rank.
+
+    Raises:
+        ValueError: ``max_norm`` not a finite number > 0; ``norm_type`` not > 0; DTensor gradients
+            together with ``process_group``, on different meshes, or with a ``Partial`` placement.
+    """
+    max_norm = check_float("max_norm", max_norm, exclusive_minimum=0.0)
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise ValueError(f"norm_type must be a number > 0 or inf, got {norm_type!r}")
+    norm_type = float(norm_type)
+    selector = selector_parameters(model)
+    selector_ids = {id(p) for p in selector}
+    own = [p for p in model.parameters() if id(p) not in selector_ids]
+    grads = [[p.grad for p in params if p.grad is not None] for params in (own, selector)]
+    device = next((g.device for group in grads for g in group),
+                  next((p.device for p in model.parameters()), torch.device("cpu")))
+    reduce_over, local = _local_gradients(grads, process_group)
+    infinite = math.isinf(norm_type)
+    # Sums in fp32 at least (bf16 squares lose the small gradients), fp64 for fp64 gradients.
+    dtype = torch.float32
+    for g in (g for group in grads for g in group):
+        dtype = torch.promote_types(dtype, g.dtype)
+    with torch.no_grad():
+        # Row 0: pieces summed over the ranks (shards); row 1: pieces every rank holds whole.
+        totals = torch.zeros(2, 2, dtype=dtype, device=device)
+        for group, pieces in enumerate(local):
+            for row, tensors in enumerate(pieces):
+                if tensors:
+                    norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=dtype).to(device)
+                                         for t in tensors])
+                    totals[row, group] = norms.max() if infinite else norms.pow(norm_type).sum()
+        if reduce_over:
+            op = torch.distributed.ReduceOp.MAX if infinite else torch.distributed.ReduceOp.SUM
+            shard_totals = totals[0].contiguous()
+            for handle in reduce_over:
+                torch.distributed.all_reduce(shard_totals, op=op, group=handle)
+            totals[0] = shard_totals
+        combined = totals.max(dim=0).values if infinite else totals.sum(dim=0).pow(1.0 / norm_type)
+        coefficients = (max_norm / (combined + 1e-6)).clamp(max=1.0)
+        for group, pieces in enumerate(local):
+            by_device: dict[torch.device, list[Tensor]] = {}
+            for t in (t for row in pieces for t in row):
+                by_device.setdefault(t.device, []).append(t)
+            for dev, tensors in by_device.items():
+                # In place on the local pieces: a DTensor's local tensor is its storage (FSDP2 keeps it).
+                torch._foreach_mul_(tensors, coefficients[group].to(dev))
+    return combined[0], combined[1]
+
+
+def _local_gradients(grads: list[list[Tensor]], process_group) -> tuple[list, list[list[list[Tensor]]]]:
+    """Split each group's gradients into (pieces to sum over the ranks, pieces held whole); also the
+    process groups to all-reduce over (empty = nothing is sharded)."""
+    from torch.distributed.tensor import DTensor
+
+    meshes = {}
+    local: list[list[list[Tensor]]] = []
+    for group in grads:
+        sharded, whole = [], []
+        for grad in group:
+            if isinstance(grad, DTensor):
+                if process_group is not None:
+                    raise ValueError("clip_grad_norms: process_group is for plain sharded gradients (FSDP1); "
+                                     "DTensor gradients carry their own mesh, pass process_group=None")
+                if any(placement.is_partial() for placement in grad.placements):
+                    raise ValueError(f"clip_grad_norms: a DTensor gradient has a Partial placement "
+                                     f"({grad.placements}); reduce it before clipping")
+                shard_dims = tuple(i for i, placement in enumerate(grad.placements) if placement.is_shard())
+                meshes[(grad.device_mesh, shard_dims)] = (grad.device_mesh, shard_dims)
+                (sharded if shard_dims else whole).append(grad.to_local())
+            elif process_group is not None:
+                sharded.append(grad)
+            else:
+                whole.append(grad)
+        local.append([sharded, whole])
+    sharded_meshes = [key for key in meshes.values() if key[1]]
+    if len(sharded_meshes) > 1:
+        raise ValueError(f"clip_grad_norms: DTensor gradients are sharded over {len(sharded_meshes)} different "
+                         "meshes or mesh dimensions; one reduction cannot combine them")
+    if sharded_meshes:
+        mesh, shard_dims = sharded_meshes[0]
+        return [mesh.get_group(dim) for dim in shard_dims], local
+    if process_group is not None:
+        return [process_group], local
+    return [], local
+
+
+_PER_LAYER_STATS = ("mass_recall_mean", "mass_recall_p5", "oracle_mass_recall_mean", "oracle_density_r90")
+"""Stats also reported per layer (``layers/<i>/<name>``, i = the module's order in ``model``): a
+selector that fails in one layer hides in the average over layers."""
+
+
+def collect_attention_stats(model: nn.Module) -> dict[str, float]:
+    """``stats()`` of every ``SparseAttention`` in ``model``: counts (``fallbacks/*``, ``replay/*``)
+    summed, everything else averaged over the modules that report it (NaNs ignored), and the recall
+    metrics of each layer under ``layers/<i>/``."""
+    sums: dict[str, float] = {}
+    values: dict[str, list[float]] = {}
+    per_layer: dict[str, float] = {}
+    for layer, module in enumerate(_sparse_modules(model)):
+        for key, value in module.stats().items():
+            if key.startswith(("fallbacks/", "replay/")):
+                sums[key] = sums.get(key, 0.0) + value
+            elif not math.isnan(value):
+                values.setdefault(key, []).append(value)
+                if key in _PER_LAYER_STATS:
+                    per_layer[f"layers/{layer}/{key}"] = value
+    out = {key: sum(vals) / len(vals) for key, vals in values.items()}
+    out.update(per_layer)
+    out.update(sums)
+    return out
