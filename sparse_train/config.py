@@ -13,6 +13,7 @@ from typing import Any
 from .functional import BACKENDS
 from .index.block_index import INDEX_CHECKS
 from .kernels.reference.block_mass import ROW_POOLS as DISTILL_ROW_POOLS
+from .options import config_kernel_options
 from .validation import check_bool, check_choice, check_float, check_int
 
 __all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "DISTILL_ROW_POOLS", "DISTILL_SUPPORTS",
@@ -260,12 +261,7 @@ class SparseAttentionConfig:
             _check_bool(self, name)
         if self.gluon_kernels is not None:
             _check_bool(self, "gluon_kernels")
-        if self.fused_backward and self.stored_ds_backward:
-            raise ValueError("SparseAttentionConfig: fused_backward and stored_ds_backward are two ways of producing "
-                             "dQ from the KV-centric kernel; set at most one of them")
-        if self.fused_backward and self.deterministic:
-            raise ValueError("SparseAttentionConfig: fused_backward sums dQ with atomics in no fixed order, so it "
-                             "cannot be combined with deterministic=True")
+        config_kernel_options(self)  # the rules that tie the kernel switches together
 
     @property
     def capacity(self) -> int:

@@ -34,16 +34,18 @@ import torch
 from torch import Tensor
 
 from ..documents import block_document_ranges
-from ..plan.plan import BlockPlan, build_plan, resolve_r0, triton_runs_on
+from ..kernels import triton_kernels
+from ..plan.device import triton_runs_on
+from ..plan.plan import BlockPlan, build_plan, resolve_r0
 from ..validation import (
-    check_block_index,
     check_capacity,
     check_choice,
     check_document_ids,
     check_geometry,
-    check_inputs,
     check_int,
     check_integer_tensor,
+    check_qkv,
+    check_seq_lens,
     check_window_sinks,
     source_is_current,
 )
@@ -52,6 +54,9 @@ __all__ = [
     "INDEX_CHECKS",
     "BlockIndex",
     "canonicalize",
+    "check_block_index",
+    "check_index_matches",
+    "check_inputs",
     "capacity_tier",
     "causal_last_block",
     "document_sink_candidates",
@@ -209,10 +214,8 @@ def canonicalize(
     candidate_width = max(1, selected.shape[-1] + window + sinks)
     if (document_ids is None and capacity is not None and (check == "none" or capacity >= candidate_width)
             and triton_runs_on(selected)):
-        from ..kernels.triton.canonical import triton_canonical_merge
-
-        indices, counts = triton_canonical_merge(selected, seq_len=seq_len, block_q=block_q, block_k=block_k,
-                                                 window=window, sinks=sinks, capacity=capacity)
+        indices, counts = triton_kernels().canonical.triton_canonical_merge(
+            selected, seq_len=seq_len, block_q=block_q, block_k=block_k, window=window, sinks=sinks, capacity=capacity)
         if check == "full":
             _verify_canonical(indices, counts, seq_len, block_q, block_k)
         return indices, counts
@@ -741,3 +744,58 @@ class BlockIndex:
         )
         small = self.num_q_blocks <= _REPR_GRID_BLOCKS and self.batch * self.num_kv_heads <= _REPR_GRID_PAIRS
         return summary + "\n" + self.to_string(_REPR_GRID_BLOCKS, _REPR_GRID_PAIRS) if small else summary
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def check_block_index(index) -> None:
+    """Metadata of a BlockIndex (no data read): int32 ``indices [B, HKV, NQB, K>=1]`` and ``counts
+    [B, HKV, NQB]`` on one device, NQB = ceil(seq_len / block_q). The canonical invariants of the
+    values are `BlockIndex.validate`'s job (exhaustive, a host sync)."""
+    if not isinstance(index, BlockIndex):
+        raise ValueError(f"index must be a sparse_train.BlockIndex, got {type(index).__name__}")
+    seq_len, block_q, _ = check_geometry(index.seq_len, index.block_q, index.block_k)
+    indices, counts = index.indices, index.counts
+    for name, t in (("indices", indices), ("counts", counts)):
+        if not isinstance(t, Tensor) or t.dtype != torch.int32:
+            raise ValueError(
+                f"index.{name} must be an int32 tensor (build the index with BlockIndex.from_*), got "
+                f"{getattr(t, 'dtype', type(t).__name__)}"
+            )
+    num_q_blocks = -(-seq_len // block_q)
+    if indices.dim() != 4 or indices.shape[2] != num_q_blocks or indices.shape[3] < 1:
+        raise ValueError(
+            f"index.indices must have shape [B, HKV, NQB={num_q_blocks}, K>=1] for seq_len={seq_len}, "
+            f"block_q={block_q}, got {tuple(indices.shape)}"
+        )
+    if counts.shape != indices.shape[:3]:
+        raise ValueError(f"index.counts must have shape {tuple(indices.shape[:3])}, got {tuple(counts.shape)}")
+    if counts.device != indices.device:
+        raise ValueError(f"index.indices is on {indices.device} but index.counts on {counts.device}")
+
+
+def check_inputs(q, k, v, index, seq_lens=None, *, seq_lens_values: bool = True, document_ids=None) -> int:
+    """The compatibility rule of an attention input: ``index`` a well-formed BlockIndex, q/k/v valid
+    (`check_qkv`) and built for it (`check_index_matches`), ``seq_lens`` and ``document_ids`` valid for
+    them (`check_seq_lens`, `check_document_ids`; ``seq_lens_values=False`` skips the value checks of
+    both, the host syncs). Returns the head dim D."""
+    check_block_index(index)
+    _, _, _, _, head_dim = check_qkv(q, k, v, device=index.device)
+    check_index_matches(index, q, k)
+    check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
+    check_document_ids(document_ids, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
+    return head_dim
+
+
+def check_index_matches(index, q: Tensor, k: Tensor) -> None:
+    """The index was built for q/k's batch, KV heads, length and device."""
+    bq, _, nq, _ = q.shape
+    hkv = k.shape[1]
+    if q.device != index.device:
+        raise ValueError(f"q is on {q.device} but the block index is on {index.device}")
+    if bq != index.batch or hkv != index.num_kv_heads:
+        raise ValueError(
+            f"block index is for batch={index.batch}, kv_heads={index.num_kv_heads} but k has "
+            f"batch={bq}, kv_heads={hkv}"
+        )
+    if nq != index.seq_len:
+        raise ValueError(f"block index is for seq_len={index.seq_len} but q/k/v have N={nq}")

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from ..config import SparseAttentionConfig
+from ..module.checkpointing import checkpoint_kwargs
 from ..losses import LMLoss, labelled_head_loss, labelled_logits_loss
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_choice, check_keys
@@ -158,8 +159,6 @@ class HFCausalLMModule(CausalLMHooks):
 
             hf.enable(lm, SparseAttentionConfig(**sparse))
         if gradient_checkpointing:
-            from ..module.checkpointing import checkpoint_kwargs
-
             kwargs = checkpoint_kwargs(checkpoint_keeps_attention)
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.model = HFCausalLM(lm)

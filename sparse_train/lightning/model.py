@@ -27,6 +27,7 @@ import sparse_train as st
 
 from ..functional import dense_causal_attention
 from ..module.checkpointing import checkpoint_kwargs
+from ..parallel import context_parallel as cpm
 from ..documents import document_positions
 from ..losses import DEFAULT_CHUNK_TOKENS, LMLoss, labelled_head_loss
 from ..tasks import IGNORE_INDEX
@@ -285,8 +286,6 @@ class Attention(nn.Module):
         """The dense core under context parallelism: exact dense causal attention of the local rows over the
         all-gathered keys (:func:`~sparse_train.parallel.context_parallel.context_parallel_dense_attention`), on
         blocks of ``gcd(N / (2W), 64)`` rows (whole chunks of the zig-zag layout)."""
-        from ..parallel import context_parallel as cpm
-
         group = self.context_parallel_group
         _, world = cpm.context_parallel_rank(group)
         block = math.gcd(q.shape[2] // 2, 64) if q.shape[2] % 2 == 0 else 1
@@ -423,8 +422,6 @@ class Transformer(nn.Module):
     def _context_parallel_rope(self, tokens: torch.Tensor, document_ids: Optional[torch.Tensor]):
         """RoPE tables of the local rows at their global positions, and the positions the attention cores
         get (GLOBAL: ``[B, N]`` per-document positions with documents, None = ``0..N-1`` otherwise)."""
-        from ..parallel import context_parallel as cpm
-
         rank, world = cpm.context_parallel_rank(self.context_parallel_group)
         seq_len = tokens.shape[1] * world
         cpm.check_layout(seq_len, world)

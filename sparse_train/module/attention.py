@@ -58,11 +58,12 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from .checkpointing import outside_selective_checkpoint
 from ..config import SparseAttentionConfig
 from ..functional import BACKEND_REASONS, dense_causal_attention, resolve_backend, sparse_attention
 from ..documents import document_positions
 from ..index.block_index import BlockIndex
+from ..options import config_kernel_options
+from ..parallel import context_parallel as cpm
 from ..timing import PhaseTimer
 from ..validation import (
     check_document_ids,
@@ -83,6 +84,7 @@ from ..selection.scorer import (
     selection_candidates,
     selection_geometry,
 )
+from .checkpointing import outside_selective_checkpoint
 
 __all__ = [
     "SparseAttention",
@@ -538,8 +540,6 @@ class SparseAttention(nn.Module):
         the full causal index through the same function. Outputs and input gradients are the rows of the
         single-process call; the distillation loss is this rank's share (the ranks' losses and their
         selector gradients sum to the single-process ones, see :meth:`_cp_distillation_loss`)."""
-        from ..parallel import context_parallel as cpm
-
         group = self.context_parallel_group
         rank, world = cpm.context_parallel_rank(group)
         cfg = self.config
@@ -630,11 +630,9 @@ class SparseAttention(nn.Module):
         return o
 
     def _kernel_options(self) -> dict:
-        """The config's performance choices for :func:`sparse_train.sparse_attention` (both paths)."""
-        cfg = self.config
-        gluon = cfg.gluon_kernels
-        return {"r0": cfg.r0, "fused_dq": cfg.fused_backward, "stored_ds": cfg.stored_ds_backward,
-                "fwd_gluon": gluon, "dq_gluon": gluon, "kv_gluon": gluon}
+        """The config's performance choices for :func:`sparse_train.sparse_attention` (both paths;
+        :func:`~sparse_train.options.config_kernel_options`)."""
+        return config_kernel_options(self.config)
 
     def _cp_distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
                               document_ids, check_values, rank, world, target=None) -> tuple[Tensor, tuple]:
@@ -653,8 +651,6 @@ class SparseAttention(nn.Module):
         so the local rows are placed in a zero ``[B, HQ, N, D]`` buffer (transient, no grad). The
         ``dense`` / ``sampled`` targets read only the listed blocks' rows; the ``sparse`` target walks an
         index whose rows of other ranks are emptied."""
-        from ..parallel import context_parallel as cpm
-
         cfg = self.config
         group = self.context_parallel_group
         seq_len = geometry.seq_len

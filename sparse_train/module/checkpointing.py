@@ -42,6 +42,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from ..kernels import triton_kernels
+
 __all__ = ["attention_ops", "checkpoint_keeping_attention", "checkpoint_kwargs", "keep_attention_context",
            "outside_selective_checkpoint"]
 
@@ -52,8 +54,7 @@ _SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_a
 @functools.lru_cache(maxsize=None)
 def attention_ops() -> frozenset:
     """The op overloads whose outputs :func:`keep_attention_context` keeps (those this torch build has)."""
-    from ..kernels.triton import op as _registers_sparse_ops  # noqa: F401  (defines torch.ops.sparse_train.*)
-
+    triton_kernels()  # its op module defines torch.ops.sparse_train.*
     ops = {torch.ops.sparse_train.sparse_attn_fwd.default}
     ops.update(getattr(torch.ops.aten, name).default for name in _SDPA_OPS if hasattr(torch.ops.aten, name))
     return frozenset(ops)

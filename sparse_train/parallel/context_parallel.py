@@ -51,12 +51,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..documents import document_positions
-from ..index.block_index import BlockIndex
 from ..functional import choose_backend, sparse_attention
-from ..plan.plan import check_no_plan_with_query_blocks
+from ..index.block_index import BlockIndex, check_block_index
+from ..options import check_no_plan_with_query_blocks
 from ..selection.scorer import BlockScorer, SelectionGeometry, selection_candidates
-from ..validation import (check_block_index, check_document_ids, check_dropout, check_int, check_qkv, check_scale,
-                         check_seq_lens)
+from ..validation import check_document_ids, check_dropout, check_int, check_qkv, check_scale, check_seq_lens
 
 __all__ = [
     "CP_BACKENDS",

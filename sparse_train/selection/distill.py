@@ -34,6 +34,7 @@ from torch import Tensor
 
 from ..functional import choose_backend
 from ..index.block_index import BlockIndex
+from ..kernels import triton_kernels
 from ..kernels.reference.block_mass import (
     ROW_POOLS,
     dense_row_block_mass,
@@ -78,9 +79,7 @@ def sparse_block_mass(
     value checks of ``seq_lens`` / ``document_ids`` (host syncs on CUDA; ``sparse_train.sparse_attention``)."""
     check_choice("row_pool", row_pool, ROW_POOLS)
     if lse is not None and _kernels_run(q, index.block_q, index.block_k, rows_per_block):
-        from ..kernels.triton.block_mass import triton_block_mass
-
-        return triton_block_mass(q.detach(), k.detach(), lse, index, scale=scale, seq_lens=seq_lens,
+        return triton_kernels().block_mass.triton_block_mass(q.detach(), k.detach(), lse, index, scale=scale, seq_lens=seq_lens,
                                  row_pool=row_pool, document_ids=document_ids, check_values=check_values)
     return reference_sparse_block_mass(q, k, index, scale=scale, lse=lse, seq_lens=seq_lens,
                                        rows_per_block=rows_per_block, row_pool=row_pool, chunk_mb=chunk_mb,
@@ -112,8 +111,7 @@ def dense_block_mass(
     :func:`sparse_block_mass`."""
     check_choice("row_pool", row_pool, ROW_POOLS)
     if _kernels_run(q, block_q, block_k, rows_per_block):
-        from ..kernels.triton.block_mass import triton_dense_block_mass
-
+        triton_dense_block_mass = triton_kernels().block_mass.triton_dense_block_mass
         if query_blocks is None:
             query_blocks = torch.arange(-(-q.shape[2] // block_q), device=q.device)
         return triton_dense_block_mass(q.detach(), k.detach(), query_blocks, block_q=block_q, block_k=block_k,

@@ -22,8 +22,9 @@ import torch
 from torch import Tensor
 
 from ..index.block_index import BlockIndex, causal_last_block
+from ..kernels import triton_kernels
 from ..kernels.reference.attention import philox4x32_10
-from ..plan.plan import triton_runs_on
+from ..plan.device import triton_runs_on
 from .distill import dense_row_block_mass
 
 __all__ = ["selection_quality", "sample_query_blocks", "draw_query_blocks", "row_mass_recall", "needle_block_recall", "oracle_budget",
@@ -64,9 +65,7 @@ def draw_query_blocks(num_q_blocks: int, count: int, draw: Tensor) -> Tensor:
     count = min(count, num_q_blocks)
     draw = draw.to(torch.int64).view(1)
     if _draw_kernel_runs(draw):  # the same words in one launch instead of ~250 small ones
-        from ..kernels.triton.draw import triton_draw_words
-
-        word = triton_draw_words(num_q_blocks, draw, _DRAW_KEY)
+        word = triton_kernels().draw.triton_draw_words(num_q_blocks, draw, _DRAW_KEY)
     else:
         word, _, _, _ = philox4x32_10(_DRAW_KEY, torch.arange(num_q_blocks, device=draw.device), draw, draw >> 32)
     picked = torch.argsort(word, stable=True)[:count]

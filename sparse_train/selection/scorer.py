@@ -40,8 +40,10 @@ from torch import Tensor, nn
 from ..config import KEY_POOLINGS, QUERY_POOLINGS
 from ..functional import choose_backend
 from ..index.block_index import capacity_tier, causal_last_block, document_sink_candidates, shares_document
+from ..kernels import triton_kernels
 from ..kernels.reference.pool import block_max, block_mean, reference_block_pool, unrotate
-from ..plan.plan import triton_runs_on
+from ..kernels.reference.scores import DISTANCE_BUCKETS, EMPTY_BLOCK_SCORE
+from ..plan.device import triton_runs_on
 from ..validation import check_choice, check_float, check_integer_tensor
 
 __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_pool", "block_mean", "block_max",
@@ -50,14 +52,6 @@ __all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_pool
 
 _PROJECTION_SEED = 20261130
 """Seed of the initial random projection (the same in every layer; layers differ by their q and k)."""
-
-DISTANCE_BUCKETS = 16
-"""Buckets of the distance bias: 0, 1, 2-3, 4-7, ..., and everything from 2**14 blocks on."""
-
-EMPTY_BLOCK_SCORE = -1.0e30
-"""Score of key blocks without any valid key: below every real score, yet finite so top-k still
-returns them when a row has nothing better (counts stay shape-determined)."""
-
 
 @dataclass(frozen=True)
 class SelectionGeometry:
@@ -188,9 +182,7 @@ def block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tensor | Non
     returns): one Triton kernel (``kernels/triton/pool.py``) where the attention kernels run, the PyTorch reference
     otherwise. No gradient."""
     if choose_backend(x, block, block)[0] == "triton":
-        from ..kernels.triton.pool import triton_block_pool
-
-        return triton_block_pool(x, block, group, valid_len=valid_len, inv_freq=inv_freq, positions=positions,
+        return triton_kernels().pool.triton_block_pool(x, block, group, valid_len=valid_len, inv_freq=inv_freq, positions=positions,
                                  with_max=with_max)
     return reference_block_pool(x, block, group, valid_len=valid_len, inv_freq=inv_freq, positions=positions,
                                 with_max=with_max)
@@ -336,9 +328,7 @@ class BlockScorer(nn.Module):
         else:
             query_blocks = None  # the rows' block ids only choose the bias's buckets
         if _logits_kernel_runs(qs):  # one kernel instead of ~10 and three float32 passes over the logits
-            from ..kernels.triton.scores import triton_block_logits
-
-            return triton_block_logits(qs, ks, temperature, bias, geometry, query_blocks)
+            return triton_kernels().scores.triton_block_logits(qs, ks, temperature, bias, geometry, query_blocks)
         return reference_block_logits(qs, ks, temperature, bias, geometry, query_blocks)
 
 
@@ -387,7 +377,7 @@ class _BucketLookup(torch.autograd.Function):
 def _check_query_blocks(query_blocks, geometry: SelectionGeometry, rows: int, device) -> Tensor:
     """``query_blocks`` as int64 on ``device`` after checking it names ``rows`` global query blocks (the type
     check is the attention API's, ``validation.check_integer_tensor``; the attention's own
-    ``reference.check_query_blocks`` also checks the values, which here would be a host read per call)."""
+    ``arguments.check_query_blocks`` also checks the values, which here would be a host read per call)."""
     check_integer_tensor("query_blocks", query_blocks, dim=1)
     if query_blocks.shape[0] != rows:
         raise ValueError(f"query_blocks lists {query_blocks.shape[0]} query blocks but the scores hold {rows} rows")
@@ -399,9 +389,7 @@ def _topk_kernel_runs(scores: Tensor, geometry: SelectionGeometry) -> bool:
     """The top-k kernel (``kernels/triton/topk.py``) takes CUDA score rows it can hold, where Triton imports."""
     if not triton_runs_on(scores):
         return False
-    from ..kernels.triton.topk import MAX_KEY_BLOCKS
-
-    return geometry.num_k_blocks <= MAX_KEY_BLOCKS
+    return geometry.num_k_blocks <= triton_kernels().topk.MAX_KEY_BLOCKS
 
 
 def selection_candidates(
@@ -448,9 +436,7 @@ def selection_candidates(
     if k == 0:
         return torch.empty(batch, kv_heads, rows, 0, dtype=torch.int64, device=scores.device)
     if document_ids is None and top_p is None and _topk_kernel_runs(scores, geometry):
-        from ..kernels.triton.topk import triton_selection_candidates
-
-        return triton_selection_candidates(scores, geometry, window=window, sinks=sinks, seq_lens=seq_lens,
+        return triton_kernels().topk.triton_selection_candidates(scores, geometry, window=window, sinks=sinks, seq_lens=seq_lens,
                                            query_blocks=query_blocks)
     allowed = allowed_dynamic_blocks(geometry, window, sinks, scores.device, document_ids)
     if query_blocks is not None:

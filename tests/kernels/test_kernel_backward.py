@@ -18,6 +18,7 @@ if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
 from sparse_train.plan import plan as plan_mod  # noqa: E402
+from sparse_train.plan import tuning  # noqa: E402
 from sparse_train.kernels.triton import backward as kb  # noqa: E402
 from sparse_train.kernels.triton import op as kop  # noqa: E402
 from sparse_train.kernels.triton.op import triton_sparse_attention  # noqa: E402
@@ -149,7 +150,7 @@ def test_deterministic_bitwise_and_auto_switch(monkeypatch):
 def test_kernel_options_reach_the_launchers_and_keep_the_result(monkeypatch):
     """Every tile option travels through the custom op to its launcher; other tiles (stacked heads in
     the dQ and KV-centric kernels, one-block chunks, split rows) give the same function."""
-    from sparse_train.plan.plan import BackwardConfig, ForwardConfig
+    from sparse_train.plan.tuning import BackwardConfig, ForwardConfig
 
     B, HQ, HKV, N, D = 1, 4, 1, 96, 16
     idx = random_index(B, HKV, N, 16, 16, 3, 1, 1, seed=23, device=DEV)
@@ -327,7 +328,7 @@ def test_stored_ds_refuses_fused_dq_and_a_missing_pair_map():
         triton_sparse_attention(q, k, v, idx, kernel_options={"stored_ds": "yes"})
     o, lse = triton_sparse_attention(q, k, v, idx)
     plan = idx.plan(1)
-    config = plan_mod.backward_config(2, 16, 16, 16, False, {"stored_ds": True})
+    config = tuning.backward_config(2, 16, 16, 16, False, {"stored_ds": True})
     args = (torch.ones_like(o), q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks,
             plan_mod.cold_slots(plan.hot, plan.reuse, True), 0)
     with pytest.raises(ValueError, match="needs the plan's kv_pairs"):
@@ -509,7 +510,7 @@ def launcher_baseline():
                 slots=plan_mod.cold_slots(plan.hot, plan.reuse, False), num_cold=plan.num_cold,
                 do=torch.randn(q.shape, generator=g).to(DEV), dlse=torch.randn(q.shape[:3], generator=g).to(DEV))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(plan_mod, "KV_CHUNK", 2)
+        mp.setattr(tuning, "KV_CHUNK", 2)
         return args, _launch_all(args)
 
 

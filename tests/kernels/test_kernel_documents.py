@@ -197,7 +197,8 @@ def test_sparse_attention_dispatches_documents_to_the_kernels():
 
 def test_opcheck_with_document_ids():
     """Schema, fake impl and autograd registration of the custom op with its document_ids input."""
-    from sparse_train.plan.plan import backward_config, cold_slots, forward_config
+    from sparse_train.plan.plan import cold_slots
+    from sparse_train.plan.tuning import backward_config, forward_config
 
     B, HQ, HKV, N, D = 1, 2, 1, 48, 16
     idx = random_index(B, HKV, N, 16, 16, 1, 1, 1, seed=2, device=DEV)

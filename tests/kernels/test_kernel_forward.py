@@ -200,7 +200,8 @@ def test_rejects_bad_input():
 
 def test_opcheck_fake_impl():
     """Schema, fake (meta) impl and autograd registration of the custom op (torch.library.opcheck)."""
-    from sparse_train.plan.plan import backward_config, cold_slots, forward_config
+    from sparse_train.plan.plan import cold_slots
+    from sparse_train.plan.tuning import backward_config, forward_config
 
     B, HQ, HKV, N, D = 1, 2, 1, 48, 16
     idx = random_index(B, HKV, N, 16, 16, 1, 1, 1, seed=2, device=DEV)
@@ -233,7 +234,8 @@ def test_launcher_clamps_unvalidated_seq_lens():
 # ---------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_opcheck_on_gpu():
-    from sparse_train.plan.plan import backward_config, cold_slots, forward_config
+    from sparse_train.plan.plan import cold_slots
+    from sparse_train.plan.tuning import backward_config, forward_config
 
     B, HQ, HKV, N, D = 1, 4, 2, 512, 64
     idx = random_index(B, HKV, N, 64, 64, 3, 2, 1, seed=9, device="cuda")

@@ -2,7 +2,7 @@
 KV-centric dK/dV (``kv_gluon``) and dQ (``dq_gluon``) of the backward (sparse_train/kernels/gluon/backward.py).
 
 Gluon kernels do not run in Triton's interpreter. On the CPU: each kernel compiles for sm_90a (a Hopper target
-set without a GPU; ptxas ships with triton) at the tiles ``plan.backward_config`` picks, without spilled
+set without a GPU; ptxas ships with triton) at the tiles ``plan.tuning.backward_config`` picks, without spilled
 registers; the launcher runs the Triton kernels wherever the Gluon ones do not apply (here: no Hopper), with
 bitwise the Triton kernels' gradients; the config fields and the reasons for a fallback. On the GPU (marker
 ``gpu``): o, dq, dk, dv against the fp32 reference at real sizes (c = 3, as tests/kernels/test_kernel_backward.py),
@@ -19,7 +19,7 @@ import triton
 from builders import make_qkv, random_index
 from sparse_train.kernels.gluon import backward as bg
 from sparse_train.kernels.gluon import forward as fg
-from sparse_train.plan.plan import backward_config, forward_config
+from sparse_train.plan.tuning import backward_config, forward_config
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
@@ -227,14 +227,14 @@ def test_gluon_kernels_with_documents_compile_for_hopper(block, head_dim, group,
 
 
 def test_forward_config_gluon_default_follows_the_device():
-    """``fwd_gluon`` is on by default where :func:`plan.gluon_kernels` holds and head dim and key blocks are 64
+    """``fwd_gluon`` is on by default where :func:`plan.device.gluon_kernels` holds and head dim and key blocks are 64
     (where it measured faster), off on the CPU; the Triton forward's tiles stay its own (it runs wherever the
     Gluon one does not apply)."""
-    from sparse_train.plan import plan as plan_mod
+    from sparse_train.plan import tuning
     assert forward_config(4, 64, 64, 64, device="cpu").gluon == 0
     on = forward_config(4, 64, 64, 128, {"fwd_gluon": True})
     assert on.gluon == 1 and on._replace(gluon=0) == forward_config(4, 64, 64, 128)
-    assert on.gluon_heads_per_program * 64 == plan_mod.GLUON_FWD_ROWS and on.gluon_stages == plan_mod.GLUON_FWD_RING
+    assert on.gluon_heads_per_program * 64 == tuning.GLUON_FWD_ROWS and on.gluon_stages == tuning.GLUON_FWD_RING
     assert on.heads_per_program == 4  # the Triton forward's 256 rows at D = 128
     if torch.cuda.is_available():
         hopper = int(torch.cuda.get_device_capability()[0] == 9)
@@ -247,9 +247,9 @@ def test_forward_config_gluon_default_follows_the_device():
 
 
 def test_backward_config_gluon_default_follows_the_device():
-    """``kv_gluon`` is on by default exactly where :func:`plan.gluon_kernels` holds (a Hopper GPU with Gluon),
+    """``kv_gluon`` is on by default exactly where :func:`plan.device.gluon_kernels` holds (a Hopper GPU with Gluon),
     off on the CPU; the option overrides it either way, and its tiles are the plan's constants."""
-    from sparse_train.plan import plan as plan_mod
+    from sparse_train.plan import tuning
     for name in ("kv_gluon", "dq_gluon"):
         assert getattr(backward_config(4, 64, 64, 128, False, device="cpu"), name) == 0
         assert getattr(backward_config(4, 64, 64, 128, False, {name: True}, device="cpu"), name) == 1
@@ -264,7 +264,7 @@ def test_backward_config_gluon_default_follows_the_device():
             backward_config(4, 64, 64, 128, False, {name: "yes"})
     on = backward_config(4, 64, 64, 128, False)
     assert (on.gluon_tile_rows, on.gluon_stages, on.dq_gluon_stages, on.gluon_key_rows) == (
-        plan_mod.GLUON_TILE_ROWS, plan_mod.GLUON_RING, plan_mod.GLUON_DQ_RING, plan_mod.GLUON_KEY_ROWS)
+        tuning.GLUON_TILE_ROWS, tuning.GLUON_RING, tuning.GLUON_DQ_RING, tuning.GLUON_KEY_ROWS)
     # the Gluon dQ kernel takes one head of 64 rows, the Triton one stays at two (128 rows); an explicit
     # dq_heads_per_program sets both
     assert (on.dq_gluon_heads_per_program, on.dq_heads_per_program) == (1, 2)
@@ -427,11 +427,11 @@ def test_gluon_backward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, si
 def test_gluon_kv_key_slices_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks, kv_chunk,
                                     projection_layout):
     """Over 128-key blocks the Gluon KV-centric kernel runs each block as two 64-key-row programs (the default,
-    ``plan.GLUON_KEY_ROWS``) or as one 128-row program: dK and dV are the same bits (each key row gets the same
+    ``plan.tuning.GLUON_KEY_ROWS``) or as one 128-row program: dK and dV are the same bits (each key row gets the same
     products in the same order; the dQ kernel is the same), NaN-poisoned outputs, chunked rows included."""
     from sparse_train.kernels.triton.backward import sparse_attn_backward
     from sparse_train.kernels.triton.forward import sparse_attn_forward
-    from sparse_train.plan.plan import attention_schedule
+    from sparse_train.plan.launch import attention_schedule
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper")
     idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N + 3, device="cuda")
@@ -507,7 +507,7 @@ def test_gluon_forward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sin
     print(f"max |o gluon - o triton| {float((o.float() - o_triton.float()).abs().max()):.3g}, "
           f"|lse| {float((lse - lse_triton).abs().max()):.3g}, bitwise o {torch.equal(o, o_triton)}")
     from sparse_train.kernels.triton.forward import sparse_attn_forward
-    from sparse_train.plan.plan import attention_schedule
+    from sparse_train.plan.launch import attention_schedule
     assert torch.equal(o, o_triton) and torch.equal(lse, lse_triton)
     sched = attention_schedule(idx, HQ // HKV, D, q.device, {"fwd_gluon": True})
     ring3 = sched.forward._replace(gluon_stages=3)

@@ -1,5 +1,5 @@
 """The selector's block-logits kernel (kernels/triton/scores.py) against its PyTorch reference
-(``selectors.scorer.reference_block_logits``) in float64, by the error-ratio rule: values and the gradients of the
+(``selection.scorer.reference_block_logits``) in float64, by the error-ratio rule: values and the gradients of the
 projected queries and keys, the temperature and the distance bias; odd sizes, a selector dim that is not a power of
 two, unequal block sizes, context-parallel rows; validation; the scorer on the GPU."""
 

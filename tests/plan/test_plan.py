@@ -1,23 +1,24 @@
-"""Launch planning (sparse_train/plan/plan.py): the forward's split rule and the backward's KV-centric
-schedule (the plan of an index itself is tested in test_index.py)."""
+"""Launch planning (sparse_train/plan/): the forward's split rule and the tile defaults (tuning.py), the device
+probes (device.py) and the backward's KV-centric schedule (plan.py); the plan of an index itself is tested in
+test_index.py."""
 import torch
 
-from sparse_train.plan import plan
+from sparse_train.plan import device, plan, tuning
 
 
 def test_split_rule():
     h200 = 132  # streaming multiprocessors of an H200
-    assert plan.choose_num_splits(10_000, 30, h200) == 1          # big grid: never split
-    assert plan.choose_num_splits(8, 200, h200) == 8              # tiny grid, long rows
-    assert plan.choose_num_splits(8, 12, h200) == 1               # tiny grid, short rows: not worth it
-    assert plan.choose_num_splits(8, 20, h200) == 2               # each split keeps >= 8 blocks
-    assert plan.choose_num_splits(100, 64, h200) in (2, 4)
+    assert tuning.choose_num_splits(10_000, 30, h200) == 1          # big grid: never split
+    assert tuning.choose_num_splits(8, 200, h200) == 8              # tiny grid, long rows
+    assert tuning.choose_num_splits(8, 12, h200) == 1               # tiny grid, short rows: not worth it
+    assert tuning.choose_num_splits(8, 20, h200) == 2               # each split keeps >= 8 blocks
+    assert tuning.choose_num_splits(100, 64, h200) in (2, 4)
 
 
 def test_sm_count_comes_from_the_device():
-    assert plan.device_sm_count("cpu") >= 1
+    assert device.device_sm_count("cpu") >= 1
     if torch.cuda.is_available():
-        assert plan.device_sm_count("cuda") == torch.cuda.get_device_properties(0).multi_processor_count
+        assert device.device_sm_count("cuda") == torch.cuda.get_device_properties(0).multi_processor_count
 
 
 def test_kv_schedule_chunks_and_parts():
@@ -37,20 +38,20 @@ def test_tma_defaults_follow_the_device_the_layout_rule_and_the_options(monkeypa
     under 128 x 128 (any tiles with stored dS), and its stage count follows the choice (3 with TMA, 2 with pointer loads at D = 64 over
     128-key blocks); an explicit option wins."""
     cpu = torch.device("cpu")
-    assert plan.copy_engine_loads(cpu)
-    fwd = plan.forward_config(4, 128, 128, 64, device=cpu)
-    bwd = plan.backward_config(4, 128, 128, 64, False, device=cpu)
+    assert device.copy_engine_loads(cpu)
+    fwd = tuning.forward_config(4, 128, 128, 64, device=cpu)
+    bwd = tuning.backward_config(4, 128, 128, 64, False, device=cpu)
     assert (fwd.tma_loads, bwd.dq_tma, bwd.kv_tma, bwd.kv_num_stages) == (1, 1, 1, 3)
-    assert plan.backward_config(4, 128, 128, 128, False, device=cpu).kv_tma == 0  # 128 x 128 key tiles
-    stored = plan.backward_config(4, 128, 128, 128, False, {"stored_ds": True}, device=cpu)
+    assert tuning.backward_config(4, 128, 128, 128, False, device=cpu).kv_tma == 0  # 128 x 128 key tiles
+    stored = tuning.backward_config(4, 128, 128, 128, False, {"stored_ds": True}, device=cpu)
     assert (stored.kv_tma, stored.stored_ds) == (1, 1)  # unless dS leaves by TMA stores too
-    mapped = plan.backward_config(4, 128, 128, 64, False, device=cpu, query_map=True)
+    mapped = tuning.backward_config(4, 128, 128, 64, False, device=cpu, query_map=True)
     assert (mapped.dq_tma, mapped.kv_tma, mapped.kv_num_stages) == (1, 0, 2)
-    stacked = plan.backward_config(4, 64, 64, 64, False, {"kv_heads_per_program": 2}, device=cpu)
+    stacked = tuning.backward_config(4, 64, 64, 64, False, {"kv_heads_per_program": 2}, device=cpu)
     assert stacked.kv_tma == 0
-    monkeypatch.setattr(plan, "copy_engine_loads", lambda device: False)  # e.g. an A100
-    old_gpu = plan.backward_config(4, 128, 128, 64, False, device=cpu)
-    assert (plan.forward_config(4, 128, 128, 64, device=cpu).tma_loads, old_gpu.dq_tma, old_gpu.kv_tma,
+    monkeypatch.setattr(tuning, "copy_engine_loads", lambda device: False)  # e.g. an A100
+    old_gpu = tuning.backward_config(4, 128, 128, 64, False, device=cpu)
+    assert (tuning.forward_config(4, 128, 128, 64, device=cpu).tma_loads, old_gpu.dq_tma, old_gpu.kv_tma,
             old_gpu.kv_num_stages) == (0, 0, 0, 2)
-    forced = plan.backward_config(4, 128, 128, 64, False, {"kv_tma": True, "dq_tma": True}, device=cpu)
+    forced = tuning.backward_config(4, 128, 128, 64, False, {"kv_tma": True, "dq_tma": True}, device=cpu)
     assert (forced.dq_tma, forced.kv_tma, forced.kv_num_stages) == (1, 1, 3)

@@ -21,7 +21,7 @@ one 1, e.g. the projections' [B, N, H, D] memory), N a multiple of BLOCK_Q (key 
 and are masked as in the Triton kernel; query rows past N would need masked lse/delta loads, whose registers
 spill the accumulators at D = 128), BLOCK_K in {64, 128}, no dropout, sequence lengths or query-block map, one
 head per step. A program takes KEY_ROWS (64 or 128) rows of its block, 4 warps per 64 rows: a 128-key block runs as
-two 64-row programs by default (``plan.GLUON_KEY_ROWS``), each loading the item's q/dO slices itself; 128 x 128 key
+two 64-row programs by default (``plan.tuning.GLUON_KEY_ROWS``), each loading the item's q/dO slices itself; 128 x 128 key
 tiles at D = 128 (one program per block) spill a few bytes (ptxas of triton 3.6). The
 dQ kernel (``_dq_gluon_kernel``, :func:`gluon_dq_supported`) is the query tile of ``_dq_kernel``: q and dO once
 by TMA, the K/V tiles of its index row through a ring (``_gluon.kv_ring``), S and dP as asynchronous MMAs; it
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import triton
 
-from ...plan.plan import GLUON_KEY_ROWS
+from ...plan.tuning import GLUON_KEY_ROWS
 from .common import HAS_GLUON, LOG2E, gluon_call_supported, gluon_descriptor
 
 if HAS_GLUON:

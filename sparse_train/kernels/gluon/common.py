@@ -21,7 +21,7 @@ try:  # Gluon ships with triton >= 3.4; without it the Triton kernels are the on
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAS_GLUON = False
 
-from ..triton._launch import tma_addressable
+from ...plan.device import tma_addressable
 
 __all__ = ["HAS_GLUON", "LOG2E", "gl", "gluon", "gluon_call_supported", "gluon_descriptor", "invalidate_ring",
            "issue_kv_load", "kv_ring", "mask_query_scores", "mbarrier", "query_documents", "query_program",

@@ -13,7 +13,7 @@ What the hand schedule adds over the Triton kernel: the q tile arrives once by T
 the K/V tiles of step t + NUM_BUF - 1 are in flight by TMA while step t computes, and each step's P V product
 runs while the next step waits for its tiles and scores. On the H200 (64K) that is 11% faster than the Triton
 forward at head dim 64 over 64-key blocks (64-row programs, two per SM) and 3-17% slower at the other three
-shapes measured, so the default takes it only there (``plan.forward_config``). Computing the next step's scores
+shapes measured, so the default takes it only there (``plan.tuning.forward_config``). Computing the next step's scores
 during this step's softmax (two score tiles live, a ring of 3) measured 1.2-1.5x slower and was dropped
 (docs/benchmarks/speed_round2/README.md, fifteenth session).
 

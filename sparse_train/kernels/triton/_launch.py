@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...plan.plan import copy_engine_loads
+from ...plan.device import copy_engine_loads, tma_addressable
 
 LAST_COMPILED: dict = {}
 """The last compiled kernel per launcher (``"fwd"``, ``"dq"``, ``"dkdv"``), for benchmarks that read
@@ -62,14 +62,6 @@ def kernel_query_map(query_map: Tensor | None, query_row0: Tensor | None, fallba
     if query_map is None:
         return fallback, fallback
     return query_map.to(torch.int32).contiguous(), query_row0.to(torch.int64).contiguous()
-
-
-def tma_addressable(x: Tensor) -> bool:
-    """Whether the copy engine can address ``x`` through a tensor descriptor: the last stride 1, the base and
-    every other stride multiples of 16 bytes, a row of at least 16 bytes."""
-    size = x.element_size()
-    return not (x.stride(-1) != 1 or x.data_ptr() % 16 or x.shape[-1] * size < 16
-                or any(stride <= 0 or stride * size % 16 for stride in x.stride()[:-1]))
 
 
 def tma_descriptor(x: Tensor, rows: int, enabled: bool, block: list[int] | None = None):

@@ -67,7 +67,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...plan.plan import backward_config, kv_schedule, kv_schedule_capacity
+from ...plan.plan import kv_schedule, kv_schedule_capacity
+from ...plan.tuning import backward_config
 from ._jit import (
     LOG2E,
     crosses_documents,
@@ -463,7 +464,7 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     """Launch the backward.  ``slots`` from ``plan.cold_slots`` (int32 ``[B*HKV*NKB]``); ``num_cold`` =
     blocks of the atomic workspace, at least the number of slots >= 0 (``plan.cold_capacity``: a shape
     bound; 0 when no block is cold, e.g. in deterministic mode); ``config``: a ``plan.BackwardConfig`` (default
-    ``plan.backward_config``).  Returns (dq, dk, dv) in q/k/v dtypes.  ``stage_events``: optional 4 CUDA
+    ``plan.tuning.backward_config``).  Returns (dq, dk, dv) in q/k/v dtypes.  ``stage_events``: optional 4 CUDA
     events recorded at start / after delta, scheduling and workspace zeroing / after the dQ (+atomic)
     kernel / after the KV-centric and finish kernels (stored-dS mode runs the dQ kernel last: its third event
     follows the KV-centric and finish kernels, the fourth the dQ kernel).  ``kv_pairs``: the plan's

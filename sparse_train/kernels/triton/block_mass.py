@@ -36,12 +36,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...plan.plan import block_mass_config, row_log_mass_chunk
+from ...plan.tuning import block_mass_config, row_log_mass_chunk
+from ...index.block_index import check_inputs
 from ...validation import (
     check_choice,
     check_document_ids,
     check_geometry,
-    check_inputs,
     check_integer_tensor,
     check_qkv,
     check_scale,

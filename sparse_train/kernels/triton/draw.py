@@ -2,9 +2,9 @@
 
 Math, per query block i of a draw number t (an int64 on the device):
     word[i] = Philox4x32-10(key, counter = (i, t mod 2**32, t >> 32, 0)), first output word (uint32)
-The caller keeps the ``count`` blocks with the smallest words (``selectors.metrics.draw_query_blocks``).
+The caller keeps the ``count`` blocks with the smallest words (``selection.metrics.draw_query_blocks``).
 
-Notation: NQB query blocks, ``key`` the 64-bit Philox key (``selectors.metrics``' draw key), t the draw number.
+Notation: NQB query blocks, ``key`` the 64-bit Philox key (``selection.metrics``' draw key), t the draw number.
 
 Layers: (1) ``_draw_words_kernel``; (2) the launcher ``draw_words_launch``; no autograd; (4) the public function
 ``triton_draw_words``. The reference is ``kernels.reference.philox4x32_10`` (the same words, ~250 PyTorch ops

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...plan.plan import forward_config
+from ...plan.tuning import forward_config
 from ._jit import (
     LN2,
     LOG2E,
@@ -225,7 +225,7 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
     counts int32 ``[B, HKV, NQB]``; seq_lens int ``[B]`` or None; document_ids int ``[B, N]`` (non-decreasing)
     or None.  Returns (o ``[B, HQ, N, D]`` in q's
     dtype, lse ``[B, HQ, N]`` float32).  ``config``: a ``plan.ForwardConfig`` (default
-    ``plan.forward_config``).
+    ``plan.tuning.forward_config``).
 
     Query-block map (context parallelism): ``query_map`` int32 ``[NQL]``, the global query block of each
     local block, and ``query_row0`` int64 ``[NQL]``, its first row in q (``kernels.reference.query_block_layout``);

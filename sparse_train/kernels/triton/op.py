@@ -14,7 +14,7 @@ fake impls and ``register_autograd``, for torch.compile, export and dispatch mod
 checkpointing; eager calls on plain tensors take ``_EagerSparseAttention``, the same launchers and backward
 through a plain ``torch.autograd.Function``, which skips the custom op's Python dispatch) and (4) the public
 functions ``triton_sparse_attention`` and ``triton_supports``. The launch schedule (plan, cold slots, split
-count, tiles) is ``sparse_train.plan.plan.attention_schedule`` of the call's ``kernel_options``. With
+count, tiles) is ``sparse_train.plan.launch.attention_schedule`` of the call's ``kernel_options``. With
 ``query_blocks`` (context parallelism) the op also carries the query-block map and the first row of each listed
 block (``query_map``, ``query_row0``), the index rows of the listed blocks and the plan built from them.
 
@@ -24,7 +24,7 @@ tensors after the forward cannot change the gradients (cost: 4 bytes per index s
 token, small device copies). The
 plan tensors (``BlockPlan.kv_indptr``, ``kv_qblocks``, ``kv_pairs``, ``hot``, ``reuse``) are referenced, not copied: a
 plan is a derived, immutable view, checked against the index it is used with
-(``sparse_train.validation.check_plan``: a plan of another index would make the backward read past
+(``sparse_train.plan.plan.check_plan``: a plan of another index would make the backward read past
 its arrays).
 
 Dropout seeds are ints in [0, 2**64) (validated once, for both backends, in sparse_train.validation);
@@ -43,12 +43,13 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from ...plan.plan import BackwardConfig, ForwardConfig, attention_schedule
-from ...validation import check_attention_args, check_bool, draw_dropout_seed
+from ...arguments import check_attention_args, query_block_args, query_block_row0
+from ...plan.launch import attention_schedule
+from ...plan.tuning import BackwardConfig, ForwardConfig
+from ...validation import check_bool, draw_dropout_seed
 from ._launch import attention_output
 from .backward import sparse_attn_backward
 from .forward import sparse_attn_forward
-from ..reference.attention import query_block_args, query_block_row0
 
 _SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _SUPPORTED_BLOCKS = (16, 32, 64, 128)
@@ -58,7 +59,7 @@ _SUPPORTED_BLOCKS = (16, 32, 64, 128)
 # Layer 3: autograd op
 # ----------------------------------------------------------------------------------------------
 # The launch configurations travel as int lists (custom-op arguments): `launch_config` is the
-# ForwardConfig followed by the BackwardConfig, both resolved by `plan.attention_schedule`.
+# ForwardConfig followed by the BackwardConfig, both resolved by `plan.launch.attention_schedule`.
 _FWD_FIELDS = len(ForwardConfig._fields)
 
 
@@ -244,7 +245,7 @@ def triton_sparse_attention(
             bitwise-identical gradients run to run.  Switched on automatically when
             ``torch.are_deterministic_algorithms_enabled()``.
         kernel_options: performance choices (see ``sparse_train.sparse_attention`` and
-            ``sparse_train.plan.plan.KERNEL_OPTIONS``): ``plan`` (built by ``index.plan(r0)`` from this very
+            ``sparse_train.options.KERNEL_OPTIONS``): ``plan`` (built by ``index.plan(r0)`` from this very
             index; default: that call, cached on the index), ``r0``, ``num_splits`` (default: the
             rule ``plan.choose_num_splits``) and the tiles of each kernel.  They change results only
             up to floating-point order.
@@ -264,7 +265,7 @@ def triton_sparse_attention(
             the masks and the dropout counters); the kernels read the index rows of the listed blocks
             and the plan of those rows (built per call: ``kernel_options.plan`` is refused). dK/dV are the
             full ``[B, HKV, N, D]`` gradients of these query rows. Checked by
-            ``kernels.reference.check_query_blocks`` (a host read of the ids unless ``check_values=False``
+            ``arguments.check_query_blocks`` (a host read of the ids unless ``check_values=False``
             and N % BQ == 0).
 
     Returns:
@@ -278,11 +279,11 @@ def triton_sparse_attention(
 
     Raises:
         ValueError: unsupported dtype/device/head dim/block size (reason from ``triton_supports``);
-            any argument outside its domain (``sparse_train.validation.check_attention_args``):
+            any argument outside its domain (``sparse_train.arguments.check_attention_args``):
             shape/batch/head/length mismatch with the index, bad seq_lens or document_ids, dropout_p outside [0, 1),
             dropout_seed outside [0, 2**64), a bad ``kernel_options`` key or value, a plan of another
             index, heads per program that do not divide the GQA group; a bad ``query_blocks`` (see
-            ``kernels.reference.check_query_blocks``) or one with ``kernel_options.plan``.
+            ``arguments.check_query_blocks``) or one with ``kernel_options.plan``.
     """
     check_values = check_bool("check_values", check_values)
     blocks, q_global = query_block_args(q, k, index, query_blocks, check_values)

@@ -37,7 +37,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-from ...plan.plan import pool_config
+from ...plan.tuning import pool_config
 from ..reference.pool import check_rope_args
 
 __all__ = ["triton_block_pool", "block_pool_launch"]

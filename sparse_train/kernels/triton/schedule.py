@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...plan.plan import KVSchedule
+
 __all__ = ["kv_schedule_launch", "triton_kv_schedule"]
 
 _MAX_BLOCK = 4096
@@ -115,8 +117,6 @@ def triton_kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: i
     Raises:
         ValueError: arrays of different lengths or on different devices, chunk < 1, negative bounds.
     """
-    from ...plan.plan import KVSchedule
-
     reuse = reuse.reshape(-1)
     slots = slots.reshape(-1)
     num_rows = reuse.numel()

@@ -6,7 +6,7 @@ Math, per (batch b, KV head h, row r of query block i = r, or query_blocks[r], k
     block back, 2 for 2-3 blocks back, ...);  last_i = (min((i + 1) BQ, N) - 1) // BK
 
 Notation: B batch, H KV heads, R query-block rows, NKB key blocks, S = selector_dim, N length, BQ / BK block
-sizes, C = NUM_BUCKETS (``selectors.scorer.DISTANCE_BUCKETS``), BR x BN the output tile of a program.
+sizes, C = NUM_BUCKETS (``kernels.reference.scores.DISTANCE_BUCKETS``), BR x BN the output tile of a program.
 
 Layers: (1) ``_block_logits_kernel``, one program per [BR, BN] tile of one (b, h) matrix: an IEEE float32 dot
 over S (as the reference's float32 matmul), then the temperature and the bias looked up from the bucket the
@@ -15,7 +15,7 @@ sum(grad * raw) (temperature) and sum of grad per bucket (bias), the raw product
 ``block_logits_launch`` and ``block_logits_sums_launch`` (tile partials summed in a fixed order: deterministic);
 (3) the autograd op ``_FusedBlockLogits`` (forward the first kernel; backward two matmuls for qs and ks and the
 sums kernel); (4) the public function ``triton_block_logits``. The reference is
-``selectors.scorer.reference_block_logits`` (a float32 matmul, a product with the temperature, the bucket table
+``selection.scorer.reference_block_logits`` (a float32 matmul, a product with the temperature, the bucket table
 from ``block_distance_buckets`` and a lookup: about ten kernels and three float32 [B, H, R, NKB] passes forward,
 about eighty small kernels for the bias's gradient backward).
 
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...selection.scorer import DISTANCE_BUCKETS
+from ..reference.scores import DISTANCE_BUCKETS
 
 __all__ = ["block_logits_launch", "block_logits_sums_launch", "triton_block_logits"]
 

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...selection.scorer import EMPTY_BLOCK_SCORE
+from ..reference.scores import EMPTY_BLOCK_SCORE
 
 __all__ = ["MAX_KEY_BLOCKS", "topk_launch", "triton_selection_candidates"]
 
