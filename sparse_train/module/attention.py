@@ -27,6 +27,12 @@ Per call:
 5. **Replay.** Under activation checkpointing the recompute reuses the first forward's decisions
    (:mod:`sparse_train.selection.replay`).
 
+The steps that depend on where the call's rows sit in the sequence (input checks, the rows the selector
+pools, the all-gather of keys and selections, the attention call, the distillation's reductions) are the
+module's ``layout`` (:mod:`sparse_train.module.layout`): the whole sequence by default, one rank's shard
+under context parallelism (:class:`~sparse_train.parallel.context_parallel.ContextParallelLayout`, set by
+``enable_context_parallel``). There is one forward for both.
+
 Packed documents (``document_ids`` ``[B, N]``, :mod:`sparse_train.documents`): each token attends only
 its own document on every path. The index drops key blocks that share no document with the query
 block (window and sinks per document), top-k never picks them, the distillation target and the
@@ -59,11 +65,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..config import SparseAttentionConfig
-from ..functional import BACKEND_REASONS, dense_causal_attention, resolve_backend, sparse_attention
+from ..functional import BACKEND_REASONS, dense_causal_attention
 from ..documents import document_positions
 from ..index.block_index import BlockIndex
 from ..options import config_kernel_options
-from ..parallel import context_parallel as cpm
 from ..timing import PhaseTimer
 from ..validation import (
     check_document_ids,
@@ -85,6 +90,7 @@ from ..selection.scorer import (
     selection_geometry,
 )
 from .checkpointing import outside_selective_checkpoint
+from .layout import SequenceLayout
 
 __all__ = [
     "SparseAttention",
@@ -158,11 +164,10 @@ class SparseAttention(nn.Module):
         self._replay = SelectionReplay()
         self._timings = PhaseTimer()
         self._metrics_rng = torch.Generator().manual_seed(0)
-        # Context parallelism (sparse_train.parallel.context_parallel.enable_context_parallel): the process group
-        # whose ranks hold the zig-zag shards of one sequence, and the backend their attention runs on
-        # (None: config.backend). None = the whole sequence is here.
-        self.context_parallel_group = None
-        self.context_parallel_backend: str | None = None
+        # Where the rows of a call sit in the sequence: the whole sequence here, or under context parallelism
+        # (set from outside by sparse_train.parallel.context_parallel.enable_context_parallel) one rank's
+        # zig-zag shard of it.
+        self.layout: SequenceLayout = SequenceLayout()
 
     # ------------------------------------------------------------------------------------ public
     @property
@@ -301,7 +306,7 @@ class SparseAttention(nn.Module):
             ValueError: shapes, dtypes or devices that do not fit, Nq > Nk, or a query row left with
                 no real key.
         """
-        if self.context_parallel_group is not None:
+        if self.layout.splits_sequence:
             raise ValueError("decode: not supported under context parallelism (decoding reads one cache on one "
                              "rank); call sparse_train.parallel.context_parallel.disable_context_parallel(model) first")
         for name, t in (("q", q), ("k", k), ("v", v)):
@@ -374,11 +379,10 @@ class SparseAttention(nn.Module):
             # _check_inputs to name
             dtype = torch.get_autocast_dtype(q.device.type)
             q, k, v = (t.to(dtype) if isinstance(t, Tensor) else t for t in (q, k, v))
-        if self.context_parallel_group is not None:
-            return self._forward_context_parallel(q, k, v, seq_lens, document_ids, position_ids, scale, dropout_p)
-        self._check_inputs(q, k, v, seq_lens, document_ids, position_ids)
+        layout = self.layout
+        seq_len = layout.check_inputs(self, q, k, v, seq_lens, document_ids, position_ids)
         cfg = self.config
-        batch, _, seq_len, _ = q.shape
+        batch = q.shape[0]
         check_values = self._checks_values(q.device)
         scale = self.scale if scale is None else check_float("scale", scale, exclusive_minimum=0.0)
         dropout_p = cfg.dropout_p if dropout_p is None else check_dropout_p(dropout_p)
@@ -397,6 +401,8 @@ class SparseAttention(nn.Module):
         if position_ids is None and document_ids is not None and self.scorer.rope_inv_freq.numel():
             position_ids = document_positions(document_ids)
         capacity = geometry.capacity if document_ids is None else geometry.document_capacity
+        # the rows here: all of them, or under context parallelism this rank's query blocks
+        query_blocks = layout.query_blocks(seq_len, cfg.block_q, device)
 
         record = self._replay.lookup(batch, seq_len) if (recomputing and cfg.replay) else None
         if record is not None:
@@ -430,27 +436,31 @@ class SparseAttention(nn.Module):
         with host_ops():
             if need_selection or distill_now:
                 if pooled is None:
-                    pooled = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, seq_lens, position_ids)
+                    pool_lens, pool_positions = layout.pooling_rows(seq_len, seq_lens, position_ids, device)
+                    qbar, kbar = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, pool_lens, pool_positions)
+                    pooled = qbar, layout.gather(kbar, 2)  # the keys of the whole sequence
                 qbar, kbar = pooled
                 with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
-                    scores = self.scorer(qbar, kbar, scale, geometry)
+                    scores = self.scorer(qbar, kbar, scale, geometry, query_blocks=query_blocks)
             if need_selection:
                 candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks,
-                                                  seq_lens=seq_lens, document_ids=document_ids, top_p=cfg.top_p)
+                                                  seq_lens=seq_lens, document_ids=document_ids, top_p=cfg.top_p,
+                                                  query_blocks=query_blocks)
                 index = BlockIndex.from_selection(
-                    candidates, seq_len=seq_len, block_q=cfg.block_q, block_k=cfg.block_k, window=cfg.window,
-                    sinks=cfg.sinks, capacity=capacity, check=cfg.index_check, document_ids=document_ids,
+                    layout.gather(candidates, 2), seq_len=seq_len, block_q=cfg.block_q, block_k=cfg.block_k,
+                    window=cfg.window, sinks=cfg.sinks, capacity=capacity, check=cfg.index_check,
+                    document_ids=document_ids,
                 )
         if profile:
             self._timings.mark("selector" + phase_suffix, 1, device)
 
-        # ---- what the kernels attend: the selection, or on the dense path with dropout the full causal
-        # index, so the dropout bits come from the same counters on both paths (switching paths never
-        # changes which probabilities drop); dense without dropout stays with SDPA.
+        # ---- what the kernels attend: the selection, or on the dense path with dropout (and under context
+        # parallelism) the full causal index, so the dropout bits come from the same counters on both paths
+        # (switching paths never changes which probabilities drop); dense without dropout stays with SDPA.
         with host_ops():
             if path == "sparse":
                 attend_index = index
-            elif dropout_p > 0.0:
+            elif dropout_p > 0.0 or layout.splits_sequence:
                 attend_index = BlockIndex.full(batch, self.num_kv_heads, seq_len, cfg.block_q, cfg.block_k,
                                                device=device, document_ids=document_ids,
                                                check="cheap" if check_values else "none")
@@ -459,18 +469,17 @@ class SparseAttention(nn.Module):
 
             # ---- backend and plan
             if attend_index is not None and record is None:
-                backend, backend_reason = resolve_backend(q, k, v, attend_index, cfg.backend,
-                                                          document_ids=document_ids)
+                backend, backend_reason = layout.backend(self, q, k, v, attend_index, document_ids)
                 if path == "sparse" and backend == "reference" and backend_reason != "requested":
                     reason = f"reference_{backend_reason}"
             if profile:
                 self._timings.mark("plan" + phase_suffix, 0, device)
             if attend_index is not None and backend == "triton" and plan is None:
-                plan = attend_index.plan(cfg.r0)
+                plan = layout.plan(attend_index, cfg.r0)
             if profile:
                 self._timings.mark("plan" + phase_suffix, 1, device)
             if attend_index is not None and dropout_p > 0.0 and dropout_seed is None:
-                dropout_seed = draw_dropout_seed()
+                dropout_seed = layout.dropout_seed(draw_dropout_seed)
 
         # ---- attention
         if profile:
@@ -482,10 +491,9 @@ class SparseAttention(nn.Module):
             check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
             o = dense_causal_attention(q, k, v, scale=scale, seq_lens=seq_lens, document_ids=document_ids)
         else:
-            o, kernel_lse = sparse_attention(
-                q, k, v, attend_index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                deterministic=cfg.deterministic, return_lse=True, backend=backend, seq_lens=seq_lens,
-                document_ids=document_ids, kernel_options={"plan": plan, **self._kernel_options()},
+            o, kernel_lse = layout.attention(
+                self, q, k, v, attend_index, selected=path == "sparse", plan=plan, backend=backend, scale=scale,
+                dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens, document_ids=document_ids,
                 check_values=check_values,
             )
             lse = kernel_lse if path == "sparse" else None  # the sparse target reads the selection's lse
@@ -500,10 +508,12 @@ class SparseAttention(nn.Module):
             mode = self._distill_mode(path)
             with host_ops():
                 if mode == "sampled" and distill_blocks is None:
+                    # drawn from the module's draw counter: under context parallelism the same global blocks
+                    # on every rank
                     distill_blocks = self._draw_distill_blocks(geometry, device)
-                loss, distill_target = self._distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry,
-                                                               mode, distill_blocks, document_ids, check_values,
-                                                               distill_target)
+                loss, distill_target = layout.distillation_loss(self, q, k, scores, index, lse, seq_lens, scale,
+                                                                geometry, mode, distill_blocks, document_ids,
+                                                                check_values, distill_target)
 
         # ---- bookkeeping of the first pass only (a recompute must not count twice)
         if first_pass:
@@ -526,181 +536,10 @@ class SparseAttention(nn.Module):
                 )
         return o
 
-    # ------------------------------------------------------------------------------------ context parallel
-    def _forward_context_parallel(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None,
-                                  document_ids: Tensor | None, position_ids: Tensor | None, scale: float | None,
-                                  dropout_p: float | None) -> Tensor:
-        """The forward under context parallelism (:func:`~sparse_train.parallel.context_parallel.enable_context_parallel`).
-
-        q/k/v hold this rank's zig-zag shard (``[B, H, N/W, D]``); ``seq_lens``, ``document_ids`` and
-        ``position_ids`` are GLOBAL (``[B]``, ``[B, N]``, ``[N]`` or ``[B, N]``). Every rank takes the same
-        path (a function of N and of the call count, the same on every rank), builds the same global index
-        (:func:`~sparse_train.parallel.context_parallel.context_parallel_selection`) and attends its own rows
-        (:func:`~sparse_train.parallel.context_parallel.context_parallel_sparse_attention`); the dense paths attend
-        the full causal index through the same function. Outputs and input gradients are the rows of the
-        single-process call; the distillation loss is this rank's share (the ranks' losses and their
-        selector gradients sum to the single-process ones, see :meth:`_cp_distillation_loss`)."""
-        group = self.context_parallel_group
-        rank, world = cpm.context_parallel_rank(group)
-        cfg = self.config
-        if cfg.metrics_every > 0:
-            raise ValueError("SparseAttention under context parallelism: metrics_every > 0 is not supported (the "
-                             "recall metrics need every query row on one rank); set metrics_every=0")
-        self._check_inputs(q, k, v, None)
-        batch, _, local_len, _ = q.shape
-        seq_len = local_len * world
-        cpm.check_layout(seq_len, world, cfg.block_q, cfg.block_k)
-        check_values = self._checks_values(q.device)
-        check_seq_lens(seq_lens, batch, seq_len, q.device, values=check_values)
-        check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
-        if position_ids is not None and (not isinstance(position_ids, Tensor)
-                                         or tuple(position_ids.shape) not in ((seq_len,), (batch, seq_len))):
-            raise ValueError(f"position_ids under context parallelism must be the GLOBAL positions [B, N] = "
-                             f"[{batch}, {seq_len}] or [N], got "
-                             f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
-        scale = self.scale if scale is None else check_float("scale", scale, exclusive_minimum=0.0)
-        dropout_p = cfg.dropout_p if dropout_p is None else check_dropout_p(dropout_p)
-        dropout_p = dropout_p if self.training else 0.0
-        backend = self.context_parallel_backend or cfg.backend
-        recomputing = in_backward_pass()
-        first_pass = not recomputing
-        device = q.device
-        geometry = selection_geometry(seq_len, cfg.block_q, cfg.block_k, cfg.top_k, cfg.window, cfg.sinks)
-        capacity = geometry.capacity if document_ids is None else geometry.document_capacity
-
-        record = self._replay.lookup(batch, seq_len) if (recomputing and cfg.replay) else None
-        if record is not None:
-            path, reason, index = record.path, record.reason, record.index
-            dropout_seed, distill_now, distill_blocks = record.dropout_seed, record.distilled, record.distill_blocks
-            distill_target, document_ids = record.distill_target, record.document_ids
-        else:
-            path, reason = self._choose_path(geometry, update_state=first_pass)
-            index = dropout_seed = distill_blocks = distill_target = None
-            distill_now = self._distills_now(first_pass)
-        if first_pass and self.training:
-            self._training_calls += 1
-            self.selector_steps.fill_(self._training_calls)
-
-        need_selection = index is None and (path == "sparse" or (distill_now and self._distill_mode(path) == "sparse"))
-        scores = None
-        if need_selection or distill_now:
-            with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now):
-                scores = cpm.context_parallel_block_scores(
-                    self.scorer, q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, group=group,
-                    seq_lens=seq_lens, position_ids=position_ids, document_ids=document_ids, geometry=geometry)
-        if need_selection:
-            index = cpm.context_parallel_selection(scores, geometry, window=cfg.window, sinks=cfg.sinks, group=group,
-                                                   seq_lens=seq_lens, document_ids=document_ids, top_p=cfg.top_p,
-                                                   capacity=capacity, check=cfg.index_check)
-        if dropout_p > 0.0 and dropout_seed is None:
-            dropout_seed = cpm.shared_dropout_seed(group)
-        common = dict(group=group, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
-                      document_ids=document_ids, backend=backend, return_lse=True)
-        if path == "sparse":
-            o, lse = cpm.context_parallel_sparse_attention(
-                q, k, v, index, deterministic=cfg.deterministic, kernel_options=self._kernel_options(), **common)
-        else:
-            o, lse = cpm.context_parallel_dense_attention(q, k, v, block_q=cfg.block_q, block_k=cfg.block_k,
-                                                          check="cheap" if check_values else "none", **common)
-            lse = None
-
-        loss = None
-        if distill_now:
-            mode = self._distill_mode(path)
-            if mode == "sampled" and distill_blocks is None:
-                # the same global blocks on every rank: the draw counter advances identically everywhere
-                distill_blocks = self._draw_distill_blocks(geometry, device)
-            loss, distill_target = self._cp_distillation_loss(q, k, scores, index, lse, seq_lens, scale, geometry,
-                                                              mode, distill_blocks, document_ids, check_values, rank,
-                                                              world, distill_target)
-
-        if first_pass:
-            self._count(reason)
-            self._last_path = path
-            self._last_index = index
-            self.selector_loss = loss
-            if cfg.replay and torch.is_grad_enabled() and o.requires_grad:
-                self._replay.remember(
-                    SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=None,
-                                    backend=backend, dropout_seed=dropout_seed, distilled=distill_now,
-                                    distill_blocks=distill_blocks, distill_target=distill_target,
-                                    document_ids=document_ids),
-                    anchors=[o] if scores is None else [o, scores],
-                )
-        return o
-
     def _kernel_options(self) -> dict:
         """The config's performance choices for :func:`sparse_train.sparse_attention` (both paths;
         :func:`~sparse_train.options.config_kernel_options`)."""
         return config_kernel_options(self.config)
-
-    def _cp_distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
-                              document_ids, check_values, rank, world, target=None) -> tuple[Tensor, tuple]:
-        """This rank's share of the distillation loss under context parallelism, and its target (``target``:
-        the first forward's, which a checkpoint recompute reuses instead of gathering and computing it again).
-
-        The target of a query block is computed where its query rows live, against the all-gathered keys
-        (detached, at global positions); ``scores`` holds this rank's query blocks. ``"dense"``: every
-        local query block. ``"sampled"``: the sampled blocks are GLOBAL ids drawn identically on every rank
-        (one sample of the whole sequence, as one process draws it); each rank supervises those of them it
-        holds. The loss is the sum of the KL over this rank's valid rows divided by the number of valid rows
-        of ALL ranks (one all-reduce of a count), so the ranks' losses, and their gradients to the
-        selector, sum to the single-process loss and gradient.
-
-        Cost: one more all-gather of K (detached); the block-mass functions take the global q (and lse),
-        so the local rows are placed in a zero ``[B, HQ, N, D]`` buffer (transient, no grad). The
-        ``dense`` / ``sampled`` targets read only the listed blocks' rows; the ``sparse`` target walks an
-        index whose rows of other ranks are emptied."""
-        cfg = self.config
-        group = self.context_parallel_group
-        seq_len = geometry.seq_len
-        device = q.device
-        local_blocks = cpm.local_query_blocks(seq_len, cfg.block_q, rank, world, device=device)
-        positions = cpm.zigzag_positions(seq_len, rank, world, device=device)
-        if target is None:
-            with torch.no_grad():
-                k_full = cpm.gather_sequence(k.detach(), 2, group)
-                q_full = q.new_zeros(q.shape[0], q.shape[1], seq_len, q.shape[3]).index_copy_(2, positions,
-                                                                                          q.detach())
-        support = self._distill_support(geometry, device, document_ids)
-        if mode in ("dense", "sampled"):
-            if mode == "dense":
-                rows, picks, held = local_blocks, None, None
-            else:
-                rows = distill_blocks.to(device)
-                # local row of each sampled block (-1: another rank holds it); shapes stay fixed, so no
-                # host read: the blocks of other ranks are computed on placeholder rows and masked out
-                where = torch.full((geometry.num_q_blocks,), -1, dtype=torch.int64, device=device)
-                where[local_blocks] = torch.arange(local_blocks.shape[0], device=device)
-                picks = where[rows]
-                held = picks >= 0
-                picks = picks.clamp(min=0)
-            if target is None:
-                target = self._dense_target(q_full, k_full, rows, scale, seq_lens, document_ids,
-                                            check_values)  # [B, HKV, S, NKB] twice
-            target, row_valid = target
-            if held is not None:
-                row_valid = row_valid & held.view(1, 1, -1)
-                scores = scores.index_select(2, picks)
-            allowed = support.index_select(2, rows)
-        else:
-            if target is None:
-                lse_full = lse.new_zeros(lse.shape[0], lse.shape[1], seq_len).index_copy_(2, positions,
-                                                                                         lse.detach())
-                mine = torch.zeros(geometry.num_q_blocks, dtype=torch.bool, device=device)
-                mine[local_blocks] = True
-                mine = mine.view(1, 1, -1)
-                own_rows = BlockIndex(indices=torch.where(mine.unsqueeze(-1), index.indices, -1),
-                                      counts=torch.where(mine, index.counts, 0), seq_len=seq_len,
-                                      block_q=index.block_q, block_k=index.block_k)
-                full_target, full_valid = self._sparse_target(q_full, k_full, own_rows, lse_full, scale, seq_lens,
-                                                              document_ids, check_values)  # [B, HKV, NQB, K]
-                target = full_target.index_select(2, local_blocks), full_valid.index_select(2, local_blocks)
-            target, row_valid = target
-            scores, allowed = self._slot_scores(scores, index.indices.index_select(2, local_blocks),
-                                                support.index_select(2, local_blocks))
-        total, count = self._kl_parts(target, scores, allowed, row_valid)
-        return self._mean_kl(total, cpm.all_reduce_sum(count, group)), (target, row_valid)
 
     def _distills_now(self, first_pass: bool) -> bool:
         """Whether this call computes the distillation loss (training with grad, ``distill`` on, every

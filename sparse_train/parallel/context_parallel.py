@@ -29,12 +29,12 @@ the candidates add ``B * HKV * (NKB * P * D * 4 + NQB * k * 8) * (W-1)/W`` bytes
 ``mean_max`` pooling; int64 candidates). ``docs/context_parallel.md`` has the numbers.
 
 The attention is :func:`sparse_train.sparse_attention` with ``query_blocks``, the local-query-block ->
-global-query-block map, on either backend: the reference, or the Triton kernels (phase 2), which address
+global-query-block map, on either backend: the reference, or the Triton kernels, which address
 the rows of q by local block and positions by global block.
 
-Training (phase 2): :func:`enable_context_parallel` switches ``SparseAttention`` and the repository's
-``Transformer`` to take their inputs as zig-zag shards (every path, distillation and checkpoint replay
-included); :func:`context_parallel_dense_attention` is the exact dense path; the Lightning callback is
+Training: :func:`enable_context_parallel` switches ``SparseAttention`` (its ``layout`` becomes a
+:class:`ContextParallelLayout`) and the repository's ``Transformer`` to take their inputs as zig-zag shards
+(every path, distillation and checkpoint replay included); :func:`context_parallel_dense_attention` is the exact dense path; the Lightning callback is
 :class:`sparse_train.lightning.context_parallel.ContextParallel`. ``docs/context_parallel.md``, "Training with CP".
 
 What the caller must keep identical on every rank (not checked: that would need a collective per call):
@@ -53,12 +53,15 @@ from torch import Tensor
 from ..documents import document_positions
 from ..functional import choose_backend, sparse_attention
 from ..index.block_index import BlockIndex, check_block_index
+from ..module.attention import SparseAttention
+from ..module.layout import SequenceLayout
 from ..options import check_no_plan_with_query_blocks
 from ..selection.scorer import BlockScorer, SelectionGeometry, selection_candidates
 from ..validation import check_document_ids, check_dropout, check_int, check_qkv, check_scale, check_seq_lens
 
 __all__ = [
     "CP_BACKENDS",
+    "ContextParallelLayout",
     "all_reduce_sum",
     "causal_area",
     "check_layout",
@@ -507,14 +510,15 @@ def context_parallel_dense_attention(
 
 
 def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str | None = None) -> int:
-    """Turn context parallelism on in every module of ``model`` that supports it (a
-    ``context_parallel_group`` attribute: :class:`~sparse_train.module.attention.SparseAttention`, the repository's
-    :class:`~sparse_train.lightning.model.Transformer` and its dense attention). From then on each call
-    treats its inputs as this rank's zig-zag shard of the sequence (:func:`shard_sequence`) and the
+    """Turn context parallelism on in every module of ``model`` that supports it: each
+    :class:`~sparse_train.module.attention.SparseAttention` gets a :class:`ContextParallelLayout` (its
+    ``layout``), each other module with a ``context_parallel_group`` attribute (the repository's
+    :class:`~sparse_train.lightning.model.Transformer` and its dense attention) that group. From then on each
+    call treats its inputs as this rank's zig-zag shard of the sequence (:func:`shard_sequence`) and the
     sequence-level arguments (``seq_lens``, ``document_ids``, ``position_ids``) as GLOBAL.
 
     Args:
-        model: any module; every submodule with a ``context_parallel_group`` attribute is switched.
+        model: any module; every submodule that supports context parallelism is switched.
         group: the context-parallel process group (``None``: the default group), the same on the ranks
             that hold one sequence.
         backend: the attention backend passed to :func:`context_parallel_sparse_attention`; ``None`` =
@@ -532,7 +536,10 @@ def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str 
         raise ValueError(f"backend must be a backend name or None, got {backend!r}")
     switched = 0
     for module in model.modules():
-        if hasattr(module, "context_parallel_group"):
+        if isinstance(module, SparseAttention):
+            module.layout = ContextParallelLayout(group, backend)
+            switched += 1
+        elif hasattr(module, "context_parallel_group"):
             module.context_parallel_group = group
             module.context_parallel_backend = backend
             switched += 1
@@ -545,6 +552,160 @@ def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str 
 def disable_context_parallel(model: torch.nn.Module) -> None:
     """Undo :func:`enable_context_parallel`: every module computes the whole sequence again."""
     for module in model.modules():
-        if hasattr(module, "context_parallel_group"):
+        if isinstance(module, SparseAttention):
+            module.layout = SequenceLayout()
+        elif hasattr(module, "context_parallel_group"):
             module.context_parallel_group = None
             module.context_parallel_backend = None
+
+
+# ------------------------------------------------------------------------------------------- the module's strategy
+class ContextParallelLayout(SequenceLayout):
+    """The layout of a :class:`~sparse_train.module.attention.SparseAttention` under context parallelism: this
+    rank holds one zig-zag shard ``[B, H, N/W, D]`` of q, k and v, while ``seq_lens``, ``document_ids`` and
+    ``position_ids`` are GLOBAL (``[B]``, ``[B, N]``, ``[N]`` or ``[B, N]``). Set by
+    :func:`enable_context_parallel`.
+
+    Every rank takes the same path (a function of N and of the call count, the same on every rank), builds the
+    same global index (its local query blocks' candidates, all-gathered) and attends its own rows over the
+    all-gathered keys (:func:`context_parallel_sparse_attention`); the dense paths attend the full causal
+    index the same way. Outputs and input gradients are the rows of the single-process call; the
+    distillation loss is this rank's share (the ranks' losses and their selector gradients sum to the
+    single-process ones, see :meth:`distillation_loss`).
+
+    Args:
+        group: the context-parallel process group (``None``: the default group).
+        backend: the attention backend (``None``: the module's ``config.backend``)."""
+
+    splits_sequence = True
+
+    def __init__(self, group=None, backend: str | None = None) -> None:
+        self.group = group
+        self.backend_name = backend
+
+    def check_inputs(self, module, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None,
+                     document_ids: Tensor | None, position_ids: Tensor | None) -> int:
+        if module.config.metrics_every > 0:
+            raise ValueError("SparseAttention under context parallelism: metrics_every > 0 is not supported (the "
+                             "recall metrics need every query row on one rank); set metrics_every=0")
+        _, world = context_parallel_rank(self.group)
+        module._check_inputs(q, k, v, None)
+        batch, _, local_len, _ = q.shape
+        seq_len = local_len * world
+        check_layout(seq_len, world, module.config.block_q, module.config.block_k)
+        check_values = module._checks_values(q.device)
+        check_seq_lens(seq_lens, batch, seq_len, q.device, values=check_values)
+        check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
+        if position_ids is not None and (not isinstance(position_ids, Tensor)
+                                         or tuple(position_ids.shape) not in ((seq_len,), (batch, seq_len))):
+            raise ValueError(f"position_ids under context parallelism must be the GLOBAL positions [B, N] = "
+                             f"[{batch}, {seq_len}] or [N], got "
+                             f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
+        return seq_len
+
+    def pooling_rows(self, seq_len: int, seq_lens: Tensor | None, position_ids: Tensor | None,
+                     device) -> tuple[Tensor | None, Tensor | None]:
+        rank, world = context_parallel_rank(self.group)
+        if position_ids is None:
+            positions = zigzag_positions(seq_len, rank, world, device=device)
+        else:
+            positions = shard_sequence(position_ids, -1, rank, world)
+        valid = None if seq_lens is None else _local_valid_lengths(seq_lens, seq_len, rank, world)
+        return valid, positions
+
+    def query_blocks(self, seq_len: int, block_q: int, device) -> Tensor:
+        rank, world = context_parallel_rank(self.group)
+        return local_query_blocks(seq_len, block_q, rank, world, device=device)
+
+    def gather(self, x: Tensor, dim: int) -> Tensor:
+        return gather_sequence(x, dim, self.group)
+
+    def dropout_seed(self, draw) -> int:
+        return shared_dropout_seed(self.group)
+
+    def backend(self, module, q: Tensor, k: Tensor, v: Tensor, index: BlockIndex,
+                document_ids: Tensor | None) -> tuple[str, str]:
+        return self.backend_name or module.config.backend, "requested"
+
+    def plan(self, index: BlockIndex, r0: int | None):
+        return None  # each call plans its local index rows (context_parallel_sparse_attention)
+
+    def attention(self, module, q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, *, selected: bool, plan,
+                  backend: str, scale: float, dropout_p: float, dropout_seed: int | None, seq_lens: Tensor | None,
+                  document_ids: Tensor | None, check_values: bool) -> tuple[Tensor, Tensor]:
+        common = dict(group=self.group, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                      seq_lens=seq_lens, document_ids=document_ids, backend=backend, return_lse=True)
+        if selected:
+            return context_parallel_sparse_attention(q, k, v, index, deterministic=module.config.deterministic,
+                                                     kernel_options=module._kernel_options(), **common)
+        return context_parallel_sparse_attention(q, k, v, index, **common)  # the full index of the dense path
+
+    def distillation_loss(self, module, q: Tensor, k: Tensor, scores: Tensor, index: BlockIndex | None,
+                          lse: Tensor | None, seq_lens: Tensor | None, scale: float, geometry, mode: str,
+                          distill_blocks: Tensor | None, document_ids: Tensor | None, check_values: bool,
+                          target=None) -> tuple[Tensor, tuple]:
+        """This rank's share of the distillation loss, and its target (``target``: the first forward's, which a
+        checkpoint recompute reuses instead of gathering and computing it again).
+
+        The target of a query block is computed where its query rows live, against the all-gathered keys
+        (detached, at global positions); ``scores`` holds this rank's query blocks. ``"dense"``: every
+        local query block. ``"sampled"``: the sampled blocks are GLOBAL ids drawn identically on every rank
+        (one sample of the whole sequence, as one process draws it); each rank supervises those of them it
+        holds. The loss is the sum of the KL over this rank's valid rows divided by the number of valid rows
+        of ALL ranks (one all-reduce of a count), so the ranks' losses, and their gradients to the
+        selector, sum to the single-process loss and gradient.
+
+        Cost: one more all-gather of K (detached); the block-mass functions take the global q (and lse),
+        so the local rows are placed in a zero ``[B, HQ, N, D]`` buffer (transient, no grad). The
+        ``dense`` / ``sampled`` targets read only the listed blocks' rows; the ``sparse`` target walks an
+        index whose rows of other ranks are emptied."""
+        rank, world = context_parallel_rank(self.group)
+        seq_len = geometry.seq_len
+        device = q.device
+        local_blocks = local_query_blocks(seq_len, module.config.block_q, rank, world, device=device)
+        positions = zigzag_positions(seq_len, rank, world, device=device)
+        if target is None:
+            with torch.no_grad():
+                k_full = gather_sequence(k.detach(), 2, self.group)
+                q_full = q.new_zeros(q.shape[0], q.shape[1], seq_len, q.shape[3]).index_copy_(2, positions,
+                                                                                          q.detach())
+        support = module._distill_support(geometry, device, document_ids)
+        if mode in ("dense", "sampled"):
+            if mode == "dense":
+                rows, picks, held = local_blocks, None, None
+            else:
+                rows = distill_blocks.to(device)
+                # local row of each sampled block (-1: another rank holds it); shapes stay fixed, so no
+                # host read: the blocks of other ranks are computed on placeholder rows and masked out
+                where = torch.full((geometry.num_q_blocks,), -1, dtype=torch.int64, device=device)
+                where[local_blocks] = torch.arange(local_blocks.shape[0], device=device)
+                picks = where[rows]
+                held = picks >= 0
+                picks = picks.clamp(min=0)
+            if target is None:
+                target = module._dense_target(q_full, k_full, rows, scale, seq_lens, document_ids,
+                                              check_values)  # [B, HKV, S, NKB] twice
+            target, row_valid = target
+            if held is not None:
+                row_valid = row_valid & held.view(1, 1, -1)
+                scores = scores.index_select(2, picks)
+            allowed = support.index_select(2, rows)
+        else:
+            if target is None:
+                lse_full = lse.new_zeros(lse.shape[0], lse.shape[1], seq_len).index_copy_(2, positions,
+                                                                                         lse.detach())
+                mine = torch.zeros(geometry.num_q_blocks, dtype=torch.bool, device=device)
+                mine[local_blocks] = True
+                mine = mine.view(1, 1, -1)
+                own_rows = BlockIndex(indices=torch.where(mine.unsqueeze(-1), index.indices, -1),
+                                      counts=torch.where(mine, index.counts, 0), seq_len=seq_len,
+                                      block_q=index.block_q, block_k=index.block_k)
+                full_target, full_valid = module._sparse_target(q_full, k_full, own_rows, lse_full, scale,
+                                                                seq_lens, document_ids,
+                                                                check_values)  # [B, HKV, NQB, K]
+                target = full_target.index_select(2, local_blocks), full_valid.index_select(2, local_blocks)
+            target, row_valid = target
+            scores, allowed = module._slot_scores(scores, index.indices.index_select(2, local_blocks),
+                                                  support.index_select(2, local_blocks))
+        total, count = module._kl_parts(target, scores, allowed, row_valid)
+        return module._mean_kl(total, all_reduce_sum(count, self.group)), (target, row_valid)
