@@ -8,8 +8,8 @@ Public API::
     attn = st.SparseAttention(st.SparseAttentionConfig(...), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
 """
 
-from .module.attention import (SparseAttention, clip_grad_norms, collect_attention_stats, collect_selector_losses,
-                        selector_parameters)
+from .module.attention import SparseAttention
+from .module.collection import clip_grad_norms, collect_attention_stats, collect_selector_losses, selector_parameters
 from .module.checkpointing import checkpoint_keeping_attention, keep_attention_context
 from .config import SparseAttentionConfig
 from .parallel.context_parallel import context_parallel_sparse_attention, disable_context_parallel, enable_context_parallel
