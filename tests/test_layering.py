@@ -142,7 +142,7 @@ def test_function_level_imports_are_the_listed_lazy_ones():
     found = {(name, target) for name, path in modules.items()
              for target, in_function in _imports(name, path, modules) if in_function}
     assert found - FUNCTION_LEVEL_IMPORTS == set(), "imports inside functions that are not on the list"
-    assert FUNCTION_LEVEL_IMPORTS - found == set(), "listed imports that the package no longer has"
+    assert FUNCTION_LEVEL_IMPORTS - found == set(), "listed imports that the package does not have"
     count = sum(in_function for name, path in modules.items() for _, in_function in _imports(name, path, modules))
     assert count <= MAX_FUNCTION_LEVEL_IMPORTS, f"{count} imports into the package inside functions"
 

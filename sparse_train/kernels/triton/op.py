@@ -247,7 +247,7 @@ def triton_sparse_attention(
         kernel_options: performance choices (see ``sparse_train.sparse_attention`` and
             ``sparse_train.options.KERNEL_OPTIONS``): ``plan`` (built by ``index.plan(r0)`` from this very
             index; default: that call, cached on the index), ``r0``, ``num_splits`` (default: the
-            rule ``plan.choose_num_splits``) and the tiles of each kernel.  They change results only
+            rule ``plan.tuning.choose_num_splits``) and the tiles of each kernel.  They change results only
             up to floating-point order.
         document_ids: optional int ``[B, N]`` (int32/int64, any strides), non-decreasing along N
             (packed documents, ``sparse_train.documents``): key k is masked for query q unless

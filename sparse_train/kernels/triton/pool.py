@@ -19,7 +19,7 @@ the block in one row step, the cosine and sine of its rows are computed once and
 (they depend on the position only), and each rotated pair is loaded as two half tiles, every channel once (the
 first version loaded every channel a second time as its partner and computed the angles per head and row step:
 0.277 ms at 64K, D = 64, q and k, now 0.179; 0.50 ms at D = 128, now 0.274); (2) the launcher ``block_pool_launch``
-(tiling from ``plan.pool_config``); no autograd op (the selector's pooled inputs are detached); (4) the public
+(tiling from ``plan.tuning.pool_config``); no autograd op (the selector's pooled inputs are detached); (4) the public
 function ``triton_block_pool``. The reference with the same semantics is ``kernels/reference/pool.py``; tests
 compare the two in float64.
 
@@ -178,7 +178,7 @@ def block_pool_launch(x: Tensor, block: int, group: int, valid_len: Tensor | Non
     """float32 ``[B, H, NB, (1 + with_max) * D]``. No validation: ``valid_len`` int ``[B]`` contiguous,
     ``inv_freq`` float ``[R/2]`` contiguous or None, ``positions`` ``[N]`` or ``[B, N]`` or None. ``rows`` /
     ``num_warps`` / ``heads_per_program``: the tile and the heads a program walks (default
-    ``plan.pool_config``; the benchmarks sweep them)."""
+    ``plan.tuning.pool_config``; the benchmarks sweep them)."""
     B, heads_total, N, D = x.shape
     H = heads_total // group
     NB = -(-N // block)
