@@ -11,9 +11,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .functional import BACKENDS
-from .index import INDEX_CHECKS
-from .kernels.reference_block_mass import ROW_POOLS as DISTILL_ROW_POOLS
-from .kernels.reference_pool import ROPE_STYLES
+from .index.block_index import INDEX_CHECKS
+from .kernels.reference.block_mass import ROW_POOLS as DISTILL_ROW_POOLS
+from .kernels.reference.pool import ROPE_STYLES
+from .options import config_kernel_options
 from .validation import check_bool, check_choice, check_float, check_int
 
 __all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "DISTILL_ROW_POOLS", "DISTILL_SUPPORTS",
@@ -150,7 +151,7 @@ class SparseAttentionConfig:
     warm-up are dense too. 0 = sparse from the first step (a selector loaded from a checkpoint)."""
 
     r0: int | None = None
-    """Reuse threshold of the hybrid dK/dV backward; ``None`` = ``sparse_train.plan.DEFAULT_R0``."""
+    """Reuse threshold of the hybrid dK/dV backward; ``None`` = ``sparse_train.plan.plan.DEFAULT_R0``."""
 
     dropout_p: float = 0.0
     """Dropout on attention probabilities during training, in [0, 1) (ignored in eval mode). The bits
@@ -302,12 +303,7 @@ class SparseAttentionConfig:
             _check_bool(self, name)
         if self.gluon_kernels is not None:
             _check_bool(self, "gluon_kernels")
-        if self.fused_backward and self.stored_ds_backward:
-            raise ValueError("SparseAttentionConfig: fused_backward and stored_ds_backward are two ways of producing "
-                             "dQ from the KV-centric kernel; set at most one of them")
-        if self.fused_backward and self.deterministic:
-            raise ValueError("SparseAttentionConfig: fused_backward sums dQ with atomics in no fixed order, so it "
-                             "cannot be combined with deterministic=True")
+        config_kernel_options(self)  # the rules that tie the kernel switches together
 
     @property
     def capacity(self) -> int:

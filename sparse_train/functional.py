@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .index import BlockIndex
-from .kernels.reference import query_block_args, query_block_positions, reference_sparse_attention
-from .plan import KernelOptions, check_fused_dq_allowed, check_no_plan_with_query_blocks
-from .validation import check_attention_args, check_bool, check_choice, check_inputs, draw_dropout_seed
+from .arguments import check_attention_args, query_block_args, query_block_positions
+from .index.block_index import BlockIndex, check_inputs
+from .kernels import triton_kernels
+from .kernels.reference.attention import reference_sparse_attention
+from .options import KernelOptions, check_fused_dq_allowed, check_no_plan_with_query_blocks
+from .validation import check_bool, check_choice, draw_dropout_seed
 
 __all__ = [
     "BACKENDS",
@@ -43,12 +45,6 @@ BACKEND_REASONS = (
 )
 """Why :func:`resolve_backend` chose its backend: fixed codes, usable as metric keys (the module
 counts ``reference_<code>`` fallbacks), never free text to be matched."""
-
-
-def _triton_op():
-    from .kernels import op  # deferred: imports triton and compiles nothing until first launch
-
-    return op
 
 
 def finite_padded_queries(q: Tensor, seq_lens: Tensor, positions: Tensor | None = None) -> Tensor:
@@ -117,7 +113,7 @@ def choose_backend(q: Tensor, block_q: int, block_k: int, backend: str = "auto")
                 "backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before sparse_train's "
                 "kernels are imported; use backend='reference' or move the tensors to CUDA"
             )
-        support = _triton_op().triton_supports(q, block_q, block_k)
+        support = triton_kernels().op.triton_supports(q, block_q, block_k)
         if not support.ok:
             raise ValueError(f"backend='triton' cannot run this input: {support.message}")
         return "triton", "requested"
@@ -126,7 +122,7 @@ def choose_backend(q: Tensor, block_q: int, block_k: int, backend: str = "auto")
     if q.device.type != "cuda":
         return "reference", "unsupported_device"
     try:
-        op = _triton_op()
+        op = triton_kernels().op
     except ImportError:  # triton missing or broken on this machine
         return "reference", "triton_unavailable"
     support = op.triton_supports(q, block_q, block_k)
@@ -193,10 +189,10 @@ def sparse_attention(
             by ``torch.use_deterministic_algorithms(True)``.
         backend: one of :data:`BACKENDS`: ``"auto"`` (Triton on supported CUDA inputs, reference
             otherwise), ``"triton"``, ``"reference"``.
-        kernel_options: ``None`` or a dict with keys among :data:`sparse_train.plan.KERNEL_OPTIONS`,
+        kernel_options: ``None`` or a dict with keys among :data:`sparse_train.options.KERNEL_OPTIONS`,
             each None (default) or: ``plan`` a precomputed ``index.plan(r0)`` of this very index, to
             reuse across layers; ``r0`` the reuse threshold of the hybrid backward (default
-            :data:`sparse_train.plan.DEFAULT_R0`; must equal ``plan.r0`` when both are given);
+            :data:`sparse_train.plan.plan.DEFAULT_R0`; must equal ``plan.r0`` when both are given);
             ``num_splits`` the forward's split-KV count (1..64); ``{fwd,dq,kv}_heads_per_program``,
             ``{fwd,dq,kv}_num_warps``, ``{fwd,dq,kv}_num_stages`` the tiles of the forward, dQ and
             KV-centric kernels; ``kv_chunk`` query blocks per KV-centric work item; ``kv_tile_rows``
@@ -226,7 +222,7 @@ def sparse_attention(
             document ids only decide masks) but gives a result for the clamped lengths / those masks.
             Skipped anyway while ``torch.compile`` traces.
         query_blocks: optional int ``[NQL]`` on q's device: distinct global query-block ids, in any order
-            (the query-block map of context parallelism, :mod:`sparse_train.context_parallel`). q is then
+            (the query-block map of context parallelism, :mod:`sparse_train.parallel.context_parallel`). q is then
             ``[B, HQ, L, D]`` with L = len(query_blocks) * BQ (less by the missing rows when the short last
             block of the sequence is listed): the rows of the listed blocks concatenated in the listed
             order. k, v, ``index``, ``seq_lens`` and ``document_ids`` stay global (``[B, HKV, N, D]``, the
@@ -281,7 +277,7 @@ def sparse_attention(
     else:
         chosen, _ = choose_backend(q, index.block_q, index.block_k, backend)  # inputs checked above
     if chosen == "triton":
-        o, lse = _triton_op().triton_sparse_attention(
+        o, lse = triton_kernels().op.triton_sparse_attention(
             q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
             deterministic=deterministic, kernel_options=args.kernel_options, document_ids=document_ids,
             check_values=check_values,

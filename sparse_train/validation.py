@@ -1,10 +1,11 @@
-"""Argument validation of the public index and attention API: every rule is written once, here.
+"""Argument checks: every rule about a single argument is written once, here.
 
-`BlockIndex` constructors, `sparse_attention`, the reference and the Triton entry points all call these
-functions, so a bad argument gets the same ``ValueError`` (naming the argument and its value) on every
-path. Small named validators (`check_qkv`, `check_seq_lens`, `check_dropout`, ...) compose into
-`check_attention_args`, the one call each attention backend makes; another module (e.g. the
-``SparseAttention`` module's input check) can call the small ones directly.
+The small named validators (`check_int`, `check_qkv`, `check_seq_lens`, `check_dropout`, ...) give a bad
+argument the same ``ValueError`` (naming the argument and its value) on every path. This module is the
+bottom layer: it imports nothing from the package. The checks that need the package's types compose these:
+the block index's (``index.block_index.check_block_index``, ``check_inputs``), the plan's
+(``plan.plan.check_plan``), the kernel options' (``options.normalize_kernel_options``) and the one call each
+attention backend makes (``arguments.check_attention_args``).
 
 Cost: every check reads shapes, dtypes, devices and Python scalars only, except the range check of
 ``seq_lens`` values, which is one host sync per call (a reduction over B elements). It is skipped while
@@ -30,40 +31,33 @@ import math
 import numbers
 import operator
 import weakref
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from .plan import KernelOptions
-
 __all__ = [
     "DROPOUT_SEED_LIMIT",
-    "AttentionArgs",
-    "check_attention_args",
-    "check_block_index",
     "check_bool",
     "check_choice",
     "check_float",
     "check_int",
     "check_keys",
     "check_capacity",
+    "compiling",
     "check_dropout",
     "check_dropout_p",
     "check_dropout_seed",
     "check_document_ids",
     "check_geometry",
-    "check_index_matches",
-    "check_inputs",
     "check_integer_tensor",
-    "check_plan",
     "check_qkv",
     "check_r0",
     "check_scale",
     "check_seq_lens",
     "check_window_sinks",
     "draw_dropout_seed",
+    "index_versions",
     "plan_source",
     "source_is_current",
 ]
@@ -74,7 +68,7 @@ DROPOUT_SEED_LIMIT = 1 << 64
 _INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-def _compiling() -> bool:
+def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
@@ -303,7 +297,7 @@ def check_seq_lens(seq_lens, batch: int, seq_len: int, device, *, values: bool =
         raise ValueError(f"seq_lens has {seq_lens.numel()} entries for batch {batch}")
     if seq_lens.device != torch.device(device):
         raise ValueError(f"seq_lens is on {seq_lens.device} but q is on {device}")
-    if values and not _compiling():
+    if values and not compiling():
         bad = (seq_lens < 0) | (seq_lens > seq_len)
         if bool(bad.any()):
             first = int(bad.nonzero()[0, 0])
@@ -330,7 +324,7 @@ def check_document_ids(document_ids, batch: int, seq_len: int, device, *, values
         raise ValueError(f"document_ids must have shape [B, N] = [{batch}, {seq_len}], got {tuple(document_ids.shape)}")
     if document_ids.device != torch.device(device):
         raise ValueError(f"document_ids is on {document_ids.device} but q is on {device}")
-    if not values or _compiling() or document_ids.numel() == 0:
+    if not values or compiling() or document_ids.numel() == 0:
         return
     out_of_range = (document_ids < 0) | (document_ids > _INT32_MAX)
     decreasing = document_ids[:, 1:] < document_ids[:, :-1]
@@ -348,63 +342,6 @@ def check_document_ids(document_ids, batch: int, seq_len: int, device, *, values
     )
 
 
-# ---------------------------------------------------------------------------------------- index, plan
-def check_block_index(index) -> None:
-    """Metadata of a BlockIndex (no data read): int32 ``indices [B, HKV, NQB, K>=1]`` and ``counts
-    [B, HKV, NQB]`` on one device, NQB = ceil(seq_len / block_q). The canonical invariants of the
-    values are `BlockIndex.validate`'s job (exhaustive, a host sync)."""
-    from .index import BlockIndex
-
-    if not isinstance(index, BlockIndex):
-        raise ValueError(f"index must be a sparse_train.BlockIndex, got {type(index).__name__}")
-    seq_len, block_q, _ = check_geometry(index.seq_len, index.block_q, index.block_k)
-    indices, counts = index.indices, index.counts
-    for name, t in (("indices", indices), ("counts", counts)):
-        if not isinstance(t, Tensor) or t.dtype != torch.int32:
-            raise ValueError(
-                f"index.{name} must be an int32 tensor (build the index with BlockIndex.from_*), got "
-                f"{getattr(t, 'dtype', type(t).__name__)}"
-            )
-    num_q_blocks = -(-seq_len // block_q)
-    if indices.dim() != 4 or indices.shape[2] != num_q_blocks or indices.shape[3] < 1:
-        raise ValueError(
-            f"index.indices must have shape [B, HKV, NQB={num_q_blocks}, K>=1] for seq_len={seq_len}, "
-            f"block_q={block_q}, got {tuple(indices.shape)}"
-        )
-    if counts.shape != indices.shape[:3]:
-        raise ValueError(f"index.counts must have shape {tuple(indices.shape[:3])}, got {tuple(counts.shape)}")
-    if counts.device != indices.device:
-        raise ValueError(f"index.indices is on {indices.device} but index.counts on {counts.device}")
-
-
-def check_inputs(q, k, v, index, seq_lens=None, *, seq_lens_values: bool = True, document_ids=None) -> int:
-    """The compatibility rule of an attention input: ``index`` a well-formed BlockIndex, q/k/v valid
-    (`check_qkv`) and built for it (`check_index_matches`), ``seq_lens`` and ``document_ids`` valid for
-    them (`check_seq_lens`, `check_document_ids`; ``seq_lens_values=False`` skips the value checks of
-    both, the host syncs). Returns the head dim D."""
-    check_block_index(index)
-    _, _, _, _, head_dim = check_qkv(q, k, v, device=index.device)
-    check_index_matches(index, q, k)
-    check_seq_lens(seq_lens, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
-    check_document_ids(document_ids, q.shape[0], q.shape[2], q.device, values=seq_lens_values)
-    return head_dim
-
-
-def check_index_matches(index, q: Tensor, k: Tensor) -> None:
-    """The index was built for q/k's batch, KV heads, length and device."""
-    bq, _, nq, _ = q.shape
-    hkv = k.shape[1]
-    if q.device != index.device:
-        raise ValueError(f"q is on {q.device} but the block index is on {index.device}")
-    if bq != index.batch or hkv != index.num_kv_heads:
-        raise ValueError(
-            f"block index is for batch={index.batch}, kv_heads={index.num_kv_heads} but k has "
-            f"batch={bq}, kv_heads={hkv}"
-        )
-    if nq != index.seq_len:
-        raise ValueError(f"block index is for seq_len={index.seq_len} but q/k/v have N={nq}")
-
-
 class PlanSource(NamedTuple):
     """What a plan remembers of the index it was built from."""
 
@@ -419,7 +356,7 @@ class PlanSource(NamedTuple):
     """(seq_len, block_q, block_k)."""
 
 
-def _versions(index) -> tuple:
+def index_versions(index) -> tuple:
     return tuple(None if t.is_inference() else t._version for t in (index.indices, index.counts))
 
 
@@ -432,82 +369,12 @@ def plan_source(index) -> PlanSource:
     shape and geometry (dynamo traces neither weak references nor version counters): such a source is
     never current (:func:`source_is_current`), and `check_plan` checks only shapes while compiling."""
     shape, geometry = tuple(index.indices.shape), (index.seq_len, index.block_q, index.block_k)
-    if _compiling():
+    if compiling():
         return PlanSource(_dead_ref, _dead_ref, (), shape, geometry)
-    return PlanSource(weakref.ref(index.indices), weakref.ref(index.counts), _versions(index), shape, geometry)
+    return PlanSource(weakref.ref(index.indices), weakref.ref(index.counts), index_versions(index), shape, geometry)
 
 
 def source_is_current(source: PlanSource, index) -> bool:
     """The index tensors are the ones ``source`` was taken from, unmodified since."""
     return (source.indices() is index.indices and source.counts() is index.counts
-            and source.versions == _versions(index))
-
-
-def check_plan(plan, index, r0=None) -> None:
-    """``plan`` was built by ``index.plan(r0)`` from the index's current contents. A plan of another
-    index would make the backward read past its arrays."""
-    from .plan import BlockPlan
-
-    if not isinstance(plan, BlockPlan):
-        raise ValueError(f"plan must be a sparse_train.BlockPlan (from index.plan(r0)), got {type(plan).__name__}")
-    if r0 is not None and r0 != plan.r0:
-        raise ValueError(f"plan was built with r0={plan.r0} but r0={r0} was passed; pass one of them")
-    source = plan.source
-    if source is None:
-        raise ValueError("plan has no source index; build plans with index.plan(r0)")
-    geometry = (index.seq_len, index.block_q, index.block_k)
-    if source.shape != tuple(index.indices.shape) or source.geometry != geometry:
-        raise ValueError(
-            f"plan was built for an index of shape {source.shape} and (seq_len, block_q, block_k)="
-            f"{source.geometry}, but this index has shape {tuple(index.indices.shape)} and {geometry}; "
-            "build it with index.plan(r0)"
-        )
-    if plan.reuse.device != index.device:
-        raise ValueError(f"plan is on {plan.reuse.device} but the block index is on {index.device}")
-    if _compiling():
-        return
-    if source.indices() is not index.indices or source.counts() is not index.counts:
-        raise ValueError("plan was built from a different BlockIndex than the one passed; build it with index.plan(r0)")
-    if source.versions != _versions(index):
-        raise ValueError(
-            "the index tensors were modified in place after this plan was built; rebuild it with index.plan(r0)"
-        )
-
-
-# ---------------------------------------------------------------------------------------- one call
-class AttentionArgs(NamedTuple):
-    """Normalised arguments of an attention call."""
-
-    scale: float
-    dropout_p: float
-    dropout_seed: int | None
-    kernel_options: KernelOptions
-    """`sparse_train.plan.KernelOptions`; a plan among them belongs to the index."""
-
-
-def check_attention_args(
-    q,
-    k,
-    v,
-    index,
-    *,
-    scale=None,
-    dropout_p=0.0,
-    dropout_seed=None,
-    seq_lens=None,
-    kernel_options=None,
-    seq_lens_values: bool = True,
-    document_ids=None,
-) -> AttentionArgs:
-    """Every argument of `sparse_attention` that has a meaning for both backends. The backends call it
-    with ``seq_lens_values=True`` (the host syncs of the seq_lens and document_ids values, see the module
-    docstring); the dispatcher calls it before choosing a backend with ``False``. ``kernel_options`` are normalised by
-    `sparse_train.plan.normalize_kernel_options`; a plan among them must belong to ``index``."""
-    from .plan import normalize_kernel_options
-
-    head_dim = check_inputs(q, k, v, index, seq_lens, seq_lens_values=seq_lens_values, document_ids=document_ids)
-    p, seed = check_dropout(dropout_p, dropout_seed)
-    options = normalize_kernel_options(kernel_options)
-    if options.plan is not None:
-        check_plan(options.plan, index, options.r0)
-    return AttentionArgs(check_scale(scale, head_dim), p, seed, options)
+            and source.versions == index_versions(index))

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from sparse_train.index import BlockIndex
+from sparse_train.index.block_index import BlockIndex
 
 
 def random_selection(batch, kv_heads, seq_len, block_q, block_k, k, *, seed=0, generator=None, distinct=True,
@@ -124,7 +124,7 @@ def spawn_ranks(worker, world: int, *args) -> None:
     A worker that returns ends its process with ``os._exit(0)``: the interpreter's own shutdown of a
     process that ran gloo collectives (FSDP in particular) sometimes aborts in a C++ destructor
     ("terminate called without an active exception", SIGABRT, in a few percent of the runs of
-    tests/test_fsdp.py on 2 CPU cores; none with this exit), after every result has been written."""
+    tests/parallel/test_fsdp.py on 2 CPU cores; none with this exit), after every result has been written."""
     import socket
 
     import torch.multiprocessing as mp

@@ -92,6 +92,6 @@ def small_kv_chunks(request, monkeypatch):
     finish) runs on the interpreter's tiny shapes; GPU-marked tests keep the default chunk. Kernel test
     modules use it for every test (``pytestmark``)."""
     if request.node.get_closest_marker("gpu") is None:
-        from sparse_train import plan as plan_mod
+        from sparse_train.plan import tuning
 
-        monkeypatch.setattr(plan_mod, "KV_CHUNK", 2)
+        monkeypatch.setattr(tuning, "KV_CHUNK", 2)

@@ -10,7 +10,7 @@ import torch
 
 from builders import check_close, make_qkv, random_index
 import sparse_train as st
-from sparse_train.kernels.reference import dropout_keep_mask, reference_sparse_attention
+from sparse_train.kernels.reference.attention import dropout_keep_mask, reference_sparse_attention
 from sparse_train.validation import DROPOUT_SEED_LIMIT
 
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
@@ -105,7 +105,7 @@ def test_resolve_backend_rejects_bad_backend(backend):
                                               (0, "num_splits must be an int >= 1 and <= 64, got 0"), (65, "num_splits must be an int >= 1 and <= 64, got 65")],
                          ids=["float", "bool", "zero", "65"])
 def test_triton_rejects_bad_num_splits(num_splits, match):
-    from sparse_train.kernels.op import triton_sparse_attention
+    from sparse_train.kernels.triton.op import triton_sparse_attention
 
     q, k, v, idx = _inputs()
     with pytest.raises(ValueError, match=match):

@@ -10,8 +10,8 @@ import torch
 
 import sparse_train as st
 from sparse_train.cuda_graphs import capture_cuda_graph
-from sparse_train.selectors import BlockScorer, selection_candidates, selection_geometry
-from sparse_train.plan import cold_slots, kv_schedule, kv_schedule_capacity
+from sparse_train.selection import BlockScorer, selection_candidates, selection_geometry
+from sparse_train.plan.plan import cold_slots, kv_schedule, kv_schedule_capacity
 from builders import ids_from_lengths, make_qkv, random_index
 
 HQ, HKV, D = 4, 2, 16

@@ -16,13 +16,13 @@ from sparse_train.documents import (
     document_ids_from_position_ids,
 )
 from sparse_train.functional import dense_causal_attention
-from sparse_train.index import BlockIndex
-from sparse_train.kernels.reference import (
+from sparse_train.index.block_index import BlockIndex
+from sparse_train.kernels.reference.attention import (
     dense_block_mask_attention,
     dropout_keep_mask,
     reference_sparse_attention,
 )
-from sparse_train.kernels.reference_block_mass import (
+from sparse_train.kernels.reference.block_mass import (
     reference_dense_block_mass,
     reference_sparse_block_mass,
 )

@@ -24,8 +24,8 @@ from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 
 from builders import check_close, make_qkv, random_selection  # noqa: E402
-from sparse_train.index import BlockIndex  # noqa: E402
-from sparse_train.kernels.reference import dropout_keep_mask, reference_sparse_attention  # noqa: E402
+from sparse_train.index.block_index import BlockIndex  # noqa: E402
+from sparse_train.kernels.reference.attention import dropout_keep_mask, reference_sparse_attention  # noqa: E402
 
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

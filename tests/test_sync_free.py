@@ -16,11 +16,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sparse_train as st
-from sparse_train import plan as plan_mod
-from sparse_train.index import canonicalize
-from sparse_train.kernels import backward as kbackward
-from sparse_train.kernels.op import triton_sparse_attention
-from sparse_train.selectors import draw_query_blocks
+from sparse_train.plan import plan as plan_mod
+from sparse_train.index.block_index import canonicalize
+from sparse_train.kernels.triton import backward as kbackward
+from sparse_train.kernels.triton.op import triton_sparse_attention
+from sparse_train.selection import draw_query_blocks
 from builders import make_qkv, random_selection
 
 aten = torch.ops.aten

@@ -72,11 +72,12 @@ from scripts.bench.inputs import (
     packed_document_ids,
     random_selection,
 )
-from sparse_train import plan as planning
+from sparse_train.plan import plan as planning
+from sparse_train.plan import tuning
 from sparse_train.documents import block_document_ranges
-from sparse_train.kernels import backward as kb
-from sparse_train.kernels import forward as kf
-from sparse_train.kernels.op import triton_sparse_attention
+from sparse_train.kernels.triton import backward as kb
+from sparse_train.kernels.triton import forward as kf
+from sparse_train.kernels.triton.op import triton_sparse_attention
 from sparse_train.timing import elapsed_ms, stage_events
 
 OUTPUT_STEM = "attention"
@@ -378,7 +379,7 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
     for hpp, nw, ns in fwd_cfgs:
         cfg = dict(kind="tune_fwd", N=N, pattern=pat_name, hpp=hpp, num_warps=nw, num_stages=ns)
         try:
-            config = planning.ForwardConfig(hpp, nw, ns)
+            config = tuning.ForwardConfig(hpp, nw, ns)
             t = measure(lambda: kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs,
                                                             scale=scale, config=config), budget_ms=100).median_ms
             ck = kf.LAST_COMPILED["fwd"]
@@ -388,7 +389,7 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         rec(results, cfg)
     group = HQ // HKV
     for fwd_tma in ((False, True) if "tma" in parts else ()):
-        config = planning.forward_config(group, bs, bs, D, {"fwd_tma": fwd_tma})
+        config = tuning.forward_config(group, bs, bs, D, {"fwd_tma": fwd_tma})
         t, t95, *_ = measure(lambda: kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs,
                                                           scale=scale, config=config), busy=True)
         ck = kf.LAST_COMPILED["fwd"]
@@ -406,7 +407,7 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         kv_cfgs = [(1, w, s, r) for w in (4, 8) for s in (1, 2, 3) for r in (32, 64, 128)]
     tma_variants = []
     for kernel in ("dq", "kv") if "tma" in parts else ():
-        default = planning.backward_config(group, bs, bs, D, False, {f"{kernel}_tma": True})
+        default = tuning.backward_config(group, bs, bs, D, False, {f"{kernel}_tma": True})
         stages = default.dq_num_stages if kernel == "dq" else default.kv_num_stages
         tma_variants += [{f"{kernel}_tma": False}, {f"{kernel}_tma": True},
                          {f"{kernel}_tma": True, f"{kernel}_num_stages": stages + 1}]
@@ -434,7 +435,7 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         if chunk:
             options.update(kv_chunk=chunk)
         try:
-            config = planning.backward_config(HQ // HKV, bs, bs, D, False, options)
+            config = tuning.backward_config(HQ // HKV, bs, bs, D, False, options)
 
             def bwd():
                 kb.sparse_attn_backward(do, q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr,

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import sparse_train as st
-import sparse_train.context_parallel as cpm
+import sparse_train.parallel.context_parallel as cpm
 from scripts.bench import step as bench_step
 from scripts.bench.inputs import benchmark_tokens
 from sparse_train.timing import Marks

@@ -61,10 +61,10 @@ from scripts.bench.harness import measure as measure_call
 from scripts.bench.inputs import benchmark_inputs
 from sparse_train.cuda_graphs import capture_cuda_graph
 from sparse_train.functional import resolve_backend
-from sparse_train.kernels.pool import block_pool_launch
-from sparse_train.kernels.reference_block_mass import reference_dense_block_mass
-from sparse_train.plan import pool_config
-from sparse_train.selectors import (
+from sparse_train.kernels.triton.pool import block_pool_launch
+from sparse_train.kernels.reference.block_mass import reference_dense_block_mass
+from sparse_train.plan.tuning import pool_config
+from sparse_train.selection import (
     block_kl,
     build_selector,
     dense_block_mass,

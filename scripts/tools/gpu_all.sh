@@ -75,10 +75,10 @@ retrieval_run() {  # retrieval_run <recipe>
 case "$phase" in
   tests)
     # Most of the suite's time is Triton compiling on the CPU, so parts side by side share one GPU well.
-    kernel_part1="tests/test_kernel_backward.py"
-    kernel_part2="tests/test_kernel_forward.py tests/test_kernel_tma.py tests/test_kernel_documents.py"
-    kernel_part3=$(ls tests/test_kernel_*.py | grep -v -E "tests/test_kernel_(backward|forward|tma|documents)\.py")
-    other_tests=$(ls tests/test_*.py | grep -v "tests/test_kernel_")
+    kernel_part1="tests/kernels/test_kernel_backward.py"
+    kernel_part2="tests/kernels/test_kernel_forward.py tests/kernels/test_kernel_tma.py tests/kernels/test_kernel_documents.py"
+    kernel_part3=$(ls tests/kernels/test_*.py | grep -v -E "tests/kernels/test_kernel_(backward|forward|tma|documents)\.py")
+    other_tests=$(ls tests/test_*.py tests/*/test_*.py | grep -v "^tests/kernels/")
     track 0 gpu_tests gpu_tests_kernels_part1 280 $kernel_part1
     track 0 gpu_tests gpu_tests_kernels_part2 280 $kernel_part2
     track "$gpu_b" gpu_tests gpu_tests_kernels_part3 280 $kernel_part3
@@ -86,7 +86,7 @@ case "$phase" in
     wait
     if [ "$ngpu" -ge 2 ]; then
       # each part sees one GPU, so the two-GPU tests skipped there: run them with both visible
-      gpu_tests gpu_tests_two_gpus 150 tests/test_kernel_query_blocks.py -k two_gpus
+      gpu_tests gpu_tests_two_gpus 150 tests/kernels/test_kernel_query_blocks.py -k two_gpus
     fi
     cp "$R"/gpu_tests_*.log "$OUT"/ 2>/dev/null
     ;;
@@ -101,7 +101,7 @@ case "$phase" in
   retrieval)
     after_sparse() {
       retrieval_run retrieval_16k
-      timeout 60 python3 -m pytest -q -rA -s -m gpu tests/test_kernel_block_mass.py > "$R/gpu_tests_block_mass.log" 2>&1
+      timeout 60 python3 -m pytest -q -rA -s -m gpu tests/kernels/test_kernel_block_mass.py > "$R/gpu_tests_block_mass.log" 2>&1
       echo "block mass gpu tests rc=$?" >> "$R/gpu_tests_block_mass.log"
       timeout 90 python3 -m scripts.bench.selector --out "$R/bench_selector.json" > "$R/bench_selector.log" 2>&1
       echo "bench_selector rc=$?" >> "$R/bench_selector.log"

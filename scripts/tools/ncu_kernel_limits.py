@@ -29,7 +29,7 @@ import sys
 import torch
 
 from scripts.bench.inputs import PATTERNS, benchmark_inputs, build_index, random_selection
-from sparse_train.kernels.op import triton_sparse_attention
+from sparse_train.kernels.triton.op import triton_sparse_attention
 
 # ncu's raw-page metric names a summary row reports, the first present of each tuple (ncu versions name some
 # differently); absent ones are left out

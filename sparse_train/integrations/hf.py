@@ -47,7 +47,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from ..attention import SparseAttention
+from ..module.attention import SparseAttention
 from ..config import SparseAttentionConfig
 from ..documents import document_ids_from_cu_seqlens, document_ids_from_position_ids
 

@@ -1,8 +1,17 @@
-"""Kernels: the Triton forward/backward (``forward``, ``backward``, ``op``) and block-mass
-(``block_mass``) kernels, and the PyTorch references that define their semantics (``reference``,
-``reference_block_mass``). Import the Triton modules lazily: they pull in
-``triton`` and, on CPU, need ``TRITON_INTERPRET=1`` set before they are first imported."""
+"""Kernels: the PyTorch references that define their semantics (``reference``), the Triton kernels (``triton``)
+and the Gluon kernels for Hopper (``gluon``).
 
-from .reference import reference_sparse_attention
+The Triton and Gluon modules are imported on first use, through :func:`triton_kernels`, the one place that
+loads them: they import ``triton`` and, on CPU, need ``TRITON_INTERPRET=1`` set before they are first imported,
+so ``import sparse_train`` (and every PyTorch path) does without them."""
 
-__all__ = ["reference_sparse_attention"]
+__all__ = ["triton_kernels"]
+
+
+def triton_kernels():
+    """The Triton kernel package :mod:`sparse_train.kernels.triton` (its launchers as submodules: ``op``,
+    ``pool``, ``scores``, ``index_scores``, ``topk``, ``canonical``, ``draw``, ``block_mass``, ``schedule``), imported on the first
+    call."""
+    from . import triton as kernels
+
+    return kernels

@@ -3,9 +3,9 @@
 The ``world_size`` ranks form a :class:`~torch.distributed.device_mesh.DeviceMesh` ``("dp", "cp")`` of shape
 ``(world_size / cp, cp)``: rank ``r`` is position ``r % cp`` of context-parallel (CP) group ``r // cp``, so each
 group is ``cp`` consecutive ranks. The ranks of a CP group train on one sequence together: they load the SAME
-rows, each keeps its zig-zag shard of the sequence (:func:`~sparse_train.context_parallel.shard_sequence`:
+rows, each keeps its zig-zag shard of the sequence (:func:`~sparse_train.parallel.context_parallel.shard_sequence`:
 tokens and labels; ``document_ids`` stays global), and the model runs under
-:func:`~sparse_train.context_parallel.enable_context_parallel` over the group (RoPE at global positions, K/V
+:func:`~sparse_train.parallel.context_parallel.enable_context_parallel` over the group (RoPE at global positions, K/V
 all-gathered in each attention layer, the selector's index built from every rank's local selection). The
 ``world_size / cp`` groups are data-parallel (DP) replicas: they load different rows
 (:func:`data_parallel_rank`, which the data modules shard by).
@@ -35,7 +35,7 @@ process group, whose reduce-scatter divides by the world size as DDP's all-reduc
 above holds unchanged; the CP collectives run over the mesh's ``cp`` groups, next to it. The callback's
 ``setup`` runs before the strategy wraps the model (Lightning calls the setup hooks, then ``configure_model``,
 then wraps), and FSDP1 wraps by composition: the attention modules inside the layers' units are the objects
-:func:`~sparse_train.context_parallel.enable_context_parallel` switched. The gradient clipping reduces the
+:func:`~sparse_train.parallel.context_parallel.enable_context_parallel` switched. The gradient clipping reduces the
 shards' norms over FSDP's group (``gradient_shard_group``: the world). Hybrid sharding and an FSDP
 ``process_group`` / ``device_mesh`` of the user's are refused: the first is untested next to the mesh, the
 second would shard and average over another group than the world the losses are normalised by.
@@ -57,7 +57,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy
 
-from .. import context_parallel as cpm
+from ..parallel import context_parallel as cpm
 from ..validation import check_int
 from .model import Transformer
 

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from ..config import SparseAttentionConfig
+from ..module.checkpointing import checkpoint_kwargs
 from ..losses import LMLoss, labelled_head_loss, labelled_logits_loss
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_choice, check_keys
@@ -109,7 +110,7 @@ class HFCausalLMModule(CausalLMHooks):
         gradient_checkpointing: Enable Hugging Face gradient checkpointing (non-reentrant; the sparse
             selections are replayed in the recomputation).
         checkpoint_keeps_attention: With ``gradient_checkpointing``, keep each layer's attention output instead
-            of recomputing it (:mod:`sparse_train.checkpointing`; more memory, one attention forward less per
+            of recomputing it (:mod:`sparse_train.module.checkpointing`; more memory, one attention forward less per
             layer and step).
         lr, selector_lr, weight_decay, betas, warmup_steps, min_lr_ratio, selector_loss_weight,
         train_only_selector, init_from: as in :class:`SparseLMModule`. ``init_from`` is a checkpoint of
@@ -158,8 +159,6 @@ class HFCausalLMModule(CausalLMHooks):
 
             hf.enable(lm, SparseAttentionConfig(**sparse))
         if gradient_checkpointing:
-            from ..checkpointing import checkpoint_kwargs
-
             kwargs = checkpoint_kwargs(checkpoint_keeps_attention)
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
         self.model = HFCausalLM(lm)

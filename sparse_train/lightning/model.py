@@ -26,7 +26,8 @@ from torch.utils.checkpoint import checkpoint
 import sparse_train as st
 
 from ..functional import dense_causal_attention
-from ..checkpointing import checkpoint_kwargs
+from ..module.checkpointing import checkpoint_kwargs
+from ..parallel import context_parallel as cpm
 from ..documents import document_positions
 from ..losses import DEFAULT_CHUNK_TOKENS, LMLoss, labelled_head_loss
 from ..tasks import IGNORE_INDEX
@@ -70,7 +71,7 @@ class TransformerConfig:
     """Recompute each block in the backward (saves activation memory; the module replays selections)."""
     checkpoint_keeps_attention: bool = False
     """With ``activation_checkpointing``: keep each block's attention output from the first forward and recompute
-    only the rest of the block (:mod:`sparse_train.checkpointing`; both cores). Costs ``B * N * HQ * (D * 2 + 4)``
+    only the rest of the block (:mod:`sparse_train.module.checkpointing`; both cores). Costs ``B * N * HQ * (D * 2 + 4)``
     bytes per block in bf16 (64K tokens, 32 heads of 64: 272 MB), saves an attention forward per block and step.
     Off by default: the sparse forward is cheap to recompute (the step gains little for a few GiB more), while
     a dense core gains much more."""
@@ -249,7 +250,7 @@ class Attention(nn.Module):
             )
         elif cfg.attention != "dense":  # a config mutated after its checks ran
             raise ValueError(f"attention must be 'sparse' or 'dense', got {cfg.attention!r}")
-        # Context parallelism of the dense core (sparse_train.context_parallel.enable_context_parallel; the
+        # Context parallelism of the dense core (sparse_train.parallel.context_parallel.enable_context_parallel; the
         # sparse core has its own): None = the whole sequence is here.
         self.context_parallel_group = None
         self.context_parallel_backend: Optional[str] = None
@@ -283,10 +284,8 @@ class Attention(nn.Module):
     def _dense_context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 document_ids: Optional[torch.Tensor]) -> torch.Tensor:
         """The dense core under context parallelism: exact dense causal attention of the local rows over the
-        all-gathered keys (:func:`~sparse_train.context_parallel.context_parallel_dense_attention`), on
+        all-gathered keys (:func:`~sparse_train.parallel.context_parallel.context_parallel_dense_attention`), on
         blocks of ``gcd(N / (2W), 64)`` rows (whole chunks of the zig-zag layout)."""
-        from .. import context_parallel as cpm
-
         group = self.context_parallel_group
         _, world = cpm.context_parallel_rank(group)
         block = math.gcd(q.shape[2] // 2, 64) if q.shape[2] % 2 == 0 else 1
@@ -344,7 +343,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self._rope_cache: Optional[tuple[int, torch.device, torch.Tensor, torch.Tensor]] = None
-        # Context parallelism (sparse_train.context_parallel.enable_context_parallel): tokens are this rank's
+        # Context parallelism (sparse_train.parallel.context_parallel.enable_context_parallel): tokens are this rank's
         # zig-zag shard and RoPE turns them at their global positions. None = the whole sequence is here.
         self.context_parallel_group = None
         self.context_parallel_backend: Optional[str] = None
@@ -389,8 +388,8 @@ class Transformer(nn.Module):
                 and a 32K vocabulary their float32 copy alone is 23.4 GiB). Computed inside ``forward`` so
                 that wrappers which gather parameters around it (FSDP) hold the head's weight.
 
-        Under context parallelism (:func:`~sparse_train.context_parallel.enable_context_parallel`) ``tokens``
-        are this rank's zig-zag shard ``[B, N/W]`` (:func:`~sparse_train.context_parallel.shard_sequence`),
+        Under context parallelism (:func:`~sparse_train.parallel.context_parallel.enable_context_parallel`) ``tokens``
+        are this rank's zig-zag shard ``[B, N/W]`` (:func:`~sparse_train.parallel.context_parallel.shard_sequence`),
         ``seq_lens`` and ``document_ids`` stay GLOBAL (``[B]``, ``[B, N]``), RoPE turns each local row at its
         global position, and the logits are this rank's rows of the single-process logits.
 
@@ -423,8 +422,6 @@ class Transformer(nn.Module):
     def _context_parallel_rope(self, tokens: torch.Tensor, document_ids: Optional[torch.Tensor]):
         """RoPE tables of the local rows at their global positions, and the positions the attention cores
         get (GLOBAL: ``[B, N]`` per-document positions with documents, None = ``0..N-1`` otherwise)."""
-        from .. import context_parallel as cpm
-
         rank, world = cpm.context_parallel_rank(self.context_parallel_group)
         seq_len = tokens.shape[1] * world
         cpm.check_layout(seq_len, world)

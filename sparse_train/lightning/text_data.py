@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..tasks import IGNORE_INDEX, sample_generator
 from ..validation import check_bool, check_float, check_int
+from .context_parallel import data_parallel_rank
 from .data import _loader
 
 __all__ = ["TextDataModule", "PackedRows", "RowShards", "expand_paths", "read_documents", "split_documents",
@@ -435,8 +436,6 @@ class TextDataModule(LightningDataModule):
 
     def _rank_world(self) -> tuple[int, int]:
         if self.trainer is not None:
-            from .context_parallel import data_parallel_rank
-
             return data_parallel_rank(self.trainer)  # the ranks of a context-parallel group share rows
         if dist.is_available() and dist.is_initialized():
             return dist.get_rank(), dist.get_world_size()

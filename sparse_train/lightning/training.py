@@ -46,9 +46,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import sparse_train as st
 
-from ..attention import selector_parameter_names, selector_state_names
+from ..module.collection import selector_parameter_names, selector_state_names
 from ..losses import labelled_logits_loss
-from ..selectors.metrics import needle_block_recall
+from ..selection.metrics import needle_block_recall
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_float, check_int
 

@@ -1,0 +1,205 @@
+"""``KernelOptions``: every performance switch of the attention kernels in one typed dataclass.
+
+The switches never change a result beyond floating-point order: the plan and reuse threshold ``r0`` of the
+hybrid backward, the split count, tiles, warps and stages of each kernel, TMA loads, the Gluon kernels, the
+fused and stored-dS backward. ``sparse_attention(..., kernel_options=)`` takes a :class:`KernelOptions` or a
+dict of its fields; :func:`normalize_kernel_options` is the one validation of both forms, and the rules
+that tie switches to each other or to ``deterministic`` are written here once
+(:func:`check_dq_source`). :class:`sparse_train.SparseAttentionConfig` names four of the switches
+(``r0``, ``fused_backward``, ``stored_ds_backward``, ``gluon_kernels``); :func:`config_kernel_options` maps them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+from .plan.plan import BlockPlan
+from .validation import check_bool, check_int, check_keys
+
+__all__ = ["KERNEL_OPTIONS", "KernelOptions", "check_dq_source", "check_fused_dq_allowed",
+           "check_no_plan_with_query_blocks", "config_kernel_options", "normalize_kernel_options"]
+
+_WARPS = (1, 2, 4, 8, 16)
+_MAX_STAGES = 8
+_MAX_SPLITS = 64
+_MIN_DOT_ROWS = 16  # smallest row count of a tensor-core tile product (tl.dot)
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """Normalised ``kernel_options`` (see :func:`normalize_kernel_options`); None = default."""
+
+    plan: BlockPlan | None = None
+    """A plan from ``index.plan(r0)`` of this very index, reused across layers (default: that call)."""
+    r0: int | None = None
+    """Reuse threshold of the hybrid backward (default :data:`~sparse_train.plan.plan.DEFAULT_R0`); equals ``plan.r0`` if both."""
+    num_splits: int | None = None
+    """Split-KV count of the forward, 1..64 (default :func:`~sparse_train.plan.tuning.choose_num_splits`)."""
+    fwd_heads_per_program: int | None = None
+    """Query heads of a GQA group stacked along the rows of one forward program (a power of two
+    dividing G; the tile has heads_per_program * BQ rows)."""
+    fwd_num_warps: int | None = None
+    fwd_num_stages: int | None = None
+    dq_heads_per_program: int | None = None
+    dq_num_warps: int | None = None
+    dq_num_stages: int | None = None
+    kv_heads_per_program: int | None = None
+    kv_num_warps: int | None = None
+    kv_num_stages: int | None = None
+    kv_chunk: int | None = None
+    """Query blocks per KV-centric work item (default :data:`~sparse_train.plan.tuning.KV_CHUNK`)."""
+    kv_tile_rows: int | None = None
+    """Query rows the KV-centric kernel takes per step (a power of two >= 16 dividing
+    kv_heads_per_program * BQ; default the whole tile): thinner slices keep fewer scores live."""
+    fwd_tma: bool | None = None
+    """Forward: load the K/V tiles through TMA tensor descriptors (Hopper and newer; pointer loads where
+    a tensor's strides or alignment do not allow a descriptor). Default on (H200, 64K: 5-12% faster at
+    three of four shapes, equal at the fourth)."""
+    dq_tma: bool | None = None
+    """dQ kernel: load the K/V tiles through TMA tensor descriptors (as ``fwd_tma``). Default on (H200, 64K:
+    4-12% faster)."""
+    kv_tma: bool | None = None
+    """KV-centric kernel: load the q/dO row slices through TMA tensor descriptors (one head per step and
+    no query-block map only; pointer loads otherwise). Default on except over 128 x 128 key tiles, where
+    it measured slower."""
+    fused_dq: bool | None = None
+    """One backward pass: the KV-centric kernel also adds each tile's dQ share into a float32 buffer with
+    atomics, and the dQ kernel does not run (5 tile products per block pair instead of 7). Every block is
+    then KV-centric. The atomics sum in no fixed order, so dQ is not bitwise reproducible: refused with
+    ``deterministic``. Default off: measured slower on the H200 (the atomics cost more than the saved
+    recomputation; :mod:`sparse_train.kernels.triton.backward`)."""
+    stored_ds: bool | None = None
+    """The KV-centric kernel stores every tile's dS (in q's dtype, the operand the dQ product takes) in a
+    buffer of ``B*HQ*NQB*K*BQ*BK`` elements (K the index capacity), and the dQ kernel reads it instead of
+    recomputing S and dP: 5 tile products per block pair instead of 7, no atomics (deterministic). Every
+    block is then KV-centric (``r0`` does not apply). Excludes ``fused_dq``. Default off: on the H200 at 64K
+    the backward is 2-8% faster (0.98-1.08x by shape), for about 8 GB more peak memory at B = 1, HQ = 32
+    (docs/benchmarks/speed_round2/README.md, thirteenth session)."""
+    kv_gluon: bool | None = None
+    """The KV-centric dK/dV kernel hand-scheduled in Gluon (:mod:`sparse_train.kernels.gluon.backward`:
+    q/dO slices prefetched by TMA, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
+    (Hopper, no dropout, sequence lengths or query-block map, N a multiple of the blocks, neither
+    ``fused_dq`` nor ``stored_ds``; the Triton kernel runs elsewhere). Same products in the same order: the
+    gradients equal the Triton kernel's. Default on where :func:`~sparse_train.plan.device.gluon_kernels` holds (H200, 64K: the
+    backward 9-15% faster; docs/benchmarks/speed_round2/README.md, fourteenth session)."""
+    fwd_gluon: bool | None = None
+    """The forward hand-scheduled in Gluon (:mod:`sparse_train.kernels.gluon.forward`: the q tile in shared
+    memory, K/V tiles prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where
+    it applies (Hopper, no dropout, sequence lengths, query-block map or split rows, N a multiple of
+    the blocks); same products in the same order, so the outputs equal the Triton forward's bit for bit. Default
+    on where :func:`~sparse_train.plan.device.gluon_kernels` holds and the head dim and key blocks are 64, the one shape where it measured
+    faster (H200, 64K: 11%; 3-17% slower at D = 128 and over 128-key blocks)."""
+    dq_gluon: bool | None = None
+    """The dQ kernel hand-scheduled in Gluon (:mod:`sparse_train.kernels.gluon.backward`: K/V tiles
+    prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
+    (as ``kv_gluon``, and no cold block: the atomic dK/dV products of cold blocks stay in the Triton kernel).
+    Same products in the same order: dQ equals the Triton kernel's bit for bit. Default on where
+    :func:`~sparse_train.plan.device.gluon_kernels` holds (H200, 64K, whole backward with the Gluon KV-centric kernel: 2.6-5% faster;
+    docs/benchmarks/speed_round2/README.md, fifteenth session)."""
+
+
+KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
+"""Keys of ``sparse_attention(..., kernel_options=)`` (the fields of :class:`KernelOptions`); every
+value may be None (= the default)."""
+
+
+def _check_power_of_two(label: str, value) -> int:
+    value = check_int(label, value, minimum=1)
+    if value & (value - 1):
+        raise ValueError(f"{label} must be a power of two, got {value}")
+    return value
+
+
+def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> KernelOptions:
+    """The one validation of ``kernel_options``: None, a :class:`KernelOptions`, or a dict whose keys
+    are among :data:`KERNEL_OPTIONS` (an unknown key raises ``ValueError`` naming it and the allowed
+    keys) and whose values are None or of the key's type and range (``ValueError`` otherwise).
+
+    Shape-dependent rules (heads per program must divide the GQA group; a plan must belong to the
+    index) are checked where the shapes are known: :func:`~sparse_train.plan.tuning.forward_config`,
+    :func:`~sparse_train.plan.tuning.backward_config`, :func:`~sparse_train.plan.plan.check_plan`."""
+    if kernel_options is None:
+        return KernelOptions()
+    if isinstance(kernel_options, KernelOptions):
+        return kernel_options
+    check_keys("kernel_options", kernel_options, KERNEL_OPTIONS)
+    values = {}
+    for name, value in kernel_options.items():
+        label = f"kernel_options.{name}"
+        if value is None:
+            continue
+        if name == "plan":
+            if not isinstance(value, BlockPlan):
+                raise ValueError(
+                    f"{label} must be a sparse_train.BlockPlan (from index.plan(r0)), got {type(value).__name__}"
+                )
+        elif name == "r0":
+            value = check_int(label, value, minimum=0)
+        elif name == "num_splits":
+            value = check_int(label, value, minimum=1, maximum=_MAX_SPLITS)
+        elif name.endswith("heads_per_program"):
+            value = _check_power_of_two(label, value)
+        elif name.endswith("num_warps"):
+            value = _check_power_of_two(label, value)
+            if value not in _WARPS:
+                raise ValueError(f"{label} must be one of {_WARPS}, got {value}")
+        elif name.endswith("num_stages"):
+            value = check_int(label, value, minimum=1, maximum=_MAX_STAGES)
+        elif name == "kv_chunk":
+            value = check_int(label, value, minimum=1)
+        elif name == "kv_tile_rows":
+            value = _check_power_of_two(label, value)
+            if value < _MIN_DOT_ROWS:
+                raise ValueError(f"{label} must be >= {_MIN_DOT_ROWS} (tensor-core tile), got {value}")
+        elif name in ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma", "kv_gluon", "dq_gluon",
+                      "fwd_gluon"):
+            value = check_bool(label, value)
+        values[name] = value
+    check_dq_source(values.get("fused_dq"), values.get("stored_ds"), deterministic=False)
+    return KernelOptions(**values)
+
+
+def check_dq_source(fused_dq: bool | None, stored_ds: bool | None, deterministic: bool, *,
+                    names: tuple[str, str] = ("kernel_options.fused_dq", "kernel_options.stored_ds"),
+                    context: str = "") -> None:
+    """The rules of the two ways of producing dQ from the KV-centric kernel: ``fused_dq`` (atomics) and
+    ``stored_ds`` (a dS buffer) exclude each other, and ``fused_dq`` sums in no fixed order, which
+    ``deterministic`` forbids. ``names`` and ``context`` word the ValueError for the caller's own argument
+    names (the config's ``fused_backward`` / ``stored_ds_backward``)."""
+    if fused_dq and stored_ds:
+        raise ValueError(f"{context}{names[0]} and {names[1]} are two ways of producing dQ from the KV-centric "
+                         "kernel; set at most one of them")
+    if fused_dq and deterministic:
+        raise ValueError(f"{context}{names[0]} sums dQ with atomics in no fixed order, so it cannot give the "
+                         "bitwise-reproducible gradients deterministic=True asks for; drop one of the two")
+
+
+def check_fused_dq_allowed(kernel_options, deterministic: bool) -> None:
+    """``kernel_options.fused_dq`` sums dQ with atomics, which ``deterministic`` (or
+    ``torch.use_deterministic_algorithms``) forbids: ValueError for the pair, on both backends."""
+    options = normalize_kernel_options(kernel_options)
+    check_dq_source(options.fused_dq, options.stored_ds, deterministic)
+
+
+def check_no_plan_with_query_blocks(kernel_options) -> None:
+    """``kernel_options.plan`` is a plan of the whole index; a call with ``query_blocks`` builds the plan of
+    its own rows (:func:`~sparse_train.plan.plan.build_plan`), so the two together are refused (ValueError), on both backends."""
+    if normalize_kernel_options(kernel_options).plan is not None:
+        raise ValueError("kernel_options.plan cannot be combined with query_blocks: a plan covers every query "
+                         "block of its index, and a call with query_blocks builds the plan of its own rows")
+
+
+def config_kernel_options(config) -> dict:
+    """The kernel options a :class:`~sparse_train.SparseAttentionConfig` names, in the dict form of
+    ``kernel_options``: ``r0``, ``fused_backward`` (``fused_dq``), ``stored_ds_backward`` (``stored_ds``) and
+    ``gluon_kernels`` (``fwd_gluon``, ``dq_gluon`` and ``kv_gluon`` alike), checked by
+    :func:`normalize_kernel_options` and the rules above (against the config's ``deterministic`` too); the
+    other options keep their defaults."""
+    check_dq_source(config.fused_backward, config.stored_ds_backward, config.deterministic,
+                    names=("fused_backward", "stored_ds_backward"), context="SparseAttentionConfig: ")
+    gluon = config.gluon_kernels
+    options = {"r0": config.r0, "fused_dq": config.fused_backward, "stored_ds": config.stored_ds_backward,
+               "fwd_gluon": gluon, "dq_gluon": gluon, "kv_gluon": gluon}
+    normalize_kernel_options(options)
+    return options

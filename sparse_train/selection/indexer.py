@@ -1,0 +1,308 @@
+"""Token-level block scores: the ``"token"`` selector (a learned indexer) and the ``"oracle"`` selector.
+
+Token indexer, per KV head h with G query heads (the GQA group), E index heads and index dim S:
+
+    u[r, e] = sum_g q'[h G + g, r] Wq[h, g, :, e]     (index queries, [E, S] per query row r)
+    w[t]    = k'[h, t] Wk[h]                          (index key, [S] per key t)
+    s[i, j] = exp(t_h) * scale * max over rows r of query block i, index heads e and keys t of key
+              block j with t <= r (valid, same document) of  u[r, e] . w[t]   +   beta[h, bucket(d_ij)]
+
+q', k' are the layer's q and k with RoPE undone (``set_rope``), so the scores compare content. A block
+pair's score is decided by its single best (row, key) pair: the one key a question row needs ranks its
+block high even when the other rows and keys of both blocks are unrelated, which block-pooled summaries
+(:class:`~sparse_train.selection.scorer.BlockScorer`) average away. The max runs in one kernel over tiles
+(:func:`~sparse_train.kernels.triton.index_scores.index_block_scores`) without an N x N tensor; its gradient reaches
+the winning pair's index vectors, hence ``Wq`` and ``Wk``.
+
+Initialisation: with E = G, index head e starts as query head e projected by a shared random projection
+P ~ N(0, 1/S) and ``Wk = P``, so from step 0 the score approximates the largest raw logit
+``max q_g[r] . k[t]`` of the pair (the parameter-free token-level score); with E < G, index head e starts from
+the mean of the group heads g with g mod E = e. Parameters are stored divided by ``lr_multiplier`` (as the
+pooled scorer: the selector learns that many times faster under one Adam-type optimizer).
+
+Oracle: :class:`OracleSelector` ranks key blocks by the dense attention mass the layer actually computes,
+the maximum over the query block's rows and GQA heads (the distillation target,
+:func:`~sparse_train.selection.distill.dense_block_mass`). Nothing to train; it computes dense attention
+scores, O(N^2 D), chunked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from ..config import SparseAttentionConfig
+from ..kernels import triton_kernels
+from ..kernels.reference.index_scores import reference_index_block_scores
+from ..kernels.reference.pool import unrotate
+from ..plan.device import triton_runs_on
+from ..validation import check_choice, check_float
+from .distill import dense_block_mass
+from .scorer import (DISTANCE_BUCKETS, EMPTY_BLOCK_SCORE, BlockScorer, SelectionGeometry, add_distance_bias,
+                     checked_rope)
+
+__all__ = ["TokenIndexer", "OracleSelector", "build_selector", "index_scores"]
+
+_PROJECTION_SEED = 20261203
+"""Seed of the initial random projection (the same in every layer; layers differ by their q and k)."""
+
+
+def index_scores(u: Tensor, w: Tensor, **kwargs) -> Tensor:
+    """The token-level block scores of :func:`~sparse_train.kernels.triton.index_scores.index_block_scores` (one
+    Triton kernel) where the Triton kernels run (eager CUDA), its PyTorch reference otherwise (CPU, torch.compile);
+    arguments and returns as theirs."""
+    if triton_runs_on(u) and not torch.compiler.is_compiling():
+        return triton_kernels().index_scores.index_block_scores(u, w, **kwargs)
+    return reference_index_block_scores(u, w, **kwargs)
+
+
+class TokenIndexer(nn.Module):
+    """Learned token-level index projections of q and k -> block scores (see module docstring).
+
+    Args:
+        num_heads: HQ. num_kv_heads: HKV. head_dim: D.
+        index_dim: S, the width of index queries and keys. index_heads: E, index queries per row.
+        lr_multiplier: the selector's learning-rate multiplier (a buffer in the state dict).
+        distance_bias: add a learned bias per KV head and log2 bucket of block distance.
+        rope_style: the RoPE convention :meth:`set_rope` undoes.
+
+    Parameters: ``query_proj`` ``[HKV, G * D, E * S]``, ``key_proj`` ``[HKV, D, S]``, ``log_temperature``
+    ``[HKV]`` and ``distance_bias`` ``[HKV, DISTANCE_BUCKETS]`` (optional), all stored divided by
+    ``lr_multiplier``.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, index_dim: int, index_heads: int = 1,
+                 lr_multiplier: float = 1.0, distance_bias: bool = False, rope_style: str = "rotate_half") -> None:
+        super().__init__()
+        lr_multiplier = check_float("lr_multiplier", lr_multiplier, exclusive_minimum=0.0)
+        for name, value in (("index_dim", index_dim), ("index_heads", index_heads)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.index_dim = index_dim
+        self.index_heads = index_heads
+        self.group = num_heads // num_kv_heads
+        check_choice("rope_style", rope_style, ("rotate_half", "interleaved"))
+        self.rope_style = rope_style
+        self.register_buffer("lr_multiplier", torch.tensor(float(lr_multiplier)))
+        self.query_proj = nn.Parameter(torch.empty(num_kv_heads, self.group * head_dim, index_heads * index_dim))
+        self.key_proj = nn.Parameter(torch.empty(num_kv_heads, head_dim, index_dim))
+        self.log_temperature = nn.Parameter(torch.zeros(num_kv_heads))
+        self.distance_bias = nn.Parameter(torch.zeros(num_kv_heads, DISTANCE_BUCKETS)) if distance_bias else None
+        # Not persistent: the frequencies are a property of the model the indexer sits in, set again by whoever
+        # builds it (config.selector_rope_theta, the Hugging Face integration).
+        self.register_buffer("rope_inv_freq", torch.zeros(0), persistent=False)
+        self.reset_parameters()
+
+    def set_rope(self, inv_freq: Tensor | None, style: str | None = None) -> None:
+        """Un-rotate q and k by these RoPE frequencies (``[R/2]``, over the first R channels) before indexing;
+        ``None`` indexes the rotated q and k as given. ``style``: the RoPE convention (``"rotate_half"`` or
+        ``"interleaved"``); ``None`` keeps the indexer's."""
+        self.rope_inv_freq, self.rope_style = checked_rope(inv_freq, style, self.rope_style, self.head_dim,
+                                                           self.query_proj.device)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Index head e = the mean of group heads g = e (mod E), projected by a shared JL projection P, and the
+        index key = the key projected by P: the initial score approximates the pair's largest raw logit."""
+        # A private generator: building a selector must not advance the global RNG (a sparse model gets the
+        # weights of its dense twin built from the same seed).
+        generator = torch.Generator().manual_seed(_PROJECTION_SEED)
+        dim, size = self.head_dim, self.index_dim
+        projection = torch.randn(self.num_kv_heads, dim, size, generator=generator) / math.sqrt(size)
+        projection = projection.to(self.query_proj.device) / float(self.lr_multiplier)
+        heads = self.index_heads
+        query = torch.zeros(self.num_kv_heads, self.group, dim, heads, size, device=self.query_proj.device)
+        for g in range(self.group):
+            members = len(range(g % heads, self.group, heads))
+            query[:, g, :, g % heads, :] = projection / members
+        self.query_proj.copy_(query.reshape(self.query_proj.shape))
+        self.key_proj.copy_(projection)
+        self.log_temperature.zero_()
+        if self.distance_bias is not None:
+            self.distance_bias.zero_()
+
+    def pool(self, q: Tensor, k: Tensor, block_q: int, block_k: int, seq_lens: Tensor | None = None,
+             positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The indexer's detached inputs: q ``[B, HQ, N, D]`` and k ``[B, HKV, N, D]`` with RoPE undone (when
+        set), in q's dtype for half-precision inputs (float32 otherwise). Blocks are not pooled: the name is
+        the selectors' common call. ``positions``: the RoPE positions (``[N]`` or ``[B, N]``; default 0..N-1)."""
+        inv_freq = self.rope_inv_freq if self.rope_inv_freq.numel() else None
+        q, k = q.detach(), k.detach()
+        dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.promote_types(q.dtype, torch.float32)
+        if seq_lens is not None:
+            # rows past a sequence's length may hold anything (NaN padding); zeros keep it out of the index
+            # projections' gradients (0 * NaN), the kernel never reads them for a score
+            keep = torch.arange(q.shape[2], device=q.device).view(1, 1, -1, 1) < seq_lens.view(-1, 1, 1, 1)
+            q, k = torch.where(keep, q, 0.0), torch.where(keep, k, 0.0)
+        if inv_freq is not None:
+            q = unrotate(q, inv_freq, positions, self.rope_style)
+            k = unrotate(k, inv_freq, positions, self.rope_style)
+        return q.to(dtype), k.to(dtype)
+
+    @staticmethod
+    def query_rows(q: Tensor, query_blocks: Tensor, block_q: int) -> Tensor:
+        """The rows of ``query_blocks`` (int ``[R]``) of :meth:`pool`'s ``q`` ``[B, HQ, N, D]``, block by block:
+        ``[B, HQ, R * block_q, D]`` (the positions past N of a partial last block repeat row N - 1; the scores
+        ignore them), the layout :meth:`forward` takes with ``query_blocks``."""
+        offsets = torch.arange(block_q, device=q.device)
+        positions = query_blocks.to(q.device, torch.int64).view(-1, 1) * block_q + offsets
+        return q.index_select(2, positions.reshape(-1).clamp(max=q.shape[2] - 1))
+
+    def forward(self, q: Tensor, k: Tensor, scale: float, geometry: SelectionGeometry | None = None,
+                query_blocks: Tensor | None = None, *, seq_lens: Tensor | None = None,
+                document_ids: Tensor | None = None) -> Tensor:
+        """Block scores float32 ``[B, HKV, R, NKB]`` from :meth:`pool`'s outputs; gradients reach only this
+        module's parameters. ``geometry`` (of the call) is required: it gives the block sizes and the distance
+        buckets. ``query_blocks`` (int ``[R]``, global ids): ``q`` holds only the rows of these query blocks,
+        ``[B, HQ, R * BQ, D]`` block by block (a partial last block padded); default: every query block.
+        ``seq_lens`` (int ``[B]``) and ``document_ids`` (int ``[B, N]``) mask (row, key) pairs as the attention
+        does. Pairs with no valid (row, key) score ``EMPTY_BLOCK_SCORE``."""
+        if geometry is None:
+            raise ValueError("TokenIndexer needs the selection geometry of the call")
+        batch, heads, rows, dim = q.shape
+        if heads != self.num_heads or k.shape[1] != self.num_kv_heads or dim != self.head_dim:
+            raise ValueError(f"TokenIndexer expects q [B, {self.num_heads}, M, {self.head_dim}] and k "
+                             f"[B, {self.num_kv_heads}, N, {self.head_dim}], got {tuple(q.shape)} and {tuple(k.shape)}")
+        multiplier = self.lr_multiplier.to(torch.float32)
+        with torch.autocast(q.device.type, enabled=False):
+            u, w = self._index_vectors(q, k)
+            raw = index_scores(u, w, block_q=geometry.block_q, block_k=geometry.block_k, seq_lens=seq_lens,
+                               document_ids=document_ids, query_blocks=query_blocks)  # [B, HKV, R, NKB]
+            # an empty pair (-inf) takes no part in the products (its gradient would be NaN) and scores
+            # EMPTY_BLOCK_SCORE: finite for the KL and the top-k, below every real score
+            filled = torch.isfinite(raw)
+            scores = torch.where(filled, raw.float(), 0.0) * self._temperature(scale).view(1, -1, 1, 1)
+            if self.distance_bias is not None:
+                scores = add_distance_bias(scores, self.distance_bias.to(torch.float32) * multiplier, geometry,
+                                           query_blocks)
+            return torch.where(filled, scores, EMPTY_BLOCK_SCORE)
+
+
+    def _index_vectors(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Index queries ``u [B, HKV, M, E, S]`` of q ``[B, HQ, M, D]`` and index keys ``w [B, HKV, N, S]`` of k, in
+        q's dtype."""
+        return self._index_queries(q), self._index_keys(k)
+
+    def _index_queries(self, q: Tensor) -> Tensor:
+        batch, _, rows, dim = q.shape
+        wq = (self.query_proj.to(torch.float32) * self.lr_multiplier.to(torch.float32)).to(q.dtype)
+        grouped = q.reshape(batch, self.num_kv_heads, self.group, rows, dim)
+        u = torch.einsum("bhgmd,hgdx->bhmx", grouped, wq.view(self.num_kv_heads, self.group, dim, -1))
+        return u.reshape(batch, self.num_kv_heads, rows, self.index_heads, self.index_dim)
+
+    def _index_keys(self, k: Tensor) -> Tensor:
+        wk = (self.key_proj.to(torch.float32) * self.lr_multiplier.to(torch.float32)).to(k.dtype)
+        return torch.einsum("bhnd,hds->bhns", k, wk)
+
+    def _temperature(self, scale: float) -> Tensor:
+        """float32 ``[HKV]``: the learned temperature times the logit scale."""
+        return torch.exp(self.log_temperature.to(torch.float32) * self.lr_multiplier.to(torch.float32)) * scale
+
+    def token_distillation_loss(self, q_index: Tensor, k_index: Tensor, q: Tensor, k: Tensor, query_blocks: Tensor,
+                                scale: float, block_q: int, *, seq_lens: Tensor | None = None,
+                                document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Token-level distillation (``selector_distill="token"``) on the rows of ``query_blocks``: per row r, the KL
+        from the row's dense attention over keys (softmax of ``scale q_g[r] . k[t]`` over the causal, valid,
+        same-document keys, max over the GQA heads g, renormalised) to the softmax over the same keys of the index
+        logits ``temperature * max_e u[r, e] . w[t]``. Returns the KL summed over the valid rows and their count
+        (float32 scalars); gradients reach only this module's parameters.
+
+        ``q_index`` / ``k_index``: :meth:`pool`'s outputs; ``q`` ``[B, HQ, N, D]`` / ``k`` ``[B, HKV, N, D]``: the
+        attention's own (detached here). One query block at a time: memory O(HQ BQ N)."""
+        batch, _, seq_len, dim = q.shape
+        device = q.device
+        total = torch.zeros((), device=device, dtype=torch.float32)
+        count = torch.zeros((), device=device, dtype=torch.float32)
+        keys = torch.arange(seq_len, device=device)
+        limit = (torch.full((batch,), seq_len, device=device) if seq_lens is None
+                 else seq_lens.to(device).clamp(max=seq_len))
+        temperature = self._temperature(scale).view(1, -1, 1, 1)
+        w = self._index_keys(k_index)
+        for block in query_blocks.to(device, torch.int64).unbind(0):
+            positions = block * block_q + torch.arange(block_q, device=device)
+            rows = positions.clamp(max=seq_len - 1)
+            valid = (positions < seq_len).view(1, -1, 1) & (rows.view(1, -1, 1) < limit.view(-1, 1, 1))  # [B, BQ, 1]
+            allowed = (keys.view(1, 1, -1) <= rows.view(1, -1, 1)) & (keys.view(1, 1, -1) < limit.view(-1, 1, 1))
+            if document_ids is not None:
+                allowed = allowed & (document_ids[:, rows].unsqueeze(-1) == document_ids.unsqueeze(1))
+            allowed = (allowed & valid).unsqueeze(1)  # [B, 1, BQ, N]
+            with torch.no_grad(), torch.autocast(device.type, enabled=False):
+                q_rows = q[:, :, rows].detach().float().view(batch, self.num_kv_heads, self.group, block_q, dim)
+                logits = torch.einsum("bhgrd,bhnd->bhgrn", q_rows, k.detach().float()) * scale
+                probs = torch.softmax(logits.masked_fill(~allowed.unsqueeze(2), float("-inf")), dim=-1)
+                target = torch.nan_to_num(probs).amax(dim=2)  # [B, HKV, BQ, N]: max over the group's heads
+                target = target / target.sum(dim=-1, keepdim=True).clamp(min=1e-30)
+            with torch.autocast(device.type, enabled=False):
+                u = self._index_queries(q_index[:, :, rows])
+                index_logits = torch.einsum("bhres,bhns->bhren", u, w).amax(dim=3).float() * temperature
+                log_p = torch.log_softmax(index_logits.masked_fill(~allowed, float("-inf")), dim=-1)
+                kl = torch.where(target > 0, target * (torch.log(target.clamp(min=1e-30)) - log_p), 0.0)
+                row_has_keys = allowed.any(dim=-1)  # [B, 1, BQ]
+                total = total + torch.where(row_has_keys, kl.sum(dim=-1), 0.0).sum()
+                count = count + row_has_keys.sum() * self.num_kv_heads
+        return total, count
+
+
+class OracleSelector(nn.Module):
+    """Block scores from the true dense attention mass (see module docstring); no parameters.
+
+    Args:
+        num_heads, num_kv_heads, head_dim: the layer's shapes. chunk_mb: memory budget (MiB) of one chunk of
+        float32 logits.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, chunk_mb: int = 1024) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.chunk_mb = chunk_mb
+        self.rope_style = "rotate_half"
+        self.register_buffer("rope_inv_freq", torch.zeros(0), persistent=False)
+
+    def set_rope(self, inv_freq: Tensor | None, style: str | None = None) -> None:
+        """Accepted for the selectors' common call; the oracle scores the attention's own (rotated) q and k."""
+        self.rope_inv_freq, self.rope_style = checked_rope(inv_freq, style, self.rope_style, self.head_dim,
+                                                           self.rope_inv_freq.device)
+
+    def pool(self, q: Tensor, k: Tensor, block_q: int, block_k: int, seq_lens: Tensor | None = None,
+             positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The attention's q and k, detached (nothing is pooled or un-rotated)."""
+        return q.detach(), k.detach()
+
+    def forward(self, q: Tensor, k: Tensor, scale: float, geometry: SelectionGeometry | None = None,
+                query_blocks: Tensor | None = None, *, seq_lens: Tensor | None = None,
+                document_ids: Tensor | None = None) -> Tensor:
+        """float32 ``[B, HKV, NQB, NKB]``: log of each key block's dense attention mass, max over the query
+        block's rows and GQA heads, renormalised per query block; ``EMPTY_BLOCK_SCORE`` where the mass is 0."""
+        if geometry is None:
+            raise ValueError("OracleSelector needs the selection geometry of the call")
+        if query_blocks is not None:
+            raise ValueError("the oracle selector scores every query block of a full sequence (no query_blocks)")
+        with torch.no_grad():
+            mass, _ = dense_block_mass(q, k, block_q=geometry.block_q, block_k=geometry.block_k, scale=scale,
+                                       seq_lens=seq_lens, row_pool="max", chunk_mb=self.chunk_mb,
+                                       document_ids=document_ids)
+            return torch.log(mass.float()).clamp(min=EMPTY_BLOCK_SCORE)
+
+
+def build_selector(config: SparseAttentionConfig, num_heads: int, num_kv_heads: int, head_dim: int) -> nn.Module:
+    """The block scorer ``config.selector`` names: :class:`BlockScorer` (``"pooled"``), :class:`TokenIndexer`
+    (``"token"``) or :class:`OracleSelector` (``"oracle"``). All three share the call
+    ``scores = selector(*selector.pool(q, k, BQ, BK, seq_lens, positions), scale, geometry, seq_lens=...,
+    document_ids=...)`` and ``set_rope(inv_freq, style)``."""
+    if config.selector == "oracle":
+        return OracleSelector(num_heads, num_kv_heads, head_dim, chunk_mb=config.distill_chunk_mb)
+    if config.selector == "token":
+        return TokenIndexer(num_heads, num_kv_heads, head_dim, config.selector_dim, config.selector_index_heads,
+                            lr_multiplier=config.selector_lr_multiplier, distance_bias=config.selector_distance_bias,
+                            rope_style=config.selector_rope_style)
+    return BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim,
+                       lr_multiplier=config.selector_lr_multiplier, key_pooling=config.key_pooling,
+                       distance_bias=config.selector_distance_bias, query_pooling=config.query_pooling,
+                       rope_style=config.selector_rope_style)

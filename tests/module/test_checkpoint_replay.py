@@ -1,0 +1,297 @@
+"""Checkpoint replay: the recompute under activation checkpointing reuses the first forward's selection.
+
+The decisive test changes the selector's parameters between forward and backward (so a re-run top-k
+picks other blocks) and compares gradients with an un-checkpointed run on the original selection:
+equal with replay on, and - in the same test - different with ``replay=False``, which shows the
+check has teeth.
+"""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import sparse_train as st
+from sparse_train.selection.scorer import selection_geometry
+
+HQ, HKV, D, N = 4, 2, 16, 160
+
+
+def make(replay=True, **overrides):
+    base = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8, replay=replay,
+                dense_fallback=False, dense_warmup_steps=0)
+    base.update(overrides)
+    torch.manual_seed(0)
+    return st.SparseAttention(st.SparseAttentionConfig(**base), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
+
+
+def inputs(seed=0, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, HQ, N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(batch, HKV, N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(batch, HKV, N, D, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(batch, HQ, N, D, generator=g, dtype=torch.float64)
+    return q, k, v, w
+
+
+def scramble(module):
+    """Selector parameters that certainly choose other blocks."""
+    with torch.no_grad():
+        for p in module.scorer.parameters():
+            p.copy_(torch.randn_like(p) * 3.0)
+
+
+def layer(module):
+    # projections before and after the core make the checkpointed region save tensors of its own
+    return lambda q, k, v: module(q * 1.5, torch.tanh(k), v).sin()
+
+
+def grads_without_checkpoint(**cfg):
+    module = make(**cfg)
+    q, k, v, w = inputs()
+    out = layer(module)(q, k, v)
+    loss = (out * w).sum()
+    if module.selector_loss is not None:
+        loss = loss + module.selector_loss
+    loss.backward()
+    return [t.grad for t in (q, k, v)], module._last_index
+
+
+def grads_with_checkpoint_and_scrambled_selector(replay, **cfg):
+    module = make(replay=replay, **cfg)
+    q, k, v, w = inputs()
+    out = checkpoint(layer(module), q, k, v, use_reentrant=False)
+    loss = (out * w).sum()
+    if module.selector_loss is not None:
+        loss = loss + module.selector_loss
+    first_index = module._last_index
+    scramble(module)
+    loss.backward()
+    return [t.grad for t in (q, k, v)], first_index, module
+
+
+@pytest.mark.parametrize("distill", ["off", "sparse"], ids=["no-distill", "sparse-distill"])
+def test_recompute_replays_first_selection_and_fails_without_replay(distill):
+    reference, ref_index = grads_without_checkpoint(distill=distill)
+
+    replayed, index, module = grads_with_checkpoint_and_scrambled_selector(True, distill=distill)
+    assert torch.equal(index.indices, ref_index.indices)
+    for got, want in zip(replayed, reference):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert module.stats()["replay/hits"] == 1.0 and module.stats()["replay/misses"] == 0.0
+
+    # the same check with replay switched off: the recompute picks new blocks -> gradients change
+    fresh, _, module_off = grads_with_checkpoint_and_scrambled_selector(False, distill=distill)
+    assert module_off._last_index is not None
+    worst = max(float((got - want).abs().max()) for got, want in zip(fresh, reference))
+    assert worst > 1e-3, f"without replay the gradients should differ, max diff {worst:.2e}"
+
+
+def test_scrambled_selector_really_changes_the_selection():
+    module = make()
+    q, k, v, _ = inputs()
+    module(q, k, v)
+    before = module._last_index.indices.clone()
+    scramble(module)
+    module(q, k, v)
+    assert not torch.equal(before, module._last_index.indices)
+
+
+def test_two_forwards_then_one_backward_match_their_own_selections():
+    """Two checkpointed micro-batches, then one backward: each recompute must find its own record
+    (the graph walk disambiguates), not simply the most recent one."""
+    module = make(distill="off")
+    q1, k1, v1, w1 = inputs(seed=1)
+    q2, k2, v2, w2 = inputs(seed=2)
+    ref = []
+    for q, k, v, w in ((q1, k1, v1, w1), (q2, k2, v2, w2)):
+        (layer(module)(q, k, v) * w).sum().backward()
+        ref.append([t.grad.clone() for t in (q, k, v)])
+        for t in (q, k, v):
+            t.grad = None
+    out1 = checkpoint(layer(module), q1, k1, v1, use_reentrant=False)
+    out2 = checkpoint(layer(module), q2, k2, v2, use_reentrant=False)
+    scramble(module)
+    ((out1 * w1).sum() + (out2 * w2).sum()).backward()
+    for got, want in zip([q1.grad, k1.grad, v1.grad, q2.grad, k2.grad, v2.grad], ref[0] + ref[1]):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert module.stats()["replay/hits"] == 2.0 and module.stats()["replay/ambiguous"] == 0.0
+
+
+def test_recompute_does_not_count_twice_and_keeps_the_path():
+    # N=160 -> block density 0.69; a full selection afterwards flips the hysteresis state, which the
+    # recompute of the earlier step must not follow
+    module = make(dense_fallback=True, distill="off", dense_enter_density=0.9, dense_exit_density=0.5)
+    q, k, v, w = inputs()
+    out = checkpoint(layer(module), q, k, v, use_reentrant=False)
+    short = [t[:, :, :32].detach() for t in (q, k, v)]
+    module(*short)  # full selection: dense path, hysteresis state -> dense
+    assert module._dense_mode
+    (out * w).sum().backward()
+    counts = module.fallback_counts
+    assert counts == {"reference_cpu": 1, "dense_full_selection": 1}, counts
+    assert module.stats()["replay/hits"] == 1.0
+
+
+def test_stale_records_are_retired_after_backward():
+    module = make(distill="off")
+    for step in range(3):
+        q, k, v, w = inputs(seed=step)
+        loss = (checkpoint(layer(module), q, k, v, use_reentrant=False) * w).sum()
+        loss.backward()  # `loss` stays referenced, keeping the old graph (and record) alive
+    assert module.stats()["replay/hits"] == 3.0
+    assert module.stats()["replay/ambiguous"] == 0.0
+    assert module._replay.live_records() == [], "every replayed record must be retired when its backward ends"
+
+
+# ---------------------------------------------------------------------------------------------- Hugging Face
+def _tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).to(torch.float64)
+
+
+def _enable_gradient_checkpointing(model):
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _hf_grads(replay, checkpointing, scramble_between):
+    from sparse_train.integrations import hf
+
+    model = _tiny_llama()
+    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=1, window=1, sinks=1, selector_dim=8, dense_warmup_steps=0,
+                                   replay=replay, dense_fallback=False, distill="sparse")
+    hf.enable(model, cfg)
+    model.train()
+    if checkpointing:
+        _enable_gradient_checkpointing(model)
+    ids = torch.randint(0, 97, (2, 128), generator=torch.Generator().manual_seed(3))
+    loss = model(ids, labels=ids).loss + st.collect_selector_losses(model)
+    if scramble_between:
+        for layer in hf.attention_layers(model):
+            scramble(layer.sparse_attention)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if "sparse_attention" not in name}, model
+
+
+def test_hf_gradient_checkpointing_replays_selection_and_fails_without_replay():
+    reference, _ = _hf_grads(replay=True, checkpointing=False, scramble_between=False)
+    replayed, model = _hf_grads(replay=True, checkpointing=True, scramble_between=True)
+    stats = st.collect_attention_stats(model)
+    assert stats["replay/hits"] == 2.0, "each of the two layers must have replayed its selection"
+    for name, grad in reference.items():
+        torch.testing.assert_close(replayed[name], grad, rtol=1e-10, atol=1e-12, msg=name)
+    fresh, _ = _hf_grads(replay=False, checkpointing=True, scramble_between=True)
+    worst = max(float((fresh[name] - grad).abs().max()) for name, grad in reference.items())
+    assert worst > 1e-4, f"without replay the gradients should differ, max diff {worst:.2e}"
+
+
+def _all_grads(use_checkpoint, distill, dropout_p, warmup):
+    """Input and selector gradients of one step (selector loss included), plain or checkpointed."""
+    module = make(distill=distill, dropout_p=dropout_p, dense_warmup_steps=warmup, distill_query_blocks=2)
+    q, k, v, w = inputs()
+    torch.manual_seed(123)  # the dropout seed draw reads the global generator
+    run = layer(module)
+    out = checkpoint(run, q, k, v, use_reentrant=False) if use_checkpoint else run(q, k, v)
+    loss = (out * w).sum()
+    if module.selector_loss is not None:
+        loss = loss + module.selector_loss
+    loss.backward()
+    selector = [p.grad if p.grad is not None else torch.zeros_like(p) for p in module.scorer.parameters()]
+    return [t.grad for t in (q, k, v)] + selector
+
+
+@pytest.mark.parametrize("warmup", [0, 5], ids=["sparse-path", "dense-warmup-path"])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=["no-dropout", "dropout"])
+@pytest.mark.parametrize("distill", ["off", "sparse", "sampled", "dense"])
+def test_checkpointed_gradients_equal_plain_for_every_distill_mode(distill, dropout_p, warmup):
+    """Every random draw of the forward (dropout seed, the sampled distillation query blocks) is
+    replayed by the checkpoint recompute: gradients of inputs and selector equal the plain run's."""
+    plain = _all_grads(False, distill, dropout_p, warmup)
+    checkpointed = _all_grads(True, distill, dropout_p, warmup)
+    for a, b in zip(plain, checkpointed):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+    if distill != "off":
+        assert any(g.abs().sum() > 0 for g in plain[3:]), "the selector must receive a gradient"
+
+
+@pytest.mark.parametrize("distill", ["sampled", "dense", "sparse"])
+def test_recompute_reuses_the_first_forwards_distillation_target(distill, monkeypatch):
+    """The target is detached and a function of the same q and k: the checkpoint recompute takes the first
+    forward's instead of running the block-mass computation again (once per step, not twice), and the
+    gradients still equal the plain run's (``test_checkpointed_gradients_equal_plain_for_every_distill_mode``)."""
+    import sparse_train.module.attention as attention_module
+
+    calls = []
+    for name in ("dense_block_mass", "sparse_block_mass"):
+        original = getattr(attention_module, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(attention_module, name, counted)
+    module = make(distill=distill)
+    q, k, v, w = inputs()
+    out = checkpoint(layer(module), q, k, v, use_reentrant=False)
+    ((out * w).sum() + module.selector_loss).backward()
+    assert module.stats()["replay/hits"] == 1
+    assert calls == ["sparse_block_mass" if distill == "sparse" else "dense_block_mass"]
+
+
+@pytest.mark.parametrize("distill", ["sampled", "off"])
+def test_recompute_reuses_the_first_forwards_pooled_inputs(distill, monkeypatch):
+    """The selector's pooled inputs come from detached q and k: a distilling recompute scores from the first
+    forward's instead of pooling again (one pooling per step), and a record that will not distill keeps none.
+    Gradients equal the plain run's (``test_checkpointed_gradients_equal_plain_for_every_distill_mode``)."""
+    module = make(distill=distill)
+    calls = []
+    original = module.scorer.pool
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module.scorer, "pool", counted)
+    q, k, v, w = inputs()
+    out = checkpoint(layer(module), q, k, v, use_reentrant=False)
+    (record,) = module._replay.live_records()
+    assert (record.pooled is not None) == (distill != "off")
+    loss = (out * w).sum() + (module.selector_loss if module.selector_loss is not None else 0)
+    loss.backward()
+    assert module.stats()["replay/hits"] == 1
+    assert len(calls) == 1, calls
+
+
+def test_scoring_listed_query_blocks_equals_the_rows_of_every_blocks_scores():
+    """Scoring only some query blocks (``BlockScorer(..., query_blocks=rows)``, what a context-parallel rank
+    does with its own blocks): values and parameter gradients, distance bias included, equal those of scoring
+    every block and taking the rows. The scorer computes in
+    float32 whatever its inputs (its matmuls of 4 rows and of every row may sum in another order), hence a
+    float32 tolerance: 1e-6 relative is that rounding, a wrong row or bucket would differ by O(1)."""
+    module = make(distill="sampled", selector_distance_bias=True, query_pooling="mean_max")
+    with torch.no_grad():
+        for p in module.scorer.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    q, k, _, _ = inputs()
+    geometry = selection_geometry(N, 16, 16, 2, 1, 1)
+    qbar, kbar = module.scorer.pool(q, k, 16, 16)
+    rows = torch.tensor([7, 2, 9, 0])
+    weight = torch.randn(1, HKV, rows.numel(), kbar.shape[2], dtype=torch.float64)
+
+    def value_and_grads(scores):
+        module.scorer.zero_grad(set_to_none=True)
+        (scores * weight).sum().backward()
+        return [scores.detach()] + [p.grad.clone() for p in module.scorer.parameters()]
+
+    listed = value_and_grads(module.scorer(qbar.index_select(2, rows), kbar, 0.25, geometry, query_blocks=rows))
+    every = value_and_grads(module.scorer(qbar, kbar, 0.25, geometry).index_select(2, rows))
+    assert listed[-1].abs().sum() > 0, "the distance bias must receive a gradient"
+    for a, b in zip(listed, every):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
