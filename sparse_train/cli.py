@@ -350,7 +350,7 @@ def _cli_class() -> type:
             if replaced:
                 rank_zero_warn("--ckpt_path: the model arguments stored in the checkpoint replace these values "
                                "of the config/command line: " + "; ".join(replaced) + ". To change a stored "
-                               "argument, edit the checkpoint's hyper_parameters (scripts/retrieval_ab.py "
+                               "argument, edit the checkpoint's hyper_parameters (scripts/tools/retrieval_ab.py "
                                "'resume' does) or start a new run with --model.init_args.init_from.")
 
         def _set_seed(self) -> None:

@@ -28,7 +28,7 @@ checkpoints Lightning wrote, ``load_weights`` of the FSDP checkpoint), ``logs/<r
 
 ``--cpu-smoke`` runs the same pipeline on the CPU with a tiny model: one process, DDP on two gloo
 processes, and FSDP on two gloo processes through Lightning's FSDPStrategy with the CPU shims of
-:func:`install_cpu_fsdp_shims` (Lightning's FSDP is meant for GPUs; tests/test_fsdp.py uses the same shims).
+:func:`install_cpu_fsdp_shims` (Lightning's FSDP is meant for GPUs; tests/parallel/test_fsdp.py uses the same shims).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ to make that average the gradient of the global batch (the rows of every replica
   differ, and each replica's loss (a mean over its own valid rows) still weighs ``1 / dp`` in the average.
 
 So one DP x CP step computes the single-process gradient of the global batch (tested on CPU processes only:
-``tests/test_context_parallel_fit.py``, cp = 2 alone and dp = 2 x cp = 2, under DDP and under FSDP).
+``tests/parallel/test_context_parallel_fit.py``, cp = 2 alone and dp = 2 x cp = 2, under DDP and under FSDP).
 
 FSDP (Lightning's ``FSDPStrategy``, FSDP1): the parameters are sharded over the whole world, FSDP's default
 process group, whose reduce-scatter divides by the world size as DDP's all-reduce does, so the normalisation

@@ -26,7 +26,7 @@ tiles at D = 128 (one program per block) spill a few bytes (ptxas of triton 3.6)
 dQ kernel (``_dq_gluon_kernel``, :func:`gluon_dq_supported`) is the query tile of ``_dq_kernel``: q and dO once
 by TMA, the K/V tiles of its index row through a ring (``_gluon.kv_ring``), S and dP as asynchronous MMAs; it
 leaves cold blocks (atomic dK/dV) to the Triton kernel. Gluon kernels cannot run in Triton's interpreter; the CPU
-tests compile them for sm_90a instead (tests/test_kernel_gluon.py).
+tests compile them for sm_90a instead (tests/kernels/test_kernel_gluon.py).
 """
 from __future__ import annotations
 

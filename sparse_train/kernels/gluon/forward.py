@@ -19,7 +19,7 @@ this step's softmax (two score tiles live, a ring of 3) measures slower, so the 
 Known limits (the launcher runs the Triton kernel outside them, :func:`gluon_fwd_supported`): Hopper (sm_90),
 bf16/fp16, tensors TMA addresses, N a multiple of BLOCK_Q, BLOCK_K in {64, 128}, M in {64, 128, 256}, no
 dropout, sequence lengths, query-block map or split rows. Gluon kernels cannot run in Triton's
-interpreter; the CPU tests compile it for sm_90a instead (tests/test_kernel_gluon.py).
+interpreter; the CPU tests compile it for sm_90a instead (tests/kernels/test_kernel_gluon.py).
 """
 from __future__ import annotations
 
