@@ -569,7 +569,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="dense,pooled,token,oracle", help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--seeds", default="0,1", help="comma-separated run seeds (initial weights and training rows)")
     p.add_argument("--seq-len", default="2048", help="sequence length(s), comma-separated")
-    p.add_argument("--steps", type=int, default=600, help="training steps of every job")
+    p.add_argument("--steps", type=int, default=800, help="training steps of every job")
     p.add_argument("--batch", type=int, default=16, help="rows per training step (and per eval batch)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (warm-up 5%%, cosine to 10%%)")
     p.add_argument("--layers", type=int, default=2)
@@ -580,7 +580,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-fraction", type=float, default=0.25,
                    help="dense warm-up of every sparse mode after the short-row steps, as a fraction of the "
                         "full-length steps")
-    p.add_argument("--short-steps", type=int, default=100,
+    p.add_argument("--short-steps", type=int, default=300,
                    help="the first this-many steps train on rows of --short-len tokens (a length curriculum: the "
                         "lookups are learnt on short rows, where attention at initialisation is not spread over "
                         "thousands of keys); 0 = every step at --seq-len")
