@@ -17,10 +17,11 @@ the selection budget that suffices when the selector finds them.
 Families:
 
 * ``needles``: 8 facts over 8 keys in filler, 4 asked (the issue's task).
-* ``multihop``: 4 chains ``link(k1, k2)``, ``fact(k2, v)`` over 16 keys; 2 asked by their first key,
+* ``multihop``: 4 chains ``link(k1, k2)``, ``fact(k2, v)`` over 8 keys; 2 asked by their first key,
   answered by the value (two lookups, one per layer).
-* ``vartrack``: 8 variables each assigned twice, ``fact(x, v)`` at two random places (different values);
-  2 asked, answered by the later assignment (variable tracking: the latest update wins).
+* ``vartrack``: 8 variables (keys 0-7) each assigned twice, ``fact(x, v)`` at two random places (different values);
+  4 asked, answered by the later assignment (variable tracking: the latest update wins; ``top_k`` counts
+  the 4 latest assignments, the earlier ones are distractors).
 * ``copy``: one contiguous span ``span(0, c0) .. span(L-1, c_{L-1})`` (L in 8..16); reproduced at the end
   as ``ASK index(0) c0 index(1) c1 ..`` (every symbol asked).
 * ``assoc``: 32 facts, one for each of 32 keys, spread over the row; 4 asked (associative recall over
@@ -44,7 +45,7 @@ NUM_KEYS = 32
 NUM_VALUES = 8
 NUM_FILLER = 32
 NUM_SLOTS = 16
-LINK_KEYS = 16
+LINK_KEYS = 8
 
 # vocabulary: consecutive ranges
 BOS, ASK = 1, 2
@@ -75,7 +76,7 @@ class Family:
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("needles", 4, 32, "8 single-token key->value needles in filler, 4 asked"),
     Family("multihop", 4, 32, "4 two-hop chains k1->k2->v in filler, 2 asked by k1 (answer v)"),
-    Family("vartrack", 4, 32, "8 variables assigned twice in filler, 2 asked (answer: the later value)"),
+    Family("vartrack", 4, 32, "8 variables assigned twice in filler, 4 asked (answer: the later value)"),
     Family("copy", 2, 64, "a span of 8-16 slot-tagged symbols, every symbol asked at the end"),
     Family("assoc", 4, 64, "32 key->value facts spread over the row, 4 asked"),
 )}
@@ -123,8 +124,8 @@ def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor
             facts += [LINK[first * LINK_KEYS + second], FACT[second * NUM_VALUES + values[c]]]
         questions = [(QUERY[keys[2 * c]], VALUE[values[c]]) for c in _perm(chains, gen)[:asked]]
     elif name == "vartrack":
-        variables, asked = 8, 2
-        chosen = _perm(NUM_KEYS, gen)[:variables]
+        variables, asked = 8, 4
+        chosen = _perm(variables, gen)
         first = _values(variables, gen)
         # the second assignment differs from the first, so the latest one is the only right answer
         second = [(v + 1 + s) % NUM_VALUES for v, s in zip(first, torch.randint(NUM_VALUES - 1, (variables,),
