@@ -2,10 +2,10 @@
 
 Everything runs on the CPU with two processes and the gloo backend. torch's FSDP1 and FSDP2 both run there.
 Lightning's FSDPStrategy is meant for GPUs; the Lightning FSDP test runs it on the CPU through the shims of
-``scripts/fsdp_check.py`` (``install_cpu_fsdp_shims``, installed in the worker processes only: an empty
+``scripts/tools/fsdp_check.py`` (``install_cpu_fsdp_shims``, installed in the worker processes only: an empty
 subclass past Lightning's no-GPU check, ``device_id=cpu`` for FSDP1, the full state dict gathered without
 CPU offload). Everything else (wrapping, precision plugin, checkpointing, our hooks) is Lightning's and ours.
-The GPU run of the real recipe is ``scripts/fsdp_check.py``.
+The GPU run of the real recipe is ``scripts/tools/fsdp_check.py``.
 """
 
 from __future__ import annotations
