@@ -522,7 +522,9 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # the child imports the package this process tests (a worktree's, not whatever the venv points to)
+    # and the tests' shared builders (tests/builders.py, one folder up from this file)
     env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(sparse_train.__file__)),
+                                         os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                          env.get("PYTHONPATH", "")])
     code = ("import json, test_kernel_index_scores as t; "
             f"print(json.dumps(t.hopper_compile_report({cases!r})))")

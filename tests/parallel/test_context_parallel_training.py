@@ -254,8 +254,10 @@ def test_enable_context_parallel_needs_a_process_group():
 @pytest.mark.parametrize("documents", [False, True], ids=["plain", "documents"])
 def test_scorer_and_selection_on_a_subset_of_query_blocks(documents):
     """``query_blocks=`` (the global ids of the rows held, in any order): the scorer's logits (distance bias
-    included) and the picked candidates (with seq_lens, documents and top_p) are exactly those rows of the
-    full call; a float map or one of the wrong length is refused."""
+    included) are those rows of the full call (up to the float32 rounding of a matmul over fewer rows, whose
+    blocking the BLAS may choose differently), and the candidates picked from them are exactly the candidates of
+    those rows in a full call on the same logits (with seq_lens, documents and top_p); a float map or one of the
+    wrong length is refused."""
     from sparse_train.selection.scorer import BlockScorer, selection_candidates, selection_geometry
 
     torch.manual_seed(3)
@@ -271,9 +273,11 @@ def test_scorer_and_selection_on_a_subset_of_query_blocks(documents):
     full = scorer(qbar, kbar, 0.3, geometry)
     rows = torch.tensor([5, 0, 7, 3])
     sub = scorer(qbar[:, :, rows], kbar, 0.3, geometry, query_blocks=rows)
-    assert torch.equal(sub, full[:, :, rows])
+    torch.testing.assert_close(sub, full[:, :, rows], rtol=1e-6, atol=1e-6)
     kwargs = dict(window=1, sinks=1, seq_lens=seq_lens, document_ids=docs, top_p=0.9)
-    want = selection_candidates(full, geometry, **kwargs)[:, :, rows]
+    spliced = full.detach().clone()
+    spliced[:, :, rows] = sub.detach()
+    want = selection_candidates(spliced, geometry, **kwargs)[:, :, rows]
     assert torch.equal(selection_candidates(sub, geometry, query_blocks=rows, **kwargs), want)
     with pytest.raises(ValueError, match="query_blocks must have an integer dtype, got torch.float32"):
         selection_candidates(sub, geometry, query_blocks=rows.float(), **kwargs)
