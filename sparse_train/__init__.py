@@ -8,11 +8,7 @@ Public API::
     attn = st.SparseAttention(st.SparseAttentionConfig(...), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
 """
 
-from .module.attention import SparseAttention
-from .module.collection import clip_grad_norms, collect_attention_stats, collect_selector_losses, selector_parameters
-from .module.checkpointing import checkpoint_keeping_attention, keep_attention_context
 from .config import SparseAttentionConfig
-from .parallel.context_parallel import context_parallel_sparse_attention, disable_context_parallel, enable_context_parallel
 from .documents import (
     block_document_ranges,
     cu_seqlens_from_document_ids,
@@ -22,6 +18,14 @@ from .documents import (
 from .functional import sparse_attention
 from .index.block_index import BlockIndex
 from .losses import linear_cross_entropy
+from .module.attention import SparseAttention
+from .module.checkpointing import checkpoint_keeping_attention, keep_attention_context
+from .module.collection import clip_grad_norms, collect_attention_stats, collect_selector_losses, selector_parameters
+from .parallel.context_parallel import (
+    context_parallel_sparse_attention,
+    disable_context_parallel,
+    enable_context_parallel,
+)
 from .plan.plan import DEFAULT_R0, BlockPlan
 
 __version__ = "0.1.0"

@@ -16,8 +16,15 @@ from .options import KernelOptions, normalize_kernel_options
 from .plan.plan import check_plan
 from .validation import check_dropout, check_integer_tensor, check_scale
 
-__all__ = ["AttentionArgs", "check_attention_args", "check_query_blocks", "global_query_stand_in",
-           "query_block_args", "query_block_positions", "query_block_row0"]
+__all__ = [
+    "AttentionArgs",
+    "check_attention_args",
+    "check_query_blocks",
+    "global_query_stand_in",
+    "query_block_args",
+    "query_block_positions",
+    "query_block_row0",
+]
 
 
 class AttentionArgs(NamedTuple):
@@ -80,22 +87,27 @@ def check_query_blocks(q, k, index: BlockIndex, query_blocks, *, check_values: b
     blocks = blocks.to(torch.int64)
     nqb, bq, n = index.num_q_blocks, index.block_q, index.seq_len
     if blocks.numel() == 0 or blocks.numel() > nqb:
-        raise ValueError(f"query_blocks must list between 1 and NQB={nqb} distinct query-block ids, got "
-                         f"{blocks.numel()}")
+        raise ValueError(
+            f"query_blocks must list between 1 and NQB={nqb} distinct query-block ids, got {blocks.numel()}"
+        )
     if not check_values and n % bq == 0:
         expected = blocks.numel() * bq
         blocks = blocks.clamp(0, nqb - 1)
     else:
         if bool(((blocks < 0) | (blocks >= nqb)).any()):
-            raise ValueError(f"query_blocks must be a non-empty list of query-block ids in [0, NQB={nqb}), got "
-                             f"{blocks.tolist()[:16]}")
+            raise ValueError(
+                f"query_blocks must be a non-empty list of query-block ids in [0, NQB={nqb}), got "
+                f"{blocks.tolist()[:16]}"
+            )
         if torch.unique(blocks).numel() != blocks.numel():
             raise ValueError(f"query_blocks must be distinct, got {blocks.tolist()[:16]}")
         short = n % bq
         expected = blocks.numel() * bq - (bq - short if short and bool((blocks == nqb - 1).any()) else 0)
     if q.shape[2] != expected:
-        raise ValueError(f"with query_blocks, q must hold the {expected} rows of the {blocks.numel()} listed "
-                         f"query blocks (BQ={bq}, N={n}), got q with {q.shape[2]} rows")
+        raise ValueError(
+            f"with query_blocks, q must hold the {expected} rows of the {blocks.numel()} listed "
+            f"query blocks (BQ={bq}, N={n}), got q with {q.shape[2]} rows"
+        )
     return blocks
 
 
@@ -105,8 +117,9 @@ def global_query_stand_in(q: Tensor, index: BlockIndex) -> Tensor:
     return q.new_zeros(()).expand(q.shape[0], q.shape[1], index.seq_len, q.shape[3])
 
 
-def query_block_args(q: Tensor, k: Tensor, index: BlockIndex, query_blocks,
-                     check_values: bool = True) -> tuple[Tensor | None, Tensor]:
+def query_block_args(
+    q: Tensor, k: Tensor, index: BlockIndex, query_blocks, check_values: bool = True
+) -> tuple[Tensor | None, Tensor]:
     """``(blocks, q_global)`` of a call that may take ``query_blocks``: the checked ids
     (:func:`check_query_blocks`; None without them) and the q that the checks of a full call see (q
     itself, or its :func:`global_query_stand_in`)."""

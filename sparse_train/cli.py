@@ -32,9 +32,10 @@ import os
 import re
 import sys
 import warnings
+from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Iterator, NoReturn, Optional, Sequence
+from typing import Any, NoReturn
 
 __all__ = ["main", "run_cli", "resolve_recipe", "list_recipes"]
 
@@ -75,8 +76,10 @@ def resolve_recipe(name: str) -> str:
     stem = stem[: -len(".yaml")] if stem.endswith(".yaml") else stem
     if stem in recipes and (Path(name).parent == Path(".") or not Path(name).exists()):
         return str(recipes[stem])
-    raise SystemExit(f"sparse-train: no config file {name!r} and no built-in recipe {stem!r}; "
-                     f"built-in recipes: {', '.join(recipes) or '(none found)'}")
+    raise SystemExit(
+        f"sparse-train: no config file {name!r} and no built-in recipe {stem!r}; "
+        f"built-in recipes: {', '.join(recipes) or '(none found)'}"
+    )
 
 
 def _recipe_name(argv: Sequence[str]) -> str:
@@ -105,15 +108,18 @@ def _config_errors() -> tuple[type[BaseException], ...]:
 
 
 # jsonargparse re-raises a nested failure inside these wrappers (chained through __cause__).
-_WRAPPER_PREFIXES = ('Parser key "', "Does not validate against any of the Union subtypes",
-                     "Problem with given class_path")
+_WRAPPER_PREFIXES = (
+    'Parser key "',
+    "Does not validate against any of the Union subtypes",
+    "Problem with given class_path",
+)
 
 
 def _debug() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
-def _chain(ex: Optional[BaseException]) -> list[BaseException]:
+def _chain(ex: BaseException | None) -> list[BaseException]:
     seen: list[BaseException] = []
     while ex is not None and all(ex is not e for e in seen):
         seen.append(ex)
@@ -146,7 +152,7 @@ def _allowed_keys(class_path: str, rel_key: str) -> list[str]:
         return []
 
 
-def _suggest(word: str, candidates: Sequence[str]) -> Optional[str]:
+def _suggest(word: str, candidates: Sequence[str]) -> str | None:
     import difflib
 
     close = difflib.get_close_matches(word, list(candidates), n=1)
@@ -159,15 +165,15 @@ def _tidy(detail: str) -> str:
     return re.sub(r"^Expected a (.*)\. Got value: (.*)$", r"expected \1, got \2", detail)
 
 
-def _describe_error(ex: Optional[BaseException], message: str, options: Sequence[str] = ()) -> str:
+def _describe_error(ex: BaseException | None, message: str, options: Sequence[str] = ()) -> str:
     """One line from a jsonargparse error chain: the full dotted key and the innermost real message.
 
     ``options`` are the failing parser's option strings, used to suggest a close one for a misspelt
     top-level option (``--trainer.max_stepz``)."""
     keys: list[str] = []
-    class_path: Optional[str] = None
+    class_path: str | None = None
     under_class = False
-    root: Optional[str] = None
+    root: str | None = None
     for e in _chain(ex) or [None]:
         text = str(e) if e is not None else message
         match = re.match(r'Parser key "([^"]+)":', text)
@@ -212,11 +218,10 @@ def _describe_error(ex: Optional[BaseException], message: str, options: Sequence
     return text
 
 
-def _fail(subcommand: Optional[str], detail: str) -> NoReturn:
+def _fail(subcommand: str | None, detail: str) -> NoReturn:
     where = f"sparse-train {subcommand}" if subcommand else "sparse-train"
     help_cmd = f"{where} --help"
-    raise SystemExit(f"{where}: error: {detail}\n"
-                     f"(set {DEBUG_ENV}=1 for the traceback; '{help_cmd}' lists the options)")
+    raise SystemExit(f"{where}: error: {detail}\n(set {DEBUG_ENV}=1 for the traceback; '{help_cmd}' lists the options)")
 
 
 def export_hf(args: Sequence[str]) -> Path:
@@ -287,14 +292,13 @@ def _cli_class() -> type:
     class RecipeConfigFile(ActionConfigFile):
         """``--config`` that also takes a built-in recipe name (resolved by :func:`resolve_recipe`)."""
 
-        def __call__(self, parser: Any, cfg: Any, values: Any, option_string: Optional[str] = None) -> None:
-            super().__call__(parser, cfg, resolve_recipe(values) if isinstance(values, str) else values,
-                             option_string)
+        def __call__(self, parser: Any, cfg: Any, values: Any, option_string: str | None = None) -> None:
+            super().__call__(parser, cfg, resolve_recipe(values) if isinstance(values, str) else values, option_string)
 
     class SparseTrainParser(LightningArgumentParser):
         """Reports a bad argument in one line (see ``_describe_error``) instead of the full usage."""
 
-        def error(self, message: str, ex: Optional[Exception] = None) -> NoReturn:
+        def error(self, message: str, ex: Exception | None = None) -> NoReturn:
             # Parsers jsonargparse builds internally (exit_on_error=False) must keep raising: it catches
             # their errors to try the next type of a Union.
             if not self.exit_on_error:
@@ -315,18 +319,30 @@ def _cli_class() -> type:
             # LightningCLI.init_parser with the recipe-aware --config action.
             kwargs.setdefault("dump_header", [f"lightning.pytorch=={pl.__version__}"])
             parser = self.parser_class(**kwargs)
-            parser.add_argument("-c", "--config", action=RecipeConfigFile,
-                                help="Built-in recipe name (sparse-train recipes) or path to a YAML config.")
+            parser.add_argument(
+                "-c",
+                "--config",
+                action=RecipeConfigFile,
+                help="Built-in recipe name (sparse-train recipes) or path to a YAML config.",
+            )
             return parser
 
         def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-            parser.add_argument("--logger_backend", type=str, default=os.environ.get("SPARSE_TRAIN_LOGGER", "auto"),
-                                help=f"default logger when trainer.logger is unset: one of {_LOGGER_CHOICES}")
-            parser.add_argument("--cp", type=int, default=1,
-                                help="context parallelism: ranks per sequence (each holds a zig-zag shard); must "
-                                     "divide the world size (devices x nodes; world / cp data-parallel groups), "
-                                     "with --trainer.strategy=ddp; also sets "
-                                     "trainer.use_distributed_sampler=false (docs/context_parallel.md)")
+            parser.add_argument(
+                "--logger_backend",
+                type=str,
+                default=os.environ.get("SPARSE_TRAIN_LOGGER", "auto"),
+                help=f"default logger when trainer.logger is unset: one of {_LOGGER_CHOICES}",
+            )
+            parser.add_argument(
+                "--cp",
+                type=int,
+                default=1,
+                help="context parallelism: ranks per sequence (each holds a zig-zag shard); must "
+                "divide the world size (devices x nodes; world / cp data-parallel groups), "
+                "with --trainer.strategy=ddp; also sets "
+                "trainer.use_distributed_sampler=false (docs/context_parallel.md)",
+            )
 
         def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
             # run_cli(args) passes the whole command line by contract (tests, notebooks); Lightning's
@@ -345,13 +361,18 @@ def _cli_class() -> type:
             if not subcommand:
                 return
             after = _flat_config(self.config[subcommand].get("model"))
-            replaced = [f"{key}: {before[key]!r} -> {after[key]!r}" for key in before
-                        if key in after and before[key] != after[key]]
+            replaced = [
+                f"{key}: {before[key]!r} -> {after[key]!r}"
+                for key in before
+                if key in after and before[key] != after[key]
+            ]
             if replaced:
-                rank_zero_warn("--ckpt_path: the model arguments stored in the checkpoint replace these values "
-                               "of the config/command line: " + "; ".join(replaced) + ". To change a stored "
-                               "argument, edit the checkpoint's hyper_parameters (scripts/tools/retrieval_ab.py "
-                               "'resume' does) or start a new run with --model.init_args.init_from.")
+                rank_zero_warn(
+                    "--ckpt_path: the model arguments stored in the checkpoint replace these values "
+                    "of the config/command line: " + "; ".join(replaced) + ". To change a stored "
+                    "argument, edit the checkpoint's hyper_parameters (scripts/tools/retrieval_ab.py "
+                    "'resume' does) or start a new run with --model.init_args.init_from."
+                )
 
         def _set_seed(self) -> None:
             # Seeding must precede instantiation (the weights are drawn from it), but its "Seed set to"
@@ -406,7 +427,8 @@ def _cli_class() -> type:
                 config["use_distributed_sampler"] = False
                 callbacks = [*callbacks, ContextParallel(cp)]
             if config.get("enable_progress_bar") is not False and not any(
-                    isinstance(cb, ProgressBar) for cb in [*configured, *callbacks]):
+                isinstance(cb, ProgressBar) for cb in [*configured, *callbacks]
+            ):
                 callbacks = [*callbacks, step_progress_bar()]
             return super()._instantiate_trainer(config, callbacks)
 
@@ -458,13 +480,13 @@ def _offline_env() -> Iterator[None]:
     yield
 
 
-def main(args: Optional[Sequence[str]] = None) -> None:
+def main(args: Sequence[str] | None = None) -> None:
     """Entry point of the ``sparse-train`` console script; ``args`` defaults to ``sys.argv[1:]``.
     Returns None (a console script's return value becomes its exit status)."""
     run_cli(args)
 
 
-def run_cli(args: Optional[Sequence[str]] = None, run: bool = True) -> Any:
+def run_cli(args: Sequence[str] | None = None, run: bool = True) -> Any:
     """Run the CLI and return the ``LightningCLI`` object (its ``trainer``, ``model``, ``datamodule``);
     for tests and notebooks. ``args`` is the whole command line without the program name; ``None`` reads
     ``sys.argv``. A bad argument or config value raises ``SystemExit`` with a one-line message."""
@@ -489,8 +511,10 @@ def run_cli(args: Optional[Sequence[str]] = None, run: bool = True) -> Any:
             run=run,
             save_config_kwargs={"overwrite": True},
             parser_class=cls.argument_parser_class,
-            parser_kwargs={"prog": "sparse-train",
-                           "description": "sparse-train: learned block-sparse attention training"},
+            parser_kwargs={
+                "prog": "sparse-train",
+                "description": "sparse-train: learned block-sparse attention training",
+            },
         )
 
 

@@ -17,9 +17,19 @@ from .kernels.reference.pool import ROPE_STYLES
 from .options import config_kernel_options
 from .validation import check_bool, check_choice, check_float, check_int
 
-__all__ = ["SparseAttentionConfig", "BACKENDS", "DISTILL_MODES", "DISTILL_ROW_POOLS", "DISTILL_SUPPORTS",
-           "INDEX_CHECKS", "KEY_POOLINGS", "QUERY_POOLINGS", "ROPE_STYLES", "SELECTORS",
-           "SELECTOR_DISTILLS"]
+__all__ = [
+    "SparseAttentionConfig",
+    "BACKENDS",
+    "DISTILL_MODES",
+    "DISTILL_ROW_POOLS",
+    "DISTILL_SUPPORTS",
+    "INDEX_CHECKS",
+    "KEY_POOLINGS",
+    "QUERY_POOLINGS",
+    "ROPE_STYLES",
+    "SELECTORS",
+    "SELECTOR_DISTILLS",
+]
 
 DISTILL_MODES = ("sparse", "sampled", "dense", "off")
 DISTILL_SUPPORTS = ("dynamic", "causal")
@@ -261,8 +271,16 @@ class SparseAttentionConfig:
     recompute's phases are reported apart, as ``time/<phase>_recompute_ms``."""
 
     def __post_init__(self) -> None:
-        for name in ("block_q", "block_k", "selector_dim", "selector_index_heads", "distill_every", "distill_query_blocks",
-                     "distill_chunk_mb", "metrics_query_blocks"):
+        for name in (
+            "block_q",
+            "block_k",
+            "selector_dim",
+            "selector_index_heads",
+            "distill_every",
+            "distill_query_blocks",
+            "distill_chunk_mb",
+            "metrics_query_blocks",
+        ):
             _check_int(self, name, minimum=1)
         for name in ("top_k", "window", "sinks", "metrics_every", "dense_warmup_steps"):
             _check_int(self, name, minimum=0)
@@ -298,8 +316,15 @@ class SparseAttentionConfig:
                 "SparseAttentionConfig needs 0 <= dense_exit_density <= dense_enter_density <= 1 "
                 f"(hysteresis band), got exit={lo!r}, enter={hi!r}"
             )
-        for name in ("replay", "dense_fallback", "profile", "deterministic", "fused_backward", "stored_ds_backward",
-                     "selector_distance_bias"):
+        for name in (
+            "replay",
+            "dense_fallback",
+            "profile",
+            "deterministic",
+            "fused_backward",
+            "stored_ds_backward",
+            "selector_distance_bias",
+        ):
             _check_bool(self, name)
         if self.gluon_kernels is not None:
             _check_bool(self, "gluon_kernels")

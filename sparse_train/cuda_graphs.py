@@ -4,7 +4,8 @@ the GPU capture tests). The attention and the selector capture when they read no
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 

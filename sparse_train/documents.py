@@ -123,8 +123,11 @@ def cu_seqlens_from_document_ids(document_ids: Tensor) -> Tensor | list[Tensor]:
     for row in rows:
         n = row.numel()
         starts = (row[1:] != row[:-1]).nonzero().view(-1) + 1
-        bounds = [torch.zeros(1, dtype=torch.int64, device=row.device), starts,
-                  torch.full((1,), n, dtype=torch.int64, device=row.device)]
+        bounds = [
+            torch.zeros(1, dtype=torch.int64, device=row.device),
+            starts,
+            torch.full((1,), n, dtype=torch.int64, device=row.device),
+        ]
         out.append(torch.cat(bounds).to(torch.int32))
     return out[0] if ids.dim() == 1 else out
 

@@ -61,8 +61,14 @@ def finite_padded_queries(q: Tensor, seq_lens: Tensor, positions: Tensor | None 
 
 
 def dense_causal_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, scale: float | None = None, dropout_p: float = 0.0,
-    seq_lens: Tensor | None = None, document_ids: Tensor | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
 ) -> Tensor:
     """Dense causal SDPA with GQA and the same masks as the sparse path.
 
@@ -76,11 +82,11 @@ def dense_causal_attention(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     n = q.shape[2]
     pos = torch.arange(n, device=q.device)
-    allowed = (pos.view(1, 1, n) <= pos.view(1, n, 1))  # [1 or B, N, N]
+    allowed = pos.view(1, 1, n) <= pos.view(1, n, 1)  # [1 or B, N, N]
     if seq_lens is not None:
         # Padding may hold anything (NaN included). A masked logit still multiplies its value by a zero
         # probability (0 * NaN = NaN), so padded keys and values are replaced, not masked.
-        real = (pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
+        real = pos.view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1)
         q = finite_padded_queries(q, seq_lens)
         k = torch.where(real, k, 0.0)
         v = torch.where(real, v, 0.0)
@@ -129,8 +135,9 @@ def choose_backend(q: Tensor, block_q: int, block_k: int, backend: str = "auto")
     return ("triton", "supported") if support.ok else ("reference", support.code)
 
 
-def resolve_backend(q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend: str = "auto", *,
-                    document_ids: Tensor | None = None) -> tuple[str, str]:
+def resolve_backend(
+    q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, backend: str = "auto", *, document_ids: Tensor | None = None
+) -> tuple[str, str]:
     """Which backend ``sparse_attention`` will run, and why: ``("triton" | "reference", code)`` with
     ``code`` in :data:`BACKEND_REASONS`.
 
@@ -257,9 +264,19 @@ def sparse_attention(
     # happen at most once per call.
     check_values = check_bool("check_values", check_values)
     blocks, q_global = query_block_args(q, k, index, query_blocks, check_values)
-    args = check_attention_args(q_global, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, kernel_options=kernel_options, seq_lens_values=False,
-                                document_ids=document_ids)
+    args = check_attention_args(
+        q_global,
+        k,
+        v,
+        index,
+        scale=scale,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        seq_lens=seq_lens,
+        kernel_options=kernel_options,
+        seq_lens_values=False,
+        document_ids=document_ids,
+    )
     dropout_p, dropout_seed = args.dropout_p, args.dropout_seed
     check_bool("deterministic", deterministic)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
@@ -278,14 +295,32 @@ def sparse_attention(
         chosen, _ = choose_backend(q, index.block_q, index.block_k, backend)  # inputs checked above
     if chosen == "triton":
         o, lse = triton_kernels().op.triton_sparse_attention(
-            q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
-            deterministic=deterministic, kernel_options=args.kernel_options, document_ids=document_ids,
+            q,
+            k,
+            v,
+            index,
+            scale=scale,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+            seq_lens=seq_lens,
+            deterministic=deterministic,
+            kernel_options=args.kernel_options,
+            document_ids=document_ids,
             check_values=check_values,
             query_blocks=blocks,
         )
     else:
         o, lse = reference_sparse_attention(
-            q, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens,
-            document_ids=document_ids, check_values=check_values, query_blocks=blocks,
+            q,
+            k,
+            v,
+            index,
+            scale=scale,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+            seq_lens=seq_lens,
+            document_ids=document_ids,
+            check_values=check_values,
+            query_blocks=blocks,
         )
     return (o, lse) if return_lse else o

@@ -69,8 +69,15 @@ def _logits_loss(logits: Tensor, y: Tensor, ignore_index: int):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, ignore_index: int,
-                compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        chunk_tokens: int,
+        ignore_index: int,
+        compute_dtype: torch.dtype,
+    ) -> tuple[Tensor, Tensor]:
         needs_hidden, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         rows = hidden.shape[0]
         exact = torch.promote_types(compute_dtype, torch.float32)  # softmax and sums: float32, float64 kept
@@ -84,8 +91,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 stop = min(start + chunk_tokens, rows)
                 h = hidden[start:stop].to(compute_dtype)  # [C, d]
                 logits = (h @ head.t()).to(exact)  # [C, V]
-                chunk_loss, chunk_correct, lse, labelled, target = _logits_loss(logits, labels[start:stop],
-                                                                                ignore_index)
+                chunk_loss, chunk_correct, lse, labelled, target = _logits_loss(
+                    logits, labels[start:stop], ignore_index
+                )
                 loss += chunk_loss
                 correct += chunk_correct
                 if needs_hidden or needs_weight:
@@ -117,8 +125,9 @@ def _chunk_loss(h: Tensor, head: Tensor, y: Tensor, ignore_index: int, exact: to
     return loss, correct
 
 
-def _checkpointed_chunks(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, ignore_index: int,
-                         compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _checkpointed_chunks(
+    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_tokens: int, ignore_index: int, compute_dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
     """What :class:`_LinearCrossEntropy` computes, with autograd: each chunk's logits are recomputed in the
     backward (``checkpoint``) instead of held. The path taken while ``torch.compile`` traces (module
     docstring)."""
@@ -129,14 +138,27 @@ def _checkpointed_chunks(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_t
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, hidden.shape[0], chunk_tokens):
             stop = min(start + chunk_tokens, hidden.shape[0])
-            part, hits = checkpoint(_chunk_loss, hidden[start:stop].to(compute_dtype), head, labels[start:stop],
-                                    ignore_index, exact, use_reentrant=False)
+            part, hits = checkpoint(
+                _chunk_loss,
+                hidden[start:stop].to(compute_dtype),
+                head,
+                labels[start:stop],
+                ignore_index,
+                exact,
+                use_reentrant=False,
+            )
             loss, correct = loss + part, correct + hits
     return loss, correct
 
 
-def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, ignore_index: int = -100,
-                         chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> tuple[Tensor, Tensor]:
     """Summed cross-entropy of ``hidden @ weight.T`` against ``labels``, never holding more than
     ``chunk_tokens`` rows of logits.
 
@@ -162,18 +184,27 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, igno
             ``chunk_tokens`` below 1.
     """
     if not isinstance(hidden, Tensor) or hidden.dim() != 2 or not hidden.is_floating_point():
-        raise ValueError(f"hidden must be a floating-point [T, d] tensor, got "
-                         f"{getattr(hidden, 'dtype', type(hidden).__name__)} {tuple(getattr(hidden, 'shape', ()))}")
-    if (not isinstance(weight, Tensor) or weight.dim() != 2 or not weight.is_floating_point()
-            or weight.shape[1] != hidden.shape[1]):
-        raise ValueError(f"weight must be a floating-point [V, d={hidden.shape[1]}] tensor, got "
-                         f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}")
+        raise ValueError(
+            f"hidden must be a floating-point [T, d] tensor, got "
+            f"{getattr(hidden, 'dtype', type(hidden).__name__)} {tuple(getattr(hidden, 'shape', ()))}"
+        )
+    if (
+        not isinstance(weight, Tensor)
+        or weight.dim() != 2
+        or not weight.is_floating_point()
+        or weight.shape[1] != hidden.shape[1]
+    ):
+        raise ValueError(
+            f"weight must be a floating-point [V, d={hidden.shape[1]}] tensor, got "
+            f"{getattr(weight, 'dtype', type(weight).__name__)} {tuple(getattr(weight, 'shape', ()))}"
+        )
     labels = check_integer_tensor("labels", labels, dim=1)
     if labels.shape[0] != hidden.shape[0]:
         raise ValueError(f"labels must be [T={hidden.shape[0]}], got {tuple(labels.shape)}")
     if not (hidden.device == weight.device == labels.device):
-        raise ValueError(f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, "
-                         f"{labels.device}")
+        raise ValueError(
+            f"hidden, weight and labels must be on one device, got {hidden.device}, {weight.device}, {labels.device}"
+        )
     chunk_tokens = check_int("chunk_tokens", chunk_tokens, minimum=1)
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -199,8 +230,14 @@ def _labelled_rows(x: Tensor, labels: Tensor, ignore_index: int) -> tuple[Tensor
     return labelled, x[labelled], labels[labelled]
 
 
-def labelled_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, ignore_index: int = -100,
-                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> LMLoss:
+def labelled_head_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> LMLoss:
     """:class:`LMLoss` of the final hidden states ``[B, N, d]`` through the head ``weight`` ``[V, d]`` against
     ``labels`` ``[B, N]``: only the labelled positions, through :func:`linear_cross_entropy` (a chunk of
     logits at a time). Raises ValueError when ``labels`` is not ``[B, N]``.
@@ -209,8 +246,9 @@ def labelled_head_loss(hidden: Tensor, weight: Tensor, labels: Tensor, *, ignore
     their logits only). While ``torch.compile`` traces, every row goes through the head instead, the ignored
     ones adding no loss and no gradient (:func:`_labelled_rows`). Same result, up to float32 summation order."""
     labelled, rows, targets = _labelled_rows(hidden, labels, ignore_index)
-    loss_sum, correct = linear_cross_entropy(rows, weight, targets, ignore_index=ignore_index,
-                                             chunk_tokens=chunk_tokens)
+    loss_sum, correct = linear_cross_entropy(
+        rows, weight, targets, ignore_index=ignore_index, chunk_tokens=chunk_tokens
+    )
     return LMLoss(loss_sum, correct, labelled.sum())
 
 

@@ -11,14 +11,21 @@ that tie switches to each other or to ``deterministic`` are written here once
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Mapping
 
 from .plan.plan import BlockPlan
 from .validation import check_bool, check_int, check_keys
 
-__all__ = ["KERNEL_OPTIONS", "KernelOptions", "check_dq_source", "check_fused_dq_allowed",
-           "check_no_plan_with_query_blocks", "config_kernel_options", "normalize_kernel_options"]
+__all__ = [
+    "KERNEL_OPTIONS",
+    "KernelOptions",
+    "check_dq_source",
+    "check_fused_dq_allowed",
+    "check_no_plan_with_query_blocks",
+    "config_kernel_options",
+    "normalize_kernel_options",
+]
 
 _WARPS = (1, 2, 4, 8, 16)
 _MAX_STAGES = 8
@@ -33,7 +40,8 @@ class KernelOptions:
     plan: BlockPlan | None = None
     """A plan from ``index.plan(r0)`` of this very index, reused across layers (default: that call)."""
     r0: int | None = None
-    """Reuse threshold of the hybrid backward (default :data:`~sparse_train.plan.plan.DEFAULT_R0`); equals ``plan.r0`` if both."""
+    """Reuse threshold of the hybrid backward (default :data:`~sparse_train.plan.plan.DEFAULT_R0`); equals ``plan.r0``
+    if both."""
     num_splits: int | None = None
     """Split-KV count of the forward, 1..64 (default :func:`~sparse_train.plan.tuning.choose_num_splits`)."""
     fwd_heads_per_program: int | None = None
@@ -81,21 +89,24 @@ class KernelOptions:
     q/dO slices prefetched by TMA, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
     (Hopper, no dropout, sequence lengths or query-block map, N a multiple of the blocks, neither
     ``fused_dq`` nor ``stored_ds``; the Triton kernel runs elsewhere). Same products in the same order: the
-    gradients equal the Triton kernel's. Default on where :func:`~sparse_train.plan.device.gluon_kernels` holds (H200, 64K: the
+    gradients equal the Triton kernel's. Default on where :func:`~sparse_train.plan.device.gluon_kernels` holds (H200,
+    64K: the
     backward 9-15% faster; docs/benchmarks/speed_round2/README.md, fourteenth session)."""
     fwd_gluon: bool | None = None
     """The forward hand-scheduled in Gluon (:mod:`sparse_train.kernels.gluon.forward`: the q tile in shared
     memory, K/V tiles prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where
     it applies (Hopper, no dropout, sequence lengths, query-block map or split rows, N a multiple of
     the blocks); same products in the same order, so the outputs equal the Triton forward's bit for bit. Default
-    on where :func:`~sparse_train.plan.device.gluon_kernels` holds and the head dim and key blocks are 64, the one shape where it measured
+    on where :func:`~sparse_train.plan.device.gluon_kernels` holds and the head dim and key blocks are 64, the one shape
+    where it measured
     faster (H200, 64K: 11%; 3-17% slower at D = 128 and over 128-key blocks)."""
     dq_gluon: bool | None = None
     """The dQ kernel hand-scheduled in Gluon (:mod:`sparse_train.kernels.gluon.backward`: K/V tiles
     prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
     (as ``kv_gluon``, and no cold block: the atomic dK/dV products of cold blocks stay in the Triton kernel).
     Same products in the same order: dQ equals the Triton kernel's bit for bit. Default on where
-    :func:`~sparse_train.plan.device.gluon_kernels` holds (H200, 64K, whole backward with the Gluon KV-centric kernel: 2.6-5% faster;
+    :func:`~sparse_train.plan.device.gluon_kernels` holds (H200, 64K, whole backward with the Gluon KV-centric kernel:
+    2.6-5% faster;
     docs/benchmarks/speed_round2/README.md, fifteenth session)."""
 
 
@@ -152,27 +163,35 @@ def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> 
             value = _check_power_of_two(label, value)
             if value < _MIN_DOT_ROWS:
                 raise ValueError(f"{label} must be >= {_MIN_DOT_ROWS} (tensor-core tile), got {value}")
-        elif name in ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma", "kv_gluon", "dq_gluon",
-                      "fwd_gluon"):
+        elif name in ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma", "kv_gluon", "dq_gluon", "fwd_gluon"):
             value = check_bool(label, value)
         values[name] = value
     check_dq_source(values.get("fused_dq"), values.get("stored_ds"), deterministic=False)
     return KernelOptions(**values)
 
 
-def check_dq_source(fused_dq: bool | None, stored_ds: bool | None, deterministic: bool, *,
-                    names: tuple[str, str] = ("kernel_options.fused_dq", "kernel_options.stored_ds"),
-                    context: str = "") -> None:
+def check_dq_source(
+    fused_dq: bool | None,
+    stored_ds: bool | None,
+    deterministic: bool,
+    *,
+    names: tuple[str, str] = ("kernel_options.fused_dq", "kernel_options.stored_ds"),
+    context: str = "",
+) -> None:
     """The rules of the two ways of producing dQ from the KV-centric kernel: ``fused_dq`` (atomics) and
     ``stored_ds`` (a dS buffer) exclude each other, and ``fused_dq`` sums in no fixed order, which
     ``deterministic`` forbids. ``names`` and ``context`` word the ValueError for the caller's own argument
     names (the config's ``fused_backward`` / ``stored_ds_backward``)."""
     if fused_dq and stored_ds:
-        raise ValueError(f"{context}{names[0]} and {names[1]} are two ways of producing dQ from the KV-centric "
-                         "kernel; set at most one of them")
+        raise ValueError(
+            f"{context}{names[0]} and {names[1]} are two ways of producing dQ from the KV-centric "
+            "kernel; set at most one of them"
+        )
     if fused_dq and deterministic:
-        raise ValueError(f"{context}{names[0]} sums dQ with atomics in no fixed order, so it cannot give the "
-                         "bitwise-reproducible gradients deterministic=True asks for; drop one of the two")
+        raise ValueError(
+            f"{context}{names[0]} sums dQ with atomics in no fixed order, so it cannot give the "
+            "bitwise-reproducible gradients deterministic=True asks for; drop one of the two"
+        )
 
 
 def check_fused_dq_allowed(kernel_options, deterministic: bool) -> None:
@@ -184,10 +203,13 @@ def check_fused_dq_allowed(kernel_options, deterministic: bool) -> None:
 
 def check_no_plan_with_query_blocks(kernel_options) -> None:
     """``kernel_options.plan`` is a plan of the whole index; a call with ``query_blocks`` builds the plan of
-    its own rows (:func:`~sparse_train.plan.plan.build_plan`), so the two together are refused (ValueError), on both backends."""
+    its own rows (:func:`~sparse_train.plan.plan.build_plan`), so the two together are refused (ValueError), on both
+    backends."""
     if normalize_kernel_options(kernel_options).plan is not None:
-        raise ValueError("kernel_options.plan cannot be combined with query_blocks: a plan covers every query "
-                         "block of its index, and a call with query_blocks builds the plan of its own rows")
+        raise ValueError(
+            "kernel_options.plan cannot be combined with query_blocks: a plan covers every query "
+            "block of its index, and a call with query_blocks builds the plan of its own rows"
+        )
 
 
 def config_kernel_options(config) -> dict:
@@ -196,10 +218,21 @@ def config_kernel_options(config) -> dict:
     ``gluon_kernels`` (``fwd_gluon``, ``dq_gluon`` and ``kv_gluon`` alike), checked by
     :func:`normalize_kernel_options` and the rules above (against the config's ``deterministic`` too); the
     other options keep their defaults."""
-    check_dq_source(config.fused_backward, config.stored_ds_backward, config.deterministic,
-                    names=("fused_backward", "stored_ds_backward"), context="SparseAttentionConfig: ")
+    check_dq_source(
+        config.fused_backward,
+        config.stored_ds_backward,
+        config.deterministic,
+        names=("fused_backward", "stored_ds_backward"),
+        context="SparseAttentionConfig: ",
+    )
     gluon = config.gluon_kernels
-    options = {"r0": config.r0, "fused_dq": config.fused_backward, "stored_ds": config.stored_ds_backward,
-               "fwd_gluon": gluon, "dq_gluon": gluon, "kv_gluon": gluon}
+    options = {
+        "r0": config.r0,
+        "fused_dq": config.fused_backward,
+        "stored_ds": config.stored_ds_backward,
+        "fwd_gluon": gluon,
+        "dq_gluon": gluon,
+        "kv_gluon": gluon,
+    }
     normalize_kernel_options(options)
     return options

@@ -15,17 +15,27 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
 
 import torch
 from torch.utils.data import Dataset, Sampler
 
 from .validation import check_choice, check_int
 
-__all__ = ["IGNORE_INDEX", "sample_generator", "check_retrieval_args", "RetrievalTask", "RetrievalDataset",
-           "CurriculumStage", "CurriculumBatches", "ByteCrops", "default_corpus_root", "read_byte_corpus"]
+__all__ = [
+    "IGNORE_INDEX",
+    "sample_generator",
+    "check_retrieval_args",
+    "RetrievalTask",
+    "RetrievalDataset",
+    "CurriculumStage",
+    "CurriculumBatches",
+    "ByteCrops",
+    "default_corpus_root",
+    "read_byte_corpus",
+]
 
 IGNORE_INDEX = -100
 
@@ -70,11 +80,28 @@ class RetrievalTask:
     PAD, BOS = 0, 1
     NUM_SPECIAL = 2
 
-    def __init__(self, seq_len: int = 4096, num_pairs: int = 8, num_queries: int = 8, num_keys: int = 8,
-                 num_values: int = 8, num_filler: int = 32, filler: str = "repeat", needle_len: int = 1) -> None:
-        check_retrieval_args("RetrievalTask", seq_len=seq_len, num_pairs=num_pairs, num_queries=num_queries,
-                             num_keys=num_keys, num_values=num_values, num_filler=num_filler, filler=filler,
-                             needle_len=needle_len)
+    def __init__(
+        self,
+        seq_len: int = 4096,
+        num_pairs: int = 8,
+        num_queries: int = 8,
+        num_keys: int = 8,
+        num_values: int = 8,
+        num_filler: int = 32,
+        filler: str = "repeat",
+        needle_len: int = 1,
+    ) -> None:
+        check_retrieval_args(
+            "RetrievalTask",
+            seq_len=seq_len,
+            num_pairs=num_pairs,
+            num_queries=num_queries,
+            num_keys=num_keys,
+            num_values=num_values,
+            num_filler=num_filler,
+            filler=filler,
+            needle_len=needle_len,
+        )
         self.needle_len = needle_len
         self.filler = filler
         if num_queries > num_pairs:
@@ -93,8 +120,7 @@ class RetrievalTask:
         """Haystack positions ``1 .. haystack_len`` of a sample of length ``seq_len``."""
         hay = seq_len - 2 * self.num_queries
         if hay < self.num_pairs * self.needle_len:
-            raise ValueError(f"seq_len={seq_len} too short for {self.num_pairs} needles and "
-                             f"{self.num_queries} queries")
+            raise ValueError(f"seq_len={seq_len} too short for {self.num_pairs} needles and {self.num_queries} queries")
         return hay
 
     @property
@@ -102,7 +128,7 @@ class RetrievalTask:
         """Accuracy of guessing the value uniformly (the query reveals the key, never the value)."""
         return 1.0 / self.num_values
 
-    def sample(self, seed: int, index: int, seq_len: Optional[int] = None) -> dict[str, torch.Tensor]:
+    def sample(self, seed: int, index: int, seq_len: int | None = None) -> dict[str, torch.Tensor]:
         """The sample ``index`` of the stream ``seed`` (pure function of its arguments)."""
         n = seq_len or self.seq_len
         hay_len = self.haystack_len(n)
@@ -152,13 +178,13 @@ class RetrievalTask:
                 rows.extend((b, p, int(n)) for n in found.tolist())
         return torch.tensor(rows, dtype=torch.int64).view(-1, 3)
 
-    def recover_answers(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[Optional[int]]:
+    def recover_answers(self, tokens: torch.Tensor, labels: torch.Tensor) -> list[int | None]:
         """Solve one sample by lookup: for each labelled (query) position, the needle token of the
         queried key found in the haystack, or ``None`` when the haystack holds no needle for it.
         Tests use it to prove the answer is recoverable from the input (and only from the needle)."""
         toks = tokens.tolist()
-        hay = toks[1: self.haystack_len(len(toks)) + 1]
-        answers: list[Optional[int]] = []
+        hay = toks[1 : self.haystack_len(len(toks)) + 1]
+        answers: list[int | None] = []
         for p in (labels != IGNORE_INDEX).nonzero().flatten().tolist():
             key = toks[p] - self.query0
             lo = self.needle0 + key * self.num_values
@@ -177,7 +203,7 @@ class RetrievalDataset(Dataset):
     def __len__(self) -> int:
         return self.length
 
-    def __getitem__(self, item: Union[int, tuple[int, int]]) -> dict[str, torch.Tensor]:
+    def __getitem__(self, item: int | tuple[int, int]) -> dict[str, torch.Tensor]:
         index, seq_len = item if isinstance(item, tuple) else (item, None)
         return self.task.sample(self.seed, index, seq_len)
 
@@ -205,8 +231,16 @@ class CurriculumBatches(Sampler):
     whatever the worker count; ``start_step`` skips the batches already trained on (resume). Under data
     parallelism each of the ``world_size`` ranks takes its own ``batch_size`` slice of step ``t``'s samples."""
 
-    def __init__(self, stages: Sequence[CurriculumStage], final_len: int, final_batch: int, total_steps: int,
-                 start_step: int = 0, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        stages: Sequence[CurriculumStage],
+        final_len: int,
+        final_batch: int,
+        total_steps: int,
+        start_step: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
         self.rank, self.world_size = rank, world_size
         self.plan: list[tuple[int, int]] = []  # (batch_size, seq_len) per step
         for st in stages:
@@ -220,7 +254,7 @@ class CurriculumBatches(Sampler):
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         first = sum(b for b, _ in self.plan[: self.start_step]) * self.world_size
-        for bs, n in self.plan[self.start_step:]:
+        for bs, n in self.plan[self.start_step :]:
             yield [(first + self.rank * bs + i, n) for i in range(bs)]
             first += bs * self.world_size
 
@@ -230,7 +264,7 @@ def default_corpus_root() -> Path:
     return Path(os.path.dirname(os.__file__))
 
 
-def _corpus_files(paths: Optional[Sequence[Union[str, os.PathLike]]], pattern: str) -> list[Path]:
+def _corpus_files(paths: Sequence[str | os.PathLike] | None, pattern: str) -> list[Path]:
     roots = [Path(p) for p in paths] if paths else [default_corpus_root()]
     files: list[Path] = []
     for root in roots:
@@ -245,8 +279,9 @@ def _corpus_files(paths: Optional[Sequence[Union[str, os.PathLike]]], pattern: s
     return files
 
 
-def read_byte_corpus(paths: Optional[Sequence[Union[str, os.PathLike]]], pattern: str, val_fraction: float,
-                     max_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+def read_byte_corpus(
+    paths: Sequence[str | os.PathLike] | None, pattern: str, val_fraction: float, max_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 ``(train, validation)`` bytes of a text corpus, each file followed by a newline.
 
     ``paths`` are files, or directories searched recursively for ``pattern`` (sorted); ``None`` reads
@@ -269,8 +304,10 @@ def read_byte_corpus(paths: Optional[Sequence[Union[str, os.PathLike]]], pattern
         raise FileNotFoundError(f"none of the corpus files under {paths or default_corpus_root()} could be read")
     if not val:  # tiny corpora: hold out the last file so validation still exists
         val.append(train.pop())
-    return (torch.frombuffer(bytearray(b"".join(train)), dtype=torch.uint8),
-            torch.frombuffer(bytearray(b"".join(val)), dtype=torch.uint8))
+    return (
+        torch.frombuffer(bytearray(b"".join(train)), dtype=torch.uint8),
+        torch.frombuffer(bytearray(b"".join(val)), dtype=torch.uint8),
+    )
 
 
 class ByteCrops(Dataset):
@@ -287,5 +324,5 @@ class ByteCrops(Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         g = sample_generator(self.seed, index)
         start = int(torch.randint(self.data.numel() - self.seq_len - 1, (1,), generator=g))
-        chunk = self.data[start: start + self.seq_len + 1].long()
+        chunk = self.data[start : start + self.seq_len + 1].long()
         return {"tokens": chunk[:-1], "labels": chunk[1:]}

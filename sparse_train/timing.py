@@ -13,16 +13,16 @@ One helper for every timer in the project (the module's attention profile, the L
 from __future__ import annotations
 
 import time
-from typing import Hashable, Optional, Union
+from collections.abc import Hashable
 
 import torch
 
 __all__ = ["Stamp", "stamp", "stage_events", "elapsed_ms", "Marks", "PhaseTimer"]
 
-Stamp = Union[float, torch.cuda.Event]
+Stamp = float | torch.cuda.Event
 
 
-def stamp(device: Union[torch.device, str]) -> Stamp:
+def stamp(device: torch.device | str) -> Stamp:
     """The current time on ``device``: a recorded CUDA event, or ``perf_counter`` seconds."""
     if torch.device(device).type == "cuda":
         event = torch.cuda.Event(enable_timing=True)
@@ -53,7 +53,7 @@ class Marks:
         device: Where the timed work runs (CUDA events there, ``perf_counter`` elsewhere).
     """
 
-    def __init__(self, device: Union[torch.device, str] = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
         self.stamps: dict[Hashable, Stamp] = {}
 
@@ -61,7 +61,7 @@ class Marks:
         """Record (or re-record) the mark ``name`` now."""
         self.stamps[name] = stamp(self.device)
 
-    def ms(self, start: Hashable, stop: Hashable) -> Optional[float]:
+    def ms(self, start: Hashable, stop: Hashable) -> float | None:
         """Milliseconds from mark ``start`` to mark ``stop``; None when either was not recorded."""
         if start not in self.stamps or stop not in self.stamps:
             return None
@@ -73,13 +73,16 @@ class PhaseTimer:
     module's profile: one module may see CPU and CUDA inputs), read together and lazily."""
 
     def __init__(self) -> None:
-        self.marks: dict[str, list[Optional[Stamp]]] = {}
+        self.marks: dict[str, list[Stamp | None]] = {}
 
-    def mark(self, name: str, which: int, device: Union[torch.device, str]) -> None:
+    def mark(self, name: str, which: int, device: torch.device | str) -> None:
         """Record the start (``which=0``) or the stop (``which=1``) of phase ``name``."""
         self.marks.setdefault(name, [None, None])[which] = stamp(device)
 
     def elapsed_ms(self) -> dict[str, float]:
         """``{"time/<phase>_ms": ms}`` for every phase with both marks (waits for CUDA stops)."""
-        return {f"time/{name}_ms": elapsed_ms(start, stop)
-                for name, (start, stop) in self.marks.items() if start is not None and stop is not None}
+        return {
+            f"time/{name}_ms": elapsed_ms(start, stop)
+            for name, (start, stop) in self.marks.items()
+            if start is not None and stop is not None
+        }

@@ -81,8 +81,9 @@ def _got(value, wrong_type: bool) -> str:
     return f"got {value!r} ({type(value).__name__})" if wrong_type else f"got {value!r}"
 
 
-def check_int(label: str, value, *, minimum: int | None = None, maximum: int | None = None,
-              optional: bool = False) -> int | None:
+def check_int(
+    label: str, value, *, minimum: int | None = None, maximum: int | None = None, optional: bool = False
+) -> int | None:
     """``value`` as a Python int (numpy ints accepted; bool, float and str rejected) in
     ``[minimum, maximum]``, or None when ``optional``."""
     if optional and value is None:
@@ -102,9 +103,17 @@ def check_int(label: str, value, *, minimum: int | None = None, maximum: int | N
     return value
 
 
-def check_float(label: str, value, *, minimum: float | None = None, maximum: float | None = None,
-                exclusive_minimum: float | None = None, exclusive_maximum: float | None = None,
-                finite: bool = True, optional: bool = False) -> float | None:
+def check_float(
+    label: str,
+    value,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    exclusive_minimum: float | None = None,
+    exclusive_maximum: float | None = None,
+    finite: bool = True,
+    optional: bool = False,
+) -> float | None:
     """``value`` as a float: a real number (bool excluded), finite unless ``finite=False``, within the
     given bounds (``minimum``/``maximum`` inclusive, ``exclusive_*`` strict), or None when ``optional``."""
     if optional and value is None:
@@ -175,8 +184,11 @@ def _as_real(name: str, value) -> float:
 
 def check_geometry(seq_len, block_q, block_k) -> tuple[int, int, int]:
     """seq_len (N), block_q (BQ), block_k (BK): ints >= 1."""
-    return (check_int("seq_len", seq_len, minimum=1), check_int("block_q", block_q, minimum=1),
-            check_int("block_k", block_k, minimum=1))
+    return (
+        check_int("seq_len", seq_len, minimum=1),
+        check_int("block_q", block_q, minimum=1),
+        check_int("block_k", block_k, minimum=1),
+    )
 
 
 def check_window_sinks(window, sinks) -> tuple[int, int]:
@@ -376,5 +388,8 @@ def plan_source(index) -> PlanSource:
 
 def source_is_current(source: PlanSource, index) -> bool:
     """The index tensors are the ones ``source`` was taken from, unmodified since."""
-    return (source.indices() is index.indices and source.counts() is index.counts
-            and source.versions == index_versions(index))
+    return (
+        source.indices() is index.indices
+        and source.counts() is index.counts
+        and source.versions == index_versions(index)
+    )

@@ -1,6 +1,7 @@
 """Shared builders of test inputs and error measures: the one random-selection builder, the one q/k/v
 maker and the error-ratio check every numerical test uses. Imported by the test modules (functions, so
 module-level parameter lists and helpers can call them too); the fixtures are in conftest.py."""
+
 import importlib
 import math
 
@@ -9,8 +10,21 @@ import torch
 from sparse_train.index.block_index import BlockIndex
 
 
-def random_selection(batch, kv_heads, seq_len, block_q, block_k, k, *, seed=0, generator=None, distinct=True,
-                     drop=0.0, duplicates=False, empty_rows=False):
+def random_selection(
+    batch,
+    kv_heads,
+    seq_len,
+    block_q,
+    block_k,
+    k,
+    *,
+    seed=0,
+    generator=None,
+    distinct=True,
+    drop=0.0,
+    duplicates=False,
+    empty_rows=False,
+):
     """Random causal candidate key blocks, int64 ``[B, HKV, NQB, k]`` (``2k`` with ``duplicates``).
 
     ``distinct=True``: the top-k of random scores over each query block's causal blocks (-1 where a row
@@ -47,8 +61,10 @@ def make_qkv(B, HQ, HKV, N, D, dtype=torch.float32, seed=0, device="cpu", requir
     """q ``[B, HQ, N, D]``, k and v ``[B, HKV, N, D]``: standard normal (drawn in fp32 on the CPU from
     ``generator`` or a fresh one seeded with ``seed``), then cast and moved."""
     g = generator if generator is not None else torch.Generator().manual_seed(seed)
-    return [torch.randn(B, h, N, D, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)
-            for h in (HQ, HKV, HKV)]
+    return [
+        torch.randn(B, h, N, D, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)
+        for h in (HQ, HKV, HKV)
+    ]
 
 
 def rel_err(a, b):
@@ -92,8 +108,9 @@ def save_tiny_tokenizer(path, *, bos=True, eos=False):
     if bos or eos:
         template = ("<s> " if bos else "") + "$A" + (" </s>" if eos else "")
         tok.post_processor = processors.TemplateProcessing(single=template, special_tokens=[("<s>", 2), ("</s>", 3)])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]",
-                            pad_token="<pad>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="[UNK]", pad_token="<pad>"
+    ).save_pretrained(path)
     return path
 
 

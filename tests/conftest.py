@@ -45,6 +45,7 @@ def _undo_leaked_interpreter_patches():
             if name in original and original[name] is not value:
                 setattr(namespace, name, original[name])
 
+
 try:
     from hypothesis import HealthCheck, settings
 except ImportError:  # property tests skip themselves without hypothesis
@@ -53,10 +54,22 @@ if settings is not None:
     # Property tests (tests/test_properties.py) run a fixed, derandomized set of examples so CI is
     # reproducible and bounded; no example database is written. HYPOTHESIS_PROFILE=explore searches
     # fresh random examples locally (each test keeps its own max_examples).
-    settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True,
-                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-    settings.register_profile("explore", derandomize=False, database=None, deadline=None, print_blob=True,
-                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    settings.register_profile(
+        "ci",
+        derandomize=True,
+        database=None,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    settings.register_profile(
+        "explore",
+        derandomize=False,
+        database=None,
+        deadline=None,
+        print_blob=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

@@ -7,8 +7,8 @@ import os
 
 import pytest
 import torch
-
 from builders import check_close, make_qkv, random_index
+
 import sparse_train as st
 from sparse_train.kernels.reference.attention import dropout_keep_mask, reference_sparse_attention
 from sparse_train.validation import DROPOUT_SEED_LIMIT
@@ -18,7 +18,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.float16 if torch.cuda.is_available() else torch.float32
 BACKENDS = [
     pytest.param("reference", id="reference"),
-    pytest.param("triton", id="triton", marks=pytest.mark.skipif(not TRITON, reason="needs CUDA or TRITON_INTERPRET=1")),
+    pytest.param(
+        "triton", id="triton", marks=pytest.mark.skipif(not TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+    ),
 ]
 
 
@@ -31,8 +33,12 @@ def _inputs(b=2, hq=2, hkv=1, n=64, d=16, block=16, seed=0):
 # ------------------------------------------------------------------------------ attention arguments
 ATTENTION_ERRORS = [
     # (keyword arguments of sparse_attention, text the message must contain)
-    pytest.param({"seq_lens": torch.tensor([64, 30]).bool()}, "seq_lens must be a 1-D integer tensor", id="seq_lens-bool"),
-    pytest.param({"seq_lens": torch.tensor([64.0, 30.0])}, "seq_lens must be a 1-D integer tensor", id="seq_lens-float"),
+    pytest.param(
+        {"seq_lens": torch.tensor([64, 30]).bool()}, "seq_lens must be a 1-D integer tensor", id="seq_lens-bool"
+    ),
+    pytest.param(
+        {"seq_lens": torch.tensor([64.0, 30.0])}, "seq_lens must be a 1-D integer tensor", id="seq_lens-float"
+    ),
     pytest.param({"seq_lens": torch.tensor([[64, 30]])}, "seq_lens must be a 1-D integer tensor", id="seq_lens-2d"),
     pytest.param({"seq_lens": [64, 30]}, "seq_lens must be a 1-D integer tensor", id="seq_lens-list"),
     pytest.param({"seq_lens": torch.tensor([64, -1])}, r"seq_lens\[1\] = -1", id="seq_lens-negative"),
@@ -42,9 +48,14 @@ ATTENTION_ERRORS = [
     pytest.param({"dropout_p": True}, "dropout_p must be a real number", id="dropout_p-bool"),
     pytest.param({"dropout_p": float("nan")}, r"dropout_p must lie in \[0, 1\)", id="dropout_p-nan"),
     pytest.param({"dropout_p": -0.1}, r"dropout_p must lie in \[0, 1\)", id="dropout_p-negative"),
-    pytest.param({"dropout_p": 0.1, "dropout_seed": -1}, r"dropout_seed must lie in \[0, 2\*\*64\)", id="seed-negative"),
-    pytest.param({"dropout_p": 0.1, "dropout_seed": 2**64}, r"dropout_seed must lie in \[0, 2\*\*64\), got 18446744073709551616",
-                 id="seed-2^64"),
+    pytest.param(
+        {"dropout_p": 0.1, "dropout_seed": -1}, r"dropout_seed must lie in \[0, 2\*\*64\)", id="seed-negative"
+    ),
+    pytest.param(
+        {"dropout_p": 0.1, "dropout_seed": 2**64},
+        r"dropout_seed must lie in \[0, 2\*\*64\), got 18446744073709551616",
+        id="seed-2^64",
+    ),
     pytest.param({"dropout_p": 0.1, "dropout_seed": 1.5}, "dropout_seed must be an int", id="seed-float"),
     pytest.param({"dropout_p": 0.1, "dropout_seed": True}, "dropout_seed must be an int", id="seed-bool"),
     pytest.param({"dropout_seed": 2**64}, "dropout_seed must lie in", id="seed-checked-without-dropout"),
@@ -70,16 +81,30 @@ def test_sparse_attention_rejects_bad_argument(backend, kwargs, match):
 
 TENSOR_ERRORS = [
     # (mutation of (q, k, v, idx), text the message must contain)
-    pytest.param(lambda q, k, v, i: (q[:, :0], k, v, i), r"query heads \(0\) must be a positive multiple", id="zero-query-heads"),
-    pytest.param(lambda q, k, v, i: (q[..., :0], k[..., :0], v[..., :0], i), "head dim must be >= 1", id="zero-head-dim"),
+    pytest.param(
+        lambda q, k, v, i: (q[:, :0], k, v, i), r"query heads \(0\) must be a positive multiple", id="zero-query-heads"
+    ),
+    pytest.param(
+        lambda q, k, v, i: (q[..., :0], k[..., :0], v[..., :0], i), "head dim must be >= 1", id="zero-head-dim"
+    ),
     pytest.param(lambda q, k, v, i: (q, k.to("meta"), v, i), "k is on meta", id="k-device"),
-    pytest.param(lambda q, k, v, i: (q.to(torch.complex64), k, v, i), "q must have a floating-point dtype", id="q-complex"),
-    pytest.param(lambda q, k, v, i: (q, k, v, "index"), "index must be a sparse_train.BlockIndex, got str", id="index-type"),
+    pytest.param(
+        lambda q, k, v, i: (q.to(torch.complex64), k, v, i), "q must have a floating-point dtype", id="q-complex"
+    ),
+    pytest.param(
+        lambda q, k, v, i: (q, k, v, "index"), "index must be a sparse_train.BlockIndex, got str", id="index-type"
+    ),
     pytest.param(lambda q, k, v, i: (q[:1], k[:1], v[:1], i), "block index is for batch=2", id="index-other-batch"),
-    pytest.param(lambda q, k, v, i: (q, k, v, st.BlockIndex.full(2, 1, 48, 16, 16, device=DEV)),
-                 "block index is for seq_len=48", id="index-other-N"),
-    pytest.param(lambda q, k, v, i: (torch.cat([q, q], 1), torch.cat([k, k], 1), torch.cat([v, v], 1), i),
-                 "kv_heads=1 but k has batch=2, kv_heads=2", id="index-other-HKV"),
+    pytest.param(
+        lambda q, k, v, i: (q, k, v, st.BlockIndex.full(2, 1, 48, 16, 16, device=DEV)),
+        "block index is for seq_len=48",
+        id="index-other-N",
+    ),
+    pytest.param(
+        lambda q, k, v, i: (torch.cat([q, q], 1), torch.cat([k, k], 1), torch.cat([v, v], 1), i),
+        "kv_heads=1 but k has batch=2, kv_heads=2",
+        id="index-other-HKV",
+    ),
 ]
 
 
@@ -101,9 +126,16 @@ def test_resolve_backend_rejects_bad_backend(backend):
 
 
 @pytest.mark.skipif(not TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("num_splits,match", [(1.5, r"num_splits must be (an int|a positive int)\b.*, got 1\.5"), (True, "num_splits must be an int"),
-                                              (0, "num_splits must be an int >= 1 and <= 64, got 0"), (65, "num_splits must be an int >= 1 and <= 64, got 65")],
-                         ids=["float", "bool", "zero", "65"])
+@pytest.mark.parametrize(
+    "num_splits,match",
+    [
+        (1.5, r"num_splits must be (an int|a positive int)\b.*, got 1\.5"),
+        (True, "num_splits must be an int"),
+        (0, "num_splits must be an int >= 1 and <= 64, got 0"),
+        (65, "num_splits must be an int >= 1 and <= 64, got 65"),
+    ],
+    ids=["float", "bool", "zero", "65"],
+)
 def test_triton_rejects_bad_num_splits(num_splits, match):
     from sparse_train.kernels.triton.op import triton_sparse_attention
 
@@ -114,23 +146,39 @@ def test_triton_rejects_bad_num_splits(num_splits, match):
 
 KERNEL_OPTION_ERRORS = [
     # (kernel_options, text the message must contain)
-    pytest.param({"num_split": 2}, r"kernel_options has no key 'num_split' \(did you mean 'num_splits'\?\); allowed keys: "
-                 r"plan, r0, num_splits, fwd_heads_per_program", id="unknown-key"),
-    pytest.param({"BLOCK_M": 64}, r"kernel_options has no key 'BLOCK_M'.*allowed keys: plan, r0", id="unknown-key-no-hint"),
+    pytest.param(
+        {"num_split": 2},
+        r"kernel_options has no key 'num_split' \(did you mean 'num_splits'\?\); allowed keys: "
+        r"plan, r0, num_splits, fwd_heads_per_program",
+        id="unknown-key",
+    ),
+    pytest.param(
+        {"BLOCK_M": 64}, r"kernel_options has no key 'BLOCK_M'.*allowed keys: plan, r0", id="unknown-key-no-hint"
+    ),
     pytest.param([("r0", 1)], "kernel_options must be a dict with keys among plan, r0", id="not-a-dict"),
     pytest.param({"num_splits": "2"}, "kernel_options.num_splits must be an int", id="num_splits-str"),
-    pytest.param({"num_splits": 65}, r"kernel_options.num_splits must be an int >= 1 and <= 64, got 65", id="num_splits-65"),
+    pytest.param(
+        {"num_splits": 65}, r"kernel_options.num_splits must be an int >= 1 and <= 64, got 65", id="num_splits-65"
+    ),
     pytest.param({"fwd_num_warps": 3}, "kernel_options.fwd_num_warps must be a power of two, got 3", id="warps-3"),
-    pytest.param({"kv_num_warps": 64}, r"kernel_options.kv_num_warps must be one of \(1, 2, 4, 8, 16\), got 64", id="warps-64"),
-    pytest.param({"dq_num_stages": 0}, r"kernel_options.dq_num_stages must be an int >= 1 and <= 8, got 0", id="stages-0"),
+    pytest.param(
+        {"kv_num_warps": 64}, r"kernel_options.kv_num_warps must be one of \(1, 2, 4, 8, 16\), got 64", id="warps-64"
+    ),
+    pytest.param(
+        {"dq_num_stages": 0}, r"kernel_options.dq_num_stages must be an int >= 1 and <= 8, got 0", id="stages-0"
+    ),
     pytest.param({"fwd_num_stages": 2.0}, "kernel_options.fwd_num_stages must be an int", id="stages-float"),
-    pytest.param({"dq_heads_per_program": 3}, "kernel_options.dq_heads_per_program must be a power of two, got 3",
-                 id="heads-3"),
-    pytest.param({"kv_heads_per_program": True}, "kernel_options.kv_heads_per_program must be a positive int", id="heads-bool"),
+    pytest.param(
+        {"dq_heads_per_program": 3}, "kernel_options.dq_heads_per_program must be a power of two, got 3", id="heads-3"
+    ),
+    pytest.param(
+        {"kv_heads_per_program": True}, "kernel_options.kv_heads_per_program must be a positive int", id="heads-bool"
+    ),
     pytest.param({"kv_chunk": 0}, "kernel_options.kv_chunk must be a positive int, got 0", id="chunk-0"),
     pytest.param({"kv_tile_rows": 24}, "kernel_options.kv_tile_rows must be a power of two, got 24", id="tile-rows-24"),
-    pytest.param({"kv_tile_rows": 8}, r"kernel_options.kv_tile_rows must be >= 16 \(tensor-core tile\), got 8",
-                 id="tile-rows-8"),
+    pytest.param(
+        {"kv_tile_rows": 8}, r"kernel_options.kv_tile_rows must be >= 16 \(tensor-core tile\), got 8", id="tile-rows-8"
+    ),
     pytest.param({"plan": "plan"}, "kernel_options.plan must be a sparse_train.BlockPlan", id="plan-str"),
     pytest.param({"fwd_tma": 1}, "kernel_options.fwd_tma must be a bool", id="fwd-tma-int"),
     pytest.param({"kv_tma": "false"}, "kernel_options.kv_tma must be a bool", id="kv-tma-str"),
@@ -159,10 +207,14 @@ def test_heads_per_program_must_divide_the_group(key):
 def test_kv_tile_rows_must_fit_the_kv_centric_tile():
     q, k, v, idx = _inputs(hq=2, hkv=1)
     rows = idx.block_q * 2
-    with pytest.raises(ValueError, match=f"kernel_options.kv_tile_rows={2 * rows} exceeds the KV-centric tile of "
-                                         f"kv_heads_per_program \\* block_q = {rows} rows"):
-        st.sparse_attention(q, k, v, idx, backend="triton",
-                            kernel_options={"kv_heads_per_program": 2, "kv_tile_rows": 2 * rows})
+    with pytest.raises(
+        ValueError,
+        match=f"kernel_options.kv_tile_rows={2 * rows} exceeds the KV-centric tile of "
+        f"kv_heads_per_program \\* block_q = {rows} rows",
+    ):
+        st.sparse_attention(
+            q, k, v, idx, backend="triton", kernel_options={"kv_heads_per_program": 2, "kv_tile_rows": 2 * rows}
+        )
 
 
 def test_sparse_attention_takes_semantics_by_keyword_and_tuning_in_kernel_options():
@@ -181,15 +233,38 @@ def test_sparse_attention_takes_semantics_by_keyword_and_tuning_in_kernel_option
 @pytest.mark.parametrize(
     "make,match",
     [
-        (lambda i: st.BlockIndex(i.indices.long(), i.counts, i.seq_len, i.block_q, i.block_k), "index.indices must be an int32"),
-        (lambda i: st.BlockIndex(i.indices, i.counts.float(), i.seq_len, i.block_q, i.block_k), "index.counts must be an int32"),
-        (lambda i: st.BlockIndex(i.indices, i.counts[:, :, :2], i.seq_len, i.block_q, i.block_k), "index.counts must have shape"),
+        (
+            lambda i: st.BlockIndex(i.indices.long(), i.counts, i.seq_len, i.block_q, i.block_k),
+            "index.indices must be an int32",
+        ),
+        (
+            lambda i: st.BlockIndex(i.indices, i.counts.float(), i.seq_len, i.block_q, i.block_k),
+            "index.counts must be an int32",
+        ),
+        (
+            lambda i: st.BlockIndex(i.indices, i.counts[:, :, :2], i.seq_len, i.block_q, i.block_k),
+            "index.counts must have shape",
+        ),
         (lambda i: st.BlockIndex(i.indices, i.counts, 100, i.block_q, i.block_k), "NQB=7"),
         (lambda i: st.BlockIndex(i.indices[..., :0], i.counts, i.seq_len, i.block_q, i.block_k), "K>=1"),
-        (lambda i: st.BlockIndex(i.indices, i.counts.to("meta"), i.seq_len, i.block_q, i.block_k), "index.counts on meta"),
-        (lambda i: st.BlockIndex(i.indices, i.counts, i.seq_len, 16.0, i.block_k), r"block_q must be (an int|a positive int)\b.*, got 16\.0"),
+        (
+            lambda i: st.BlockIndex(i.indices, i.counts.to("meta"), i.seq_len, i.block_q, i.block_k),
+            "index.counts on meta",
+        ),
+        (
+            lambda i: st.BlockIndex(i.indices, i.counts, i.seq_len, 16.0, i.block_k),
+            r"block_q must be (an int|a positive int)\b.*, got 16\.0",
+        ),
     ],
-    ids=["indices-int64", "counts-float", "counts-shape", "seq_len-nqb", "capacity-0", "counts-device", "block_q-float"],
+    ids=[
+        "indices-int64",
+        "counts-float",
+        "counts-shape",
+        "seq_len-nqb",
+        "capacity-0",
+        "counts-device",
+        "block_q-float",
+    ],
 )
 def test_block_index_constructor_checks_metadata(make, match):
     _, _, _, idx = _inputs()
@@ -249,9 +324,16 @@ def test_dropout_seed_at_the_top_of_the_domain_same_bits_both_backends(seed):
     v = torch.eye(N, D, device=DEV, dtype=DTYPE).expand(B, HKV, N, D).contiguous()
     o = st.sparse_attention(q, k, v, idx, dropout_p=p, dropout_seed=seed, backend="triton")
     pos = torch.arange(N, device=DEV)
-    keep = dropout_keep_mask(seed, torch.zeros(1, 1, 1, 1, dtype=torch.long, device=DEV),
-                             torch.arange(HQ, device=DEV).view(1, HQ, 1, 1), pos.view(1, 1, N, 1),
-                             pos.view(1, 1, 1, N), HQ, N, p) & (pos.view(1, 1, 1, N) <= pos.view(1, 1, N, 1))
+    keep = dropout_keep_mask(
+        seed,
+        torch.zeros(1, 1, 1, 1, dtype=torch.long, device=DEV),
+        torch.arange(HQ, device=DEV).view(1, HQ, 1, 1),
+        pos.view(1, 1, N, 1),
+        pos.view(1, 1, 1, N),
+        HQ,
+        N,
+        p,
+    ) & (pos.view(1, 1, 1, N) <= pos.view(1, 1, N, 1))
     assert torch.equal(o > 0, keep[..., :D])  # V = identity: o[..., j] > 0 iff key j was kept
     q, k, v, _ = _inputs(b=1, n=N, seed=6)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(7)).to(DEV, DTYPE)
@@ -260,8 +342,10 @@ def test_dropout_seed_at_the_top_of_the_domain_same_bits_both_backends(seed):
         leaves = [t.detach().clone().requires_grad_() for t in inputs]
         return torch.autograd.grad(fn(*leaves), leaves, do.to(inputs[0].dtype))
 
-    got = grads(lambda a, b, c: st.sparse_attention(a, b, c, idx, dropout_p=p, dropout_seed=seed, backend="triton"),
-                q, k, v)
+    got = grads(
+        lambda a, b, c: st.sparse_attention(a, b, c, idx, dropout_p=p, dropout_seed=seed, backend="triton"), q, k, v
+    )
+
     def reference(**kw):
         return lambda a, b, c: reference_sparse_attention(a, b, c, idx, dropout_p=p, dropout_seed=seed, **kw)[0]
 
@@ -281,8 +365,17 @@ def test_validation_traces_without_graph_break():
     lens = torch.tensor([64, 41], device=DEV)
 
     def f(q, k, v):
-        o = st.sparse_attention(q, k, v, idx, kernel_options={"plan": plan, "r0": 2}, seq_lens=lens, dropout_p=0.1, dropout_seed=2**64 - 5,
-                                backend="triton")
+        o = st.sparse_attention(
+            q,
+            k,
+            v,
+            idx,
+            kernel_options={"plan": plan, "r0": 2},
+            seq_lens=lens,
+            dropout_p=0.1,
+            dropout_seed=2**64 - 5,
+            backend="triton",
+        )
         return o.float().square().sum()
 
     qs = q.detach().clone().requires_grad_()

@@ -5,14 +5,15 @@ capture of selector + canonicalize + plan.
 On the CPU the compiled graph is traced with the ``aot_eager`` backend (dynamo + AOT autograd, the part
 that refuses graph breaks and host reads; the generated code is eager aten), the Triton kernels through
 the interpreter as ``torch.library`` custom ops. The GPU tests use the default inductor backend."""
+
 import pytest
 import torch
+from builders import ids_from_lengths, make_qkv, random_index
 
 import sparse_train as st
 from sparse_train.cuda_graphs import capture_cuda_graph
-from sparse_train.selection import BlockScorer, selection_candidates, selection_geometry
 from sparse_train.plan.plan import cold_slots, kv_schedule, kv_schedule_capacity
-from builders import ids_from_lengths, make_qkv, random_index
+from sparse_train.selection import BlockScorer, selection_candidates, selection_geometry
 
 HQ, HKV, D = 4, 2, 16
 
@@ -104,12 +105,30 @@ def test_fullgraph_compile_of_the_transformer_with_labels_equals_eager(attention
     from sparse_train.lightning.model import Transformer, TransformerConfig
 
     torch._dynamo.reset()
-    sparse = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, backend="reference", dense_warmup_steps=0,
-                  dense_fallback=False, distill="sampled", selector_dim=8)
+    sparse = dict(
+        block_q=16,
+        block_k=16,
+        top_k=2,
+        window=1,
+        sinks=1,
+        backend="reference",
+        dense_warmup_steps=0,
+        dense_fallback=False,
+        distill="sampled",
+        selector_dim=8,
+    )
     # one layer: the layers are identical blocks (no per-layer behaviour) and tracing time grows with each one;
     # the embedding's gradient still flows through the attention core's dq/dk/dv
-    cfg = TransformerConfig(vocab_size=61, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, attention=attention,
-                            sparse=sparse, loss_chunk_tokens=40)
+    cfg = TransformerConfig(
+        vocab_size=61,
+        d_model=32,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        attention=attention,
+        sparse=sparse,
+        loss_chunk_tokens=40,
+    )
     torch.manual_seed(0)
     eager = Transformer(cfg).double().train()
     twin = Transformer(cfg).double().train()
@@ -166,7 +185,9 @@ def test_compile_pointwise_inside_a_compiled_model():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("device", [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize(
+    "device", [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="gpu", marks=pytest.mark.gpu)]
+)
 def test_compile_pointwise_auto_compiles_on_cuda_only(device):
     """The default ``compile_pointwise="auto"`` compiles the pointwise functions for CUDA activations and leaves
     them eager elsewhere; True and False force it either way."""
@@ -180,7 +201,7 @@ def test_compile_pointwise_auto_compiles_on_cuda_only(device):
 
 
 def test_compile_pointwise_auto_needs_inductor_triton(monkeypatch):
-    """"auto" on CUDA activations compiles only where inductor has Triton; without it the model stays eager
+    """ "auto" on CUDA activations compiles only where inductor has Triton; without it the model stays eager
     instead of failing at its first step. (A stand-in for a CUDA tensor: only its device is read.)"""
     from sparse_train.lightning import model as model_lib
 
@@ -213,18 +234,37 @@ def test_compile_pointwise_equals_eager(device, attention, keep):
     gpu = device == "cuda"
     block, n = (64, 1000 + 37) if gpu else (16, 70)
     # on the GPU (bf16) top_k=0: GPU_GRADIENT_LIMIT; in float32 on the CPU the top-k selection does not flip
-    sparse = dict(block_q=block, block_k=block, top_k=0 if gpu else 2, window=1, sinks=1, dense_warmup_steps=0,
-                  backend="auto" if gpu else "reference", distill="sampled", selector_dim=8)
-    base = dict(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention, sparse=sparse,
-                activation_checkpointing=True, checkpoint_keeps_attention=keep)
+    sparse = dict(
+        block_q=block,
+        block_k=block,
+        top_k=0 if gpu else 2,
+        window=1,
+        sinks=1,
+        dense_warmup_steps=0,
+        backend="auto" if gpu else "reference",
+        distill="sampled",
+        selector_dim=8,
+    )
+    base = dict(
+        vocab_size=61,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        attention=attention,
+        sparse=sparse,
+        activation_checkpointing=True,
+        checkpoint_keeps_attention=keep,
+    )
     torch.manual_seed(0)
     eager = Transformer(TransformerConfig(**base, compile_pointwise=False)).to(device).train()
     fused = Transformer(TransformerConfig(**base, compile_pointwise=True)).to(device).train()
     fused.load_state_dict(eager.state_dict())
     gen = torch.Generator().manual_seed(1)
     tokens, labels = (torch.randint(61, (2, n), generator=gen).to(device) for _ in range(2))
-    want, got = _train_forwards(((eager, eager), (fused, fused)), tokens, labels, attention == "sparse",
-                                "cuda" if gpu else None)
+    want, got = _train_forwards(
+        ((eager, eager), (fused, fused)), tokens, labels, attention == "sparse", "cuda" if gpu else None
+    )
     torch.testing.assert_close(got.loss_sum, want.loss_sum, rtol=1e-3 if gpu else 1e-6, atol=0)
     if gpu:
         _check_gradients_close(eager, fused, GPU_GRADIENT_LIMIT)
@@ -262,8 +302,13 @@ INDUCTOR_CASES = [
     # '64*(ModularIndexing((-1), 2, 65)) + 64' is not comparable" (a sympy Min in its indexing); the same
     # graph traces and matches eager under aot_eager (CPU test above) and runs eagerly on the GPU.
     # Strict: the test reports when a torch release or a change here makes it pass.
-    pytest.param("sparse", True, True, id="sparse-seq_lens-documents",
-                 marks=pytest.mark.xfail(strict=True, reason="inductor lowering error with documents (torch 2.11)")),
+    pytest.param(
+        "sparse",
+        True,
+        True,
+        id="sparse-seq_lens-documents",
+        marks=pytest.mark.xfail(strict=True, reason="inductor lowering error with documents (torch 2.11)"),
+    ),
 ]
 
 
@@ -335,10 +380,27 @@ def test_fullgraph_inductor_compile_of_the_transformer_with_labels_on_gpu(attent
 
     torch._dynamo.reset()
     device = torch.device("cuda")
-    sparse = dict(block_q=64, block_k=64, top_k=0, window=2, sinks=1, dense_warmup_steps=0, dense_fallback=False,
-                  distill="sampled")  # top_k=0: GPU_GRADIENT_LIMIT
-    cfg = TransformerConfig(vocab_size=256, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention,
-                            sparse=sparse, loss_chunk_tokens=1000, compile_pointwise=False)
+    sparse = dict(
+        block_q=64,
+        block_k=64,
+        top_k=0,
+        window=2,
+        sinks=1,
+        dense_warmup_steps=0,
+        dense_fallback=False,
+        distill="sampled",
+    )  # top_k=0: GPU_GRADIENT_LIMIT
+    cfg = TransformerConfig(
+        vocab_size=256,
+        d_model=256,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        attention=attention,
+        sparse=sparse,
+        loss_chunk_tokens=1000,
+        compile_pointwise=False,
+    )
     torch.manual_seed(0)
     eager = Transformer(cfg).to(device).train()
     twin = Transformer(cfg).to(device).train()
@@ -393,8 +455,16 @@ def test_selector_index_plan_capture_in_a_cuda_graph():
         with torch.no_grad():
             scores = scorer(qbar, kbar, 0.088, geometry)
         cand = selection_candidates(scores, geometry, window=window, sinks=sinks)
-        index = st.BlockIndex.from_selection(cand, seq_len=n, block_q=block, block_k=block, window=window,
-                                             sinks=sinks, capacity=geometry.capacity, check="none")
+        index = st.BlockIndex.from_selection(
+            cand,
+            seq_len=n,
+            block_q=block,
+            block_k=block,
+            window=window,
+            sinks=sinks,
+            capacity=geometry.capacity,
+            check="none",
+        )
         plan = st.plan.build_plan(index, 1)
         slots = cold_slots(plan.hot, plan.reuse, False)
         items, parts = kv_schedule_capacity(plan.reuse.numel(), index.num_q_blocks, index.indices.numel(), 64)
@@ -427,8 +497,9 @@ def test_capture_cuda_graph_without_cuda_names_the_device():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim,block,packed", [(128, 64, False), (64, 128, True)],
-                         ids=["d128-P64", "d64-P128-packed"])
+@pytest.mark.parametrize(
+    "head_dim,block,packed", [(128, 64, False), (64, 128, True)], ids=["d128-P64", "d64-P128-packed"]
+)
 def test_attention_forward_backward_capture_in_a_cuda_graph(head_dim, block, packed):
     """The attention's forward and backward (the default kernels: on an H200 the Gluon ones), captured once in a
     CUDA graph and replayed on new q/k/v/dO, give bitwise what eager calls give on those inputs: no launch reads a
@@ -442,8 +513,9 @@ def test_attention_forward_backward_capture_in_a_cuda_graph(head_dim, block, pac
     do = torch.randn_like(q)
 
     def step():
-        o = st.sparse_attention(q, k, v, index, backend="triton", kernel_options={"plan": plan},
-                                document_ids=docs, check_values=False)
+        o = st.sparse_attention(
+            q, k, v, index, backend="triton", kernel_options={"plan": plan}, document_ids=docs, check_values=False
+        )
         return (o, *torch.autograd.grad(o, (q, k, v), do))
 
     graph, captured = capture_cuda_graph(step, warmup=2)

@@ -9,33 +9,83 @@ import pytest
 import torch
 
 import sparse_train as st
-from sparse_train.validation import check_float, check_int
-from sparse_train.lightning import ByteLMDataModule, HFCausalLMModule, RetrievalDataModule, SparseLMModule, StepTimer, \
-    Transformer, TransformerConfig
+from sparse_train.lightning import (
+    ByteLMDataModule,
+    HFCausalLMModule,
+    RetrievalDataModule,
+    SparseLMModule,
+    StepTimer,
+    Transformer,
+    TransformerConfig,
+)
 from sparse_train.lightning.data import CurriculumStage, RetrievalTask
+from sparse_train.validation import check_float, check_int
 
 NAN, INF = float("nan"), float("inf")
 
 # Kept explicit (not derived from the annotations) so the test reads as the list of what is checked; the
 # completeness test below fails when a field is added without being listed here.
-CONFIG_INT_FIELDS = ["block_q", "block_k", "top_k", "window", "sinks", "selector_dim", "selector_index_heads", "r0",
-                     "distill_every",
-                     "distill_query_rows", "distill_query_blocks", "distill_chunk_mb", "metrics_every",
-                     "metrics_query_blocks", "dense_warmup_steps"]
-CONFIG_FLOAT_FIELDS = ["dropout_p", "scale", "distill_weight", "dense_enter_density", "dense_exit_density",
-                       "selector_lr_multiplier", "selector_rope_theta", "top_p"]
-CONFIG_BOOL_FIELDS = ["deterministic", "fused_backward", "stored_ds_backward", "replay", "dense_fallback", "profile",
-                      "selector_distance_bias", "gluon_kernels"]
-CONFIG_CHOICE_FIELDS = ["backend", "distill", "index_check", "distill_row_pool", "distill_support", "key_pooling",
-                        "query_pooling", "selector", "selector_rope_style", "selector_distill"]
+CONFIG_INT_FIELDS = [
+    "block_q",
+    "block_k",
+    "top_k",
+    "window",
+    "sinks",
+    "selector_dim",
+    "selector_index_heads",
+    "r0",
+    "distill_every",
+    "distill_query_rows",
+    "distill_query_blocks",
+    "distill_chunk_mb",
+    "metrics_every",
+    "metrics_query_blocks",
+    "dense_warmup_steps",
+]
+CONFIG_FLOAT_FIELDS = [
+    "dropout_p",
+    "scale",
+    "distill_weight",
+    "dense_enter_density",
+    "dense_exit_density",
+    "selector_lr_multiplier",
+    "selector_rope_theta",
+    "top_p",
+]
+CONFIG_BOOL_FIELDS = [
+    "deterministic",
+    "fused_backward",
+    "stored_ds_backward",
+    "replay",
+    "dense_fallback",
+    "profile",
+    "selector_distance_bias",
+    "gluon_kernels",
+]
+CONFIG_CHOICE_FIELDS = [
+    "backend",
+    "distill",
+    "index_check",
+    "distill_row_pool",
+    "distill_support",
+    "key_pooling",
+    "query_pooling",
+    "selector",
+    "selector_rope_style",
+    "selector_distill",
+]
 
 
 def test_config_field_lists_cover_every_field():
     """A new field must be listed here (and get its one-line check in ``__post_init__``)."""
     listed = CONFIG_INT_FIELDS + CONFIG_FLOAT_FIELDS + CONFIG_BOOL_FIELDS + CONFIG_CHOICE_FIELDS
     assert sorted(listed) == sorted(st.SparseAttentionConfig.__dataclass_fields__)
-    lists = {"int": CONFIG_INT_FIELDS, "float": CONFIG_FLOAT_FIELDS, "bool": CONFIG_BOOL_FIELDS,
-             "str": CONFIG_CHOICE_FIELDS}
+    lists = {
+        "int": CONFIG_INT_FIELDS,
+        "float": CONFIG_FLOAT_FIELDS,
+        "bool": CONFIG_BOOL_FIELDS,
+        "str": CONFIG_CHOICE_FIELDS,
+    }
     for name, f in st.SparseAttentionConfig.__dataclass_fields__.items():
         kind = str(f.type).split(" ")[0]  # "int | None" -> "int"
         assert name in lists.get(kind, []), f"{name} ({f.type}) is not in the list of its kind"
@@ -60,8 +110,13 @@ def test_config_int_field_rejects_non_int(field, value):
 @pytest.mark.parametrize("field", CONFIG_FLOAT_FIELDS)
 @pytest.mark.parametrize(
     "value",
-    [pytest.param(NAN, id="nan"), pytest.param(INF, id="inf"), pytest.param(-INF, id="minus-inf"),
-     pytest.param(True, id="bool"), pytest.param("0.5", id="str")],
+    [
+        pytest.param(NAN, id="nan"),
+        pytest.param(INF, id="inf"),
+        pytest.param(-INF, id="minus-inf"),
+        pytest.param(True, id="bool"),
+        pytest.param("0.5", id="str"),
+    ],
 )
 def test_config_float_field_rejects_non_finite_and_non_numbers(field, value):
     with pytest.raises(ValueError) as exc_info:
@@ -75,11 +130,16 @@ def test_config_float_field_rejects_non_finite_and_non_numbers(field, value):
     [
         pytest.param("scale", 0.0, "scale must be a finite number > 0 or None", id="scale-zero"),
         pytest.param("scale", -1.0, "scale must be a finite number > 0 or None", id="scale-negative"),
-        pytest.param("distill_weight", -0.5, "distill_weight must be a finite number >= 0",
-                     id="distill-weight-negative"),
+        pytest.param(
+            "distill_weight", -0.5, "distill_weight must be a finite number >= 0", id="distill-weight-negative"
+        ),
         pytest.param("dropout_p", -0.1, "dropout_p must be a finite number in [0, 1)", id="dropout-negative"),
-        pytest.param("dense_enter_density", 1.5, "dense_enter_density must be a finite number in [0, 1]",
-                     id="enter-density-above-one"),
+        pytest.param(
+            "dense_enter_density",
+            1.5,
+            "dense_enter_density must be a finite number in [0, 1]",
+            id="enter-density-above-one",
+        ),
         pytest.param("r0", -1, "r0 must be an int >= 0 or None", id="r0-negative"),
         pytest.param("distill_query_rows", 0, "distill_query_rows must be a positive int or None", id="rows-zero"),
         pytest.param("backend", None, "backend must be one of", id="backend-none"),
@@ -101,40 +161,79 @@ def test_config_refuses_the_fused_backward_with_deterministic():
 @pytest.mark.parametrize(
     "overrides,message",
     [
-        pytest.param({"head_dim": 0}, r"TransformerConfig\.head_dim must be a positive int or None, got 0",
-                     id="head-dim-zero-was-silently-default"),
-        pytest.param({"n_heads": 0}, r"TransformerConfig\.n_heads must be a positive int, got 0",
-                     id="n-heads-zero-was-ZeroDivisionError"),
-        pytest.param({"n_kv_heads": 0}, r"TransformerConfig\.n_kv_heads must be a positive int, got 0",
-                     id="n-kv-heads-zero-was-ZeroDivisionError"),
-        pytest.param({"n_heads": 4, "n_kv_heads": 3}, r"n_heads=4 must be a multiple of n_kv_heads=3",
-                     id="heads-not-multiple-of-kv-heads"),
-        pytest.param({"d_model": 30}, r"TransformerConfig\.d_model=30 is not divisible by n_heads=4",
-                     id="d-model-not-divisible"),
+        pytest.param(
+            {"head_dim": 0},
+            r"TransformerConfig\.head_dim must be a positive int or None, got 0",
+            id="head-dim-zero-was-silently-default",
+        ),
+        pytest.param(
+            {"n_heads": 0},
+            r"TransformerConfig\.n_heads must be a positive int, got 0",
+            id="n-heads-zero-was-ZeroDivisionError",
+        ),
+        pytest.param(
+            {"n_kv_heads": 0},
+            r"TransformerConfig\.n_kv_heads must be a positive int, got 0",
+            id="n-kv-heads-zero-was-ZeroDivisionError",
+        ),
+        pytest.param(
+            {"n_heads": 4, "n_kv_heads": 3},
+            r"n_heads=4 must be a multiple of n_kv_heads=3",
+            id="heads-not-multiple-of-kv-heads",
+        ),
+        pytest.param(
+            {"d_model": 30}, r"TransformerConfig\.d_model=30 is not divisible by n_heads=4", id="d-model-not-divisible"
+        ),
         pytest.param({"head_dim": 7}, r"head dim must be even for RoPE.*got 7", id="odd-head-dim"),
-        pytest.param({"n_layers": 1.5}, r"TransformerConfig\.n_layers must be a positive int, got 1\.5 \(float\)",
-                     id="n-layers-float"),
-        pytest.param({"n_heads": True}, r"TransformerConfig\.n_heads must be a positive int, got True \(bool\)",
-                     id="n-heads-bool"),
-        pytest.param({"vocab_size": 0}, r"TransformerConfig\.vocab_size must be a positive int, got 0",
-                     id="vocab-zero"),
-        pytest.param({"ffn_hidden": 0}, r"TransformerConfig\.ffn_hidden must be a positive int or None, got 0",
-                     id="ffn-hidden-zero-was-silently-default"),
-        pytest.param({"rope_theta": NAN}, r"TransformerConfig\.rope_theta must be a finite number > 0, got nan",
-                     id="rope-theta-nan"),
-        pytest.param({"norm_eps": 0.0}, r"TransformerConfig\.norm_eps must be a finite number > 0, got 0\.0",
-                     id="norm-eps-zero"),
-        pytest.param({"init_std": INF}, r"TransformerConfig\.init_std must be a finite number >= 0, got inf",
-                     id="init-std-inf"),
-        pytest.param({"tie_embeddings": "no"}, r"TransformerConfig\.tie_embeddings must be a bool, got 'no'",
-                     id="tie-embeddings-str"),
-        pytest.param({"attention": "flash"}, r"TransformerConfig\.attention must be one of \('sparse', 'dense'\)",
-                     id="attention-unknown"),
-        pytest.param({"sparse": {"top_kk": 8}},
-                     r"TransformerConfig\.sparse has no key 'top_kk' \(did you mean 'top_k'\?\); allowed keys: block_q",
-                     id="sparse-unknown-key"),
-        pytest.param({"sparse": {"top_k": -1}}, r"SparseAttentionConfig\.top_k must be an int >= 0, got -1",
-                     id="sparse-bad-value-at-config-time"),
+        pytest.param(
+            {"n_layers": 1.5},
+            r"TransformerConfig\.n_layers must be a positive int, got 1\.5 \(float\)",
+            id="n-layers-float",
+        ),
+        pytest.param(
+            {"n_heads": True},
+            r"TransformerConfig\.n_heads must be a positive int, got True \(bool\)",
+            id="n-heads-bool",
+        ),
+        pytest.param(
+            {"vocab_size": 0}, r"TransformerConfig\.vocab_size must be a positive int, got 0", id="vocab-zero"
+        ),
+        pytest.param(
+            {"ffn_hidden": 0},
+            r"TransformerConfig\.ffn_hidden must be a positive int or None, got 0",
+            id="ffn-hidden-zero-was-silently-default",
+        ),
+        pytest.param(
+            {"rope_theta": NAN},
+            r"TransformerConfig\.rope_theta must be a finite number > 0, got nan",
+            id="rope-theta-nan",
+        ),
+        pytest.param(
+            {"norm_eps": 0.0}, r"TransformerConfig\.norm_eps must be a finite number > 0, got 0\.0", id="norm-eps-zero"
+        ),
+        pytest.param(
+            {"init_std": INF}, r"TransformerConfig\.init_std must be a finite number >= 0, got inf", id="init-std-inf"
+        ),
+        pytest.param(
+            {"tie_embeddings": "no"},
+            r"TransformerConfig\.tie_embeddings must be a bool, got 'no'",
+            id="tie-embeddings-str",
+        ),
+        pytest.param(
+            {"attention": "flash"},
+            r"TransformerConfig\.attention must be one of \('sparse', 'dense'\)",
+            id="attention-unknown",
+        ),
+        pytest.param(
+            {"sparse": {"top_kk": 8}},
+            r"TransformerConfig\.sparse has no key 'top_kk' \(did you mean 'top_k'\?\); allowed keys: block_q",
+            id="sparse-unknown-key",
+        ),
+        pytest.param(
+            {"sparse": {"top_k": -1}},
+            r"SparseAttentionConfig\.top_k must be an int >= 0, got -1",
+            id="sparse-bad-value-at-config-time",
+        ),
         pytest.param({"sparse": 3}, r"TransformerConfig\.sparse must be a dict", id="sparse-not-a-dict"),
     ],
 )
@@ -145,8 +244,11 @@ def test_transformer_config_rejects_bad_values(overrides, message):
 
 
 def test_transformer_config_defaults_and_explicit_head_dim_still_build():
-    model = Transformer(TransformerConfig(vocab_size=70, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
-                                          attention="dense"))
+    model = Transformer(
+        TransformerConfig(
+            vocab_size=70, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, attention="dense"
+        )
+    )
     assert model.blocks[0].attn.head_dim == 16 and model.blocks[0].attn.wq.out_features == 64
     assert TransformerConfig().resolved_head_dim == 32
     with pytest.raises(ValueError, match="Transformer needs a TransformerConfig, got dict"):
@@ -161,31 +263,53 @@ TINY = TransformerConfig(vocab_size=70, d_model=32, n_layers=1, n_heads=4, n_kv_
     [
         pytest.param({"lr": NAN}, r"SparseLMModule\.lr must be a finite number >= 0, got nan", id="lr-nan"),
         pytest.param({"lr": -1e-3}, r"SparseLMModule\.lr must be a finite number >= 0, got -0\.001", id="lr-negative"),
-        pytest.param({"selector_lr": INF}, r"SparseLMModule\.selector_lr must be a finite number >= 0 or None, got inf",
-                     id="selector-lr-inf"),
-        pytest.param({"weight_decay": NAN}, r"SparseLMModule\.weight_decay must be a finite number >= 0, got nan",
-                     id="weight-decay-nan"),
-        pytest.param({"betas": (0.9, 1.0)}, r"SparseLMModule\.betas\[1\] must be a finite number in \[0, 1\), got 1\.0",
-                     id="beta2-one"),
+        pytest.param(
+            {"selector_lr": INF},
+            r"SparseLMModule\.selector_lr must be a finite number >= 0 or None, got inf",
+            id="selector-lr-inf",
+        ),
+        pytest.param(
+            {"weight_decay": NAN},
+            r"SparseLMModule\.weight_decay must be a finite number >= 0, got nan",
+            id="weight-decay-nan",
+        ),
+        pytest.param(
+            {"betas": (0.9, 1.0)},
+            r"SparseLMModule\.betas\[1\] must be a finite number in \[0, 1\), got 1\.0",
+            id="beta2-one",
+        ),
         pytest.param({"betas": (0.9,)}, r"SparseLMModule\.betas must be a pair", id="betas-single"),
-        pytest.param({"warmup_steps": 1.5}, r"SparseLMModule\.warmup_steps must be an int >= 0, got 1\.5 \(float\)",
-                     id="warmup-float"),
-        pytest.param({"warmup_steps": -1}, r"SparseLMModule\.warmup_steps must be an int >= 0, got -1",
-                     id="warmup-negative"),
-        pytest.param({"min_lr_ratio": 1.5},
-                     r"SparseLMModule\.min_lr_ratio must be a finite number in \[0, 1\], got 1\.5",
-                     id="min-lr-ratio-above-one"),
-        pytest.param({"selector_loss_weight": INF},
-                     r"SparseLMModule\.selector_loss_weight must be a finite number >= 0, got inf",
-                     id="selector-loss-weight-inf"),
-        pytest.param({"train_only_selector": "false"},
-                     r"SparseLMModule\.train_only_selector must be a bool, got 'false' \(str\)",
-                     id="train-only-selector-str-is-truthy"),
-        pytest.param({"init_from": 3}, r"SparseLMModule\.init_from must be a checkpoint path or None, got 3",
-                     id="init-from-int"),
-        pytest.param({"model": {"d_modell": 64}},
-                     r"SparseLMModule\.model has no key 'd_modell' \(did you mean 'd_model'\?\)",
-                     id="model-dict-unknown-key"),
+        pytest.param(
+            {"warmup_steps": 1.5},
+            r"SparseLMModule\.warmup_steps must be an int >= 0, got 1\.5 \(float\)",
+            id="warmup-float",
+        ),
+        pytest.param(
+            {"warmup_steps": -1}, r"SparseLMModule\.warmup_steps must be an int >= 0, got -1", id="warmup-negative"
+        ),
+        pytest.param(
+            {"min_lr_ratio": 1.5},
+            r"SparseLMModule\.min_lr_ratio must be a finite number in \[0, 1\], got 1\.5",
+            id="min-lr-ratio-above-one",
+        ),
+        pytest.param(
+            {"selector_loss_weight": INF},
+            r"SparseLMModule\.selector_loss_weight must be a finite number >= 0, got inf",
+            id="selector-loss-weight-inf",
+        ),
+        pytest.param(
+            {"train_only_selector": "false"},
+            r"SparseLMModule\.train_only_selector must be a bool, got 'false' \(str\)",
+            id="train-only-selector-str-is-truthy",
+        ),
+        pytest.param(
+            {"init_from": 3}, r"SparseLMModule\.init_from must be a checkpoint path or None, got 3", id="init-from-int"
+        ),
+        pytest.param(
+            {"model": {"d_modell": 64}},
+            r"SparseLMModule\.model has no key 'd_modell' \(did you mean 'd_model'\?\)",
+            id="model-dict-unknown-key",
+        ),
         pytest.param({"model": 3}, r"SparseLMModule\.model must be a TransformerConfig or a dict", id="model-int"),
     ],
 )
@@ -199,11 +323,18 @@ def test_selector_lr_zero_is_zero_not_lr():
     was meant to freeze."""
     from lightning.pytorch import Trainer
 
-    cfg = TransformerConfig(vocab_size=70, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
-                            sparse=dict(block_q=16, block_k=16, backend="reference"))
+    cfg = TransformerConfig(
+        vocab_size=70,
+        d_model=32,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        sparse=dict(block_q=16, block_k=16, backend="reference"),
+    )
     module = SparseLMModule(cfg, lr=1e-3, selector_lr=0.0)
-    module.trainer = Trainer(max_steps=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False)
+    module.trainer = Trainer(
+        max_steps=10, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
+    )
     groups = module.configure_optimizers()["optimizer"].param_groups
     assert sorted(g["initial_lr"] for g in groups) == [0.0, 1e-3, 1e-3]  # before the warm-up factor
 
@@ -211,23 +342,42 @@ def test_selector_lr_zero_is_zero_not_lr():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        pytest.param({"sparse": {"top_kk": 8}},
-                     r"HFCausalLMModule\.sparse has no key 'top_kk' \(did you mean 'top_k'\?\)",
-                     id="sparse-unknown-key"),
-        pytest.param({"sparse": {"scale": NAN}}, r"SparseAttentionConfig\.scale must be a finite number > 0 or None",
-                     id="sparse-scale-nan"),
+        pytest.param(
+            {"sparse": {"top_kk": 8}},
+            r"HFCausalLMModule\.sparse has no key 'top_kk' \(did you mean 'top_k'\?\)",
+            id="sparse-unknown-key",
+        ),
+        pytest.param(
+            {"sparse": {"scale": NAN}},
+            r"SparseAttentionConfig\.scale must be a finite number > 0 or None",
+            id="sparse-scale-nan",
+        ),
         pytest.param({"sparse": 3}, r"HFCausalLMModule\.sparse must be a dict", id="sparse-int"),
         pytest.param({"dtype": "float33"}, r"HFCausalLMModule\.dtype must be one of \('float32'", id="dtype-unknown"),
         pytest.param({"attention": "flash"}, r"HFCausalLMModule\.attention must be one of", id="attention-unknown"),
         pytest.param({"lr": NAN}, r"HFCausalLMModule\.lr must be a finite number >= 0, got nan", id="lr-nan"),
-        pytest.param({"gradient_checkpointing": 1}, r"HFCausalLMModule\.gradient_checkpointing must be a bool",
-                     id="gradient-checkpointing-int"),
-        pytest.param({"checkpoint_keeps_attention": "yes"},
-                     r"HFCausalLMModule\.checkpoint_keeps_attention must be a bool", id="keeps-attention-str"),
-        pytest.param({"pretrained_path": None}, r"HFCausalLMModule\.pretrained_path must be a local checkpoint "
-                     r"directory \(config\.json \+ weights\), got None", id="pretrained-path-none"),
-        pytest.param({"pretrained_path": "/no/such/dir"}, r"HFCausalLMModule\.pretrained_path must be a local "
-                     r"checkpoint directory .*got '/no/such/dir'", id="pretrained-path-missing-was-hub-repo-id-error"),
+        pytest.param(
+            {"gradient_checkpointing": 1},
+            r"HFCausalLMModule\.gradient_checkpointing must be a bool",
+            id="gradient-checkpointing-int",
+        ),
+        pytest.param(
+            {"checkpoint_keeps_attention": "yes"},
+            r"HFCausalLMModule\.checkpoint_keeps_attention must be a bool",
+            id="keeps-attention-str",
+        ),
+        pytest.param(
+            {"pretrained_path": None},
+            r"HFCausalLMModule\.pretrained_path must be a local checkpoint "
+            r"directory \(config\.json \+ weights\), got None",
+            id="pretrained-path-none",
+        ),
+        pytest.param(
+            {"pretrained_path": "/no/such/dir"},
+            r"HFCausalLMModule\.pretrained_path must be a local "
+            r"checkpoint directory .*got '/no/such/dir'",
+            id="pretrained-path-missing-was-hub-repo-id-error",
+        ),
     ],
 )
 def test_hf_module_rejects_bad_arguments_before_loading(kwargs, message, tmp_path):
@@ -249,39 +399,76 @@ DATA = dict(seq_len=128, num_pairs=2, num_queries=2, num_keys=4, batch_size=2)
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        pytest.param({"batch_size": 0}, r"RetrievalDataModule\.batch_size must be a positive int, got 0",
-                     id="batch-size-zero-was-IndexError"),
-        pytest.param({"batch_size": 1.5}, r"RetrievalDataModule\.batch_size must be a positive int, got 1\.5 \(float\)",
-                     id="batch-size-float"),
-        pytest.param({"seq_len": 128.5}, r"RetrievalDataModule\.seq_len must be a positive int, got 128\.5",
-                     id="seq-len-float"),
-        pytest.param({"num_values": 0}, r"RetrievalDataModule\.num_values must be a positive int, got 0",
-                     id="num-values-zero"),
-        pytest.param({"num_queries": 0}, r"RetrievalDataModule\.num_queries must be a positive int, got 0",
-                     id="num-queries-zero-scores-nothing"),
-        pytest.param({"needle_len": 1.5}, r"RetrievalDataModule\.needle_len must be a positive int, got 1\.5",
-                     id="needle-len-float"),
-        pytest.param({"filler": "noise"}, r"RetrievalDataModule\.filler must be one of \('repeat', 'random'\)",
-                     id="filler-unknown"),
-        pytest.param({"eval_batch_size": 0}, r"RetrievalDataModule\.eval_batch_size must be a positive int or None",
-                     id="eval-batch-size-zero"),
-        pytest.param({"train_steps": 0}, r"RetrievalDataModule\.train_steps must be a positive int, got 0",
-                     id="train-steps-zero"),
-        pytest.param({"val_samples": -1}, r"RetrievalDataModule\.val_samples must be an int >= 0, got -1",
-                     id="val-samples-negative"),
-        pytest.param({"train_seed": 0.5}, r"RetrievalDataModule\.train_seed must be an int, got 0\.5",
-                     id="seed-float"),
-        pytest.param({"curriculum": [{"steps": 1.5, "seq_len": 64, "batch_size": 2}]},
-                     r"CurriculumStage\.steps must be an int >= 0, got 1\.5 \(float\)", id="stage-steps-float"),
-        pytest.param({"curriculum": [{"steps": 1, "seq_len": 64, "batch_size": 0}]},
-                     r"CurriculumStage\.batch_size must be a positive int, got 0", id="stage-batch-size-zero"),
-        pytest.param({"curriculum": [{"steps": -1, "seq_len": 64, "batch_size": 2}]},
-                     r"CurriculumStage\.steps must be an int >= 0, got -1", id="stage-steps-negative"),
-        pytest.param({"curriculum": [{"steps": 1, "seq_len": 64}]},
-                     r"RetrievalDataModule\.curriculum\[0\] lacks batch_size", id="stage-missing-key"),
-        pytest.param({"curriculum": [{"steps": 1, "seq_len": 64, "batch_size": 2, "seqlen": 3}]},
-                     r"RetrievalDataModule\.curriculum\[0\] has no key 'seqlen' \(did you mean 'seq_len'\?\)",
-                     id="stage-unknown-key"),
+        pytest.param(
+            {"batch_size": 0},
+            r"RetrievalDataModule\.batch_size must be a positive int, got 0",
+            id="batch-size-zero-was-IndexError",
+        ),
+        pytest.param(
+            {"batch_size": 1.5},
+            r"RetrievalDataModule\.batch_size must be a positive int, got 1\.5 \(float\)",
+            id="batch-size-float",
+        ),
+        pytest.param(
+            {"seq_len": 128.5}, r"RetrievalDataModule\.seq_len must be a positive int, got 128\.5", id="seq-len-float"
+        ),
+        pytest.param(
+            {"num_values": 0}, r"RetrievalDataModule\.num_values must be a positive int, got 0", id="num-values-zero"
+        ),
+        pytest.param(
+            {"num_queries": 0},
+            r"RetrievalDataModule\.num_queries must be a positive int, got 0",
+            id="num-queries-zero-scores-nothing",
+        ),
+        pytest.param(
+            {"needle_len": 1.5},
+            r"RetrievalDataModule\.needle_len must be a positive int, got 1\.5",
+            id="needle-len-float",
+        ),
+        pytest.param(
+            {"filler": "noise"},
+            r"RetrievalDataModule\.filler must be one of \('repeat', 'random'\)",
+            id="filler-unknown",
+        ),
+        pytest.param(
+            {"eval_batch_size": 0},
+            r"RetrievalDataModule\.eval_batch_size must be a positive int or None",
+            id="eval-batch-size-zero",
+        ),
+        pytest.param(
+            {"train_steps": 0}, r"RetrievalDataModule\.train_steps must be a positive int, got 0", id="train-steps-zero"
+        ),
+        pytest.param(
+            {"val_samples": -1},
+            r"RetrievalDataModule\.val_samples must be an int >= 0, got -1",
+            id="val-samples-negative",
+        ),
+        pytest.param({"train_seed": 0.5}, r"RetrievalDataModule\.train_seed must be an int, got 0\.5", id="seed-float"),
+        pytest.param(
+            {"curriculum": [{"steps": 1.5, "seq_len": 64, "batch_size": 2}]},
+            r"CurriculumStage\.steps must be an int >= 0, got 1\.5 \(float\)",
+            id="stage-steps-float",
+        ),
+        pytest.param(
+            {"curriculum": [{"steps": 1, "seq_len": 64, "batch_size": 0}]},
+            r"CurriculumStage\.batch_size must be a positive int, got 0",
+            id="stage-batch-size-zero",
+        ),
+        pytest.param(
+            {"curriculum": [{"steps": -1, "seq_len": 64, "batch_size": 2}]},
+            r"CurriculumStage\.steps must be an int >= 0, got -1",
+            id="stage-steps-negative",
+        ),
+        pytest.param(
+            {"curriculum": [{"steps": 1, "seq_len": 64}]},
+            r"RetrievalDataModule\.curriculum\[0\] lacks batch_size",
+            id="stage-missing-key",
+        ),
+        pytest.param(
+            {"curriculum": [{"steps": 1, "seq_len": 64, "batch_size": 2, "seqlen": 3}]},
+            r"RetrievalDataModule\.curriculum\[0\] has no key 'seqlen' \(did you mean 'seq_len'\?\)",
+            id="stage-unknown-key",
+        ),
     ],
 )
 def test_retrieval_data_rejects_bad_arguments(kwargs, message):
@@ -299,25 +486,41 @@ def test_retrieval_task_and_stage_check_their_own_arguments():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        pytest.param({"paths": "corpus"}, r"ByteLMDataModule\.paths must be a list .* write \['corpus'\]",
-                     id="paths-single-string-read-per-character"),
-        pytest.param({"paths": [3]}, r"ByteLMDataModule\.paths must be a list of files or directories or None",
-                     id="paths-int-entry"),
-        pytest.param({"paths": ["/no/such/corpus"]}, r"ByteLMDataModule\.paths: '/no/such/corpus' does not exist",
-                     id="paths-missing-was-raised-mid-fit"),
+        pytest.param(
+            {"paths": "corpus"},
+            r"ByteLMDataModule\.paths must be a list .* write \['corpus'\]",
+            id="paths-single-string-read-per-character",
+        ),
+        pytest.param(
+            {"paths": [3]},
+            r"ByteLMDataModule\.paths must be a list of files or directories or None",
+            id="paths-int-entry",
+        ),
+        pytest.param(
+            {"paths": ["/no/such/corpus"]},
+            r"ByteLMDataModule\.paths: '/no/such/corpus' does not exist",
+            id="paths-missing-was-raised-mid-fit",
+        ),
         pytest.param({"seq_len": 0}, r"ByteLMDataModule\.seq_len must be a positive int, got 0", id="seq-len-zero"),
-        pytest.param({"batch_size": 0}, r"ByteLMDataModule\.batch_size must be a positive int, got 0",
-                     id="batch-size-zero"),
-        pytest.param({"val_fraction": NAN},
-                     r"ByteLMDataModule\.val_fraction must be a finite number in \[0, 1\), got nan",
-                     id="val-fraction-nan"),
-        pytest.param({"val_fraction": 1.0},
-                     r"ByteLMDataModule\.val_fraction must be a finite number in \[0, 1\), got 1\.0",
-                     id="val-fraction-one-leaves-no-training-data"),
-        pytest.param({"max_bytes": 0}, r"ByteLMDataModule\.max_bytes must be a positive int, got 0",
-                     id="max-bytes-zero"),
-        pytest.param({"num_workers": -1}, r"ByteLMDataModule\.num_workers must be an int >= 0, got -1",
-                     id="num-workers-negative"),
+        pytest.param(
+            {"batch_size": 0}, r"ByteLMDataModule\.batch_size must be a positive int, got 0", id="batch-size-zero"
+        ),
+        pytest.param(
+            {"val_fraction": NAN},
+            r"ByteLMDataModule\.val_fraction must be a finite number in \[0, 1\), got nan",
+            id="val-fraction-nan",
+        ),
+        pytest.param(
+            {"val_fraction": 1.0},
+            r"ByteLMDataModule\.val_fraction must be a finite number in \[0, 1\), got 1\.0",
+            id="val-fraction-one-leaves-no-training-data",
+        ),
+        pytest.param(
+            {"max_bytes": 0}, r"ByteLMDataModule\.max_bytes must be a positive int, got 0", id="max-bytes-zero"
+        ),
+        pytest.param(
+            {"num_workers": -1}, r"ByteLMDataModule\.num_workers must be an int >= 0, got -1", id="num-workers-negative"
+        ),
     ],
 )
 def test_byte_lm_data_rejects_bad_arguments(kwargs, message):
@@ -329,8 +532,9 @@ def test_byte_lm_data_rejects_bad_arguments(kwargs, message):
     "kwargs,message",
     [
         pytest.param({"every_n_steps": 0}, r"StepTimer\.every_n_steps must be a positive int, got 0", id="every-zero"),
-        pytest.param({"every_n_steps": 2.5}, r"StepTimer\.every_n_steps must be a positive int, got 2\.5",
-                     id="every-float"),
+        pytest.param(
+            {"every_n_steps": 2.5}, r"StepTimer\.every_n_steps must be a positive int, got 2\.5", id="every-float"
+        ),
         pytest.param({"prog_bar": "no"}, r"StepTimer\.prog_bar must be a bool", id="prog-bar-str"),
     ],
 )
@@ -342,13 +546,25 @@ def test_step_timer_rejects_bad_arguments(kwargs, message):
 @pytest.mark.parametrize(
     "check,value,message",
     [
-        pytest.param(lambda v: check_int("x.n", v, minimum=0, maximum=4), 5, "x.n must be an int >= 0 and <= 4, got 5",
-                     id="int-above-maximum"),
+        pytest.param(
+            lambda v: check_int("x.n", v, minimum=0, maximum=4),
+            5,
+            "x.n must be an int >= 0 and <= 4, got 5",
+            id="int-above-maximum",
+        ),
         pytest.param(lambda v: check_int("x.n", v), None, "x.n must be an int, got None (NoneType)", id="int-none"),
-        pytest.param(lambda v: check_float("x.f", v, minimum=0.0, finite=False), -INF,
-                     "x.f must be a number >= 0, got -inf", id="float-not-finite-still-bounded"),
-        pytest.param(lambda v: check_float("x.f", v, minimum=0.0, finite=False), NAN,
-                     "x.f must be a number >= 0, got nan", id="float-nan-never-passes"),
+        pytest.param(
+            lambda v: check_float("x.f", v, minimum=0.0, finite=False),
+            -INF,
+            "x.f must be a number >= 0, got -inf",
+            id="float-not-finite-still-bounded",
+        ),
+        pytest.param(
+            lambda v: check_float("x.f", v, minimum=0.0, finite=False),
+            NAN,
+            "x.f must be a number >= 0, got nan",
+            id="float-nan-never-passes",
+        ),
     ],
 )
 def test_check_helpers_messages(check, value, message):

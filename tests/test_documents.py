@@ -1,13 +1,14 @@
 """Packed documents (sparse_train.documents): the conversions, the argument checks, and the PyTorch
 reference with the document mask, which must equal running every document alone through the reference
 with the full selection (float64)."""
+
 import math
 
 import pytest
 import torch
+from builders import make_qkv, random_index
 
 import sparse_train as st
-from builders import make_qkv, random_index
 from sparse_train.documents import (
     block_document_ranges,
     check_document_ids,
@@ -61,11 +62,14 @@ def test_ids_from_cu_seqlens_per_row_with_empty_documents():
     assert ids.tolist() == [[0, 0, 1, 1, 1, 2, 2], [0, 0, 0, 0, 1, 1, 1]]
 
 
-@pytest.mark.parametrize("lengths,n", [
-    pytest.param([5, 1, 9, 2], 17, id="four-docs"),
-    pytest.param([17], 17, id="one-doc"),
-    pytest.param([1] * 13, 13, id="singletons"),
-])
+@pytest.mark.parametrize(
+    "lengths,n",
+    [
+        pytest.param([5, 1, 9, 2], 17, id="four-docs"),
+        pytest.param([17], 17, id="one-doc"),
+        pytest.param([1] * 13, 13, id="singletons"),
+    ],
+)
 def test_round_trips(lengths, n):
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     ids = document_ids_from_cu_seqlens(cu, n)
@@ -91,8 +95,9 @@ def test_position_ids_jump_starts_a_document():
     assert document_ids_from_position_ids(pos).tolist() == [[0, 0, 0, 1, 1, 2, 2, 3], [0] * 8]
 
 
-@pytest.mark.parametrize("n,block", [(37, 8), (32, 8), (5, 16), (1, 1)], ids=["odd37-b8", "even32-b8", "short5-b16",
-                                                                                "one-token"])
+@pytest.mark.parametrize(
+    "n,block", [(37, 8), (32, 8), (5, 16), (1, 1)], ids=["odd37-b8", "even32-b8", "short5-b16", "one-token"]
+)
 def test_block_document_ranges(n, block):
     g = torch.Generator().manual_seed(n)
     ids = torch.cumsum((torch.rand(2, n, generator=g) < 0.2).long(), dim=1)
@@ -100,24 +105,31 @@ def test_block_document_ranges(n, block):
     assert ranges.shape == (2, math.ceil(n / block), 2)
     for b in range(2):
         for i in range(math.ceil(n / block)):
-            chunk = ids[b, i * block:(i + 1) * block]
+            chunk = ids[b, i * block : (i + 1) * block]
             assert ranges[b, i].tolist() == [int(chunk.min()), int(chunk.max())]
 
 
 # ---------------------------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("ids,message", [
-    pytest.param(torch.zeros(2, 9), "int32 or int64", id="float"),
-    pytest.param(torch.zeros(2, 9, dtype=torch.int16), "int32 or int64", id="int16"),
-    pytest.param(torch.zeros(2, 9, dtype=torch.bool), "int32 or int64", id="bool"),
-    pytest.param(torch.zeros(9, dtype=torch.int64), r"shape \[B, N\] = \[2, 9\]", id="1-D"),
-    pytest.param(torch.zeros(2, 8, dtype=torch.int64), r"shape \[B, N\] = \[2, 9\]", id="short"),
-    pytest.param(torch.zeros(2, 9, dtype=torch.int32, device="meta"), "is on meta", id="device"),
-    pytest.param(torch.tensor([[0] * 9, [0, 0, 1, 1, 1, 1, 0, 2, 2]]), r"row 1: document_ids\[1, 6\] = 0 < "
-                 r"document_ids\[1, 5\] = 1", id="decreasing"),
-    pytest.param(torch.tensor([[0] * 9, [-1] * 9]), r"document_ids\[1, 0\] = -1", id="negative"),
-    pytest.param(torch.tensor([[0] * 8 + [2**31]] * 2), r"\[0, 2\*\*31\)", id="too-large"),
-    pytest.param([[0] * 9] * 2, "torch.Tensor", id="list"),
-])
+@pytest.mark.parametrize(
+    "ids,message",
+    [
+        pytest.param(torch.zeros(2, 9), "int32 or int64", id="float"),
+        pytest.param(torch.zeros(2, 9, dtype=torch.int16), "int32 or int64", id="int16"),
+        pytest.param(torch.zeros(2, 9, dtype=torch.bool), "int32 or int64", id="bool"),
+        pytest.param(torch.zeros(9, dtype=torch.int64), r"shape \[B, N\] = \[2, 9\]", id="1-D"),
+        pytest.param(torch.zeros(2, 8, dtype=torch.int64), r"shape \[B, N\] = \[2, 9\]", id="short"),
+        pytest.param(torch.zeros(2, 9, dtype=torch.int32, device="meta"), "is on meta", id="device"),
+        pytest.param(
+            torch.tensor([[0] * 9, [0, 0, 1, 1, 1, 1, 0, 2, 2]]),
+            r"row 1: document_ids\[1, 6\] = 0 < "
+            r"document_ids\[1, 5\] = 1",
+            id="decreasing",
+        ),
+        pytest.param(torch.tensor([[0] * 9, [-1] * 9]), r"document_ids\[1, 0\] = -1", id="negative"),
+        pytest.param(torch.tensor([[0] * 8 + [2**31]] * 2), r"\[0, 2\*\*31\)", id="too-large"),
+        pytest.param([[0] * 9] * 2, "torch.Tensor", id="list"),
+    ],
+)
 def test_check_document_ids_errors(ids, message):
     with pytest.raises(ValueError, match=message):
         check_document_ids(ids, 2, 9, "cpu")
@@ -141,13 +153,16 @@ def test_document_ids_validated_by_every_entry_point():
         st.sparse_attention(q, k, v, idx, document_ids=bad[:1])
 
 
-@pytest.mark.parametrize("cu,message", [
-    pytest.param(torch.tensor([1, 4, 9]), "start at 0", id="not-from-0"),
-    pytest.param(torch.tensor([0, 5, 4, 9]), r"cu_seqlens\[2\] = 4 < cu_seqlens\[1\] = 5", id="decreasing"),
-    pytest.param(torch.tensor([0, 5, 10]), "at most at seq_len=9", id="past-end"),
-    pytest.param(torch.tensor([0.0, 9.0]), "integer dtype", id="float"),
-    pytest.param(torch.zeros(1, 1, 2, dtype=torch.int64), r"\[D\+1\] or \[B, D\+1\]", id="3-D"),
-])
+@pytest.mark.parametrize(
+    "cu,message",
+    [
+        pytest.param(torch.tensor([1, 4, 9]), "start at 0", id="not-from-0"),
+        pytest.param(torch.tensor([0, 5, 4, 9]), r"cu_seqlens\[2\] = 4 < cu_seqlens\[1\] = 5", id="decreasing"),
+        pytest.param(torch.tensor([0, 5, 10]), "at most at seq_len=9", id="past-end"),
+        pytest.param(torch.tensor([0.0, 9.0]), "integer dtype", id="float"),
+        pytest.param(torch.zeros(1, 1, 2, dtype=torch.int64), r"\[D\+1\] or \[B, D\+1\]", id="3-D"),
+    ],
+)
 def test_cu_seqlens_errors(cu, message):
     with pytest.raises(ValueError, match=message):
         document_ids_from_cu_seqlens(cu, 9)
@@ -181,14 +196,18 @@ def test_reference_equals_each_document_alone(B, HQ, HKV, N, BQ, BK, lengths, se
     lens = None if seq_lens is None else torch.tensor(seq_lens)
     full = BlockIndex.full(B, HKV, N, block_q=BQ, block_k=BK)
     o, lse, dq, dk, dv = _grads(
-        lambda a, b, c: reference_sparse_attention(a, b, c, full, seq_lens=lens, document_ids=ids), (q, k, v), do)
+        lambda a, b, c: reference_sparse_attention(a, b, c, full, seq_lens=lens, document_ids=ids), (q, k, v), do
+    )
     for b in range(B):
         for s, e in doc_spans(ids[b]):
             alone = BlockIndex.full(1, HKV, e - s, block_q=BQ, block_k=BK)
             alone_lens = None if lens is None else torch.tensor([min(max(int(lens[b]) - s, 0), e - s)])
             sl = (slice(b, b + 1), slice(None), slice(s, e))
-            expected = _grads(lambda a, b_, c: reference_sparse_attention(a, b_, c, alone, seq_lens=alone_lens),
-                              (q[sl], k[sl], v[sl]), do[sl])
+            expected = _grads(
+                lambda a, b_, c: reference_sparse_attention(a, b_, c, alone, seq_lens=alone_lens),
+                (q[sl], k[sl], v[sl]),
+                do[sl],
+            )
             got = (o[sl], lse[sl], dq[sl], dk[sl], dv[sl])
             for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), got, expected):
                 torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12, msg=f"{name} of document [{s}, {e}) row {b}")
@@ -233,8 +252,16 @@ def test_reference_dropout_bits_are_global_positions():
     s = (q @ k.repeat_interleave(HQ // HKV, 1).transpose(-1, -2)) / math.sqrt(D)
     s = s.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(s, dim=-1)
-    keep = dropout_keep_mask(seed, torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(HQ).view(1, -1, 1, 1),
-                             pos.view(1, 1, -1, 1), pos.view(1, 1, 1, -1), HQ, N, p)
+    keep = dropout_keep_mask(
+        seed,
+        torch.zeros(1, 1, 1, 1, dtype=torch.long),
+        torch.arange(HQ).view(1, -1, 1, 1),
+        pos.view(1, 1, -1, 1),
+        pos.view(1, 1, 1, -1),
+        HQ,
+        N,
+        p,
+    )
     expected = (probs * keep / (1 - p)) @ v.repeat_interleave(HQ // HKV, 1)
     torch.testing.assert_close(o, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, torch.logsumexp(s, dim=-1), rtol=1e-12, atol=1e-12)

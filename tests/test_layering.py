@@ -40,7 +40,8 @@ def _modules() -> dict[str, Path]:
 def _is_type_checking(node: ast.If) -> bool:
     test = node.test
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> list[tuple[str, bool]]:
@@ -139,8 +140,12 @@ def test_cycle_detection_sees_a_cycle():
 
 def test_function_level_imports_are_the_listed_lazy_ones():
     modules = _modules()
-    found = {(name, target) for name, path in modules.items()
-             for target, in_function in _imports(name, path, modules) if in_function}
+    found = {
+        (name, target)
+        for name, path in modules.items()
+        for target, in_function in _imports(name, path, modules)
+        if in_function
+    }
     assert found - FUNCTION_LEVEL_IMPORTS == set(), "imports inside functions that are not on the list"
     assert FUNCTION_LEVEL_IMPORTS - found == set(), "listed imports that the package does not have"
     count = sum(in_function for name, path in modules.items() for _, in_function in _imports(name, path, modules))

@@ -4,8 +4,8 @@ and ``F.cross_entropy``."""
 import pytest
 import torch
 import torch.nn.functional as F
-
 from builders import check_close
+
 from sparse_train.losses import _checkpointed_chunks, linear_cross_entropy
 
 
@@ -21,7 +21,7 @@ def plain(hidden, weight, labels, ignore_index=-100):
 def problem(rows, width, vocab, dtype, seed, ignored=0.3):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(rows, width, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
-    weight = (torch.randn(vocab, width, generator=gen, dtype=torch.float64) / width ** 0.5).to(dtype).requires_grad_()
+    weight = (torch.randn(vocab, width, generator=gen, dtype=torch.float64) / width**0.5).to(dtype).requires_grad_()
     labels = torch.randint(vocab, (rows,), generator=gen)
     labels[torch.rand(rows, generator=gen) < ignored] = -100
     return hidden, weight, labels
@@ -57,10 +57,10 @@ def test_compile_path_equals_the_eager_path(chunk, autocast):
         hidden, weight = (t.detach().float().requires_grad_() for t in (hidden, weight))
     compute = torch.bfloat16 if autocast else torch.float64
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        got = loss_and_grads(lambda h, w, y: _checkpointed_chunks(h, w, y, chunk, -100, compute), hidden, weight,
-                             labels)
-        want = loss_and_grads(lambda h, w, y: linear_cross_entropy(h, w, y, chunk_tokens=chunk), hidden, weight,
-                              labels)
+        got = loss_and_grads(
+            lambda h, w, y: _checkpointed_chunks(h, w, y, chunk, -100, compute), hidden, weight, labels
+        )
+        want = loss_and_grads(lambda h, w, y: linear_cross_entropy(h, w, y, chunk_tokens=chunk), hidden, weight, labels)
     assert int(got[1]) == int(want[1])
     for i, name in [(0, "loss"), (2, "d hidden"), (3, "d weight")]:
         assert got[i].dtype == want[i].dtype, name
@@ -118,8 +118,9 @@ def test_cuda_autocast_error_within_the_plain_paths(rows, chunk):
 
 def test_no_labelled_row_gives_zero_loss_and_zero_gradients():
     hidden, weight, labels = problem(6, 4, 5, torch.float64, seed=1, ignored=1.1)
-    loss, correct, dh, dw = loss_and_grads(lambda h, w, y: linear_cross_entropy(h, w, y, chunk_tokens=4),
-                                           hidden, weight, labels)
+    loss, correct, dh, dw = loss_and_grads(
+        lambda h, w, y: linear_cross_entropy(h, w, y, chunk_tokens=4), hidden, weight, labels
+    )
     assert loss.item() == 0.0 and int(correct) == 0
     assert torch.count_nonzero(dh) == 0 and torch.count_nonzero(dw) == 0
 
@@ -133,14 +134,19 @@ def test_without_grad_computes_no_gradients():
     assert int(correct) == int(want_correct) and not loss.requires_grad
 
 
-@pytest.mark.parametrize("args,match", [
-    pytest.param(dict(hidden=torch.zeros(3, 4, 2)), "hidden must be a floating-point", id="hidden-3d"),
-    pytest.param(dict(hidden=torch.zeros(3, 4, dtype=torch.int64)), "hidden must be a floating-point", id="hidden-int"),
-    pytest.param(dict(weight=torch.zeros(5, 3)), r"weight must be a floating-point \[V, d=4\]", id="weight-width"),
-    pytest.param(dict(labels=torch.zeros(2, dtype=torch.int64)), r"labels must be \[T=3\]", id="labels-length"),
-    pytest.param(dict(labels=torch.zeros(3)), "labels must have an integer dtype", id="labels-float"),
-    pytest.param(dict(chunk_tokens=0), "chunk_tokens", id="chunk-zero"),
-])
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        pytest.param(dict(hidden=torch.zeros(3, 4, 2)), "hidden must be a floating-point", id="hidden-3d"),
+        pytest.param(
+            dict(hidden=torch.zeros(3, 4, dtype=torch.int64)), "hidden must be a floating-point", id="hidden-int"
+        ),
+        pytest.param(dict(weight=torch.zeros(5, 3)), r"weight must be a floating-point \[V, d=4\]", id="weight-width"),
+        pytest.param(dict(labels=torch.zeros(2, dtype=torch.int64)), r"labels must be \[T=3\]", id="labels-length"),
+        pytest.param(dict(labels=torch.zeros(3)), "labels must have an integer dtype", id="labels-float"),
+        pytest.param(dict(chunk_tokens=0), "chunk_tokens", id="chunk-zero"),
+    ],
+)
 def test_rejects_bad_arguments(args, match):
     call = dict(hidden=torch.zeros(3, 4), weight=torch.zeros(5, 4), labels=torch.zeros(3, dtype=torch.int64))
     call.update(args)
@@ -149,22 +155,43 @@ def test_rejects_bad_arguments(args, match):
         linear_cross_entropy(call["hidden"], call["weight"], call["labels"], chunk_tokens=chunk)
 
 
-SPARSE = dict(block_q=8, block_k=8, top_k=2, window=1, sinks=1, backend="reference", dense_warmup_steps=0,
-              dense_fallback=False, distill="off")
+SPARSE = dict(
+    block_q=8,
+    block_k=8,
+    top_k=2,
+    window=1,
+    sinks=1,
+    backend="reference",
+    dense_warmup_steps=0,
+    dense_fallback=False,
+    distill="off",
+)
 
 
-@pytest.mark.parametrize("attention,checkpointing", [
-    pytest.param("dense", False, id="dense"),
-    pytest.param("sparse", False, id="sparse"),
-    pytest.param("sparse", True, id="sparse-activation-checkpointing"),
-])
+@pytest.mark.parametrize(
+    "attention,checkpointing",
+    [
+        pytest.param("dense", False, id="dense"),
+        pytest.param("sparse", False, id="sparse"),
+        pytest.param("sparse", True, id="sparse-activation-checkpointing"),
+    ],
+)
 def test_transformer_labels_path_equals_logits_path(attention, checkpointing):
     """``Transformer(tokens, labels=...)`` (the training loss, chunked, logits never whole) gives the loss,
     correct count and every parameter gradient of cross-entropy over the full logits, in float64."""
     from sparse_train.lightning.model import Transformer, TransformerConfig
 
-    cfg = TransformerConfig(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention,
-                            sparse=SPARSE, activation_checkpointing=checkpointing, loss_chunk_tokens=7)
+    cfg = TransformerConfig(
+        vocab_size=61,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        attention=attention,
+        sparse=SPARSE,
+        activation_checkpointing=checkpointing,
+        loss_chunk_tokens=7,
+    )
     torch.manual_seed(0)
     model = Transformer(cfg).double().train()
     tokens = torch.randint(61, (2, 48))
@@ -192,7 +219,8 @@ def test_transformer_labels_path_equals_logits_path(attention, checkpointing):
 def test_transformer_rejects_labels_of_another_shape():
     from sparse_train.lightning.model import Transformer, TransformerConfig
 
-    model = Transformer(TransformerConfig(vocab_size=61, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2,
-                                          attention="dense"))
+    model = Transformer(
+        TransformerConfig(vocab_size=61, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, attention="dense")
+    )
     with pytest.raises(ValueError, match=r"labels must have the tokens' shape \(2, 16\)"):
         model(torch.zeros(2, 16, dtype=torch.int64), labels=torch.zeros(2, 15, dtype=torch.int64))

@@ -20,10 +20,10 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
+from builders import check_close, make_qkv, random_selection  # noqa: E402
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 
-from builders import check_close, make_qkv, random_selection  # noqa: E402
 from sparse_train.index.block_index import BlockIndex  # noqa: E402
 from sparse_train.kernels.reference.attention import dropout_keep_mask, reference_sparse_attention  # noqa: E402
 
@@ -60,9 +60,24 @@ def problems(draw, head_dims=(8, 16), max_len=80):
 
 # every input hazard at once: strided seq_lens, NaN past them, transposed q/k/v, GQA 3, duplicates
 # and -1 in the selection, dropout with the largest seed
-ALL_HAZARDS = dict(batch=2, kv_heads=1, group=3, seq_len=70, head_dim=16, block_q=32, block_k=16, topk=4, window=1,
-                   sinks=1, seq_lens="column-int32", layout="transposed", poison="nan", dropout_p=0.3,
-                   dropout_seed=2**64 - 1, seed=11)
+ALL_HAZARDS = dict(
+    batch=2,
+    kv_heads=1,
+    group=3,
+    seq_len=70,
+    head_dim=16,
+    block_q=32,
+    block_k=16,
+    topk=4,
+    window=1,
+    sinks=1,
+    seq_lens="column-int32",
+    layout="transposed",
+    poison="nan",
+    dropout_p=0.3,
+    dropout_seed=2**64 - 1,
+    seed=11,
+)
 
 
 def _layout(x, layout):
@@ -83,8 +98,9 @@ def build(case, dtype):
     bq, bk = case["block_q"], case["block_k"]
     # candidates uniform over the causal blocks, a fifth of the slots -1: empty slots and duplicates are common
     sel = random_selection(b, hkv, n, bq, bk, case["topk"], generator=g, distinct=False, drop=0.2)
-    index = BlockIndex.from_selection(sel.to(DEV), seq_len=n, block_q=bq, block_k=bk, window=case["window"],
-                                      sinks=case["sinks"])
+    index = BlockIndex.from_selection(
+        sel.to(DEV), seq_len=n, block_q=bq, block_k=bk, window=case["window"], sinks=case["sinks"]
+    )
     seq_lens = None
     if case["seq_lens"] != "none":
         lens = torch.randint(0, n + 1, (b,), generator=g)
@@ -122,9 +138,16 @@ def oracle(q, k, v, index, seq_lens, dropout_p, dropout_seed):
     probs = torch.where(allowed, torch.exp(scores - row_lse), 0.0)
     lse = torch.where(has_key, row_lse, float("-inf")).squeeze(-1)
     if dropout_p > 0:
-        keep = dropout_keep_mask(dropout_seed, torch.arange(b, device=q.device).view(b, 1, 1, 1),
-                                 torch.arange(hq, device=q.device).view(1, hq, 1, 1), pos.view(1, 1, n, 1),
-                                 pos.view(1, 1, 1, n), hq, n, dropout_p)
+        keep = dropout_keep_mask(
+            dropout_seed,
+            torch.arange(b, device=q.device).view(b, 1, 1, 1),
+            torch.arange(hq, device=q.device).view(1, hq, 1, 1),
+            pos.view(1, 1, n, 1),
+            pos.view(1, 1, 1, n),
+            hq,
+            n,
+            dropout_p,
+        )
         probs = probs * keep / (1.0 - dropout_p)
     return probs @ v.repeat_interleave(group, 1), lse
 
@@ -138,8 +161,10 @@ def _with_grads(fn, q, k, v, do, dl):
 
 def _upstream(case, q):
     g = torch.Generator().manual_seed(case["seed"] + 1)
-    return (torch.randn(q.shape, generator=g, dtype=torch.float64).to(DEV),
-            torch.randn(q.shape[:3], generator=g, dtype=torch.float64).to(DEV))
+    return (
+        torch.randn(q.shape, generator=g, dtype=torch.float64).to(DEV),
+        torch.randn(q.shape[:3], generator=g, dtype=torch.float64).to(DEV),
+    )
 
 
 NAMES = ("o", "lse", "dq", "dk", "dv")
@@ -153,8 +178,12 @@ def test_reference_matches_dense_oracle(case):
     p, seed = case["dropout_p"], case["dropout_seed"]
     do, dl = _upstream(case, clean[0])
     want = _with_grads(lambda a, b, c: oracle(a, b, c, index, seq_lens, p, seed), *clean, do, dl)
-    got = _with_grads(lambda a, b, c: reference_sparse_attention(a, b, c, index, dropout_p=p, dropout_seed=seed,
-                                                                 seq_lens=seq_lens), *run, do, dl)
+    got = _with_grads(
+        lambda a, b, c: reference_sparse_attention(a, b, c, index, dropout_p=p, dropout_seed=seed, seq_lens=seq_lens),
+        *run,
+        do,
+        dl,
+    )
     for name, a, w in zip(NAMES, got, want):
         assert torch.isfinite(a).all() or name == "lse", f"{name} has non-finite values"
         torch.testing.assert_close(a, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
@@ -168,21 +197,30 @@ def _triton_property(case, dtype):
     do, dl = _upstream(case, clean[0])
 
     def kernel(a, b, c):
-        return sparse_attention(a, b, c, index, dropout_p=p, dropout_seed=seed, seq_lens=seq_lens,
-                                backend="triton", return_lse=True)
+        return sparse_attention(
+            a, b, c, index, dropout_p=p, dropout_seed=seed, seq_lens=seq_lens, backend="triton", return_lse=True
+        )
 
     want = _with_grads(lambda a, b, c: oracle(a, b, c, index, seq_lens, p, seed), *clean, do, dl)
     lowp_in = [t.to(dtype) for t in clean]
-    lowp = _with_grads(lambda a, b, c: reference_sparse_attention(a, b, c, index, dropout_p=p, dropout_seed=seed,
-                                                                  seq_lens=seq_lens, upcast=False), *lowp_in, do, dl)
+    lowp = _with_grads(
+        lambda a, b, c: reference_sparse_attention(
+            a, b, c, index, dropout_p=p, dropout_seed=seed, seq_lens=seq_lens, upcast=False
+        ),
+        *lowp_in,
+        do,
+        dl,
+    )
     got = _with_grads(kernel, *run, do, dl)
     for name, a, w, lo in zip(NAMES, got, want, lowp):
         assert not torch.isnan(a).any(), f"{name} has NaN"
         check_close(name, a, w, lo.to(a.dtype) if name != "lse" else lo.float(), dtype)
 
 
-@pytest.mark.skipif(not TRITON or torch.cuda.is_available(),
-                    reason="fp32 kernels run only under the interpreter (TRITON_INTERPRET=1, no CUDA)")
+@pytest.mark.skipif(
+    not TRITON or torch.cuda.is_available(),
+    reason="fp32 kernels run only under the interpreter (TRITON_INTERPRET=1, no CUDA)",
+)
 # 11 examples (20 before), for the CPU suite's time: the explicit example runs every hazard at once, and
 # HYPOTHESIS_PROFILE=explore draws fresh ones
 @settings(max_examples=11)

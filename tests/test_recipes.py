@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-
 from builders import save_tiny_tokenizer, write_tiny_corpus
+
 from sparse_train import cli
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
@@ -25,18 +25,29 @@ def _tiny_overrides(recipe: str, hf_checkpoint: Path | None = None, text_corpus:
     conf = yaml.safe_load((RECIPES_DIR / f"{recipe}.yaml").read_text())
     data_cls = conf["data"]["class_path"]
     args = [
-        "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true",
-        "--trainer.fast_dev_run=1", "--data.init_args.seq_len=256", "--data.init_args.batch_size=2",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.precision=32-true",
+        "--trainer.fast_dev_run=1",
+        "--data.init_args.seq_len=256",
+        "--data.init_args.batch_size=2",
     ]
     if _is_hf(conf):  # architecture fixed by the checkpoint; 16-token blocks keep 256 tokens sparse
-        args += [f"--model.init_args.pretrained_path={hf_checkpoint}", "--model.init_args.sparse.block_q=16",
-                 "--model.init_args.sparse.block_k=16", "--model.init_args.sparse.top_k=4",
-                 "--model.init_args.sparse.window=1"]
+        args += [
+            f"--model.init_args.pretrained_path={hf_checkpoint}",
+            "--model.init_args.sparse.block_q=16",
+            "--model.init_args.sparse.block_k=16",
+            "--model.init_args.sparse.top_k=4",
+            "--model.init_args.sparse.window=1",
+        ]
     else:
         args += ["--model.init_args.model.d_model=64", "--model.init_args.model.n_layers=1"]
     if data_cls.endswith("RetrievalDataModule"):
-        args += ["--data.init_args.curriculum=[]", "--data.init_args.eval_batch_size=2",
-                 "--data.init_args.num_workers=0"]
+        args += [
+            "--data.init_args.curriculum=[]",
+            "--data.init_args.eval_batch_size=2",
+            "--data.init_args.num_workers=0",
+        ]
     elif data_cls.endswith("TextDataModule"):  # tokenizer: the checkpoint's own (saved beside its weights)
         args += [f"--data.init_args.paths=[{text_corpus}]", "--data.init_args.val_fraction=0.2"]
     else:
@@ -47,9 +58,19 @@ def _tiny_overrides(recipe: str, hf_checkpoint: Path | None = None, text_corpus:
 
 
 def test_every_recipe_is_tested_and_documented():
-    expected = {"retrieval", "retrieval_dense", "retrieval_16k", "retrieval_16k_dense", "finetune_stage1_dense",
-                "finetune_stage2_selector", "finetune_stage3_sparse", "lm_bytes", "lm_bytes_dense",
-                "finetune_hf_stage2_selector", "finetune_hf_stage3_sparse"}
+    expected = {
+        "retrieval",
+        "retrieval_dense",
+        "retrieval_16k",
+        "retrieval_16k_dense",
+        "finetune_stage1_dense",
+        "finetune_stage2_selector",
+        "finetune_stage3_sparse",
+        "lm_bytes",
+        "lm_bytes_dense",
+        "finetune_hf_stage2_selector",
+        "finetune_hf_stage3_sparse",
+    }
     assert expected <= set(RECIPES)
     readme = (RECIPES_DIR / "README.md").read_text()
     for name in RECIPES:
@@ -61,8 +82,11 @@ def test_every_recipe_is_tested_and_documented():
 
 
 def test_dense_twins_differ_only_in_attention():
-    for sparse, dense in [("retrieval", "retrieval_dense"), ("retrieval_16k", "retrieval_16k_dense"),
-                          ("lm_bytes", "lm_bytes_dense")]:
+    for sparse, dense in [
+        ("retrieval", "retrieval_dense"),
+        ("retrieval_16k", "retrieval_16k_dense"),
+        ("lm_bytes", "lm_bytes_dense"),
+    ]:
         a = yaml.safe_load((RECIPES_DIR / f"{sparse}.yaml").read_text())
         b = yaml.safe_load((RECIPES_DIR / f"{dense}.yaml").read_text())
         assert a["model"]["init_args"]["model"].pop("attention") == "sparse"
@@ -96,8 +120,15 @@ def tiny_hf_checkpoint(tmp_path_factory) -> Path:
     """A tiny Llama checkpoint directory (config.json + safetensors + a word-level tokenizer), built offline."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    config = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     path = tmp_path_factory.mktemp("hf") / "tiny-llama"
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return save_tiny_tokenizer(path)
@@ -106,9 +137,11 @@ def tiny_hf_checkpoint(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_text_corpus(tmp_path_factory) -> Path:
     """Text and JSONL documents of the tiny tokenizer's words (~2.5K tokens, one document longer than 256)."""
-    return write_tiny_corpus(tmp_path_factory.mktemp("text") / "corpus",
-                             lengths_txt=(300, 40, 7, 110, 1, 25, 90, 150, 64, 200),
-                             lengths_jsonl=(5, 2, 160, 9, 14, 4, 180, 6, 75, 120, 33, 250))
+    return write_tiny_corpus(
+        tmp_path_factory.mktemp("text") / "corpus",
+        lengths_txt=(300, 40, 7, 110, 1, 25, 90, 150, 64, 200),
+        lengths_jsonl=(5, 2, 160, 9, 14, 4, 180, 6, 75, 120, 33, 250),
+    )
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -143,14 +176,23 @@ def test_hf_checkpoint_dense_to_sparse_stages(tiny_hf_checkpoint, tiny_text_corp
 
     monkeypatch.setattr(HFCausalLMModule, "on_fit_start", snapshot)
     common = [
-        "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.max_steps=2",
-        "--trainer.limit_val_batches=1", "--trainer.val_check_interval=2", "--logger_backend=csv",
+        "--trainer.accelerator=cpu",
+        "--trainer.precision=32-true",
+        "--trainer.max_steps=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.val_check_interval=2",
+        "--logger_backend=csv",
         f"--model.init_args.pretrained_path={tiny_hf_checkpoint}",
-        "--data.init_args.seq_len=128", "--data.init_args.batch_size=2", "--data.init_args.eval_batch_size=2",
-        f"--data.init_args.paths=[{tiny_text_corpus}]", "--data.init_args.val_fraction=0.2",
+        "--data.init_args.seq_len=128",
+        "--data.init_args.batch_size=2",
+        "--data.init_args.eval_batch_size=2",
+        f"--data.init_args.paths=[{tiny_text_corpus}]",
+        "--data.init_args.val_fraction=0.2",
         # 8 blocks of 16 tokens, at most 4 selected: the sparse path runs, not the dense shortcut
-        "--model.init_args.sparse.block_q=16", "--model.init_args.sparse.block_k=16",
-        "--model.init_args.sparse.top_k=2", "--model.init_args.sparse.window=1",
+        "--model.init_args.sparse.block_q=16",
+        "--model.init_args.sparse.block_k=16",
+        "--model.init_args.sparse.top_k=2",
+        "--model.init_args.sparse.window=1",
     ]
 
     # ---- stage 2: base frozen, only the selectors learn
@@ -174,7 +216,9 @@ def test_hf_checkpoint_dense_to_sparse_stages(tiny_hf_checkpoint, tiny_text_corp
     assert math.isfinite(float(stage2.trainer.callback_metrics["train/selector_loss"]))
 
     # hyperparameters are recorded outside the CLI too (load_from_checkpoint rebuilds from them)
-    assert HFCausalLMModule(str(tiny_hf_checkpoint), attention="dense").hparams.pretrained_path == str(tiny_hf_checkpoint)
+    assert HFCausalLMModule(str(tiny_hf_checkpoint), attention="dense").hparams.pretrained_path == str(
+        tiny_hf_checkpoint
+    )
 
     # ---- stage 3: starts from stage 2's checkpoint (selectors included), the whole model trains
     ckpt = "runs/finetune_hf/stage2/last.ckpt"

@@ -9,19 +9,20 @@
   ``check_values=False``.
 * The functional API keeps its value checks by default.
 GPU-only: ``tests/test_compile.py`` (sync-debug mode, CUDA-graph capture)."""
+
 import math
 
 import pytest
 import torch
+from builders import make_qkv, random_selection
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sparse_train as st
-from sparse_train.plan import plan as plan_mod
 from sparse_train.index.block_index import canonicalize
 from sparse_train.kernels.triton import backward as kbackward
 from sparse_train.kernels.triton.op import triton_sparse_attention
+from sparse_train.plan import plan as plan_mod
 from sparse_train.selection import draw_query_blocks
-from builders import make_qkv, random_selection
 
 aten = torch.ops.aten
 
@@ -31,8 +32,13 @@ class HostReads(TorchDispatchMode):
     """Records every aten call that reads device values back to the host on CUDA (a synchronisation,
     and a CUDA-graph capture error) or whose output shape depends on values."""
 
-    SYNCING = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default,
-               aten.masked_select.default, aten.item.default}
+    SYNCING = {
+        aten._local_scalar_dense.default,
+        aten.is_nonzero.default,
+        aten.nonzero.default,
+        aten.masked_select.default,
+        aten.item.default,
+    }
 
     def __init__(self):
         super().__init__()
@@ -105,10 +111,17 @@ def exact_size_plan(indices, num_k_blocks, r0):
     kv_indptr = torch.searchsorted(key, torch.arange(b * h * num_k_blocks + 1) * nqb)
     reuse = (kv_indptr[1:] - kv_indptr[:-1]).view(b, h, num_k_blocks)
     hot = (reuse >= r0) & (reuse > 0)
-    return dict(reuse=reuse.to(torch.int32), kv_indptr=kv_indptr, kv_qblocks=(key % nqb).to(torch.int32), hot=hot,
-                num_hot=int(hot.sum()), num_cold=int(((reuse > 0) & ~hot).sum()), nnz=key.numel(),
-                max_count=int((idx >= 0).sum(-1).max()) if idx.numel() else 0,
-                max_reuse=int(reuse.max()) if reuse.numel() else 0)
+    return dict(
+        reuse=reuse.to(torch.int32),
+        kv_indptr=kv_indptr,
+        kv_qblocks=(key % nqb).to(torch.int32),
+        hot=hot,
+        num_hot=int(hot.sum()),
+        num_cold=int(((reuse > 0) & ~hot).sum()),
+        nnz=key.numel(),
+        max_count=int((idx >= 0).sum(-1).max()) if idx.numel() else 0,
+        max_reuse=int(reuse.max()) if reuse.numel() else 0,
+    )
 
 
 def exact_size_kv_schedule(reuse, kv_indptr, slots, chunk):
@@ -125,8 +138,15 @@ def exact_size_kv_schedule(reuse, kv_indptr, slots, chunk):
     end = torch.minimum(start + chunk, kv_indptr[1:][rows])
     part_start = torch.cumsum(chunks_of_multi, 0) - chunks_of_multi
     item_part = torch.where(multi[rows], part_start[rows] + c, -1)
-    return (rows, start, end, item_part, torch.where(multi, part_start, -1), torch.where(reuse > 0, chunks_of_multi, -1),
-            int(chunks_of_multi.sum()))
+    return (
+        rows,
+        start,
+        end,
+        item_part,
+        torch.where(multi, part_start, -1),
+        torch.where(reuse > 0, chunks_of_multi, -1),
+        int(chunks_of_multi.sum()),
+    )
 
 
 def _ids_from_lengths(lengths, seq_len):
@@ -148,8 +168,17 @@ def _index(shape, options, lengths, seed, capacity=None, check="cheap"):
     b, hkv, n, bq, bk, top_k, window, sinks = shape
     sel = random_selection(b, hkv, n, bq, bk, top_k, seed=seed, **options)
     ids = None if lengths is None else _ids_from_lengths(lengths, n).expand(b, -1)
-    return st.BlockIndex.from_selection(sel, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks,
-                                        capacity=capacity, check=check, document_ids=ids)
+    return st.BlockIndex.from_selection(
+        sel,
+        seq_len=n,
+        block_q=bq,
+        block_k=bk,
+        window=window,
+        sinks=sinks,
+        capacity=capacity,
+        check=check,
+        document_ids=ids,
+    )
 
 
 @pytest.mark.parametrize("r0", [1, 3], ids=lambda r: f"r0={r}")
@@ -205,12 +234,14 @@ def test_kv_schedule_bounds_hold_at_their_worst_case(chunk):
 
 
 def test_plan_of_an_empty_batch():
-    empty = st.BlockIndex.from_selection(torch.zeros(0, 2, 3, 1, dtype=torch.int64), seq_len=96, block_q=32,
-                                         block_k=32, capacity=2, check="none")
+    empty = st.BlockIndex.from_selection(
+        torch.zeros(0, 2, 3, 1, dtype=torch.int64), seq_len=96, block_q=32, block_k=32, capacity=2, check="none"
+    )
     plan = empty.plan()
     assert plan.kv_indptr.tolist() == [0] and plan.nnz == 0 and plan.max_count == 0
-    schedule = plan_mod.kv_schedule(plan.reuse, plan.kv_indptr, plan_mod.cold_slots(plan.hot, plan.reuse, False),
-                                    2, num_items=0, num_parts=0)
+    schedule = plan_mod.kv_schedule(
+        plan.reuse, plan.kv_indptr, plan_mod.cold_slots(plan.hot, plan.reuse, False), 2, num_items=0, num_parts=0
+    )
     assert schedule.item_row.numel() == 0
 
 
@@ -257,8 +288,18 @@ def test_module_training_step_reads_nothing_back(monkeypatch, host_reads, backen
     loss included) at the CUDA defaults (index_check="none": value checks are skipped there; on CPU
     they run, so the rule is forced here) makes no host read."""
     monkeypatch.setattr(st.SparseAttention, "_checks_values", lambda self, device: False)
-    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8, r0=r0,
-                                   dense_warmup_steps=0, distill=distill, backend=backend)
+    cfg = st.SparseAttentionConfig(
+        block_q=16,
+        block_k=16,
+        top_k=2,
+        window=1,
+        sinks=1,
+        selector_dim=8,
+        r0=r0,
+        dense_warmup_steps=0,
+        distill=distill,
+        backend=backend,
+    )
     module = st.SparseAttention(cfg, num_heads=4, num_kv_heads=2, head_dim=16).train()
     n = 150
     q, k, v = make_qkv(1, 4, 2, n, 16, seed=3, requires_grad=True)
@@ -276,8 +317,9 @@ def test_module_still_checks_values_when_asked(monkeypatch):
     """index_check="cheap" keeps the value checks on every device (the rule is forced to CUDA's)."""
     monkeypatch.setattr(st.SparseAttention, "_checks_values", lambda self, device: self.config.index_check != "none")
     for check, raises in (("cheap", True), ("none", False)):
-        cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=2, window=1, sinks=1, dense_warmup_steps=0,
-                                       index_check=check)
+        cfg = st.SparseAttentionConfig(
+            block_q=16, block_k=16, top_k=2, window=1, sinks=1, dense_warmup_steps=0, index_check=check
+        )
         module = st.SparseAttention(cfg, num_heads=4, num_kv_heads=2, head_dim=16)
         q, k, v = make_qkv(1, 4, 2, 64, 16)
         if raises:
@@ -295,8 +337,17 @@ def test_triton_op_reads_nothing_back_without_value_checks(host_reads, small_kv_
     q, k, v = make_qkv(B, HQ, HKV, N, D, seed=9, requires_grad=True)
     ids = _ids_from_lengths([70, 80], N)
     with _Active(host_reads):
-        o, lse = triton_sparse_attention(q, k, v, index, seq_lens=torch.tensor([140]), document_ids=ids,
-                                         deterministic=deterministic, kernel_options={"r0": r0}, check_values=False)
+        o, lse = triton_sparse_attention(
+            q,
+            k,
+            v,
+            index,
+            seq_lens=torch.tensor([140]),
+            document_ids=ids,
+            deterministic=deterministic,
+            kernel_options={"r0": r0},
+            check_values=False,
+        )
         o.square().sum().backward()
     assert host_reads.calls == []
 
@@ -311,7 +362,9 @@ def test_functional_api_keeps_its_value_checks_by_default():
             st.sparse_attention(q, k, v, index, document_ids=torch.arange(64).flip(0).view(1, 64), backend=backend)
         # unchecked: the lengths act clamped to [0, N]
         got = st.sparse_attention(q, k, v, index, seq_lens=torch.tensor([65]), backend=backend, check_values=False)
-        torch.testing.assert_close(got, st.sparse_attention(q, k, v, index, seq_lens=torch.tensor([64]), backend=backend))
+        torch.testing.assert_close(
+            got, st.sparse_attention(q, k, v, index, seq_lens=torch.tensor([64]), backend=backend)
+        )
     with pytest.raises(ValueError, match="check_values must be a bool"):
         st.sparse_attention(q, k, v, index, check_values=1)
 
@@ -326,8 +379,9 @@ def test_canonicalize_with_a_capacity_that_fits_every_row_reads_only_its_checks(
     for check, reads in (("none", []), ("cheap", ["aten._local_scalar_dense.default"])):
         host_reads.calls.clear()
         with _Active(host_reads):
-            results[check] = canonicalize(sel, seq_len=300, block_q=32, block_k=32, window=2, sinks=1,
-                                          capacity=width, check=check)
+            results[check] = canonicalize(
+                sel, seq_len=300, block_q=32, block_k=32, window=2, sinks=1, capacity=width, check=check
+            )
         assert host_reads.calls == reads, check
     auto_indices, auto_counts = canonicalize(sel, seq_len=300, block_q=32, block_k=32, window=2, sinks=1)
     for indices, counts in results.values():

@@ -18,16 +18,24 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_tasks_import_without_lightning():
     """A finder that refuses ``lightning`` (as if it were not installed): sparse_train.tasks must import."""
-    code = ("import sys\n"
-            "class NoLightning:\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] in ('lightning', 'pytorch_lightning'):\n"
-            "            raise ImportError('lightning is blocked')\n"
-            "sys.meta_path.insert(0, NoLightning())\n"
-            "from sparse_train.tasks import RetrievalTask\n"
-            "print(RetrievalTask(seq_len=64, num_pairs=2, num_queries=2, num_keys=2).sample(0, 0)['tokens'].shape)\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    code = (
+        "import sys\n"
+        "class NoLightning:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('lightning', 'pytorch_lightning'):\n"
+        "            raise ImportError('lightning is blocked')\n"
+        "sys.meta_path.insert(0, NoLightning())\n"
+        "from sparse_train.tasks import RetrievalTask\n"
+        "print(RetrievalTask(seq_len=64, num_pairs=2, num_queries=2, num_keys=2).sample(0, 0)['tokens'].shape)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "torch.Size([64])" in proc.stdout
 
@@ -56,14 +64,15 @@ def test_retrieval_answer_is_in_the_needle_and_only_there(filler):
             assert int((tokens[:first_query] == ans).sum()) == 1
         # Remove the needles: the lookup finds nothing, so the labels really depend on them.
         hay = tokens.clone()
-        hay[1: task.haystack_len(257) + 1][hay[1: task.haystack_len(257) + 1] >= task.needle0] = task.filler0
+        hay[1 : task.haystack_len(257) + 1][hay[1 : task.haystack_len(257) + 1] >= task.needle0] = task.filler0
         assert task.recover_answers(hay, labels) == [None] * 4
 
 
 @pytest.mark.parametrize("needle_len", [1, 3], ids=["single-token", "three-tokens"])
 def test_needle_positions_point_at_the_answers(needle_len):
-    task = RetrievalTask(seq_len=300, num_pairs=5, num_queries=3, num_keys=8, num_values=8, filler="random",
-                         needle_len=needle_len)
+    task = RetrievalTask(
+        seq_len=300, num_pairs=5, num_queries=3, num_keys=8, num_values=8, filler="random", needle_len=needle_len
+    )
     batch = [task.sample(4, i) for i in range(3)]
     tokens = torch.stack([b["tokens"] for b in batch])
     labels = torch.stack([b["labels"] for b in batch])

@@ -38,6 +38,7 @@ Options: --quick (N=65536 only), --n N [N ...], --pattern P64|P128, --no-flex / 
 --sustained SECONDS, --dry-run.
 Outputs: <out>/attention.{json,md,png} (packed: <out>/attention_packed.*), the run's date inside.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,22 +63,22 @@ from scripts.bench.harness import (
     record_sustained,
 )
 from scripts.bench.inputs import (
-    B,
-    D,
     HKV,
     HQ,
     PATTERNS,
+    B,
+    D,
     benchmark_inputs,
     build_index,
     packed_document_ids,
     random_selection,
 )
-from sparse_train.plan import plan as planning
-from sparse_train.plan import tuning
 from sparse_train.documents import block_document_ranges
 from sparse_train.kernels.triton import backward as kb
 from sparse_train.kernels.triton import forward as kf
 from sparse_train.kernels.triton.op import triton_sparse_attention
+from sparse_train.plan import plan as planning
+from sparse_train.plan import tuning
 from sparse_train.timing import elapsed_ms, stage_events
 
 OUTPUT_STEM = "attention"
@@ -90,11 +91,11 @@ def valid_pairs(idx, docs=None, chunk=64):
     device = idx.indices.device
     total = 0
     for c0 in range(0, idx.num_q_blocks, chunk):
-        blocks = idx.indices[:, :, c0:c0 + chunk].to(torch.int64)  # [B, HKV, C, K]
+        blocks = idx.indices[:, :, c0 : c0 + chunk].to(torch.int64)  # [B, HKV, C, K]
         c = blocks.shape[2]
         kpos = (blocks.clamp_min(0).unsqueeze(-1) * bk + torch.arange(bk, device=device)).flatten(-2)  # [B,HKV,C,K*BK]
         kok = (blocks >= 0).unsqueeze(-1).expand(-1, -1, -1, -1, bk).flatten(-2) & (kpos < n)
-        qpos = (torch.arange(c0, c0 + c, device=device).view(-1, 1) * bq + torch.arange(bq, device=device))  # [C, BQ]
+        qpos = torch.arange(c0, c0 + c, device=device).view(-1, 1) * bq + torch.arange(bq, device=device)  # [C, BQ]
         ok = kok.unsqueeze(3) & (kpos.unsqueeze(3) <= qpos.view(1, 1, c, bq, 1)) & (qpos.view(1, 1, c, bq, 1) < n)
         if docs is not None:
             dk = docs.long().gather(1, kpos.clamp(max=n - 1).flatten(1)).view(kpos.shape)
@@ -138,8 +139,9 @@ def flex_block_mask(idx, N, docs=None):
     def causal_document(b, h, q, kv):
         return (q >= kv) & (docs[b, q] == docs[b, kv])
 
-    return BlockMask.from_kv_blocks(pn, pi, fn, fi, BLOCK_SIZE=(bq, bk),
-                                    mask_mod=causal if docs is None else causal_document, seq_lengths=(N, N))
+    return BlockMask.from_kv_blocks(
+        pn, pi, fn, fi, BLOCK_SIZE=(bq, bk), mask_mod=causal if docs is None else causal_document, seq_lengths=(N, N)
+    )
 
 
 def rec(results, row):
@@ -154,20 +156,33 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
     pairs = idx.density() * N * (N + 1) / 2 * B * HQ if docs is None else valid_pairs(idx, docs) * (HQ // HKV)
     f_fwd = 4 * D * pairs
     f_bwd = 2.5 * f_fwd
-    row = dict(kind="ours" if docs is None else "ours_packed", N=N, pattern=pat_name, density=idx.density(),
-               mean_blocks=float(idx.counts.float().mean()), index_plan_ms=t_idx, index_plan_p95_ms=t_idx95,
-               num_hot=plan.num_hot, num_cold=plan.num_cold, r0=plan.r0, max_reuse=plan.max_reuse)
+    row = dict(
+        kind="ours" if docs is None else "ours_packed",
+        N=N,
+        pattern=pat_name,
+        density=idx.density(),
+        mean_blocks=float(idx.counts.float().mean()),
+        index_plan_ms=t_idx,
+        index_plan_p95_ms=t_idx95,
+        num_hot=plan.num_hot,
+        num_cold=plan.num_cold,
+        r0=plan.r0,
+        max_reuse=plan.max_reuse,
+    )
     if docs is not None:
-        row.update(documents=int(docs[0, -1]) + 1,
-                   valid_pair_fraction=pairs / (idx.density() * N * (N + 1) / 2 * B * HQ))
+        row.update(
+            documents=int(docs[0, -1]) + 1, valid_pair_fraction=pairs / (idx.density() * N * (N + 1) / 2 * B * HQ)
+        )
         # the same selection without the document mask: the mask's cost (a different function)
         t = measure(lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan})).median_ms
         row["nodocs_fwd_ms"] = t
-    t, t95, *_ = measure(lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan},
-                                                         document_ids=docs))
+    t, t95, *_ = measure(
+        lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan}, document_ids=docs)
+    )
     row.update(fwd_ms=t, fwd_p95_ms=t95, fwd_TFLOPs=f_fwd / t / 1e9, fwd_frac_ceiling=f_fwd / t / 1e9 / ceil)
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
     if docs is not None:
+
         def fb_nodocs():
             oo, _ = triton_sparse_attention(qg, kg, vg, idx, kernel_options={"plan": plan})
             torch.autograd.grad(oo, (qg, kg, vg), do)
@@ -175,8 +190,12 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
         row["nodocs_fwdbwd_ms"] = measure(fb_nodocs).median_ms
     # the default backward, the deterministic one, the fused one (dQ from the KV-centric kernel by atomics) and
     # the stored-dS one (the KV-centric kernel files dS, the dQ kernel reads it)
-    for pfx, det, extra in (("", False, {}), ("det_", True, {}), ("fused_", False, {"fused_dq": True}),
-                            ("stored_", False, {"stored_ds": True})):
+    for pfx, det, extra in (
+        ("", False, {}),
+        ("det_", True, {}),
+        ("fused_", False, {"fused_dq": True}),
+        ("stored_", False, {"stored_ds": True}),
+    ):
         options = {"plan": plan, **extra}
         o, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options=options, document_ids=docs)
         tb, tb95, *_ = measure(lambda: torch.autograd.grad(o, (qg, kg, vg), do, retain_graph=True))
@@ -185,29 +204,41 @@ def run_ours(N, pat_name, pat, sel, ceil, results, args, q, k, v, do, docs=None)
         o = None
 
         def fb():
-            oo, _ = triton_sparse_attention(qg, kg, vg, idx, deterministic=det, kernel_options=options,
-                                            document_ids=docs)
+            oo, _ = triton_sparse_attention(
+                qg, kg, vg, idx, deterministic=det, kernel_options=options, document_ids=docs
+            )
             torch.autograd.grad(oo, (qg, kg, vg), do)
 
         tfb, tfb95, *_ = measure(fb)
         if pfx == "":
             # device time: the GPU kept busy while the host launches (as in a training step, where the previous
             # layer's kernels hide the host work); the competitors are timed the same way
-            row["fwd_device_ms"] = measure(lambda: triton_sparse_attention(
-                q, k, v, idx, kernel_options={"plan": plan}, document_ids=docs), busy=True).median_ms
+            row["fwd_device_ms"] = measure(
+                lambda: triton_sparse_attention(q, k, v, idx, kernel_options={"plan": plan}, document_ids=docs),
+                busy=True,
+            ).median_ms
             row["fwdbwd_device_ms"] = measure(fb, busy=True).median_ms
 
             def fb_capturable():  # no host read of the document ids' values (a capture cannot sync)
-                oo, _ = triton_sparse_attention(qg, kg, vg, idx, kernel_options=options, document_ids=docs,
-                                                check_values=False)
+                oo, _ = triton_sparse_attention(
+                    qg, kg, vg, idx, kernel_options=options, document_ids=docs, check_values=False
+                )
                 torch.autograd.grad(oo, (qg, kg, vg), do)
 
             # before any capture: run after one, the held loop's allocator reserve grows until it runs out of
             # memory (observed; the mechanism is not isolated)
             record_sustained(row, fb, args.sustained)
             record_graph_time(row, fb_capturable)
-        row.update({f"{pfx}bwd_ms": tb, f"{pfx}bwd_p95_ms": tb95, f"{pfx}fwdbwd_ms": tfb, f"{pfx}fwdbwd_p95_ms": tfb95,
-                    f"{pfx}bwd_TFLOPs": f_bwd / tb / 1e9, f"{pfx}bwd_frac_ceiling": f_bwd / tb / 1e9 / ceil})
+        row.update(
+            {
+                f"{pfx}bwd_ms": tb,
+                f"{pfx}bwd_p95_ms": tb95,
+                f"{pfx}fwdbwd_ms": tfb,
+                f"{pfx}fwdbwd_p95_ms": tfb95,
+                f"{pfx}bwd_TFLOPs": f_bwd / tb / 1e9,
+                f"{pfx}bwd_frac_ceiling": f_bwd / tb / 1e9 / ceil,
+            }
+        )
         if pfx in ("", "stored_"):
             row[f"{pfx}fwdbwd_peak_extra_MB"] = peak_extra_mb(fb)
         for name in ("dq", "dkdv"):  # the fused mode does not launch dQ: its entry is the last default one
@@ -242,9 +273,16 @@ def run_dense(N, results, q, k, v, do, sustained=0.0):
                 tfb_device = measure(fb, warmup=0, min_reps=3, budget_ms=budget, busy=True).median_ms
                 record_sustained(row, fb, sustained)  # before the capture (run_ours)
                 record_graph_time(row, fb)
-            row.update(fwd_ms=t, fwd_p95_ms=t95, fwdbwd_ms=tfb, fwdbwd_p95_ms=tfb95, bwd_ms=tfb - t,
-                       fwdbwd_device_ms=tfb_device,
-                       fwd_TFLOPs=f_fwd / t / 1e9, fwdbwd_TFLOPs=3.5 * f_fwd / tfb / 1e9)
+            row.update(
+                fwd_ms=t,
+                fwd_p95_ms=t95,
+                fwdbwd_ms=tfb,
+                fwdbwd_p95_ms=tfb95,
+                bwd_ms=tfb - t,
+                fwdbwd_device_ms=tfb_device,
+                fwd_TFLOPs=f_fwd / t / 1e9,
+                fwdbwd_TFLOPs=3.5 * f_fwd / tfb / 1e9,
+            )
         except Exception as exc:  # report, don't crash the run
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rec(results, row)
@@ -291,12 +329,24 @@ def run_flex(N, pat_name, idx, results, q, k, v, do, docs=None, sustained=0.0):
                 row["fwd_failed_attempts"] = row.pop("fwd_error")
             break
         except Exception as exc:
-            row["fwd_error"] = (row.get("fwd_error", "") + f" [opts={opts}: {type(exc).__name__}: "
-                                f"{str(exc)[:240]}]")
-    bopts_list = [None] if idx.block_q >= 128 else [None, {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64,
-                                                            "BLOCK_M2": 64, "BLOCK_N2": 32},
-                                                           {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 64, "BLOCK_N1": 64,
-                                                            "BLOCK_M2": 64, "BLOCK_N2": 64, "num_stages": 1}]
+            row["fwd_error"] = row.get("fwd_error", "") + f" [opts={opts}: {type(exc).__name__}: {str(exc)[:240]}]"
+    bopts_list = (
+        [None]
+        if idx.block_q >= 128
+        else [
+            None,
+            {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32},
+            {
+                "BLOCK_M": 64,
+                "BLOCK_N": 64,
+                "BLOCK_M1": 64,
+                "BLOCK_N1": 64,
+                "BLOCK_M2": 64,
+                "BLOCK_N2": 64,
+                "num_stages": 1,
+            },
+        ]
+    )
     for opts in bopts_list:
         try:
             qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
@@ -320,8 +370,9 @@ def run_flex(N, pat_name, idx, results, q, k, v, do, docs=None, sustained=0.0):
                 row["fwdbwd_failed_attempts"] = row.pop("fwdbwd_error")
             break
         except Exception as exc:
-            row["fwdbwd_error"] = (row.get("fwdbwd_error", "") + f" [opts={opts}: {type(exc).__name__}: "
-                                   f"{str(exc)[:240]}]")
+            row["fwdbwd_error"] = (
+                row.get("fwdbwd_error", "") + f" [opts={opts}: {type(exc).__name__}: {str(exc)[:240]}]"
+            )
     rec(results, row)
 
 
@@ -331,19 +382,36 @@ def r0_sweep(N, pat_name, pat, sel, results, q, k, v, do):
     max_reuse = base.max_reuse
     qd, kd, vd = q, k, v
     scale = 1 / math.sqrt(D)
-    o, lse = kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=pat["block"], block_k=pat["block"], scale=scale)
+    o, lse = kf.sparse_attn_forward(
+        q, k, v, idx.indices, idx.counts, block_q=pat["block"], block_k=pat["block"], scale=scale
+    )
     r0s = sorted({1, 2, 4, 8, 12, 16, 24, 32, 64, max_reuse + 1})
     for det in (False, True):
-        for r0 in (r0s if not det else [max_reuse + 1]):
+        for r0 in r0s if not det else [max_reuse + 1]:
             plan = idx.plan(r0)
             slots = planning.cold_slots(plan.hot, plan.reuse, det)
             num_cold = 0 if det else plan.num_cold
             ev = stage_events(4)
 
             def bwd():
-                kb.sparse_attn_backward(do, qd, kd, vd, o, lse, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks,
-                                        slots, num_cold, block_q=pat["block"], block_k=pat["block"], scale=scale,
-                                        stage_events=ev)
+                kb.sparse_attn_backward(
+                    do,
+                    qd,
+                    kd,
+                    vd,
+                    o,
+                    lse,
+                    idx.indices,
+                    idx.counts,
+                    plan.kv_indptr,
+                    plan.kv_qblocks,
+                    slots,
+                    num_cold,
+                    block_q=pat["block"],
+                    block_k=pat["block"],
+                    scale=scale,
+                    stage_events=ev,
+                )
 
             t, t95, *_ = measure(bwd)
             # per-stage breakdown (median over a few runs)
@@ -355,10 +423,24 @@ def r0_sweep(N, pat_name, pat, sel, results, q, k, v, do):
                 dq_t.append(elapsed_ms(ev[1], ev[2]))
                 kv_t.append(elapsed_ms(ev[2], ev[3]))
             med = lambda xs: quantile(xs, 0.5)  # noqa: E731
-            rec(results, dict(kind="r0_sweep", N=N, pattern=pat_name, r0=r0, deterministic=det, bwd_ms=t, bwd_p95_ms=t95,
-                              preprocess_ms=med(pre), dq_atomic_kernel_ms=med(dq_t), kv_centric_kernel_ms=med(kv_t),
-                              num_hot=0 if det else plan.num_hot, num_cold=num_cold,
-                              workspace_bytes=2 * num_cold * pat["block"] * D * 4))
+            rec(
+                results,
+                dict(
+                    kind="r0_sweep",
+                    N=N,
+                    pattern=pat_name,
+                    r0=r0,
+                    deterministic=det,
+                    bwd_ms=t,
+                    bwd_p95_ms=t95,
+                    preprocess_ms=med(pre),
+                    dq_atomic_kernel_ms=med(dq_t),
+                    kv_centric_kernel_ms=med(kv_t),
+                    num_hot=0 if det else plan.num_hot,
+                    num_cold=num_cold,
+                    workspace_bytes=2 * num_cold * pat["block"] * D * 4,
+                ),
+            )
 
 
 TUNE_PARTS = ("fwd", "dq", "kv", "chunk", "tma", "stored")
@@ -380,28 +462,51 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         cfg = dict(kind="tune_fwd", N=N, pattern=pat_name, hpp=hpp, num_warps=nw, num_stages=ns)
         try:
             config = tuning.ForwardConfig(hpp, nw, ns)
-            t = measure(lambda: kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs,
-                                                            scale=scale, config=config), budget_ms=100).median_ms
+            t = measure(
+                lambda: kf.sparse_attn_forward(
+                    q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale, config=config
+                ),
+                budget_ms=100,
+            ).median_ms
             ck = kf.LAST_COMPILED["fwd"]
             cfg.update(ms=t, TFLOPs=4 * D * pairs / t / 1e9, regs=ck.n_regs, spills=ck.n_spills)
         except Exception as exc:
             cfg["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rec(results, cfg)
     group = HQ // HKV
-    for fwd_tma in ((False, True) if "tma" in parts else ()):
+    for fwd_tma in (False, True) if "tma" in parts else ():
         config = tuning.forward_config(group, bs, bs, D, {"fwd_tma": fwd_tma})
-        t, t95, *_ = measure(lambda: kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs,
-                                                          scale=scale, config=config), busy=True)
+        t, t95, *_ = measure(
+            lambda: kf.sparse_attn_forward(
+                q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale, config=config
+            ),
+            busy=True,
+        )
         ck = kf.LAST_COMPILED["fwd"]
-        rec(results, dict(kind="tune_tma", N=N, pattern=pat_name, kernel="fwd", tma=fwd_tma, config=str(config), ms=t,
-                          p95_ms=t95, TFLOPs=4 * D * pairs / t / 1e9, regs=ck.n_regs, spills=ck.n_spills))
+        rec(
+            results,
+            dict(
+                kind="tune_tma",
+                N=N,
+                pattern=pat_name,
+                kernel="fwd",
+                tma=fwd_tma,
+                config=str(config),
+                ms=t,
+                p95_ms=t95,
+                TFLOPs=4 * D * pairs / t / 1e9,
+                regs=ck.n_regs,
+                spills=ck.n_spills,
+            ),
+        )
     o, lse = kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=bs, block_k=bs, scale=scale)
     slots = planning.cold_slots(plan.hot, plan.reuse, True)
     # KV-centric: (heads per program, warps, stages, query rows per step), the rows at most the tile
     if bs == 64:
         dq_cfgs = [(1, 4, 2), (2, 8, 3), (2, 8, 2), (1, 8, 2), (2, 4, 2)]
-        kv_cfgs = [(h, w, s, r) for h in (1, 2) for w in (4, 8) for s in (1, 2, 3) for r in (16, 32, 64, 128)
-                   if r <= h * bs]
+        kv_cfgs = [
+            (h, w, s, r) for h in (1, 2) for w in (4, 8) for s in (1, 2, 3) for r in (16, 32, 64, 128) if r <= h * bs
+        ]
     else:
         dq_cfgs = [(1, w, s) for w in (4, 8) for s in (1, 2, 3)]
         kv_cfgs = [(1, w, s, r) for w in (4, 8) for s in (1, 2, 3) for r in (32, 64, 128)]
@@ -409,20 +514,33 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
     for kernel in ("dq", "kv") if "tma" in parts else ():
         default = tuning.backward_config(group, bs, bs, D, False, {f"{kernel}_tma": True})
         stages = default.dq_num_stages if kernel == "dq" else default.kv_num_stages
-        tma_variants += [{f"{kernel}_tma": False}, {f"{kernel}_tma": True},
-                         {f"{kernel}_tma": True, f"{kernel}_num_stages": stages + 1}]
+        tma_variants += [
+            {f"{kernel}_tma": False},
+            {f"{kernel}_tma": True},
+            {f"{kernel}_tma": True, f"{kernel}_num_stages": stages + 1},
+        ]
     # the stored-dS mode varies only the KV-centric kernel's loads and dS stores (its dQ kernel's tiles barely
     # change its time)
-    variants = (([dict(dq=c) for c in dq_cfgs] if "dq" in parts else [])
-                + ([dict(stored=True, tma={"kv_tma": t}) for t in (False, True)] if "stored" in parts else [])
-                + ([dict(kv=c) for c in kv_cfgs] if "kv" in parts else [])
-                + ([dict(chunk=c) for c in (16, 32, 128)] if "chunk" in parts else [])
-                + [dict(tma=c) for c in tma_variants])
+    variants = (
+        ([dict(dq=c) for c in dq_cfgs] if "dq" in parts else [])
+        + ([dict(stored=True, tma={"kv_tma": t}) for t in (False, True)] if "stored" in parts else [])
+        + ([dict(kv=c) for c in kv_cfgs] if "kv" in parts else [])
+        + ([dict(chunk=c) for c in (16, 32, 128)] if "chunk" in parts else [])
+        + [dict(tma=c) for c in tma_variants]
+    )
     for var in variants:
         dqc, kvc, chunk = var.get("dq"), var.get("kv"), var.get("chunk")
         stored = var.get("stored", False)
-        cfg = dict(kind="tune_bwd_det", N=N, pattern=pat_name, dq_cfg=str(dqc), kv_cfg=str(kvc), kv_chunk=chunk,
-                   tma_options=str(var.get("tma")), stored_ds=stored)
+        cfg = dict(
+            kind="tune_bwd_det",
+            N=N,
+            pattern=pat_name,
+            dq_cfg=str(dqc),
+            kv_cfg=str(kvc),
+            kv_chunk=chunk,
+            tma_options=str(var.get("tma")),
+            stored_ds=stored,
+        )
         ev = stage_events(4)
         options = dict(var.get("tma") or {})
         if stored:
@@ -430,24 +548,47 @@ def tune(N, pat_name, pat, sel, results, q, k, v, do, parts=TUNE_PARTS):
         if dqc:
             options.update(dq_heads_per_program=dqc[0], dq_num_warps=dqc[1], dq_num_stages=dqc[2])
         if kvc:
-            options.update(kv_heads_per_program=kvc[0], kv_num_warps=kvc[1], kv_num_stages=kvc[2],
-                           kv_tile_rows=kvc[3])
+            options.update(kv_heads_per_program=kvc[0], kv_num_warps=kvc[1], kv_num_stages=kvc[2], kv_tile_rows=kvc[3])
         if chunk:
             options.update(kv_chunk=chunk)
         try:
             config = tuning.backward_config(HQ // HKV, bs, bs, D, False, options)
 
             def bwd():
-                kb.sparse_attn_backward(do, q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr,
-                                        plan.kv_qblocks, slots, 0, block_q=bs, block_k=bs, scale=scale,
-                                        stage_events=ev, config=config, kv_pairs=plan.kv_pairs)
+                kb.sparse_attn_backward(
+                    do,
+                    q,
+                    k,
+                    v,
+                    o,
+                    lse,
+                    idx.indices,
+                    idx.counts,
+                    plan.kv_indptr,
+                    plan.kv_qblocks,
+                    slots,
+                    0,
+                    block_q=bs,
+                    block_k=bs,
+                    scale=scale,
+                    stage_events=ev,
+                    config=config,
+                    kv_pairs=plan.kv_pairs,
+                )
+
             t = measure(bwd, budget_ms=100).median_ms
             # the stored-dS mode runs the KV-centric kernel first (its events: backward.sparse_attn_backward)
             first, second = elapsed_ms(ev[1], ev[2]), elapsed_ms(ev[2], ev[3])
-            cfg.update(ms=t, dq_ms=second if stored else first, kv_ms=first if stored else second,
-                       TFLOPs=2.5 * 4 * D * pairs / t / 1e9,
-                       dq_regs=kb.LAST_COMPILED["dq"].n_regs, dq_spills=kb.LAST_COMPILED["dq"].n_spills,
-                       kv_regs=kb.LAST_COMPILED["dkdv"].n_regs, kv_spills=kb.LAST_COMPILED["dkdv"].n_spills)
+            cfg.update(
+                ms=t,
+                dq_ms=second if stored else first,
+                kv_ms=first if stored else second,
+                TFLOPs=2.5 * 4 * D * pairs / t / 1e9,
+                dq_regs=kb.LAST_COMPILED["dq"].n_regs,
+                dq_spills=kb.LAST_COMPILED["dq"].n_spills,
+                kv_regs=kb.LAST_COMPILED["dkdv"].n_regs,
+                kv_spills=kb.LAST_COMPILED["dkdv"].n_spills,
+            )
         except Exception as exc:
             cfg["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         rec(results, cfg)
@@ -458,10 +599,16 @@ def inspect_compiled(results):
     for name, ck in kf.LAST_COMPILED.items():
         ptx = ck.asm.get("ptx", "")
         sass = ck.asm.get("sass", "") if "sass" in ck.asm else ""
-        info[name] = dict(regs=ck.n_regs, spills=ck.n_spills, shared=ck.metadata.shared,
-                          num_warps=ck.metadata.num_warps, num_stages=ck.metadata.num_stages,
-                          wgmma_in_ptx=ptx.count("wgmma.mma_async"), mma_sync_in_ptx=ptx.count("mma.sync"),
-                          hgmma_in_sass=sass.count("HGMMA"))
+        info[name] = dict(
+            regs=ck.n_regs,
+            spills=ck.n_spills,
+            shared=ck.metadata.shared,
+            num_warps=ck.metadata.num_warps,
+            num_stages=ck.metadata.num_stages,
+            wgmma_in_ptx=ptx.count("wgmma.mma_async"),
+            mma_sync_in_ptx=ptx.count("mma.sync"),
+            hgmma_in_sass=sass.count("HGMMA"),
+        )
     results["compiled"] = info
     print("compiled:", json.dumps(info), flush=True)
 
@@ -503,26 +650,39 @@ def packed_table(rows):
     """Markdown lines of the packed-documents table (rows of kinds ours_packed and flex_packed)."""
     flex = {(r["N"], r["pattern"]): r for r in rows if r["kind"] == "flex_packed"}
 
-    lines = ["| N | pattern | documents | density | valid pairs / selected | ours fwd (p95) | ours bwd (p95) | "
-             "ours fwd+bwd (p95) | det fwd+bwd | same selection, no document mask: fwd, fwd+bwd | "
-             "fwd TFLOP/s (% ceil) | Flex fwd (p95) | Flex fwd+bwd (p95) | fwd vs Flex | fwd+bwd vs Flex |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| N | pattern | documents | density | valid pairs / selected | ours fwd (p95) | ours bwd (p95) | "
+        "ours fwd+bwd (p95) | det fwd+bwd | same selection, no document mask: fwd, fwd+bwd | "
+        "fwd TFLOP/s (% ceil) | Flex fwd (p95) | Flex fwd+bwd (p95) | fwd vs Flex | fwd+bwd vs Flex |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if r["kind"] != "ours_packed" or "fwd_ms" not in r:
             continue
         fx = flex.get((r["N"], r["pattern"]), {})
-        lines.append("| " + " | ".join([
-            str(r["N"]), r["pattern"], str(r["documents"]), cell(r["density"], "{:.4f}"),
-            cell(r["valid_pair_fraction"], "{:.3f}"),
-            f"{cell(r['fwd_ms'])} ({cell(r['fwd_p95_ms'])})", f"{cell(r['bwd_ms'])} ({cell(r['bwd_p95_ms'])})",
-            f"{cell(r['fwdbwd_ms'])} ({cell(r['fwdbwd_p95_ms'])})", cell(r["det_fwdbwd_ms"]),
-            f"{cell(r['nodocs_fwd_ms'])}, {cell(r['nodocs_fwdbwd_ms'])}",
-            f"{r['fwd_TFLOPs']:.0f} ({100 * r['fwd_frac_ceiling']:.0f}%)",
-            f"{cell(fx.get('fwd_ms'))} ({cell(fx.get('fwd_p95_ms'))})",
-            f"{cell(fx.get('fwdbwd_ms'))} ({cell(fx.get('fwdbwd_p95_ms'))})",
-            vs_other(r, fx, "fwd_ms"),
-            vs_other(r, fx, "fwdbwd_ms"),
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    str(r["N"]),
+                    r["pattern"],
+                    str(r["documents"]),
+                    cell(r["density"], "{:.4f}"),
+                    cell(r["valid_pair_fraction"], "{:.3f}"),
+                    f"{cell(r['fwd_ms'])} ({cell(r['fwd_p95_ms'])})",
+                    f"{cell(r['bwd_ms'])} ({cell(r['bwd_p95_ms'])})",
+                    f"{cell(r['fwdbwd_ms'])} ({cell(r['fwdbwd_p95_ms'])})",
+                    cell(r["det_fwdbwd_ms"]),
+                    f"{cell(r['nodocs_fwd_ms'])}, {cell(r['nodocs_fwdbwd_ms'])}",
+                    f"{r['fwd_TFLOPs']:.0f} ({100 * r['fwd_frac_ceiling']:.0f}%)",
+                    f"{cell(fx.get('fwd_ms'))} ({cell(fx.get('fwd_p95_ms'))})",
+                    f"{cell(fx.get('fwdbwd_ms'))} ({cell(fx.get('fwdbwd_p95_ms'))})",
+                    vs_other(r, fx, "fwd_ms"),
+                    vs_other(r, fx, "fwdbwd_ms"),
+                ]
+            )
+            + " |"
+        )
     return lines
 
 
@@ -534,20 +694,32 @@ def write_outputs(results, out):
         json.dump(results, f, indent=1)
     rows = results["rows"]
     c = results["ceilings"]
-    lines = [f"# Block-sparse attention benchmark, {results['gpu']}, {results['date']}", "",
-             f"B={B}, HQ={HQ}, HKV={HKV}, D={D}, bf16, causal. Ceilings measured in the same process: "
-             f"copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s. "
-             "Medians of CUDA-event timings (ms), L2 flushed per repeat; TFLOP/s counts only causally valid "
-             "(q,k) pairs inside selected blocks (bwd = 2.5x fwd FLOPs). torch " + results["torch"] +
-             ", triton " + results["triton"] + ".", ""] + [f"Note: {n}" for n in results.get("notes", [])]
+    lines = [
+        f"# Block-sparse attention benchmark, {results['gpu']}, {results['date']}",
+        "",
+        f"B={B}, HQ={HQ}, HKV={HKV}, D={D}, bf16, causal. Ceilings measured in the same process: "
+        f"copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s. "
+        "Medians of CUDA-event timings (ms), L2 flushed per repeat; TFLOP/s counts only causally valid "
+        "(q,k) pairs inside selected blocks (bwd = 2.5x fwd FLOPs). torch "
+        + results["torch"]
+        + ", triton "
+        + results["triton"]
+        + ".",
+        "",
+    ] + [f"Note: {n}" for n in results.get("notes", [])]
     if packed:
-        lines += ["", f"Packed documents: lengths uniform in [{packed[0]}, {packed[1]}] (seeded per N), each token "
-                  "attends its own document; the selection without the blocks that share no document with their "
-                  "query block; Flex on the same index with a document_id mask_mod. TFLOP/s count valid pairs only.",
-                  ""] + packed_table(rows)
-    lines += ["",
-             "| N | pattern | density | index+plan ms | ours fwd | ours bwd | ours fwd+bwd | fwd TFLOP/s (% ceil) | bwd TFLOP/s (% ceil) | Flex fwd | Flex fwd+bwd | cuDNN fwd | cuDNN fwd+bwd | flash fwd | flash fwd+bwd | fwd vs Flex | fwd+bwd vs Flex | fwd speedup vs cuDNN | fwd+bwd speedup vs cuDNN |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"Packed documents: lengths uniform in [{packed[0]}, {packed[1]}] (seeded per N), each token "
+            "attends its own document; the selection without the blocks that share no document with their "
+            "query block; Flex on the same index with a document_id mask_mod. TFLOP/s count valid pairs only.",
+            "",
+        ] + packed_table(rows)
+    lines += [
+        "",
+        "| N | pattern | density | index+plan ms | ours fwd | ours bwd | ours fwd+bwd | fwd TFLOP/s (% ceil) | bwd TFLOP/s (% ceil) | Flex fwd | Flex fwd+bwd | cuDNN fwd | cuDNN fwd+bwd | flash fwd | flash fwd+bwd | fwd vs Flex | fwd+bwd vs Flex | fwd speedup vs cuDNN | fwd+bwd speedup vs cuDNN |",  # noqa: E501
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     dense = {(r["kind"], r["N"]): r for r in rows if r["kind"].startswith("dense")}
     flex = {(r["N"], r["pattern"]): r for r in rows if r["kind"] == "flex"}
 
@@ -557,25 +729,45 @@ def write_outputs(results, out):
         fx = flex.get((r["N"], r["pattern"]), {})
         cu = dense.get(("dense_cudnn", r["N"]), {})
         fl = dense.get(("dense_flash", r["N"]), {})
-        lines.append("| " + " | ".join([
-            str(r["N"]), r["pattern"], cell(r["density"], "{:.4f}"), cell(r["index_plan_ms"]), cell(r["fwd_ms"]), cell(r["bwd_ms"]),
-            cell(r["fwdbwd_ms"]),
-            f"{r['fwd_TFLOPs']:.0f} ({100 * r['fwd_frac_ceiling']:.0f}%)", f"{r['bwd_TFLOPs']:.0f} ({100 * r['bwd_frac_ceiling']:.0f}%)",
-            cell(fx.get("fwd_ms")), cell(fx.get("fwdbwd_ms")), cell(cu.get("fwd_ms")), cell(cu.get("fwdbwd_ms")),
-            cell(fl.get("fwd_ms")), cell(fl.get("fwdbwd_ms")),
-            vs_other(r, fx, "fwd_ms"),
-            vs_other(r, fx, "fwdbwd_ms"),
-            speedup_over(cu, r, "fwd_ms"),
-            speedup_over(cu, r, "fwdbwd_ms"),
-        ]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    str(r["N"]),
+                    r["pattern"],
+                    cell(r["density"], "{:.4f}"),
+                    cell(r["index_plan_ms"]),
+                    cell(r["fwd_ms"]),
+                    cell(r["bwd_ms"]),
+                    cell(r["fwdbwd_ms"]),
+                    f"{r['fwd_TFLOPs']:.0f} ({100 * r['fwd_frac_ceiling']:.0f}%)",
+                    f"{r['bwd_TFLOPs']:.0f} ({100 * r['bwd_frac_ceiling']:.0f}%)",
+                    cell(fx.get("fwd_ms")),
+                    cell(fx.get("fwdbwd_ms")),
+                    cell(cu.get("fwd_ms")),
+                    cell(cu.get("fwdbwd_ms")),
+                    cell(fl.get("fwd_ms")),
+                    cell(fl.get("fwdbwd_ms")),
+                    vs_other(r, fx, "fwd_ms"),
+                    vs_other(r, fx, "fwdbwd_ms"),
+                    speedup_over(cu, r, "fwd_ms"),
+                    speedup_over(cu, r, "fwdbwd_ms"),
+                ]
+            )
+            + " |"
+        )
     device_rows = [r for r in rows if r["kind"] == "ours" and "fwdbwd_device_ms" in r]
     if device_rows:
-        lines += ["", "Device time (ms; the GPU kept busy by a sleep kernel queued before the start event, so host "
-                  "launch work is not counted, as in a training step where earlier kernels hide it; every "
-                  "implementation timed so):", "",
-                  "| N | pattern | ours fwd | ours fwd+bwd | fwd / fwd+bwd % of ceiling | Flex fwd | Flex fwd+bwd | "
-                  "cuDNN fwd+bwd | fwd+bwd vs Flex | fwd+bwd speedup vs cuDNN |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Device time (ms; the GPU kept busy by a sleep kernel queued before the start event, so host "
+            "launch work is not counted, as in a training step where earlier kernels hide it; every "
+            "implementation timed so):",
+            "",
+            "| N | pattern | ours fwd | ours fwd+bwd | fwd / fwd+bwd % of ceiling | Flex fwd | Flex fwd+bwd | "
+            "cuDNN fwd+bwd | fwd+bwd vs Flex | fwd+bwd speedup vs cuDNN |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in device_rows:
             fx = flex.get((r["N"], r["pattern"]), {})
             cu = dense.get(("dense_cudnn", r["N"]), {})
@@ -584,69 +776,132 @@ def write_outputs(results, out):
             fwd_frac = f_fwd / r["fwd_device_ms"] / 1e9 / ceiling
             bwd_device = r["fwdbwd_device_ms"] - r["fwd_device_ms"]
             bwd_frac = 2.5 * f_fwd / bwd_device / 1e9 / ceiling if bwd_device > 0 else float("nan")
-            lines.append("| " + " | ".join([
-                str(r["N"]), r["pattern"], cell(r["fwd_device_ms"]), cell(r["fwdbwd_device_ms"]),
-                f"{100 * fwd_frac:.0f}% / {100 * bwd_frac:.0f}% (bwd = fwd+bwd - fwd)",
-                cell(fx.get("fwd_device_ms")), cell(fx.get("fwdbwd_device_ms")), cell(cu.get("fwdbwd_device_ms")),
-                vs_other(r, fx, "fwdbwd_device_ms"),
-                speedup_over(cu, r, "fwdbwd_device_ms"),
-            ]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        str(r["N"]),
+                        r["pattern"],
+                        cell(r["fwd_device_ms"]),
+                        cell(r["fwdbwd_device_ms"]),
+                        f"{100 * fwd_frac:.0f}% / {100 * bwd_frac:.0f}% (bwd = fwd+bwd - fwd)",
+                        cell(fx.get("fwd_device_ms")),
+                        cell(fx.get("fwdbwd_device_ms")),
+                        cell(cu.get("fwdbwd_device_ms")),
+                        vs_other(r, fx, "fwdbwd_device_ms"),
+                        speedup_over(cu, r, "fwdbwd_device_ms"),
+                    ]
+                )
+                + " |"
+            )
     graph_rows = [r for r in rows if r["kind"] == "ours" and "fwdbwd_graph_ms" in r]
     if graph_rows:
-        lines += ["", "CUDA graph replay (ms; forward + backward captured once per implementation and replayed, L2 "
-                  "flushed per repeat: no host work in the timed call, as in a training step that graphs its "
-                  "layers; every implementation timed so):", "",
-                  "| N | pattern | ours fwd+bwd | % of ceiling | Flex fwd+bwd | cuDNN fwd+bwd | fwd+bwd vs Flex | "
-                  "fwd+bwd speedup vs cuDNN |",
-                  "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "CUDA graph replay (ms; forward + backward captured once per implementation and replayed, L2 "
+            "flushed per repeat: no host work in the timed call, as in a training step that graphs its "
+            "layers; every implementation timed so):",
+            "",
+            "| N | pattern | ours fwd+bwd | % of ceiling | Flex fwd+bwd | cuDNN fwd+bwd | fwd+bwd vs Flex | "
+            "fwd+bwd speedup vs cuDNN |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in graph_rows:
-            lines.append(fwdbwd_row(r, flex.get((r["N"], r["pattern"]), {}), dense.get(("dense_cudnn", r["N"]), {}),
-                                    "fwdbwd_graph_ms", c["bf16_matmul_TFLOPs"]))
+            lines.append(
+                fwdbwd_row(
+                    r,
+                    flex.get((r["N"], r["pattern"]), {}),
+                    dense.get(("dense_cudnn", r["N"]), {}),
+                    "fwdbwd_graph_ms",
+                    c["bf16_matmul_TFLOPs"],
+                )
+            )
     held_rows = [r for r in rows if r["kind"] == "ours" and "fwdbwd_sustained_ms" in r]
     if held_rows:
         held_ceiling = c.get("bf16_matmul_sustained_TFLOPs") or c["bf16_matmul_TFLOPs"]
-        lines += ["", "Sustained (ms; each implementation's forward + backward back to back for seconds, no flush, "
-                  "medians of the second half: the card at its power and clock limits, as through a training run; "
-                  f"% of the matmul ceiling held the same way, {held_ceiling:.0f} TFLOP/s"
-                  + (f" at {c['matmul_sustained_watts']:.0f} W, {c['matmul_sustained_sm_mhz']:.0f} MHz"
-                     if c.get("matmul_sustained_watts") else "") + "):", "",
-                  "| N | pattern | ours fwd+bwd | % of ceiling | ours W / MHz | Flex fwd+bwd | Flex W / MHz | "
-                  "cuDNN fwd+bwd | fwd+bwd vs Flex | fwd+bwd speedup vs cuDNN |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Sustained (ms; each implementation's forward + backward back to back for seconds, no flush, "
+            "medians of the second half: the card at its power and clock limits, as through a training run; "
+            f"% of the matmul ceiling held the same way, {held_ceiling:.0f} TFLOP/s"
+            + (
+                f" at {c['matmul_sustained_watts']:.0f} W, {c['matmul_sustained_sm_mhz']:.0f} MHz"
+                if c.get("matmul_sustained_watts")
+                else ""
+            )
+            + "):",
+            "",
+            "| N | pattern | ours fwd+bwd | % of ceiling | ours W / MHz | Flex fwd+bwd | Flex W / MHz | "
+            "cuDNN fwd+bwd | fwd+bwd vs Flex | fwd+bwd speedup vs cuDNN |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in held_rows:
-            lines.append(fwdbwd_row(r, flex.get((r["N"], r["pattern"]), {}), dense.get(("dense_cudnn", r["N"]), {}),
-                                    "fwdbwd_sustained_ms", held_ceiling, power=sustained_power))
+            lines.append(
+                fwdbwd_row(
+                    r,
+                    flex.get((r["N"], r["pattern"]), {}),
+                    dense.get(("dense_cudnn", r["N"]), {}),
+                    "fwdbwd_sustained_ms",
+                    held_ceiling,
+                    power=sustained_power,
+                )
+            )
     modes = [r for r in rows if r["kind"] == "ours" and "fwd_ms" in r]
     if modes:
-        lines += ["", "Backward modes on the same index (ms; the default is the hybrid two-kernel backward; "
-                  "peak extra memory of one fwd+bwd over the inputs):", "",
-                  "| N | pattern | bwd | fwd+bwd | deterministic bwd | deterministic fwd+bwd | fused-dQ bwd | "
-                  "fused-dQ fwd+bwd | stored-dS bwd | stored-dS fwd+bwd | peak extra MB, default / stored-dS |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Backward modes on the same index (ms; the default is the hybrid two-kernel backward; "
+            "peak extra memory of one fwd+bwd over the inputs):",
+            "",
+            "| N | pattern | bwd | fwd+bwd | deterministic bwd | deterministic fwd+bwd | fused-dQ bwd | "
+            "fused-dQ fwd+bwd | stored-dS bwd | stored-dS fwd+bwd | peak extra MB, default / stored-dS |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in modes:
-            lines.append("| " + " | ".join([
-                str(r["N"]), r["pattern"], cell(r["bwd_ms"]), cell(r["fwdbwd_ms"]), cell(r.get("det_bwd_ms")),
-                cell(r.get("det_fwdbwd_ms")), cell(r.get("fused_bwd_ms")), cell(r.get("fused_fwdbwd_ms")),
-                cell(r.get("stored_bwd_ms")), cell(r.get("stored_fwdbwd_ms")),
-                f"{cell(r.get('fwdbwd_peak_extra_MB'), '{:.0f}')} / {cell(r.get('stored_fwdbwd_peak_extra_MB'), '{:.0f}')}",
-            ]) + " |")
+            lines.append(
+                "| "
+                + " | ".join(
+                    [
+                        str(r["N"]),
+                        r["pattern"],
+                        cell(r["bwd_ms"]),
+                        cell(r["fwdbwd_ms"]),
+                        cell(r.get("det_bwd_ms")),
+                        cell(r.get("det_fwdbwd_ms")),
+                        cell(r.get("fused_bwd_ms")),
+                        cell(r.get("fused_fwdbwd_ms")),
+                        cell(r.get("stored_bwd_ms")),
+                        cell(r.get("stored_fwdbwd_ms")),
+                        f"{cell(r.get('fwdbwd_peak_extra_MB'), '{:.0f}')} / {cell(r.get('stored_fwdbwd_peak_extra_MB'), '{:.0f}')}",  # noqa: E501
+                    ]
+                )
+                + " |"
+            )
     errs = [r for r in rows if any("error" in kk for kk in r)]
     if errs:
         lines += ["", "Failures (reported, not crashed):", ""]
         for r in errs:
             short = lambda t: " ".join(str(t).split())[:220]  # noqa: E731
-            lines.append(f"- {r['kind']} N={r['N']} {r.get('pattern', '')}: " +
-                         "; ".join(f"{kk}={short(vv)}" for kk, vv in r.items() if "error" in kk) +
-                         (f" ({r['note']})" if "note" in r else ""))
+            lines.append(
+                f"- {r['kind']} N={r['N']} {r.get('pattern', '')}: "
+                + "; ".join(f"{kk}={short(vv)}" for kk, vv in r.items() if "error" in kk)
+                + (f" ({r['note']})" if "note" in r else "")
+            )
     sw = [r for r in rows if r["kind"] == "r0_sweep"]
     if sw:
-        lines += ["", "r0 sweep (hybrid backward; dQ+atomic kernel vs KV-centric kernel; ms):", "",
-                  "| N | pattern | r0 | det | hot | cold | workspace MB | preprocess | dQ+atomic kernel | KV-centric kernel | bwd total |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "r0 sweep (hybrid backward; dQ+atomic kernel vs KV-centric kernel; ms):",
+            "",
+            "| N | pattern | r0 | det | hot | cold | workspace MB | preprocess | dQ+atomic kernel | KV-centric kernel | bwd total |",  # noqa: E501
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in sw:
-            lines.append(f"| {r['N']} | {r['pattern']} | {r['r0']} | {r['deterministic']} | {r['num_hot']} | {r['num_cold']} | "
-                         f"{r['workspace_bytes'] / 2**20:.1f} | {r['preprocess_ms']:.3f} | {r['dq_atomic_kernel_ms']:.3f} | "
-                         f"{r['kv_centric_kernel_ms']:.3f} | {r['bwd_ms']:.3f} |")
+            lines.append(
+                f"| {r['N']} | {r['pattern']} | {r['r0']} | {r['deterministic']} | {r['num_hot']} | {r['num_cold']} | "
+                f"{r['workspace_bytes'] / 2**20:.1f} | {r['preprocess_ms']:.3f} | {r['dq_atomic_kernel_ms']:.3f} | "
+                f"{r['kv_centric_kernel_ms']:.3f} | {r['bwd_ms']:.3f} |"
+            )
     if results.get("compiled"):
         lines += ["", "Compiled kernels (last launch): " + json.dumps(results["compiled"])]
     with open(stem + ".md", "w") as fh:
@@ -745,9 +1000,18 @@ def dry_run(ns, patterns, packed):
             q_idx = torch.arange(n).view(-1, 1)
             mod = mask.mask_mod(torch.tensor(0), torch.tensor(0), q_idx, torch.arange(n).view(1, -1))
             assert torch.equal(mod, elem), "mask_mod must be causal & same document"
-            out.append(dict(N=n, pattern=name, documents=len(lengths), blocks=int(full.counts.sum()),
-                            kept_blocks=int(idx.counts.sum()), valid_pairs=pairs, num_hot=plan.num_hot,
-                            flex_full_blocks=int(full_blocks.sum())))
+            out.append(
+                dict(
+                    N=n,
+                    pattern=name,
+                    documents=len(lengths),
+                    blocks=int(full.counts.sum()),
+                    kept_blocks=int(idx.counts.sum()),
+                    valid_pairs=pairs,
+                    num_hot=plan.num_hot,
+                    flex_full_blocks=int(full_blocks.sum()),
+                )
+            )
     return out
 
 
@@ -761,17 +1025,35 @@ def main(argv=None):
     ap.add_argument("--no-dense", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--sweep-n", type=int, default=65536)
-    ap.add_argument("--tune", nargs="*", default=None, choices=TUNE_PARTS,
-                    help="sweep launch configs at the largest N: the parts named (default all)")
+    ap.add_argument(
+        "--tune",
+        nargs="*",
+        default=None,
+        choices=TUNE_PARTS,
+        help="sweep launch configs at the largest N: the parts named (default all)",
+    )
     ap.add_argument("--head-dim", type=int, default=D, help="head dimension D (default 128)")
     ap.add_argument("--out", default="docs/benchmarks")
-    ap.add_argument("--packed", type=parse_packed, default=None, metavar="LO:HI",
-                    help="packed documents with lengths uniform in [LO, HI] (module docstring)")
-    ap.add_argument("--sustained", type=float, default=6.0, metavar="SECONDS",
-                    help="forward + backward of ours, Flex and SDPA (and the matmul ceiling) back to back this long, "
-                         "the card at its power limit (default 6; 0 skips)")
-    ap.add_argument("--dry-run", action="store_true",
-                    help="CPU: build and check the packed inputs (default --packed 64:700, N 1000 3001), no timing")
+    ap.add_argument(
+        "--packed",
+        type=parse_packed,
+        default=None,
+        metavar="LO:HI",
+        help="packed documents with lengths uniform in [LO, HI] (module docstring)",
+    )
+    ap.add_argument(
+        "--sustained",
+        type=float,
+        default=6.0,
+        metavar="SECONDS",
+        help="forward + backward of ours, Flex and SDPA (and the matmul ceiling) back to back this long, "
+        "the card at its power limit (default 6; 0 skips)",
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="CPU: build and check the packed inputs (default --packed 64:700, N 1000 3001), no timing",
+    )
     args = ap.parse_args(argv)
     if args.dry_run:
         for row in dry_run(args.n or [1000, 3001], args.pattern, args.packed or (64, 700)):
@@ -779,9 +1061,15 @@ def main(argv=None):
         return
     D = args.head_dim
     ns = args.n or ([65536] if args.quick else [8192, 16384, 32768, 65536, 131072])
-    results = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   date=time.strftime("%Y-%m-%d", time.gmtime()), rows=[],
-                   shape=dict(B=B, HQ=HQ, HKV=HKV, D=D, dtype="bf16"), packed=args.packed)
+    results = dict(
+        gpu=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        date=time.strftime("%Y-%m-%d", time.gmtime()),
+        rows=[],
+        shape=dict(B=B, HQ=HQ, HKV=HKV, D=D, dtype="bf16"),
+        packed=args.packed,
+    )
     results["ceilings"] = ceilings(args.sustained)
     print("ceilings:", results["ceilings"], flush=True)
     ceil = results["ceilings"]["bf16_matmul_TFLOPs"]

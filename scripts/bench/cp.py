@@ -13,7 +13,8 @@ gradient all-reduce over the CP group, bucketed), then the single-GPU step on ra
 One step = forward (+ LM loss over the local tokens / N + the selectors' loss shares), backward, gradient
 all-reduce, AdamW. Tokens: scripts/bench/inputs.py (``benchmark_tokens``, seed 1), each rank taking its shard.
 Reported per mode and N: step time (median and p95 over ``--repeats`` after ``--warmup``,
-:class:`sparse_train.timing.Marks`), tokens/s (N per step), peak allocated memory per GPU, and the communication share of the
+:class:`sparse_train.timing.Marks`), tokens/s (N per step), peak allocated memory per GPU, and the communication share
+of the
 step: the device time of the NCCL kernels (torch profiler, one extra profiled step) over the step's wall
 time, split by collective (K/V all-gather, reduce-scatter, gradient all-reduce, small selector collectives).
 Run each mode in its own process (above): memory of a step that ran out of memory can stay allocated, so every
@@ -38,7 +39,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,12 +52,41 @@ from scripts.bench import step as bench_step
 from scripts.bench.inputs import benchmark_tokens
 from sparse_train.timing import Marks
 
-SMOKE = ["--layers", "2", "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--vocab", "97",
-         "--block", "16", "--top-k", "2", "--window", "2", "--contexts", "256", "--repeats", "2", "--warmup", "1",
-         "--backend", "reference", "--precision", "fp32", "--distill", "sampled"]
+SMOKE = [
+    "--layers",
+    "2",
+    "--d-model",
+    "64",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--ffn",
+    "128",
+    "--vocab",
+    "97",
+    "--block",
+    "16",
+    "--top-k",
+    "2",
+    "--window",
+    "2",
+    "--contexts",
+    "256",
+    "--repeats",
+    "2",
+    "--warmup",
+    "1",
+    "--backend",
+    "reference",
+    "--precision",
+    "fp32",
+    "--distill",
+    "sampled",
+]
 
 
-def _collective_kind(name: str) -> Optional[str]:
+def _collective_kind(name: str) -> str | None:
     low = name.lower()
     if "nccl" not in low and "gloo" not in low:
         return None
@@ -80,8 +110,7 @@ class Run:
         if group is not None:
             cpm.enable_context_parallel(self.model, group, backend=args.backend)
         fused = device.type == "cuda"
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1,
-                                     fused=fused)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
         tokens = benchmark_tokens(n, args.vocab, seed=1, device=device)
         x, y = tokens[:, :-1], tokens[:, 1:]
         if group is not None:
@@ -91,15 +120,19 @@ class Run:
 
     def step(self) -> dict[str, float]:
         args, clock = self.args, self.clock
-        amp = (torch.autocast(self.device.type, dtype=torch.bfloat16) if args.precision == "bf16-mixed"
-               else contextlib.nullcontext())
+        amp = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if args.precision == "bf16-mixed"
+            else contextlib.nullcontext()
+        )
         clock.mark("start")
         with amp:
             if args.loss == "chunked":
                 loss_sum = self.model(self.x, labels=self.y).loss_sum
             else:
-                loss_sum = F.cross_entropy(self.model(self.x).float().view(-1, args.vocab), self.y.reshape(-1),
-                                           reduction="sum")
+                loss_sum = F.cross_entropy(
+                    self.model(self.x).float().view(-1, args.vocab), self.y.reshape(-1), reduction="sum"
+                )
         # the loss of the local tokens over the GLOBAL count: the ranks' gradients sum to the one-GPU gradient
         loss = loss_sum / self.n
         loss = loss + st.collect_selector_losses(self.model)
@@ -112,15 +145,19 @@ class Run:
             dist.all_reduce(flat, group=self.group)
             offset = 0
             for g in grads:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         clock.mark("reduced")
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         clock.mark("end")
-        return {"forward_ms": clock.ms("start", "forward"), "backward_ms": clock.ms("forward", "backward"),
-                "grad_allreduce_ms": clock.ms("backward", "reduced"), "optimizer_ms": clock.ms("reduced", "end"),
-                "step_ms": clock.ms("start", "end")}
+        return {
+            "forward_ms": clock.ms("start", "forward"),
+            "backward_ms": clock.ms("forward", "backward"),
+            "grad_allreduce_ms": clock.ms("backward", "reduced"),
+            "optimizer_ms": clock.ms("reduced", "end"),
+            "step_ms": clock.ms("start", "end"),
+        }
 
     def communication(self) -> dict[str, float]:
         """Device time of the collective kernels in one profiled step, by kind, in ms."""
@@ -185,8 +222,11 @@ def run_mode(args: argparse.Namespace, mode: str, group, device: torch.device, r
         t0 = time.perf_counter()
         if runs_here:
             try:
-                result = {**measure(args, n, group if mode == "cp" else None, device), "mode": mode,
-                          **({"after_oom": True} if _OOM_SEEN else {})}
+                result = {
+                    **measure(args, n, group if mode == "cp" else None, device),
+                    "mode": mode,
+                    **({"after_oom": True} if _OOM_SEEN else {}),
+                }
             except torch.OutOfMemoryError as exc:
                 result = {"context": n, "mode": mode, "status": "oom", "error": str(exc).splitlines()[0]}
                 oom.fill_(1)
@@ -205,23 +245,36 @@ def run_mode(args: argparse.Namespace, mode: str, group, device: torch.device, r
             result["comm_share_per_rank"] = shares
         if rank == 0:
             # the whole record, as soon as it exists: a sweep cut by a time limit keeps what it measured
-            print(f"[bench_cp] {mode} N={n}: {result['status']}"
-                  + (f", step {result['step_ms']:.1f} ms, comm {result['comm_share']:.1%}" if result["status"] == "ok"
-                     else "") + f" | {json.dumps(result, default=str)}", flush=True)
+            print(
+                f"[bench_cp] {mode} N={n}: {result['status']}"
+                + (
+                    f", step {result['step_ms']:.1f} ms, comm {result['comm_share']:.1%}"
+                    if result["status"] == "ok"
+                    else ""
+                )
+                + f" | {json.dumps(result, default=str)}",
+                flush=True,
+            )
         results.append(result)
     return results
 
 
 def markdown(results: list[dict[str, Any]], world: int, meta: dict[str, Any]) -> str:
-    lines = [f"# Context-parallel training step ({meta['date']}, {meta['device']}, CP={world} vs one GPU)", "",
-             f"Model: scripts/bench/step.py's build_model ({meta['args']['layers']} layers, d_model {meta['args']['d_model']}, "
-             f"{meta['args']['heads']}/{meta['args']['kv_heads']} heads), sparse attention (top_k "
-             f"{meta['args']['top_k']}, window {meta['args']['window']}, block {meta['args']['block']}, distill "
-             f"{meta['args']['distill']}, backend {meta['args']['backend']}), LM loss {meta['args'].get('loss')}, "
-             f"activation checkpointing, "
-             f"{meta['args']['precision']}. Median (p95) over {meta['args']['repeats']} steps.", "",
-             "| N | mode | step ms (p95) | tokens/s | peak GiB per GPU | comm share | all-gather / reduce-scatter / "
-             "all-reduce ms |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Context-parallel training step ({meta['date']}, {meta['device']}, CP={world} vs one GPU)",
+        "",
+        f"Model: scripts/bench/step.py's build_model ({meta['args']['layers']} layers, "
+        f"d_model {meta['args']['d_model']}, "
+        f"{meta['args']['heads']}/{meta['args']['kv_heads']} heads), sparse attention (top_k "
+        f"{meta['args']['top_k']}, window {meta['args']['window']}, block {meta['args']['block']}, distill "
+        f"{meta['args']['distill']}, backend {meta['args']['backend']}), LM loss {meta['args'].get('loss')}, "
+        f"activation checkpointing, "
+        f"{meta['args']['precision']}. Median (p95) over {meta['args']['repeats']} steps.",
+        "",
+        "| N | mode | step ms (p95) | tokens/s | peak GiB per GPU | comm share | all-gather / reduce-scatter / "
+        "all-reduce ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         mode = r["mode"] + (" (after an OOM: rerun alone)" if r.get("after_oom") else "")
         if r["status"] != "ok":
@@ -231,20 +284,32 @@ def markdown(results: list[dict[str, Any]], world: int, meta: dict[str, Any]) ->
         peak = " / ".join("-" if p is None else f"{p:.1f}" for p in peaks)
         comm = r.get("comm_ms", {})
         parts = " / ".join(f"{comm.get(k, 0.0):.1f}" for k in ("allgather", "reducescatter", "allreduce"))
-        lines.append(f"| {r['context']} | {mode} | {r['step_ms']:.1f} ({r['step_p95_ms']:.1f}) | "
-                     f"{r['tokens_per_s']:.0f} | {peak} | {r['comm_share']:.1%} | {parts} |")
+        lines.append(
+            f"| {r['context']} | {mode} | {r['step_ms']:.1f} ({r['step_p95_ms']:.1f}) | "
+            f"{r['tokens_per_s']:.0f} | {peak} | {r['comm_share']:.1%} | {parts} |"
+        )
     # one GPU "does not fit" N only where a clean process ran out of memory at N or below
-    single_oom = [r["context"] for r in results
-                  if r["mode"] == "single" and r["status"] == "oom" and not r.get("after_oom")]
-    only_cp = [r["context"] for r in results if r["mode"] == "cp" and r["status"] == "ok" and not r.get("after_oom")
-               and single_oom and min(single_oom) <= r["context"]]
+    single_oom = [
+        r["context"] for r in results if r["mode"] == "single" and r["status"] == "oom" and not r.get("after_oom")
+    ]
+    only_cp = [
+        r["context"]
+        for r in results
+        if r["mode"] == "cp"
+        and r["status"] == "ok"
+        and not r.get("after_oom")
+        and single_oom
+        and min(single_oom) <= r["context"]
+    ]
     lines.append("")
-    lines.append(f"Longest N that fits with CP={world} but not on one GPU (both measured): "
-                 f"{max(only_cp) if only_cp else 'none measured'}.")
+    lines.append(
+        f"Longest N that fits with CP={world} but not on one GPU (both measured): "
+        f"{max(only_cp) if only_cp else 'none measured'}."
+    )
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench_step.add_model_arguments(ap)
     ap.add_argument("--contexts", type=int, nargs="+", default=[131072, 196608, 262144, 327680, 393216, 524288])
@@ -276,10 +341,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     for mode in args.modes:
         results.extend(run_mode(args, mode, group, device, rank))
     if rank == 0:
-        meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
-                "world": world, "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
-                "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-                "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+        meta = {
+            "date": time.strftime("%Y-%m-%d"),
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "world": world,
+            "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE"),
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        }
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_cp.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
         (args.out / "bench_cp.md").write_text(markdown(results, world, meta))

@@ -62,8 +62,7 @@ def flush_l2():
     _FLUSH.zero_()
 
 
-def measure(fn, *, device="cuda", warmup=2, min_reps=5, max_reps=50, budget_ms=400.0, flush=True,
-            busy=False) -> Timing:
+def measure(fn, *, device="cuda", warmup=2, min_reps=5, max_reps=50, budget_ms=400.0, flush=True, busy=False) -> Timing:
     """Time ``fn()`` on ``device``: ``warmup`` untimed calls, then repeats until ``max_reps`` or until both
     ``min_reps`` and ``budget_ms`` of measured time are reached. On CUDA, ``flush`` clears the L2 cache before each
     repeat and ``busy`` keeps the GPU occupied by a sleep kernel while the host issues ``fn()``."""
@@ -107,8 +106,19 @@ class SmiSampler:
         gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
         try:
             self._proc = subprocess.Popen(
-                ["nvidia-smi", "-i", gpu, "--query-gpu=power.draw,clocks.sm", "--format=csv,noheader,nounits",
-                 "-lms", "100"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                [
+                    "nvidia-smi",
+                    "-i",
+                    gpu,
+                    "--query-gpu=power.draw,clocks.sm",
+                    "--format=csv,noheader,nounits",
+                    "-lms",
+                    "100",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
         except OSError:
             self._proc = None
         self.samples = []
@@ -144,10 +154,14 @@ def sustained(fn, seconds):
         torch.cuda.synchronize()
     late_calls = [(start, stop) for start, stop, began in calls if began >= seconds / 2] or [calls[-1][:2]]
     timing = summarize([elapsed_ms(start, stop) for start, stop in late_calls])
-    late = smi.samples[len(smi.samples) // 2:]
-    return dict(ms=timing.median_ms, p95_ms=timing.p95_ms, calls=timing.repeats,
-                watts=sum(w for w, _ in late) / len(late) if late else None,
-                sm_mhz=sum(m for _, m in late) / len(late) if late else None)
+    late = smi.samples[len(smi.samples) // 2 :]
+    return dict(
+        ms=timing.median_ms,
+        p95_ms=timing.p95_ms,
+        calls=timing.repeats,
+        watts=sum(w for w, _ in late) / len(late) if late else None,
+        sm_mhz=sum(m for _, m in late) / len(late) if late else None,
+    )
 
 
 def record_sustained(row, fn, seconds, key="fwdbwd"):
@@ -226,6 +240,9 @@ def ceilings(sustained_seconds=0.0):
     out["bf16_matmul_TFLOPs"] = 2 * m**3 / (t * 1e-3) / 1e12
     if sustained_seconds > 0:
         held = sustained(lambda: x @ y, sustained_seconds)
-        out.update(bf16_matmul_sustained_TFLOPs=2 * m**3 / (held["ms"] * 1e-3) / 1e12,
-                   matmul_sustained_watts=held["watts"], matmul_sustained_sm_mhz=held["sm_mhz"])
+        out.update(
+            bf16_matmul_sustained_TFLOPs=2 * m**3 / (held["ms"] * 1e-3) / 1e12,
+            matmul_sustained_watts=held["watts"],
+            matmul_sustained_sm_mhz=held["sm_mhz"],
+        )
     return out

@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 
 from scripts.bench.harness import measure
+from sparse_train.kernels.reference.index_scores import reference_index_block_scores
 from sparse_train.kernels.triton.index_scores import (
     IndexScoreOptions,
     index_block_scores,
     tile_options,
 )
-from sparse_train.kernels.reference.index_scores import reference_index_block_scores
 
 SHAPES = ((1, 32), (1, 64), (2, 32), (4, 16), (4, 32))
 """(E index heads, S index dim) pairs timed."""

@@ -24,8 +24,9 @@ B, HQ, HKV, D = 1, 32, 8, 128
 DT = torch.bfloat16
 
 
-def benchmark_inputs(n, head_dim=D, seed=0, *, batch=B, heads=HQ, kv_heads=HKV, dtype=DT, device="cuda",
-                     requires_grad=False):
+def benchmark_inputs(
+    n, head_dim=D, seed=0, *, batch=B, heads=HQ, kv_heads=HKV, dtype=DT, device="cuda", requires_grad=False
+):
     """q ``[batch, heads, n, head_dim]``, k and v ``[batch, kv_heads, n, head_dim]`` and the output gradient do
     (q's shape), standard normal, drawn in that order after ``torch.manual_seed(seed)``."""
     torch.manual_seed(seed)
@@ -54,8 +55,14 @@ def build_index(sel, n, pattern, r0=None, docs=None):
     """The canonical index of a selection with the pattern's window and sinks, and its plan (``r0``: the reuse
     threshold, default the plan's). With ``docs`` (int32 ``[B, N]`` document ids) the blocks that share no document
     with their query block are dropped, as a document-aware selection drops them."""
-    idx = BlockIndex.from_selection(sel, seq_len=n, block_q=pattern["block"], block_k=pattern["block"],
-                                    window=pattern["window"], sinks=pattern["sinks"])
+    idx = BlockIndex.from_selection(
+        sel,
+        seq_len=n,
+        block_q=pattern["block"],
+        block_k=pattern["block"],
+        window=pattern["window"],
+        sinks=pattern["sinks"],
+    )
     if docs is not None:
         every_key_block = torch.arange(idx.num_k_blocks, device=docs.device)
         every_key_block = every_key_block.expand(docs.shape[0], 1, idx.num_q_blocks, -1)

@@ -44,8 +44,17 @@ def main(argv=None):
     pattern = density_pattern(args.seq_len, args.block, args.density)
     sel = random_selection(args.seq_len, pattern, seed=0, device="cpu", batch=args.batch, kv_heads=args.kv_heads)
     index, _ = build_index(sel, args.seq_len, pattern)
-    q, k, v, do = benchmark_inputs(args.seq_len, args.head_dim, seed=0, batch=args.batch, heads=args.heads,
-                                   kv_heads=args.kv_heads, dtype=torch.float32, device="cpu", requires_grad=True)
+    q, k, v, do = benchmark_inputs(
+        args.seq_len,
+        args.head_dim,
+        seed=0,
+        batch=args.batch,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        dtype=torch.float32,
+        device="cpu",
+        requires_grad=True,
+    )
 
     def forward():
         return reference_sparse_attention(q, k, v, index)
@@ -54,12 +63,18 @@ def main(argv=None):
         o, _ = forward()
         torch.autograd.grad(o, (q, k, v), do)
 
-    timings = {name: measure(fn, device="cpu", warmup=0, min_reps=args.repeats, max_reps=args.repeats)
-               for name, fn in (("forward", forward), ("forward+backward", forward_backward))}
+    timings = {
+        name: measure(fn, device="cpu", warmup=0, min_reps=args.repeats, max_reps=args.repeats)
+        for name, fn in (("forward", forward), ("forward+backward", forward_backward))
+    }
     print(f"{index}")
-    print(f"threads={torch.get_num_threads()} " + ", ".join(
-        f"{name} median {t.median_ms / 1e3:.2f} s (p95 {t.p95_ms / 1e3:.2f} s)" for name, t in timings.items())
-        + f" over {args.repeats} runs")
+    print(
+        f"threads={torch.get_num_threads()} "
+        + ", ".join(
+            f"{name} median {t.median_ms / 1e3:.2f} s (p95 {t.p95_ms / 1e3:.2f} s)" for name, t in timings.items()
+        )
+        + f" over {args.repeats} runs"
+    )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,8 @@ from scripts.bench.harness import measure as measure_call
 from scripts.bench.inputs import benchmark_inputs
 from sparse_train.cuda_graphs import capture_cuda_graph
 from sparse_train.functional import resolve_backend
-from sparse_train.kernels.triton.pool import block_pool_launch
 from sparse_train.kernels.reference.block_mass import reference_dense_block_mass
+from sparse_train.kernels.triton.pool import block_pool_launch
 from sparse_train.plan.tuning import pool_config
 from sparse_train.selection import (
     block_kl,
@@ -87,35 +87,69 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=16)
     p.add_argument("--window", type=int, default=8)
     p.add_argument("--sinks", type=int, default=1)
-    p.add_argument("--selector", choices=["pooled", "token"], default="pooled",
-                   help="SparseAttentionConfig.selector: block-pooled scorer or token-level indexer")
+    p.add_argument(
+        "--selector",
+        choices=["pooled", "token"],
+        default="pooled",
+        help="SparseAttentionConfig.selector: block-pooled scorer or token-level indexer",
+    )
     p.add_argument("--selector-dim", type=int, default=32)
     p.add_argument("--index-heads", type=int, default=1, help="SparseAttentionConfig.selector_index_heads (token)")
-    p.add_argument("--rope-theta", type=float, default=10000.0,
-                   help="the selector un-rotates RoPE of this base before pooling, as the Transformer and the Hugging "
-                        "Face integration set it; 0 pools q and k as given")
+    p.add_argument(
+        "--rope-theta",
+        type=float,
+        default=10000.0,
+        help="the selector un-rotates RoPE of this base before pooling, as the Transformer and the Hugging "
+        "Face integration set it; 0 pools q and k as given",
+    )
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--device", default="cuda")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--distill-rows", type=int, nargs="*", default=[0],
-                   help="rows per query block for the sparse distillation target; 0 = all rows (the kernels); "
-                        "a row subsample runs the PyTorch path")
-    p.add_argument("--allow-reference", action="store_true",
-                   help="time attention through the reference backend when Triton is unavailable")
-    p.add_argument("--graph", action="store_true",
-                   help="also capture selector + canonicalize + plan in a CUDA graph and time its replay")
-    p.add_argument("--kernel-table", type=Path, default=None, metavar="FILE",
-                   help="five more selections under torch.profiler: the kernel table to FILE, the top kernels (time "
-                        "and launches per selection) to the JSON")
-    p.add_argument("--sweep-pool", action="store_true",
-                   help="(CUDA) time the pooling kernel's tilings (rows, warps, heads per program) for q and k; the "
-                        "source of plan.pool_config's defaults")
-    p.add_argument("--sampled-blocks", type=int, default=st.SparseAttentionConfig().distill_query_blocks,
-                   help="query blocks of the sampled dense target (default: the config's distill_query_blocks); "
-                        "0 skips its timing")
-    p.add_argument("--selector-only", action="store_true", help="time only the selector phases (no distillation, "
-                   "attention or module timings)")
+    p.add_argument(
+        "--distill-rows",
+        type=int,
+        nargs="*",
+        default=[0],
+        help="rows per query block for the sparse distillation target; 0 = all rows (the kernels); "
+        "a row subsample runs the PyTorch path",
+    )
+    p.add_argument(
+        "--allow-reference",
+        action="store_true",
+        help="time attention through the reference backend when Triton is unavailable",
+    )
+    p.add_argument(
+        "--graph",
+        action="store_true",
+        help="also capture selector + canonicalize + plan in a CUDA graph and time its replay",
+    )
+    p.add_argument(
+        "--kernel-table",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="five more selections under torch.profiler: the kernel table to FILE, the top kernels (time "
+        "and launches per selection) to the JSON",
+    )
+    p.add_argument(
+        "--sweep-pool",
+        action="store_true",
+        help="(CUDA) time the pooling kernel's tilings (rows, warps, heads per program) for q and k; the "
+        "source of plan.pool_config's defaults",
+    )
+    p.add_argument(
+        "--sampled-blocks",
+        type=int,
+        default=st.SparseAttentionConfig().distill_query_blocks,
+        help="query blocks of the sampled dense target (default: the config's distill_query_blocks); "
+        "0 skips its timing",
+    )
+    p.add_argument(
+        "--selector-only",
+        action="store_true",
+        help="time only the selector phases (no distillation, attention or module timings)",
+    )
     p.add_argument("--out", type=Path, required=True, help="JSON output path")
     return p.parse_args(argv)
 
@@ -124,8 +158,7 @@ def measure(fn, device, warmup, repeats):
     """``{"median_ms", "p95_ms", "min_ms", "repeats"}`` of ``fn()``: ``warmup`` untimed calls, then ``repeats``
     timed ones back to back (no cache flush)."""
     timing = measure_call(fn, device=device, warmup=warmup, min_reps=repeats, max_reps=repeats, flush=False)
-    return {"median_ms": timing.median_ms, "p95_ms": timing.p95_ms, "min_ms": timing.min_ms,
-            "repeats": timing.repeats}
+    return {"median_ms": timing.median_ms, "p95_ms": timing.p95_ms, "min_ms": timing.min_ms, "repeats": timing.repeats}
 
 
 def kernel_table(selection, device, path: Path, repeats: int = 5) -> list[dict]:
@@ -147,8 +180,13 @@ def kernel_table(selection, device, path: Path, repeats: int = 5) -> list[dict]:
     for event in averages:
         self_us = getattr(event, "self_device_time_total", 0.0) if cuda else event.self_cpu_time_total
         if self_us > 0 and (not cuda or getattr(event, "device_type", None) == torch.autograd.DeviceType.CUDA):
-            rows.append({"kernel": event.key[:120], "launches_per_selection": event.count / repeats,
-                         "us_per_selection": self_us / repeats})
+            rows.append(
+                {
+                    "kernel": event.key[:120],
+                    "launches_per_selection": event.count / repeats,
+                    "us_per_selection": self_us / repeats,
+                }
+            )
     rows.sort(key=lambda row: -row["us_per_selection"])
     return rows[:40]
 
@@ -160,22 +198,36 @@ def sweep_pool(q, k, block: int, group: int, scorer, args) -> list[dict]:
     default = pool_config(inv_freq is not None, block, q.shape[-1])
     padded = 1 << max(0, block - 1).bit_length()
     tilings = {default}
-    for rows in ({min(padded, 128)} if inv_freq is not None else {min(padded, 32), min(padded, 64)}):
+    for rows in {min(padded, 128)} if inv_freq is not None else {min(padded, 32), min(padded, 64)}:
         for warps in (2, 4, 8):
-            for heads in ((1, 2, 4, 8) if inv_freq is not None else (1, 2)):
+            for heads in (1, 2, 4, 8) if inv_freq is not None else (1, 2):
                 tilings.add((rows, warps, heads))
     gbytes = (q.numel() + k.numel()) * q.element_size() / 1e9
     out = []
     for rows, warps, heads in sorted(tilings):
+
         def pool(rows=rows, warps=warps, heads=heads):
             tile = dict(rows=rows, num_warps=warps, heads_per_program=heads)
-            return (block_pool_launch(q, block, group, None, inv_freq, None, True, **tile),
-                    block_pool_launch(k, block, 1, None, inv_freq, None, True, **tile))
+            return (
+                block_pool_launch(q, block, group, None, inv_freq, None, True, **tile),
+                block_pool_launch(k, block, 1, None, inv_freq, None, True, **tile),
+            )
+
         ms = measure(pool, q.device, args.warmup, args.repeats)["median_ms"]
-        out.append({"rows": rows, "warps": warps, "heads_per_program": heads, "median_ms": ms,
-                    "tb_per_s": gbytes / ms, "default": (rows, warps, heads) == default})
-        print(f"pool rows={rows:4d} warps={warps} heads/program={heads}  {ms:.4f} ms"
-              f"{'  (default)' if out[-1]['default'] else ''}")
+        out.append(
+            {
+                "rows": rows,
+                "warps": warps,
+                "heads_per_program": heads,
+                "median_ms": ms,
+                "tb_per_s": gbytes / ms,
+                "default": (rows, warps, heads) == default,
+            }
+        )
+        print(
+            f"pool rows={rows:4d} warps={warps} heads/program={heads}  {ms:.4f} ms"
+            f"{'  (default)' if out[-1]['default'] else ''}"
+        )
     return out
 
 
@@ -187,13 +239,15 @@ def main(argv=None) -> int:
         return 2
     dtype = getattr(torch, args.dtype)
     b, hq, hkv, n, d, blk = args.batch, args.hq, args.hkv, args.n, args.d, args.block
-    q, k, v, grad_out = benchmark_inputs(n, d, seed=0, batch=b, heads=hq, kv_heads=hkv, dtype=dtype, device=device,
-                                         requires_grad=True)
+    q, k, v, grad_out = benchmark_inputs(
+        n, d, seed=0, batch=b, heads=hq, kv_heads=hkv, dtype=dtype, device=device, requires_grad=True
+    )
     scale = 1.0 / math.sqrt(d)
     geom = selection_geometry(n, blk, blk, args.top_k, args.window, args.sinks)
     # the module's scorer with its defaults (pooling, distance bias), of the kind --selector names
-    selector_cfg = st.SparseAttentionConfig(selector=args.selector, selector_dim=args.selector_dim,
-                                            selector_index_heads=args.index_heads)
+    selector_cfg = st.SparseAttentionConfig(
+        selector=args.selector, selector_dim=args.selector_dim, selector_index_heads=args.index_heads
+    )
     scorer = build_selector(selector_cfg, hq, hkv, d).to(device)
     if args.rope_theta > 0:
         scorer.set_rope(rope_inverse_frequencies(args.rope_theta, d))
@@ -212,19 +266,36 @@ def main(argv=None) -> int:
         return scorer.pool(q, k, blk, blk)
 
     def canonicalize():
-        return st.BlockIndex.from_selection(candidates, seq_len=n, block_q=blk, block_k=blk, window=args.window,
-                                            sinks=args.sinks, capacity=geom.capacity, check="none")
+        return st.BlockIndex.from_selection(
+            candidates,
+            seq_len=n,
+            block_q=blk,
+            block_k=blk,
+            window=args.window,
+            sinks=args.sinks,
+            capacity=geom.capacity,
+            check="none",
+        )
 
     index = canonicalize()
 
     def plan():
-        fresh = st.BlockIndex.from_canonical(index.indices, index.counts, seq_len=n, block_q=blk, block_k=blk,
-                                             check="none")
+        fresh = st.BlockIndex.from_canonical(
+            index.indices, index.counts, seq_len=n, block_q=blk, block_k=blk, check="none"
+        )
         return fresh.plan()
 
     def selector_total():
-        idx = st.BlockIndex.from_selection(scores_topk(), seq_len=n, block_q=blk, block_k=blk, window=args.window,
-                                           sinks=args.sinks, capacity=geom.capacity, check="none")
+        idx = st.BlockIndex.from_selection(
+            scores_topk(),
+            seq_len=n,
+            block_q=blk,
+            block_k=blk,
+            window=args.window,
+            sinks=args.sinks,
+            capacity=geom.capacity,
+            check="none",
+        )
         return idx.plan()
 
     timings["selector/pool"] = measure(pool, device, args.warmup, args.repeats)
@@ -240,8 +311,10 @@ def main(argv=None) -> int:
             timings["selector/total[cuda_graph]"] = measure(graph.replay, device, args.warmup, args.repeats)
             graph.replay()
             eager = selector_total()
-            same = all(torch.equal(getattr(captured, name), getattr(eager, name))
-                       for name in ("reuse", "kv_indptr", "kv_qblocks", "hot", "stats"))
+            same = all(
+                torch.equal(getattr(captured, name), getattr(eager, name))
+                for name in ("reuse", "kv_indptr", "kv_qblocks", "hot", "stats")
+            )
             notes.append(f"CUDA-graph replay equals eager: {same}")
 
     kernels = kernel_table(selector_total, device, args.kernel_table) if args.kernel_table else None
@@ -287,18 +360,23 @@ def main(argv=None) -> int:
         qf, kf = qd.float(), kd.float()
         timings[f"distill/sampled_target[{label}]"] = measure(
             lambda: dense_block_mass(qd, kd, block_q=blk, block_k=blk, scale=scale, query_blocks=picks),
-            device, args.warmup, args.repeats)
+            device,
+            args.warmup,
+            args.repeats,
+        )
         timings[f"reference/sampled_target[{label}]"] = measure(
             lambda: reference_dense_block_mass(qf, kf, block_q=blk, block_k=blk, scale=scale, query_blocks=picks),
-            device, args.warmup, args.repeats)
+            device,
+            args.warmup,
+            args.repeats,
+        )
 
     if time_attention:
         fixed_plan = index.plan()
 
         def attention():
             q.grad = k.grad = v.grad = None
-            out = st.sparse_attention(q, k, v, index, scale=scale, backend="auto",
-                                     kernel_options={"plan": fixed_plan})
+            out = st.sparse_attention(q, k, v, index, scale=scale, backend="auto", kernel_options={"plan": fixed_plan})
             out.backward(grad_out)
 
         timings["attention/fwd_bwd"] = measure(attention, device, args.warmup, args.repeats)
@@ -306,11 +384,19 @@ def main(argv=None) -> int:
         # the module on its sparse path (no dense warm-up) with each distillation mode; the differences
         # to distill="off" are what the distillation costs inside a training step
         for distill in ("off", "sparse", "sampled"):
-            cfg = st.SparseAttentionConfig(block_q=blk, block_k=blk, top_k=args.top_k, window=args.window,
-                                           sinks=args.sinks, selector=args.selector, selector_dim=args.selector_dim,
-                                           selector_index_heads=args.index_heads, distill=distill,
-                                           dense_warmup_steps=0,
-                                           selector_rope_theta=args.rope_theta if args.rope_theta > 0 else None)
+            cfg = st.SparseAttentionConfig(
+                block_q=blk,
+                block_k=blk,
+                top_k=args.top_k,
+                window=args.window,
+                sinks=args.sinks,
+                selector=args.selector,
+                selector_dim=args.selector_dim,
+                selector_index_heads=args.index_heads,
+                distill=distill,
+                dense_warmup_steps=0,
+                selector_rope_theta=args.rope_theta if args.rope_theta > 0 else None,
+            )
             module = st.SparseAttention(cfg, num_heads=hq, num_kv_heads=hkv, head_dim=d).to(device).train()
 
             def module_step():
@@ -332,8 +418,10 @@ def main(argv=None) -> int:
     budgets = {"selector/total": 0.10}
     budgets.update({key: 0.15 for key in timings if key.startswith("distill/")})
     rows_out = []
-    print(f"\nselector benchmark  N={n} B={b} HQ={hq} HKV={hkv} D={d} {args.dtype} BQ=BK={blk} "
-          f"top_k={args.top_k} window={args.window} sinks={args.sinks}  backend={backend}")
+    print(
+        f"\nselector benchmark  N={n} B={b} HQ={hq} HKV={hkv} D={d} {args.dtype} BQ=BK={blk} "
+        f"top_k={args.top_k} window={args.window} sinks={args.sinks}  backend={backend}"
+    )
     print(f"{'phase':38s} {'median ms':>10s} {'p95 ms':>10s} {'% of attn':>10s} {'budget':>8s}")
     for key, t in timings.items():
         share = t["median_ms"] / attn_ms if attn_ms else None
@@ -342,8 +430,15 @@ def main(argv=None) -> int:
         share_txt = f"{100 * share:9.1f}%" if share is not None else f"{'-':>10s}"
         budget_txt = f"{100 * budget:.0f}% {verdict}" if budget is not None else ""
         print(f"{key:38s} {t['median_ms']:10.3f} {t['p95_ms']:10.3f} {share_txt} {budget_txt:>8s}")
-        rows_out.append({"phase": key, **t, "fraction_of_attention": share, "budget": budget,
-                         "within_budget": None if share is None or budget is None else share <= budget})
+        rows_out.append(
+            {
+                "phase": key,
+                **t,
+                "fraction_of_attention": share,
+                "budget": budget,
+                "within_budget": None if share is None or budget is None else share <= budget,
+            }
+        )
     for note in notes:
         print(f"note: {note}")
 
@@ -351,13 +446,31 @@ def main(argv=None) -> int:
         "date": datetime.now(timezone.utc).isoformat(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "shape": {"N": n, "B": b, "HQ": hq, "HKV": hkv, "D": d, "dtype": args.dtype, "BQ": blk, "BK": blk,
-                  "top_k": args.top_k, "window": args.window, "sinks": args.sinks, "selector_dim": args.selector_dim,
-                  "rope_theta": args.rope_theta, "selector": args.selector, "index_heads": args.index_heads,
-                  "query_pooling": selector_cfg.query_pooling, "key_pooling": selector_cfg.key_pooling,
-                  "distance_bias": scorer.distance_bias is not None},
-        "index": {"capacity": index.capacity, "selected_blocks_per_head": geom.selected_blocks,
-                  "block_density": geom.block_density},
+        "shape": {
+            "N": n,
+            "B": b,
+            "HQ": hq,
+            "HKV": hkv,
+            "D": d,
+            "dtype": args.dtype,
+            "BQ": blk,
+            "BK": blk,
+            "top_k": args.top_k,
+            "window": args.window,
+            "sinks": args.sinks,
+            "selector_dim": args.selector_dim,
+            "rope_theta": args.rope_theta,
+            "selector": args.selector,
+            "index_heads": args.index_heads,
+            "query_pooling": selector_cfg.query_pooling,
+            "key_pooling": selector_cfg.key_pooling,
+            "distance_bias": scorer.distance_bias is not None,
+        },
+        "index": {
+            "capacity": index.capacity,
+            "selected_blocks_per_head": geom.selected_blocks,
+            "block_density": geom.block_density,
+        },
         "backend": backend,
         "backend_reason": reason,
         "results": rows_out,

@@ -27,8 +27,9 @@ import gc
 import json
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +51,12 @@ def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
     before the timed model runs: never inside a call, where the probe would run in a checkpointed block's
     first forward but not in its recompute, and selective checkpointing (which hands the recompute the kept
     SDPA outputs in call order) would give the recompute the probe's output."""
-    backends = {"cudnn": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
-                "efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH]}
+    backends = {
+        "cudnn": [SDPBackend.CUDNN_ATTENTION],
+        "flash": [SDPBackend.FLASH_ATTENTION],
+        "efficient": [SDPBackend.EFFICIENT_ATTENTION],
+        "math": [SDPBackend.MATH],
+    }
     state: dict[str, Any] = {"expand": None}
 
     def ctx() -> contextlib.AbstractContextManager:
@@ -68,8 +73,9 @@ def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
             state["expand"] = True
             print(f"[bench] SDPA backend {backend!r} rejects enable_gqa; expanding K/V to {heads} heads")
 
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-               document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def attend(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if document_ids is not None:  # the benchmark's rows are single sequences
             raise ValueError("the dense baseline of this benchmark takes no document_ids")
         if state["expand"] is None:
@@ -93,8 +99,9 @@ GLUON = {"on": True, "off": False, "auto": None}
 """``--gluon`` values as ``SparseAttentionConfig.gluon_kernels`` takes them."""
 
 
-def time_steps(step: Callable[[], dict[str, float]], warmup: int, repeats: int, device: torch.device,
-               tokens: int, q: float) -> dict[str, Any]:
+def time_steps(
+    step: Callable[[], dict[str, float]], warmup: int, repeats: int, device: torch.device, tokens: int, q: float
+) -> dict[str, Any]:
     """Run ``step`` (returning ``{"<phase>_ms": ...}``, ``step_ms`` among them) ``warmup`` times untimed,
     then ``repeats`` times: the median of each phase, its ``q`` quantile (key ``<phase>_p<100 q>_ms``),
     tokens/s from the median step, and the peak CUDA memory of the timed steps (GiB)."""
@@ -121,17 +128,37 @@ def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Trans
     torch.manual_seed(0)
     # No dense warm-up: the benchmark times the sparse path a trained selector runs (the module's default
     # 500-step warm-up would make every timed step dense attention).
-    sparse_cfg = dict(block_q=args.block, block_k=args.block, top_k=args.top_k, window=args.window,
-                      sinks=args.sinks, distill=args.distill, backend=args.backend, dense_warmup_steps=0,
-                      fused_backward=args.fused_backward == "on", stored_ds_backward=args.stored_ds_backward == "on",
-                      gluon_kernels=GLUON[args.gluon], selector=args.selector,
-                      selector_index_heads=args.index_heads)
-    cfg = TransformerConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                            n_kv_heads=args.kv_heads, head_dim=args.head_dim, ffn_hidden=args.ffn,
-                            rope_theta=args.rope_theta, tie_embeddings=False, attention=variant,
-                            sparse=sparse_cfg, activation_checkpointing=act_ckpt,
-                            checkpoint_keeps_attention=args.keep_attention == "on",
-                            compile_pointwise=POINTWISE[args.compile_pointwise])
+    sparse_cfg = dict(
+        block_q=args.block,
+        block_k=args.block,
+        top_k=args.top_k,
+        window=args.window,
+        sinks=args.sinks,
+        distill=args.distill,
+        backend=args.backend,
+        dense_warmup_steps=0,
+        fused_backward=args.fused_backward == "on",
+        stored_ds_backward=args.stored_ds_backward == "on",
+        gluon_kernels=GLUON[args.gluon],
+        selector=args.selector,
+        selector_index_heads=args.index_heads,
+    )
+    cfg = TransformerConfig(
+        vocab_size=args.vocab,
+        d_model=args.d_model,
+        n_layers=args.layers,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        ffn_hidden=args.ffn,
+        rope_theta=args.rope_theta,
+        tie_embeddings=False,
+        attention=variant,
+        sparse=sparse_cfg,
+        activation_checkpointing=act_ckpt,
+        checkpoint_keeps_attention=args.keep_attention == "on",
+        compile_pointwise=POINTWISE[args.compile_pointwise],
+    )
     return Transformer(cfg)
 
 
@@ -149,31 +176,66 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--top-k", type=int, default=16)
     ap.add_argument("--window", type=int, default=8)
     ap.add_argument("--sinks", type=int, default=1)
-    ap.add_argument("--selector", choices=["pooled", "token"], default="pooled",
-                    help="sparse variant: SparseAttentionConfig.selector")
-    ap.add_argument("--index-heads", type=int, default=1,
-                    help="sparse variant: SparseAttentionConfig.selector_index_heads (token selector)")
-    ap.add_argument("--distill", choices=["sparse", "dense", "sampled", "off"], default="sampled",
-                    help="selector distillation during the timed steps (part of a real training step; default: the module default)")
+    ap.add_argument(
+        "--selector",
+        choices=["pooled", "token"],
+        default="pooled",
+        help="sparse variant: SparseAttentionConfig.selector",
+    )
+    ap.add_argument(
+        "--index-heads",
+        type=int,
+        default=1,
+        help="sparse variant: SparseAttentionConfig.selector_index_heads (token selector)",
+    )
+    ap.add_argument(
+        "--distill",
+        choices=["sparse", "dense", "sampled", "off"],
+        default="sampled",
+        help="selector distillation during the timed steps (part of a real training step; default: the module default)",
+    )
     ap.add_argument("--backend", default="auto", help="sparse kernel backend: auto | triton | reference")
-    ap.add_argument("--keep-attention", choices=["on", "off"], default="off",
-                    help="with activation checkpointing, keep the attention outputs instead of recomputing them "
-                         "(TransformerConfig.checkpoint_keeps_attention; both variants)")
-    ap.add_argument("--fused-backward", choices=["on", "off"], default="off",
-                    help="sparse variant: dQ from the KV-centric kernel by atomics (SparseAttentionConfig.fused_backward)")
-    ap.add_argument("--stored-ds-backward", choices=["on", "off"], default="off",
-                    help="sparse variant: dQ from dS tiles the KV-centric kernel stores "
-                         "(SparseAttentionConfig.stored_ds_backward)")
-    ap.add_argument("--gluon", choices=sorted(GLUON), default="auto",
-                    help="sparse variant: the Gluon kernels (SparseAttentionConfig.gluon_kernels: auto = each kernel's "
-                         "default, on = wherever they apply, off = the Triton kernels only)")
-    ap.add_argument("--compile-pointwise", choices=sorted(POINTWISE), default="auto",
-                    help="RMSNorm, RoPE and the SwiGLU gate as torch.compile'd fused kernels "
-                         "(TransformerConfig.compile_pointwise, both variants; auto = on for CUDA, the default)")
-    ap.add_argument("--loss", choices=["chunked", "logits"], default="chunked",
-                    help="LM loss: the model's chunked head + cross-entropy (forward(labels=...), as the training "
-                         "recipes; logits of 8,192 tokens at a time) or F.cross_entropy on the full [N, vocab] "
-                         "logits")
+    ap.add_argument(
+        "--keep-attention",
+        choices=["on", "off"],
+        default="off",
+        help="with activation checkpointing, keep the attention outputs instead of recomputing them "
+        "(TransformerConfig.checkpoint_keeps_attention; both variants)",
+    )
+    ap.add_argument(
+        "--fused-backward",
+        choices=["on", "off"],
+        default="off",
+        help="sparse variant: dQ from the KV-centric kernel by atomics (SparseAttentionConfig.fused_backward)",
+    )
+    ap.add_argument(
+        "--stored-ds-backward",
+        choices=["on", "off"],
+        default="off",
+        help="sparse variant: dQ from dS tiles the KV-centric kernel stores (SparseAttentionConfig.stored_ds_backward)",
+    )
+    ap.add_argument(
+        "--gluon",
+        choices=sorted(GLUON),
+        default="auto",
+        help="sparse variant: the Gluon kernels (SparseAttentionConfig.gluon_kernels: auto = each kernel's "
+        "default, on = wherever they apply, off = the Triton kernels only)",
+    )
+    ap.add_argument(
+        "--compile-pointwise",
+        choices=sorted(POINTWISE),
+        default="auto",
+        help="RMSNorm, RoPE and the SwiGLU gate as torch.compile'd fused kernels "
+        "(TransformerConfig.compile_pointwise, both variants; auto = on for CUDA, the default)",
+    )
+    ap.add_argument(
+        "--loss",
+        choices=["chunked", "logits"],
+        default="chunked",
+        help="LM loss: the model's chunked head + cross-entropy (forward(labels=...), as the training "
+        "recipes; logits of 8,192 tokens at a time) or F.cross_entropy on the full [N, vocab] "
+        "logits",
+    )
 
 
 def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> dict[str, Any]:
@@ -187,8 +249,9 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused)
     tokens = benchmark_tokens(n, args.vocab, device=device)
     if variant == "dense":
-        model_lib.dense_causal_attention.prepare(device, args.heads, args.kv_heads, model.cfg.resolved_head_dim,
-                                                 torch.bfloat16)
+        model_lib.dense_causal_attention.prepare(
+            device, args.heads, args.kv_heads, model.cfg.resolved_head_dim, torch.bfloat16
+        )
     x, y = tokens[:, :-1], tokens[:, 1:]
     clock = Marks(device)
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
@@ -209,17 +272,26 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
         opt.step()
         opt.zero_grad(set_to_none=True)
         clock.mark("end")
-        return {"forward_ms": clock.ms("start", "forward"), "backward_ms": clock.ms("forward", "backward"),
-                "optimizer_ms": clock.ms("backward", "end"), "step_ms": clock.ms("start", "end")}
+        return {
+            "forward_ms": clock.ms("start", "forward"),
+            "backward_ms": clock.ms("forward", "backward"),
+            "optimizer_ms": clock.ms("backward", "end"),
+            "step_ms": clock.ms("start", "end"),
+        }
 
-    result: dict[str, Any] = {"context": n, "variant": variant, "status": "ok", "act_ckpt": act_ckpt,
-                              "keep_attention": act_ckpt and args.keep_attention == "on",
-                              "fused_backward": variant == "sparse" and args.fused_backward == "on",
-                              "stored_ds_backward": variant == "sparse" and args.stored_ds_backward == "on",
-                              "gluon": args.gluon if variant == "sparse" else None,
-                              "compile_pointwise": model_lib.compiles_pointwise(POINTWISE[args.compile_pointwise],
-                                                                                device),
-                              "params": model.num_parameters(), "repeats": args.repeats}
+    result: dict[str, Any] = {
+        "context": n,
+        "variant": variant,
+        "status": "ok",
+        "act_ckpt": act_ckpt,
+        "keep_attention": act_ckpt and args.keep_attention == "on",
+        "fused_backward": variant == "sparse" and args.fused_backward == "on",
+        "stored_ds_backward": variant == "sparse" and args.stored_ds_backward == "on",
+        "gluon": args.gluon if variant == "sparse" else None,
+        "compile_pointwise": model_lib.compiles_pointwise(POINTWISE[args.compile_pointwise], device),
+        "params": model.num_parameters(),
+        "repeats": args.repeats,
+    }
     result.update(time_steps(step, args.warmup, args.repeats, device, n, q=0.95))
     if variant == "sparse":
         stats = st.collect_attention_stats(model)
@@ -235,18 +307,22 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
             # the phases do not overlap (a checkpoint's recompute runs before the layer's attention backward
             # starts), so their sum is the attention-related time per layer, recompute included
             result["attention_ms_per_layer"] = sum(breakdown.values())
-            print(f"[bench] N={n} attention per layer {result['attention_ms_per_layer']:.2f} ms: "
-                  + ", ".join(f"{k.removeprefix('time/')} {v:.2f}" for k, v in breakdown.items()))
+            print(
+                f"[bench] N={n} attention per layer {result['attention_ms_per_layer']:.2f} ms: "
+                + ", ".join(f"{k.removeprefix('time/')} {v:.2f}" for k, v in breakdown.items())
+            )
             for core in model.sparse_cores():
                 core.config.profile = False
     if args.kernel_table is not None and device.type == "cuda":
-        result["kernels"], result["attention_windows"] = kernel_table(step, args.kernel_table,
-                                                                      f"n{n}_{variant}_ckpt{int(act_ckpt)}")
+        result["kernels"], result["attention_windows"] = kernel_table(
+            step, args.kernel_table, f"n{n}_{variant}_ckpt{int(act_ckpt)}"
+        )
     return result
 
 
-def kernel_table(step: Callable[[], dict[str, float]], out_dir: Path, tag: str,
-                 top: int = 25) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def kernel_table(
+    step: Callable[[], dict[str, float]], out_dir: Path, tag: str, top: int = 25
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One more step under ``torch.profiler``: every GPU kernel's total time, call count and share of the
     step's kernel time (the split the CUDA-event phases cannot give, e.g. how much of the backward is
     the checkpoint recompute). Writes ``<out_dir>/kernels_<tag>.txt`` (profiler table),
@@ -260,14 +336,24 @@ def kernel_table(step: Callable[[], dict[str, float]], out_dir: Path, tag: str,
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total_us = sum(e.self_device_time_total for e in events) or 1.0
-    rows = sorted(({"kernel": e.key[:160], "calls": e.count, "total_ms": e.self_device_time_total / 1e3,
-                    "share": e.self_device_time_total / total_us} for e in events),
-                  key=lambda r: -r["total_ms"])
+    rows = sorted(
+        (
+            {
+                "kernel": e.key[:160],
+                "calls": e.count,
+                "total_ms": e.self_device_time_total / 1e3,
+                "share": e.self_device_time_total / total_us,
+            }
+            for e in events
+        ),
+        key=lambda r: -r["total_ms"],
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     trace_path = str(out_dir / f"trace_{tag}.json.gz")
     prof.export_chrome_trace(trace_path)
     (out_dir / f"kernels_{tag}.txt").write_text(
-        prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90))
+        prof.key_averages().table(sort_by="self_device_time_total", row_limit=60, max_name_column_width=90)
+    )
     print(f"[bench] {tag}: kernel time {total_us / 1e3:.1f} ms in {len(events)} kernels; top:")
     for r in rows[:12]:
         print(f"    {r['total_ms']:9.2f} ms {r['share']:6.1%} x{r['calls']:<5} {r['kernel'][:90]}")
@@ -293,8 +379,10 @@ def run_config(args: argparse.Namespace, n: int, variant: str) -> dict[str, Any]
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    head = f"{'N':>7} {'variant':>7} {'ckpt':>5} {'fwd ms':>9} {'bwd ms':>9} {'opt ms':>8} {'step ms':>9} " \
-           f"{'tok/s':>9} {'peak GiB':>9} {'density':>8}"
+    head = (
+        f"{'N':>7} {'variant':>7} {'ckpt':>5} {'fwd ms':>9} {'bwd ms':>9} {'opt ms':>8} {'step ms':>9} "
+        f"{'tok/s':>9} {'peak GiB':>9} {'density':>8}"
+    )
     print(head)
     print("-" * len(head))
     for r in results:
@@ -303,21 +391,25 @@ def print_table(results: list[dict[str, Any]]) -> None:
             continue
         dens = f"{r['density']:.3f}" if r.get("density") is not None else "-"
         peak = f"{r['peak_mem_gib']:.1f}" if "peak_mem_gib" in r else "-"
-        print(f"{r['context']:>7} {r['variant']:>7} {str(r['act_ckpt']):>5} {r['forward_ms']:9.1f} "
-              f"{r['backward_ms']:9.1f} {r['optimizer_ms']:8.1f} {r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} "
-              f"{peak:>9} {dens:>8}")
+        print(
+            f"{r['context']:>7} {r['variant']:>7} {str(r['act_ckpt']):>5} {r['forward_ms']:9.1f} "
+            f"{r['backward_ms']:9.1f} {r['optimizer_ms']:8.1f} {r['step_ms']:9.1f} {r['tokens_per_s']:9.0f} "
+            f"{peak:>9} {dens:>8}"
+        )
         if r.get("fallbacks"):
             print(f"{'':>7} WARNING: the sparse variant left the sparse path: {r['fallbacks']}")
     by = {(r["context"], r["variant"]): r for r in results if r["status"] == "ok"}
     for n in sorted({r["context"] for r in results}):
         s, d = by.get((n, "sparse")), by.get((n, "dense"))
         if s and d:
-            print(f"N={n}: sparse/dense step time = {s['step_ms'] / d['step_ms']:.3f} "
-                  f"(fwd {s['forward_ms'] / d['forward_ms']:.3f}, bwd {s['backward_ms'] / d['backward_ms']:.3f})"
-                  + ("" if s["act_ckpt"] == d["act_ckpt"] else "  [different act_ckpt settings]"))
+            print(
+                f"N={n}: sparse/dense step time = {s['step_ms'] / d['step_ms']:.3f} "
+                f"(fwd {s['forward_ms'] / d['forward_ms']:.3f}, bwd {s['backward_ms'] / d['backward_ms']:.3f})"
+                + ("" if s["act_ckpt"] == d["act_ckpt"] else "  [different act_ckpt settings]")
+            )
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 65536])
     ap.add_argument("--variants", nargs="+", choices=["sparse", "dense"], default=["sparse", "dense"])
@@ -325,14 +417,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     add_model_arguments(ap)
     ap.add_argument("--dense-backend", choices=["cudnn", "flash", "efficient", "math", "auto"], default="cudnn")
     ap.add_argument("--precision", choices=["bf16-mixed", "bf16"], default="bf16-mixed")
-    ap.add_argument("--act-ckpt", choices=["auto", "on", "off"], default="auto",
-                    help="activation checkpointing per block; auto = off, retried on when out of memory")
+    ap.add_argument(
+        "--act-ckpt",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="activation checkpointing per block; auto = off, retried on when out of memory",
+    )
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="one extra step with the attention breakdown")
-    ap.add_argument("--kernel-table", type=Path, default=None, metavar="DIR",
-                    help="one more step under torch.profiler per configuration (CUDA): kernel times and a "
-                         "trace to DIR, the top kernels to the JSON")
+    ap.add_argument(
+        "--kernel-table",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="one more step under torch.profiler per configuration (CUDA): kernel times and a "
+        "trace to DIR, the top kernels to the JSON",
+    )
     ap.add_argument("--out", type=Path, default=None, help="JSON output path")
     args = ap.parse_args(argv)
 
@@ -344,12 +445,19 @@ def main(argv: Optional[list[str]] = None) -> None:
             r = run_config(args, n, variant)
             r["wall_s"] = time.perf_counter() - t0
             results.append(r)
-            print(f"[bench] N={n} {variant}: {r['status']}"
-                  + (f", step {r['step_ms']:.1f} ms" if r["status"] == "ok" else ""), flush=True)
+            print(
+                f"[bench] N={n} {variant}: {r['status']}"
+                + (f", step {r['step_ms']:.1f} ms" if r["status"] == "ok" else ""),
+                flush=True,
+            )
     print_table(results)
-    meta = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "python": platform.python_version(),
-            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu",
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))

@@ -116,9 +116,17 @@ class ModeUnsupported(Exception):
 
 def sparse_kwargs(cfg: JobConfig) -> dict:
     """The SparseAttentionConfig keyword arguments every st.SparseAttention mode shares."""
-    return {"block_q": BLOCK, "block_k": BLOCK, "top_k": family(cfg.family).top_k, "window": WINDOW, "sinks": SINKS,
-            "selector_rope_theta": cfg.rope_theta, "selector_rope_style": "interleaved",
-            "dense_warmup_steps": cfg.dense_warmup_steps, "metrics_every": max(1, cfg.log_every)}
+    return {
+        "block_q": BLOCK,
+        "block_k": BLOCK,
+        "top_k": family(cfg.family).top_k,
+        "window": WINDOW,
+        "sinks": SINKS,
+        "selector_rope_theta": cfg.rope_theta,
+        "selector_rope_style": "interleaved",
+        "dense_warmup_steps": cfg.dense_warmup_steps,
+        "metrics_every": max(1, cfg.log_every),
+    }
 
 
 def sparse_config(cfg: JobConfig) -> tuple[st.SparseAttentionConfig, str]:
@@ -132,8 +140,10 @@ def sparse_config(cfg: JobConfig) -> tuple[st.SparseAttentionConfig, str]:
             raise ModeUnsupported(f"mode {cfg.mode!r} not supported by this sparse_train ({error})") from None
         for name in ("selector", "selector_rope_style", "selector_rope_theta"):
             kwargs.pop(name)
-        note = (f"this sparse_train has no selector / selector_rope_style ({error}): pooled runs the module's "
-                "selector on the rotated q and k (selector_rope_theta=None)")
+        note = (
+            f"this sparse_train has no selector / selector_rope_style ({error}): pooled runs the module's "
+            "selector on the rotated q and k (selector_rope_theta=None)"
+        )
         return st.SparseAttentionConfig(**kwargs), note
 
 
@@ -141,14 +151,23 @@ def build_model(cfg: JobConfig) -> tuple[EvalModel, dict, str]:
     """The model of ``cfg`` with its attention cores: (model, the SparseAttentionConfig as a dict or {}, note).
     The model's own weights come from ``cfg.seed`` alone, whatever the mode."""
     torch.manual_seed(cfg.seed)
-    model = EvalModel(VOCAB_SIZE, d_model=cfg.d_model, layers=cfg.layers, num_heads=cfg.num_heads,
-                      num_kv_heads=cfg.num_kv_heads, rope_theta=cfg.rope_theta)
+    model = EvalModel(
+        VOCAB_SIZE,
+        d_model=cfg.d_model,
+        layers=cfg.layers,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        rope_theta=cfg.rope_theta,
+    )
     if cfg.mode == "dense":
         return model, {}, ""
     if cfg.mode == "row_oracle":
         top_k = family(cfg.family).top_k
-        model.set_cores(lambda: RowOracleCore(top_k=top_k, block=BLOCK, window=WINDOW, sinks=SINKS,
-                                              dense_warmup_steps=cfg.dense_warmup_steps))
+        model.set_cores(
+            lambda: RowOracleCore(
+                top_k=top_k, block=BLOCK, window=WINDOW, sinks=SINKS, dense_warmup_steps=cfg.dense_warmup_steps
+            )
+        )
         return model, {}, ""
     config, note = sparse_config(cfg)
     model.set_cores(lambda: st.SparseAttention(config, cfg.num_heads, cfg.num_kv_heads, model.head_dim))
@@ -183,8 +202,9 @@ def _run_job(cfg: JobConfig, verbose: bool) -> dict:
     model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     warm = max(1, cfg.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) * (
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps)))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / cfg.steps))))
+    )
     train_gen = torch.Generator().manual_seed(stream_seed(cfg.family, "train", cfg.seq_len, cfg.seed))
 
     def to_device(t: torch.Tensor) -> torch.Tensor:
@@ -222,8 +242,11 @@ def _run_job(cfg: JobConfig, verbose: bool) -> dict:
             sel = torch.stack(selector_losses).float().mean().item()
             curve.append([step + 1, task, sel])
             if verbose:
-                print(f"[heldout] {cfg.family}/{cfg.mode}/seed {cfg.seed}/N {cfg.seq_len} step {step + 1}: "
-                      f"loss {task:.4f}, selector loss {sel:.4f}", flush=True)
+                print(
+                    f"[heldout] {cfg.family}/{cfg.mode}/seed {cfg.seed}/N {cfg.seq_len} step {step + 1}: "
+                    f"loss {task:.4f}, selector loss {sel:.4f}",
+                    flush=True,
+                )
             losses, selector_losses = [], []
     if cuda:
         torch.cuda.synchronize(device)
@@ -284,8 +307,8 @@ def step_flops(cfg: JobConfig) -> float:
     """Training FLOPs of one dense step (forward + backward) of the model of ``cfg``."""
     d, n = cfg.d_model, cfg.seq_len
     kv = d * cfg.num_kv_heads // cfg.num_heads
-    linear = d * d * 2 + 2 * d * kv + 8 * d * d          # q, o, k, v, MLP
-    attention = 2 * 2 * (n / 2) * d                      # QK^T and PV over the causal half, per token
+    linear = d * d * 2 + 2 * d * kv + 8 * d * d  # q, o, k, v, MLP
+    attention = 2 * 2 * (n / 2) * d  # QK^T and PV over the causal half, per token
     per_token = cfg.layers * (6 * linear + 3.5 * attention) + 6 * d * VOCAB_SIZE
     return per_token * n * cfg.batch
 
@@ -293,8 +316,13 @@ def step_flops(cfg: JobConfig) -> float:
 def estimate_seconds(configs: list[JobConfig], jobs: int) -> float:
     """Expected wall time of the sweep on one H200 (see EST_* above): GPU-bound aggregate compute plus
     one start-up per wave of ``jobs`` processes."""
-    compute = sum((cfg.steps - min(cfg.steps, cfg.short_steps)) * step_flops(cfg) * EST_STEP_FACTOR.get(cfg.mode, 2.3)
-                  / EST_AGGREGATE_FLOPS for cfg in configs)
+    compute = sum(
+        (cfg.steps - min(cfg.steps, cfg.short_steps))
+        * step_flops(cfg)
+        * EST_STEP_FACTOR.get(cfg.mode, 2.3)
+        / EST_AGGREGATE_FLOPS
+        for cfg in configs
+    )
     return compute + math.ceil(len(configs) / max(1, jobs)) * EST_STARTUP_S
 
 
@@ -340,12 +368,26 @@ def run_sweep(args: argparse.Namespace) -> Path:
         for name in families:
             for mode in modes:
                 for seed in seeds:
-                    cfg = JobConfig(family=name, mode=mode, seed=seed, seq_len=n, steps=args.steps, batch=args.batch,
-                                    lr=args.lr, layers=args.layers, d_model=args.d_model, num_heads=args.num_heads,
-                                    num_kv_heads=args.num_kv_heads, rope_theta=args.rope_theta,
-                                    warmup_fraction=args.warmup_fraction, short_steps=args.short_steps,
-                                    short_len=args.short_len, eval_rows=args.eval_rows,
-                                    log_every=args.log_every, device=device)
+                    cfg = JobConfig(
+                        family=name,
+                        mode=mode,
+                        seed=seed,
+                        seq_len=n,
+                        steps=args.steps,
+                        batch=args.batch,
+                        lr=args.lr,
+                        layers=args.layers,
+                        d_model=args.d_model,
+                        num_heads=args.num_heads,
+                        num_kv_heads=args.num_kv_heads,
+                        rope_theta=args.rope_theta,
+                        warmup_fraction=args.warmup_fraction,
+                        short_steps=args.short_steps,
+                        short_len=args.short_len,
+                        eval_rows=args.eval_rows,
+                        log_every=args.log_every,
+                        device=device,
+                    )
                     if MODES[mode] is not None:
                         try:
                             _, note = sparse_config(cfg)
@@ -359,21 +401,30 @@ def run_sweep(args: argparse.Namespace) -> Path:
         print(f"[heldout] {message}" if mode.startswith("note/") else f"[heldout] skipping: {message}", flush=True)
     done = {record["key"] for record in read_results(out)}
     # seed by seed, so that a sweep cut short holds complete comparisons of its first seeds
-    todo = sorted((cfg for cfg in configs if cfg.key not in done),
-                  key=lambda c: (c.seq_len, seeds.index(c.seed), families.index(c.family), modes.index(c.mode)))
-    print(f"[heldout] {len(configs)} jobs, {len(configs) - len(todo)} already in {out / 'results.jsonl'}, "
-          f"{len(todo)} to run on {device} with {args.jobs} at a time", flush=True)
+    todo = sorted(
+        (cfg for cfg in configs if cfg.key not in done),
+        key=lambda c: (c.seq_len, seeds.index(c.seed), families.index(c.family), modes.index(c.mode)),
+    )
+    print(
+        f"[heldout] {len(configs)} jobs, {len(configs) - len(todo)} already in {out / 'results.jsonl'}, "
+        f"{len(todo)} to run on {device} with {args.jobs} at a time",
+        flush=True,
+    )
     for name in families:
         fam = family(name)
         print(f"[heldout]   {name}: {fam.description}; top_k {fam.top_k}, chance {fam.chance:.3f}", flush=True)
     if todo:
         estimate = estimate_seconds(todo, args.jobs)
-        print(f"[heldout] expected wall time on one H200: {estimate / 60:.1f} min (aggregate "
-              f"{EST_AGGREGATE_FLOPS / 1e12:.0f} TFLOP/s, sparse step {EST_STEP_FACTOR['pooled']}x dense, "
-              f"{EST_STARTUP_S:.0f} s start-up per wave)", flush=True)
+        print(
+            f"[heldout] expected wall time on one H200: {estimate / 60:.1f} min (aggregate "
+            f"{EST_AGGREGATE_FLOPS / 1e12:.0f} TFLOP/s, sparse step {EST_STEP_FACTOR['pooled']}x dense, "
+            f"{EST_STARTUP_S:.0f} s start-up per wave)",
+            flush=True,
+        )
     start = time.perf_counter()
     threads = max(1, (os.cpu_count() or 1) // max(1, args.jobs))
     with (out / "results.jsonl").open("a") as results, (out / "errors.jsonl").open("a") as errors:
+
         def finished(record: dict, index: int) -> None:
             cfg = record["config"]
             label = f"{cfg['family']}/{cfg['mode']}/seed {cfg['seed']}/N {cfg['seq_len']}"
@@ -386,10 +437,12 @@ def run_sweep(args: argparse.Namespace) -> Path:
                 results.flush()
                 elapsed = time.perf_counter() - start
                 eta = elapsed / index * (len(todo) - index)  # jobs finish in waves: a rough guide
-                print(f"[heldout] {index}/{len(todo)} {label}: accuracy {record['accuracy']:.3f} "
-                      f"(chance {record['chance']:.3f}), {record['steps_per_s']:.1f} steps/s, density "
-                      f"{record['eval_density']:.3f}; elapsed {elapsed / 60:.1f} min, about {eta / 60:.1f} min left",
-                      flush=True)
+                print(
+                    f"[heldout] {index}/{len(todo)} {label}: accuracy {record['accuracy']:.3f} "
+                    f"(chance {record['chance']:.3f}), {record['steps_per_s']:.1f} steps/s, density "
+                    f"{record['eval_density']:.3f}; elapsed {elapsed / 60:.1f} min, about {eta / 60:.1f} min left",
+                    flush=True,
+                )
 
         def may_start() -> bool:
             return args.stop_after_min is None or time.perf_counter() - start < 60 * args.stop_after_min
@@ -402,8 +455,13 @@ def run_sweep(args: argparse.Namespace) -> Path:
                 finished(run_job(pending.pop(0), args.verbose), count)
         elif pending:
             context = mp.get_context("spawn")
-            with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context, max_tasks_per_child=1,
-                                     initializer=_worker_init, initargs=(threads,)) as pool:
+            with ProcessPoolExecutor(
+                max_workers=args.jobs,
+                mp_context=context,
+                max_tasks_per_child=1,
+                initializer=_worker_init,
+                initargs=(threads,),
+            ) as pool:
                 running = set()
                 while pending or running:
                     while pending and len(running) < args.jobs and may_start():
@@ -415,8 +473,11 @@ def run_sweep(args: argparse.Namespace) -> Path:
                         count += 1
                         finished(future.result(), count)
         if pending:
-            print(f"[heldout] --stop-after-min {args.stop_after_min}: {len(pending)} jobs not started; "
-                  "the same command resumes them", flush=True)
+            print(
+                f"[heldout] --stop-after-min {args.stop_after_min}: {len(pending)} jobs not started; "
+                "the same command resumes them",
+                flush=True,
+            )
     summarize(out)
     return out
 
@@ -439,11 +500,21 @@ def build_summary(records: list[dict]) -> list[dict]:
             continue
         cfg = record["config"]
         key = (cfg["seq_len"], cfg["family"], cfg["steps"], cfg["batch"])
-        group = groups.setdefault(key, {"family": cfg["family"], "seq_len": cfg["seq_len"], "steps": cfg["steps"],
-                                        "batch": cfg["batch"], "chance": record["chance"], "top_k": record["top_k"],
-                                        "modes": {}})
-        mode = group["modes"].setdefault(cfg["mode"], {"seeds": {}, "density": [], "mass_recall_mean": [],
-                                                       "steps_per_s": [], "notes": set()})
+        group = groups.setdefault(
+            key,
+            {
+                "family": cfg["family"],
+                "seq_len": cfg["seq_len"],
+                "steps": cfg["steps"],
+                "batch": cfg["batch"],
+                "chance": record["chance"],
+                "top_k": record["top_k"],
+                "modes": {},
+            },
+        )
+        mode = group["modes"].setdefault(
+            cfg["mode"], {"seeds": {}, "density": [], "mass_recall_mean": [], "steps_per_s": [], "notes": set()}
+        )
         mode["seeds"][cfg["seed"]] = record["accuracy"]
         mode["density"].append(record["eval_density"])
         mode["steps_per_s"].append(record["steps_per_s"])
@@ -483,12 +554,19 @@ def _fmt(x: float | None, digits: int = 3) -> str:
 def summary_markdown(summary: list[dict], records: list[dict]) -> str:
     modes = [m for m in MODES if any(m in g["modes"] for g in summary)]
     ratio_names = sorted({r for g in summary for r in g["ratios"]}, key=lambda r: (r.split("/")[1], r))
-    lines = ["# Held-out selector evaluation", "",
-             ("Accuracy on held-out rows (fraction of answer tokens predicted exactly): mean over seeds, the "
-              "per-seed values in brackets. Same initial weights, training rows and steps in every mode."), ""]
+    lines = [
+        "# Held-out selector evaluation",
+        "",
+        (
+            "Accuracy on held-out rows (fraction of answer tokens predicted exactly): mean over seeds, the "
+            "per-seed values in brackets. Same initial weights, training rows and steps in every mode."
+        ),
+        "",
+    ]
     devices = sorted({r.get("device_name", "?") for r in records if "error" not in r})
-    versions = sorted({f"torch {r.get('torch')}, sparse_train {r.get('sparse_train')}" for r in records
-                       if "error" not in r})
+    versions = sorted(
+        {f"torch {r.get('torch')}, sparse_train {r.get('sparse_train')}" for r in records if "error" not in r}
+    )
     lines += [f"Device: {', '.join(devices)}; {'; '.join(versions)}.", ""]
     header = ["family", "N", "steps x batch", "top_k", "chance"] + modes + ratio_names
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -496,20 +574,30 @@ def summary_markdown(summary: list[dict], records: list[dict]) -> str:
         row = [g["family"], str(g["seq_len"]), f"{g['steps']} x {g['batch']}", str(g["top_k"]), _fmt(g["chance"])]
         for m in modes:
             mode = g["modes"].get(m)
-            row.append("-" if mode is None else
-                       f"{_fmt(mode['mean'])} ({' / '.join(_fmt(v) for v in mode['seeds'].values())})")
+            row.append(
+                "-" if mode is None else f"{_fmt(mode['mean'])} ({' / '.join(_fmt(v) for v in mode['seeds'].values())})"
+            )
         row += [_fmt(g["ratios"].get(r)) for r in ratio_names]
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", ("Per mode: density attended at eval (fraction of the causal area), attention-mass recall at the "
-                   "last training measurement (st.collect_attention_stats), training steps/s."), ""]
+    lines += [
+        "",
+        (
+            "Per mode: density attended at eval (fraction of the causal area), attention-mass recall at the "
+            "last training measurement (st.collect_attention_stats), training steps/s."
+        ),
+        "",
+    ]
     header = ["family", "N"] + [f"{m} density / recall / steps/s" for m in modes]
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for g in summary:
         row = [g["family"], str(g["seq_len"])]
         for m in modes:
             mode = g["modes"].get(m)
-            row.append("-" if mode is None else
-                       f"{_fmt(mode['density'])} / {_fmt(mode['mass_recall_mean'])} / {_fmt(mode['steps_per_s'], 1)}")
+            row.append(
+                "-"
+                if mode is None
+                else f"{_fmt(mode['density'])} / {_fmt(mode['mass_recall_mean'])} / {_fmt(mode['steps_per_s'], 1)}"
+            )
         lines.append("| " + " | ".join(row) + " |")
     notes = sorted({n for g in summary for mode in g["modes"].values() for n in mode["notes"]})
     if notes:
@@ -568,8 +656,11 @@ def summarize(out: Path) -> list[dict]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m scripts.eval.heldout", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.eval.heldout",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated task families")
     p.add_argument("--modes", default="dense,pooled,token,oracle", help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--seeds", default="0,1", help="comma-separated run seeds (initial weights and training rows)")
@@ -582,20 +673,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-heads", type=int, default=4)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--rope-theta", type=float, default=10000.0)
-    p.add_argument("--warmup-fraction", type=float, default=0.25,
-                   help="dense warm-up of every sparse mode after the short-row steps, as a fraction of the "
-                        "full-length steps")
-    p.add_argument("--short-steps", type=int, default=300,
-                   help="the first this-many steps train on rows of --short-len tokens (a length curriculum: the "
-                        "lookups are learnt on short rows, where attention at initialisation is not spread over "
-                        "thousands of keys); 0 = every step at --seq-len")
+    p.add_argument(
+        "--warmup-fraction",
+        type=float,
+        default=0.25,
+        help="dense warm-up of every sparse mode after the short-row steps, as a fraction of the full-length steps",
+    )
+    p.add_argument(
+        "--short-steps",
+        type=int,
+        default=300,
+        help="the first this-many steps train on rows of --short-len tokens (a length curriculum: the "
+        "lookups are learnt on short rows, where attention at initialisation is not spread over "
+        "thousands of keys); 0 = every step at --seq-len",
+    )
     p.add_argument("--short-len", type=int, default=64, help="row length of the first --short-steps steps")
     p.add_argument("--eval-rows", type=int, default=256, help="held-out rows evaluated per job")
     p.add_argument("--log-every", type=int, default=50, help="training-loss curve and mass-recall interval (steps)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes at once (1: run in this process)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--stop-after-min", type=float, default=None,
-                   help="start no job after this many minutes (running jobs finish; a rerun resumes)")
+    p.add_argument(
+        "--stop-after-min",
+        type=float,
+        default=None,
+        help="start no job after this many minutes (running jobs finish; a rerun resumes)",
+    )
     p.add_argument("--verbose", action="store_true", help="print every job's training curve as it is logged")
     p.add_argument("--out", default=None, help="output directory (results.jsonl, summary.md/json, plot.png)")
     p.add_argument("--summarize", default=None, metavar="DIR", help="only rebuild DIR's summary from results.jsonl")

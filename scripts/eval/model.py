@@ -25,7 +25,7 @@ def rope_interleaved(x: Tensor, positions: Tensor, theta: float) -> Tensor:
     x ``[B, H, N, D]``, positions ``[N]``; computed in float32, returned in x's dtype."""
     d = x.shape[-1]
     inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]          # [N, D/2]
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]  # [N, D/2]
     cos, sin = angles.cos(), angles.sin()
     xf = x.float()
     even, odd = xf[..., 0::2], xf[..., 1::2]
@@ -42,8 +42,9 @@ class DenseCore(nn.Module):
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True)
 
 
-def row_oracle_mask(q: Tensor, k: Tensor, rows: tuple[int, int], *, top_k: int, block: int, window: int,
-                    sinks: int, scale: float) -> Tensor:
+def row_oracle_mask(
+    q: Tensor, k: Tensor, rows: tuple[int, int], *, top_k: int, block: int, window: int, sinks: int, scale: float
+) -> Tensor:
     """bool ``[B, HQ, r1 - r0, r1]``: the keys query rows ``r0 .. r1-1`` may attend under the row oracle.
 
     Each row's dense attention mass per key block (block size ``block``), max over the heads of its GQA
@@ -61,20 +62,20 @@ def row_oracle_mask(q: Tensor, k: Tensor, rows: tuple[int, int], *, top_k: int, 
         keys = k[:, :, :r1].float().repeat_interleave(group, dim=1)
         row_pos = torch.arange(r0, r1, device=device)
         key_pos = torch.arange(r1, device=device)
-        causal = key_pos[None, :] <= row_pos[:, None]                               # [C, r1]
+        causal = key_pos[None, :] <= row_pos[:, None]  # [C, r1]
         logits = (qc @ keys.transpose(-1, -2)) * scale
-        probs = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)         # [B, HQ, C, r1]
+        probs = logits.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # [B, HQ, C, r1]
         nkb = math.ceil(r1 / block)
         probs = F.pad(probs, (0, nkb * block - r1))
         mass = probs.view(batch, hkv, group, r1 - r0, nkb, block).sum(-1).amax(dim=2)  # [B, HKV, C, NKB]
         blocks = torch.arange(nkb, device=device)
-        own = (row_pos // block)[:, None]                                          # [C, 1]
+        own = (row_pos // block)[:, None]  # [C, 1]
         forced = ((blocks[None, :] > own - window) & (blocks[None, :] <= own)) | (blocks[None, :] < sinks)
         reachable = blocks[None, :] <= own
         candidates = mass.masked_fill(forced | ~reachable, float("-inf"))
         best = candidates.topk(min(top_k, nkb), dim=-1)
         chosen = torch.zeros_like(mass, dtype=torch.bool).scatter_(-1, best.indices, best.values > float("-inf"))
-        allowed = chosen | (forced & reachable)                                   # [B, HKV, C, NKB]
+        allowed = chosen | (forced & reachable)  # [B, HKV, C, NKB]
         keys_allowed = allowed.repeat_interleave(block, dim=-1)[..., :r1] & causal
         return keys_allowed.repeat_interleave(group, dim=1)
 
@@ -85,8 +86,9 @@ class RowOracleCore(nn.Module):
     in memory. Dense causal attention for the first ``dense_warmup_steps`` training forwards (and in eval
     before that), as ``st.SparseAttention`` does."""
 
-    def __init__(self, *, top_k: int, block: int, window: int, sinks: int, dense_warmup_steps: int,
-                 chunk_elements: int = 1 << 27) -> None:
+    def __init__(
+        self, *, top_k: int, block: int, window: int, sinks: int, dense_warmup_steps: int, chunk_elements: int = 1 << 27
+    ) -> None:
         super().__init__()
         self.top_k, self.block, self.window, self.sinks = top_k, block, window, sinks
         self.dense_warmup_steps = dense_warmup_steps
@@ -111,8 +113,16 @@ class RowOracleCore(nn.Module):
         kept = q.new_zeros((), dtype=torch.float32)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            mask = row_oracle_mask(q, k, (r0, r1), top_k=self.top_k, block=self.block, window=self.window,
-                                   sinks=self.sinks, scale=1.0 / math.sqrt(d))
+            mask = row_oracle_mask(
+                q,
+                k,
+                (r0, r1),
+                top_k=self.top_k,
+                block=self.block,
+                window=self.window,
+                sinks=self.sinks,
+                scale=1.0 / math.sqrt(d),
+            )
             kept = kept + mask.sum(dtype=torch.float32)
             outputs.append(F.scaled_dot_product_attention(q[:, :, r0:r1], kr[:, :, :r1], vr[:, :, :r1], attn_mask=mask))
         # fraction of the causal (query, key) pairs attended: a tensor, read only when logged
@@ -149,17 +159,28 @@ class EvalModel(nn.Module):
     """Decoder-only LM: embedding, ``layers`` blocks, final LayerNorm, untied head. ``set_cores(make)``
     replaces every block's attention core by ``make()`` (the model's own weights stay as they are)."""
 
-    def __init__(self, vocab_size: int, *, d_model: int = 256, layers: int = 2, num_heads: int = 4,
-                 num_kv_heads: int = 2, rope_theta: float = 10000.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        *,
+        d_model: int = 256,
+        layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        rope_theta: float = 10000.0,
+    ) -> None:
         super().__init__()
         if d_model % num_heads or num_heads % num_kv_heads:
-            raise ValueError(f"d_model={d_model} must be a multiple of num_heads={num_heads}, and num_heads of "
-                             f"num_kv_heads={num_kv_heads}")
+            raise ValueError(
+                f"d_model={d_model} must be a multiple of num_heads={num_heads}, and num_heads of "
+                f"num_kv_heads={num_kv_heads}"
+            )
         self.head_dim = d_model // num_heads
         self.num_heads, self.num_kv_heads, self.rope_theta = num_heads, num_kv_heads, rope_theta
         self.embed = nn.Embedding(vocab_size, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, num_heads, num_kv_heads, self.head_dim, rope_theta)
-                                    for _ in range(layers))
+        self.blocks = nn.ModuleList(
+            Block(d_model, num_heads, num_kv_heads, self.head_dim, rope_theta) for _ in range(layers)
+        )
         self.norm = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
         # GPT-2's embedding scale: nn.Embedding's N(0, 1) rows are so long that Adam's steps of size lr

@@ -50,12 +50,12 @@ LINK_KEYS = 8
 # vocabulary: consecutive ranges
 BOS, ASK = 1, 2
 FILLER = range(3, 3 + NUM_FILLER)
-QUERY = range(FILLER.stop, FILLER.stop + NUM_KEYS)                      # query(k)
-VALUE = range(QUERY.stop, QUERY.stop + NUM_VALUES)                      # answers and span symbols
-FACT = range(VALUE.stop, VALUE.stop + NUM_KEYS * NUM_VALUES)            # fact(k, v) = FACT[k * NUM_VALUES + v]
-LINK = range(FACT.stop, FACT.stop + LINK_KEYS * LINK_KEYS)              # link(a, b) = LINK[a * LINK_KEYS + b]
-SPAN = range(LINK.stop, LINK.stop + NUM_SLOTS * NUM_VALUES)             # span(i, c) = SPAN[i * NUM_VALUES + c]
-INDEX = range(SPAN.stop, SPAN.stop + NUM_SLOTS)                         # index(i)
+QUERY = range(FILLER.stop, FILLER.stop + NUM_KEYS)  # query(k)
+VALUE = range(QUERY.stop, QUERY.stop + NUM_VALUES)  # answers and span symbols
+FACT = range(VALUE.stop, VALUE.stop + NUM_KEYS * NUM_VALUES)  # fact(k, v) = FACT[k * NUM_VALUES + v]
+LINK = range(FACT.stop, FACT.stop + LINK_KEYS * LINK_KEYS)  # link(a, b) = LINK[a * LINK_KEYS + b]
+SPAN = range(LINK.stop, LINK.stop + NUM_SLOTS * NUM_VALUES)  # span(i, c) = SPAN[i * NUM_VALUES + c]
+INDEX = range(SPAN.stop, SPAN.stop + NUM_SLOTS)  # index(i)
 VOCAB_SIZE = 768
 assert INDEX.stop <= VOCAB_SIZE
 IGNORE = -100
@@ -73,13 +73,16 @@ class Family:
     chance: float = 1.0 / NUM_VALUES
 
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("needles", 4, 32, "8 single-token key->value needles in filler, 4 asked"),
-    Family("multihop", 4, 32, "4 two-hop chains k1->k2->v in filler, 2 asked by k1 (answer v)"),
-    Family("vartrack", 4, 32, "8 variables assigned twice in filler, 4 asked (answer: the later value)"),
-    Family("copy", 2, 64, "a span of 8-16 slot-tagged symbols, every symbol asked at the end"),
-    Family("assoc", 4, 64, "32 key->value facts spread over the row, 4 asked"),
-)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("needles", 4, 32, "8 single-token key->value needles in filler, 4 asked"),
+        Family("multihop", 4, 32, "4 two-hop chains k1->k2->v in filler, 2 asked by k1 (answer v)"),
+        Family("vartrack", 4, 32, "8 variables assigned twice in filler, 4 asked (answer: the later value)"),
+        Family("copy", 2, 64, "a span of 8-16 slot-tagged symbols, every symbol asked at the end"),
+        Family("assoc", 4, 64, "32 key->value facts spread over the row, 4 asked"),
+    )
+}
 
 
 def family(name: str) -> Family:
@@ -105,10 +108,10 @@ def _values(count: int, gen: torch.Generator) -> list[int]:
 
 def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """tokens, targets (int64 ``[n]``) of one row of family ``name``."""
-    facts: list[int] = []            # fact tokens, each at its own random haystack position
-    block: list[int] = []            # copy: one contiguous run of tokens at a random position
-    questions: list[tuple[int, int]] = []     # (query token, answer token)
-    prefix: list[int] = []           # tokens between the haystack and the questions
+    facts: list[int] = []  # fact tokens, each at its own random haystack position
+    block: list[int] = []  # copy: one contiguous run of tokens at a random position
+    questions: list[tuple[int, int]] = []  # (query token, answer token)
+    prefix: list[int] = []  # tokens between the haystack and the questions
     if name in ("needles", "assoc"):
         keys, asked = (8, 4) if name == "needles" else (32, 4)
         chosen = _perm(keys, gen)
@@ -117,7 +120,7 @@ def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor
         questions = [(QUERY[chosen[i]], VALUE[values[i]]) for i in _perm(keys, gen)[:asked]]
     elif name == "multihop":
         chains, asked = 4, 2
-        keys = _perm(LINK_KEYS, gen)[:2 * chains]
+        keys = _perm(LINK_KEYS, gen)[: 2 * chains]
         values = _values(chains, gen)
         for c in range(chains):
             first, second = keys[2 * c], keys[2 * c + 1]
@@ -128,8 +131,10 @@ def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor
         chosen = _perm(variables, gen)
         first = _values(variables, gen)
         # the second assignment differs from the first, so the latest one is the only right answer
-        second = [(v + 1 + s) % NUM_VALUES for v, s in zip(first, torch.randint(NUM_VALUES - 1, (variables,),
-                                                                                 generator=gen).tolist())]
+        second = [
+            (v + 1 + s) % NUM_VALUES
+            for v, s in zip(first, torch.randint(NUM_VALUES - 1, (variables,), generator=gen).tolist())
+        ]
         facts = [FACT[k * NUM_VALUES + v] for k, v in zip(chosen, first)]
         facts += [FACT[k * NUM_VALUES + v] for k, v in zip(chosen, second)]
         questions = [(QUERY[chosen[i]], None) for i in _perm(variables, gen)[:asked]]  # answered after placement
@@ -142,9 +147,9 @@ def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor
     else:
         family(name)
     tail = len(prefix) + 2 * len(questions)
-    stop = n - tail                   # haystack: positions 1 .. stop-1
+    stop = n - tail  # haystack: positions 1 .. stop-1
     units = len(facts) + (1 if block else 0)
-    room = stop - 1 - len(block) + (1 if block else 0)   # positions when the block counts as one unit
+    room = stop - 1 - len(block) + (1 if block else 0)  # positions when the block counts as one unit
     if room < units:
         raise ValueError(f"seq_len={n} is too short for family {name!r} ({units} facts, {tail} question tokens)")
     tokens = torch.randint(FILLER.start, FILLER.stop, (n,), generator=gen)
@@ -156,7 +161,7 @@ def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor
     shift = 0
     for slot, item in zip(slots, (items[i] for i in order)):
         start = 1 + slot + shift
-        tokens[start:start + len(item)] = torch.tensor(item)
+        tokens[start : start + len(item)] = torch.tensor(item)
         shift += len(item) - 1
     if name == "vartrack":
         hay = tokens[:stop].tolist()
@@ -209,20 +214,24 @@ def solve(name: str, tokens: Tensor) -> Tensor:
     while p >= 0 and row[p] in query_range:
         p -= 2
     first = p + 2
-    hay = row[:first - (1 if name == "copy" else 0)]
+    hay = row[: first - (1 if name == "copy" else 0)]
     facts = [t - FACT.start for t in hay if t in FACT]
     for q in range(first, n, 2):
         if name == "copy":
             slot = row[q] - INDEX.start
-            symbol = _unique([(t - SPAN.start) % NUM_VALUES for t in hay
-                              if t in SPAN and (t - SPAN.start) // NUM_VALUES == slot], f"slot {slot}")
+            symbol = _unique(
+                [(t - SPAN.start) % NUM_VALUES for t in hay if t in SPAN and (t - SPAN.start) // NUM_VALUES == slot],
+                f"slot {slot}",
+            )
             out[q] = VALUE[symbol]
             continue
         key = row[q] - QUERY.start
         about = [f % NUM_VALUES for f in facts if f // NUM_VALUES == key]
         if name == "multihop":
-            second = _unique([(t - LINK.start) % LINK_KEYS for t in hay
-                              if t in LINK and (t - LINK.start) // LINK_KEYS == key], f"link from {key}")
+            second = _unique(
+                [(t - LINK.start) % LINK_KEYS for t in hay if t in LINK and (t - LINK.start) // LINK_KEYS == key],
+                f"link from {key}",
+            )
             about = [f % NUM_VALUES for f in facts if f // NUM_VALUES == second]
             out[q] = VALUE[_unique(about, f"fact of key {second}")]
         elif name == "vartrack":

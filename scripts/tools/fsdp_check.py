@@ -39,10 +39,10 @@ import inspect
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -52,7 +52,12 @@ import torch
 import transformers
 from lightning.pytorch.strategies import FSDPStrategy
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, FullyShardedDataParallel, StateDictType
+from torch.distributed.fsdp import (
+    FullOptimStateDictConfig,
+    FullStateDictConfig,
+    FullyShardedDataParallel,
+    StateDictType,
+)
 
 from sparse_train.cli import main as cli_main
 from sparse_train.lightning import HFCausalLMModule, load_weights
@@ -63,10 +68,24 @@ REPO = Path(__file__).resolve().parents[2]
 # script is safe when run without it).
 MULTI_GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
-GPU_SHAPE = dict(vocab_size=16384, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                 num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096)
-CPU_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+GPU_SHAPE = dict(
+    vocab_size=16384,
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    max_position_embeddings=4096,
+)
+CPU_SHAPE = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 FIRST_STEPS = 10
 """Loss differences are reported over the first steps (before the runs can drift apart) and over all."""
 
@@ -94,8 +113,11 @@ def install_cpu_fsdp_shims() -> type:
 
     def full_state_dict_without_offload(module, world_size, rank0_only=True):
         return FullyShardedDataParallel.state_dict_type(
-            module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
-            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only))
+            module,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+            FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=rank0_only),
+        )
 
     lightning_fsdp._get_full_state_dict_context = full_state_dict_without_offload
 
@@ -137,16 +159,29 @@ def build_model_dir(model_dir: Path, corpus: Path, shape: dict) -> int:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=shape["vocab_size"], special_tokens=specials,
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                                                unk_token="<unk>", pad_token="<pad>")
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=shape["vocab_size"],
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
     fast.save_pretrained(model_dir)
-    config = transformers.LlamaConfig(**{**shape, "vocab_size": tok.get_vocab_size()}, tie_word_embeddings=False,
-                                      bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                                      pad_token_id=fast.pad_token_id)
+    config = transformers.LlamaConfig(
+        **{**shape, "vocab_size": tok.get_vocab_size()},
+        tie_word_embeddings=False,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(model_dir)
@@ -158,21 +193,64 @@ def run_plan(args) -> list[dict]:
     """The runs: name, devices, strategy, precision, steps, rows per device."""
     b = args.rows_per_gpu
     if args.cpu_smoke:
-        return [dict(name="single", devices=1, strategy="auto", precision="32-true", steps=args.steps, rows=2 * b,
-                     checkpoint=True),
-                dict(name="ddp", devices=2, strategy="ddp", precision="32-true", steps=args.steps, rows=b),
-                dict(name="fsdp", devices=2, strategy='{"class_path": "__main__.CPUFSDPStrategy"}',
-                     precision="32-true", steps=args.steps, rows=b, cpu_fsdp=True, checkpoint=True)]
-    runs = [dict(name="single", devices=1, strategy="auto", precision="bf16-mixed", steps=args.steps, rows=2 * b,
-                 checkpoint=True),
-            dict(name="fsdp", devices=2, strategy="fsdp", precision="bf16-mixed", steps=args.steps, rows=b,
-                 checkpoint=True),
-            dict(name="ddp", devices=2, strategy="ddp", precision="bf16-mixed", steps=args.steps, rows=b)]
+        return [
+            dict(
+                name="single",
+                devices=1,
+                strategy="auto",
+                precision="32-true",
+                steps=args.steps,
+                rows=2 * b,
+                checkpoint=True,
+            ),
+            dict(name="ddp", devices=2, strategy="ddp", precision="32-true", steps=args.steps, rows=b),
+            dict(
+                name="fsdp",
+                devices=2,
+                strategy='{"class_path": "__main__.CPUFSDPStrategy"}',
+                precision="32-true",
+                steps=args.steps,
+                rows=b,
+                cpu_fsdp=True,
+                checkpoint=True,
+            ),
+        ]
+    runs = [
+        dict(
+            name="single",
+            devices=1,
+            strategy="auto",
+            precision="bf16-mixed",
+            steps=args.steps,
+            rows=2 * b,
+            checkpoint=True,
+        ),
+        dict(
+            name="fsdp", devices=2, strategy="fsdp", precision="bf16-mixed", steps=args.steps, rows=b, checkpoint=True
+        ),
+        dict(name="ddp", devices=2, strategy="ddp", precision="bf16-mixed", steps=args.steps, rows=b),
+    ]
     if args.fp32_steps:
-        runs += [dict(name="single_fp32", devices=1, strategy="auto", precision="32-true", steps=args.fp32_steps,
-                      rows=2 * b, checkpoint=True),
-                 dict(name="fsdp_fp32", devices=2, strategy="fsdp", precision="32-true", steps=args.fp32_steps, rows=b,
-                      checkpoint=True)]
+        runs += [
+            dict(
+                name="single_fp32",
+                devices=1,
+                strategy="auto",
+                precision="32-true",
+                steps=args.fp32_steps,
+                rows=2 * b,
+                checkpoint=True,
+            ),
+            dict(
+                name="fsdp_fp32",
+                devices=2,
+                strategy="fsdp",
+                precision="32-true",
+                steps=args.fp32_steps,
+                rows=b,
+                checkpoint=True,
+            ),
+        ]
     return runs
 
 
@@ -180,22 +258,46 @@ def cli_command(run: dict, args, work: Path, model_dir: Path, corpus: Path) -> l
     root = work / "runs" / run["name"]
     callbacks = [{"class_path": "sparse_train.lightning.StepTimer"}]
     if run.get("checkpoint"):  # written at the last step: Lightning's full state dict (FSDP: gathered on rank 0)
-        callbacks.append({"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-                          "init_args": {"dirpath": str(root / "ckpt"), "save_last": True,
-                                        "every_n_train_steps": run["steps"]}})
-    entry = (["-m", "scripts.tools.fsdp_check", "--cli-with-cpu-fsdp"] if run.get("cpu_fsdp")
-             else ["-m", "sparse_train.cli"])
-    cmd = [sys.executable, *entry, "fit", "--config", "finetune_hf_stage3_sparse",
-           f"--model.init_args.pretrained_path={model_dir}", "--model.init_args.init_from=null",
-           f"--data.init_args.paths=[{corpus}]", f"--data.init_args.seq_len={args.seq_len}",
-           f"--data.init_args.batch_size={run['rows']}", "--data.init_args.val_fraction=0.0",
-           f"--trainer.devices={run['devices']}", f"--trainer.strategy={run['strategy']}",
-           f"--trainer.precision={run['precision']}", f"--trainer.max_steps={run['steps']}",
-           "--trainer.log_every_n_steps=1", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-           f"--trainer.default_root_dir={root}", f"--trainer.callbacks={json.dumps(callbacks)}", "--logger_backend=csv"]
+        callbacks.append(
+            {
+                "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                "init_args": {"dirpath": str(root / "ckpt"), "save_last": True, "every_n_train_steps": run["steps"]},
+            }
+        )
+    entry = (
+        ["-m", "scripts.tools.fsdp_check", "--cli-with-cpu-fsdp"] if run.get("cpu_fsdp") else ["-m", "sparse_train.cli"]
+    )
+    cmd = [
+        sys.executable,
+        *entry,
+        "fit",
+        "--config",
+        "finetune_hf_stage3_sparse",
+        f"--model.init_args.pretrained_path={model_dir}",
+        "--model.init_args.init_from=null",
+        f"--data.init_args.paths=[{corpus}]",
+        f"--data.init_args.seq_len={args.seq_len}",
+        f"--data.init_args.batch_size={run['rows']}",
+        "--data.init_args.val_fraction=0.0",
+        f"--trainer.devices={run['devices']}",
+        f"--trainer.strategy={run['strategy']}",
+        f"--trainer.precision={run['precision']}",
+        f"--trainer.max_steps={run['steps']}",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.limit_val_batches=0",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={root}",
+        f"--trainer.callbacks={json.dumps(callbacks)}",
+        "--logger_backend=csv",
+    ]
     if args.cpu_smoke:
-        cmd += ["--trainer.accelerator=cpu", "--model.init_args.sparse.block_q=16", "--model.init_args.sparse.block_k=16",
-                "--model.init_args.sparse.top_k=2", "--model.init_args.sparse.window=1"]
+        cmd += [
+            "--trainer.accelerator=cpu",
+            "--model.init_args.sparse.block_q=16",
+            "--model.init_args.sparse.block_k=16",
+            "--model.init_args.sparse.top_k=2",
+            "--model.init_args.sparse.window=1",
+        ]
     return cmd
 
 
@@ -230,8 +332,13 @@ def loss_diffs(a: dict, b: dict, key: str = "train/lm_loss") -> dict[str, float]
         return {}
     diffs = [(s, abs(a[s][key] - b[s][key]), abs(a[s][key] - b[s][key]) / max(abs(b[s][key]), 1e-12)) for s in common]
     first = [d for d in diffs if d[0] < common[0] + FIRST_STEPS]
-    return {"steps": len(common), "first_abs": max(d[1] for d in first), "first_rel": max(d[2] for d in first),
-            "all_abs": max(d[1] for d in diffs), "all_rel": max(d[2] for d in diffs)}
+    return {
+        "steps": len(common),
+        "first_abs": max(d[1] for d in first),
+        "first_rel": max(d[2] for d in first),
+        "all_abs": max(d[1] for d in diffs),
+        "all_rel": max(d[2] for d in diffs),
+    }
 
 
 def checkpoint_report(single: Path, sharded: Path) -> list[str]:
@@ -240,8 +347,10 @@ def checkpoint_report(single: Path, sharded: Path) -> list[str]:
     a = torch.load(single, map_location="cpu", weights_only=False)
     b = torch.load(sharded, map_location="cpu", weights_only=False)
     sa, sb = a["state_dict"], b["state_dict"]
-    lines = [f"- checkpoint keys equal: {sorted(sa) == sorted(sb)} ({len(sb)} tensors, "
-             f"{sum('sparse_attention' in k for k in sb)} of them selector state)"]
+    lines = [
+        f"- checkpoint keys equal: {sorted(sa) == sorted(sb)} ({len(sb)} tensors, "
+        f"{sum('sparse_attention' in k for k in sb)} of them selector state)"
+    ]
     for label, selector in (("model", False), ("selector", True)):
         keys = [k for k in sa if k in sb and sa[k].is_floating_point() and ("sparse_attention" in k) == selector]
         if keys:
@@ -252,23 +361,35 @@ def checkpoint_report(single: Path, sharded: Path) -> list[str]:
     hp = {k: v for k, v in b["hyper_parameters"].items() if k in accepted}  # the CLI adds _class_path etc.
     module = HFCausalLMModule(**{**hp, "init_from": None})
     info = load_weights(module.model, str(sharded))
-    lines.append(f"- load_weights(sharded checkpoint): missing {len(info['missing'])}, unexpected {len(info['unexpected'])}")
+    lines.append(
+        f"- load_weights(sharded checkpoint): missing {len(info['missing'])}, unexpected {len(info['unexpected'])}"
+    )
     return lines
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp/fsdp_check")))
-    parser.add_argument("--work", type=Path, default=None, help="workspace: model, corpus, runs, checkpoints (default: a fresh temporary directory, deleted unless --keep)")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="workspace: model, corpus, runs, checkpoints (default: a fresh temporary directory, deleted unless "
+        "--keep)",
+    )
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny model on the CPU, gloo, 3 steps")
     parser.add_argument("--steps", type=int, default=None, help="bf16 steps (default 30; CPU smoke 3)")
     parser.add_argument("--fp32-steps", type=int, default=None, help="steps of the fp32 pair, 0 = skip (default 10)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per row (default 2048; CPU smoke 128)")
     parser.add_argument("--rows-per-gpu", type=int, default=2, help="B: rows per GPU in the 2-GPU runs")
     parser.add_argument("--run-timeout", type=int, default=200, help="seconds per run at most")
-    parser.add_argument("--budget", type=int, default=540,
-                        help="seconds for everything: a run that cannot get 60 s before the budget (less a "
-                             "reserve for the summary) is skipped and reported")
+    parser.add_argument(
+        "--budget",
+        type=int,
+        default=540,
+        help="seconds for everything: a run that cannot get 60 s before the budget (less a "
+        "reserve for the summary) is skipped and reported",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the workspace (model, corpus, checkpoints)")
     args = parser.parse_args(argv)
     smoke = args.cpu_smoke
@@ -288,8 +409,11 @@ def main(argv=None) -> int:
     corpus, model_dir = work / "corpus.jsonl", work / "model"
     docs = write_corpus(corpus, max_chars=300_000 if smoke else 3_000_000)
     params = build_model_dir(model_dir, corpus, CPU_SHAPE if smoke else GPU_SHAPE)
-    print(f"[fsdp_check] workspace {work}: corpus {docs} documents, model {params / 1e6:.1f}M parameters "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(
+        f"[fsdp_check] workspace {work}: corpus {docs} documents, model {params / 1e6:.1f}M parameters "
+        f"({time.perf_counter() - t0:.0f} s)",
+        flush=True,
+    )
 
     results, status = {}, {}
     reserve = 60  # the summary loads up to four checkpoints and builds two modules
@@ -305,14 +429,18 @@ def main(argv=None) -> int:
                 rc = "skipped (budget)"
             else:
                 try:
-                    rc = subprocess.run(cmd, cwd=work, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                        timeout=min(args.run_timeout, left)).returncode
+                    rc = subprocess.run(
+                        cmd, cwd=work, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=min(args.run_timeout, left)
+                    ).returncode
                 except subprocess.TimeoutExpired:
                     rc = "timeout"
         status[run["name"]] = (rc, time.perf_counter() - start)
         results[run["name"]] = read_metrics(work / "runs" / run["name"])
-        print(f"[fsdp_check] {run['name']}: rc={rc}, {status[run['name']][1]:.0f} s, "
-              f"{len(results[run['name']])} logged steps", flush=True)
+        print(
+            f"[fsdp_check] {run['name']}: rc={rc}, {status[run['name']][1]:.0f} s, "
+            f"{len(results[run['name']])} logged steps",
+            flush=True,
+        )
 
     names = list(results)
     all_steps = sorted({s for r in results.values() for s in r})
@@ -320,15 +448,26 @@ def main(argv=None) -> int:
         writer = csv.writer(f)
         writer.writerow(["step"] + [f"{n}/{k}" for n in names for k in ("lm_loss", "loss", "selector_loss")])
         for s in all_steps:
-            writer.writerow([s] + [results[n].get(s, {}).get(f"train/{k}", "") for n in names
-                                   for k in ("lm_loss", "loss", "selector_loss")])
+            writer.writerow(
+                [s]
+                + [
+                    results[n].get(s, {}).get(f"train/{k}", "")
+                    for n in names
+                    for k in ("lm_loss", "loss", "selector_loss")
+                ]
+            )
 
-    lines = [f"# FSDP / DDP check ({'CPU smoke' if smoke else 'GPU'})", "",
-             f"Model: random-init Llama, {params / 1e6:.1f}M parameters; recipe finetune_hf_stage3_sparse; "
-             f"seq_len {args.seq_len}; {args.rows_per_gpu} rows per GPU on 2 GPUs = {2 * args.rows_per_gpu} rows "
-             f"per step on 1 GPU (the same rows). Total {time.perf_counter() - t0:.0f} s.", "",
-             "| run | rc | wall s | steps | lm_loss first -> last | tokens/s per GPU (median after warm-up) | "
-             "tokens/s all GPUs | peak GiB per GPU |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# FSDP / DDP check ({'CPU smoke' if smoke else 'GPU'})",
+        "",
+        f"Model: random-init Llama, {params / 1e6:.1f}M parameters; recipe finetune_hf_stage3_sparse; "
+        f"seq_len {args.seq_len}; {args.rows_per_gpu} rows per GPU on 2 GPUs = {2 * args.rows_per_gpu} rows "
+        f"per step on 1 GPU (the same rows). Total {time.perf_counter() - t0:.0f} s.",
+        "",
+        "| run | rc | wall s | steps | lm_loss first -> last | tokens/s per GPU (median after warm-up) | "
+        "tokens/s all GPUs | peak GiB per GPU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for run in run_plan(args):
         r, (rc, wall) = results[run["name"]], status[run["name"]]
         steps = sorted(s for s in r if "train/lm_loss" in r[s])
@@ -337,16 +476,25 @@ def main(argv=None) -> int:
         peak = max((r[s].get("memory/peak_allocated_gib", float("nan")) for s in r), default=float("nan"))
         first_last = f"{r[steps[0]]['train/lm_loss']:.4f} -> {r[steps[-1]]['train/lm_loss']:.4f}" if steps else "-"
         strategy = "fsdp (CPU shims)" if run.get("cpu_fsdp") else run["strategy"]
-        lines.append(f"| {run['name']} ({run['devices']} dev, {strategy}, {run['precision']}) | "
-                     f"{rc} | {wall:.0f} | {len(steps)} | {first_last} | {tps:,.0f} | {tps * run['devices']:,.0f} | {peak:.2f} |")
-    lines += ["", f"Loss differences (train/lm_loss, global batch mean; first {FIRST_STEPS} steps and all steps):", "",
-              "| pair | steps | max abs (first) | max rel (first) | max abs (all) | max rel (all) |", "|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {run['name']} ({run['devices']} dev, {strategy}, {run['precision']}) | "
+            f"{rc} | {wall:.0f} | {len(steps)} | {first_last} | {tps:,.0f} | {tps * run['devices']:,.0f} | {peak:.2f} |"
+        )
+    lines += [
+        "",
+        f"Loss differences (train/lm_loss, global batch mean; first {FIRST_STEPS} steps and all steps):",
+        "",
+        "| pair | steps | max abs (first) | max rel (first) | max abs (all) | max rel (all) |",
+        "|---|---|---|---|---|---|",
+    ]
     for a, b in (("fsdp", "single"), ("ddp", "single"), ("fsdp", "ddp"), ("fsdp_fp32", "single_fp32")):
         if a in results and b in results:
             d = loss_diffs(results[a], results[b])
             if d:
-                lines.append(f"| {a} vs {b} | {d['steps']} | {d['first_abs']:.2e} | {d['first_rel']:.2e} | "
-                             f"{d['all_abs']:.2e} | {d['all_rel']:.2e} |")
+                lines.append(
+                    f"| {a} vs {b} | {d['steps']} | {d['first_abs']:.2e} | {d['first_rel']:.2e} | "
+                    f"{d['all_abs']:.2e} | {d['all_rel']:.2e} |"
+                )
     for a, b in (("fsdp", "single"), ("fsdp_fp32", "single_fp32")):
         ca, cb = work / "runs" / b / "ckpt" / "last.ckpt", work / "runs" / a / "ckpt" / "last.ckpt"
         if ca.is_file() and cb.is_file() and time.perf_counter() - t0 < args.budget - 20:

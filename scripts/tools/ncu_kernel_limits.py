@@ -18,6 +18,7 @@ the warps' cycles between two issued instructions, ncu's ``..._issue_stalled_<re
 
 ``--clock-control none`` leaves the card's clocks as they are (never lock or change them on a lent machine).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,18 @@ METRICS = {
     "sm_throughput_pct": ("sm__throughput.avg.pct_of_peak_sustained_elapsed",),
     # cycles the tensor pipe works (wgmma included) per cycle the SM is active: the share of the peak the
     # tile products can reach at this clock
-    "tensor_pipe_pct": ("sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
-                        "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"),
-    "issue_active_pct": ("sm__issue_active.avg.pct_of_peak_sustained_elapsed",
-                         "sm__inst_issued.avg.pct_of_peak_sustained_active"),
-    "dram_throughput_pct": ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
-                            "dram__throughput.avg.pct_of_peak_sustained_elapsed"),
+    "tensor_pipe_pct": (
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+        "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+    ),
+    "issue_active_pct": (
+        "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+        "sm__inst_issued.avg.pct_of_peak_sustained_active",
+    ),
+    "dram_throughput_pct": (
+        "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    ),
     "l2_hit_pct": ("lts__t_sector_hit_rate.pct",),
     "achieved_occupancy_pct": ("sm__warps_active.avg.pct_of_peak_sustained_active",),
     "registers_per_thread": ("launch__registers_per_thread",),
@@ -53,12 +60,21 @@ METRICS = {
     "threads_per_block": ("launch__block_size",),
     "grid_size": ("launch__grid_size",),
     "sm_mhz": ("gpc__cycles_elapsed.avg.per_second", "smsp__cycles_elapsed.avg.per_second"),
-    "cycles_between_issues": ("smsp__average_warp_latency_per_inst_issued.ratio",
-                              "smsp__average_warps_active_per_issue_active.ratio"),
+    "cycles_between_issues": (
+        "smsp__average_warp_latency_per_inst_issued.ratio",
+        "smsp__average_warps_active_per_issue_active.ratio",
+    ),
 }
 _TIME_UNITS = {"nsecond": 1e-6, "ns": 1e-6, "usecond": 1e-3, "us": 1e-3, "msecond": 1.0, "ms": 1.0, "second": 1e3}
-_FREQUENCY_UNITS = {"hz": 1e-6, "cycle/second": 1e-6, "cycle/nsecond": 1e3, "cycle/usecond": 1.0, "khz": 1e-3,
-                    "mhz": 1.0, "ghz": 1e3}
+_FREQUENCY_UNITS = {
+    "hz": 1e-6,
+    "cycle/second": 1e-6,
+    "cycle/nsecond": 1e3,
+    "cycle/usecond": 1.0,
+    "khz": 1e-3,
+    "mhz": 1.0,
+    "ghz": 1e3,
+}
 _STALL = re.compile(r"^smsp__average_warps_issue_stalled_(?P<reason>[a-z_]+?)_per_issue_active\.ratio$")
 
 
@@ -76,7 +92,7 @@ def read_raw_csv(text):
     lines = text.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
     if start is None:
-        raise ValueError("no ncu raw CSV found (no header line starting with \"ID\")")
+        raise ValueError('no ncu raw CSV found (no header line starting with "ID")')
     table = list(csv.reader(lines[start:]))
     header, units = table[0], table[1]
     rows = [dict(zip(header, row)) for row in table[2:] if len(row) == len(header)]
@@ -119,8 +135,11 @@ def summarize(text, top_stalls=6):
 
 def markdown(summary):
     """The summary as a table: one line per kernel that took at least 10 us."""
-    lines = ["| kernel | ms | MHz | SM % | tensor pipe % | issue slots % | DRAM % | L2 hit % | occupancy % | regs | "
-             "top stalls (share of cycles between issues) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| kernel | ms | MHz | SM % | tensor pipe % | issue slots % | DRAM % | L2 hit % | occupancy % | regs | "
+        "top stalls (share of cycles between issues) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def pct(value):
         return "-" if value is None else f"{value:.0f}"
@@ -130,9 +149,19 @@ def markdown(summary):
             continue
         stalls = ", ".join(f"{reason} {100 * share:.0f}%" for reason, share in entry.get("top_stalls", {}).items())
         columns = [f"`{entry['kernel']}`", f"{entry.get('time_ms', float('nan')):.3f}"]
-        columns += [pct(entry.get(key)) for key in ("sm_mhz", "sm_throughput_pct", "tensor_pipe_pct",
-                                                    "issue_active_pct", "dram_throughput_pct", "l2_hit_pct",
-                                                    "achieved_occupancy_pct", "registers_per_thread")]
+        columns += [
+            pct(entry.get(key))
+            for key in (
+                "sm_mhz",
+                "sm_throughput_pct",
+                "tensor_pipe_pct",
+                "issue_active_pct",
+                "dram_throughput_pct",
+                "l2_hit_pct",
+                "achieved_occupancy_pct",
+                "registers_per_thread",
+            )
+        ]
         lines.append("| " + " | ".join(columns + [stalls or "-"]) + " |")
     return "\n".join(lines)
 

@@ -16,7 +16,6 @@ import json
 import math
 import struct
 from pathlib import Path
-from typing import Optional
 
 Series = dict[str, list[tuple[float, float]]]  # metric -> [(step, value)]
 
@@ -52,8 +51,8 @@ def _wandb_records(path: Path):
         if left < 7:  # block trailer padding
             pos += left
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos: pos + 7])
-        chunk = data[pos + 7: pos + 7 + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind == 0 and length == 0:
             continue
@@ -112,8 +111,13 @@ PANELS = {
     "loss": ["train/loss", "train/lm_loss", "val/loss"],
     "accuracy": ["train/acc", "val/acc"],
     "step_time": ["time/forward_ms", "time/backward_ms", "time/optimizer_ms", "time/step_ms"],
-    "attention": ["attn/density", "attn/mass_recall_mean", "attn/mass_recall_p5", "attn/oracle_mass_recall_mean",
-                  "attn/selector_loss"],
+    "attention": [
+        "attn/density",
+        "attn/mass_recall_mean",
+        "attn/mass_recall_p5",
+        "attn/oracle_mass_recall_mean",
+        "attn/selector_loss",
+    ],
     "selection": ["val/needle_recall", "val/needle_recall/layer0", "val/needle_recall/layer1"],
     "throughput": ["throughput/tokens_per_s", "throughput/tokens_per_s_wall"],
 }
@@ -167,7 +171,7 @@ def plot(runs: list[tuple[str, Series]], out_dir: Path, smooth: int = 1) -> list
     return written
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path, help="metrics.csv, .wandb file, or run directory")
     ap.add_argument("--labels", nargs="*", help="legend label per run (default: directory names)")

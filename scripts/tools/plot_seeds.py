@@ -41,8 +41,14 @@ def main(argv=None) -> None:
     fig, axes = plt.subplots(1, len(args.metric), figsize=(6 * len(args.metric), 4), squeeze=False)
     for ax, metric in zip(axes[0], args.metric):
         for color, (label, runs) in zip(plt.rcParams["axes.prop_cycle"].by_key()["color"], args.groups):
-            series = [{step: value for step, value in load_run(run).get(metric, [])
-                       if args.max_step is None or step <= args.max_step} for run in runs]
+            series = [
+                {
+                    step: value
+                    for step, value in load_run(run).get(metric, [])
+                    if args.max_step is None or step <= args.max_step
+                }
+                for run in runs
+            ]
             for s in series:
                 steps = sorted(s)
                 ax.plot(steps, [s[t] for t in steps], color=color, alpha=0.3, linewidth=1)

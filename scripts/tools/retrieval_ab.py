@@ -2,7 +2,8 @@
 
 Each run is ``python -m sparse_train.cli fit --config <recipe> <overrides> --seed_everything=<seed>``
 in its own process and directory; up to ``--parallel`` run at once (on one GPU the small retrieval
-models share it well; on a CPU use 1). ``--gpus G`` spreads the runs over G GPUs, run i on GPU i mod G. The summary reads each run's ``metrics.csv`` and keeps, per
+models share it well; on a CPU use 1). ``--gpus G`` spreads the runs over G GPUs, run i on GPU i mod G. The summary
+reads each run's ``metrics.csv`` and keeps, per
 run, the last value of every metric that tells whether sparse attention learns what dense learns:
 ``val/acc``, ``val/needle_recall`` (and per layer), ``attn/mass_recall_mean`` / ``attn/mass_recall_p5``
 (and per layer), ``attn/density``, the step time, plus the wall time and the final line.
@@ -35,8 +36,18 @@ from pathlib import Path
 
 import torch
 
-KEEP_PREFIXES = ("val/", "attn/mass_recall", "attn/oracle_mass_recall", "attn/oracle_density", "attn/layers/", "attn/density", "attn/warmup", "train/acc",
-                 "time/step_ms", "throughput/tokens_per_s")
+KEEP_PREFIXES = (
+    "val/",
+    "attn/mass_recall",
+    "attn/oracle_mass_recall",
+    "attn/oracle_density",
+    "attn/layers/",
+    "attn/density",
+    "attn/warmup",
+    "train/acc",
+    "time/step_ms",
+    "throughput/tokens_per_s",
+)
 
 
 def last_values(run_dir: Path) -> dict[str, float]:
@@ -80,8 +91,18 @@ def run_one(job: dict, out: Path, timeout: float, extra_env: dict[str, str]) -> 
     overrides = [arg.replace("{seed}", str(seed)) for arg in job.get("args", [])]
     if "resume" in job:
         overrides.append(f"--ckpt_path={resume_copy(job['resume'], seed, run_dir)}")
-    cmd = [sys.executable, "-m", "sparse_train.cli", "fit", "--config", job["config"], *overrides,
-           f"--seed_everything={seed}", f"--trainer.default_root_dir={run_dir}", "--trainer.enable_progress_bar=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sparse_train.cli",
+        "fit",
+        "--config",
+        job["config"],
+        *overrides,
+        f"--seed_everything={seed}",
+        f"--trainer.default_root_dir={run_dir}",
+        "--trainer.enable_progress_bar=false",
+    ]
     env = {**os.environ, **extra_env}
     start = time.perf_counter()
     with (run_dir / "log.txt").open("w") as log:
@@ -91,17 +112,36 @@ def run_one(job: dict, out: Path, timeout: float, extra_env: dict[str, str]) -> 
         except subprocess.TimeoutExpired:
             rc = "timeout"
     minutes = (time.perf_counter() - start) / 60
-    final = [line.strip() for line in (run_dir / "log.txt").read_text(errors="replace").splitlines()
-             if "[sparse-train] done" in line]
-    result = {"name": name, "seed": seed, "rc": rc, "minutes": round(minutes, 2),
-              "final_line": final[-1] if final else None, "metrics": last_values(run_dir), "command": cmd}
+    final = [
+        line.strip()
+        for line in (run_dir / "log.txt").read_text(errors="replace").splitlines()
+        if "[sparse-train] done" in line
+    ]
+    result = {
+        "name": name,
+        "seed": seed,
+        "rc": rc,
+        "minutes": round(minutes, 2),
+        "final_line": final[-1] if final else None,
+        "metrics": last_values(run_dir),
+        "command": cmd,
+    }
     print(f"{name} seed {seed}: rc={rc} {minutes:.1f} min  {result['final_line']}", flush=True)
     return result
 
 
 def summarise(results: list[dict]) -> str:
-    keys = ["val/acc", "val/loss", "val/needle_recall", "attn/mass_recall_mean", "attn/mass_recall_p5",
-            "attn/oracle_mass_recall_mean", "attn/oracle_mass_recall_p5", "attn/oracle_density_r90", "attn/density"]
+    keys = [
+        "val/acc",
+        "val/loss",
+        "val/needle_recall",
+        "attn/mass_recall_mean",
+        "attn/mass_recall_p5",
+        "attn/oracle_mass_recall_mean",
+        "attn/oracle_mass_recall_p5",
+        "attn/oracle_density_r90",
+        "attn/density",
+    ]
     lines = ["| run | seed | " + " | ".join(keys) + " | minutes |", "|" + "---|" * (len(keys) + 3)]
     for r in results:
         cells = [f"{r['metrics'][k]:.3f}" if k in r["metrics"] else "-" for k in keys]
@@ -125,18 +165,27 @@ def main(argv=None) -> None:
     parser.add_argument("--parallel", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     parser.add_argument("--threads", type=int, default=None, help="OMP/MKL threads per run")
-    parser.add_argument("--gpus", type=int, default=0, help="spread the runs over this many GPUs (0: leave "
-                        "CUDA_VISIBLE_DEVICES as it is)")
+    parser.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="spread the runs over this many GPUs (0: leave CUDA_VISIBLE_DEVICES as it is)",
+    )
     parser.add_argument("--out", default="runs/ab")
     args = parser.parse_args(argv)
     plan = json.loads(Path(args.plan).read_text())
-    jobs = [{**variant, "seed": seed} for variant in plan for seed in variant.get("seeds", args.seeds)
-            if not args.only or variant["name"] in args.only]
+    jobs = [
+        {**variant, "seed": seed}
+        for variant in plan
+        for seed in variant.get("seeds", args.seeds)
+        if not args.only or variant["name"] in args.only
+    ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {"PYTHONUNBUFFERED": "1"}
     if args.threads:
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+
     def launch(numbered: tuple[int, dict]) -> dict:
         i, job = numbered
         gpu = {"CUDA_VISIBLE_DEVICES": str(i % args.gpus)} if args.gpus > 0 else {}

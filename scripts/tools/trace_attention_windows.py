@@ -13,6 +13,7 @@ launches) or kernels running slower in the step (clocks, L2): this tells which.
 
     python -m scripts.tools.trace_attention_windows DIR/trace_n65536_sparse_ckpt1.json.gz --out windows.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ def windows(kernels: list[dict]) -> list[dict]:
     found, current = [], None
     for i, e in enumerate(kernels):
         kind = kind_of(e["name"])
-        if current is not None and (kind not in (None, current["kind"]) or
-                                    (kind is None and e["dur"] >= FOREIGN_BREAK_US)):
+        if current is not None and (
+            kind not in (None, current["kind"]) or (kind is None and e["dur"] >= FOREIGN_BREAK_US)
+        ):
             found.append(current)
             current = None
         if kind is None:
@@ -63,9 +65,14 @@ def windows(kernels: list[dict]) -> list[dict]:
             continue
         if current is None:
             prev_end = kernels[i - 1]["ts"] + kernels[i - 1]["dur"] if i else e["ts"]
-            current = {"kind": kind, "start": e["ts"], "gap_before_us": max(0.0, e["ts"] - prev_end),
-                       "kernels": [], "pending": [],
-                       "previous_kernel": kernels[i - 1]["name"][:80] if i else None}
+            current = {
+                "kind": kind,
+                "start": e["ts"],
+                "gap_before_us": max(0.0, e["ts"] - prev_end),
+                "kernels": [],
+                "pending": [],
+                "previous_kernel": kernels[i - 1]["name"][:80] if i else None,
+            }
         # small foreign kernels between two of ours belong to the window; after the last one they do not
         current["kernels"].extend(current["pending"])
         current["pending"] = []
@@ -80,10 +87,18 @@ def windows(kernels: list[dict]) -> list[dict]:
         per_name = defaultdict(float)
         for k in ks:
             per_name[k["name"][:60]] += k["dur"]
-        rows.append({"kind": w["kind"], "span_ms": (end - w["start"]) / 1e3, "kernel_ms": busy / 1e3,
-                     "idle_ms": (end - w["start"] - busy) / 1e3, "gap_before_ms": w["gap_before_us"] / 1e3,
-                     "num_kernels": len(ks), "previous_kernel": w["previous_kernel"],
-                     "kernels_ms": {name: us / 1e3 for name, us in per_name.items()}})
+        rows.append(
+            {
+                "kind": w["kind"],
+                "span_ms": (end - w["start"]) / 1e3,
+                "kernel_ms": busy / 1e3,
+                "idle_ms": (end - w["start"] - busy) / 1e3,
+                "gap_before_ms": w["gap_before_us"] / 1e3,
+                "num_kernels": len(ks),
+                "previous_kernel": w["previous_kernel"],
+                "kernels_ms": {name: us / 1e3 for name, us in per_name.items()},
+            }
+        )
     return rows
 
 
@@ -96,11 +111,14 @@ def summarize(rows: list[dict]) -> dict:
         names = sorted({n for r in mine for n in r["kernels_ms"]})
         out[kind] = {
             "windows": len(mine),
-            **{f"median_{key}": statistics.median(r[key] for r in mine)
-               for key in ("span_ms", "kernel_ms", "idle_ms", "gap_before_ms")},
+            **{
+                f"median_{key}": statistics.median(r[key] for r in mine)
+                for key in ("span_ms", "kernel_ms", "idle_ms", "gap_before_ms")
+            },
             # over the windows that ran the kernel (the Gluon and Triton variants of a kernel never share one)
-            "median_ms_per_kernel": {n: statistics.median(r["kernels_ms"][n] for r in mine if n in r["kernels_ms"])
-                                     for n in names},
+            "median_ms_per_kernel": {
+                n: statistics.median(r["kernels_ms"][n] for r in mine if n in r["kernels_ms"]) for n in names
+            },
         }
     return out
 
@@ -113,9 +131,11 @@ def main(argv: list[str] | None = None) -> dict:
     rows = windows(load_kernels(args.trace))
     summary = summarize(rows)
     for kind, s in summary.items():
-        print(f"[windows] {kind}: {s['windows']} windows, median span {s['median_span_ms']:.3f} ms = kernels "
-              f"{s['median_kernel_ms']:.3f} + idle {s['median_idle_ms']:.3f}; idle gap before "
-              f"{s['median_gap_before_ms']:.3f} ms")
+        print(
+            f"[windows] {kind}: {s['windows']} windows, median span {s['median_span_ms']:.3f} ms = kernels "
+            f"{s['median_kernel_ms']:.3f} + idle {s['median_idle_ms']:.3f}; idle gap before "
+            f"{s['median_gap_before_ms']:.3f} ms"
+        )
         for name, ms in s["median_ms_per_kernel"].items():
             print(f"    {ms:8.3f} ms  {name}")
     if args.out:

@@ -12,5 +12,12 @@ from .block_index import (
     shares_document,
 )
 
-__all__ = ["INDEX_CHECKS", "BlockIndex", "canonicalize", "capacity_tier", "causal_last_block",
-           "document_sink_candidates", "shares_document"]
+__all__ = [
+    "INDEX_CHECKS",
+    "BlockIndex",
+    "canonicalize",
+    "capacity_tier",
+    "causal_last_block",
+    "document_sink_candidates",
+    "shares_document",
+]

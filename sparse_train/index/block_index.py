@@ -102,13 +102,10 @@ def _first_offender(bad: Tensor) -> tuple[int, ...]:
 def _check_selection_tensor(selected: Tensor, num_q_blocks: int, name: str) -> None:
     check_integer_tensor(name, selected)
     if selected.dim() != 4:
-        raise ValueError(
-            f"{name} must have shape [B, HKV, NQB, k] (4 dims), got {tuple(selected.shape)}"
-        )
+        raise ValueError(f"{name} must have shape [B, HKV, NQB, k] (4 dims), got {tuple(selected.shape)}")
     if selected.shape[2] != num_q_blocks:
         raise ValueError(
-            f"{name} has {selected.shape[2]} query blocks in dim 2, but seq_len and block_q give "
-            f"NQB = {num_q_blocks}"
+            f"{name} has {selected.shape[2]} query blocks in dim 2, but seq_len and block_q give NQB = {num_q_blocks}"
         )
 
 
@@ -212,10 +209,15 @@ def canonicalize(
             raise ValueError(f"candidate key block {value} at {_fmt_row(row)} slot {where[3]} {why}")
 
     candidate_width = max(1, selected.shape[-1] + window + sinks)
-    if (document_ids is None and capacity is not None and (check == "none" or capacity >= candidate_width)
-            and triton_runs_on(selected)):
+    if (
+        document_ids is None
+        and capacity is not None
+        and (check == "none" or capacity >= candidate_width)
+        and triton_runs_on(selected)
+    ):
         indices, counts = triton_kernels().canonical.triton_canonical_merge(
-            selected, seq_len=seq_len, block_q=block_q, block_k=block_k, window=window, sinks=sinks, capacity=capacity)
+            selected, seq_len=seq_len, block_q=block_q, block_k=block_k, window=window, sinks=sinks, capacity=capacity
+        )
         if check == "full":
             _verify_canonical(indices, counts, seq_len, block_q, block_k)
         return indices, counts
@@ -257,16 +259,13 @@ def canonicalize(
             capacity = capacity_tier(longest, num_k_blocks)
         elif capacity < longest:
             raise ValueError(
-                f"capacity={capacity} is smaller than the longest row ({longest} blocks); "
-                "refusing to drop candidates"
+                f"capacity={capacity} is smaller than the longest row ({longest} blocks); refusing to drop candidates"
             )
     if merged.shape[-1] >= capacity:
         merged = merged[..., :capacity]
         counts = counts.clamp(max=capacity)
     else:
-        pad = torch.full(
-            (*merged.shape[:-1], capacity - merged.shape[-1]), sentinel, device=device, dtype=torch.int64
-        )
+        pad = torch.full((*merged.shape[:-1], capacity - merged.shape[-1]), sentinel, device=device, dtype=torch.int64)
         merged = torch.cat([merged, pad], dim=-1)
     indices = torch.where(merged < sentinel, merged, -1).to(torch.int32)
     counts = counts.to(torch.int32)
@@ -297,8 +296,7 @@ def shares_document(document_ids: Tensor, key_blocks: Tensor, *, block_q: int, b
     return (k_first <= q_last) & (k_last >= q_first)
 
 
-def document_sink_candidates(document_ids: Tensor, sinks: int, *, seq_len: int, block_q: int,
-                             block_k: int) -> Tensor:
+def document_sink_candidates(document_ids: Tensor, sinks: int, *, seq_len: int, block_q: int, block_k: int) -> Tensor:
     """Per-document sink blocks of every query block: int64 ``[B, NQB, S]``, -1 in unused slots.
 
     For query block i of row b: the first ``sinks`` key blocks of the document holding the block's
@@ -330,8 +328,9 @@ def document_sink_candidates(document_ids: Tensor, sinks: int, *, seq_len: int, 
     first_doc = ids[:, q_start]  # [B, NQB]
     first_block = (doc_start[:, q_start] // block_k).unsqueeze(-1)  # [B, NQB, 1]
     own = first_block + torch.arange(sinks, device=device).view(1, 1, -1)
-    own_ok = (own <= last) & (k_first_doc.gather(1, own.clamp(max=num_k_blocks - 1).view(batch, -1))
-                              .view_as(own) <= first_doc.unsqueeze(-1))
+    own_ok = (own <= last) & (
+        k_first_doc.gather(1, own.clamp(max=num_k_blocks - 1).view(batch, -1)).view_as(own) <= first_doc.unsqueeze(-1)
+    )
     own = torch.where(own_ok, own, -1)
 
     # documents starting inside the block: key block j among the block's own key blocks is a sink of
@@ -446,7 +445,7 @@ class BlockIndex:
         capacity: int | None = None,
         check: str = "cheap",
         document_ids: Tensor | None = None,
-    ) -> "BlockIndex":
+    ) -> BlockIndex:
         """Union of ``selected`` (int ``[B, HKV, NQB, k]``, may hold -1 and duplicates), the window and
         the sinks, made canonical; with ``document_ids`` (int ``[B, N]``) restricted to blocks that
         share a document with the query block, window and sinks per document. See
@@ -467,7 +466,7 @@ class BlockIndex:
     @classmethod
     def from_dense(
         cls, mask: Tensor, *, seq_len: int, block_q: int = 64, block_k: int = 64, capacity: int | None = None
-    ) -> "BlockIndex":
+    ) -> BlockIndex:
         """From a bool block mask ``[B, HKV, NQB, NKB]``. A True entry above the causal limit raises."""
         seq_len, block_q, block_k = check_geometry(seq_len, block_q, block_k)
         num_q_blocks = math.ceil(seq_len / block_q)
@@ -480,15 +479,20 @@ class BlockIndex:
             )
         ids = torch.arange(num_k_blocks, device=mask.device, dtype=torch.int64)
         selected = torch.where(mask, ids, -1)
-        return cls.from_selection(
-            selected, seq_len=seq_len, block_q=block_q, block_k=block_k, capacity=capacity
-        )
+        return cls.from_selection(selected, seq_len=seq_len, block_q=block_q, block_k=block_k, capacity=capacity)
 
     @classmethod
     def full(
-        cls, batch: int, num_kv_heads: int, seq_len: int, block_q: int = 64, block_k: int = 64, device=None,
-        document_ids: Tensor | None = None, check: str = "cheap",
-    ) -> "BlockIndex":
+        cls,
+        batch: int,
+        num_kv_heads: int,
+        seq_len: int,
+        block_q: int = 64,
+        block_k: int = 64,
+        device=None,
+        document_ids: Tensor | None = None,
+        check: str = "cheap",
+    ) -> BlockIndex:
         """Every causally reachable block for every query block (dense causal attention); with
         ``document_ids`` (int ``[B, N]``) every causal block that shares a document with the query
         block (dense attention with the document mask). The capacity is NKB. ``check="none"`` skips
@@ -501,8 +505,16 @@ class BlockIndex:
         window = math.ceil(seq_len / block_k)
         empty = torch.empty(batch, num_kv_heads, num_q_blocks, 0, dtype=torch.int32, device=device)
         # capacity NKB (the last query block's row; a shape, not a host read of the longest row)
-        return cls.from_selection(empty, seq_len=seq_len, block_q=block_q, block_k=block_k, window=window,
-                                  capacity=window, check=check, document_ids=document_ids)
+        return cls.from_selection(
+            empty,
+            seq_len=seq_len,
+            block_q=block_q,
+            block_k=block_k,
+            window=window,
+            capacity=window,
+            check=check,
+            document_ids=document_ids,
+        )
 
     @classmethod
     def from_csr(
@@ -519,7 +531,7 @@ class BlockIndex:
         sinks: int = 0,
         capacity: int | None = None,
         document_ids: Tensor | None = None,
-    ) -> "BlockIndex":
+    ) -> BlockIndex:
         """From a ragged CSR over rows ``r = (b*HKV + h)*NQB + i``: row r's candidates are
         ``col_indices[indptr[r]:indptr[r+1]]`` (any order, duplicates allowed). Both are integer
         tensors (a float would be truncated, so it raises). ``document_ids`` as in
@@ -532,9 +544,7 @@ class BlockIndex:
         num_q_blocks = math.ceil(seq_len / block_q)
         rows = batch * num_kv_heads * num_q_blocks
         if indptr.dim() != 1 or indptr.numel() != rows + 1:
-            raise ValueError(
-                f"indptr must be 1-D with B*HKV*NQB+1 = {rows + 1} entries, got {tuple(indptr.shape)}"
-            )
+            raise ValueError(f"indptr must be 1-D with B*HKV*NQB+1 = {rows + 1} entries, got {tuple(indptr.shape)}")
         if col_indices.dim() != 1:
             raise ValueError(f"col_indices must be 1-D, got {tuple(col_indices.shape)}")
         if indptr.device != col_indices.device:
@@ -543,8 +553,7 @@ class BlockIndex:
         lengths = indptr[1:] - indptr[:-1]
         if int(indptr[0]) != 0 or bool((lengths < 0).any()) or int(indptr[-1]) != col_indices.numel():
             raise ValueError(
-                "indptr must start at 0, be non-decreasing and end at len(col_indices) "
-                f"({col_indices.numel()})"
+                f"indptr must start at 0, be non-decreasing and end at len(col_indices) ({col_indices.numel()})"
             )
         width = int(lengths.max()) if rows else 0
         row_of = torch.repeat_interleave(torch.arange(rows, device=indptr.device), lengths)
@@ -565,7 +574,7 @@ class BlockIndex:
     @classmethod
     def from_canonical(
         cls, indices: Tensor, counts: Tensor, *, seq_len: int, block_q: int, block_k: int, check: str = "full"
-    ) -> "BlockIndex":
+    ) -> BlockIndex:
         """Wrap tensors that are already canonical (e.g. a CUDA-graph-owned buffer). ``check="full"``
         verifies every invariant; ``"none"`` trusts the caller, who then owns the safety of the reads.
 
@@ -605,7 +614,7 @@ class BlockIndex:
     def device(self) -> torch.device:
         return self.indices.device
 
-    def to(self, device) -> "BlockIndex":
+    def to(self, device) -> BlockIndex:
         indices, counts = self.indices.to(device), self.counts.to(device)
         # same device: the same (possibly caller-owned) tensors
         external = self._external and indices is self.indices
@@ -680,7 +689,7 @@ class BlockIndex:
         return plan
 
     # ---------------------------------------------------------------- inspection
-    def __getitem__(self, key) -> "BlockIndex":
+    def __getitem__(self, key) -> BlockIndex:
         """The index restricted to some batches and/or KV heads: ``index[b]``, ``index[b, h]``,
         ``index[:, h]``, ``index[1:3]``, ... (ints and slices, negative ints allowed). The result is
         still a 4-D ``BlockIndex`` (an int keeps its dimension, with size 1) over the same sequence,
@@ -701,8 +710,14 @@ class BlockIndex:
             position %= size
             picks.append(slice(position, position + 1))
         picks += [slice(None)] * (2 - len(picks))
-        return BlockIndex(self.indices[picks[0], picks[1]], self.counts[picks[0], picks[1]], self.seq_len,
-                          self.block_q, self.block_k, _external=self._external)
+        return BlockIndex(
+            self.indices[picks[0], picks[1]],
+            self.counts[picks[0], picks[1]],
+            self.seq_len,
+            self.block_q,
+            self.block_k,
+            _external=self._external,
+        )
 
     def to_string(self, max_blocks: int = 32, max_pairs: int = 4) -> str:
         """The selection as a block grid per (batch, KV head): one line per query block, one character

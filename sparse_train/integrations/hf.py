@@ -47,15 +47,29 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from ..module.attention import SparseAttention
 from ..config import SparseAttentionConfig
 from ..documents import document_ids_from_cu_seqlens, document_ids_from_position_ids
+from ..module.attention import SparseAttention
 
-__all__ = ["ATTENTION_NAME", "register", "enable", "disable", "save_pretrained", "from_pretrained",
-           "sparse_train_attention_forward", "sparse_train_mask", "seq_lens_from_padding_mask",
-           "padding_from_mask", "document_ids_for_call",
-           "attention_layers", "rope_frequencies", "rope_style", "INTERLEAVED_ROPE_MODEL_TYPES",
-           "SELECTOR_WEIGHTS_NAME", "SELECTOR_CONFIG_NAME"]
+__all__ = [
+    "ATTENTION_NAME",
+    "register",
+    "enable",
+    "disable",
+    "save_pretrained",
+    "from_pretrained",
+    "sparse_train_attention_forward",
+    "sparse_train_mask",
+    "seq_lens_from_padding_mask",
+    "padding_from_mask",
+    "document_ids_for_call",
+    "attention_layers",
+    "rope_frequencies",
+    "rope_style",
+    "INTERLEAVED_ROPE_MODEL_TYPES",
+    "SELECTOR_WEIGHTS_NAME",
+    "SELECTOR_CONFIG_NAME",
+]
 
 ATTENTION_NAME = "sparse_train"
 SUBMODULE_NAME = "sparse_attention"
@@ -85,8 +99,10 @@ def seq_lens_from_padding_mask(mask: Tensor | None, seq_len: int) -> Tensor | No
     return seq_lens
 
 
-_HOLE_MESSAGE = ("sparse_train attention supports right and left padding (each row: optional padding, real tokens, "
-                 "optional padding); this attention mask has a padded hole between real tokens")
+_HOLE_MESSAGE = (
+    "sparse_train attention supports right and left padding (each row: optional padding, real tokens, "
+    "optional padding); this attention mask has a padded hole between real tokens"
+)
 
 
 def padding_from_mask(mask: Tensor | None, seq_len: int) -> tuple[Tensor | None, Tensor | None]:
@@ -147,8 +163,9 @@ def padding_from_mask(mask: Tensor | None, seq_len: int) -> tuple[Tensor | None,
     return result
 
 
-def document_ids_for_call(position_ids: Tensor | None, batch: int, seq_len: int,
-                          cu_seq_lens: Tensor | None = None) -> Tensor | None:
+def document_ids_for_call(
+    position_ids: Tensor | None, batch: int, seq_len: int, cu_seq_lens: Tensor | None = None
+) -> Tensor | None:
     """Packed documents of a padding-free batch: int ``[B, N]`` document ids, or None when every row
     is one sequence.
 
@@ -170,8 +187,11 @@ def document_ids_for_call(position_ids: Tensor | None, batch: int, seq_len: int,
         return document_ids_from_cu_seqlens(cu_seq_lens, seq_len)
     if position_ids is None or position_ids.shape[-1] != seq_len:
         return None
-    if (_last_positions is not None and _last_positions[0]() is position_ids
-            and _last_positions[1] == position_ids._version):
+    if (
+        _last_positions is not None
+        and _last_positions[0]() is position_ids
+        and _last_positions[1] == position_ids._version
+    ):
         return _last_positions[2]
     document_ids = document_ids_from_position_ids(position_ids).expand(batch, seq_len)
     if torch.compiler.is_compiling():
@@ -182,8 +202,9 @@ def document_ids_for_call(position_ids: Tensor | None, batch: int, seq_len: int,
     return document_ids
 
 
-def sparse_train_mask(*args, attention_mask: Tensor | None = None, kv_length: int | None = None,
-                      mask_function=None, **kwargs) -> Tensor | None:
+def sparse_train_mask(
+    *args, attention_mask: Tensor | None = None, kv_length: int | None = None, mask_function=None, **kwargs
+) -> Tensor | None:
     """Mask function for ``AttentionMaskInterface``: the 2-D padding mask (or None without padding).
 
     Accepted patterns: plain causal, and causal restricted to packed sequences (what transformers
@@ -252,12 +273,14 @@ def sparse_train_attention_forward(
     if query.shape[2] != key.shape[2]:
         # KV-cache decoding (generate) or chunked prefill: the new queries over the whole cache, dense
         if dropout:
-            raise NotImplementedError("sparse_train attention with a KV cache runs without dropout "
-                                      "(call model.eval() for generation)")
-        mask = attention_mask[:, -key.shape[2]:] if attention_mask is not None and attention_mask.dim() == 2 else None
+            raise NotImplementedError(
+                "sparse_train attention with a KV cache runs without dropout (call model.eval() for generation)"
+            )
+        mask = attention_mask[:, -key.shape[2] :] if attention_mask is not None and attention_mask.dim() == 2 else None
         if attention_mask is not None and mask is None:
-            raise NotImplementedError(f"sparse_train attention takes a 2-D padding mask; got a "
-                                      f"{attention_mask.dim()}-D mask while decoding")
+            raise NotImplementedError(
+                f"sparse_train attention takes a 2-D padding mask; got a {attention_mask.dim()}-D mask while decoding"
+            )
         out = sparse.decode(query, key, value, key_padding_mask=mask, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
     batch, seq_len = query.shape[0], key.shape[2]
@@ -273,8 +296,16 @@ def sparse_train_attention_forward(
         packed = packed.to(query.device)
         # both: a document boundary wherever either has one
         document_ids = packed if document_ids is None else _merge_boundaries(document_ids, packed)
-    out = sparse(query, key, value, seq_lens=seq_lens, document_ids=document_ids, position_ids=position_ids,
-                 scale=scaling, dropout_p=dropout)
+    out = sparse(
+        query,
+        key,
+        value,
+        seq_lens=seq_lens,
+        document_ids=document_ids,
+        position_ids=position_ids,
+        scale=scaling,
+        dropout_p=dropout,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -312,8 +343,10 @@ def _unsupported_reason(model: nn.Module, layer: nn.Module) -> str | None:
         if not (layer_types and layer_idx is not None and layer_types[layer_idx] == "full_attention"):
             window = config.sliding_window
     if window is not None:
-        return (f"sliding-window attention (window {window}) is a different mask than causal attention; "
-                "sparse_train does not implement it")
+        return (
+            f"sliding-window attention (window {window}) is a different mask than causal attention; "
+            "sparse_train does not implement it"
+        )
     softcap = getattr(layer, "attn_logit_softcapping", None) or getattr(config, "attn_logit_softcapping", None)
     if softcap:
         return f"attention logit softcapping ({softcap}) is not implemented by the sparse kernels"
@@ -360,8 +393,10 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
     """
     config = SparseAttentionConfig() if config is None else config
     if not isinstance(config, SparseAttentionConfig):
-        raise ValueError(f"hf.enable: config must be a SparseAttentionConfig or None, got {type(config).__name__} "
-                         "(for a dict use SparseAttentionConfig(**mapping))")
+        raise ValueError(
+            f"hf.enable: config must be a SparseAttentionConfig or None, got {type(config).__name__} "
+            "(for a dict use SparseAttentionConfig(**mapping))"
+        )
     register()
     hf_config = model.config
     num_heads = hf_config.num_attention_heads
@@ -369,13 +404,15 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
     layers = attention_layers(model)
     inv_freq = rope_frequencies(model)
     if not layers:
-        raise ValueError(f"found no attention layers (modules with layer_idx, head_dim, is_causal) in "
-                         f"{type(model).__name__}")
+        raise ValueError(
+            f"found no attention layers (modules with layer_idx, head_dim, is_causal) in {type(model).__name__}"
+        )
     for layer in layers:
         reason = _unsupported_reason(model, layer)
         if reason is not None:
-            raise NotImplementedError(f"hf.enable: {type(model).__name__} layer {getattr(layer, 'layer_idx', '?')}: "
-                                      f"{reason}")
+            raise NotImplementedError(
+                f"hf.enable: {type(model).__name__} layer {getattr(layer, 'layer_idx', '?')}: {reason}"
+            )
     for layer in layers:
         if isinstance(getattr(layer, SUBMODULE_NAME, None), SparseAttention):
             continue
@@ -422,7 +459,9 @@ def save_pretrained(model: nn.Module, directory, config: SparseAttentionConfig |
     layers = attention_layers(model)
     selectors = [getattr(layer, SUBMODULE_NAME, None) for layer in layers]
     if not selectors or not all(isinstance(selector, SparseAttention) for selector in selectors):
-        raise ValueError("save_pretrained: the model has no sparse_train selectors; call hf.enable(model, config) first")
+        raise ValueError(
+            "save_pretrained: the model has no sparse_train selectors; call hf.enable(model, config) first"
+        )
     if config is None:
         config = selectors[0].config
         model_scale = getattr(layers[0], "scaling", None)
@@ -432,8 +471,11 @@ def save_pretrained(model: nn.Module, directory, config: SparseAttentionConfig |
     selector_state = {name: t for name, t in state.items() if _is_selector_key(name)}
     plain_state = {name: t for name, t in state.items() if not _is_selector_key(name)}
     model.save_pretrained(directory, state_dict=plain_state, **kwargs)
-    save_file({name: t.detach().contiguous().cpu() for name, t in selector_state.items()},
-              os.path.join(directory, SELECTOR_WEIGHTS_NAME), metadata={"format": "pt"})
+    save_file(
+        {name: t.detach().contiguous().cpu() for name, t in selector_state.items()},
+        os.path.join(directory, SELECTOR_WEIGHTS_NAME),
+        metadata={"format": "pt"},
+    )
     with open(os.path.join(directory, SELECTOR_CONFIG_NAME), "w") as f:
         json.dump({"format_version": _FORMAT_VERSION, "config": config.to_dict()}, f, indent=1)
 
@@ -453,20 +495,23 @@ def from_pretrained(model_class, directory, **kwargs) -> nn.Module:
     weights_path = os.path.join(directory, SELECTOR_WEIGHTS_NAME)
     for path in (config_path, weights_path):
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} not found: was the directory written by sparse_train.integrations.hf."
-                                    "save_pretrained?")
+            raise FileNotFoundError(
+                f"{path} not found: was the directory written by sparse_train.integrations.hf.save_pretrained?"
+            )
     with open(config_path) as f:
         saved = json.load(f)
     if saved.get("format_version") != _FORMAT_VERSION:
-        raise ValueError(f"{config_path}: format_version {saved.get('format_version')!r}, this version reads "
-                         f"{_FORMAT_VERSION}")
+        raise ValueError(
+            f"{config_path}: format_version {saved.get('format_version')!r}, this version reads {_FORMAT_VERSION}"
+        )
     model = model_class.from_pretrained(directory, **kwargs)
     enable(model, SparseAttentionConfig(**saved["config"]))
     weights = load_file(weights_path)
     expected = [name for name in model.state_dict() if _is_selector_key(name)]
     missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
     if missing or unexpected:
-        raise ValueError(f"{weights_path} does not match the model's selectors: missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]}")
+        raise ValueError(
+            f"{weights_path} does not match the model's selectors: missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     model.load_state_dict(weights, strict=False)
     return model

@@ -12,12 +12,25 @@ text or JSONL documents for fine-tuning.
 from ..tasks import RetrievalTask
 from .callbacks import ForkPoint, StepRichProgressBar, StepTimer, StepTQDMProgressBar
 from .data import ByteLMDataModule, RetrievalDataModule
-from .text_data import TextDataModule
-from .model import Transformer, TransformerConfig
 from .hf import HFCausalLMModule
+from .model import Transformer, TransformerConfig
 from .module import SparseLMModule
+from .text_data import TextDataModule
 from .training import CausalLMTraining, load_weights
 
-__all__ = ["ForkPoint", "StepTimer", "StepRichProgressBar", "StepTQDMProgressBar", "ByteLMDataModule", "RetrievalDataModule",
-           "TextDataModule", "RetrievalTask", "Transformer", "TransformerConfig", "SparseLMModule", "HFCausalLMModule",
-           "CausalLMTraining", "load_weights"]
+__all__ = [
+    "ForkPoint",
+    "StepTimer",
+    "StepRichProgressBar",
+    "StepTQDMProgressBar",
+    "ByteLMDataModule",
+    "RetrievalDataModule",
+    "TextDataModule",
+    "RetrievalTask",
+    "Transformer",
+    "TransformerConfig",
+    "SparseLMModule",
+    "HFCausalLMModule",
+    "CausalLMTraining",
+    "load_weights",
+]

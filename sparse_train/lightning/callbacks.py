@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -26,7 +26,14 @@ import sparse_train as st
 from ..timing import Marks
 from ..validation import check_bool, check_int
 
-__all__ = ["ForkPoint", "StepTimer", "StepRichProgressBar", "StepTQDMProgressBar", "step_progress_bar", "step_description"]
+__all__ = [
+    "ForkPoint",
+    "StepTimer",
+    "StepRichProgressBar",
+    "StepTQDMProgressBar",
+    "step_progress_bar",
+    "step_description",
+]
 
 
 class StepTimer(Callback):
@@ -36,7 +43,8 @@ class StepTimer(Callback):
     ``time/forward_ms``, ``time/backward_ms``, ``time/optimizer_ms``, ``time/step_ms``,
     ``throughput/tokens_per_s`` (this device, step time only), ``throughput/tokens_per_s_global``
     (all devices), ``throughput/tokens_per_s_wall`` (this device, including data loading and logging),
-    ``memory/peak_allocated_gib`` (on CUDA: this device's peak of allocated memory since the start), and the means of ``st.collect_attention_stats`` under ``attn/``: ``attn/density``,
+    ``memory/peak_allocated_gib`` (on CUDA: this device's peak of allocated memory since the start), and the means of
+    ``st.collect_attention_stats`` under ``attn/``: ``attn/density``,
     ``attn/fallbacks/<reason>``, ``attn/selector_loss``, ``attn/recall`` and, when the sparse config has
     ``profile: true``, ``attn/time/selector_ms``, ``attn/time/plan_ms``, ``attn/time/attn_fwd_ms``,
     ``attn/time/attn_bwd_ms`` (with activation checkpointing also ``attn/time/<phase>_recompute_ms``).
@@ -59,7 +67,7 @@ class StepTimer(Callback):
         self._marks = Marks()
         self._active = False
         self._tokens = 0
-        self._last_start: Optional[float] = None
+        self._last_start: float | None = None
         self._wall_tokens = 0
         self.last_metrics: dict[str, float] = {}
 
@@ -91,8 +99,9 @@ class StepTimer(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         self._mark("optimizer_start")
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if not self._active:
             return
         self._mark("end")
@@ -117,11 +126,18 @@ class StepTimer(Callback):
         self.last_metrics = metrics
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, batch_size=1)
         if self.prog_bar and "throughput/tokens_per_s" in metrics:
-            pl_module.log("tok/s", metrics["throughput/tokens_per_s"], prog_bar=True, logger=False,
-                          on_step=True, on_epoch=False, batch_size=1)
+            pl_module.log(
+                "tok/s",
+                metrics["throughput/tokens_per_s"],
+                prog_bar=True,
+                logger=False,
+                on_step=True,
+                on_epoch=False,
+                batch_size=1,
+            )
 
 
-def step_description(trainer: Trainer) -> Optional[str]:
+def step_description(trainer: Trainer) -> str | None:
     """``"step s/max_steps"`` for a run bounded by ``trainer.max_steps``, else None (epoch-based runs
     keep Lightning's ``Epoch e``). Lightning's own label reads ``Epoch 0/-2`` there: ``max_epochs`` is -1."""
     max_steps = trainer.max_steps
@@ -139,8 +155,9 @@ class StepRichProgressBar(RichProgressBar):
             return super()._get_train_description(current_epoch)
         return f"{text:{len(self.validation_description)}}"  # padded like Lightning's, so the bar does not jump
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         bar_id = self.train_progress_bar_id
         if step_description(trainer) is not None and self.progress is not None and bar_id is not None:
@@ -158,8 +175,9 @@ class StepTQDMProgressBar(TQDMProgressBar):
         if text is not None:
             self.train_progress_bar.set_description(text)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         text = step_description(trainer)
         if text is not None and self.train_progress_bar is not None:
@@ -199,8 +217,9 @@ class ForkPoint(Callback):
         self.step = step
         self.path = str(path)
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if trainer.global_step < self.step:
             return
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)

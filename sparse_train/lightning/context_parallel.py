@@ -51,7 +51,7 @@ Lightning's distributed sampler (the ranks of a CP group must load the same rows
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -80,8 +80,10 @@ class ContextParallelShards:
             ValueError: N not a multiple of ``2 * size`` (the model checks the block sizes), or a
                 ``position_ids`` key (the Hugging Face path, not supported under CP)."""
         if "position_ids" in batch:
-            raise ValueError("context parallelism: batches with position_ids (the Hugging Face module's packed "
-                             "rows) are not supported; use the repository's Transformer (document_ids)")
+            raise ValueError(
+                "context parallelism: batches with position_ids (the Hugging Face module's packed "
+                "rows) are not supported; use the repository's Transformer (document_ids)"
+            )
         out = dict(batch)
         for key in ("tokens", "labels"):
             cpm.check_layout(batch[key].shape[1], self.size)
@@ -104,36 +106,44 @@ class ContextParallel(Callback):
             repository's ``Transformer``; ``use_distributed_sampler=True``.
     """
 
-    def __init__(self, size: int = 2, backend: Optional[str] = None) -> None:
+    def __init__(self, size: int = 2, backend: str | None = None) -> None:
         super().__init__()
         self.size = check_int("ContextParallel.size", size, minimum=1)
         if backend is not None and not isinstance(backend, str):
             raise ValueError(f"ContextParallel.backend must be a backend name or None, got {backend!r}")
         self.backend = backend
-        self.shards: Optional[ContextParallelShards] = None
+        self.shards: ContextParallelShards | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.size == 1:
             return
         world = trainer.world_size
         if world % self.size:
-            raise ValueError(f"context parallelism: world_size={world} is not a multiple of cp={self.size}; the "
-                             f"ranks form world_size / cp groups of cp consecutive ranks, each group sharding one "
-                             f"sequence and the groups training on different rows")
+            raise ValueError(
+                f"context parallelism: world_size={world} is not a multiple of cp={self.size}; the "
+                f"ranks form world_size / cp groups of cp consecutive ranks, each group sharding one "
+                f"sequence and the groups training on different rows"
+            )
         if isinstance(trainer.strategy, FSDPStrategy):
             _check_fsdp(trainer.strategy)
         # DeepSpeed subclasses DDPStrategy but shards and reduces on its own terms: untested with the mesh
         elif not isinstance(trainer.strategy, DDPStrategy) or isinstance(trainer.strategy, DeepSpeedStrategy):
-            raise ValueError(f"context parallelism runs under DDP or FSDP (--trainer.strategy=ddp or fsdp), which "
-                             f"average the ranks' partial gradients over the world; got "
-                             f"{type(trainer.strategy).__name__}")
+            raise ValueError(
+                f"context parallelism runs under DDP or FSDP (--trainer.strategy=ddp or fsdp), which "
+                f"average the ranks' partial gradients over the world; got "
+                f"{type(trainer.strategy).__name__}"
+            )
         model = getattr(pl_module, "model", None)
         if not isinstance(model, Transformer):
-            raise ValueError(f"context parallelism supports sparse_train.lightning.model.Transformer "
-                             f"(SparseLMModule), got {type(model).__name__}")
+            raise ValueError(
+                f"context parallelism supports sparse_train.lightning.model.Transformer "
+                f"(SparseLMModule), got {type(model).__name__}"
+            )
         if getattr(trainer._accelerator_connector, "use_distributed_sampler", False):
-            raise ValueError("context parallelism: the ranks of one sequence must load the same rows; set "
-                             "--trainer.use_distributed_sampler=false")
+            raise ValueError(
+                "context parallelism: the ranks of one sequence must load the same rows; set "
+                "--trainer.use_distributed_sampler=false"
+            )
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = trainer.strategy.root_device.type
@@ -144,9 +154,11 @@ class ContextParallel(Callback):
         first = trainer.global_rank // self.size * self.size
         ranks = torch.distributed.get_process_group_ranks(group)
         if ranks != list(range(first, first + self.size)):
-            raise RuntimeError(f"context parallelism: the device mesh put global rank {trainer.global_rank} in the "
-                               f"cp group {ranks}, not in the consecutive ranks data_parallel_rank loads the same "
-                               f"rows on ({first}..{first + self.size - 1})")
+            raise RuntimeError(
+                f"context parallelism: the device mesh put global rank {trainer.global_rank} in the "
+                f"cp group {ranks}, not in the consecutive ranks data_parallel_rank loads the same "
+                f"rows on ({first}..{first + self.size - 1})"
+            )
         cpm.enable_context_parallel(model, group, backend=self.backend)
         rank, size = cpm.context_parallel_rank(group)
         self.shards = ContextParallelShards(group, rank, size)
@@ -167,18 +179,22 @@ def _check_fsdp(strategy: FSDPStrategy) -> None:
 
     hybrid = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
     if strategy.sharding_strategy in hybrid:
-        raise ValueError(f"context parallelism under FSDP: sharding_strategy={strategy.sharding_strategy.name} is "
-                         f"not supported (FSDP builds its own per-node shard and replica groups next to the "
-                         f"('dp', 'cp') mesh; untested); use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD, which reduce the "
-                         f"gradients over the whole world")
+        raise ValueError(
+            f"context parallelism under FSDP: sharding_strategy={strategy.sharding_strategy.name} is "
+            f"not supported (FSDP builds its own per-node shard and replica groups next to the "
+            f"('dp', 'cp') mesh; untested); use FULL_SHARD, SHARD_GRAD_OP or NO_SHARD, which reduce the "
+            f"gradients over the whole world"
+        )
     for key in ("process_group", "device_mesh"):
         if strategy.kwargs.get(key) is not None:
-            raise ValueError(f"context parallelism under FSDP: FSDPStrategy({key}=...) is not supported; FSDP must "
-                             f"shard and average the gradients over the default process group (the whole world), "
-                             f"which the loss normalisation divides by")
+            raise ValueError(
+                f"context parallelism under FSDP: FSDPStrategy({key}=...) is not supported; FSDP must "
+                f"shard and average the gradients over the default process group (the whole world), "
+                f"which the loss normalisation divides by"
+            )
 
 
-def data_parallel_rank(trainer: Optional[Trainer]) -> tuple[int, int]:
+def data_parallel_rank(trainer: Trainer | None) -> tuple[int, int]:
     """``(rank, world)`` of the trainer's process among the data-parallel replicas: the ranks of one
     context-parallel group (``cp`` consecutive global ranks, the ``ContextParallel`` mesh's layout) count as
     one replica and load the same rows; replica ``global_rank // cp`` of ``world_size // cp``. Without a

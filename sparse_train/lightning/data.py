@@ -10,8 +10,9 @@ count and rank for the training stream, and the data facts the LightningModule r
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -32,8 +33,15 @@ from ..validation import check_float, check_int, check_keys
 from .context_parallel import data_parallel_rank
 
 # The task-side names stay importable from here (the path they had before sparse_train.tasks existed).
-__all__ = ["RetrievalDataModule", "ByteLMDataModule", "RetrievalTask", "RetrievalDataset", "CurriculumStage",
-           "default_corpus_root", "IGNORE_INDEX"]
+__all__ = [
+    "RetrievalDataModule",
+    "ByteLMDataModule",
+    "RetrievalTask",
+    "RetrievalDataset",
+    "CurriculumStage",
+    "default_corpus_root",
+    "IGNORE_INDEX",
+]
 
 
 def _loader(dataset: Dataset, num_workers: int, **kwargs: Any) -> DataLoader:
@@ -73,11 +81,27 @@ class RetrievalDataModule(LightningDataModule):
         num_workers: DataLoader worker processes (0 generates in the training process).
     """
 
-    def __init__(self, seq_len: int = 4096, num_pairs: int = 8, num_queries: int = 8, num_keys: int = 8,
-                 num_values: int = 8, num_filler: int = 32, filler: str = "repeat", needle_len: int = 1, batch_size: int = 8,
-                 eval_batch_size: Optional[int] = None, curriculum: Optional[list[CurriculumStage]] = None,
-                 train_seed: int = 0, val_seed: int = 1, test_seed: int = 2, train_steps: int = 1000,
-                 val_samples: int = 128, test_samples: int = 256, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        seq_len: int = 4096,
+        num_pairs: int = 8,
+        num_queries: int = 8,
+        num_keys: int = 8,
+        num_values: int = 8,
+        num_filler: int = 32,
+        filler: str = "repeat",
+        needle_len: int = 1,
+        batch_size: int = 8,
+        eval_batch_size: int | None = None,
+        curriculum: list[CurriculumStage] | None = None,
+        train_seed: int = 0,
+        val_seed: int = 1,
+        test_seed: int = 2,
+        train_steps: int = 1000,
+        val_samples: int = 128,
+        test_samples: int = 256,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
         for name, value in (("batch_size", batch_size), ("train_steps", train_steps)):
             check_int(f"RetrievalDataModule.{name}", value, minimum=1)
@@ -86,20 +110,27 @@ class RetrievalDataModule(LightningDataModule):
             check_int(f"RetrievalDataModule.{name}", value, minimum=0)
         for name, value in (("train_seed", train_seed), ("val_seed", val_seed), ("test_seed", test_seed)):
             check_int(f"RetrievalDataModule.{name}", value)
-        check_retrieval_args("RetrievalDataModule", seq_len=seq_len, num_pairs=num_pairs, num_queries=num_queries,
-                             num_keys=num_keys, num_values=num_values, num_filler=num_filler, filler=filler,
-                             needle_len=needle_len)
+        check_retrieval_args(
+            "RetrievalDataModule",
+            seq_len=seq_len,
+            num_pairs=num_pairs,
+            num_queries=num_queries,
+            num_keys=num_keys,
+            num_values=num_values,
+            num_filler=num_filler,
+            filler=filler,
+            needle_len=needle_len,
+        )
         if len({train_seed, val_seed, test_seed}) != 3:
             raise ValueError("train_seed, val_seed and test_seed must differ so evaluation is held out")
         self.save_hyperparameters()
-        self.task = RetrievalTask(seq_len, num_pairs, num_queries, num_keys, num_values, num_filler, filler,
-                                  needle_len)
+        self.task = RetrievalTask(seq_len, num_pairs, num_queries, num_keys, num_values, num_filler, filler, needle_len)
         self.curriculum = [self._stage(i, c) for i, c in enumerate(curriculum or [])]
         for c in self.curriculum:
             self.task.haystack_len(c.seq_len)
 
     @staticmethod
-    def _stage(i: int, stage: Union[CurriculumStage, dict]) -> CurriculumStage:
+    def _stage(i: int, stage: CurriculumStage | dict) -> CurriculumStage:
         if isinstance(stage, CurriculumStage):
             return stage
         check_keys(f"RetrievalDataModule.curriculum[{i}]", stage, CurriculumStage.__dataclass_fields__)
@@ -136,14 +167,19 @@ class RetrievalDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         total, start = self._trainer_steps()
         rank, world = data_parallel_rank(self.trainer)  # the ranks of a context-parallel group share rows
-        sampler = CurriculumBatches(self.curriculum, self.hparams.seq_len, self.hparams.batch_size, total, start,
-                                    rank, world)
-        return _loader(RetrievalDataset(self.task, self.hparams.train_seed, 0), self.hparams.num_workers,
-                       batch_sampler=sampler)
+        sampler = CurriculumBatches(
+            self.curriculum, self.hparams.seq_len, self.hparams.batch_size, total, start, rank, world
+        )
+        return _loader(
+            RetrievalDataset(self.task, self.hparams.train_seed, 0), self.hparams.num_workers, batch_sampler=sampler
+        )
 
     def _eval_loader(self, seed: int, length: int) -> DataLoader:
-        return _loader(RetrievalDataset(self.task, seed, length), self.hparams.num_workers,
-                       batch_size=self.hparams.eval_batch_size or self.hparams.batch_size)
+        return _loader(
+            RetrievalDataset(self.task, seed, length),
+            self.hparams.num_workers,
+            batch_size=self.hparams.eval_batch_size or self.hparams.batch_size,
+        )
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader(self.hparams.val_seed, self.hparams.val_samples)
@@ -176,39 +212,60 @@ class ByteLMDataModule(LightningDataModule):
 
     vocab_size = 256
 
-    def __init__(self, paths: Optional[Sequence[str]] = None, pattern: str = "*.py", seq_len: int = 1024,
-                 batch_size: int = 8, val_fraction: float = 0.05, max_bytes: int = 32_000_000, seed: int = 0,
-                 train_samples: int = 10_000_000, val_samples: int = 64, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str] | None = None,
+        pattern: str = "*.py",
+        seq_len: int = 1024,
+        batch_size: int = 8,
+        val_fraction: float = 0.05,
+        max_bytes: int = 32_000_000,
+        seed: int = 0,
+        train_samples: int = 10_000_000,
+        val_samples: int = 64,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
         # A bare string is a Sequence[str] too: iterating it would read one "path" per character.
         if isinstance(paths, (str, os.PathLike)):
-            raise ValueError(f"ByteLMDataModule.paths must be a list of files or directories, got the single path "
-                             f"{paths!r}; write [{str(paths)!r}]")
-        if paths is not None and (not isinstance(paths, (list, tuple))
-                                  or not all(isinstance(p, (str, os.PathLike)) for p in paths)):
+            raise ValueError(
+                f"ByteLMDataModule.paths must be a list of files or directories, got the single path "
+                f"{paths!r}; write [{str(paths)!r}]"
+            )
+        if paths is not None and (
+            not isinstance(paths, (list, tuple)) or not all(isinstance(p, (str, os.PathLike)) for p in paths)
+        ):
             raise ValueError(f"ByteLMDataModule.paths must be a list of files or directories or None, got {paths!r}")
         missing = [str(p) for p in paths or [] if not Path(p).exists()]
         if missing:
             raise ValueError(f"ByteLMDataModule.paths: {', '.join(map(repr, missing))} does not exist")
-        for name, value in (("seq_len", seq_len), ("batch_size", batch_size), ("max_bytes", max_bytes),
-                            ("train_samples", train_samples)):
+        for name, value in (
+            ("seq_len", seq_len),
+            ("batch_size", batch_size),
+            ("max_bytes", max_bytes),
+            ("train_samples", train_samples),
+        ):
             check_int(f"ByteLMDataModule.{name}", value, minimum=1)
         for name, value in (("val_samples", val_samples), ("num_workers", num_workers)):
             check_int(f"ByteLMDataModule.{name}", value, minimum=0)
         check_int("ByteLMDataModule.seed", seed)
         check_float("ByteLMDataModule.val_fraction", val_fraction, minimum=0.0, exclusive_maximum=1.0)
         self.save_hyperparameters()
-        self.train_bytes: Optional[torch.Tensor] = None
-        self.val_bytes: Optional[torch.Tensor] = None
+        self.train_bytes: torch.Tensor | None = None
+        self.val_bytes: torch.Tensor | None = None
 
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.train_bytes is None:
-            self.train_bytes, self.val_bytes = read_byte_corpus(self.hparams.paths, self.hparams.pattern,
-                                                                self.hparams.val_fraction, self.hparams.max_bytes)
+            self.train_bytes, self.val_bytes = read_byte_corpus(
+                self.hparams.paths, self.hparams.pattern, self.hparams.val_fraction, self.hparams.max_bytes
+            )
 
     def _crops_loader(self, data: torch.Tensor, seed: int, length: int) -> DataLoader:
-        return _loader(ByteCrops(data, self.hparams.seq_len, seed, length), self.hparams.num_workers,
-                       batch_size=self.hparams.batch_size)
+        return _loader(
+            ByteCrops(data, self.hparams.seq_len, seed, length),
+            self.hparams.num_workers,
+            batch_size=self.hparams.batch_size,
+        )
 
     def train_dataloader(self) -> DataLoader:
         crops = ByteCrops(self.train_bytes, self.hparams.seq_len, self.hparams.seed, self.hparams.train_samples)

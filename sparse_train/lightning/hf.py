@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 
 from ..config import SparseAttentionConfig
-from ..module.checkpointing import checkpoint_kwargs
 from ..losses import LMLoss, labelled_head_loss, labelled_logits_loss
+from ..module.checkpointing import checkpoint_kwargs
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_choice, check_keys
 from .training import CausalLMHooks, CausalLMTraining, TrainingArgs
@@ -61,11 +61,19 @@ class HFCausalLM(nn.Module):
         """Whether ``forward(labels=...)`` skips the full logits (:data:`_PLAIN_HEAD_MODEL_TYPES`, a
         bias-free output embedding)."""
         head = self.lm.get_output_embeddings()
-        return (getattr(self.lm.config, "model_type", None) in _PLAIN_HEAD_MODEL_TYPES
-                and isinstance(head, nn.Linear) and head.bias is None)
+        return (
+            getattr(self.lm.config, "model_type", None) in _PLAIN_HEAD_MODEL_TYPES
+            and isinstance(head, nn.Linear)
+            and head.bias is None
+        )
 
-    def forward(self, tokens: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> Union[torch.Tensor, LMLoss]:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor | LMLoss:
         """Logits ``[B, N, V]`` of ``tokens`` ``[B, N]``; with ``labels`` the loss instead.
 
         ``position_ids`` ``[B, N]`` (int64) restarting at 0 at each document mark a packed row, the format of
@@ -82,10 +90,10 @@ class HFCausalLM(nn.Module):
         if labels is None:
             return self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
         if self.chunked_head:
-            hidden = self.lm.get_decoder()(input_ids=tokens, position_ids=position_ids,
-                                           use_cache=False).last_hidden_state
-            return labelled_head_loss(hidden, self.lm.get_output_embeddings().weight, labels,
-                                      ignore_index=IGNORE_INDEX)
+            hidden = self.lm.get_decoder()(
+                input_ids=tokens, position_ids=position_ids, use_cache=False
+            ).last_hidden_state
+            return labelled_head_loss(hidden, self.lm.get_output_embeddings().weight, labels, ignore_index=IGNORE_INDEX)
         logits = self.lm(input_ids=tokens, position_ids=position_ids, use_cache=False).logits
         return labelled_logits_loss(logits, labels, ignore_index=IGNORE_INDEX)
 
@@ -117,24 +125,45 @@ class HFCausalLMModule(CausalLMHooks):
             this module (a previous stage, selectors included); missing selector weights are allowed.
     """
 
-    def __init__(self, pretrained_path: str, attention: Literal["sparse", "dense"] = "sparse",
-                 sparse: Optional[dict[str, Any]] = None, dtype: Optional[str] = "float32",
-                 attn_implementation: Optional[str] = None, gradient_checkpointing: bool = False,
-                 checkpoint_keeps_attention: bool = False,
-                 lr: float = 1e-4, selector_lr: Optional[float] = None, weight_decay: float = 0.0,
-                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 20, min_lr_ratio: float = 0.1,
-                 selector_loss_weight: float = 1.0, train_only_selector: bool = False,
-                 init_from: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        pretrained_path: str,
+        attention: Literal["sparse", "dense"] = "sparse",
+        sparse: dict[str, Any] | None = None,
+        dtype: str | None = "float32",
+        attn_implementation: str | None = None,
+        gradient_checkpointing: bool = False,
+        checkpoint_keeps_attention: bool = False,
+        lr: float = 1e-4,
+        selector_lr: float | None = None,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 20,
+        min_lr_ratio: float = 0.1,
+        selector_loss_weight: float = 1.0,
+        train_only_selector: bool = False,
+        init_from: str | None = None,
+    ) -> None:
         super().__init__()
-        args = TrainingArgs.checked("HFCausalLMModule", lr=lr, selector_lr=selector_lr, weight_decay=weight_decay,
-                                    betas=betas, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
-                                    selector_loss_weight=selector_loss_weight,
-                                    train_only_selector=train_only_selector, init_from=init_from)
+        args = TrainingArgs.checked(
+            "HFCausalLMModule",
+            lr=lr,
+            selector_lr=selector_lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            min_lr_ratio=min_lr_ratio,
+            selector_loss_weight=selector_loss_weight,
+            train_only_selector=train_only_selector,
+            init_from=init_from,
+        )
         # Loading is local-only: without this check a missing directory is reported by huggingface_hub as
         # an invalid *hub repo id*, which sends the user looking in the wrong place.
         if not isinstance(pretrained_path, (str, os.PathLike)) or not os.path.isdir(pretrained_path):
-            raise ValueError(f"HFCausalLMModule.pretrained_path must be a local checkpoint directory "
-                             f"(config.json + weights), got {pretrained_path!r}")
+            raise ValueError(
+                f"HFCausalLMModule.pretrained_path must be a local checkpoint directory "
+                f"(config.json + weights), got {pretrained_path!r}"
+            )
         check_choice("HFCausalLMModule.attention", attention, ("sparse", "dense"))
         if dtype is not None:
             check_choice("HFCausalLMModule.dtype", dtype, _DTYPES)
@@ -143,8 +172,10 @@ class HFCausalLMModule(CausalLMHooks):
         if isinstance(sparse, SparseAttentionConfig):
             sparse = dataclasses.asdict(sparse)
         if sparse is not None and not isinstance(sparse, dict):
-            raise ValueError(f"HFCausalLMModule.sparse must be a dict of SparseAttentionConfig fields, a "
-                             f"SparseAttentionConfig or None, got {sparse!r}")
+            raise ValueError(
+                f"HFCausalLMModule.sparse must be a dict of SparseAttentionConfig fields, a "
+                f"SparseAttentionConfig or None, got {sparse!r}"
+            )
         sparse = dict(sparse or {})
         if attention == "sparse":
             check_keys("HFCausalLMModule.sparse", sparse, SparseAttentionConfig.__dataclass_fields__)
@@ -164,9 +195,14 @@ class HFCausalLMModule(CausalLMHooks):
         self.model = HFCausalLM(lm)
         path = str(pretrained_path).replace("{", "{{").replace("}", "}}")  # literal inside the format string
         self.training_logic = CausalLMTraining(
-            self, args, vocab_size=int(lm.config.vocab_size), attention=attention,
+            self,
+            args,
+            vocab_size=int(lm.config.vocab_size),
+            attention=attention,
             vocab_error=f"data needs vocab_size >= {{need}} but the checkpoint {path} has vocab_size = {{have}}",
-            sparse_hint="attention: sparse", layer_types=self._layer_types(lm))
+            sparse_hint="attention: sparse",
+            layer_types=self._layer_types(lm),
+        )
 
     @staticmethod
     def _layer_types(lm: nn.Module) -> tuple[type[nn.Module], ...]:
@@ -176,7 +212,7 @@ class HFCausalLMModule(CausalLMHooks):
         return tuple(sorted({type(m) for m in lm.modules() if type(m).__name__ in names}, key=lambda t: t.__name__))
 
     @staticmethod
-    def _load_pretrained(path: str, dtype: Optional[str], attn_implementation: Optional[str]) -> nn.Module:
+    def _load_pretrained(path: str, dtype: str | None, attn_implementation: str | None) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
         kwargs: dict[str, Any] = {"local_files_only": True}
@@ -187,5 +223,5 @@ class HFCausalLMModule(CausalLMHooks):
         return AutoModelForCausalLM.from_pretrained(path, **kwargs)
 
     # ------------------------------------------------------------------ the model's forward (hooks: CausalLMHooks)
-    def forward(self, tokens: torch.Tensor, *, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, *, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(tokens, position_ids=position_ids)

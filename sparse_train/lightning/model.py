@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
@@ -25,11 +25,11 @@ from torch.utils.checkpoint import checkpoint
 
 import sparse_train as st
 
+from ..documents import document_positions
 from ..functional import dense_causal_attention
+from ..losses import DEFAULT_CHUNK_TOKENS, LMLoss, labelled_head_loss
 from ..module.checkpointing import checkpoint_kwargs
 from ..parallel import context_parallel as cpm
-from ..documents import document_positions
-from ..losses import DEFAULT_CHUNK_TOKENS, LMLoss, labelled_head_loss
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_choice, check_document_ids, check_float, check_int, check_keys
 
@@ -50,9 +50,9 @@ class TransformerConfig:
     """Query heads per block (HQ)."""
     n_kv_heads: int = 2
     """Key/value heads per block (HKV); must divide ``n_heads`` (grouped-query attention)."""
-    head_dim: Optional[int] = None
+    head_dim: int | None = None
     """Per-head width D; ``None`` means ``d_model // n_heads``."""
-    ffn_hidden: Optional[int] = None
+    ffn_hidden: int | None = None
     """SwiGLU hidden width; ``None`` means 8/3 * d_model rounded up to a multiple of 64."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
@@ -71,11 +71,12 @@ class TransformerConfig:
     """Recompute each block in the backward (saves activation memory; the module replays selections)."""
     checkpoint_keeps_attention: bool = False
     """With ``activation_checkpointing``: keep each block's attention output from the first forward and recompute
-    only the rest of the block (:mod:`sparse_train.module.checkpointing`; both cores). Costs ``B * N * HQ * (D * 2 + 4)``
+    only the rest of the block (:mod:`sparse_train.module.checkpointing`; both cores). Costs ``B * N * HQ * (D * 2 +
+    4)``
     bytes per block in bf16 (64K tokens, 32 heads of 64: 272 MB), saves an attention forward per block and step.
     Off by default: the sparse forward is cheap to recompute (the step gains little for a few GiB more), while
     a dense core gains much more."""
-    compile_pointwise: Union[bool, Literal["auto"]] = "auto"
+    compile_pointwise: bool | Literal["auto"] = "auto"
     """Run the elementwise parts of the model (RMSNorm, RoPE, the SwiGLU gate) as ``torch.compile``'d functions:
     each becomes one fused kernel forward and one backward instead of a chain of eager float32 elementwise
     kernels, which makes a long-context training step measurably faster, the sparse one most (its attention is
@@ -96,15 +97,21 @@ class TransformerConfig:
         check_int("TransformerConfig.head_dim", self.head_dim, minimum=1, optional=True)
         check_int("TransformerConfig.ffn_hidden", self.ffn_hidden, minimum=1, optional=True)
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"TransformerConfig.n_heads={self.n_heads} must be a multiple of "
-                             f"n_kv_heads={self.n_kv_heads} (grouped-query attention)")
+            raise ValueError(
+                f"TransformerConfig.n_heads={self.n_heads} must be a multiple of "
+                f"n_kv_heads={self.n_kv_heads} (grouped-query attention)"
+            )
         if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(f"TransformerConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                             "change one of them or set head_dim")
+            raise ValueError(
+                f"TransformerConfig.d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "change one of them or set head_dim"
+            )
         if self.resolved_head_dim % 2:
-            raise ValueError(f"TransformerConfig: the head dim must be even for RoPE (it rotates pairs), got "
-                             f"{self.resolved_head_dim} (head_dim={self.head_dim}, d_model={self.d_model}, "
-                             f"n_heads={self.n_heads})")
+            raise ValueError(
+                f"TransformerConfig: the head dim must be even for RoPE (it rotates pairs), got "
+                f"{self.resolved_head_dim} (head_dim={self.head_dim}, d_model={self.d_model}, "
+                f"n_heads={self.n_heads})"
+            )
         check_float("TransformerConfig.rope_theta", self.rope_theta, exclusive_minimum=0.0)
         check_float("TransformerConfig.norm_eps", self.norm_eps, exclusive_minimum=0.0)
         check_float("TransformerConfig.init_std", self.init_std, minimum=0.0)
@@ -131,8 +138,7 @@ class TransformerConfig:
 torch.serialization.add_safe_globals([TransformerConfig])
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dimension, cast to ``out_dtype`` when given."""
     # Normalise in fp32 so bf16 activations do not lose the small-variance tail.
     xf = x.float()
@@ -141,8 +147,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(x + update, rms_norm(x + update))``: a residual add and the norm that reads its sum (one kernel each
     way when compiled, instead of an add, a norm and, in the backward, the sum of the two gradients)."""
     total = x + update
@@ -157,7 +164,7 @@ def swiglu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 _COMPILED: dict[Any, Any] = {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def inductor_has_triton() -> bool:
     """Whether inductor can generate Triton kernels here (a CUDA device Triton supports, Triton installed)."""
     try:
@@ -167,7 +174,7 @@ def inductor_has_triton() -> bool:
     return bool(has_triton())
 
 
-def compiles_pointwise(setting: Union[bool, str], device: torch.device) -> bool:
+def compiles_pointwise(setting: bool | str, device: torch.device) -> bool:
     """Whether ``TransformerConfig.compile_pointwise`` = ``setting`` compiles for activations on ``device``:
     True / False as given; ``"auto"`` on a CUDA device where inductor has Triton (:func:`inductor_has_triton`;
     without it "auto" stays eager instead of failing at the first step)."""
@@ -176,7 +183,7 @@ def compiles_pointwise(setting: Union[bool, str], device: torch.device) -> bool:
     return setting
 
 
-def pointwise(fn, compiled: Union[bool, str], like: torch.Tensor):
+def pointwise(fn, compiled: bool | str, like: torch.Tensor):
     """``fn``, or its ``torch.compile(fullgraph=True)`` version (one per function, shared by every module: the
     compiled code and its guards are built once) when :func:`compiles_pointwise` says so for ``like``'s device
     (``like``: an input of the call). Inside a graph ``torch.compile`` is already tracing (the user compiled the
@@ -191,13 +198,13 @@ def pointwise(fn, compiled: Union[bool, str], like: torch.Tensor):
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned gain (no bias, no mean subtraction)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, compiled: Union[bool, str] = False) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, compiled: bool | str = False) -> None:
         super().__init__()
         self.eps = eps
         self.compiled = compiled
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor, update: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, update: torch.Tensor | None = None):
         """The norm of ``x``; with ``update`` the pair ``(x + update, norm of x + update)`` (a pre-norm block's
         residual add fused with the next norm).
 
@@ -240,7 +247,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
         self.compiled = cfg.compile_pointwise
-        self.core: Optional[nn.Module] = None
+        self.core: nn.Module | None = None
         if cfg.attention == "sparse":
             self.core = st.SparseAttention(
                 st.SparseAttentionConfig(**self._sparse_kwargs(cfg)),
@@ -253,16 +260,22 @@ class Attention(nn.Module):
         # Context parallelism of the dense core (sparse_train.parallel.context_parallel.enable_context_parallel; the
         # sparse core has its own): None = the whole sequence is here.
         self.context_parallel_group = None
-        self.context_parallel_backend: Optional[str] = None
+        self.context_parallel_backend: str | None = None
 
     @staticmethod
     def _sparse_kwargs(cfg: TransformerConfig) -> dict[str, Any]:
         own_rope = {"selector_rope_theta": cfg.rope_theta} if cfg.selector_unrotates_rope else {}
         return {**own_rope, **cfg.sparse}
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seq_lens: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``cos``/``sin`` ``[N, D/2]`` or ``[B, 1, N, D/2]`` (per-row positions); ``positions`` the
         RoPE positions they were built from (for the selector's un-rotation), None = ``0..N-1``."""
         b, n, _ = x.shape
@@ -277,27 +290,35 @@ class Attention(nn.Module):
             o = self._dense_context_parallel(q, k, v, document_ids)
         else:
             # Right padding needs no key mask here: padded keys sit after every real query.
-            o = dense_causal_attention(q, k, v, scale=self.head_dim ** -0.5, document_ids=document_ids)
+            o = dense_causal_attention(q, k, v, scale=self.head_dim**-0.5, document_ids=document_ids)
         return self.wo(o.transpose(1, 2).reshape(b, n, self.n_heads * self.head_dim))
 
-
-    def _dense_context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                document_ids: Optional[torch.Tensor]) -> torch.Tensor:
+    def _dense_context_parallel(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None
+    ) -> torch.Tensor:
         """The dense core under context parallelism: exact dense causal attention of the local rows over the
         all-gathered keys (:func:`~sparse_train.parallel.context_parallel.context_parallel_dense_attention`), on
         blocks of ``gcd(N / (2W), 64)`` rows (whole chunks of the zig-zag layout)."""
         group = self.context_parallel_group
         _, world = cpm.context_parallel_rank(group)
         block = math.gcd(q.shape[2] // 2, 64) if q.shape[2] % 2 == 0 else 1
-        return cpm.context_parallel_dense_attention(q, k, v, block_q=block, block_k=block, group=group,
-                                                    scale=self.head_dim ** -0.5, document_ids=document_ids,
-                                                    backend=self.context_parallel_backend or "reference")
+        return cpm.context_parallel_dense_attention(
+            q,
+            k,
+            v,
+            block_q=block,
+            block_k=block,
+            group=group,
+            scale=self.head_dim**-0.5,
+            document_ids=document_ids,
+            backend=self.context_parallel_backend or "reference",
+        )
 
 
 class SwiGLU(nn.Module):
     """Gated MLP: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, d_model: int, hidden: int, compiled: Union[bool, str] = False) -> None:
+    def __init__(self, d_model: int, hidden: int, compiled: bool | str = False) -> None:
         super().__init__()
         self.compiled = compiled
         self.gate = nn.Linear(d_model, hidden, bias=False)
@@ -319,9 +340,15 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.compile_pointwise)
         self.mlp = SwiGLU(cfg.d_model, hidden, cfg.compile_pointwise)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seq_lens: Optional[torch.Tensor] = None, document_ids: Optional[torch.Tensor] = None,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         update = self.attn(self.attn_norm(x), cos, sin, seq_lens, document_ids, positions)
         x, normed = self.mlp_norm(x, update)
         return x + self.mlp(normed)
@@ -333,8 +360,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         if not isinstance(cfg, TransformerConfig):
-            raise ValueError(f"Transformer needs a TransformerConfig, got {type(cfg).__name__} "
-                             "(build one with TransformerConfig(**mapping))")
+            raise ValueError(
+                f"Transformer needs a TransformerConfig, got {type(cfg).__name__} "
+                "(build one with TransformerConfig(**mapping))"
+            )
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -342,11 +371,11 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
-        self._rope_cache: Optional[tuple[int, torch.device, torch.Tensor, torch.Tensor]] = None
+        self._rope_cache: tuple[int, torch.device, torch.Tensor, torch.Tensor] | None = None
         # Context parallelism (sparse_train.parallel.context_parallel.enable_context_parallel): tokens are this rank's
         # zig-zag shard and RoPE turns them at their global positions. None = the whole sequence is here.
         self.context_parallel_group = None
-        self.context_parallel_backend: Optional[str] = None
+        self.context_parallel_backend: str | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -371,9 +400,14 @@ class Transformer(nn.Module):
         """The ``st.SparseAttention`` modules (empty for a dense model)."""
         return [b.attn.core for b in self.blocks if b.attn.core is not None]
 
-    def forward(self, tokens: torch.Tensor, seq_lens: Optional[torch.Tensor] = None, *,
-                document_ids: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None) -> Union[torch.Tensor, LMLoss]:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        seq_lens: torch.Tensor | None = None,
+        *,
+        document_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor | LMLoss:
         """tokens int ``[B, N]`` -> logits ``[B, N, vocab]``, or with ``labels`` the loss without the logits.
 
         Args:
@@ -409,17 +443,26 @@ class Transformer(nn.Module):
                 cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [B, 1, N, D/2]
         for block in self.blocks:
             if self.cfg.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint(block, x, cos, sin, seq_lens, document_ids, positions,
-                               **checkpoint_kwargs(self.cfg.checkpoint_keeps_attention))
+                x = checkpoint(
+                    block,
+                    x,
+                    cos,
+                    sin,
+                    seq_lens,
+                    document_ids,
+                    positions,
+                    **checkpoint_kwargs(self.cfg.checkpoint_keeps_attention),
+                )
             else:
                 x = block(x, cos, sin, seq_lens, document_ids, positions)
         x = self.norm(x)
         if labels is None:
             return self.lm_head(x)
-        return labelled_head_loss(x, self.lm_head.weight, labels, ignore_index=IGNORE_INDEX,
-                                  chunk_tokens=self.cfg.loss_chunk_tokens)
+        return labelled_head_loss(
+            x, self.lm_head.weight, labels, ignore_index=IGNORE_INDEX, chunk_tokens=self.cfg.loss_chunk_tokens
+        )
 
-    def _context_parallel_rope(self, tokens: torch.Tensor, document_ids: Optional[torch.Tensor]):
+    def _context_parallel_rope(self, tokens: torch.Tensor, document_ids: torch.Tensor | None):
         """RoPE tables of the local rows at their global positions, and the positions the attention cores
         get (GLOBAL: ``[B, N]`` per-document positions with documents, None = ``0..N-1`` otherwise)."""
         rank, world = cpm.context_parallel_rank(self.context_parallel_group)

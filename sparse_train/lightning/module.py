@@ -19,8 +19,6 @@ model, and :class:`~sparse_train.lightning.training.CausalLMHooks` forwards its 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from ..validation import check_float, check_keys
@@ -50,31 +48,53 @@ class SparseLMModule(CausalLMHooks):
             the final line next to this run's accuracy (a recipe fact, not used in training).
     """
 
-    def __init__(self, model: TransformerConfig = TransformerConfig(), lr: float = 3e-3,
-                 selector_lr: Optional[float] = None, weight_decay: float = 0.1,
-                 betas: tuple[float, float] = (0.9, 0.95), warmup_steps: int = 50, min_lr_ratio: float = 0.1,
-                 selector_loss_weight: float = 1.0, train_only_selector: bool = False,
-                 init_from: Optional[str] = None, dense_twin_acc: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        model: TransformerConfig = TransformerConfig(),  # noqa: B008 (LightningCLI reads the dataclass default)
+        lr: float = 3e-3,
+        selector_lr: float | None = None,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 50,
+        min_lr_ratio: float = 0.1,
+        selector_loss_weight: float = 1.0,
+        train_only_selector: bool = False,
+        init_from: str | None = None,
+        dense_twin_acc: float | None = None,
+    ) -> None:
         super().__init__()
-        args = TrainingArgs.checked("SparseLMModule", lr=lr, selector_lr=selector_lr, weight_decay=weight_decay,
-                                    betas=betas, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
-                                    selector_loss_weight=selector_loss_weight,
-                                    train_only_selector=train_only_selector, init_from=init_from)
+        args = TrainingArgs.checked(
+            "SparseLMModule",
+            lr=lr,
+            selector_lr=selector_lr,
+            weight_decay=weight_decay,
+            betas=betas,
+            warmup_steps=warmup_steps,
+            min_lr_ratio=min_lr_ratio,
+            selector_loss_weight=selector_loss_weight,
+            train_only_selector=train_only_selector,
+            init_from=init_from,
+        )
         check_float("SparseLMModule.dense_twin_acc", dense_twin_acc, minimum=0.0, maximum=1.0, optional=True)
         self.save_hyperparameters()
         if isinstance(model, dict):  # from a checkpoint's hparams or a plain YAML mapping
             check_keys("SparseLMModule.model", model, TransformerConfig.__dataclass_fields__)
             model = TransformerConfig(**model)
         if not isinstance(model, TransformerConfig):
-            raise ValueError(f"SparseLMModule.model must be a TransformerConfig or a dict of its fields, "
-                             f"got {model!r}")
+            raise ValueError(f"SparseLMModule.model must be a TransformerConfig or a dict of its fields, got {model!r}")
         self.model_config = model
         self.model = Transformer(model)
         self.training_logic = CausalLMTraining(
-            self, args, vocab_size=model.vocab_size, attention=model.attention,
+            self,
+            args,
+            vocab_size=model.vocab_size,
+            attention=model.attention,
             vocab_error="data needs vocab_size >= {need} but model.vocab_size = {have}; "
-                        "set --model.init_args.model.vocab_size={need}",
-            sparse_hint="model.attention: sparse", layer_types=(Block,), dense_twin_acc=dense_twin_acc)
+            "set --model.init_args.model.vocab_size={need}",
+            sparse_hint="model.attention: sparse",
+            layer_types=(Block,),
+            dense_twin_acc=dense_twin_acc,
+        )
 
     # ------------------------------------------------------------------ the model's forward (hooks: CausalLMHooks)
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

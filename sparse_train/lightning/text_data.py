@@ -34,8 +34,9 @@ import glob
 import hashlib
 import json
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,8 +49,18 @@ from ..validation import check_bool, check_float, check_int
 from .context_parallel import data_parallel_rank
 from .data import _loader
 
-__all__ = ["TextDataModule", "PackedRows", "RowShards", "expand_paths", "read_documents", "split_documents",
-           "tokenize_documents", "pack_documents", "DEFAULT_PATTERNS", "JSONL_SUFFIX"]
+__all__ = [
+    "TextDataModule",
+    "PackedRows",
+    "RowShards",
+    "expand_paths",
+    "read_documents",
+    "split_documents",
+    "tokenize_documents",
+    "pack_documents",
+    "DEFAULT_PATTERNS",
+    "JSONL_SUFFIX",
+]
 
 DEFAULT_PATTERNS = ("*.txt", "*.md", "*.jsonl")
 """File name patterns searched (recursively) inside a directory given in ``paths``."""
@@ -57,11 +68,12 @@ DEFAULT_PATTERNS = ("*.txt", "*.md", "*.jsonl")
 JSONL_SUFFIX = ".jsonl"
 """Files with this suffix are read as JSON Lines; every other file as one UTF-8 text document."""
 
-PathLike = Union[str, os.PathLike]
+PathLike = str | os.PathLike
 
 
-def expand_paths(paths: Sequence[PathLike], patterns: Sequence[str] = DEFAULT_PATTERNS,
-                 label: str = "paths") -> list[Path]:
+def expand_paths(
+    paths: Sequence[PathLike], patterns: Sequence[str] = DEFAULT_PATTERNS, label: str = "paths"
+) -> list[Path]:
     """The files named by ``paths``, in a deterministic order, each once.
 
     Each entry is a file, a directory (searched recursively for ``patterns``; sorted) or a glob pattern
@@ -84,8 +96,7 @@ def expand_paths(paths: Sequence[PathLike], patterns: Sequence[str] = DEFAULT_PA
     return list(files)
 
 
-def read_documents(files: Sequence[PathLike], text_field: str = "text",
-                   max_documents: Optional[int] = None) -> list[str]:
+def read_documents(files: Sequence[PathLike], text_field: str = "text", max_documents: int | None = None) -> list[str]:
     """Document texts of ``files`` in order: a ``.jsonl`` file gives one document per non-blank line (the
     string under ``text_field`` of the line's JSON object), any other file is one UTF-8 document.
     Empty texts are skipped; reading stops after ``max_documents`` documents.
@@ -101,8 +112,9 @@ def read_documents(files: Sequence[PathLike], text_field: str = "text",
             try:
                 texts = iter([path.read_text(encoding="utf-8")])
             except UnicodeDecodeError as ex:
-                raise ValueError(f"{path} is not UTF-8 text ({ex.reason} at byte {ex.start}); list text or "
-                                 f"{JSONL_SUFFIX} files only") from None
+                raise ValueError(
+                    f"{path} is not UTF-8 text ({ex.reason} at byte {ex.start}); list text or {JSONL_SUFFIX} files only"
+                ) from None
         for text in texts:
             if text:
                 docs.append(text)
@@ -125,8 +137,7 @@ def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
                 raise ValueError(f"{path}:{lineno} has no {text_field!r} field (text_field); found {keys}")
             text = record[text_field]
             if not isinstance(text, str):
-                raise ValueError(f"{path}:{lineno}: field {text_field!r} must be a string, got "
-                                 f"{type(text).__name__}")
+                raise ValueError(f"{path}:{lineno}: field {text_field!r} must be a string, got {type(text).__name__}")
             yield text
 
 
@@ -150,8 +161,7 @@ def split_documents(texts: Sequence[str], val_fraction: float, seed: int) -> tup
         val = {min(range(len(texts)), key=hashes.__getitem__)}
     train = [i for i in range(len(texts)) if i not in val]
     if not train:
-        raise ValueError(f"val_fraction={val_fraction} holds out all {len(texts)} documents; lower it or add "
-                         f"documents")
+        raise ValueError(f"val_fraction={val_fraction} holds out all {len(texts)} documents; lower it or add documents")
     return train, sorted(val)
 
 
@@ -169,14 +179,16 @@ def tokenize_documents(tokenizer: Any, texts: Sequence[str], batch_size: int = 2
     Raises ``ValueError`` when the tokenizer has no EOS token."""
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise ValueError(f"the tokenizer ({type(tokenizer).__name__}) has no eos_token: documents could not be "
-                         f"terminated; use a causal-LM tokenizer")
+        raise ValueError(
+            f"the tokenizer ({type(tokenizer).__name__}) has no eos_token: documents could not be "
+            f"terminated; use a causal-LM tokenizer"
+        )
     suffix = [] if _adds_eos(tokenizer) else [eos]
     out: list[torch.Tensor] = []
     for start in range(0, len(texts), batch_size):
         # verbose=False: documents longer than the tokenizer's model_max_length are expected (they are
         # cut into seq_len pieces later), its warning about them is noise.
-        ids = tokenizer(list(texts[start: start + batch_size]), add_special_tokens=True, verbose=False)["input_ids"]
+        ids = tokenizer(list(texts[start : start + batch_size]), add_special_tokens=True, verbose=False)["input_ids"]
         out.extend(torch.tensor(list(doc) + suffix, dtype=torch.int32) for doc in ids)
     return out
 
@@ -227,8 +239,10 @@ class PackedRows(Dataset):
             offsets.append(offsets[-1] + n)
         # A row is kept as (offset into flat, length) spans and materialised per item: the corpus is held
         # once, as int32.
-        self.rows = [[(offsets[doc] + start, length) for doc, start, length in row]
-                     for row in pack_documents(lengths, self.seq_len)]
+        self.rows = [
+            [(offsets[doc] + start, length) for doc, start, length in row]
+            for row in pack_documents(lengths, self.seq_len)
+        ]
         self.num_documents = len(documents)
         self.num_tokens = sum(lengths)
 
@@ -249,11 +263,11 @@ class PackedRows(Dataset):
         at = 0
         spans = self.rows[index]
         for doc, (offset, length) in enumerate(spans):
-            piece = self.flat[offset: offset + length].long()
-            tokens[at: at + length] = piece
-            labels[at: at + length - 1] = piece[1:]  # the piece's last position keeps IGNORE_INDEX
-            document_ids[at: at + length] = doc
-            position_ids[at: at + length] = torch.arange(length)
+            piece = self.flat[offset : offset + length].long()
+            tokens[at : at + length] = piece
+            labels[at : at + length - 1] = piece[1:]  # the piece's last position keeps IGNORE_INDEX
+            document_ids[at : at + length] = doc
+            position_ids[at : at + length] = torch.arange(length)
             at += length
         document_ids[at:] = len(spans)
         position_ids[at:] = torch.arange(n - at)
@@ -275,13 +289,15 @@ class RowShards(Sampler[int]):
         check_int("RowShards.rank", rank, minimum=0, maximum=world_size - 1)
         check_int("RowShards.num_rows", num_rows, minimum=0)
         if num_rows < world_size:
-            raise ValueError(f"RowShards: {num_rows} rows cannot give each of {world_size} ranks a row; add "
-                             f"documents, lower seq_len or use fewer devices")
+            raise ValueError(
+                f"RowShards: {num_rows} rows cannot give each of {world_size} ranks a row; add "
+                f"documents, lower seq_len or use fewer devices"
+            )
         self.num_rows, self.rank, self.world_size = num_rows, rank, world_size
         self.seed = check_int("RowShards.seed", seed)
         self.shuffle = check_bool("RowShards.shuffle", shuffle)
         self.epoch = 0
-        self._skip: Optional[tuple[int, int]] = None
+        self._skip: tuple[int, int] | None = None
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order :meth:`__iter__` yields."""
@@ -302,9 +318,9 @@ class RowShards(Sampler[int]):
         else:
             order = torch.arange(self.num_rows)
         kept = len(self) * self.world_size
-        rows = order[self.rank: kept: self.world_size].tolist()
+        rows = order[self.rank : kept : self.world_size].tolist()
         if self._skip is not None and self._skip[0] == self.epoch:
-            rows, self._skip = rows[self._skip[1]:], None
+            rows, self._skip = rows[self._skip[1] :], None
         return iter(rows)
 
 
@@ -347,28 +363,51 @@ class TextDataModule(LightningDataModule):
         num_workers: DataLoader worker processes.
     """
 
-    def __init__(self, paths: Sequence[str], tokenizer_path: Optional[str] = None,
-                 patterns: Sequence[str] = DEFAULT_PATTERNS, text_field: str = "text", seq_len: int = 4096,
-                 batch_size: int = 1, eval_batch_size: Optional[int] = None, val_fraction: float = 0.01,
-                 seed: int = 0, shuffle: bool = True, max_documents: Optional[int] = None,
-                 num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        paths: Sequence[str],
+        tokenizer_path: str | None = None,
+        patterns: Sequence[str] = DEFAULT_PATTERNS,
+        text_field: str = "text",
+        seq_len: int = 4096,
+        batch_size: int = 1,
+        eval_batch_size: int | None = None,
+        val_fraction: float = 0.01,
+        seed: int = 0,
+        shuffle: bool = True,
+        max_documents: int | None = None,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
         # A bare string is a Sequence[str] too: iterating it would read one "path" per character.
         if isinstance(paths, (str, os.PathLike)):
-            raise ValueError(f"TextDataModule.paths must be a list of files, directories or glob patterns, got "
-                             f"the single path {paths!r}; write [{str(paths)!r}]")
-        if (not isinstance(paths, (list, tuple)) or not paths
-                or not all(isinstance(p, (str, os.PathLike)) for p in paths)):
-            raise ValueError(f"TextDataModule.paths must be a non-empty list of files, directories or glob "
-                             f"patterns, got {paths!r}")
-        if (isinstance(patterns, str) or not isinstance(patterns, (list, tuple)) or not patterns
-                or not all(isinstance(p, str) and p for p in patterns)):
-            raise ValueError(f"TextDataModule.patterns must be a non-empty list of file name patterns, got "
-                             f"{patterns!r}")
-        if tokenizer_path is not None and (not isinstance(tokenizer_path, (str, os.PathLike))
-                                           or not os.path.isdir(tokenizer_path)):
-            raise ValueError(f"TextDataModule.tokenizer_path must be a local tokenizer directory or None, got "
-                             f"{tokenizer_path!r}")
+            raise ValueError(
+                f"TextDataModule.paths must be a list of files, directories or glob patterns, got "
+                f"the single path {paths!r}; write [{str(paths)!r}]"
+            )
+        if (
+            not isinstance(paths, (list, tuple))
+            or not paths
+            or not all(isinstance(p, (str, os.PathLike)) for p in paths)
+        ):
+            raise ValueError(
+                f"TextDataModule.paths must be a non-empty list of files, directories or glob patterns, got {paths!r}"
+            )
+        if (
+            isinstance(patterns, str)
+            or not isinstance(patterns, (list, tuple))
+            or not patterns
+            or not all(isinstance(p, str) and p for p in patterns)
+        ):
+            raise ValueError(
+                f"TextDataModule.patterns must be a non-empty list of file name patterns, got {patterns!r}"
+            )
+        if tokenizer_path is not None and (
+            not isinstance(tokenizer_path, (str, os.PathLike)) or not os.path.isdir(tokenizer_path)
+        ):
+            raise ValueError(
+                f"TextDataModule.tokenizer_path must be a local tokenizer directory or None, got {tokenizer_path!r}"
+            )
         if not isinstance(text_field, str) or not text_field:
             raise ValueError(f"TextDataModule.text_field must be a non-empty string, got {text_field!r}")
         for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
@@ -382,11 +421,11 @@ class TextDataModule(LightningDataModule):
         self.save_hyperparameters()
         self.files = expand_paths(paths, patterns, label="TextDataModule.paths")
         self._tokenizer: Any = None
-        self.train_rows: Optional[PackedRows] = None
-        self.val_rows: Optional[PackedRows] = None
+        self.train_rows: PackedRows | None = None
+        self.val_rows: PackedRows | None = None
 
     # ------------------------------------------------------------------ tokenizer
-    def _tokenizer_path(self) -> Optional[str]:
+    def _tokenizer_path(self) -> str | None:
         if self.hparams.tokenizer_path is not None:
             return str(self.hparams.tokenizer_path)
         module = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
@@ -399,16 +438,18 @@ class TextDataModule(LightningDataModule):
         if self._tokenizer is None:
             path = self._tokenizer_path()
             if path is None:
-                raise ValueError("TextDataModule.tokenizer_path is unset and the model being trained has no "
-                                 "pretrained_path to take the tokenizer from; set "
-                                 "--data.init_args.tokenizer_path=/path/to/tokenizer")
+                raise ValueError(
+                    "TextDataModule.tokenizer_path is unset and the model being trained has no "
+                    "pretrained_path to take the tokenizer from; set "
+                    "--data.init_args.tokenizer_path=/path/to/tokenizer"
+                )
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         return self._tokenizer
 
     @property
-    def vocab_size(self) -> Optional[int]:
+    def vocab_size(self) -> int | None:
         """Token ids the model must accept (the tokenizer's size, added tokens included); ``None`` while the
         tokenizer path is not known yet (default path, no trainer attached)."""
         if self._tokenizer is None and self._tokenizer_path() is None:
@@ -416,7 +457,7 @@ class TextDataModule(LightningDataModule):
         return len(self.tokenizer)
 
     # ------------------------------------------------------------------ data
-    def setup(self, stage: Optional[str] = None) -> None:
+    def setup(self, stage: str | None = None) -> None:
         if self.train_rows is not None:
             return
         hp = self.hparams
@@ -430,9 +471,12 @@ class TextDataModule(LightningDataModule):
         self.val_rows = PackedRows(tokenize_documents(tokenizer, [texts[i] for i in val]), hp.seq_len, pad_id)
         rank_zero_info(
             f"[sparse-train] text data: {len(texts)} documents in {len(self.files)} files; "
-            + "; ".join(f"{name} {rows.num_documents} documents, {rows.num_tokens} tokens -> {len(rows)} rows "
-                        f"x {hp.seq_len} ({rows.padding_fraction:.1%} padding)"
-                        for name, rows in (("train", self.train_rows), ("validation", self.val_rows))))
+            + "; ".join(
+                f"{name} {rows.num_documents} documents, {rows.num_tokens} tokens -> {len(rows)} rows "
+                f"x {hp.seq_len} ({rows.padding_fraction:.1%} padding)"
+                for name, rows in (("train", self.train_rows), ("validation", self.val_rows))
+            )
+        )
 
     def _rank_world(self) -> tuple[int, int]:
         if self.trainer is not None:
@@ -446,8 +490,9 @@ class TextDataModule(LightningDataModule):
         connector = getattr(self.trainer, "_accelerator_connector", None)
         if world > 1 and getattr(connector, "use_distributed_sampler", False):
             # Lightning would wrap RowShards in its own distributed sampler and shard the shards again.
-            raise ValueError("TextDataModule shards rows across ranks itself: set "
-                             "--trainer.use_distributed_sampler=false")
+            raise ValueError(
+                "TextDataModule shards rows across ranks itself: set --trainer.use_distributed_sampler=false"
+            )
         sampler = RowShards(len(rows), rank, world, seed=self.hparams.seed, shuffle=shuffle)
         return _loader(rows, self.hparams.num_workers, batch_size=batch_size, sampler=sampler)
 
@@ -471,11 +516,11 @@ class TextDataModule(LightningDataModule):
                 loader.sampler.skip_in_epoch(done // per_epoch, (done % per_epoch) * self.hparams.batch_size)
         return loader
 
-    def val_dataloader(self) -> Union[DataLoader, list]:
+    def val_dataloader(self) -> DataLoader | list:
         self.setup()
         if len(self.val_rows) == 0:
             return []  # val_fraction = 0: Lightning skips validation
         return self._sharded_loader(self.val_rows, self.hparams.eval_batch_size or self.hparams.batch_size, False)
 
-    def test_dataloader(self) -> Union[DataLoader, list]:
+    def test_dataloader(self) -> DataLoader | list:
         return self.val_dataloader()

@@ -36,7 +36,7 @@ import inspect
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -46,8 +46,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 import sparse_train as st
 
-from ..module.collection import selector_parameter_names, selector_state_names
 from ..losses import labelled_logits_loss
+from ..module.collection import selector_parameter_names, selector_state_names
 from ..selection.metrics import needle_block_recall
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_float, check_int
@@ -110,7 +110,7 @@ def unwrapped_name(name: str) -> str:
 _BOUNDARY_KEYS = ("document_ids", "position_ids")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_keywords(model_type: type) -> frozenset[str]:
     """Parameter names of ``model_type.forward`` that can be passed by keyword (``**kwargs`` excluded:
     a catch-all does not say the model honours document boundaries)."""
@@ -128,17 +128,17 @@ class TrainingArgs:
     """The optimisation arguments every LM module takes (documented in ``SparseLMModule``)."""
 
     lr: float
-    selector_lr: Optional[float]
+    selector_lr: float | None
     weight_decay: float
     betas: tuple[float, float]
     warmup_steps: int
     min_lr_ratio: float
     selector_loss_weight: float
     train_only_selector: bool
-    init_from: Optional[str]
+    init_from: str | None
 
     @classmethod
-    def checked(cls, owner: str, **values: Any) -> "TrainingArgs":
+    def checked(cls, owner: str, **values: Any) -> TrainingArgs:
         """The arguments, validated; messages name ``<owner>.<argument>``. Modules call it before they
         build anything, so a NaN learning rate or a float warm-up fails before the model loads."""
         check_float(f"{owner}.lr", values["lr"], minimum=0.0)
@@ -182,7 +182,7 @@ class CausalLMTraining:
 
     def __init__(self, module: LightningModule, args: TrainingArgs, *, vocab_size: int, attention: str,
                  vocab_error: str, sparse_hint: str, layer_types: tuple[type[nn.Module], ...] = (),
-                 dense_twin_acc: Optional[float] = None) -> None:
+                 dense_twin_acc: float | None = None) -> None:
         self.args = args
         self.layer_types = tuple(layer_types)
         self.vocab_size = vocab_size
@@ -447,7 +447,7 @@ class CausalLMTraining:
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def configure_gradient_clipping(self, module: LightningModule, optimizer: torch.optim.Optimizer,
-                                    gradient_clip_val: Optional[float], gradient_clip_algorithm: Optional[str]) -> None:
+                                    gradient_clip_val: float | None, gradient_clip_algorithm: str | None) -> None:
         """``--trainer.gradient_clip_val`` with the norm algorithm clips the model's and the selectors'
         gradients as two groups (``st.clip_grad_norms``): one global norm would let the selectors'
         large distillation gradients shrink the model's steps, so the sparse model would not train like
@@ -483,7 +483,7 @@ def check_not_wrapped_before(module: LightningModule) -> None:
             "--ckpt_path PATH`, or a fresh module from `load_from_checkpoint(PATH)` with a new Trainer")
 
 
-def gradient_shard_group(strategy: Any) -> Optional["torch.distributed.ProcessGroup"]:
+def gradient_shard_group(strategy: Any) -> torch.distributed.ProcessGroup | None:
     """The process group over which ``strategy``'s parameter gradients are split (Lightning's
     ``FSDPStrategy``, FSDP1 with ``use_orig_params=True``: each rank's ``p.grad`` is its piece of the
     parameter), or None when every rank holds whole gradients (one device, DDP, FSDP ``NO_SHARD``).
@@ -549,6 +549,6 @@ class CausalLMHooks(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         return self.training_logic.configure_optimizers(self)
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: Optional[float] = None,
-                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
+                                    gradient_clip_algorithm: str | None = None) -> None:
         self.training_logic.configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm)

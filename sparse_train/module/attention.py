@@ -6,12 +6,14 @@ The module is the attention *core* (no projections): it takes post-RoPE ``q [B, 
 Per call:
 
 1. **Path.** Dense during the warm-up (``dense_warmup_steps``). Otherwise, from N alone (no device
-   sync) the selection geometry says how many blocks each query block will select. A full selection (every causal block; short sequences) takes dense causal SDPA,
+   sync) the selection geometry says how many blocks each query block will select. A full selection (every causal block;
+   short sequences) takes dense causal SDPA,
    which computes the same function faster. Near-full selections use hysteresis: the dense path is
    entered when the selected fraction of causal blocks reaches ``dense_enter_density`` and left only
    when it falls to ``dense_exit_density``, so sequence lengths wobbling around the crossover do not
    flip the path (and re-plan) every step.
-2. **Selection.** The scorer ``config.selector`` names (:func:`~sparse_train.selection.build_selector`) -> block logits ->
+2. **Selection.** The scorer ``config.selector`` names (:func:`~sparse_train.selection.build_selector`) -> block logits
+->
    top-k among causal blocks not covered by window/sinks -> ``BlockIndex.from_selection`` (adds window
    and sinks, dedups, canonical form). The top-k is hard and integer: the attention output has no
    gradient path into the selector.
@@ -64,19 +66,10 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..config import SparseAttentionConfig
-from ..functional import BACKEND_REASONS, dense_causal_attention
 from ..documents import document_positions
+from ..functional import BACKEND_REASONS, dense_causal_attention
 from ..index.block_index import BlockIndex
 from ..options import config_kernel_options
-from ..timing import PhaseTimer
-from ..validation import (
-    check_document_ids,
-    check_dropout_p,
-    check_float,
-    check_qkv,
-    check_seq_lens,
-    draw_dropout_seed,
-)
 from ..selection.distill import block_kl_sum, dense_block_mass, renormalise, sparse_block_mass
 from ..selection.indexer import build_selector
 from ..selection.metrics import draw_query_blocks, sample_query_blocks, selection_quality
@@ -87,6 +80,15 @@ from ..selection.scorer import (
     rope_inverse_frequencies,
     selection_candidates,
     selection_geometry,
+)
+from ..timing import PhaseTimer
+from ..validation import (
+    check_document_ids,
+    check_dropout_p,
+    check_float,
+    check_qkv,
+    check_seq_lens,
+    draw_dropout_seed,
 )
 from .checkpointing import outside_selective_checkpoint
 from .layout import SequenceLayout
@@ -100,8 +102,6 @@ FALLBACK_REASONS = ("dense_warmup", "dense_full_selection", "dense_hysteresis", 
 (the reference ones are ``resolve_backend``'s codes, so a new code cannot be miscounted)."""
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 
 
 class SparseAttention(nn.Module):
@@ -144,7 +144,9 @@ class SparseAttention(nn.Module):
         self.register_buffer("selector_steps", torch.zeros((), dtype=torch.int64))
         # A tensor (not a dict of ints) so counting inside a compiled graph is an in-graph add, not a
         # Python side effect that would guard and recompile on every call.
-        self.register_buffer("fallback_counter", torch.zeros(len(FALLBACK_REASONS), dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "fallback_counter", torch.zeros(len(FALLBACK_REASONS), dtype=torch.int64), persistent=False
+        )
         # Draw number of the distillation's query-block sample (draw_query_blocks), advanced on the
         # device: no generator object (torch.compile cannot trace one) and no host read.
         self.register_buffer("distill_draws", torch.zeros((), dtype=torch.int64), persistent=False)
@@ -212,35 +214,49 @@ class SparseAttention(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
-        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"block_q={c.block_q}, block_k={c.block_k}, top_k={c.top_k}, window={c.window}, sinks={c.sinks}, "
-                f"distill={c.distill!r}, backend={c.backend!r}")
+        return (
+            f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"block_q={c.block_q}, block_k={c.block_k}, top_k={c.top_k}, window={c.window}, sinks={c.sinks}, "
+            f"distill={c.distill!r}, backend={c.backend!r}"
+        )
 
     # ------------------------------------------------------------------------------------ checks
-    def _check_inputs(self, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None,
-                      document_ids: Tensor | None = None, position_ids: Tensor | None = None) -> None:
+    def _check_inputs(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        seq_lens: Tensor | None,
+        document_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+    ) -> None:
         """The shared API rules (:mod:`sparse_train.validation`), then what this module was built for.
         The seq_lens and document_ids *values* are checked by the path that runs, when
         :meth:`_checks_values` says so."""
         if isinstance(q, Tensor) and q.dim() == 4 and q.shape[1] != self.num_heads:
-            raise ValueError(f"q has {q.shape[1]} heads in dim 1, this module was built for "
-                             f"num_heads={self.num_heads} (expected q [B, HQ, N, D])")
+            raise ValueError(
+                f"q has {q.shape[1]} heads in dim 1, this module was built for "
+                f"num_heads={self.num_heads} (expected q [B, HQ, N, D])"
+            )
         batch, _, hkv, n, d = check_qkv(q, k, v)
         if q.dtype not in _SUPPORTED_DTYPES:
             raise ValueError(f"q has dtype {q.dtype}; supported: {', '.join(map(str, _SUPPORTED_DTYPES))}")
         if d != self.head_dim:
             raise ValueError(f"q has head dim {d}, this module was built for head_dim={self.head_dim}")
         if hkv != self.num_kv_heads:
-            raise ValueError(f"k/v must have shape [B={batch}, HKV={self.num_kv_heads}, N={n}, D={d}], "
-                             f"got {tuple(k.shape)}")
+            raise ValueError(
+                f"k/v must have shape [B={batch}, HKV={self.num_kv_heads}, N={n}, D={d}], got {tuple(k.shape)}"
+            )
         if n == 0:
             raise ValueError("sequence length N must be > 0")
         check_seq_lens(seq_lens, batch, n, q.device, values=False)
         check_document_ids(document_ids, batch, n, q.device, values=False)
         if position_ids is not None:
             if not isinstance(position_ids, Tensor) or tuple(position_ids.shape) not in ((n,), (batch, n)):
-                raise ValueError(f"position_ids must be a tensor [B, N] = [{batch}, {n}] or [N], got "
-                                 f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
+                raise ValueError(
+                    f"position_ids must be a tensor [B, N] = [{batch}, {n}] or [N], got "
+                    f"{getattr(position_ids, 'shape', type(position_ids).__name__)}"
+                )
             if position_ids.device != q.device:
                 raise ValueError(f"position_ids is on {position_ids.device} but q is on {q.device}")
 
@@ -284,8 +300,9 @@ class SparseAttention(nn.Module):
         if reason is not None:
             self.fallback_counter[FALLBACK_REASONS.index(reason)] += 1
 
-    def decode(self, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = None,
-               scale: float | None = None) -> Tensor:
+    def decode(
+        self, q: Tensor, k: Tensor, v: Tensor, *, key_padding_mask: Tensor | None = None, scale: float | None = None
+    ) -> Tensor:
         """Attention of the last ``Nq`` positions over ``Nk >= Nq`` keys (KV-cache decoding, chunked
         prefill): dense causal attention aligned at the end (query i sits at position Nk - Nq + i),
         counted as the fallback ``"decode"``. No selection is made: with a handful of queries the
@@ -301,39 +318,48 @@ class SparseAttention(nn.Module):
                 no real key.
         """
         if self.layout.splits_sequence:
-            raise ValueError("decode: not supported under context parallelism (decoding reads one cache on one "
-                             "rank); call sparse_train.parallel.context_parallel.disable_context_parallel(model) first")
+            raise ValueError(
+                "decode: not supported under context parallelism (decoding reads one cache on one "
+                "rank); call sparse_train.parallel.context_parallel.disable_context_parallel(model) first"
+            )
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, Tensor) or t.dim() != 4:
-                raise ValueError(f"decode: {name} must be a 4-D tensor [B, H, N, D], got "
-                                 f"{getattr(t, 'shape', type(t).__name__)}")
+                raise ValueError(
+                    f"decode: {name} must be a 4-D tensor [B, H, N, D], got {getattr(t, 'shape', type(t).__name__)}"
+                )
         batch, heads, num_queries, dim = q.shape
         num_keys = k.shape[2]
         if heads != self.num_heads or dim != self.head_dim:
             raise ValueError(f"decode: q must be [B, HQ={self.num_heads}, Nq, D={self.head_dim}], got {tuple(q.shape)}")
         expected = (batch, self.num_kv_heads, num_keys, dim)
         if tuple(k.shape) != expected or tuple(v.shape) != expected:
-            raise ValueError(f"decode: k and v must both be [B, HKV, Nk, D] = {expected}, got "
-                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"decode: k and v must both be [B, HKV, Nk, D] = {expected}, got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
         if not 0 < num_queries <= num_keys:
             raise ValueError(f"decode: needs 0 < Nq <= Nk, got Nq={num_queries}, Nk={num_keys}")
         if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
-            raise ValueError(f"decode: q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} "
-                             f"on {q.device}/{k.device}/{v.device}")
+            raise ValueError(
+                f"decode: q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} "
+                f"on {q.device}/{k.device}/{v.device}"
+            )
         scale = self.scale if scale is None else check_float("scale", scale, exclusive_minimum=0.0)
         query_pos = torch.arange(num_keys - num_queries, num_keys, device=q.device)
         allowed = torch.arange(num_keys, device=q.device).view(1, -1) <= query_pos.view(-1, 1)  # [Nq, Nk]
         allowed = allowed.view(1, 1, num_queries, num_keys)
         if key_padding_mask is not None:
             if not isinstance(key_padding_mask, Tensor) or tuple(key_padding_mask.shape) != (batch, num_keys):
-                raise ValueError(f"decode: key_padding_mask must be [B, Nk] = {(batch, num_keys)}, got "
-                                 f"{getattr(key_padding_mask, 'shape', type(key_padding_mask).__name__)}")
+                raise ValueError(
+                    f"decode: key_padding_mask must be [B, Nk] = {(batch, num_keys)}, got "
+                    f"{getattr(key_padding_mask, 'shape', type(key_padding_mask).__name__)}"
+                )
             allowed = allowed & key_padding_mask.to(device=q.device, dtype=torch.bool).view(batch, 1, 1, num_keys)
             if not torch.compiler.is_compiling() and not bool(allowed.any(dim=-1).all()):
                 raise ValueError("decode: a query row has no real key to attend (check key_padding_mask)")
         self._count("decode")
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale,
-                                              enable_gqa=self.num_heads != self.num_kv_heads)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed, scale=scale, enable_gqa=self.num_heads != self.num_kv_heads
+        )
 
     # ------------------------------------------------------------------------------------ forward
     def forward(
@@ -409,8 +435,13 @@ class SparseAttention(nn.Module):
             index = plan = backend = pooled = None
             dropout_seed = distill_blocks = distill_target = None
             distill_now = self._distills_now(first_pass)
-        metrics_now = (first_pass and not compiling and self.training and cfg.metrics_every > 0
-                       and self._training_calls % cfg.metrics_every == 0)
+        metrics_now = (
+            first_pass
+            and not compiling
+            and self.training
+            and cfg.metrics_every > 0
+            and self._training_calls % cfg.metrics_every == 0
+        )
         if first_pass and self.training:
             self._training_calls += 1
             if not compiling:
@@ -439,15 +470,35 @@ class SparseAttention(nn.Module):
                 # than the scores)
                 scores_apart = distill_now and cfg.selector == "token" and self._distill_mode(path) == "sampled"
                 with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now and not scores_apart):
-                    scores = self.scorer(qbar, kbar, scale, geometry, query_blocks=query_blocks, seq_lens=seq_lens,
-                                         document_ids=document_ids)
+                    scores = self.scorer(
+                        qbar,
+                        kbar,
+                        scale,
+                        geometry,
+                        query_blocks=query_blocks,
+                        seq_lens=seq_lens,
+                        document_ids=document_ids,
+                    )
             if need_selection:
-                candidates = selection_candidates(scores, geometry, window=cfg.window, sinks=cfg.sinks,
-                                                  seq_lens=seq_lens, document_ids=document_ids, top_p=cfg.top_p,
-                                                  query_blocks=query_blocks)
+                candidates = selection_candidates(
+                    scores,
+                    geometry,
+                    window=cfg.window,
+                    sinks=cfg.sinks,
+                    seq_lens=seq_lens,
+                    document_ids=document_ids,
+                    top_p=cfg.top_p,
+                    query_blocks=query_blocks,
+                )
                 index = BlockIndex.from_selection(
-                    layout.gather(candidates, 2), seq_len=seq_len, block_q=cfg.block_q, block_k=cfg.block_k,
-                    window=cfg.window, sinks=cfg.sinks, capacity=capacity, check=cfg.index_check,
+                    layout.gather(candidates, 2),
+                    seq_len=seq_len,
+                    block_q=cfg.block_q,
+                    block_k=cfg.block_k,
+                    window=cfg.window,
+                    sinks=cfg.sinks,
+                    capacity=capacity,
+                    check=cfg.index_check,
                     document_ids=document_ids,
                 )
         if profile:
@@ -460,9 +511,16 @@ class SparseAttention(nn.Module):
             if path == "sparse":
                 attend_index = index
             elif dropout_p > 0.0 or layout.splits_sequence:
-                attend_index = BlockIndex.full(batch, self.num_kv_heads, seq_len, cfg.block_q, cfg.block_k,
-                                               device=device, document_ids=document_ids,
-                                               check="cheap" if check_values else "none")
+                attend_index = BlockIndex.full(
+                    batch,
+                    self.num_kv_heads,
+                    seq_len,
+                    cfg.block_q,
+                    cfg.block_k,
+                    device=device,
+                    document_ids=document_ids,
+                    check="cheap" if check_values else "none",
+                )
             else:
                 attend_index = None
 
@@ -491,8 +549,19 @@ class SparseAttention(nn.Module):
             o = dense_causal_attention(q, k, v, scale=scale, seq_lens=seq_lens, document_ids=document_ids)
         else:
             o, kernel_lse = layout.attention(
-                self, q, k, v, attend_index, selected=path == "sparse", plan=plan, backend=backend, scale=scale,
-                dropout_p=dropout_p, dropout_seed=dropout_seed, seq_lens=seq_lens, document_ids=document_ids,
+                self,
+                q,
+                k,
+                v,
+                attend_index,
+                selected=path == "sparse",
+                plan=plan,
+                backend=backend,
+                scale=scale,
+                dropout_p=dropout_p,
+                dropout_seed=dropout_seed,
+                seq_lens=seq_lens,
+                document_ids=document_ids,
                 check_values=check_values,
             )
             lse = kernel_lse if path == "sparse" else None  # the sparse target reads the selection's lse
@@ -512,18 +581,45 @@ class SparseAttention(nn.Module):
                     distill_blocks = self._draw_distill_blocks(geometry, device)
                 row_scores = None
                 if cfg.selector == "token" and mode == "sampled" and cfg.selector_distill == "token":
-                    loss = self._mean_kl(*self.scorer.token_distillation_loss(
-                        pooled[0], pooled[1], q, k, distill_blocks.to(device), scale, cfg.block_q, seq_lens=seq_lens,
-                        document_ids=document_ids))
+                    loss = self._mean_kl(
+                        *self.scorer.token_distillation_loss(
+                            pooled[0],
+                            pooled[1],
+                            q,
+                            k,
+                            distill_blocks.to(device),
+                            scale,
+                            cfg.block_q,
+                            seq_lens=seq_lens,
+                            document_ids=document_ids,
+                        )
+                    )
                 elif cfg.selector == "token" and mode == "sampled":
+
                     def row_scores(rows: Tensor) -> Tensor:
                         rows_q = self.scorer.query_rows(pooled[0], rows, cfg.block_q)
-                        return self.scorer(rows_q, pooled[1], scale, geometry, rows, seq_lens=seq_lens,
-                                           document_ids=document_ids)
+                        return self.scorer(
+                            rows_q, pooled[1], scale, geometry, rows, seq_lens=seq_lens, document_ids=document_ids
+                        )
+
                 if loss is None:
-                    loss, distill_target = layout.distillation_loss(self, q, k, scores, index, lse, seq_lens, scale,
-                                                                    geometry, mode, distill_blocks, document_ids,
-                                                                    check_values, distill_target, row_scores)
+                    loss, distill_target = layout.distillation_loss(
+                        self,
+                        q,
+                        k,
+                        scores,
+                        index,
+                        lse,
+                        seq_lens,
+                        scale,
+                        geometry,
+                        mode,
+                        distill_blocks,
+                        document_ids,
+                        check_values,
+                        distill_target,
+                        row_scores,
+                    )
 
         # ---- bookkeeping of the first pass only (a recompute must not count twice)
         if first_pass:
@@ -534,14 +630,26 @@ class SparseAttention(nn.Module):
             if metrics_now and index is not None:
                 picks = sample_query_blocks(index.num_q_blocks, cfg.metrics_query_blocks, self._metrics_rng)
                 with host_ops():
-                    self._last_quality = selection_quality(q, k, index, scale=scale, query_blocks=picks,
-                                                           seq_lens=seq_lens, document_ids=document_ids)
+                    self._last_quality = selection_quality(
+                        q, k, index, scale=scale, query_blocks=picks, seq_lens=seq_lens, document_ids=document_ids
+                    )
             if cfg.replay and not compiling and torch.is_grad_enabled() and o.requires_grad:
                 self._replay.remember(
-                    SelectionRecord(batch=batch, seq_len=seq_len, path=path, reason=reason, index=index, plan=plan,
-                                    backend=backend, dropout_seed=dropout_seed, distilled=distill_now,
-                                    distill_blocks=distill_blocks, distill_target=distill_target,
-                                    pooled=pooled if distill_now else None, document_ids=document_ids),
+                    SelectionRecord(
+                        batch=batch,
+                        seq_len=seq_len,
+                        path=path,
+                        reason=reason,
+                        index=index,
+                        plan=plan,
+                        backend=backend,
+                        dropout_seed=dropout_seed,
+                        distilled=distill_now,
+                        distill_blocks=distill_blocks,
+                        distill_target=distill_target,
+                        pooled=pooled if distill_now else None,
+                        document_ids=document_ids,
+                    ),
                     anchors=[o, scores],
                 )
         return o
@@ -557,9 +665,13 @@ class SparseAttention(nn.Module):
         if not first_pass:
             return self._last_distilled
         cfg = self.config
-        self._last_distilled = (cfg.distill != "off" and cfg.selector != "oracle" and self.training
-                                and torch.is_grad_enabled()
-                                and self._training_calls % cfg.distill_every == 0)
+        self._last_distilled = (
+            cfg.distill != "off"
+            and cfg.selector != "oracle"
+            and self.training
+            and torch.is_grad_enabled()
+            and self._training_calls % cfg.distill_every == 0
+        )
         return self._last_distilled
 
     def _draw_distill_blocks(self, geometry, device) -> Tensor:
@@ -576,9 +688,23 @@ class SparseAttention(nn.Module):
         mode = self.config.distill
         return "sampled" if (mode == "sparse" and path == "dense") else mode
 
-    def _distillation_loss(self, q, k, scores, index, lse, seq_lens, scale, geometry, mode, distill_blocks,
-                           document_ids=None, check_values=True, target=None,
-                           row_scores=None) -> tuple[Tensor, tuple]:
+    def _distillation_loss(
+        self,
+        q,
+        k,
+        scores,
+        index,
+        lse,
+        seq_lens,
+        scale,
+        geometry,
+        mode,
+        distill_blocks,
+        document_ids=None,
+        check_values=True,
+        target=None,
+        row_scores=None,
+    ) -> tuple[Tensor, tuple]:
         """KL from the row-pooled attention-mass target to the selector's distribution, and the target
         (``(target, row_valid)``). ``target``: the first forward's, which a checkpoint recompute reuses (the
         target is detached and a function of the same q and k, so computing it again would only cost time).
@@ -593,16 +719,18 @@ class SparseAttention(nn.Module):
         if mode in ("dense", "sampled"):
             rows = None if mode == "dense" else distill_blocks.to(q.device)
             if target is None:
-                target = self._dense_target(q, k, rows, scale, seq_lens, document_ids,
-                                            check_values)  # [B, HKV, S, NKB] twice
+                target = self._dense_target(
+                    q, k, rows, scale, seq_lens, document_ids, check_values
+                )  # [B, HKV, S, NKB] twice
             if rows is not None:
                 support = support.index_select(2, rows)
                 scores = scores.index_select(2, rows) if row_scores is None else row_scores(rows)
             allowed = support
         else:
             if target is None:
-                target = self._sparse_target(q, k, index, lse, scale, seq_lens, document_ids,
-                                             check_values)  # [B, HKV, NQB, K] twice
+                target = self._sparse_target(
+                    q, k, index, lse, scale, seq_lens, document_ids, check_values
+                )  # [B, HKV, NQB, K] twice
             scores, allowed = self._slot_scores(scores, index.indices, support)
         mass, row_valid = target
         return self._mean_kl(*self._kl_parts(mass, scores, allowed, row_valid)), target
@@ -622,17 +750,37 @@ class SparseAttention(nn.Module):
     def _dense_target(self, q, k, query_blocks, scale, seq_lens, document_ids, check_values):
         """The config's dense-attention target of ``query_blocks`` (None: every query block)."""
         cfg = self.config
-        return dense_block_mass(q, k, block_q=cfg.block_q, block_k=cfg.block_k, scale=scale, seq_lens=seq_lens,
-                                rows_per_block=cfg.distill_query_rows, query_blocks=query_blocks,
-                                row_pool=cfg.distill_row_pool, chunk_mb=cfg.distill_chunk_mb,
-                                document_ids=document_ids, check_values=check_values)
+        return dense_block_mass(
+            q,
+            k,
+            block_q=cfg.block_q,
+            block_k=cfg.block_k,
+            scale=scale,
+            seq_lens=seq_lens,
+            rows_per_block=cfg.distill_query_rows,
+            query_blocks=query_blocks,
+            row_pool=cfg.distill_row_pool,
+            chunk_mb=cfg.distill_chunk_mb,
+            document_ids=document_ids,
+            check_values=check_values,
+        )
 
     def _sparse_target(self, q, k, index, lse, scale, seq_lens, document_ids, check_values):
         """The config's target over the slots of ``index`` (normalised by the main attention's ``lse``)."""
         cfg = self.config
-        return sparse_block_mass(q, k, index, scale=scale, lse=lse, seq_lens=seq_lens,
-                                 rows_per_block=cfg.distill_query_rows, row_pool=cfg.distill_row_pool,
-                                 chunk_mb=cfg.distill_chunk_mb, document_ids=document_ids, check_values=check_values)
+        return sparse_block_mass(
+            q,
+            k,
+            index,
+            scale=scale,
+            lse=lse,
+            seq_lens=seq_lens,
+            rows_per_block=cfg.distill_query_rows,
+            row_pool=cfg.distill_row_pool,
+            chunk_mb=cfg.distill_chunk_mb,
+            document_ids=document_ids,
+            check_values=check_values,
+        )
 
     @staticmethod
     def _slot_scores(scores: Tensor, slot_blocks: Tensor, support: Tensor) -> tuple[Tensor, Tensor]:

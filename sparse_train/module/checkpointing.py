@@ -35,21 +35,31 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..kernels import triton_kernels
 
-__all__ = ["attention_ops", "checkpoint_keeping_attention", "checkpoint_kwargs", "keep_attention_context",
-           "outside_selective_checkpoint"]
+__all__ = [
+    "attention_ops",
+    "checkpoint_keeping_attention",
+    "checkpoint_kwargs",
+    "keep_attention_context",
+    "outside_selective_checkpoint",
+]
 
-_SDPA_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+_SDPA_OPS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def attention_ops() -> frozenset:
     """The op overloads whose outputs :func:`keep_attention_context` keeps (those this torch build has)."""
     triton_kernels()  # its op module defines torch.ops.sparse_train.*
@@ -82,14 +92,15 @@ def checkpoint_keeping_attention(function: Callable, *args: Any, **kwargs: Any) 
     return checkpoint(function, *args, **checkpoint_kwargs(True), **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _selective_checkpoint_modes() -> tuple:
     """The dispatch-mode classes of ``torch.utils.checkpoint``'s selective checkpointing (first forward and
     recompute); empty when this torch build names them otherwise."""
     import torch.utils.checkpoint as ckpt
 
-    return tuple(getattr(ckpt, name) for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
-                 if hasattr(ckpt, name))
+    return tuple(
+        getattr(ckpt, name) for name in ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode") if hasattr(ckpt, name)
+    )
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ attention statistics."""
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -14,8 +14,14 @@ from torch import Tensor, nn
 from ..validation import check_float
 from .attention import SparseAttention
 
-__all__ = ["clip_grad_norms", "collect_attention_stats", "collect_selector_losses", "selector_parameter_names",
-           "selector_parameters", "selector_state_names"]
+__all__ = [
+    "clip_grad_norms",
+    "collect_attention_stats",
+    "collect_selector_losses",
+    "selector_parameter_names",
+    "selector_parameters",
+    "selector_state_names",
+]
 
 
 def _sparse_modules(model: nn.Module) -> Iterable[SparseAttention]:
@@ -43,8 +49,9 @@ def selector_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 def selector_parameter_names(model: nn.Module) -> set[str]:
     """Names (relative to ``model``) of the parameters of :func:`selector_parameters`."""
-    return {f"{prefix}{name}" for prefix, module in _named_sparse_modules(model)
-            for name, _ in module.named_parameters()}
+    return {
+        f"{prefix}{name}" for prefix, module in _named_sparse_modules(model) for name, _ in module.named_parameters()
+    }
 
 
 def selector_state_names(model: nn.Module) -> set[str]:
@@ -57,8 +64,13 @@ def _named_sparse_modules(model: nn.Module) -> Iterable[tuple[str, SparseAttenti
     return ((f"{name}." if name else "", m) for name, m in model.named_modules() if isinstance(m, SparseAttention))
 
 
-def clip_grad_norms(model: nn.Module, max_norm: float, norm_type: float = 2.0, *,
-                    process_group: "torch.distributed.ProcessGroup | None" = None) -> tuple[Tensor, Tensor]:
+def clip_grad_norms(
+    model: nn.Module,
+    max_norm: float,
+    norm_type: float = 2.0,
+    *,
+    process_group: torch.distributed.ProcessGroup | None = None,
+) -> tuple[Tensor, Tensor]:
     """Clip the gradient norm of the model's own parameters and of its selectors' separately.
 
     Use this instead of one ``torch.nn.utils.clip_grad_norm_`` over ``model.parameters()``: the
@@ -103,8 +115,9 @@ def clip_grad_norms(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
     selector_ids = {id(p) for p in selector}
     own = [p for p in model.parameters() if id(p) not in selector_ids]
     grads = [[p.grad for p in params if p.grad is not None] for params in (own, selector)]
-    device = next((g.device for group in grads for g in group),
-                  next((p.device for p in model.parameters()), torch.device("cpu")))
+    device = next(
+        (g.device for group in grads for g in group), next((p.device for p in model.parameters()), torch.device("cpu"))
+    )
     reduce_over, local = _local_gradients(grads, process_group)
     infinite = math.isinf(norm_type)
     # Sums in fp32 at least (bf16 squares lose the small gradients), fp64 for fp64 gradients.
@@ -117,8 +130,9 @@ def clip_grad_norms(model: nn.Module, max_norm: float, norm_type: float = 2.0, *
         for group, pieces in enumerate(local):
             for row, tensors in enumerate(pieces):
                 if tensors:
-                    norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=dtype).to(device)
-                                         for t in tensors])
+                    norms = torch.stack(
+                        [torch.linalg.vector_norm(t, norm_type, dtype=dtype).to(device) for t in tensors]
+                    )
                     totals[row, group] = norms.max() if infinite else norms.pow(norm_type).sum()
         if reduce_over:
             op = torch.distributed.ReduceOp.MAX if infinite else torch.distributed.ReduceOp.SUM
@@ -150,11 +164,15 @@ def _local_gradients(grads: list[list[Tensor]], process_group) -> tuple[list, li
         for grad in group:
             if isinstance(grad, DTensor):
                 if process_group is not None:
-                    raise ValueError("clip_grad_norms: process_group is for plain sharded gradients (FSDP1); "
-                                     "DTensor gradients carry their own mesh, pass process_group=None")
+                    raise ValueError(
+                        "clip_grad_norms: process_group is for plain sharded gradients (FSDP1); "
+                        "DTensor gradients carry their own mesh, pass process_group=None"
+                    )
                 if any(placement.is_partial() for placement in grad.placements):
-                    raise ValueError(f"clip_grad_norms: a DTensor gradient has a Partial placement "
-                                     f"({grad.placements}); reduce it before clipping")
+                    raise ValueError(
+                        f"clip_grad_norms: a DTensor gradient has a Partial placement "
+                        f"({grad.placements}); reduce it before clipping"
+                    )
                 shard_dims = tuple(i for i, placement in enumerate(grad.placements) if placement.is_shard())
                 meshes[(grad.device_mesh, shard_dims)] = (grad.device_mesh, shard_dims)
                 (sharded if shard_dims else whole).append(grad.to_local())
@@ -165,8 +183,10 @@ def _local_gradients(grads: list[list[Tensor]], process_group) -> tuple[list, li
         local.append([sharded, whole])
     sharded_meshes = [key for key in meshes.values() if key[1]]
     if len(sharded_meshes) > 1:
-        raise ValueError(f"clip_grad_norms: DTensor gradients are sharded over {len(sharded_meshes)} different "
-                         "meshes or mesh dimensions; one reduction cannot combine them")
+        raise ValueError(
+            f"clip_grad_norms: DTensor gradients are sharded over {len(sharded_meshes)} different "
+            "meshes or mesh dimensions; one reduction cannot combine them"
+        )
     if sharded_meshes:
         mesh, shard_dims = sharded_meshes[0]
         return [mesh.get_group(dim) for dim in shard_dims], local

@@ -34,7 +34,8 @@ the rows of q by local block and positions by global block.
 
 Training: :func:`enable_context_parallel` switches ``SparseAttention`` (its ``layout`` becomes a
 :class:`ContextParallelLayout`) and the repository's ``Transformer`` to take their inputs as zig-zag shards
-(every path, distillation and checkpoint replay included); :func:`context_parallel_dense_attention` is the exact dense path; the Lightning callback is
+(every path, distillation and checkpoint replay included); :func:`context_parallel_dense_attention` is the exact dense
+path; the Lightning callback is
 :class:`sparse_train.lightning.context_parallel.ContextParallel`. ``docs/context_parallel.md``, "Training with CP".
 
 What the caller must keep identical on every rank (not checked: that would need a collective per call):
@@ -160,16 +161,19 @@ def shard_sequence(x: Tensor, dim: int, rank: int, world: int) -> Tensor:
         raise ValueError("x must have the sequence dimension, got a 0-d tensor")
     dim = dim % x.dim()
     chunk = check_layout(x.shape[dim], world)
-    return torch.cat([x.narrow(dim, rank * chunk, chunk), x.narrow(dim, (2 * world - 1 - rank) * chunk, chunk)],
-                     dim=dim)
+    return torch.cat(
+        [x.narrow(dim, rank * chunk, chunk), x.narrow(dim, (2 * world - 1 - rank) * chunk, chunk)], dim=dim
+    )
 
 
 def _group_info(group) -> tuple[object, int, int]:
     """(group, world size, rank); ``None`` is the default group. ValueError before any collective when
     torch.distributed is not initialised or this process is not in the group."""
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("context parallelism needs an initialised torch.distributed process group "
-                         "(torch.distributed.init_process_group), got none")
+        raise ValueError(
+            "context parallelism needs an initialised torch.distributed process group "
+            "(torch.distributed.init_process_group), got none"
+        )
     group = dist.group.WORLD if group is None else group
     if not isinstance(group, dist.ProcessGroup):
         raise ValueError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
@@ -195,8 +199,10 @@ def gather_sequence(x_local: Tensor, dim: int, group=None) -> Tensor:
     the same shape."""
     group, world, _ = _group_info(group)
     if not isinstance(x_local, Tensor) or x_local.dim() == 0:
-        raise ValueError("x_local must be a tensor with a sequence dimension, got "
-                         f"{getattr(x_local, 'shape', type(x_local).__name__)}")
+        raise ValueError(
+            "x_local must be a tensor with a sequence dimension, got "
+            f"{getattr(x_local, 'shape', type(x_local).__name__)}"
+        )
     dim = dim % x_local.dim()
     local = x_local.shape[dim]
     if local % 2:
@@ -288,17 +294,23 @@ def context_parallel_sparse_attention(
     batch, _, _, local, head_dim = check_qkv(q, k, v, device=index.device)
     scale = check_scale(scale, head_dim)
     if local * world != seq_len:
-        raise ValueError(f"the global index is for N={seq_len}, so with W={world} ranks q/k/v must hold "
-                         f"N/W={seq_len // world} local rows, got {local}")
+        raise ValueError(
+            f"the global index is for N={seq_len}, so with W={world} ranks q/k/v must hold "
+            f"N/W={seq_len // world} local rows, got {local}"
+        )
     if batch != index.batch or k.shape[1] != index.num_kv_heads:
-        raise ValueError(f"block index is for batch={index.batch}, kv_heads={index.num_kv_heads} but k has "
-                         f"batch={batch}, kv_heads={k.shape[1]}")
+        raise ValueError(
+            f"block index is for batch={index.batch}, kv_heads={index.num_kv_heads} but k has "
+            f"batch={batch}, kv_heads={k.shape[1]}"
+        )
     check_seq_lens(seq_lens, batch, seq_len, q.device)
     check_document_ids(document_ids, batch, seq_len, q.device)
     dropout_p, dropout_seed = check_dropout(dropout_p, dropout_seed)
     if dropout_p > 0.0 and dropout_seed is None:
-        raise ValueError("dropout_p > 0 under context parallelism needs a dropout_seed, the same on every rank "
-                         "(shared_dropout_seed(group) draws one)")
+        raise ValueError(
+            "dropout_p > 0 under context parallelism needs a dropout_seed, the same on every rank "
+            "(shared_dropout_seed(group) draws one)"
+        )
 
     # backend support and the kernel options, before the first collective
     choose_backend(q, index.block_q, index.block_k, backend)
@@ -309,10 +321,23 @@ def context_parallel_sparse_attention(
     blocks = local_query_blocks(seq_len, index.block_q, rank, world, device=q.device)
     # the values of seq_lens and document_ids were checked above, and the local blocks are whole and in
     # range by construction: check_values=False spares the attention their host reads
-    o, lse = sparse_attention(q, k_full, v_full, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                              seq_lens=seq_lens, document_ids=document_ids, query_blocks=blocks, backend=backend,
-                              deterministic=deterministic, kernel_options=kernel_options, return_lse=True,
-                              check_values=False)
+    o, lse = sparse_attention(
+        q,
+        k_full,
+        v_full,
+        index,
+        scale=scale,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        seq_lens=seq_lens,
+        document_ids=document_ids,
+        query_blocks=blocks,
+        backend=backend,
+        deterministic=deterministic,
+        kernel_options=kernel_options,
+        return_lse=True,
+        check_values=False,
+    )
     return (o, lse) if return_lse else o
 
 
@@ -365,24 +390,29 @@ def context_parallel_block_scores(
     """
     group, world, rank = _group_info(group)
     if not isinstance(scorer, BlockScorer):
-        raise ValueError(f"context parallelism supports the pooled selector only (selector='pooled'), got a "
-                         f"{type(scorer).__name__}")
+        raise ValueError(
+            f"context parallelism supports the pooled selector only (selector='pooled'), got a {type(scorer).__name__}"
+        )
     _, _, _, local, _ = check_qkv(q, k, k)
     seq_len = local * world
     check_layout(seq_len, world, block_q, block_k)
     check_seq_lens(seq_lens, q.shape[0], seq_len, q.device)
     check_document_ids(document_ids, q.shape[0], seq_len, q.device)
     if geometry is not None and (geometry.seq_len, geometry.block_q, geometry.block_k) != (seq_len, block_q, block_k):
-        raise ValueError(f"geometry is for (N, BQ, BK) = {(geometry.seq_len, geometry.block_q, geometry.block_k)}, "
-                         f"the call for {(seq_len, block_q, block_k)}")
+        raise ValueError(
+            f"geometry is for (N, BQ, BK) = {(geometry.seq_len, geometry.block_q, geometry.block_k)}, "
+            f"the call for {(seq_len, block_q, block_k)}"
+        )
     if position_ids is None and document_ids is not None and scorer.rope_inv_freq.numel():
         position_ids = document_positions(document_ids)
     if position_ids is None:
         positions = zigzag_positions(seq_len, rank, world, device=q.device)
     else:
         if not isinstance(position_ids, Tensor) or position_ids.shape not in ((seq_len,), (q.shape[0], seq_len)):
-            raise ValueError(f"position_ids must be the GLOBAL positions [N] or [B, N] with N={seq_len}, got "
-                             f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
+            raise ValueError(
+                f"position_ids must be the GLOBAL positions [N] or [B, N] with N={seq_len}, got "
+                f"{getattr(position_ids, 'shape', type(position_ids).__name__)}"
+            )
         positions = shard_sequence(position_ids, -1, rank, world)
     valid = None if seq_lens is None else _local_valid_lengths(seq_lens, seq_len, rank, world)
 
@@ -431,21 +461,42 @@ def context_parallel_selection(
     seq_len = geometry.seq_len
     check_layout(seq_len, world, geometry.block_q, geometry.block_k)
     local_blocks = geometry.num_q_blocks // world
-    if not isinstance(scores, Tensor) or scores.dim() != 4 or tuple(scores.shape[2:]) != (local_blocks,
-                                                                                           geometry.num_k_blocks):
-        raise ValueError(f"scores must be [B, HKV, NQB/W={local_blocks}, NKB={geometry.num_k_blocks}], got "
-                         f"{getattr(scores, 'shape', type(scores).__name__)}")
+    if (
+        not isinstance(scores, Tensor)
+        or scores.dim() != 4
+        or tuple(scores.shape[2:]) != (local_blocks, geometry.num_k_blocks)
+    ):
+        raise ValueError(
+            f"scores must be [B, HKV, NQB/W={local_blocks}, NKB={geometry.num_k_blocks}], got "
+            f"{getattr(scores, 'shape', type(scores).__name__)}"
+        )
     check_seq_lens(seq_lens, scores.shape[0], seq_len, scores.device)
     check_document_ids(document_ids, scores.shape[0], seq_len, scores.device)
     rows = local_query_blocks(seq_len, geometry.block_q, rank, world, device=scores.device)
-    picked = selection_candidates(scores, geometry, window=window, sinks=sinks, seq_lens=seq_lens,
-                                  document_ids=document_ids, top_p=top_p, query_blocks=rows)
+    picked = selection_candidates(
+        scores,
+        geometry,
+        window=window,
+        sinks=sinks,
+        seq_lens=seq_lens,
+        document_ids=document_ids,
+        top_p=top_p,
+        query_blocks=rows,
+    )
     candidates = gather_sequence(picked, 2, group)
     if capacity is None:
         capacity = geometry.capacity if document_ids is None else geometry.document_capacity
-    return BlockIndex.from_selection(candidates, seq_len=seq_len, block_q=geometry.block_q, block_k=geometry.block_k,
-                                     window=window, sinks=sinks, capacity=capacity, check=check,
-                                     document_ids=document_ids)
+    return BlockIndex.from_selection(
+        candidates,
+        seq_len=seq_len,
+        block_q=geometry.block_q,
+        block_k=geometry.block_k,
+        window=window,
+        sinks=sinks,
+        capacity=capacity,
+        check=check,
+        document_ids=document_ids,
+    )
 
 
 # ------------------------------------------------------------------------------------------- training helpers
@@ -503,11 +554,23 @@ def context_parallel_dense_attention(
         raise ValueError(f"k must be a 4-D tensor [B, HKV, N/W, D], got {getattr(k, 'shape', type(k).__name__)}")
     seq_len = q.shape[2] * world
     check_layout(seq_len, world, block_q, block_k)
-    index = BlockIndex.full(q.shape[0], k.shape[1], seq_len, block_q, block_k, device=q.device,
-                            document_ids=document_ids, check=check)
-    return context_parallel_sparse_attention(q, k, v, index, group=group, scale=scale, dropout_p=dropout_p,
-                                             dropout_seed=dropout_seed, seq_lens=seq_lens, document_ids=document_ids,
-                                             backend=backend, return_lse=return_lse)
+    index = BlockIndex.full(
+        q.shape[0], k.shape[1], seq_len, block_q, block_k, device=q.device, document_ids=document_ids, check=check
+    )
+    return context_parallel_sparse_attention(
+        q,
+        k,
+        v,
+        index,
+        group=group,
+        scale=scale,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        seq_lens=seq_lens,
+        document_ids=document_ids,
+        backend=backend,
+        return_lse=return_lse,
+    )
 
 
 def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str | None = None) -> int:
@@ -530,13 +593,16 @@ def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str 
 
     Raises:
         ValueError: a module with a selector other than ``"pooled"``; torch.distributed not initialised or this
-            process outside ``group``; ``backend`` not a string or None; no module of ``model`` supports context parallelism (for example a Hugging
+            process outside ``group``; ``backend`` not a string or None; no module of ``model`` supports context
+            parallelism (for example a Hugging
             Face model: its RoPE is applied at local positions, which the integration does not shift)."""
     for module in model.modules():
         scorer = getattr(module, "scorer", None)
         if isinstance(module, SparseAttention) and not isinstance(scorer, BlockScorer):
-            raise ValueError(f"context parallelism supports the pooled selector only (SparseAttentionConfig."
-                             f"selector='pooled'); {type(model).__name__} has a {type(scorer).__name__}")
+            raise ValueError(
+                f"context parallelism supports the pooled selector only (SparseAttentionConfig."
+                f"selector='pooled'); {type(model).__name__} has a {type(scorer).__name__}"
+            )
     group, _, _ = _group_info(group)
     if backend is not None and not isinstance(backend, str):
         raise ValueError(f"backend must be a backend name or None, got {backend!r}")
@@ -550,8 +616,10 @@ def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str 
             module.context_parallel_backend = backend
             switched += 1
     if not switched:
-        raise ValueError(f"{type(model).__name__} has no module that supports context parallelism "
-                         "(SparseAttention, sparse_train.lightning.model.Transformer)")
+        raise ValueError(
+            f"{type(model).__name__} has no module that supports context parallelism "
+            "(SparseAttention, sparse_train.lightning.model.Transformer)"
+        )
     return switched
 
 
@@ -589,11 +657,21 @@ class ContextParallelLayout(SequenceLayout):
         self.group = group
         self.backend_name = backend
 
-    def check_inputs(self, module, q: Tensor, k: Tensor, v: Tensor, seq_lens: Tensor | None,
-                     document_ids: Tensor | None, position_ids: Tensor | None) -> int:
+    def check_inputs(
+        self,
+        module,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        seq_lens: Tensor | None,
+        document_ids: Tensor | None,
+        position_ids: Tensor | None,
+    ) -> int:
         if module.config.metrics_every > 0:
-            raise ValueError("SparseAttention under context parallelism: metrics_every > 0 is not supported (the "
-                             "recall metrics need every query row on one rank); set metrics_every=0")
+            raise ValueError(
+                "SparseAttention under context parallelism: metrics_every > 0 is not supported (the "
+                "recall metrics need every query row on one rank); set metrics_every=0"
+            )
         _, world = context_parallel_rank(self.group)
         module._check_inputs(q, k, v, None)
         batch, _, local_len, _ = q.shape
@@ -602,15 +680,19 @@ class ContextParallelLayout(SequenceLayout):
         check_values = module._checks_values(q.device)
         check_seq_lens(seq_lens, batch, seq_len, q.device, values=check_values)
         check_document_ids(document_ids, batch, seq_len, q.device, values=check_values)
-        if position_ids is not None and (not isinstance(position_ids, Tensor)
-                                         or tuple(position_ids.shape) not in ((seq_len,), (batch, seq_len))):
-            raise ValueError(f"position_ids under context parallelism must be the GLOBAL positions [B, N] = "
-                             f"[{batch}, {seq_len}] or [N], got "
-                             f"{getattr(position_ids, 'shape', type(position_ids).__name__)}")
+        if position_ids is not None and (
+            not isinstance(position_ids, Tensor) or tuple(position_ids.shape) not in ((seq_len,), (batch, seq_len))
+        ):
+            raise ValueError(
+                f"position_ids under context parallelism must be the GLOBAL positions [B, N] = "
+                f"[{batch}, {seq_len}] or [N], got "
+                f"{getattr(position_ids, 'shape', type(position_ids).__name__)}"
+            )
         return seq_len
 
-    def pooling_rows(self, seq_len: int, seq_lens: Tensor | None, position_ids: Tensor | None,
-                     device) -> tuple[Tensor | None, Tensor | None]:
+    def pooling_rows(
+        self, seq_len: int, seq_lens: Tensor | None, position_ids: Tensor | None, device
+    ) -> tuple[Tensor | None, Tensor | None]:
         rank, world = context_parallel_rank(self.group)
         if position_ids is None:
             positions = zigzag_positions(seq_len, rank, world, device=device)
@@ -629,27 +711,72 @@ class ContextParallelLayout(SequenceLayout):
     def dropout_seed(self, draw) -> int:
         return shared_dropout_seed(self.group)
 
-    def backend(self, module, q: Tensor, k: Tensor, v: Tensor, index: BlockIndex,
-                document_ids: Tensor | None) -> tuple[str, str]:
+    def backend(
+        self, module, q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, document_ids: Tensor | None
+    ) -> tuple[str, str]:
         return self.backend_name or module.config.backend, "requested"
 
     def plan(self, index: BlockIndex, r0: int | None):
         return None  # each call plans its local index rows (context_parallel_sparse_attention)
 
-    def attention(self, module, q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, *, selected: bool, plan,
-                  backend: str, scale: float, dropout_p: float, dropout_seed: int | None, seq_lens: Tensor | None,
-                  document_ids: Tensor | None, check_values: bool) -> tuple[Tensor, Tensor]:
-        common = dict(group=self.group, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                      seq_lens=seq_lens, document_ids=document_ids, backend=backend, return_lse=True)
+    def attention(
+        self,
+        module,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        index: BlockIndex,
+        *,
+        selected: bool,
+        plan,
+        backend: str,
+        scale: float,
+        dropout_p: float,
+        dropout_seed: int | None,
+        seq_lens: Tensor | None,
+        document_ids: Tensor | None,
+        check_values: bool,
+    ) -> tuple[Tensor, Tensor]:
+        common = dict(
+            group=self.group,
+            scale=scale,
+            dropout_p=dropout_p,
+            dropout_seed=dropout_seed,
+            seq_lens=seq_lens,
+            document_ids=document_ids,
+            backend=backend,
+            return_lse=True,
+        )
         if selected:
-            return context_parallel_sparse_attention(q, k, v, index, deterministic=module.config.deterministic,
-                                                     kernel_options=module._kernel_options(), **common)
+            return context_parallel_sparse_attention(
+                q,
+                k,
+                v,
+                index,
+                deterministic=module.config.deterministic,
+                kernel_options=module._kernel_options(),
+                **common,
+            )
         return context_parallel_sparse_attention(q, k, v, index, **common)  # the full index of the dense path
 
-    def distillation_loss(self, module, q: Tensor, k: Tensor, scores: Tensor, index: BlockIndex | None,
-                          lse: Tensor | None, seq_lens: Tensor | None, scale: float, geometry, mode: str,
-                          distill_blocks: Tensor | None, document_ids: Tensor | None, check_values: bool,
-                          target=None, row_scores=None) -> tuple[Tensor, tuple]:
+    def distillation_loss(
+        self,
+        module,
+        q: Tensor,
+        k: Tensor,
+        scores: Tensor,
+        index: BlockIndex | None,
+        lse: Tensor | None,
+        seq_lens: Tensor | None,
+        scale: float,
+        geometry,
+        mode: str,
+        distill_blocks: Tensor | None,
+        document_ids: Tensor | None,
+        check_values: bool,
+        target=None,
+        row_scores=None,
+    ) -> tuple[Tensor, tuple]:
         """This rank's share of the distillation loss, and its target (``target``: the first forward's, which a
         checkpoint recompute reuses instead of gathering and computing it again).
 
@@ -673,8 +800,7 @@ class ContextParallelLayout(SequenceLayout):
         if target is None:
             with torch.no_grad():
                 k_full = gather_sequence(k.detach(), 2, self.group)
-                q_full = q.new_zeros(q.shape[0], q.shape[1], seq_len, q.shape[3]).index_copy_(2, positions,
-                                                                                          q.detach())
+                q_full = q.new_zeros(q.shape[0], q.shape[1], seq_len, q.shape[3]).index_copy_(2, positions, q.detach())
         support = module._distill_support(geometry, device, document_ids)
         if mode in ("dense", "sampled"):
             if mode == "dense":
@@ -689,8 +815,9 @@ class ContextParallelLayout(SequenceLayout):
                 held = picks >= 0
                 picks = picks.clamp(min=0)
             if target is None:
-                target = module._dense_target(q_full, k_full, rows, scale, seq_lens, document_ids,
-                                              check_values)  # [B, HKV, S, NKB] twice
+                target = module._dense_target(
+                    q_full, k_full, rows, scale, seq_lens, document_ids, check_values
+                )  # [B, HKV, S, NKB] twice
             target, row_valid = target
             if held is not None:
                 row_valid = row_valid & held.view(1, 1, -1)
@@ -698,20 +825,24 @@ class ContextParallelLayout(SequenceLayout):
             allowed = support.index_select(2, rows)
         else:
             if target is None:
-                lse_full = lse.new_zeros(lse.shape[0], lse.shape[1], seq_len).index_copy_(2, positions,
-                                                                                         lse.detach())
+                lse_full = lse.new_zeros(lse.shape[0], lse.shape[1], seq_len).index_copy_(2, positions, lse.detach())
                 mine = torch.zeros(geometry.num_q_blocks, dtype=torch.bool, device=device)
                 mine[local_blocks] = True
                 mine = mine.view(1, 1, -1)
-                own_rows = BlockIndex(indices=torch.where(mine.unsqueeze(-1), index.indices, -1),
-                                      counts=torch.where(mine, index.counts, 0), seq_len=seq_len,
-                                      block_q=index.block_q, block_k=index.block_k)
-                full_target, full_valid = module._sparse_target(q_full, k_full, own_rows, lse_full, scale,
-                                                                seq_lens, document_ids,
-                                                                check_values)  # [B, HKV, NQB, K]
+                own_rows = BlockIndex(
+                    indices=torch.where(mine.unsqueeze(-1), index.indices, -1),
+                    counts=torch.where(mine, index.counts, 0),
+                    seq_len=seq_len,
+                    block_q=index.block_q,
+                    block_k=index.block_k,
+                )
+                full_target, full_valid = module._sparse_target(
+                    q_full, k_full, own_rows, lse_full, scale, seq_lens, document_ids, check_values
+                )  # [B, HKV, NQB, K]
                 target = full_target.index_select(2, local_blocks), full_valid.index_select(2, local_blocks)
             target, row_valid = target
-            scores, allowed = module._slot_scores(scores, index.indices.index_select(2, local_blocks),
-                                                  support.index_select(2, local_blocks))
+            scores, allowed = module._slot_scores(
+                scores, index.indices.index_select(2, local_blocks), support.index_select(2, local_blocks)
+            )
         total, count = module._kl_parts(target, scores, allowed, row_valid)
         return module._mean_kl(total, all_reduce_sum(count, self.group)), (target, row_valid)

@@ -63,5 +63,9 @@ def tma_addressable(x: Tensor) -> bool:
     """Whether the copy engine can address ``x`` through a tensor descriptor: the last stride 1, the base and
     every other stride multiples of 16 bytes, a row of at least 16 bytes."""
     size = x.element_size()
-    return not (x.stride(-1) != 1 or x.data_ptr() % 16 or x.shape[-1] * size < 16
-                or any(stride <= 0 or stride * size % 16 for stride in x.stride()[:-1]))
+    return not (
+        x.stride(-1) != 1
+        or x.data_ptr() % 16
+        or x.shape[-1] * size < 16
+        or any(stride <= 0 or stride * size % 16 for stride in x.stride()[:-1])
+    )

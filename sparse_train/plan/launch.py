@@ -27,8 +27,15 @@ class AttentionSchedule(NamedTuple):
     backward: BackwardConfig
 
 
-def attention_schedule(index, group: int, head_dim: int, device, kernel_options=None,
-                       deterministic: bool = False, query_blocks: Tensor | None = None) -> AttentionSchedule:
+def attention_schedule(
+    index,
+    group: int,
+    head_dim: int,
+    device,
+    kernel_options=None,
+    deterministic: bool = False,
+    query_blocks: Tensor | None = None,
+) -> AttentionSchedule:
     """The launch schedule of one attention call over ``index``: its plan (``kernel_options.plan``, or
     ``index.plan(r0)``), the cold slots (none in deterministic mode: every block KV-centric), the
     atomic workspace size and the split count (``kernel_options.num_splits`` or
@@ -58,9 +65,16 @@ def attention_schedule(index, group: int, head_dim: int, device, kernel_options=
     slots = cold_slots(plan.hot, plan.reuse, every_block_kv_centric or plan.r0 <= 1)
     cold = cold_capacity(plan.reuse.numel(), plan.r0, every_block_kv_centric)
     forward = forward_config(group, index.block_q, index.block_k, head_dim, options, device)
-    backward = backward_config(group, index.block_q, index.block_k, head_dim, cold > 0, options, device,
-                               query_map=query_blocks is not None)
+    backward = backward_config(
+        group, index.block_q, index.block_k, head_dim, cold > 0, options, device, query_map=query_blocks is not None
+    )
     num_splits = options.num_splits or forward_num_splits(
-        index.num_q_blocks if query_blocks is None else query_blocks.numel(), index.batch, index.num_kv_heads,
-        group, forward.heads_per_program, index.capacity, device)
+        index.num_q_blocks if query_blocks is None else query_blocks.numel(),
+        index.batch,
+        index.num_kv_heads,
+        group,
+        forward.heads_per_program,
+        index.capacity,
+        device,
+    )
     return AttentionSchedule(plan, slots, cold, num_splits, forward, backward)

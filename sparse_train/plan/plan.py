@@ -183,13 +183,15 @@ def build_plan(index, r0: int | None = None, query_blocks: Tensor | None = None)
     reuse = (kv_indptr[1:] - kv_indptr[:-1]).view(b, h, nkb)
     hot = (reuse >= r0) & (reuse > 0)
     zero = torch.zeros((), dtype=torch.int64, device=device)
-    stats = torch.stack([
-        hot.sum(),
-        ((reuse > 0) & ~hot).sum(),
-        kv_indptr[-1],
-        counts.to(torch.int64).max() if counts.numel() else zero,
-        reuse.max() if reuse.numel() else zero,
-    ])
+    stats = torch.stack(
+        [
+            hot.sum(),
+            ((reuse > 0) & ~hot).sum(),
+            kv_indptr[-1],
+            counts.to(torch.int64).max() if counts.numel() else zero,
+            reuse.max() if reuse.numel() else zero,
+        ]
+    )
     return BlockPlan(
         reuse=reuse.to(torch.int32),
         kv_indptr=kv_indptr,
@@ -287,8 +289,15 @@ class KVSchedule(NamedTuple):
     """Number of fp32 partial slots to allocate (an upper bound from the shapes)."""
 
 
-def kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int, *,
-                num_items: int | None = None, num_parts: int | None = None) -> KVSchedule:
+def kv_schedule(
+    reuse: Tensor,
+    kv_indptr: Tensor,
+    slots: Tensor,
+    chunk: int,
+    *,
+    num_items: int | None = None,
+    num_parts: int | None = None,
+) -> KVSchedule:
     """Work items of the KV-centric kernel: every KV block with reuse > 0 and no cold slot, its
     transposed row cut into chunks of ``chunk`` query blocks (``BackwardConfig.kv_chunk``), in row order.
 
@@ -301,8 +310,9 @@ def kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int, *,
     partials are identical run to run. With the bounds given, CUDA arrays take one Triton kernel
     (``kernels/triton/schedule.py``, the same arrays); this PyTorch path is its reference."""
     if num_items is not None and num_parts is not None and triton_runs_on(reuse):
-        return triton_kernels().schedule.triton_kv_schedule(reuse, kv_indptr, slots, chunk, num_items=num_items,
-                                                            num_parts=num_parts)
+        return triton_kernels().schedule.triton_kv_schedule(
+            reuse, kv_indptr, slots, chunk, num_items=num_items, num_parts=num_parts
+        )
     reuse = reuse.reshape(-1).to(torch.int64)
     num_rows = reuse.numel()
     device = reuse.device
@@ -330,7 +340,12 @@ def kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int, *,
     start = kv_indptr[:-1][rows] + c * chunk
     end = torch.minimum(start + chunk, kv_indptr[1:][rows])
     item_part = torch.where(real & multi[rows], part_start[rows] + c, -1)
-    return KVSchedule(torch.where(real, rows, -1).to(torch.int32), torch.where(real, start, 0).to(torch.int32),
-                      torch.where(real, end, 0).to(torch.int32), item_part.to(torch.int32), row_part_start,
-                      row_parts, num_parts)
-
+    return KVSchedule(
+        torch.where(real, rows, -1).to(torch.int32),
+        torch.where(real, start, 0).to(torch.int32),
+        torch.where(real, end, 0).to(torch.int32),
+        item_part.to(torch.int32),
+        row_part_start,
+        row_parts,
+        num_parts,
+    )

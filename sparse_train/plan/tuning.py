@@ -6,13 +6,24 @@ result beyond floating-point order."""
 
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple
 
 from ..options import KernelOptions, normalize_kernel_options
 from .device import copy_engine_loads, device_sm_count, gluon_kernels
 
-__all__ = ["KV_CHUNK", "BackwardConfig", "ForwardConfig", "backward_config", "block_mass_config", "choose_num_splits",
-           "forward_config", "forward_num_splits", "pool_config", "row_log_mass_chunk"]
+__all__ = [
+    "KV_CHUNK",
+    "BackwardConfig",
+    "ForwardConfig",
+    "backward_config",
+    "block_mass_config",
+    "choose_num_splits",
+    "forward_config",
+    "forward_num_splits",
+    "pool_config",
+    "row_log_mass_chunk",
+]
 
 KV_CHUNK = 64
 """Query blocks per KV-centric work item: a KV block selected by more query blocks (a sink, a popular
@@ -57,8 +68,9 @@ def choose_num_splits(num_programs: int, max_count: int, num_sms: int) -> int:
     return splits
 
 
-def forward_num_splits(query_blocks: int, batch: int, kv_heads: int, group: int, heads_per_program: int,
-                       max_count: int, device) -> int:
+def forward_num_splits(
+    query_blocks: int, batch: int, kv_heads: int, group: int, heads_per_program: int, max_count: int, device
+) -> int:
     """:func:`choose_num_splits` for a forward grid of ``query_blocks`` live query blocks per (batch,
     KV head), each split over ``group // heads_per_program`` head subsets."""
     programs = query_blocks * (group // heads_per_program) * batch * kv_heads
@@ -139,8 +151,14 @@ def _divides_group(label: str, heads: int, group: int) -> int:
     return heads
 
 
-def forward_config(group: int, block_q: int, block_k: int, head_dim: int,
-                   kernel_options: Mapping | KernelOptions | None = None, device=None) -> ForwardConfig:
+def forward_config(
+    group: int,
+    block_q: int,
+    block_k: int,
+    head_dim: int,
+    kernel_options: Mapping | KernelOptions | None = None,
+    device=None,
+) -> ForwardConfig:
     """Forward tile: heads * BQ = 256 rows at head dim >= 128 (K/V loaded once for 4 heads at BQ = 64), 128
     rows below (at D = 64 the K/V loads are half as large and the smaller tile gives twice the programs:
     2 heads 11% faster than 4 on the H200); 8 warps once a [rows, max(D, BK)] tile reaches 128 x 64
@@ -162,16 +180,23 @@ def forward_config(group: int, block_q: int, block_k: int, head_dim: int,
     # TMA K/V loads: 4.17 -> 3.67 ms (P128, D = 128), 3.65 -> 3.45 (P64), 2.47 -> 2.32 (P128, D = 64), equal
     # at P64, D = 64 (H200, 64K: docs/benchmarks/speed_round2/h200_probe_tma_session12.json)
     tma = _flag(options.fwd_tma, device is None or copy_engine_loads(device))
-    gluon = _flag(options.fwd_gluon, head_dim == 64 and block_k == 64 and device is not None
-                  and gluon_kernels(device))
+    gluon = _flag(options.fwd_gluon, head_dim == 64 and block_k == 64 and device is not None and gluon_kernels(device))
     gluon_heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=GLUON_FWD_ROWS)
-    return ForwardConfig(heads, options.fwd_num_warps or warps, options.fwd_num_stages or stages, tma, gluon,
-                         gluon_heads, GLUON_FWD_RING)
+    return ForwardConfig(
+        heads, options.fwd_num_warps or warps, options.fwd_num_stages or stages, tma, gluon, gluon_heads, GLUON_FWD_RING
+    )
 
 
-def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_cold: bool,
-                    kernel_options: Mapping | KernelOptions | None = None, device=None,
-                    query_map: bool = False) -> BackwardConfig:
+def backward_config(
+    group: int,
+    block_q: int,
+    block_k: int,
+    head_dim: int,
+    has_cold: bool,
+    kernel_options: Mapping | KernelOptions | None = None,
+    device=None,
+    query_map: bool = False,
+) -> BackwardConfig:
     """Backward tiles: dQ with heads * BQ = 128 rows, 8 warps when [rows, max(D, BK)] exceeds 64 x 128, 3
     stages (2 with 4 warps; with 128 x 128 key tiles 2, or 1 when the atomic dK/dV products also run:
     shared memory); KV-centric one head per iteration (stacking more spills registers: the [BK, D]
@@ -203,8 +228,10 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     # D = 64), 5.5 -> 4.5 (P128, D = 64, with 3 stages); slower over 128 x 128 key tiles (7.6 -> 8.3)
     # with stored dS (whose slices then leave by TMA stores too) also over 128 x 128 key tiles: 10.9 -> 10.3 ms
     tma = device is None or copy_engine_loads(device)
-    kv_tma = _flag(options.kv_tma, tma and kv_heads == 1 and not query_map
-                   and (block_k * head_dim < 128 * 128 or bool(options.stored_ds)))
+    kv_tma = _flag(
+        options.kv_tma,
+        tma and kv_heads == 1 and not query_map and (block_k * head_dim < 128 * 128 or bool(options.stored_ds)),
+    )
     # TMA K/V loads in the dQ kernel (H200, 64K): 5.49 -> 4.85 ms (P64, D = 128), 5.47 -> 4.98 (P128, D = 128),
     # 2.92 -> 2.80 (P64, D = 64), 3.36 -> 3.10 (P128, D = 64)
     dq_tma = _flag(options.dq_tma, tma)
@@ -225,23 +252,37 @@ def backward_config(group: int, block_q: int, block_k: int, head_dim: int, has_c
     kv_rows = kv_heads * block_q
     kv_tile_rows = options.kv_tile_rows or min(kv_rows, kv_slice or kv_rows)
     if kv_tile_rows > kv_rows:
-        raise ValueError(f"kernel_options.kv_tile_rows={kv_tile_rows} exceeds the KV-centric tile of "
-                         f"kv_heads_per_program * block_q = {kv_rows} rows")
+        raise ValueError(
+            f"kernel_options.kv_tile_rows={kv_tile_rows} exceeds the KV-centric tile of "
+            f"kv_heads_per_program * block_q = {kv_rows} rows"
+        )
     return BackwardConfig(
-        dq_heads, options.dq_num_warps or dq_warps, options.dq_num_stages or dq_stages,
-        kv_heads, options.kv_num_warps or kv_warps, options.kv_num_stages or kv_stages,
-        options.kv_chunk or KV_CHUNK, kv_tile_rows, int(bool(options.fused_dq)), dq_tma, kv_tma,
-        int(bool(options.stored_ds)), kv_gluon, GLUON_TILE_ROWS, GLUON_RING, dq_gluon, GLUON_DQ_RING,
-        dq_gluon_heads, GLUON_KEY_ROWS,
+        dq_heads,
+        options.dq_num_warps or dq_warps,
+        options.dq_num_stages or dq_stages,
+        kv_heads,
+        options.kv_num_warps or kv_warps,
+        options.kv_num_stages or kv_stages,
+        options.kv_chunk or KV_CHUNK,
+        kv_tile_rows,
+        int(bool(options.fused_dq)),
+        dq_tma,
+        kv_tma,
+        int(bool(options.stored_ds)),
+        kv_gluon,
+        GLUON_TILE_ROWS,
+        GLUON_RING,
+        dq_gluon,
+        GLUON_DQ_RING,
+        dq_gluon_heads,
+        GLUON_KEY_ROWS,
     )
-
 
 
 def block_mass_config(group: int, block_q: int) -> ForwardConfig:
     """Block-mass tile: the forward's row tile (heads * BQ = 256 rows), 8 warps from 128 rows, 3 stages."""
     heads = _heads_per_program(group, block_q, rows=256)
     return ForwardConfig(heads, 8 if heads * block_q >= 128 else 4, 3)
-
 
 
 def pool_config(rope: bool, block: int, head_dim: int) -> tuple[int, int, int]:
@@ -269,4 +310,3 @@ def row_log_mass_chunk(num_k_blocks: int, programs_per_chunk: int, device) -> in
     8 blocks (each program loads its query tile once)."""
     wanted_chunks = max(1, (16 * device_sm_count(device)) // max(1, programs_per_chunk))
     return max(min(8, num_k_blocks), -(-num_k_blocks // wanted_chunks))
-

@@ -1,14 +1,21 @@
-"""Learned block selection: the block scorers (``scorer``: pooled; ``indexer``: token-level and oracle) + top-k, distillation targets and loss (``distill``),
-selection-quality metrics (``metrics``) and activation-checkpoint replay of selections (``replay``).
+"""Learned block selection: the block scorers (``scorer``: pooled; ``indexer``: token-level and oracle) + top-k,
+distillation targets and loss (``distill``), selection-quality metrics (``metrics``) and activation-checkpoint
+replay of selections (``replay``).
 
 This is a subpackage on purpose: a top-level ``selectors`` package would shadow the standard
 library module of that name and break ``import torch`` when Python runs from the repository root.
 """
 
 from .distill import block_kl, dense_block_mass, query_row_positions, sparse_block_mass
-from .metrics import (draw_query_blocks, needle_block_recall, oracle_budget, row_mass_recall, sample_query_blocks,
-                      selection_quality)
 from .indexer import OracleSelector, TokenIndexer, build_selector
+from .metrics import (
+    draw_query_blocks,
+    needle_block_recall,
+    oracle_budget,
+    row_mass_recall,
+    sample_query_blocks,
+    selection_quality,
+)
 from .replay import SelectionRecord, SelectionReplay, in_backward_pass
 from .scorer import (
     BlockScorer,

@@ -46,8 +46,16 @@ from ..kernels.reference.block_mass import (
 )
 from ..validation import check_choice
 
-__all__ = ["query_row_positions", "pool_rows", "renormalise", "sparse_block_mass", "dense_block_mass",
-           "dense_row_block_mass", "block_kl", "block_kl_sum"]
+__all__ = [
+    "query_row_positions",
+    "pool_rows",
+    "renormalise",
+    "sparse_block_mass",
+    "dense_block_mass",
+    "dense_row_block_mass",
+    "block_kl",
+    "block_kl_sum",
+]
 
 
 def _kernels_run(q: Tensor, block_q: int, block_k: int, rows_per_block: int | None) -> bool:
@@ -79,11 +87,30 @@ def sparse_block_mass(
     value checks of ``seq_lens`` / ``document_ids`` (host syncs on CUDA; ``sparse_train.sparse_attention``)."""
     check_choice("row_pool", row_pool, ROW_POOLS)
     if lse is not None and _kernels_run(q, index.block_q, index.block_k, rows_per_block):
-        return triton_kernels().block_mass.triton_block_mass(q.detach(), k.detach(), lse, index, scale=scale, seq_lens=seq_lens,
-                                 row_pool=row_pool, document_ids=document_ids, check_values=check_values)
-    return reference_sparse_block_mass(q, k, index, scale=scale, lse=lse, seq_lens=seq_lens,
-                                       rows_per_block=rows_per_block, row_pool=row_pool, chunk_mb=chunk_mb,
-                                       document_ids=document_ids, check_values=check_values)
+        return triton_kernels().block_mass.triton_block_mass(
+            q.detach(),
+            k.detach(),
+            lse,
+            index,
+            scale=scale,
+            seq_lens=seq_lens,
+            row_pool=row_pool,
+            document_ids=document_ids,
+            check_values=check_values,
+        )
+    return reference_sparse_block_mass(
+        q,
+        k,
+        index,
+        scale=scale,
+        lse=lse,
+        seq_lens=seq_lens,
+        rows_per_block=rows_per_block,
+        row_pool=row_pool,
+        chunk_mb=chunk_mb,
+        document_ids=document_ids,
+        check_values=check_values,
+    )
 
 
 @torch.no_grad()
@@ -114,12 +141,32 @@ def dense_block_mass(
         triton_dense_block_mass = triton_kernels().block_mass.triton_dense_block_mass
         if query_blocks is None:
             query_blocks = torch.arange(-(-q.shape[2] // block_q), device=q.device)
-        return triton_dense_block_mass(q.detach(), k.detach(), query_blocks, block_q=block_q, block_k=block_k,
-                                       scale=scale, seq_lens=seq_lens, row_pool=row_pool,
-                                       document_ids=document_ids, check_values=check_values)
-    return reference_dense_block_mass(q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens,
-                                      rows_per_block=rows_per_block, query_blocks=query_blocks, row_pool=row_pool,
-                                      chunk_mb=chunk_mb, document_ids=document_ids, check_values=check_values)
+        return triton_dense_block_mass(
+            q.detach(),
+            k.detach(),
+            query_blocks,
+            block_q=block_q,
+            block_k=block_k,
+            scale=scale,
+            seq_lens=seq_lens,
+            row_pool=row_pool,
+            document_ids=document_ids,
+            check_values=check_values,
+        )
+    return reference_dense_block_mass(
+        q,
+        k,
+        block_q=block_q,
+        block_k=block_k,
+        scale=scale,
+        seq_lens=seq_lens,
+        rows_per_block=rows_per_block,
+        query_blocks=query_blocks,
+        row_pool=row_pool,
+        chunk_mb=chunk_mb,
+        document_ids=document_ids,
+        check_values=check_values,
+    )
 
 
 def block_kl(target: Tensor, logits: Tensor, allowed: Tensor, row_valid: Tensor) -> Tensor:

@@ -40,8 +40,7 @@ from ..kernels.reference.pool import unrotate
 from ..plan.device import triton_runs_on
 from ..validation import check_choice, check_float
 from .distill import dense_block_mass
-from .scorer import (DISTANCE_BUCKETS, EMPTY_BLOCK_SCORE, BlockScorer, SelectionGeometry, add_distance_bias,
-                     checked_rope)
+from .scorer import DISTANCE_BUCKETS, EMPTY_BLOCK_SCORE, BlockScorer, SelectionGeometry, add_distance_bias, checked_rope
 
 __all__ = ["TokenIndexer", "OracleSelector", "build_selector", "index_scores"]
 
@@ -73,8 +72,17 @@ class TokenIndexer(nn.Module):
     ``lr_multiplier``.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, index_dim: int, index_heads: int = 1,
-                 lr_multiplier: float = 1.0, distance_bias: bool = False, rope_style: str = "rotate_half") -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        index_dim: int,
+        index_heads: int = 1,
+        lr_multiplier: float = 1.0,
+        distance_bias: bool = False,
+        rope_style: str = "rotate_half",
+    ) -> None:
         super().__init__()
         lr_multiplier = check_float("lr_multiplier", lr_multiplier, exclusive_minimum=0.0)
         for name, value in (("index_dim", index_dim), ("index_heads", index_heads)):
@@ -102,8 +110,9 @@ class TokenIndexer(nn.Module):
         """Un-rotate q and k by these RoPE frequencies (``[R/2]``, over the first R channels) before indexing;
         ``None`` indexes the rotated q and k as given. ``style``: the RoPE convention (``"rotate_half"`` or
         ``"interleaved"``); ``None`` keeps the indexer's."""
-        self.rope_inv_freq, self.rope_style = checked_rope(inv_freq, style, self.rope_style, self.head_dim,
-                                                           self.query_proj.device)
+        self.rope_inv_freq, self.rope_style = checked_rope(
+            inv_freq, style, self.rope_style, self.head_dim, self.query_proj.device
+        )
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -126,8 +135,15 @@ class TokenIndexer(nn.Module):
         if self.distance_bias is not None:
             self.distance_bias.zero_()
 
-    def pool(self, q: Tensor, k: Tensor, block_q: int, block_k: int, seq_lens: Tensor | None = None,
-             positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def pool(
+        self,
+        q: Tensor,
+        k: Tensor,
+        block_q: int,
+        block_k: int,
+        seq_lens: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """The indexer's detached inputs: q ``[B, HQ, N, D]`` and k ``[B, HKV, N, D]`` with RoPE undone (when
         set), in q's dtype for half-precision inputs (float32 otherwise). Blocks are not pooled: the name is
         the selectors' common call. ``positions``: the RoPE positions (``[N]`` or ``[B, N]``; default 0..N-1)."""
@@ -153,9 +169,17 @@ class TokenIndexer(nn.Module):
         positions = query_blocks.to(q.device, torch.int64).view(-1, 1) * block_q + offsets
         return q.index_select(2, positions.reshape(-1).clamp(max=q.shape[2] - 1))
 
-    def forward(self, q: Tensor, k: Tensor, scale: float, geometry: SelectionGeometry | None = None,
-                query_blocks: Tensor | None = None, *, seq_lens: Tensor | None = None,
-                document_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        scale: float,
+        geometry: SelectionGeometry | None = None,
+        query_blocks: Tensor | None = None,
+        *,
+        seq_lens: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
         """Block scores float32 ``[B, HKV, R, NKB]`` from :meth:`pool`'s outputs; gradients reach only this
         module's parameters. ``geometry`` (of the call) is required: it gives the block sizes and the distance
         buckets. ``query_blocks`` (int ``[R]``, global ids): ``q`` holds only the rows of these query blocks,
@@ -166,22 +190,31 @@ class TokenIndexer(nn.Module):
             raise ValueError("TokenIndexer needs the selection geometry of the call")
         batch, heads, rows, dim = q.shape
         if heads != self.num_heads or k.shape[1] != self.num_kv_heads or dim != self.head_dim:
-            raise ValueError(f"TokenIndexer expects q [B, {self.num_heads}, M, {self.head_dim}] and k "
-                             f"[B, {self.num_kv_heads}, N, {self.head_dim}], got {tuple(q.shape)} and {tuple(k.shape)}")
+            raise ValueError(
+                f"TokenIndexer expects q [B, {self.num_heads}, M, {self.head_dim}] and k "
+                f"[B, {self.num_kv_heads}, N, {self.head_dim}], got {tuple(q.shape)} and {tuple(k.shape)}"
+            )
         multiplier = self.lr_multiplier.to(torch.float32)
         with torch.autocast(q.device.type, enabled=False):
             u, w = self._index_vectors(q, k)
-            raw = index_scores(u, w, block_q=geometry.block_q, block_k=geometry.block_k, seq_lens=seq_lens,
-                               document_ids=document_ids, query_blocks=query_blocks)  # [B, HKV, R, NKB]
+            raw = index_scores(
+                u,
+                w,
+                block_q=geometry.block_q,
+                block_k=geometry.block_k,
+                seq_lens=seq_lens,
+                document_ids=document_ids,
+                query_blocks=query_blocks,
+            )  # [B, HKV, R, NKB]
             # an empty pair (-inf) takes no part in the products (its gradient would be NaN) and scores
             # EMPTY_BLOCK_SCORE: finite for the KL and the top-k, below every real score
             filled = torch.isfinite(raw)
             scores = torch.where(filled, raw.float(), 0.0) * self._temperature(scale).view(1, -1, 1, 1)
             if self.distance_bias is not None:
-                scores = add_distance_bias(scores, self.distance_bias.to(torch.float32) * multiplier, geometry,
-                                           query_blocks)
+                scores = add_distance_bias(
+                    scores, self.distance_bias.to(torch.float32) * multiplier, geometry, query_blocks
+                )
             return torch.where(filled, scores, EMPTY_BLOCK_SCORE)
-
 
     def _index_vectors(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Index queries ``u [B, HKV, M, E, S]`` of q ``[B, HQ, M, D]`` and index keys ``w [B, HKV, N, S]`` of k, in
@@ -203,9 +236,19 @@ class TokenIndexer(nn.Module):
         """float32 ``[HKV]``: the learned temperature times the logit scale."""
         return torch.exp(self.log_temperature.to(torch.float32) * self.lr_multiplier.to(torch.float32)) * scale
 
-    def token_distillation_loss(self, q_index: Tensor, k_index: Tensor, q: Tensor, k: Tensor, query_blocks: Tensor,
-                                scale: float, block_q: int, *, seq_lens: Tensor | None = None,
-                                document_ids: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def token_distillation_loss(
+        self,
+        q_index: Tensor,
+        k_index: Tensor,
+        q: Tensor,
+        k: Tensor,
+        query_blocks: Tensor,
+        scale: float,
+        block_q: int,
+        *,
+        seq_lens: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Token-level distillation (``selector_distill="token"``) on the rows of ``query_blocks``: per row r, the KL
         from the row's dense attention over keys (softmax of ``scale q_g[r] . k[t]`` over the causal, valid,
         same-document keys, max over the GQA heads g, renormalised) to the softmax over the same keys of the index
@@ -219,8 +262,9 @@ class TokenIndexer(nn.Module):
         total = torch.zeros((), device=device, dtype=torch.float32)
         count = torch.zeros((), device=device, dtype=torch.float32)
         keys = torch.arange(seq_len, device=device)
-        limit = (torch.full((batch,), seq_len, device=device) if seq_lens is None
-                 else seq_lens.to(device).clamp(max=seq_len))
+        limit = (
+            torch.full((batch,), seq_len, device=device) if seq_lens is None else seq_lens.to(device).clamp(max=seq_len)
+        )
         temperature = self._temperature(scale).view(1, -1, 1, 1)
         w = self._index_keys(k_index)
         for block in query_blocks.to(device, torch.int64).unbind(0):
@@ -267,17 +311,33 @@ class OracleSelector(nn.Module):
 
     def set_rope(self, inv_freq: Tensor | None, style: str | None = None) -> None:
         """Accepted for the selectors' common call; the oracle scores the attention's own (rotated) q and k."""
-        self.rope_inv_freq, self.rope_style = checked_rope(inv_freq, style, self.rope_style, self.head_dim,
-                                                           self.rope_inv_freq.device)
+        self.rope_inv_freq, self.rope_style = checked_rope(
+            inv_freq, style, self.rope_style, self.head_dim, self.rope_inv_freq.device
+        )
 
-    def pool(self, q: Tensor, k: Tensor, block_q: int, block_k: int, seq_lens: Tensor | None = None,
-             positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def pool(
+        self,
+        q: Tensor,
+        k: Tensor,
+        block_q: int,
+        block_k: int,
+        seq_lens: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """The attention's q and k, detached (nothing is pooled or un-rotated)."""
         return q.detach(), k.detach()
 
-    def forward(self, q: Tensor, k: Tensor, scale: float, geometry: SelectionGeometry | None = None,
-                query_blocks: Tensor | None = None, *, seq_lens: Tensor | None = None,
-                document_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        scale: float,
+        geometry: SelectionGeometry | None = None,
+        query_blocks: Tensor | None = None,
+        *,
+        seq_lens: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
         """float32 ``[B, HKV, NQB, NKB]``: log of each key block's dense attention mass, max over the query
         block's rows and GQA heads, renormalised per query block; ``EMPTY_BLOCK_SCORE`` where the mass is 0."""
         if geometry is None:
@@ -285,9 +345,17 @@ class OracleSelector(nn.Module):
         if query_blocks is not None:
             raise ValueError("the oracle selector scores every query block of a full sequence (no query_blocks)")
         with torch.no_grad():
-            mass, _ = dense_block_mass(q, k, block_q=geometry.block_q, block_k=geometry.block_k, scale=scale,
-                                       seq_lens=seq_lens, row_pool="max", chunk_mb=self.chunk_mb,
-                                       document_ids=document_ids)
+            mass, _ = dense_block_mass(
+                q,
+                k,
+                block_q=geometry.block_q,
+                block_k=geometry.block_k,
+                scale=scale,
+                seq_lens=seq_lens,
+                row_pool="max",
+                chunk_mb=self.chunk_mb,
+                document_ids=document_ids,
+            )
             return torch.log(mass.float()).clamp(min=EMPTY_BLOCK_SCORE)
 
 
@@ -299,10 +367,24 @@ def build_selector(config: SparseAttentionConfig, num_heads: int, num_kv_heads: 
     if config.selector == "oracle":
         return OracleSelector(num_heads, num_kv_heads, head_dim, chunk_mb=config.distill_chunk_mb)
     if config.selector == "token":
-        return TokenIndexer(num_heads, num_kv_heads, head_dim, config.selector_dim, config.selector_index_heads,
-                            lr_multiplier=config.selector_lr_multiplier, distance_bias=config.selector_distance_bias,
-                            rope_style=config.selector_rope_style)
-    return BlockScorer(num_heads, num_kv_heads, head_dim, config.selector_dim,
-                       lr_multiplier=config.selector_lr_multiplier, key_pooling=config.key_pooling,
-                       distance_bias=config.selector_distance_bias, query_pooling=config.query_pooling,
-                       rope_style=config.selector_rope_style)
+        return TokenIndexer(
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            config.selector_dim,
+            config.selector_index_heads,
+            lr_multiplier=config.selector_lr_multiplier,
+            distance_bias=config.selector_distance_bias,
+            rope_style=config.selector_rope_style,
+        )
+    return BlockScorer(
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        config.selector_dim,
+        lr_multiplier=config.selector_lr_multiplier,
+        key_pooling=config.key_pooling,
+        distance_bias=config.selector_distance_bias,
+        query_pooling=config.query_pooling,
+        rope_style=config.selector_rope_style,
+    )

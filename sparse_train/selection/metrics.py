@@ -27,8 +27,16 @@ from ..kernels.reference.attention import philox4x32_10
 from ..plan.device import triton_runs_on
 from .distill import dense_row_block_mass
 
-__all__ = ["selection_quality", "sample_query_blocks", "draw_query_blocks", "row_mass_recall", "needle_block_recall", "oracle_budget",
-           "RECALL_QUANTILE", "ORACLE_RECALL_GOAL"]
+__all__ = [
+    "selection_quality",
+    "sample_query_blocks",
+    "draw_query_blocks",
+    "row_mass_recall",
+    "needle_block_recall",
+    "oracle_budget",
+    "RECALL_QUANTILE",
+    "ORACLE_RECALL_GOAL",
+]
 
 RECALL_QUANTILE = 0.05
 """The low quantile of per-row recall that is reported next to the mean (``mass_recall_p5``)."""
@@ -104,8 +112,14 @@ def row_mass_recall(
     """
     query_blocks = query_blocks.to(q.device)
     row_mass, row_ok = dense_row_block_mass(
-        q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens,
-        query_blocks=query_blocks, document_ids=document_ids,
+        q,
+        k,
+        block_q=index.block_q,
+        block_k=index.block_k,
+        scale=scale,
+        seq_lens=seq_lens,
+        query_blocks=query_blocks,
+        document_ids=document_ids,
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
     return _recalls(row_mass, row_ok, _oracle_order(row_mass, row_ok), index, query_blocks)
 
@@ -117,13 +131,16 @@ def _oracle_order(row_mass: Tensor, row_ok: Tensor) -> tuple[Tensor, Tensor]:
     return block_mass, torch.argsort(block_mass, dim=-1, descending=True, stable=True)
 
 
-def _recalls(row_mass: Tensor, row_ok: Tensor, oracle_order: tuple[Tensor, Tensor], index: BlockIndex,
-             query_blocks: Tensor) -> tuple[Tensor, Tensor]:
+def _recalls(
+    row_mass: Tensor, row_ok: Tensor, oracle_order: tuple[Tensor, Tensor], index: BlockIndex, query_blocks: Tensor
+) -> tuple[Tensor, Tensor]:
     """:func:`row_mass_recall` from the sampled blocks' row masses and :func:`_oracle_order`."""
     selected = index.to_dense()[:, :, query_blocks]  # [B, HKV, S, NKB]
     recall = torch.where(selected.unsqueeze(3), row_mass, 0.0).sum(dim=-1)
     _, order = oracle_order
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=row_mass.device).expand_as(order))
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=row_mass.device).expand_as(order)
+    )
     oracle = rank < selected.sum(dim=-1, keepdim=True)
     oracle_recall = torch.where(oracle.unsqueeze(3), row_mass, 0.0).sum(dim=-1)
     return recall[row_ok], oracle_recall[row_ok]
@@ -159,14 +176,27 @@ def oracle_budget(
     """
     query_blocks = query_blocks.to(q.device)
     row_mass, row_ok = dense_row_block_mass(
-        q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, query_blocks=query_blocks,
+        q,
+        k,
+        block_q=block_q,
+        block_k=block_k,
+        scale=scale,
+        seq_lens=seq_lens,
+        query_blocks=query_blocks,
         document_ids=document_ids,
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
     return _oracle_budget(_oracle_order(row_mass, row_ok), row_ok, q.shape[2], block_q, block_k, query_blocks, goal)
 
 
-def _oracle_budget(oracle_order: tuple[Tensor, Tensor], row_ok: Tensor, seq_len: int, block_q: int, block_k: int,
-                   query_blocks: Tensor, goal: float) -> Tensor:
+def _oracle_budget(
+    oracle_order: tuple[Tensor, Tensor],
+    row_ok: Tensor,
+    seq_len: int,
+    block_q: int,
+    block_k: int,
+    query_blocks: Tensor,
+    goal: float,
+) -> Tensor:
     """:func:`oracle_budget` from :func:`_oracle_order` of the sampled blocks."""
     block_mass, order = oracle_order
     rows = row_ok.sum(dim=-1).to(block_mass.dtype)  # [B, HKV, S]
@@ -223,18 +253,27 @@ def selection_quality(
     """
     query_blocks = query_blocks.to(q.device)
     row_mass, row_ok = dense_row_block_mass(
-        q, k, block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens,
-        query_blocks=query_blocks, document_ids=document_ids,
+        q,
+        k,
+        block_q=index.block_q,
+        block_k=index.block_k,
+        scale=scale,
+        seq_lens=seq_lens,
+        query_blocks=query_blocks,
+        document_ids=document_ids,
     )  # [B, HKV, S, G*BQ, NKB], [B, HKV, S, G*BQ]
     oracle_order = _oracle_order(row_mass, row_ok)
     recall, oracle = _recalls(row_mass, row_ok, oracle_order, index, query_blocks)
     out = {}
     for prefix, values in (("", recall), ("oracle_", oracle)):
         if values.numel() == 0:
-            out[f"{prefix}mass_recall_mean"] = out[f"{prefix}mass_recall_p5"] = torch.full((), float("nan"), device=q.device)
+            out[f"{prefix}mass_recall_mean"] = out[f"{prefix}mass_recall_p5"] = torch.full(
+                (), float("nan"), device=q.device
+            )
         else:
             out[f"{prefix}mass_recall_mean"] = values.mean()
             out[f"{prefix}mass_recall_p5"] = torch.quantile(values, RECALL_QUANTILE)
-    out["oracle_density_r90"] = _oracle_budget(oracle_order, row_ok, q.shape[2], index.block_q, index.block_k,
-                                               query_blocks, ORACLE_RECALL_GOAL)
+    out["oracle_density_r90"] = _oracle_budget(
+        oracle_order, row_ok, q.shape[2], index.block_q, index.block_k, query_blocks, ORACLE_RECALL_GOAL
+    )
     return out

@@ -172,5 +172,8 @@ class SelectionReplay:
         return list(found.values())
 
     def stats(self) -> dict[str, float]:
-        return {"replay/hits": float(self.hits), "replay/misses": float(self.misses),
-                "replay/ambiguous": float(self.ambiguous)}
+        return {
+            "replay/hits": float(self.hits),
+            "replay/misses": float(self.misses),
+            "replay/ambiguous": float(self.ambiguous),
+        }

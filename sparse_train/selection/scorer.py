@@ -6,7 +6,8 @@ For every (batch b, KV head h, query block i, key block j) the selector scores
 
 where ``qbar`` is the mean of the queries of block i over its rows *and* over the G query heads of
 the group (one selection per KV head, shared by the group; with ``query_pooling="mean_max"`` also the
-element-wise max over the rows of the group's mean query), ``kbar`` the mean key of block j (and its max with ``key_pooling="mean_max"``),
+element-wise max over the rows of the group's mean query), ``kbar`` the mean key of block j (and its max with
+``key_pooling="mean_max"``),
 ``W_q[h], W_k[h]`` are ``[D, S]`` projections (S = ``selector_dim``), ``t_h`` a learned
 log-temperature and ``beta[h]`` a learned bias per log2 bucket of the block distance ``d_ij`` (key
 blocks between block j and the last key block query block i reaches; 0 for the diagonal block).
@@ -46,13 +47,29 @@ from ..kernels.reference.scores import DISTANCE_BUCKETS, EMPTY_BLOCK_SCORE
 from ..plan.device import triton_runs_on
 from ..validation import check_choice, check_float, check_integer_tensor
 
-__all__ = ["SelectionGeometry", "selection_geometry", "BlockScorer", "block_pool", "block_mean", "block_max",
-           "rope_inverse_frequencies", "unrotate", "block_distance_buckets", "DISTANCE_BUCKETS",
-           "selection_candidates", "allowed_dynamic_blocks", "causal_block_mask", "reference_block_logits",
-           "add_distance_bias", "checked_rope", "EMPTY_BLOCK_SCORE"]
+__all__ = [
+    "SelectionGeometry",
+    "selection_geometry",
+    "BlockScorer",
+    "block_pool",
+    "block_mean",
+    "block_max",
+    "rope_inverse_frequencies",
+    "unrotate",
+    "block_distance_buckets",
+    "DISTANCE_BUCKETS",
+    "selection_candidates",
+    "allowed_dynamic_blocks",
+    "causal_block_mask",
+    "reference_block_logits",
+    "add_distance_bias",
+    "checked_rope",
+    "EMPTY_BLOCK_SCORE",
+]
 
 _PROJECTION_SEED = 20261130
 """Seed of the initial random projection (the same in every layer; layers differ by their q and k)."""
+
 
 @dataclass(frozen=True)
 class SelectionGeometry:
@@ -85,7 +102,9 @@ class SelectionGeometry:
 
 
 @functools.lru_cache(maxsize=256)
-def selection_geometry(seq_len: int, block_q: int, block_k: int, top_k: int, window: int, sinks: int) -> SelectionGeometry:
+def selection_geometry(
+    seq_len: int, block_q: int, block_k: int, top_k: int, window: int, sinks: int
+) -> SelectionGeometry:
     """Shape-level facts of the selection (cached; pure Python, no tensors, no device sync)."""
     num_q_blocks = math.ceil(seq_len / block_q)
     num_k_blocks = math.ceil(seq_len / block_k)
@@ -102,8 +121,9 @@ def selection_geometry(seq_len: int, block_q: int, block_k: int, top_k: int, win
         # query block's own key blocks (those the window does not already hold)
         own_blocks = last - (i * block_q) // block_k + 1
         own_outside_window = max(0, own_blocks - window) if sinks > 0 else 0
-        longest_documents = max(longest_documents,
-                                min(reachable, (reachable - window_lo) + sink_hi + own_outside_window + top_k))
+        longest_documents = max(
+            longest_documents, min(reachable, (reachable - window_lo) + sink_hi + own_outside_window + top_k)
+        )
         selected += row
         causal += reachable
         longest = max(longest, row)
@@ -130,16 +150,18 @@ def causal_block_mask(geometry: SelectionGeometry, device=None) -> Tensor:
     return j.view(1, -1) <= last.view(-1, 1)
 
 
-def allowed_dynamic_blocks(geometry: SelectionGeometry, window: int, sinks: int, device=None,
-                           document_ids: Tensor | None = None) -> Tensor:
+def allowed_dynamic_blocks(
+    geometry: SelectionGeometry, window: int, sinks: int, device=None, document_ids: Tensor | None = None
+) -> Tensor:
     """bool ``[NQB, NKB]``: causal blocks that neither the window nor the sinks already cover.
 
     With ``document_ids`` (int ``[B, N]``, non-decreasing; packed documents) a bool ``[B, NQB, NKB]``:
     besides, the key block shares a document with the query block (no score or target across
     documents) and is not one of the per-document sinks the index adds
     (:func:`~sparse_train.index.block_index.document_sink_candidates`)."""
-    last = causal_last_block(geometry.num_q_blocks, geometry.seq_len, geometry.block_q, geometry.block_k,
-                             device).view(-1, 1)
+    last = causal_last_block(geometry.num_q_blocks, geometry.seq_len, geometry.block_q, geometry.block_k, device).view(
+        -1, 1
+    )
     j = torch.arange(geometry.num_k_blocks, device=device).view(1, -1)
     causal = j <= last
     in_window = (j > last - window) if window > 0 else torch.zeros_like(causal)
@@ -151,8 +173,9 @@ def allowed_dynamic_blocks(geometry: SelectionGeometry, window: int, sinks: int,
     same = shares_document(document_ids, keys, block_q=geometry.block_q, block_k=geometry.block_k)[:, 0]
     allowed = causal & ~in_window & same
     if sinks > 0:
-        sink = document_sink_candidates(document_ids, sinks, seq_len=geometry.seq_len, block_q=geometry.block_q,
-                                        block_k=geometry.block_k)  # [B, NQB, S], -1 unused
+        sink = document_sink_candidates(
+            document_ids, sinks, seq_len=geometry.seq_len, block_q=geometry.block_q, block_k=geometry.block_k
+        )  # [B, NQB, S], -1 unused
         is_sink = torch.zeros(batch, nqb, nkb + 1, dtype=torch.bool, device=allowed.device)
         is_sink.scatter_(-1, torch.where(sink >= 0, sink, nkb), True)
         allowed = allowed & ~is_sink[..., :nkb]
@@ -167,8 +190,9 @@ def rope_inverse_frequencies(theta: float, rotary_dim: int) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
 
 
-def checked_rope(inv_freq: Tensor | None, style: str | None, current_style: str, head_dim: int,
-                 device) -> tuple[Tensor, str]:
+def checked_rope(
+    inv_freq: Tensor | None, style: str | None, current_style: str, head_dim: int, device
+) -> tuple[Tensor, str]:
     """A selector's RoPE state after ``set_rope(inv_freq, style)``: the float32 frequencies on ``device``
     (empty for ``None``) and the convention (``style``, or ``current_style`` when None). Raises ValueError for
     frequencies that are not a finite 1-D tensor of at most ``head_dim / 2`` values, or an unknown style."""
@@ -177,8 +201,10 @@ def checked_rope(inv_freq: Tensor | None, style: str | None, current_style: str,
     if inv_freq is None:
         return torch.zeros(0, device=device), style
     if not isinstance(inv_freq, Tensor) or inv_freq.dim() != 1 or not 0 < 2 * inv_freq.shape[0] <= head_dim:
-        raise ValueError(f"RoPE inv_freq must be a 1-D tensor of at most head_dim/2={head_dim // 2} "
-                         f"frequencies, got {getattr(inv_freq, 'shape', inv_freq)!r}")
+        raise ValueError(
+            f"RoPE inv_freq must be a 1-D tensor of at most head_dim/2={head_dim // 2} "
+            f"frequencies, got {getattr(inv_freq, 'shape', inv_freq)!r}"
+        )
     if not torch.isfinite(inv_freq).all():
         raise ValueError("RoPE inv_freq must be finite")
     return inv_freq.detach().to(device, torch.float32), style
@@ -194,17 +220,41 @@ def block_distance_buckets(geometry: SelectionGeometry, device=None) -> Tensor:
 
 
 @torch.no_grad()
-def block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tensor | None = None,
-               inv_freq: Tensor | None = None, positions: Tensor | None = None, with_max: bool = False,
-               rope_style: str = "rotate_half") -> Tensor:
+def block_pool(
+    x: Tensor,
+    block: int,
+    group: int = 1,
+    *,
+    valid_len: Tensor | None = None,
+    inv_freq: Tensor | None = None,
+    positions: Tensor | None = None,
+    with_max: bool = False,
+    rope_style: str = "rotate_half",
+) -> Tensor:
     """The selector's block pooling (:func:`~sparse_train.kernels.reference.pool.reference_block_pool`: arguments,
     returns): one Triton kernel (``kernels/triton/pool.py``) where the attention kernels run, the PyTorch reference
     otherwise. No gradient."""
     if choose_backend(x, block, block)[0] == "triton":
-        return triton_kernels().pool.triton_block_pool(x, block, group, valid_len=valid_len, inv_freq=inv_freq,
-                                                       positions=positions, with_max=with_max, rope_style=rope_style)
-    return reference_block_pool(x, block, group, valid_len=valid_len, inv_freq=inv_freq, positions=positions,
-                                with_max=with_max, rope_style=rope_style)
+        return triton_kernels().pool.triton_block_pool(
+            x,
+            block,
+            group,
+            valid_len=valid_len,
+            inv_freq=inv_freq,
+            positions=positions,
+            with_max=with_max,
+            rope_style=rope_style,
+        )
+    return reference_block_pool(
+        x,
+        block,
+        group,
+        valid_len=valid_len,
+        inv_freq=inv_freq,
+        positions=positions,
+        with_max=with_max,
+        rope_style=rope_style,
+    )
 
 
 class BlockScorer(nn.Module):
@@ -231,9 +281,18 @@ class BlockScorer(nn.Module):
     slowest rotary frequency turns by radians across the context). The window covers locality.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, selector_dim: int,
-                 lr_multiplier: float = 1.0, key_pooling: str = "mean", distance_bias: bool = False,
-                 query_pooling: str = "mean", rope_style: str = "rotate_half") -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        selector_dim: int,
+        lr_multiplier: float = 1.0,
+        key_pooling: str = "mean",
+        distance_bias: bool = False,
+        query_pooling: str = "mean",
+        rope_style: str = "rotate_half",
+    ) -> None:
         super().__init__()
         check_choice("key_pooling", key_pooling, KEY_POOLINGS)
         check_choice("rope_style", rope_style, ROPE_STYLES)
@@ -262,8 +321,9 @@ class BlockScorer(nn.Module):
         """Un-rotate q and k by these RoPE frequencies (``[R/2]``, over the first R channels) before pooling;
         ``None`` pools the rotated q and k as given. ``style``: the RoPE convention (``"rotate_half"`` or
         ``"interleaved"``, :func:`unrotate`); ``None`` keeps the scorer's."""
-        self.rope_inv_freq, self.rope_style = checked_rope(inv_freq, style, self.rope_style, self.head_dim,
-                                                           self.query_proj.device)
+        self.rope_inv_freq, self.rope_style = checked_rope(
+            inv_freq, style, self.rope_style, self.head_dim, self.query_proj.device
+        )
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # A selector saved before the distance bias existed scored without one, which is a zero bias:
@@ -275,8 +335,13 @@ class BlockScorer(nn.Module):
         # those of a zero max half, the initialisation of mean_max.
         query_key = prefix + "query_proj"
         saved = state_dict.get(query_key)
-        if (isinstance(saved, Tensor) and self.query_pooling == "mean_max" and saved.dim() == 3
-                and saved.shape[1] == self.head_dim and self.query_proj.shape[1] == 2 * self.head_dim):
+        if (
+            isinstance(saved, Tensor)
+            and self.query_pooling == "mean_max"
+            and saved.dim() == 3
+            and saved.shape[1] == self.head_dim
+            and self.query_proj.shape[1] == 2 * self.head_dim
+        ):
             state_dict[query_key] = torch.cat([saved, torch.zeros_like(saved)], dim=1)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -299,22 +364,53 @@ class BlockScorer(nn.Module):
         if self.distance_bias is not None:
             self.distance_bias.zero_()
 
-    def pool(self, q: Tensor, k: Tensor, block_q: int, block_k: int, seq_lens: Tensor | None = None,
-             positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def pool(
+        self,
+        q: Tensor,
+        k: Tensor,
+        block_q: int,
+        block_k: int,
+        seq_lens: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Detached pooled inputs: ``qbar`` float32 ``[B, HKV, NQB, Pq*D]``, ``kbar`` ``[B, HKV, NKB, P*D]``.
         ``positions`` (``[N]`` or ``[B, N]``): the RoPE positions of the tokens, for the un-rotation
         (:func:`unrotate`; default ``0..N-1``)."""
         group = self.num_heads // self.num_kv_heads
         inv_freq = self.rope_inv_freq if self.rope_inv_freq.numel() else None
-        qbar = block_pool(q.detach(), block_q, group, valid_len=seq_lens, inv_freq=inv_freq, positions=positions,
-                          with_max=self.query_pooling == "mean_max", rope_style=self.rope_style)
-        kbar = block_pool(k.detach(), block_k, 1, valid_len=seq_lens, inv_freq=inv_freq, positions=positions,
-                          with_max=self.key_pooling == "mean_max", rope_style=self.rope_style)
+        qbar = block_pool(
+            q.detach(),
+            block_q,
+            group,
+            valid_len=seq_lens,
+            inv_freq=inv_freq,
+            positions=positions,
+            with_max=self.query_pooling == "mean_max",
+            rope_style=self.rope_style,
+        )
+        kbar = block_pool(
+            k.detach(),
+            block_k,
+            1,
+            valid_len=seq_lens,
+            inv_freq=inv_freq,
+            positions=positions,
+            with_max=self.key_pooling == "mean_max",
+            rope_style=self.rope_style,
+        )
         return qbar.float(), kbar.float()  # float32 also for float64 inputs, as the projections are
 
-    def forward(self, qbar: Tensor, kbar: Tensor, scale: float, geometry: SelectionGeometry | None = None,
-                query_blocks: Tensor | None = None, *, seq_lens: Tensor | None = None,
-                document_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self,
+        qbar: Tensor,
+        kbar: Tensor,
+        scale: float,
+        geometry: SelectionGeometry | None = None,
+        query_blocks: Tensor | None = None,
+        *,
+        seq_lens: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> Tensor:
         """Block logits float32 ``[B, HKV, NQB, NKB]`` (gradients reach only this module's parameters);
         the distance bias is added when ``geometry`` (of the pooled call) is given.
 
@@ -329,8 +425,9 @@ class BlockScorer(nn.Module):
         with torch.autocast(qbar.device.type, enabled=False):
             return self._logits(qbar.float(), kbar.float(), scale, geometry, query_blocks)
 
-    def _logits(self, qbar: Tensor, kbar: Tensor, scale: float, geometry: SelectionGeometry | None,
-                query_blocks: Tensor | None) -> Tensor:
+    def _logits(
+        self, qbar: Tensor, kbar: Tensor, scale: float, geometry: SelectionGeometry | None, query_blocks: Tensor | None
+    ) -> Tensor:
         multiplier = self.lr_multiplier.to(torch.float32)
         wq = self.query_proj.to(torch.float32) * multiplier
         wk = self.key_proj.to(torch.float32) * multiplier
@@ -355,8 +452,14 @@ def _logits_kernel_runs(qs: Tensor) -> bool:
     return not torch.compiler.is_compiling() and triton_runs_on(qs)
 
 
-def reference_block_logits(qs: Tensor, ks: Tensor, temperature: Tensor, bias: Tensor | None = None,
-                           geometry: SelectionGeometry | None = None, query_blocks: Tensor | None = None) -> Tensor:
+def reference_block_logits(
+    qs: Tensor,
+    ks: Tensor,
+    temperature: Tensor,
+    bias: Tensor | None = None,
+    geometry: SelectionGeometry | None = None,
+    query_blocks: Tensor | None = None,
+) -> Tensor:
     """The selector's block logits (the reference of ``kernels/triton/scores.py``): ``temperature[h] * qs ks^T``
     (``qs [B, H, R, S]``, ``ks [B, H, NKB, S]``, ``temperature [H]``), plus ``bias[h, bucket(i, j)]`` when a
     ``bias`` ``[H, C]`` is given, the bucket of :func:`block_distance_buckets` for the rows' query blocks (all
@@ -368,8 +471,9 @@ def reference_block_logits(qs: Tensor, ks: Tensor, temperature: Tensor, bias: Te
     return add_distance_bias(logits, bias, geometry, query_blocks)
 
 
-def add_distance_bias(logits: Tensor, bias: Tensor, geometry: SelectionGeometry,
-                      query_blocks: Tensor | None = None) -> Tensor:
+def add_distance_bias(
+    logits: Tensor, bias: Tensor, geometry: SelectionGeometry, query_blocks: Tensor | None = None
+) -> Tensor:
     """``logits [B, H, R, NKB] + bias[h, bucket(i, j)]`` (``bias [H, C]``; the buckets of
     :func:`block_distance_buckets` for the rows' query blocks: all of them in order, or the global ids
     ``query_blocks``), with a backward that sums the gradient per bucket."""
@@ -461,8 +565,9 @@ def selection_candidates(
     if k == 0:
         return torch.empty(batch, kv_heads, rows, 0, dtype=torch.int64, device=scores.device)
     if document_ids is None and top_p is None and _topk_kernel_runs(scores, geometry):
-        return triton_kernels().topk.triton_selection_candidates(scores, geometry, window=window, sinks=sinks, seq_lens=seq_lens,
-                                           query_blocks=query_blocks)
+        return triton_kernels().topk.triton_selection_candidates(
+            scores, geometry, window=window, sinks=sinks, seq_lens=seq_lens, query_blocks=query_blocks
+        )
     allowed = allowed_dynamic_blocks(geometry, window, sinks, scores.device, document_ids)
     if query_blocks is not None:
         allowed = allowed.index_select(allowed.dim() - 2, query_blocks)

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
+from builders import make_qkv, random_selection
 
 import sparse_train as st
-from builders import make_qkv, random_selection
 from sparse_train.index.block_index import capacity_tier
 
 
@@ -91,7 +91,9 @@ def test_full_index_and_is_full():
     assert torch.equal(full.to_dense()[1, 2], causal)
     assert full.is_full()
     assert math.isclose(full.density(), 1.0)
-    partial = st.BlockIndex.from_selection(torch.zeros(2, 3, 6, 1, dtype=torch.int64), seq_len=333, block_q=64, block_k=32)
+    partial = st.BlockIndex.from_selection(
+        torch.zeros(2, 3, 6, 1, dtype=torch.int64), seq_len=333, block_q=64, block_k=32
+    )
     assert not partial.is_full()
 
 
@@ -177,7 +179,9 @@ def test_csr_roundtrip_with_ragged_rows():
 def test_rejects_out_of_range_naming_row():
     sel = torch.full((2, 2, 4, 2), -1, dtype=torch.int64)
     sel[1, 0, 3, 1] = 9
-    with pytest.raises(ValueError, match=r"candidate key block 9 at \(batch=1, kv_head=0, query_block=3\).*out of range"):
+    with pytest.raises(
+        ValueError, match=r"candidate key block 9 at \(batch=1, kv_head=0, query_block=3\).*out of range"
+    ):
         st.BlockIndex.from_selection(sel, seq_len=256)
 
 
@@ -245,11 +249,13 @@ def test_from_canonical_full_check_catches_each_invariant():
 
 def test_from_csr_rejects_bad_indptr():
     with pytest.raises(ValueError, match="indptr must be 1-D"):
-        st.BlockIndex.from_csr(torch.zeros(3, dtype=torch.int64), torch.zeros(0, dtype=torch.int32),
-                               batch=1, num_kv_heads=1, seq_len=256)
+        st.BlockIndex.from_csr(
+            torch.zeros(3, dtype=torch.int64), torch.zeros(0, dtype=torch.int32), batch=1, num_kv_heads=1, seq_len=256
+        )
     with pytest.raises(ValueError, match="non-decreasing"):
-        st.BlockIndex.from_csr(torch.tensor([0, 2, 1, 1, 1]), torch.zeros(1, dtype=torch.int32),
-                               batch=1, num_kv_heads=1, seq_len=256)
+        st.BlockIndex.from_csr(
+            torch.tensor([0, 2, 1, 1, 1]), torch.zeros(1, dtype=torch.int32), batch=1, num_kv_heads=1, seq_len=256
+        )
 
 
 @pytest.mark.parametrize(
@@ -391,31 +397,85 @@ SEL = torch.zeros(1, 1, 4, 1, dtype=torch.int64)
 @pytest.mark.parametrize(
     "build,match",
     [
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, window=1.5), r"window and sinks must be ints >= 0, got window=1.5"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, window=True), "window and sinks must be ints >= 0, got window=True"),
+        (
+            lambda: st.BlockIndex.from_selection(SEL, seq_len=256, window=1.5),
+            r"window and sinks must be ints >= 0, got window=1.5",
+        ),
+        (
+            lambda: st.BlockIndex.from_selection(SEL, seq_len=256, window=True),
+            "window and sinks must be ints >= 0, got window=True",
+        ),
         (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, sinks=-2), "sinks=-2"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256.0), r"seq_len must be (an int|a positive int)\b.*, got 256\.0"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, block_q=True), r"block_q must be (an int|a positive int)\b.*, got True"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, block_k=-64), "block_k must be a positive int, got -64"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, capacity=2.0), r"capacity must be (an int|a positive int)\b.*, got 2\.0"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256, capacity=True), r"capacity must be (an int|a positive int)\b.*, got True"),
-        (lambda: st.BlockIndex.from_selection(SEL.bool(), seq_len=256), "selected must have an integer dtype, got torch.bool"),
+        (
+            lambda: st.BlockIndex.from_selection(SEL, seq_len=256.0),
+            r"seq_len must be (an int|a positive int)\b.*, got 256\.0",
+        ),
+        (
+            lambda: st.BlockIndex.from_selection(SEL, seq_len=256, block_q=True),
+            r"block_q must be (an int|a positive int)\b.*, got True",
+        ),
+        (
+            lambda: st.BlockIndex.from_selection(SEL, seq_len=256, block_k=-64),
+            "block_k must be a positive int, got -64",
+        ),
+        (
+            lambda: st.BlockIndex.from_selection(SEL, seq_len=256, capacity=2.0),
+            r"capacity must be (an int|a positive int)\b.*, got 2\.0",
+        ),
+        (
+            lambda: st.BlockIndex.from_selection(SEL, seq_len=256, capacity=True),
+            r"capacity must be (an int|a positive int)\b.*, got True",
+        ),
+        (
+            lambda: st.BlockIndex.from_selection(SEL.bool(), seq_len=256),
+            "selected must have an integer dtype, got torch.bool",
+        ),
         (lambda: st.BlockIndex.from_selection(SEL.tolist(), seq_len=256), "selected must be a torch.Tensor, got list"),
         (lambda: st.BlockIndex.full(-1, 1, 256), "batch must be an int >= 0, got -1"),
         (lambda: st.BlockIndex.full(1, 0, 256), "num_kv_heads must be a positive int, got 0"),
         (lambda: st.BlockIndex.full(1, 2.0, 256), r"num_kv_heads must be (an int|a positive int)\b.*, got 2\.0"),
-        (lambda: st.BlockIndex.from_csr(torch.tensor([0, 1]), torch.tensor([0]), batch=1.0, num_kv_heads=1, seq_len=64),
-         r"batch must be (an int|a positive int)\b.*, got 1\.0"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(1.5), r"r0 must be (an int|a positive int)\b.*, got 1\.5"),
-        (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(True), r"r0 must be (an int|a positive int)\b.*, got True"),
+        (
+            lambda: st.BlockIndex.from_csr(
+                torch.tensor([0, 1]), torch.tensor([0]), batch=1.0, num_kv_heads=1, seq_len=64
+            ),
+            r"batch must be (an int|a positive int)\b.*, got 1\.0",
+        ),
+        (
+            lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(1.5),
+            r"r0 must be (an int|a positive int)\b.*, got 1\.5",
+        ),
+        (
+            lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(True),
+            r"r0 must be (an int|a positive int)\b.*, got True",
+        ),
         (lambda: st.BlockIndex.from_selection(SEL, seq_len=256).plan(-1), "r0 must be an int >= 0, got -1"),
-        (lambda: st.BlockIndex.from_canonical(SEL.int(), SEL[..., 0].int(), seq_len=256, block_q=64, block_k=64, check=None),
-         "check must be one of"),
+        (
+            lambda: st.BlockIndex.from_canonical(
+                SEL.int(), SEL[..., 0].int(), seq_len=256, block_q=64, block_k=64, check=None
+            ),
+            "check must be one of",
+        ),
     ],
-    ids=["window-float", "window-bool", "sinks-negative", "seq_len-float", "block_q-bool", "block_k-negative",
-         "capacity-float", "capacity-bool", "selected-bool", "selected-list", "full-batch-negative",
-         "full-kv-heads-zero", "full-kv-heads-float", "csr-batch-float", "plan-r0-float", "plan-r0-bool",
-         "plan-r0-negative", "canonical-check-none-object"],
+    ids=[
+        "window-float",
+        "window-bool",
+        "sinks-negative",
+        "seq_len-float",
+        "block_q-bool",
+        "block_k-negative",
+        "capacity-float",
+        "capacity-bool",
+        "selected-bool",
+        "selected-list",
+        "full-batch-negative",
+        "full-kv-heads-zero",
+        "full-kv-heads-float",
+        "csr-batch-float",
+        "plan-r0-float",
+        "plan-r0-bool",
+        "plan-r0-negative",
+        "canonical-check-none-object",
+    ],
 )
 def test_index_api_rejects_bad_arguments(build, match):
     with pytest.raises(ValueError, match=match):
@@ -437,18 +497,20 @@ def _two_heads():
 
 def test_to_string_draws_one_character_per_block():
     text = _two_heads().to_string()
-    assert text == "\n".join([
-        "batch 0, kv_head 0:",
-        "  █",
-        "  ██",
-        "  .██",
-        "  ...█",
-        "batch 0, kv_head 1:",
-        "  █",
-        "  ██",
-        "  █.█",
-        "  ..██",
-    ])
+    assert text == "\n".join(
+        [
+            "batch 0, kv_head 0:",
+            "  █",
+            "  ██",
+            "  .██",
+            "  ...█",
+            "batch 0, kv_head 1:",
+            "  █",
+            "  ██",
+            "  █.█",
+            "  ..██",
+        ]
+    )
 
 
 def test_to_string_truncates_large_grids_with_a_note():
@@ -503,8 +565,9 @@ def test_getitem_restricts_to_batches_and_heads():
 
 def test_attention_over_a_batch_of_the_index_is_that_batch_of_the_attention():
     q, k, v = make_qkv(3, 4, 2, 150, 16, torch.float64, seed=9)
-    idx = st.BlockIndex.from_selection(ragged_selection(3, 2, 150, 32, 32, 3, seed=9), seq_len=150, block_q=32,
-                                       block_k=32, window=1)
+    idx = st.BlockIndex.from_selection(
+        ragged_selection(3, 2, 150, 32, 32, 3, seed=9), seq_len=150, block_q=32, block_k=32, window=1
+    )
     full = st.sparse_attention(q, k, v, idx, backend="reference")
     one = st.sparse_attention(q[1:2], k[1:2], v[1:2], idx[1], backend="reference")
     assert torch.equal(one, full[1:2])

@@ -5,10 +5,9 @@ import math
 
 import pytest
 import torch
-
-import sparse_train as st
 from builders import ids_from_lengths, random_selection
 
+import sparse_train as st
 
 
 def needed_blocks(ids, bq, bk):
@@ -47,29 +46,36 @@ def test_hand_made_masks_bq_equals_bk():
     # blocks 1-3, doc 2 in blocks 3-5.
     ids = ids_from_lengths([6, 8, 10])
     full = st.BlockIndex.full(1, 1, 24, block_q=4, block_k=4, document_ids=ids)
-    want = torch.tensor([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],
-        [0, 1, 1, 0, 0, 0],
-        [0, 1, 1, 1, 0, 0],
-        [0, 0, 0, 1, 1, 0],
-        [0, 0, 0, 1, 1, 1],
-    ], dtype=torch.bool)
+    want = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],
+            [0, 1, 1, 0, 0, 0],
+            [0, 1, 1, 1, 0, 0],
+            [0, 0, 0, 1, 1, 0],
+            [0, 0, 0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(full.to_dense()[0, 0], want)
     assert not full.is_full()  # a full *document* selection is not every causal block
 
     # window 2 and one sink per document, nothing else selected
     empty = torch.full((1, 1, 6, 1), -1)
-    idx = st.BlockIndex.from_selection(empty, seq_len=24, block_q=4, block_k=4, window=2, sinks=1,
-                                       document_ids=ids, check="full")
-    want = torch.tensor([
-        [1, 0, 0, 0, 0, 0],
-        [1, 1, 0, 0, 0, 0],  # window {0, 1}; sinks of doc 0 (block 0) and doc 1 (block 1)
-        [0, 1, 1, 0, 0, 0],  # window {1, 2}, sink of doc 1 = block 1
-        [0, 1, 1, 1, 0, 0],  # window {2, 3}; doc 1's sink 1; doc 2 starts in block 3 (its sink)
-        [0, 0, 0, 1, 1, 0],  # window {3, 4}; doc 2's sink is block 3 (not the row's block 0)
-        [0, 0, 0, 1, 1, 1],  # window {4, 5}; sink 3
-    ], dtype=torch.bool)
+    idx = st.BlockIndex.from_selection(
+        empty, seq_len=24, block_q=4, block_k=4, window=2, sinks=1, document_ids=ids, check="full"
+    )
+    want = torch.tensor(
+        [
+            [1, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0],  # window {0, 1}; sinks of doc 0 (block 0) and doc 1 (block 1)
+            [0, 1, 1, 0, 0, 0],  # window {1, 2}, sink of doc 1 = block 1
+            [0, 1, 1, 1, 0, 0],  # window {2, 3}; doc 1's sink 1; doc 2 starts in block 3 (its sink)
+            [0, 0, 0, 1, 1, 0],  # window {3, 4}; doc 2's sink is block 3 (not the row's block 0)
+            [0, 0, 0, 1, 1, 1],  # window {4, 5}; sink 3
+        ],
+        dtype=torch.bool,
+    )
     assert torch.equal(idx.to_dense()[0, 0], want)
 
     # a dynamic pick of a block of another document is dropped; one of the same document is kept
@@ -101,8 +107,9 @@ def test_documents_shorter_than_a_block_and_bq_larger_than_bk():
     ids = ids_from_lengths([2, 1, 3, 5, 1, 2, 6])  # N = 20
     empty = torch.full((1, 1, 3, 0), -1)
     for sinks in (1, 2):
-        idx = st.BlockIndex.from_selection(empty, seq_len=20, block_q=8, block_k=4, sinks=sinks,
-                                           document_ids=ids, check="full")
+        idx = st.BlockIndex.from_selection(
+            empty, seq_len=20, block_q=8, block_k=4, sinks=sinks, document_ids=ids, check="full"
+        )
         for i in range(3):
             row = idx.indices[0, 0, i, : idx.counts[0, 0, i]].tolist()
             assert row == oracle_row([], i, ids[0].tolist(), 8, 4, 0, sinks), (sinks, i)
@@ -124,8 +131,16 @@ def test_canonicalize_with_documents_matches_oracle(lengths, bq, bk, k, window, 
     ids = ids_from_lengths(*lengths)
     batch, n = ids.shape
     sel = random_selection(batch, 2, n, bq, bk, k, seed=n + k, distinct=False, drop=0.3)
-    idx = st.BlockIndex.from_selection(sel, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks,
-                                       document_ids=ids.to(torch.int32), check="full")
+    idx = st.BlockIndex.from_selection(
+        sel,
+        seq_len=n,
+        block_q=bq,
+        block_k=bk,
+        window=window,
+        sinks=sinks,
+        document_ids=ids.to(torch.int32),
+        check="full",
+    )
     for b in range(batch):
         for h in range(2):
             for i in range(math.ceil(n / bq)):
@@ -146,8 +161,9 @@ def test_full_selection_holds_every_visible_pair_and_nothing_cross_document(seed
     sel = random_selection(1, 1, n, bq, bk, 100, seed=seed)  # every causal block
     idx = st.BlockIndex.from_selection(sel, seq_len=n, block_q=bq, block_k=bk, window=1, sinks=1, document_ids=ids)
     assert torch.equal(idx.to_dense()[0, 0], needed_blocks(ids[0], bq, bk))
-    assert torch.equal(st.BlockIndex.full(1, 1, n, bq, bk, document_ids=ids).to_dense()[0, 0],
-                       needed_blocks(ids[0], bq, bk))
+    assert torch.equal(
+        st.BlockIndex.full(1, 1, n, bq, bk, document_ids=ids).to_dense()[0, 0], needed_blocks(ids[0], bq, bk)
+    )
 
 
 def test_one_document_is_the_plain_index():
@@ -161,8 +177,16 @@ def test_one_document_is_the_plain_index():
 def test_from_csr_takes_document_ids_and_repr_works():
     ids = ids_from_lengths([40, 24])
     indptr = torch.arange(5)  # one candidate per row: block 0
-    idx = st.BlockIndex.from_csr(indptr, torch.zeros(4, dtype=torch.int64), batch=1, num_kv_heads=1,
-                                 seq_len=64, block_q=16, block_k=16, document_ids=ids)
+    idx = st.BlockIndex.from_csr(
+        indptr,
+        torch.zeros(4, dtype=torch.int64),
+        batch=1,
+        num_kv_heads=1,
+        seq_len=64,
+        block_q=16,
+        block_k=16,
+        document_ids=ids,
+    )
     # doc 1 starts at 40 (block 2): block 0 is cross-document for query block 3 only
     assert idx.counts.tolist() == [[[1, 1, 1, 0]]]
     text = repr(idx)

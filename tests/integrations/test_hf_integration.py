@@ -15,14 +15,22 @@ VOCAB = 97
 
 def build(family):
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  attn_implementation="sdpa")
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        attn_implementation="sdpa",
+    )
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     elif family == "phi3":  # fused qkv_proj
-        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**common, pad_token_id=0, bos_token_id=1,
-                                                                     eos_token_id=2))
+        model = transformers.Phi3ForCausalLM(
+            transformers.Phi3Config(**common, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        )
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     return model.to(torch.float64)
@@ -31,8 +39,17 @@ def build(family):
 FAMILIES = [pytest.param("llama", id="llama"), pytest.param("qwen2", id="qwen2")]
 WITH_FUSED_QKV = FAMILIES + [pytest.param("phi3", id="phi3-fused-qkv")]
 FULL = dict(block_q=16, block_k=16, top_k=64, window=1, sinks=1, selector_dim=8, dense_warmup_steps=0)
-SPARSE = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8, dense_warmup_steps=0,
-              dense_enter_density=1.0, dense_exit_density=1.0)
+SPARSE = dict(
+    block_q=16,
+    block_k=16,
+    top_k=2,
+    window=1,
+    sinks=1,
+    selector_dim=8,
+    dense_warmup_steps=0,
+    dense_enter_density=1.0,
+    dense_exit_density=1.0,
+)
 
 
 def tokens(batch, n, seed=0):
@@ -91,8 +108,8 @@ def test_padded_batch_equals_unpadded_rows(family, selection):
     with torch.no_grad():
         batched = model(ids, attention_mask=mask).logits
         for b, length in enumerate(lengths):
-            alone = model(ids[b:b + 1, :length]).logits
-            torch.testing.assert_close(batched[b:b + 1, :length], alone, rtol=1e-9, atol=1e-9)
+            alone = model(ids[b : b + 1, :length]).logits
+            torch.testing.assert_close(batched[b : b + 1, :length], alone, rtol=1e-9, atol=1e-9)
 
 
 def test_padding_with_a_hole_raises_clearly():
@@ -112,14 +129,15 @@ FULL_SPARSE_PATH = dict(FULL, dense_fallback=False)
 def each_document_alone(model, ids, lengths):
     parts, start = [], 0
     for n in lengths:
-        parts.append(model(ids[:, start:start + n]).logits)
+        parts.append(model(ids[:, start : start + n]).logits)
         start += n
     return torch.cat(parts, dim=1)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("selection", [pytest.param(FULL_SPARSE_PATH, id="sparse-path"),
-                                       pytest.param(FULL, id="dense-fallback")])
+@pytest.mark.parametrize(
+    "selection", [pytest.param(FULL_SPARSE_PATH, id="sparse-path"), pytest.param(FULL, id="dense-fallback")]
+)
 def test_packed_position_ids_equal_each_document_alone(family, selection):
     """DataCollatorWithFlattening's format: one row, no attention mask, position ids restarting at every
     document. On a full selection the packed row equals each document run alone through sdpa."""
@@ -165,8 +183,9 @@ def test_document_ids_from_flash_attention_kwargs_and_position_ids():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("selection", [pytest.param(FULL_SPARSE_PATH, id="sparse-path"),
-                                       pytest.param(FULL, id="dense-fallback")])
+@pytest.mark.parametrize(
+    "selection", [pytest.param(FULL_SPARSE_PATH, id="sparse-path"), pytest.param(FULL, id="dense-fallback")]
+)
 def test_left_padding_equals_sdpa_on_real_tokens(family, selection):
     ids = tokens(3, 150, seed=6)
     mask = torch.ones(3, 150, dtype=torch.long)
@@ -183,8 +202,10 @@ def test_left_padding_equals_sdpa_on_real_tokens(family, selection):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("selection", [pytest.param(FULL_SPARSE_PATH, id="sparse-prefill"),
-                                       pytest.param(SPARSE, id="dense-fallback-prefill")])
+@pytest.mark.parametrize(
+    "selection",
+    [pytest.param(FULL_SPARSE_PATH, id="sparse-prefill"), pytest.param(SPARSE, id="dense-fallback-prefill")],
+)
 def test_generate_with_left_padding_matches_sdpa(family, selection):
     """Two prompts of different lengths, left-padded: prefill with the padding as its own document,
     then decoding over a left-padded KV cache; greedy tokens equal sdpa's."""
@@ -194,7 +215,7 @@ def test_generate_with_left_padding_matches_sdpa(family, selection):
     ids = torch.zeros(2, 45, dtype=torch.long)
     mask = torch.zeros(2, 45, dtype=torch.long)
     for b, p in enumerate(prompts):
-        ids[b, 45 - len(p):], mask[b, 45 - len(p):] = p, 1
+        ids[b, 45 - len(p) :], mask[b, 45 - len(p) :] = p, 1
     with torch.no_grad():
         want = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
         hf.enable(model, st.SparseAttentionConfig(**selection))
@@ -229,19 +250,46 @@ def test_generate_after_enable(family, prompt_len):
         assert layers[0].sparse_attention.fallback_counts.get("dense_full_selection", 0) == 0
 
 
-TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, attn_implementation="sdpa")
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    attn_implementation="sdpa",
+)
 
 
-@pytest.mark.parametrize("make_model,match", [
-    pytest.param(lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
-        **TINY, use_sliding_window=True, sliding_window=32, max_window_layers=0)), "sliding-window", id="qwen2-sliding"),
-    pytest.param(lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=32)),
-                 "sliding-window", id="mistral-sliding"),
-    pytest.param(lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
-        **{**TINY, "attn_implementation": "eager"}, head_dim=16, pad_token_id=0,
-        layer_types=["full_attention", "full_attention"])), "softcapping", id="gemma2-softcap"),
-])
+@pytest.mark.parametrize(
+    "make_model,match",
+    [
+        pytest.param(
+            lambda: transformers.Qwen2ForCausalLM(
+                transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=32, max_window_layers=0)
+            ),
+            "sliding-window",
+            id="qwen2-sliding",
+        ),
+        pytest.param(
+            lambda: transformers.MistralForCausalLM(transformers.MistralConfig(**TINY, sliding_window=32)),
+            "sliding-window",
+            id="mistral-sliding",
+        ),
+        pytest.param(
+            lambda: transformers.Gemma2ForCausalLM(
+                transformers.Gemma2Config(
+                    **{**TINY, "attn_implementation": "eager"},
+                    head_dim=16,
+                    pad_token_id=0,
+                    layer_types=["full_attention", "full_attention"],
+                )
+            ),
+            "softcapping",
+            id="gemma2-softcap",
+        ),
+    ],
+)
 def test_unsupported_attention_is_refused_at_enable(make_model, match):
     """A sliding window or logit softcapping would be silently ignored by causal block-sparse
     attention: enable() refuses the model and names the reason."""
@@ -287,7 +335,7 @@ def test_enable_is_idempotent_and_requires_selectors():
     first = [layer.sparse_attention for layer in hf.attention_layers(model)]
     hf.enable(model, st.SparseAttentionConfig(**FULL))
     assert [layer.sparse_attention for layer in hf.attention_layers(model)] == first
-    assert first[0].scale == pytest.approx(16 ** -0.5), "the selector inherits the model's logit scale"
+    assert first[0].scale == pytest.approx(16**-0.5), "the selector inherits the model's logit scale"
     hf.disable(model)
     assert model.config._attn_implementation == "sdpa"
     bare = build("llama")
@@ -323,8 +371,14 @@ def test_selector_unrotates_by_the_models_own_rope(family):
     head_dim = layer.head_dim
     q_pre = captured["q"].view(1, 160, -1, head_dim).transpose(1, 2)
     k_pre = captured["k"].view(1, 160, -1, head_dim).transpose(1, 2)
-    plain = st.selection.BlockScorer(scorer.num_heads, scorer.num_kv_heads, head_dim, 8, key_pooling=scorer.key_pooling,
-                                     query_pooling=scorer.query_pooling)
+    plain = st.selection.BlockScorer(
+        scorer.num_heads,
+        scorer.num_kv_heads,
+        head_dim,
+        8,
+        key_pooling=scorer.key_pooling,
+        query_pooling=scorer.query_pooling,
+    )
     want_q, want_k = plain.pool(q_pre, k_pre, SPARSE["block_q"], SPARSE["block_k"])
     torch.testing.assert_close(pooled["got"][0], want_q, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(pooled["got"][1], want_k, rtol=1e-4, atol=1e-5)
@@ -368,8 +422,12 @@ def test_save_and_load_refuse_models_without_selectors(tmp_path):
 
 
 def test_mask_function_accepts_causal_and_packed_and_refuses_other_patterns():
-    from transformers.masking_utils import and_masks, causal_mask_function, packed_sequence_mask_function, \
-        sliding_window_causal_mask_function
+    from transformers.masking_utils import (
+        and_masks,
+        causal_mask_function,
+        packed_sequence_mask_function,
+        sliding_window_causal_mask_function,
+    )
 
     packed = and_masks(causal_mask_function, packed_sequence_mask_function(torch.zeros(1, 8, dtype=torch.long)))
     assert hf.sparse_train_mask(attention_mask=None, mask_function=packed) is None
@@ -395,11 +453,14 @@ def test_padding_becomes_documents_while_compiling(monkeypatch):
     assert docs.tolist() == [[1] * 7 + [2] * 3, [0] * 4 + [1] * 6, [0] * 2 + [1] * 7 + [2]]
 
 
-@pytest.mark.parametrize("padded,want_row", [
-    pytest.param([(3, 5)], None, id="hole"),
-    pytest.param([(0, 2), (5, 7)], None, id="left-padding-then-a-hole"),
-    pytest.param([(9, 10)], [1] * 9 + [2], id="right-padding-no-hole"),
-])
+@pytest.mark.parametrize(
+    "padded,want_row",
+    [
+        pytest.param([(3, 5)], None, id="hole"),
+        pytest.param([(0, 2), (5, 7)], None, id="left-padding-then-a-hole"),
+        pytest.param([(9, 10)], [1] * 9 + [2], id="right-padding-no-hole"),
+    ],
+)
 def test_compiled_padding_refuses_a_hole_on_the_device(padded, want_row):
     """Compiled (fullgraph, no host sync possible) a hole cannot raise the eager NotImplementedError; an
     assertion on the device refuses it instead of splitting the real tokens into documents. Right and left
@@ -438,12 +499,15 @@ def _loss_and_grads(model, call):
     return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("family,attention", [
-    pytest.param("llama", "sdpa", id="llama"),
-    pytest.param("qwen2", "sdpa", id="qwen2"),
-    pytest.param("phi3", "sdpa", id="phi3"),
-    pytest.param("llama", "sparse", id="llama-sparse"),
-])
+@pytest.mark.parametrize(
+    "family,attention",
+    [
+        pytest.param("llama", "sdpa", id="llama"),
+        pytest.param("qwen2", "sdpa", id="qwen2"),
+        pytest.param("phi3", "sdpa", id="phi3"),
+        pytest.param("llama", "sparse", id="llama-sparse"),
+    ],
+)
 def test_labels_path_runs_the_chunked_head_and_equals_the_logits_loss(family, attention, monkeypatch):
     """``HFCausalLM(tokens, labels=...)``, the Lightning training loss, takes the decoder's hidden states through
     ``st.linear_cross_entropy`` (chunk forced to 5 rows) and equals cross-entropy over the model's own logits:
@@ -455,8 +519,11 @@ def test_labels_path_runs_the_chunked_head_and_equals_the_logits_loss(family, at
 
     chunks = []
     real = losses_module.linear_cross_entropy
-    monkeypatch.setattr(losses_module, "linear_cross_entropy",
-                        lambda *a, **k: chunks.append(a[0].shape[0]) or real(*a, **{**k, "chunk_tokens": 5}))
+    monkeypatch.setattr(
+        losses_module,
+        "linear_cross_entropy",
+        lambda *a, **k: chunks.append(a[0].shape[0]) or real(*a, **{**k, "chunk_tokens": 5}),
+    )
     model = build(family)
     if attention == "sparse":
         hf.enable(model, st.SparseAttentionConfig(**SPARSE, distill="off"))
@@ -487,9 +554,15 @@ def test_labels_path_of_a_head_it_does_not_know_uses_the_logits():
     from sparse_train.lightning.hf import HFCausalLM
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2,
-                                                                 n_positions=64, bos_token_id=0,
-                                                                 eos_token_id=0)).double().eval()  # no dropout
+    model = (
+        transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0
+            )
+        )
+        .double()
+        .eval()
+    )  # no dropout
     wrapped = HFCausalLM(model)
     ids, labels = tokens(1, 32, seed=1), tokens(1, 32, seed=2)
     assert not wrapped.chunked_head

@@ -5,29 +5,29 @@ vs the PyTorch reference in fp64 (CPU: Triton interpreter, fp32); the forward + 
 Tolerance: err(kernel vs reference) <= c * err(PyTorch reference in the kernel's dtype vs reference) +
 floor, c = 4 on the interpreter (fp64 reference), c = 3 on the GPU (fp32 reference).
 """
+
 import os
 
 import pytest
 import torch
-
 from builders import check_close, make_qkv, random_index, rel_err
+
 from sparse_train.index.block_index import BlockIndex
 from sparse_train.kernels.reference.attention import reference_sparse_attention
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 
-from sparse_train.plan import plan as plan_mod  # noqa: E402
-from sparse_train.plan import tuning  # noqa: E402
 from sparse_train.kernels.triton import backward as kb  # noqa: E402
 from sparse_train.kernels.triton import op as kop  # noqa: E402
 from sparse_train.kernels.triton.op import triton_sparse_attention  # noqa: E402
+from sparse_train.plan import plan as plan_mod  # noqa: E402
+from sparse_train.plan import tuning  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 pytestmark = pytest.mark.usefixtures("poison_fresh_outputs", "small_kv_chunks")  # conftest.py
-
 
 
 def _grads(fn, q, k, v, do, dlse_w=0.0):
@@ -45,10 +45,15 @@ def _compare(idx, q, k, v, *, dtype, dlse_w=0.0, kernel_options=None, **kw):
     kw["kernel_options"] = kernel_options
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(99)).to(q)
     g = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, **kw), q, k, v, do, dlse_w)
-    g64 = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, idx, **ref_kw),
-                 q.double(), k.double(), v.double(), do.double(), dlse_w)
-    glp = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, idx, upcast=False, **ref_kw),
-                 q, k, v, do, dlse_w)
+    g64 = _grads(
+        lambda a, b, c: reference_sparse_attention(a, b, c, idx, **ref_kw),
+        q.double(),
+        k.double(),
+        v.double(),
+        do.double(),
+        dlse_w,
+    )
+    glp = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, idx, upcast=False, **ref_kw), q, k, v, do, dlse_w)
     for name, a, r, l in zip(("dq", "dk", "dv"), g, g64, glp):
         assert not torch.isnan(a).any(), f"{name} has NaN (unwritten or 0/0)"
         check_close(name, a, r, l, dtype)
@@ -93,8 +98,16 @@ def test_lse_gradient_and_seq_lens():
     B, HQ, HKV, N, D = 2, 2, 1, 70, 16
     idx = random_index(B, HKV, N, 16, 16, 2, 1, 1, seed=6, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=6, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float32, dlse_w=0.3, seq_lens=torch.tensor([70, 41], device=DEV),
-             kernel_options={"r0": 2})
+    _compare(
+        idx,
+        q,
+        k,
+        v,
+        dtype=torch.float32,
+        dlse_w=0.3,
+        seq_lens=torch.tensor([70, 41], device=DEV),
+        kernel_options={"r0": 2},
+    )
 
 
 def test_empty_rows_have_zero_grads():
@@ -168,14 +181,29 @@ def test_kernel_options_reach_the_launchers_and_keep_the_result(monkeypatch):
 
     monkeypatch.setattr(kop, "sparse_attn_forward", fwd)
     monkeypatch.setattr(kop, "sparse_attn_backward", bwd)
-    options = dict(r0=2, num_splits=2, fwd_heads_per_program=2, fwd_num_warps=2, fwd_num_stages=1,
-                   dq_heads_per_program=4, dq_num_warps=2, dq_num_stages=1, kv_heads_per_program=2,
-                   kv_num_warps=2, kv_num_stages=1, kv_chunk=1, kv_tile_rows=16, fwd_tma=False, dq_tma=True,
-                   kv_tma=False)
+    options = dict(
+        r0=2,
+        num_splits=2,
+        fwd_heads_per_program=2,
+        fwd_num_warps=2,
+        fwd_num_stages=1,
+        dq_heads_per_program=4,
+        dq_num_warps=2,
+        dq_num_stages=1,
+        kv_heads_per_program=2,
+        kv_num_warps=2,
+        kv_num_stages=1,
+        kv_chunk=1,
+        kv_tile_rows=16,
+        fwd_tma=False,
+        dq_tma=True,
+        kv_tma=False,
+    )
     _compare(idx, q, k, v, dtype=torch.float32, kernel_options=options)
     assert seen["fwd"] == (ForwardConfig(2, 2, 1, tma_loads=0, gluon_heads_per_program=2), 2)
-    assert seen["bwd"] == BackwardConfig(4, 2, 1, 2, 2, 1, 1, 16, fused_dq=0, dq_tma=1, kv_tma=0,
-                                         dq_gluon_heads_per_program=4)
+    assert seen["bwd"] == BackwardConfig(
+        4, 2, 1, 2, 2, 1, 1, 16, fused_dq=0, dq_tma=1, kv_tma=0, dq_gluon_heads_per_program=4
+    )
 
 
 TILE_ROW_CASES = [
@@ -194,8 +222,17 @@ def test_kv_centric_row_slices_match_the_reference(B, HQ, HKV, N, D, BQ, BK, hea
     idx = random_index(B, HKV, N, BQ, BK, 3, 1, 1, seed=N + BQ, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
     lens = None if seq_lens is None else torch.tensor(seq_lens, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float32, dropout_p=dropout_p, dropout_seed=5, seq_lens=lens,
-             kernel_options={"r0": 1, "kv_heads_per_program": heads, "kv_tile_rows": tile_rows, "kv_chunk": 2})
+    _compare(
+        idx,
+        q,
+        k,
+        v,
+        dtype=torch.float32,
+        dropout_p=dropout_p,
+        dropout_seed=5,
+        seq_lens=lens,
+        kernel_options={"r0": 1, "kv_heads_per_program": heads, "kv_tile_rows": tile_rows, "kv_chunk": 2},
+    )
 
 
 FUSED_CASES = [
@@ -208,8 +245,9 @@ FUSED_CASES = [
 
 
 @pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,heads,tile_rows,dropout_p,seq_lens,dlse_w", FUSED_CASES)
-def test_fused_backward_matches_the_reference(B, HQ, HKV, N, D, BQ, BK, heads, tile_rows, dropout_p, seq_lens,
-                                              dlse_w, monkeypatch):
+def test_fused_backward_matches_the_reference(
+    B, HQ, HKV, N, D, BQ, BK, heads, tile_rows, dropout_p, seq_lens, dlse_w, monkeypatch
+):
     """``kernel_options.fused_dq``: the KV-centric kernel adds dQ by atomics and the dQ kernel never runs; dQ, dK
     and dV against the fp64 reference, with stacked heads, row slices, chunked rows, dropout, padding and an
     lse gradient."""
@@ -219,9 +257,18 @@ def test_fused_backward_matches_the_reference(B, HQ, HKV, N, D, BQ, BK, heads, t
     idx = random_index(B, HKV, N, BQ, BK, 3, 1, 1, seed=N + BQ, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
     lens = None if seq_lens is None else torch.tensor(seq_lens, device=DEV)
-    _compare(idx, q, k, v, dtype=torch.float32, dlse_w=dlse_w, dropout_p=dropout_p, dropout_seed=5, seq_lens=lens,
-             kernel_options={"fused_dq": True, "kv_heads_per_program": heads, "kv_tile_rows": tile_rows,
-                             "kv_chunk": 2})
+    _compare(
+        idx,
+        q,
+        k,
+        v,
+        dtype=torch.float32,
+        dlse_w=dlse_w,
+        dropout_p=dropout_p,
+        dropout_seed=5,
+        seq_lens=lens,
+        kernel_options={"fused_dq": True, "kv_heads_per_program": heads, "kv_tile_rows": tile_rows, "kv_chunk": 2},
+    )
     assert kb._dkdv_kernel in launched and kb._dq_kernel not in launched
 
 
@@ -284,8 +331,9 @@ def _launches(monkeypatch, meta=None):
 
 
 @pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,heads,tile_rows,dropout_p,seq_lens,dlse_w", STORED_CASES)
-def test_stored_ds_backward_matches_the_reference(B, HQ, HKV, N, D, BQ, BK, heads, tile_rows, dropout_p, seq_lens,
-                                                  dlse_w, monkeypatch):
+def test_stored_ds_backward_matches_the_reference(
+    B, HQ, HKV, N, D, BQ, BK, heads, tile_rows, dropout_p, seq_lens, dlse_w, monkeypatch
+):
     """``kernel_options.stored_ds``: the KV-centric kernel files every dS tile and the dQ pass reads them (the
     recomputing dQ kernel never runs); dQ, dK and dV against the fp64 reference, with stacked heads, row slices,
     chunked rows (kv_chunk 2), dropout, padding and an lse gradient. dK and dV come from the same KV-centric
@@ -312,9 +360,18 @@ def test_stored_ds_backward_is_allowed_with_deterministic():
     idx = random_index(1, 2, 130, 16, 16, 4, 1, 1, seed=7, device=DEV)
     q, k, v = make_qkv(1, 4, 2, 130, 16, torch.float32, seed=7, device=DEV)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
-    runs = [_grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, deterministic=det,
-                                                           kernel_options={"stored_ds": True, "kv_chunk": 2}),
-                   q, k, v, do) for det in (False, True)]
+    runs = [
+        _grads(
+            lambda a, b, c: triton_sparse_attention(
+                a, b, c, idx, deterministic=det, kernel_options={"stored_ds": True, "kv_chunk": 2}
+            ),
+            q,
+            k,
+            v,
+            do,
+        )
+        for det in (False, True)
+    ]
     for first, second in zip(*runs):
         assert torch.equal(first, second)
 
@@ -329,13 +386,26 @@ def test_stored_ds_refuses_fused_dq_and_a_missing_pair_map():
     o, lse = triton_sparse_attention(q, k, v, idx)
     plan = idx.plan(1)
     config = tuning.backward_config(2, 16, 16, 16, False, {"stored_ds": True})
-    args = (torch.ones_like(o), q, k, v, o, lse, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks,
-            plan_mod.cold_slots(plan.hot, plan.reuse, True), 0)
+    args = (
+        torch.ones_like(o),
+        q,
+        k,
+        v,
+        o,
+        lse,
+        idx.indices,
+        idx.counts,
+        plan.kv_indptr,
+        plan.kv_qblocks,
+        plan_mod.cold_slots(plan.hot, plan.reuse, True),
+        0,
+    )
     with pytest.raises(ValueError, match="needs the plan's kv_pairs"):
         kb.sparse_attn_backward(*args, block_q=16, block_k=16, scale=0.25, config=config)
     with pytest.raises(ValueError, match="fused_dq and config.stored_ds are two ways"):
-        kb.sparse_attn_backward(*args, block_q=16, block_k=16, scale=0.25, config=config._replace(fused_dq=1),
-                                kv_pairs=plan.kv_pairs)
+        kb.sparse_attn_backward(
+            *args, block_q=16, block_k=16, scale=0.25, config=config._replace(fused_dq=1), kv_pairs=plan.kv_pairs
+        )
 
 
 def test_plan_pairs_point_at_their_index_slots():
@@ -362,7 +432,7 @@ def test_caller_index_mutation_after_forward_does_not_change_grads():
     g_ref = _grads(lambda a, b, c: triton_sparse_attention(a, b, c, idx, kernel_options={"r0": 2}), q, k, v, do)
     qs, ks, vs = (t.detach().clone().requires_grad_() for t in (q, k, v))
     o, _ = triton_sparse_attention(qs, ks, vs, idx, kernel_options={"r0": 2})
-    idx.indices.fill_(0)       # caller scribbles over its index between forward and backward
+    idx.indices.fill_(0)  # caller scribbles over its index between forward and backward
     idx.counts.fill_(1)
     g = torch.autograd.grad(o, (qs, ks, vs), do)
     for a, b in zip(g, g_ref):
@@ -397,8 +467,9 @@ def test_direct_eager_call_equals_the_custom_op(monkeypatch, used):
     do = torch.randn_like(q)
     applied = []
     real_apply = torch.autograd.Function.apply.__func__
-    monkeypatch.setattr(kop._EagerSparseAttention, "apply",
-                        classmethod(lambda cls, *a: applied.append(1) or real_apply(cls, *a)))
+    monkeypatch.setattr(
+        kop._EagerSparseAttention, "apply", classmethod(lambda cls, *a: applied.append(1) or real_apply(cls, *a))
+    )
 
     def run(direct):
         monkeypatch.setattr(kop, "_direct_call", lambda *t: direct)
@@ -472,8 +543,18 @@ def _strided(t, filler):
 
 # argument of a launcher -> filler value that is in range (a stride bug reads it instead of the value)
 LAUNCHER_ARGS = ["seq_lens", "indices", "counts", "kv_indptr", "kv_qblocks", "slots", "lse", "o", "do", "dlse"]
-FILLERS = {"seq_lens": 5, "indices": 0, "counts": 1, "kv_indptr": 0, "kv_qblocks": 0, "slots": -1,
-           "lse": 0.0, "o": 0.0, "do": 0.0, "dlse": 0.0}
+FILLERS = {
+    "seq_lens": 5,
+    "indices": 0,
+    "counts": 1,
+    "kv_indptr": 0,
+    "kv_qblocks": 0,
+    "slots": -1,
+    "lse": 0.0,
+    "o": 0.0,
+    "do": 0.0,
+    "dlse": 0.0,
+}
 
 
 B_, HQ_, HKV_, N_, D_, BS_ = 2, 2, 1, 56, 16, 16
@@ -487,14 +568,43 @@ def _launch_all(args, strided=None):
     a = dict(args)
     if strided in a:
         a[strided] = _strided(a[strided], FILLERS[strided])
-    o, lse = sparse_attn_forward(a["q"], a["k"], a["v"], a["indices"], a["counts"], block_q=BS_, block_k=BS_,
-                                 scale=0.25, seq_lens=a["seq_lens"], dropout_p=0.2, dropout_seed=3, num_splits=2)
+    o, lse = sparse_attn_forward(
+        a["q"],
+        a["k"],
+        a["v"],
+        a["indices"],
+        a["counts"],
+        block_q=BS_,
+        block_k=BS_,
+        scale=0.25,
+        seq_lens=a["seq_lens"],
+        dropout_p=0.2,
+        dropout_seed=3,
+        num_splits=2,
+    )
     if strided in ("o", "lse"):
         o, lse = (_strided(o, FILLERS["o"]), lse) if strided == "o" else (o, _strided(lse, FILLERS["lse"]))
-    grads = kb.sparse_attn_backward(a["do"], a["q"], a["k"], a["v"], o, lse, a["indices"], a["counts"],
-                                    a["kv_indptr"], a["kv_qblocks"], a["slots"], a["num_cold"], block_q=BS_,
-                                    block_k=BS_, scale=0.25, seq_lens=a["seq_lens"], dlse=a["dlse"], dropout_p=0.2,
-                                    dropout_seed=3)
+    grads = kb.sparse_attn_backward(
+        a["do"],
+        a["q"],
+        a["k"],
+        a["v"],
+        o,
+        lse,
+        a["indices"],
+        a["counts"],
+        a["kv_indptr"],
+        a["kv_qblocks"],
+        a["slots"],
+        a["num_cold"],
+        block_q=BS_,
+        block_k=BS_,
+        scale=0.25,
+        seq_lens=a["seq_lens"],
+        dlse=a["dlse"],
+        dropout_p=0.2,
+        dropout_seed=3,
+    )
     return (o, lse, *grads)
 
 
@@ -505,10 +615,20 @@ def launcher_baseline():
     assert plan.num_cold > 0 and plan.num_hot > 0, "both dK/dV paths must run"
     q, k, v = make_qkv(B_, HQ_, HKV_, N_, D_, torch.float32, seed=43, device=DEV)
     g = torch.Generator().manual_seed(44)
-    args = dict(q=q, k=k, v=v, seq_lens=torch.tensor([56, 37], dtype=torch.int32, device=DEV), indices=idx.indices,
-                counts=idx.counts, kv_indptr=plan.kv_indptr, kv_qblocks=plan.kv_qblocks,
-                slots=plan_mod.cold_slots(plan.hot, plan.reuse, False), num_cold=plan.num_cold,
-                do=torch.randn(q.shape, generator=g).to(DEV), dlse=torch.randn(q.shape[:3], generator=g).to(DEV))
+    args = dict(
+        q=q,
+        k=k,
+        v=v,
+        seq_lens=torch.tensor([56, 37], dtype=torch.int32, device=DEV),
+        indices=idx.indices,
+        counts=idx.counts,
+        kv_indptr=plan.kv_indptr,
+        kv_qblocks=plan.kv_qblocks,
+        slots=plan_mod.cold_slots(plan.hot, plan.reuse, False),
+        num_cold=plan.num_cold,
+        do=torch.randn(q.shape, generator=g).to(DEV),
+        dlse=torch.randn(q.shape[:3], generator=g).to(DEV),
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tuning, "KV_CHUNK", 2)
         return args, _launch_all(args)
@@ -534,8 +654,17 @@ def test_block_mass_launcher_honours_strides():
     lens = torch.tensor([70, 37], dtype=torch.int32, device=DEV)
     _, lse = reference_sparse_attention(q, k, v, idx, seq_lens=lens)
     want = block_mass_launch(q, k, lse, idx.indices, idx.counts, block_q=BS, block_k=BS, scale=0.25, seq_lens=lens)
-    got = block_mass_launch(q, k, _strided(lse, 0.0), _strided(idx.indices, 0), _strided(idx.counts, 1),
-                            block_q=BS, block_k=BS, scale=0.25, seq_lens=_strided(lens, 5))
+    got = block_mass_launch(
+        q,
+        k,
+        _strided(lse, 0.0),
+        _strided(idx.indices, 0),
+        _strided(idx.counts, 1),
+        block_q=BS,
+        block_k=BS,
+        scale=0.25,
+        seq_lens=_strided(lens, 5),
+    )
     assert torch.equal(got, want)
 
 
@@ -567,9 +696,11 @@ def test_nonfinite_padding_reaches_no_output_or_gradient(poison):
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=53, device=DEV)
     lens = torch.tensor([64, 45], device=DEV)
     do = torch.randn_like(q)
+
     def f(x, y, z):
-        return triton_sparse_attention(x, y, z, idx, seq_lens=lens, dropout_p=0.1, dropout_seed=8,
-                                       kernel_options={"r0": 2})
+        return triton_sparse_attention(
+            x, y, z, idx, seq_lens=lens, dropout_p=0.1, dropout_seed=8, kernel_options={"r0": 2}
+        )
 
     clean = _grads(f, q, k, v, do)
     k2, v2 = k.clone(), v.clone()

@@ -2,16 +2,16 @@
 
 import pytest
 import torch
-
 from builders import make_qkv, random_index
+
 import sparse_train.kernels.triton.block_mass as block_mass_mod
-from sparse_train.kernels.triton.block_mass import row_log_mass_launch, triton_block_mass, triton_dense_block_mass
 from sparse_train.kernels.reference.attention import reference_sparse_attention
 from sparse_train.kernels.reference.block_mass import (
     dense_row_block_mass,
     reference_dense_block_mass,
     reference_sparse_block_mass,
 )
+from sparse_train.kernels.triton.block_mass import row_log_mass_launch, triton_block_mass, triton_dense_block_mass
 from sparse_train.selection.distill import dense_block_mass, sparse_block_mass
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,11 +31,12 @@ def test_block_mass_matches_reference(B, HQ, HKV, N, D, BQ, BK, topk, window, si
     idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
     lens = None if seq_lens is None else torch.tensor(seq_lens, device=DEV)
-    scale = D ** -0.5
+    scale = D**-0.5
     _, lse = reference_sparse_attention(q, k, v, idx, scale=scale, seq_lens=lens)
     target, valid = triton_block_mass(q, k, lse, idx, scale=scale, seq_lens=lens, row_pool=row_pool)
-    ref_target, ref_valid = reference_sparse_block_mass(q.double(), k.double(), idx, scale=scale, lse=lse.double(),
-                                                        seq_lens=lens, row_pool=row_pool)
+    ref_target, ref_valid = reference_sparse_block_mass(
+        q.double(), k.double(), idx, scale=scale, lse=lse.double(), seq_lens=lens, row_pool=row_pool
+    )
     err = (target.double() - ref_target).abs().max().item()
     print(f"block mass max abs err vs fp64 reference: {err:.2e}")
     assert torch.equal(valid, ref_valid)
@@ -54,7 +55,7 @@ def test_block_mass_empty_rows_are_invalid():
     idx = BlockIndex.from_selection(sel, seq_len=96, block_q=32, block_k=32)
     q, k, v = make_qkv(1, 2, 1, 96, 16, torch.float32, seed=3, device=DEV)
     _, lse = reference_sparse_attention(q, k, v, idx)
-    target, valid = triton_block_mass(q, k, lse, idx, scale=16 ** -0.5)
+    target, valid = triton_block_mass(q, k, lse, idx, scale=16**-0.5)
     assert not bool(valid[0, 0, 1]) and torch.all(target[0, 0, 1] == 0)
     assert bool(valid[0, 0, 0])
 
@@ -75,10 +76,11 @@ def test_block_mass_gpu_real_size(dtype):
     from sparse_train.kernels.triton.op import triton_sparse_attention
 
     _, lse = triton_sparse_attention(q, k, v, idx)
-    target, valid = sparse_block_mass(q, k, idx, scale=D ** -0.5, lse=lse)  # dispatches to the kernel
+    target, valid = sparse_block_mass(q, k, idx, scale=D**-0.5, lse=lse)  # dispatches to the kernel
     idx_cpu = idx.to("cpu")
-    ref, ref_valid = reference_sparse_block_mass(q.cpu().double(), k.cpu().double(), idx_cpu, scale=D ** -0.5,
-                                                 lse=lse.cpu().double())
+    ref, ref_valid = reference_sparse_block_mass(
+        q.cpu().double(), k.cpu().double(), idx_cpu, scale=D**-0.5, lse=lse.cpu().double()
+    )
     err = (target.cpu().double() - ref).abs().max().item()
     print(f"{dtype}: block mass max abs err {err:.2e}")
     assert torch.equal(valid.cpu(), ref_valid)
@@ -129,12 +131,20 @@ def test_dense_block_mass_kernels_match_reference(B, HQ, HKV, N, D, BQ, BK, bloc
             q[b, :, length:] = float("nan")
             k[b, :, length:] = float("nan")
     picks = torch.tensor(blocks)
-    scale = D ** -0.5
-    target, valid = triton_dense_block_mass(q, k, picks, block_q=BQ, block_k=BK, scale=scale, seq_lens=lens,
-                                            row_pool=row_pool)
-    ref, ref_valid = reference_dense_block_mass(q.cpu().double(), k.cpu().double(), block_q=BQ, block_k=BK,
-                                                scale=scale, seq_lens=None if lens is None else lens.cpu(),
-                                                query_blocks=picks, row_pool=row_pool)
+    scale = D**-0.5
+    target, valid = triton_dense_block_mass(
+        q, k, picks, block_q=BQ, block_k=BK, scale=scale, seq_lens=lens, row_pool=row_pool
+    )
+    ref, ref_valid = reference_dense_block_mass(
+        q.cpu().double(),
+        k.cpu().double(),
+        block_q=BQ,
+        block_k=BK,
+        scale=scale,
+        seq_lens=None if lens is None else lens.cpu(),
+        query_blocks=picks,
+        row_pool=row_pool,
+    )
     err = (target.cpu().double() - ref).abs().max().item()
     print(f"dense block mass ({row_pool}) max abs err vs fp64 reference: {err:.2e}")
     assert torch.equal(valid.cpu(), ref_valid)
@@ -154,14 +164,17 @@ def test_row_log_mass_rows_match_reference(monkeypatch, per_chunk):
     q[1, :, 70:] = float("nan")
     k[1, :, 70:] = float("nan")
     picks = torch.tensor([9, 4, 0, 6], device=DEV)
-    log_mass = row_log_mass_launch(q, k, picks.to(torch.int32), block_q=BQ, block_k=BK, scale=D ** -0.5,
-                                   seq_lens=lens)  # [B, HQ, S, NKB, BQ]
+    log_mass = row_log_mass_launch(
+        q, k, picks.to(torch.int32), block_q=BQ, block_k=BK, scale=D**-0.5, seq_lens=lens
+    )  # [B, HQ, S, NKB, BQ]
     lse2 = torch.logsumexp(log_mass.double() * torch.log(torch.tensor(2.0)), dim=3, keepdim=True) / torch.log(
-        torch.tensor(2.0))
+        torch.tensor(2.0)
+    )
     rows = torch.exp2(log_mass.double() - lse2).nan_to_num(0.0)  # dead rows: -inf - -inf
     rows = rows.view(B, HKV, HQ // HKV, 4, -1, BQ).permute(0, 1, 3, 2, 5, 4).reshape(B, HKV, 4, -1, log_mass.shape[3])
-    ref, ref_ok = dense_row_block_mass(q.double(), k.double(), block_q=BQ, block_k=BK, scale=D ** -0.5,
-                                       query_blocks=picks, seq_lens=lens)
+    ref, ref_ok = dense_row_block_mass(
+        q.double(), k.double(), block_q=BQ, block_k=BK, scale=D**-0.5, query_blocks=picks, seq_lens=lens
+    )
     ref = torch.where(ref_ok.unsqueeze(-1), ref, 0.0)
     err = (rows - ref).abs().max().item()
     print(f"per-row dense mass, {per_chunk} key blocks per program: max abs err vs fp64 reference {err:.2e}")
@@ -182,22 +195,28 @@ def test_dense_block_mass_groups_of_sampled_blocks_equal_one_pass(monkeypatch):
     assert whole_valid.all()
 
 
-@pytest.mark.parametrize("picks,match", [
-    pytest.param(torch.tensor([0, 8]), r"query_blocks must lie in \[0, 8\)", id="past-last-block"),
-    pytest.param(torch.tensor([-1]), r"query_blocks must lie in \[0, 8\)", id="negative"),
-    pytest.param(torch.tensor([[0, 1]]), "query_blocks must be 1-D", id="2-d"),
-    pytest.param(torch.tensor([0.0, 1.0]), "query_blocks must have an integer dtype", id="float"),
-])
+@pytest.mark.parametrize(
+    "picks,match",
+    [
+        pytest.param(torch.tensor([0, 8]), r"query_blocks must lie in \[0, 8\)", id="past-last-block"),
+        pytest.param(torch.tensor([-1]), r"query_blocks must lie in \[0, 8\)", id="negative"),
+        pytest.param(torch.tensor([[0, 1]]), "query_blocks must be 1-D", id="2-d"),
+        pytest.param(torch.tensor([0.0, 1.0]), "query_blocks must have an integer dtype", id="float"),
+    ],
+)
 def test_dense_block_mass_rejects_bad_query_blocks(picks, match):
     q, k, _ = make_qkv(1, 2, 1, 128, 16, torch.float32, seed=1, device=DEV)
     with pytest.raises(ValueError, match=match):
         triton_dense_block_mass(q, k, picks, block_q=16, block_k=16, scale=0.25)
 
 
-@pytest.mark.parametrize("head_dim,block,match", [
-    pytest.param(24, 16, "head dim 24", id="head-dim-24"),
-    pytest.param(16, 24, "block sizes BQ=24", id="block-24"),
-])
+@pytest.mark.parametrize(
+    "head_dim,block,match",
+    [
+        pytest.param(24, 16, "head dim 24", id="head-dim-24"),
+        pytest.param(16, 24, "block sizes BQ=24", id="block-24"),
+    ],
+)
 def test_dense_block_mass_names_what_the_kernels_cannot_run(head_dim, block, match):
     q, k, _ = make_qkv(1, 2, 1, 96, head_dim, torch.float32, seed=1, device=DEV)
     with pytest.raises(ValueError, match=f"triton_dense_block_mass cannot run this input: {match}"):
@@ -212,9 +231,10 @@ def test_dense_block_mass_dispatches_to_kernels_on_gpu(dtype, blocks):
     q, k, _ = make_qkv(B, HQ, HKV, N, D, dtype, seed=5, device="cuda")
     # "all" is distill="dense": every query block, through the kernels instead of N x N fp32 logits
     picks = torch.tensor([0, 17, 40, 64]) if blocks == "sampled" else None
-    target, valid = dense_block_mass(q, k, block_q=64, block_k=64, scale=D ** -0.5, query_blocks=picks)
-    ref, ref_valid = reference_dense_block_mass(q.cpu().double(), k.cpu().double(), block_q=64, block_k=64,
-                                                scale=D ** -0.5, query_blocks=picks)
+    target, valid = dense_block_mass(q, k, block_q=64, block_k=64, scale=D**-0.5, query_blocks=picks)
+    ref, ref_valid = reference_dense_block_mass(
+        q.cpu().double(), k.cpu().double(), block_q=64, block_k=64, scale=D**-0.5, query_blocks=picks
+    )
     err = (target.cpu().double() - ref).abs().max().item()
     print(f"{dtype}, {blocks} query blocks: dense block mass max abs err {err:.2e}")
     assert torch.equal(valid.cpu(), ref_valid)

@@ -1,5 +1,5 @@
-"""The canonical-merge kernel (kernels/triton/canonical.py) against ``sparse_train.index.block_index.canonicalize`` (its PyTorch path,
-the owner of the invariants): equal indices and counts, exactly."""
+"""The canonical-merge kernel (kernels/triton/canonical.py) against ``sparse_train.index.block_index.canonicalize``
+(its PyTorch path, the owner of the invariants): equal indices and counts, exactly."""
 
 import pytest
 import torch
@@ -36,10 +36,12 @@ CASES = [
 def test_merge_kernel_equals_canonicalize(B, HKV, N, BQ, BK, k, window, sinks, capacity):
     nqb, nkb = -(-N // BQ), -(-N // BK)
     picks = _picks(B, HKV, nqb, nkb, k, seed=N + k)
-    ref_indices, ref_counts = canonicalize(picks, seq_len=N, block_q=BQ, block_k=BK, window=window, sinks=sinks,
-                                           capacity=capacity, check="none")
-    indices, counts = triton_canonical_merge(picks.to(DEV), seq_len=N, block_q=BQ, block_k=BK, window=window,
-                                             sinks=sinks, capacity=min(capacity, nkb))
+    ref_indices, ref_counts = canonicalize(
+        picks, seq_len=N, block_q=BQ, block_k=BK, window=window, sinks=sinks, capacity=capacity, check="none"
+    )
+    indices, counts = triton_canonical_merge(
+        picks.to(DEV), seq_len=N, block_q=BQ, block_k=BK, window=window, sinks=sinks, capacity=min(capacity, nkb)
+    )
     assert indices.dtype == counts.dtype == torch.int32
     assert torch.equal(indices.cpu(), ref_indices) and torch.equal(counts.cpu(), ref_counts)
     assert (counts > 0).any()

@@ -4,8 +4,8 @@ Philox words, exactly; ``draw_query_blocks`` on the GPU picks what the PyTorch p
 import pytest
 import torch
 
-from sparse_train.kernels.triton.draw import triton_draw_words
 from sparse_train.kernels.reference.attention import philox4x32_10
+from sparse_train.kernels.triton.draw import triton_draw_words
 from sparse_train.selection.metrics import _DRAW_KEY, draw_query_blocks
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -27,11 +27,15 @@ def test_draw_words_no_blocks():
     assert triton_draw_words(0, torch.tensor(3, device=DEV), _DRAW_KEY).shape == (0,)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda: triton_draw_words(4, torch.tensor([1, 2]), 5), "one element"),
-    (lambda: triton_draw_words(4, torch.tensor(1.0), 5), "integer tensor"),
-    (lambda: triton_draw_words(4, torch.tensor(1), 2**63), "key must be an int"),
-], ids=["two-draws", "float-draw", "key-2^63"])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: triton_draw_words(4, torch.tensor([1, 2]), 5), "one element"),
+        (lambda: triton_draw_words(4, torch.tensor(1.0), 5), "integer tensor"),
+        (lambda: triton_draw_words(4, torch.tensor(1), 2**63), "key must be an int"),
+    ],
+    ids=["two-draws", "float-draw", "key-2^63"],
+)
 def test_draw_words_reject_bad_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -2,13 +2,14 @@
 
 Tolerance: err(kernel vs fp64) <= 4 * err(PyTorch reference in the kernel's dtype vs fp64) + floor.
 """
+
 import math
 import os
 
 import pytest
 import torch
-
 from builders import check_close, make_qkv, random_index, rel_err
+
 from sparse_train.index.block_index import BlockIndex
 from sparse_train.kernels.reference.attention import dropout_keep_mask, reference_sparse_attention
 
@@ -24,8 +25,7 @@ pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")  # fresh outputs st
 
 def _run_launcher(q, k, v, idx, **kw):
     """The launcher alone; its fresh (NaN-poisoned) outputs must be written everywhere."""
-    o, lse = kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=idx.block_q, block_k=idx.block_k,
-                                    **kw)
+    o, lse = kf.sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=idx.block_q, block_k=idx.block_k, **kw)
     assert not torch.isnan(o).any(), "unwritten (NaN) output elements"
     assert not torch.isnan(lse).any(), "unwritten (NaN) lse elements"
     return o, lse
@@ -76,8 +76,8 @@ def test_public_op_matches_launcher_and_strides():
 def test_empty_rows_zero_output_and_neg_inf_lse():
     B, HKV, HQ, N, D, BS = 2, 1, 2, 64, 16, 16
     mask = torch.zeros(B, HKV, 4, 4, dtype=torch.bool)
-    mask[0, 0, 1, :2] = True    # batch 0: only query block 1 selects something
-    mask[1, 0, 3, 3] = True     # batch 1: only query block 3
+    mask[0, 0, 1, :2] = True  # batch 0: only query block 1 selects something
+    mask[1, 0, 3, 3] = True  # batch 1: only query block 3
     idx = BlockIndex.from_dense(mask.to(DEV), seq_len=N, block_q=BS, block_k=BS)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=1, device=DEV)
     o, lse = _run_launcher(q, k, v, idx, scale=0.25)
@@ -119,7 +119,8 @@ def test_full_selection_equals_causal_sdpa():
     o, _ = triton_sparse_attention(q, k, v, idx)
     G = HQ // HKV
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1), is_causal=True)
+        q.double(), k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1), is_causal=True
+    )
     assert rel_err(o, ref) < 1e-5
 
 
@@ -130,11 +131,12 @@ def test_duplicate_candidates_count_once():
     idx = random_index(B, HKV, N, BS, BS, 2, 1, 0, seed=11, device=DEV, duplicates=True)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=11, device=DEV)
     o, _ = triton_sparse_attention(q, k, v, idx)
-    blocks = idx.to_dense()[0, 0]                                       # [NQB, NKB]
+    blocks = idx.to_dense()[0, 0]  # [NQB, NKB]
     elem = blocks.repeat_interleave(BS, 0).repeat_interleave(BS, 1)[:N, :N]
     elem &= torch.ones(N, N, dtype=torch.bool, device=DEV).tril()
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), k.double().expand(B, HQ, N, D), v.double().expand(B, HQ, N, D), attn_mask=elem)
+        q.double(), k.double().expand(B, HQ, N, D), v.double().expand(B, HQ, N, D), attn_mask=elem
+    )
     assert rel_err(o, ref) < 1e-5
 
 
@@ -168,8 +170,9 @@ def test_split_counts_agree_with_unsplit(dropout_p):
     outs = {}
     for s in (1, 2, 8):
         outs[s] = _run_launcher(q, k, v, idx, scale=0.25, num_splits=s, dropout_p=dropout_p, dropout_seed=9)
-    o64, lse64 = reference_sparse_attention(q.double(), k.double(), v.double(), idx, scale=0.25,
-                                            dropout_p=dropout_p, dropout_seed=9)
+    o64, lse64 = reference_sparse_attention(
+        q.double(), k.double(), v.double(), idx, scale=0.25, dropout_p=dropout_p, dropout_seed=9
+    )
     for s in (2, 8):
         assert rel_err(outs[s][0], outs[1][0]) < 1e-6
         assert rel_err(outs[s][1], outs[1][1]) < 1e-6
@@ -210,10 +213,30 @@ def test_opcheck_fake_impl():
     q.requires_grad_()
     slots = cold_slots(plan.hot, plan.reuse, False)
     launch_config = [*forward_config(HQ // HKV, 16, 16, D), *backward_config(HQ // HKV, 16, 16, D, plan.num_cold > 0)]
-    args = (q, k, v, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks, slots, None,
-            plan.num_cold, 16, 16, 0.25, 0.0, 0, 1, launch_config)
-    torch.library.opcheck(torch.ops.sparse_train.sparse_attn_fwd.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    args = (
+        q,
+        k,
+        v,
+        idx.indices,
+        idx.counts,
+        plan.kv_indptr,
+        plan.kv_qblocks,
+        slots,
+        None,
+        plan.num_cold,
+        16,
+        16,
+        0.25,
+        0.0,
+        0,
+        1,
+        launch_config,
+    )
+    torch.library.opcheck(
+        torch.ops.sparse_train.sparse_attn_fwd.default,
+        args,
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
 
 
 def test_launcher_clamps_unvalidated_seq_lens():
@@ -243,10 +266,30 @@ def test_opcheck_on_gpu():
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float16, seed=9, device="cuda", requires_grad=True)
     slots = cold_slots(plan.hot, plan.reuse, False)
     launch_config = [*forward_config(HQ // HKV, 64, 64, D), *backward_config(HQ // HKV, 64, 64, D, plan.num_cold > 0)]
-    args = (q, k, v, idx.indices, idx.counts, plan.kv_indptr, plan.kv_qblocks, slots, None,
-            plan.num_cold, 64, 64, 0.125, 0.0, 0, 1, launch_config)
-    torch.library.opcheck(torch.ops.sparse_train.sparse_attn_fwd.default, args,
-                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    args = (
+        q,
+        k,
+        v,
+        idx.indices,
+        idx.counts,
+        plan.kv_indptr,
+        plan.kv_qblocks,
+        slots,
+        None,
+        plan.num_cold,
+        64,
+        64,
+        0.125,
+        0.0,
+        0,
+        1,
+        launch_config,
+    )
+    torch.library.opcheck(
+        torch.ops.sparse_train.sparse_attn_fwd.default,
+        args,
+        test_utils=("test_schema", "test_faketensor", "test_autograd_registration"),
+    )
 
 
 @pytest.mark.gpu
@@ -261,8 +304,15 @@ def test_dropout_bits_at_the_top_of_the_seed_domain(seed):
     v = torch.eye(N, D, device="cuda", dtype=torch.float16).expand(B, HKV, N, D).contiguous()
     o, _ = triton_sparse_attention(q, k, v, idx, dropout_p=p, dropout_seed=seed)
     pos = torch.arange(N, device="cuda")
-    keep = dropout_keep_mask(seed, torch.zeros(1, 1, 1, 1, dtype=torch.long, device="cuda"),
-                             torch.arange(HQ, device="cuda").view(1, HQ, 1, 1), pos.view(1, 1, N, 1),
-                             pos.view(1, 1, 1, N), HQ, N, p) & (pos.view(1, 1, 1, N) <= pos.view(1, 1, N, 1))
+    keep = dropout_keep_mask(
+        seed,
+        torch.zeros(1, 1, 1, 1, dtype=torch.long, device="cuda"),
+        torch.arange(HQ, device="cuda").view(1, HQ, 1, 1),
+        pos.view(1, 1, N, 1),
+        pos.view(1, 1, 1, N),
+        HQ,
+        N,
+        p,
+    ) & (pos.view(1, 1, 1, N) <= pos.view(1, 1, N, 1))
     got = o > 0
     assert torch.equal(got, keep[..., :D]), f"{(got != keep[..., :D]).sum().item()} keep bits differ"

@@ -8,6 +8,7 @@ bitwise the Triton kernels' gradients; the config fields and the reasons for a f
 ``gpu``): o, dq, dk, dv against the fp32 reference at real sizes (c = 3, as tests/kernels/test_kernel_backward.py),
 with chunked rows (partials), GQA and MHA, and the compiled kernels show that the Gluon kernels ran.
 """
+
 import os
 import re
 import subprocess
@@ -15,8 +16,8 @@ import subprocess
 import pytest
 import torch
 import triton
-
 from builders import make_qkv, random_index
+
 from sparse_train.kernels.gluon import backward as bg
 from sparse_train.kernels.gluon import forward as fg
 from sparse_train.plan.tuning import backward_config, forward_config
@@ -35,6 +36,7 @@ class _HopperTarget:
 
     def get_current_target(self):
         from triton.backends.compiler import GPUTarget
+
         return GPUTarget("cuda", 90, 32)
 
     def get_current_device(self):
@@ -57,8 +59,9 @@ def _ptxas_report(ptx: str, tmp_path) -> tuple[int, int]:
         pytest.skip("this triton ships no ptxas")
     path = tmp_path / "kernel.ptx"
     path.write_text(ptx)
-    report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True,
-                            text=True, check=True).stderr
+    report = subprocess.run(
+        [ptxas, "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True, text=True, check=True
+    ).stderr
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     return registers, spills
@@ -80,7 +83,7 @@ class _CompileInputs:
         self.docs = torch.zeros(1, n, dtype=torch.int32)
         self.items = torch.zeros(8, dtype=torch.int32)
         self.partials = torch.zeros(2, block, head_dim)
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
 
 
 COMPILE_CASES = [
@@ -115,16 +118,37 @@ def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group,
     key_rows = key_rows or config.gluon_key_rows
     x = _CompileInputs(block, head_dim, group)
     grid, args, kwargs = bg.dkdv_gluon_arguments(
-        x.q, x.k, x.k, x.q, x.stats, x.stats, x.items, x.items, x.items, x.items, x.items, x.k, x.k, x.partials,
-        x.partials, block_q=block, block_k=block, scale=x.scale, tile_rows=config.gluon_tile_rows,
-        num_buf=config.gluon_stages, key_rows=key_rows)
+        x.q,
+        x.k,
+        x.k,
+        x.q,
+        x.stats,
+        x.stats,
+        x.items,
+        x.items,
+        x.items,
+        x.items,
+        x.items,
+        x.k,
+        x.k,
+        x.partials,
+        x.partials,
+        block_q=block,
+        block_k=block,
+        scale=x.scale,
+        tile_rows=config.gluon_tile_rows,
+        num_buf=config.gluon_stages,
+        key_rows=key_rows,
+    )
     assert kwargs["KEY_ROWS"] == min(block, key_rows) and grid == (x.items.numel() * block // kwargs["KEY_ROWS"],)
     compiled = _compile_for_hopper(bg._dkdv_gluon_kernel, grid, args, kwargs)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in compiled.asm["ptx"]  # the q/dO ring is filled by TMA
     registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
-    print(f"block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
-          f"{compiled.metadata.shared} bytes of shared memory")
+    print(
+        f"block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
+        f"{compiled.metadata.shared} bytes of shared memory"
+    )
     assert spills <= spill_bytes
     assert compiled.metadata.shared <= 228 * 1024 // (2 if kwargs["KEY_ROWS"] == 64 else 1)
 
@@ -147,14 +171,29 @@ def test_gluon_dq_kernel_compiles_for_hopper_without_spills(block, head_dim, gro
     config = backward_config(group, block, block, head_dim, False, {"dq_gluon": True, "dq_heads_per_program": heads})
     x = _CompileInputs(block, head_dim, group)
     grid, args, kwargs = bg.dq_gluon_arguments(
-        x.q, x.k, x.k, x.q, x.stats, x.stats, x.indices, x.counts, x.q, block_q=block, block_k=block, scale=x.scale,
-        heads_per_program=config.dq_gluon_heads_per_program, num_buf=config.dq_gluon_stages)
+        x.q,
+        x.k,
+        x.k,
+        x.q,
+        x.stats,
+        x.stats,
+        x.indices,
+        x.counts,
+        x.q,
+        block_q=block,
+        block_k=block,
+        scale=x.scale,
+        heads_per_program=config.dq_gluon_heads_per_program,
+        num_buf=config.dq_gluon_stages,
+    )
     compiled = _compile_for_hopper(bg._dq_gluon_kernel, grid, args, kwargs)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in compiled.asm["ptx"]  # the K/V ring is filled by TMA
     registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
-    print(f"dQ block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
-          f"{compiled.metadata.shared} bytes of shared memory")
+    print(
+        f"dQ block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
+        f"{compiled.metadata.shared} bytes of shared memory"
+    )
     assert spills == 0
     assert compiled.metadata.shared <= 227 * 1024
 
@@ -177,14 +216,27 @@ def test_gluon_forward_compiles_for_hopper_without_spills(block, head_dim, group
     config = forward_config(group, block, block, head_dim, {"fwd_gluon": True})
     x = _CompileInputs(block, head_dim, group)
     grid, args, kwargs = fg.fwd_gluon_arguments(
-        x.q, x.k, x.k, x.q, x.stats, x.indices, x.counts, block_q=block, block_k=block, scale=x.scale,
-        heads_per_program=heads or config.gluon_heads_per_program, num_buf=config.gluon_stages)
+        x.q,
+        x.k,
+        x.k,
+        x.q,
+        x.stats,
+        x.indices,
+        x.counts,
+        block_q=block,
+        block_k=block,
+        scale=x.scale,
+        heads_per_program=heads or config.gluon_heads_per_program,
+        num_buf=config.gluon_stages,
+    )
     compiled = _compile_for_hopper(fg._fwd_gluon_kernel, grid, args, kwargs)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in compiled.asm["ptx"]
     registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
-    print(f"forward block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
-          f"{compiled.metadata.shared} bytes of shared memory")
+    print(
+        f"forward block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
+        f"{compiled.metadata.shared} bytes of shared memory"
+    )
     assert spills == 0
     assert compiled.metadata.shared <= 227 * 1024
 
@@ -207,16 +259,74 @@ def test_gluon_kernels_with_documents_compile_for_hopper(block, head_dim, group,
     fconfig = forward_config(group, block, block, head_dim, {"fwd_gluon": True})
     x = _CompileInputs(block, head_dim, group)
     launches = {
-        "forward": (fg._fwd_gluon_kernel, fg.fwd_gluon_arguments(
-            x.q, x.k, x.k, x.q, x.stats, x.indices, x.counts, x.docs, block_q=block, block_k=block, scale=x.scale,
-            heads_per_program=fconfig.gluon_heads_per_program, num_buf=fconfig.gluon_stages), 0),
-        "dq": (bg._dq_gluon_kernel, bg.dq_gluon_arguments(
-            x.q, x.k, x.k, x.q, x.stats, x.stats, x.indices, x.counts, x.q, x.docs, block_q=block, block_k=block,
-            scale=x.scale, heads_per_program=config.dq_gluon_heads_per_program, num_buf=config.dq_gluon_stages), 0),
-        "kv": (bg._dkdv_gluon_kernel, bg.dkdv_gluon_arguments(
-            x.q, x.k, x.k, x.q, x.stats, x.stats, x.items, x.items, x.items, x.items, x.items, x.k, x.k, x.partials,
-            x.partials, x.docs, block_q=block, block_k=block, scale=x.scale, tile_rows=config.gluon_tile_rows,
-            num_buf=config.gluon_stages, key_rows=config.gluon_key_rows), kv_spill_bytes),
+        "forward": (
+            fg._fwd_gluon_kernel,
+            fg.fwd_gluon_arguments(
+                x.q,
+                x.k,
+                x.k,
+                x.q,
+                x.stats,
+                x.indices,
+                x.counts,
+                x.docs,
+                block_q=block,
+                block_k=block,
+                scale=x.scale,
+                heads_per_program=fconfig.gluon_heads_per_program,
+                num_buf=fconfig.gluon_stages,
+            ),
+            0,
+        ),
+        "dq": (
+            bg._dq_gluon_kernel,
+            bg.dq_gluon_arguments(
+                x.q,
+                x.k,
+                x.k,
+                x.q,
+                x.stats,
+                x.stats,
+                x.indices,
+                x.counts,
+                x.q,
+                x.docs,
+                block_q=block,
+                block_k=block,
+                scale=x.scale,
+                heads_per_program=config.dq_gluon_heads_per_program,
+                num_buf=config.dq_gluon_stages,
+            ),
+            0,
+        ),
+        "kv": (
+            bg._dkdv_gluon_kernel,
+            bg.dkdv_gluon_arguments(
+                x.q,
+                x.k,
+                x.k,
+                x.q,
+                x.stats,
+                x.stats,
+                x.items,
+                x.items,
+                x.items,
+                x.items,
+                x.items,
+                x.k,
+                x.k,
+                x.partials,
+                x.partials,
+                x.docs,
+                block_q=block,
+                block_k=block,
+                scale=x.scale,
+                tile_rows=config.gluon_tile_rows,
+                num_buf=config.gluon_stages,
+                key_rows=config.gluon_key_rows,
+            ),
+            kv_spill_bytes,
+        ),
     }
     for name, (kernel, (grid, args, kwargs), spill_bytes) in launches.items():
         assert kwargs["HAS_DOCS"]
@@ -231,6 +341,7 @@ def test_forward_config_gluon_default_follows_the_device():
     (where it measured faster), off on the CPU; the Triton forward's tiles stay its own (it runs wherever the
     Gluon one does not apply)."""
     from sparse_train.plan import tuning
+
     assert forward_config(4, 64, 64, 64, device="cpu").gluon == 0
     on = forward_config(4, 64, 64, 128, {"fwd_gluon": True})
     assert on.gluon == 1 and on._replace(gluon=0) == forward_config(4, 64, 64, 128)
@@ -250,6 +361,7 @@ def test_backward_config_gluon_default_follows_the_device():
     """``kv_gluon`` is on by default exactly where :func:`plan.device.gluon_kernels` holds (a Hopper GPU with Gluon),
     off on the CPU; the option overrides it either way, and its tiles are the plan's constants."""
     from sparse_train.plan import tuning
+
     for name in ("kv_gluon", "dq_gluon"):
         assert getattr(backward_config(4, 64, 64, 128, False, device="cpu"), name) == 0
         assert getattr(backward_config(4, 64, 64, 128, False, {name: True}, device="cpu"), name) == 1
@@ -264,7 +376,11 @@ def test_backward_config_gluon_default_follows_the_device():
             backward_config(4, 64, 64, 128, False, {name: "yes"})
     on = backward_config(4, 64, 64, 128, False)
     assert (on.gluon_tile_rows, on.gluon_stages, on.dq_gluon_stages, on.gluon_key_rows) == (
-        tuning.GLUON_TILE_ROWS, tuning.GLUON_RING, tuning.GLUON_DQ_RING, tuning.GLUON_KEY_ROWS)
+        tuning.GLUON_TILE_ROWS,
+        tuning.GLUON_RING,
+        tuning.GLUON_DQ_RING,
+        tuning.GLUON_KEY_ROWS,
+    )
     # the Gluon dQ kernel takes one head of 64 rows, the Triton one stays at two (128 rows); an explicit
     # dq_heads_per_program sets both
     assert (on.dq_gluon_heads_per_program, on.dq_heads_per_program) == (1, 2)
@@ -276,21 +392,37 @@ def test_backward_config_gluon_default_follows_the_device():
 def test_gluon_fallback_reasons():
     """Each condition the Gluon kernel does not cover is named (the launcher then runs the Triton kernel)."""
     q, k, v = make_qkv(1, 4, 2, 256, 64, torch.bfloat16, device="cpu")
-    kw = dict(block_q=64, block_k=64, tile_rows=64, heads_per_step=1, has_seq_lens=False, has_docs=False,
-              dropout=False, query_map=False)
+    kw = dict(
+        block_q=64,
+        block_k=64,
+        tile_rows=64,
+        heads_per_step=1,
+        has_seq_lens=False,
+        has_docs=False,
+        dropout=False,
+        query_map=False,
+    )
     assert "Hopper" in bg.gluon_kv_supported(q, k, v, q, **kw)
     assert "Hopper" in bg.gluon_dq_supported(q, k, v, q, **_dq_support_args(kw))
     assert "Hopper" in fg.gluon_fwd_supported(q, k, v, **_fwd_support_args(kw))
 
 
-@pytest.mark.parametrize("block_k,key_rows,expected", [
-    (128, 64, None), (128, 128, None), (64, 64, None), (64, 128, None), (128, 32, "32 key rows"),
-    (128, 96, "96 key rows")], ids=["128-in-two", "128-whole", "64-whole", "64-capped", "too-thin", "not-dividing"])
+@pytest.mark.parametrize(
+    "block_k,key_rows,expected",
+    [
+        (128, 64, None),
+        (128, 128, None),
+        (64, 64, None),
+        (64, 128, None),
+        (128, 32, "32 key rows"),
+        (128, 96, "96 key rows"),
+    ],
+    ids=["128-in-two", "128-whole", "64-whole", "64-capped", "too-thin", "not-dividing"],
+)
 def test_gluon_kv_key_rows(block_k, key_rows, expected):
     """A Gluon KV-centric program takes 64 or 128 rows of its key block (at most the block), a divisor of it;
     anything else is named and the launcher runs the Triton kernel."""
-    reason = bg.gluon_kv_tiles_supported(block_q=64, tile_rows=64, heads_per_step=1, block_k=block_k,
-                                         key_rows=key_rows)
+    reason = bg.gluon_kv_tiles_supported(block_q=64, tile_rows=64, heads_per_step=1, block_k=block_k, key_rows=key_rows)
     assert reason is None if expected is None else expected in reason
     assert bg.gluon_kv_key_rows(block_k, key_rows) == min(block_k, key_rows)
 
@@ -312,8 +444,21 @@ def test_gluon_fallback_reasons_on_hopper():
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper")
     q, k, v = make_qkv(1, 4, 2, 256, 64, torch.bfloat16, device="cpu")
-    _hopper_fallback_reasons(q, k, v, dict(block_q=64, block_k=64, tile_rows=64, heads_per_step=1,
-                                           has_seq_lens=False, has_docs=False, dropout=False, query_map=False))
+    _hopper_fallback_reasons(
+        q,
+        k,
+        v,
+        dict(
+            block_q=64,
+            block_k=64,
+            tile_rows=64,
+            heads_per_step=1,
+            has_seq_lens=False,
+            has_docs=False,
+            dropout=False,
+            query_map=False,
+        ),
+    )
 
 
 def _hopper_fallback_reasons(q, k, v, kw):
@@ -321,8 +466,7 @@ def _hopper_fallback_reasons(q, k, v, kw):
     qc, kc, vc = (x.cuda() for x in (q, k, v))
     assert bg.gluon_kv_supported(qc, kc, vc, qc, **kw) is None
     assert "dropout" in bg.gluon_kv_supported(qc, kc, vc, qc, **dict(kw, dropout=True))
-    assert "multiple" in bg.gluon_kv_supported(qc[:, :, :250], kc[:, :, :250], vc[:, :, :250], qc[:, :, :250],
-                                               **kw)
+    assert "multiple" in bg.gluon_kv_supported(qc[:, :, :250], kc[:, :, :250], vc[:, :, :250], qc[:, :, :250], **kw)
     assert "dtype" in bg.gluon_kv_supported(qc.float(), kc.float(), vc.float(), qc.float(), **kw)
     assert bg.gluon_kv_supported(qc.transpose(1, 2).contiguous().transpose(1, 2), kc, vc, qc, **kw) is None
     misaligned = torch.empty(qc.numel() + 1, device="cuda", dtype=qc.dtype)[1:].view(qc.shape)
@@ -342,8 +486,10 @@ def _hopper_fallback_reasons(q, k, v, kw):
     assert bg.gluon_kv_supported(qc, kc, vc, qc, **dict(kw, has_docs=True)) is None
 
 
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
-                    reason="on Hopper the Gluon kernel runs (the GPU tests below)")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9,
+    reason="on Hopper the Gluon kernel runs (the GPU tests below)",
+)
 @pytest.mark.usefixtures("poison_fresh_outputs")
 def test_without_hopper_gluon_options_run_the_triton_kernels_bitwise():
     """Off Hopper (here the interpreter) ``kv_gluon`` / ``dq_gluon`` change nothing: the Triton kernels run,
@@ -368,12 +514,40 @@ GPU_CASES = [
     pytest.param(2, 8, 2, 4096, 128, 64, 64, torch.bfloat16, 8, 4, 1, None, False, id="bf16-d128-b64-gqa4"),
     pytest.param(1, 8, 8, 8192, 64, 128, 128, torch.float16, 6, 2, 1, None, False, id="fp16-d64-b128-8k-mha"),
     pytest.param(1, 8, 2, 4096, 128, 128, 64, torch.bfloat16, 8, 4, 1, 2, False, id="bf16-d128-bq128-bk64-chunks2"),
-    pytest.param(1, 4, 1, 3136, 64, 64, 128, torch.float16, 5, 2, 1, 3, False,
-                 id="fp16-d64-bq64-bk128-gqa4-chunks3-N_not_multiple_of_BK"),
+    pytest.param(
+        1,
+        4,
+        1,
+        3136,
+        64,
+        64,
+        128,
+        torch.float16,
+        5,
+        2,
+        1,
+        3,
+        False,
+        id="fp16-d64-bq64-bk128-gqa4-chunks3-N_not_multiple_of_BK",
+    ),
     pytest.param(1, 8, 2, 8192, 128, 128, 128, torch.bfloat16, 8, 4, 1, None, False, id="bf16-d128-b128-8k"),
     pytest.param(2, 8, 2, 4096, 128, 64, 64, torch.bfloat16, 8, 4, 1, None, True, id="bf16-d128-b64-projection-layout"),
-    pytest.param(1, 8, 8, 3200, 64, 64, 128, torch.bfloat16, 6, 2, 1, None, True,
-                 id="bf16-d64-bq64-bk128-projection-layout-N_not_multiple_of_BK"),
+    pytest.param(
+        1,
+        8,
+        8,
+        3200,
+        64,
+        64,
+        128,
+        torch.bfloat16,
+        6,
+        2,
+        1,
+        None,
+        True,
+        id="bf16-d64-bq64-bk128-projection-layout-N_not_multiple_of_BK",
+    ),
 ]
 
 
@@ -402,6 +576,7 @@ def test_gluon_backward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, si
     same: the Triton one on both sides), and so are dk and dv (same tile products, accumulated in the same
     order)."""
     from test_kernel_backward import _gpu_compare
+
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernel is for Hopper")
     idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N, device="cuda")
@@ -412,26 +587,31 @@ def test_gluon_backward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, si
     chunk = {} if kv_chunk is None else {"kv_chunk": kv_chunk}
     _, _, _, (dq, dk, dv) = _gpu_compare(idx, q, k, v, do, kernel_options=dict(chunk, kv_gluon=True, dq_gluon=False))
     assert kb.LAST_COMPILED["dkdv"].name == "_dkdv_gluon_kernel"
-    _, _, _, (dq_triton, dk_triton, dv_triton) = _gpu_compare(idx, q, k, v, do,
-                                                              kernel_options=dict(chunk, kv_gluon=False, dq_gluon=False))
+    _, _, _, (dq_triton, dk_triton, dv_triton) = _gpu_compare(
+        idx, q, k, v, do, kernel_options=dict(chunk, kv_gluon=False, dq_gluon=False)
+    )
     assert kb.LAST_COMPILED["dkdv"].name == "_dkdv_kernel"
-    print(f"max |dK gluon - dK triton| {float((dk.float() - dk_triton.float()).abs().max()):.3g}, "
-          f"|dV| {float((dv.float() - dv_triton.float()).abs().max()):.3g}")
+    print(
+        f"max |dK gluon - dK triton| {float((dk.float() - dk_triton.float()).abs().max()):.3g}, "
+        f"|dV| {float((dv.float() - dv_triton.float()).abs().max()):.3g}"
+    )
     assert torch.equal(dq, dq_triton) and torch.equal(dk, dk_triton) and torch.equal(dv, dv_triton)
 
 
 @pytest.mark.gpu
 @pytest.mark.usefixtures("poison_fresh_outputs", "poison_fresh_gradients")
-@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,dtype,topk,window,sinks,kv_chunk,projection_layout",
-                         [case for case in GPU_CASES if case.values[6] == 128])
-def test_gluon_kv_key_slices_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks, kv_chunk,
-                                    projection_layout):
+@pytest.mark.parametrize(
+    "B,HQ,HKV,N,D,BQ,BK,dtype,topk,window,sinks,kv_chunk,projection_layout",
+    [case for case in GPU_CASES if case.values[6] == 128],
+)
+def test_gluon_kv_key_slices_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks, kv_chunk, projection_layout):
     """Over 128-key blocks the Gluon KV-centric kernel runs each block as two 64-key-row programs (the default,
     ``plan.tuning.GLUON_KEY_ROWS``) or as one 128-row program: dK and dV are the same bits (each key row gets the same
     products in the same order; the dQ kernel is the same), NaN-poisoned outputs, chunked rows included."""
     from sparse_train.kernels.triton.backward import sparse_attn_backward
     from sparse_train.kernels.triton.forward import sparse_attn_forward
     from sparse_train.plan.launch import attention_schedule
+
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper")
     idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N + 3, device="cuda")
@@ -442,14 +622,30 @@ def test_gluon_kv_key_slices_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, windo
     options = {"kv_gluon": True} if kv_chunk is None else {"kv_gluon": True, "kv_chunk": kv_chunk}
     sched = attention_schedule(idx, HQ // HKV, D, q.device, options)
     assert sched.backward.gluon_key_rows == 64
-    o, lse = sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=BQ, block_k=BK, scale=D ** -0.5,
-                                 num_splits=1, config=sched.forward)
+    o, lse = sparse_attn_forward(
+        q, k, v, idx.indices, idx.counts, block_q=BQ, block_k=BK, scale=D**-0.5, num_splits=1, config=sched.forward
+    )
 
     def backward(key_rows):
         config = sched.backward._replace(gluon_key_rows=key_rows)
-        grads = sparse_attn_backward(do, q, k, v, o, lse, idx.indices, idx.counts, sched.plan.kv_indptr,
-                                     sched.plan.kv_qblocks, sched.slots, sched.cold_capacity, block_q=BQ,
-                                     block_k=BK, scale=D ** -0.5, config=config)
+        grads = sparse_attn_backward(
+            do,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            idx.indices,
+            idx.counts,
+            sched.plan.kv_indptr,
+            sched.plan.kv_qblocks,
+            sched.slots,
+            sched.cold_capacity,
+            block_q=BQ,
+            block_k=BK,
+            scale=D**-0.5,
+            config=config,
+        )
         compiled = kb.LAST_COMPILED["dkdv"]
         assert compiled.name == "_dkdv_gluon_kernel"
         return grads, compiled.metadata.num_warps
@@ -469,6 +665,7 @@ def test_gluon_dq_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sinks, k
     reference at real sizes (fresh outputs NaN-poisoned); dq is bitwise the Triton dQ kernel's (same tile
     products in the same order), dk and dv too (the same KV-centric kernel on both sides)."""
     from test_kernel_backward import _gpu_compare
+
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper")
     idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N + 1, device="cuda")
@@ -493,6 +690,7 @@ def test_gluon_forward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sin
     o, dq, dk, dv match the fp32 reference at real sizes (fresh outputs NaN-poisoned); o and lse equal the Triton
     forward's bit for bit (same products in the same order), also with a ring of 3."""
     from test_kernel_backward import _gpu_compare
+
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper")
     idx = random_index(B, HKV, N, BQ, BK, topk, window, sinks, seed=N + 2, device="cuda")
@@ -504,15 +702,19 @@ def test_gluon_forward_on_gpu(B, HQ, HKV, N, D, BQ, BK, dtype, topk, window, sin
     assert kb.LAST_COMPILED["fwd"].name == "_fwd_gluon_kernel"
     o_triton, lse_triton, _, _ = _gpu_compare(idx, q, k, v, do, kernel_options={"fwd_gluon": False, "num_splits": 1})
     assert kb.LAST_COMPILED["fwd"].name == "_fwd_kernel"
-    print(f"max |o gluon - o triton| {float((o.float() - o_triton.float()).abs().max()):.3g}, "
-          f"|lse| {float((lse - lse_triton).abs().max()):.3g}, bitwise o {torch.equal(o, o_triton)}")
+    print(
+        f"max |o gluon - o triton| {float((o.float() - o_triton.float()).abs().max()):.3g}, "
+        f"|lse| {float((lse - lse_triton).abs().max()):.3g}, bitwise o {torch.equal(o, o_triton)}"
+    )
     from sparse_train.kernels.triton.forward import sparse_attn_forward
     from sparse_train.plan.launch import attention_schedule
+
     assert torch.equal(o, o_triton) and torch.equal(lse, lse_triton)
     sched = attention_schedule(idx, HQ // HKV, D, q.device, {"fwd_gluon": True})
     ring3 = sched.forward._replace(gluon_stages=3)
-    o3, lse3 = sparse_attn_forward(q, k, v, idx.indices, idx.counts, block_q=BQ, block_k=BK, scale=D ** -0.5,
-                                   num_splits=1, config=ring3)
+    o3, lse3 = sparse_attn_forward(
+        q, k, v, idx.indices, idx.counts, block_q=BQ, block_k=BK, scale=D**-0.5, num_splits=1, config=ring3
+    )
     assert kb.LAST_COMPILED["fwd"].name == "_fwd_gluon_kernel"
     assert torch.equal(o3, o) and torch.equal(lse3, lse)
 
@@ -533,11 +735,17 @@ def test_gluon_kernels_with_documents_on_gpu(B, HQ, HKV, N, D, block, lengths, d
     against the float64 reference with the same document ids (error ratio, as test_kernel_documents.py), and
     bitwise the all-Triton path's (same products and masks in the same order)."""
     from test_kernel_documents import _check_against_reference
+
     from sparse_train.documents import random_document_lengths
+
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon kernels are for Hopper")
-    ids = torch.cat([torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-                     for lens in (random_document_lengths(N, *lengths, seed) for seed in range(B))])
+    ids = torch.cat(
+        [
+            torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+            for lens in (random_document_lengths(N, *lengths, seed) for seed in range(B))
+        ]
+    )
     ids = ids.view(B, N).to(device="cuda", dtype=torch.int32)
     idx = random_index(B, HKV, N, block, block, 8, 4, 1, seed=N + 5, device="cuda")
     q, k, v = make_qkv(B, HQ, HKV, N, D, dtype, device="cuda")
@@ -545,7 +753,10 @@ def test_gluon_kernels_with_documents_on_gpu(B, HQ, HKV, N, D, block, lengths, d
     on = {"fwd_gluon": True, "dq_gluon": True, "kv_gluon": True, "num_splits": 1}
     gluon = _check_against_reference(idx, q, k, v, do, ids, dtype=dtype, kernel_options=on)
     assert [kb.LAST_COMPILED[name].name for name in ("fwd", "dq", "dkdv")] == [
-        "_fwd_gluon_kernel", "_dq_gluon_kernel", "_dkdv_gluon_kernel"]
+        "_fwd_gluon_kernel",
+        "_dq_gluon_kernel",
+        "_dkdv_gluon_kernel",
+    ]
     off = {"fwd_gluon": False, "dq_gluon": False, "kv_gluon": False, "num_splits": 1}
     plain = _check_against_reference(idx, q, k, v, do, ids, dtype=dtype, kernel_options=off)
     assert kb.LAST_COMPILED["dkdv"].name == "_dkdv_kernel"
@@ -557,6 +768,7 @@ def test_gluon_dq_leaves_cold_blocks_to_the_triton_kernel():
     """With cold blocks (r0 above the smallest reuse) the dQ kernel also adds their dK/dV by atomics, which the
     Gluon kernel does not: the Triton dQ kernel runs under ``dq_gluon`` and the gradients match the reference."""
     from test_kernel_backward import _gpu_compare
+
     idx = random_index(1, 2, 4096, 64, 64, 8, 4, 1, seed=11, device="cuda")
     q, k, v = make_qkv(1, 8, 2, 4096, 128, torch.bfloat16, device="cuda")
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
@@ -569,14 +781,17 @@ def test_gluon_falls_back_where_it_does_not_apply():
     """Dropout and a length that is not a multiple of BLOCK_Q take the Triton kernel under ``kv_gluon``,
     with the Triton kernel's gradients (bitwise: deterministic mode on both sides)."""
     from test_kernel_backward import _gpu_compare
+
     idx = random_index(1, 2, 4099, 64, 64, 8, 4, 1, seed=7, device="cuda")
     q, k, v = make_qkv(1, 8, 2, 4099, 128, torch.bfloat16, device="cuda")
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q)
     for kw in (dict(), dict(dropout_p=0.1, dropout_seed=3)):
-        _, _, _, gluon = _gpu_compare(idx, q, k, v, do, kernel_options={"kv_gluon": True, "dq_gluon": True},
-                                      deterministic=True, **kw)
+        _, _, _, gluon = _gpu_compare(
+            idx, q, k, v, do, kernel_options={"kv_gluon": True, "dq_gluon": True}, deterministic=True, **kw
+        )
         assert kb.LAST_COMPILED["dkdv"].name == "_dkdv_kernel"
         assert kb.LAST_COMPILED["dq"].name == "_dq_kernel"
-        _, _, _, plain = _gpu_compare(idx, q, k, v, do, kernel_options={"kv_gluon": False, "dq_gluon": False},
-                                      deterministic=True, **kw)
+        _, _, _, plain = _gpu_compare(
+            idx, q, k, v, do, kernel_options={"kv_gluon": False, "dq_gluon": False}, deterministic=True, **kw
+        )
         assert all(torch.equal(a, b) for a, b in zip(gluon, plain))

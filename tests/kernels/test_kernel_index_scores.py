@@ -9,15 +9,15 @@ import pytest
 import torch
 from builders import check_close, ids_from_lengths, rel_err
 
+from sparse_train.kernels.reference.index_scores import (
+    check_index_score_args,
+    reference_index_block_scores,
+)
 from sparse_train.kernels.triton import index_scores as index_scores_mod
 from sparse_train.kernels.triton.index_scores import (
     IndexScoreOptions,
     index_block_scores,
     index_block_scores_launch,
-)
-from sparse_train.kernels.reference.index_scores import (
-    check_index_score_args,
-    reference_index_block_scores,
 )
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

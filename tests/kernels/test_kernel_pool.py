@@ -1,14 +1,14 @@
-"""The selector's block-pooling kernel (kernels/triton/pool.py) against its PyTorch reference (kernels/reference/pool.py)
-in float64, by the error-ratio rule; validation; the scorer's pooling on the GPU."""
+"""The selector's block-pooling kernel (kernels/triton/pool.py) against its PyTorch reference
+(kernels/reference/pool.py) in float64, by the error-ratio rule; validation; the scorer's pooling on the GPU."""
 
 import math
 
 import pytest
 import torch
-
 from builders import check_close
-from sparse_train.kernels.triton.pool import triton_block_pool
+
 from sparse_train.kernels.reference.pool import reference_block_pool
+from sparse_train.kernels.triton.pool import triton_block_pool
 from sparse_train.selection import BlockScorer, rope_inverse_frequencies
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,9 +56,15 @@ def test_pool_matches_reference(B, HP, G, N, D, block, rope, positions, lengths,
         lengths = lengths * B
     x, inv_freq, pos, valid = _inputs(B, HP, G, N, D, rope=rope, positions=positions, lengths=lengths, layout=layout)
     got = triton_block_pool(x, block, G, valid_len=valid, inv_freq=inv_freq, positions=pos, with_max=with_max)
-    ref = reference_block_pool(x.double(), block, G, valid_len=valid,
-                               inv_freq=None if inv_freq is None else inv_freq.double(), positions=pos,
-                               with_max=with_max)
+    ref = reference_block_pool(
+        x.double(),
+        block,
+        G,
+        valid_len=valid,
+        inv_freq=None if inv_freq is None else inv_freq.double(),
+        positions=pos,
+        with_max=with_max,
+    )
     ref_low = reference_block_pool(x, block, G, valid_len=valid, inv_freq=inv_freq, positions=pos, with_max=with_max)
     assert got.shape == ref.shape == (B, HP, math.ceil(N / block), (2 if with_max else 1) * D)
     assert got.dtype == torch.float32
@@ -66,11 +72,14 @@ def test_pool_matches_reference(B, HP, G, N, D, block, rope, positions, lengths,
     check_close("pool", got, ref, ref_low, torch.float32)
     if valid is not None:  # blocks without a valid row pool to exactly 0
         for b, length in enumerate(lengths):
-            assert torch.all(got[b, :, math.ceil(length / block):] == 0)
+            assert torch.all(got[b, :, math.ceil(length / block) :] == 0)
 
 
-@pytest.mark.parametrize("rows,heads_per_program", [(16, 1), (64, 3), (16, 4)],
-                         ids=["row-steps-one-head", "one-step-uneven-head-chunks", "row-steps-all-heads"])
+@pytest.mark.parametrize(
+    "rows,heads_per_program",
+    [(16, 1), (64, 3), (16, 4)],
+    ids=["row-steps-one-head", "one-step-uneven-head-chunks", "row-steps-all-heads"],
+)
 @pytest.mark.parametrize("rope", [0, 24, 64], ids=["no-rope", "rope-12-pairs-tail", "rope-full"])
 def test_pool_tilings_match_reference(rope, rows, heads_per_program):
     """Every tiling the launcher can choose gives the reference's values: the block in several row steps (the
@@ -79,10 +88,27 @@ def test_pool_tilings_match_reference(rope, rows, heads_per_program):
     from sparse_train.kernels.triton.pool import block_pool_launch
 
     x, inv_freq, pos, valid = _inputs(2, 4, 2, 150, 64, rope=rope, positions="shifted", lengths=(150, 77))
-    got = block_pool_launch(x, 64, 2, valid.to(torch.int32), inv_freq, pos, True, rows=rows, num_warps=2,
-                            heads_per_program=heads_per_program)
-    ref = reference_block_pool(x.double(), 64, 2, valid_len=valid,
-                               inv_freq=None if inv_freq is None else inv_freq.double(), positions=pos, with_max=True)
+    got = block_pool_launch(
+        x,
+        64,
+        2,
+        valid.to(torch.int32),
+        inv_freq,
+        pos,
+        True,
+        rows=rows,
+        num_warps=2,
+        heads_per_program=heads_per_program,
+    )
+    ref = reference_block_pool(
+        x.double(),
+        64,
+        2,
+        valid_len=valid,
+        inv_freq=None if inv_freq is None else inv_freq.double(),
+        positions=pos,
+        with_max=True,
+    )
     ref_low = reference_block_pool(x, 64, 2, valid_len=valid, inv_freq=inv_freq, positions=pos, with_max=True)
     assert torch.isfinite(got).all()
     check_close(f"pool rows={rows} heads/program={heads_per_program}", got, ref, ref_low, torch.float32)
@@ -103,17 +129,32 @@ def test_pool_fp16_input():
     check_close("pool fp16 input", got, ref, ref_low, torch.float32)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda x: triton_block_pool(x[0], 16), r"\[B, H \* group, N, D\]"),
-    (lambda x: triton_block_pool(x[..., :12], 16), "power-of-two head dim"),
-    (lambda x: triton_block_pool(x, 16, 3), "group=3 must be a positive int dividing the 4 heads"),
-    (lambda x: triton_block_pool(x, 0), "block must be a positive int"),
-    (lambda x: triton_block_pool(x, 16, valid_len=torch.tensor([3.0])), "valid_len must be an integer tensor"),
-    (lambda x: triton_block_pool(x, 16, valid_len=torch.tensor([3, 4])), r"valid_len must be an integer tensor \[B\]"),
-    (lambda x: triton_block_pool(x, 16, inv_freq=torch.ones(9)), "rotate 18 channels but the head dim is 16"),
-    (lambda x: triton_block_pool(x, 16, inv_freq=torch.ones(4), positions=torch.arange(5)), "positions must be"),
-], ids=["not-4d", "head-dim-12", "group-3", "block-0", "float-lengths", "lengths-shape", "too-many-freqs",
-        "positions-shape"])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda x: triton_block_pool(x[0], 16), r"\[B, H \* group, N, D\]"),
+        (lambda x: triton_block_pool(x[..., :12], 16), "power-of-two head dim"),
+        (lambda x: triton_block_pool(x, 16, 3), "group=3 must be a positive int dividing the 4 heads"),
+        (lambda x: triton_block_pool(x, 0), "block must be a positive int"),
+        (lambda x: triton_block_pool(x, 16, valid_len=torch.tensor([3.0])), "valid_len must be an integer tensor"),
+        (
+            lambda x: triton_block_pool(x, 16, valid_len=torch.tensor([3, 4])),
+            r"valid_len must be an integer tensor \[B\]",
+        ),
+        (lambda x: triton_block_pool(x, 16, inv_freq=torch.ones(9)), "rotate 18 channels but the head dim is 16"),
+        (lambda x: triton_block_pool(x, 16, inv_freq=torch.ones(4), positions=torch.arange(5)), "positions must be"),
+    ],
+    ids=[
+        "not-4d",
+        "head-dim-12",
+        "group-3",
+        "block-0",
+        "float-lengths",
+        "lengths-shape",
+        "too-many-freqs",
+        "positions-shape",
+    ],
+)
 def test_pool_rejects_bad_arguments(call, match):
     x = torch.randn(1, 4, 20, 16)
     with pytest.raises(ValueError, match=match):
@@ -127,10 +168,12 @@ def test_scorer_pool_on_gpu_matches_reference(rope, dtype):
     """BlockScorer.pool (mean_max queries and keys, the module's defaults) takes the kernel on the GPU and gives
     the reference's values: an 8K sequence with late positions (large RoPE angles) and padded rows."""
     B, HKV, G, N, D, block = 2, 2, 4, 8192, 64, 64
-    x_q, _, _, valid = _inputs(B, HKV, G, N, D, rope=0, positions=None, lengths=(8192, 5000), dtype=dtype,
-                               device="cuda", layout="bnhd")
-    x_k, _, _, _ = _inputs(B, HKV, 1, N, D, rope=0, positions=None, lengths=(8192, 5000), dtype=dtype,
-                           device="cuda", seed=1)
+    x_q, _, _, valid = _inputs(
+        B, HKV, G, N, D, rope=0, positions=None, lengths=(8192, 5000), dtype=dtype, device="cuda", layout="bnhd"
+    )
+    x_k, _, _, _ = _inputs(
+        B, HKV, 1, N, D, rope=0, positions=None, lengths=(8192, 5000), dtype=dtype, device="cuda", seed=1
+    )
     pos = torch.arange(N, device="cuda") + 120_000
     scorer = BlockScorer(HKV * G, HKV, D, 32, key_pooling="mean_max", query_pooling="mean_max").cuda()
     if rope:
@@ -138,11 +181,18 @@ def test_scorer_pool_on_gpu_matches_reference(rope, dtype):
     inv_freq = scorer.rope_inv_freq if rope else None
     qbar, kbar = scorer.pool(x_q, x_k, block, block, seq_lens=valid, positions=pos)
     for name, got, x, group in (("qbar", qbar, x_q, G), ("kbar", kbar, x_k, 1)):
-        ref = reference_block_pool(x.double(), block, group, valid_len=valid,
-                                   inv_freq=None if inv_freq is None else inv_freq.double(), positions=pos,
-                                   with_max=True)
-        ref_low = reference_block_pool(x, block, group, valid_len=valid, inv_freq=inv_freq, positions=pos,
-                                       with_max=True)
+        ref = reference_block_pool(
+            x.double(),
+            block,
+            group,
+            valid_len=valid,
+            inv_freq=None if inv_freq is None else inv_freq.double(),
+            positions=pos,
+            with_max=True,
+        )
+        ref_low = reference_block_pool(
+            x, block, group, valid_len=valid, inv_freq=inv_freq, positions=pos, with_max=True
+        )
         assert torch.isfinite(got).all()
         check_close(f"scorer {name}", got, ref, ref_low, torch.float32)
 
@@ -154,12 +204,12 @@ def _rope_forward(x, inv_freq, style):
     cos, sin = angles.cos(), angles.sin()
     x = x.double()
     if style == "interleaved":
-        x1, x2 = x[..., 0: 2 * half: 2], x[..., 1: 2 * half: 2]
+        x1, x2 = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
         turned = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
     else:
-        x1, x2 = x[..., :half], x[..., half: 2 * half]
+        x1, x2 = x[..., :half], x[..., half : 2 * half]
         turned = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return torch.cat((turned, x[..., 2 * half:]), dim=-1)
+    return torch.cat((turned, x[..., 2 * half :]), dim=-1)
 
 
 @pytest.mark.parametrize("style", ["rotate_half", "interleaved"])
@@ -177,18 +227,32 @@ def test_unrotate_inverts_each_convention(style, rope):
     assert (unrotate(rotated, inv_freq, style=other) - x).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("G,rope,lengths", [(1, 32, None), (4, 32, (150, 70)), (2, 16, (0, 99))],
-                         ids=["keys-rope-full", "gqa4-odd-lengths", "partial-rope-empty-row"])
+@pytest.mark.parametrize(
+    "G,rope,lengths",
+    [(1, 32, None), (4, 32, (150, 70)), (2, 16, (0, 99))],
+    ids=["keys-rope-full", "gqa4-odd-lengths", "partial-rope-empty-row"],
+)
 def test_pool_interleaved_matches_reference(G, rope, lengths):
     x, inv_freq, pos, valid = _inputs(2, 2, G, 150, 32, rope=rope, positions="shifted", lengths=lengths)
-    got = triton_block_pool(x, 32, G, valid_len=valid, inv_freq=inv_freq, positions=pos, with_max=True,
-                            rope_style="interleaved")
-    ref = reference_block_pool(x.double(), 32, G, valid_len=valid, inv_freq=inv_freq.double(), positions=pos,
-                               with_max=True, rope_style="interleaved")
-    ref_low = reference_block_pool(x, 32, G, valid_len=valid, inv_freq=inv_freq, positions=pos, with_max=True,
-                                   rope_style="interleaved")
-    rotate_half = reference_block_pool(x.double(), 32, G, valid_len=valid, inv_freq=inv_freq.double(), positions=pos,
-                                       with_max=True)
+    got = triton_block_pool(
+        x, 32, G, valid_len=valid, inv_freq=inv_freq, positions=pos, with_max=True, rope_style="interleaved"
+    )
+    ref = reference_block_pool(
+        x.double(),
+        32,
+        G,
+        valid_len=valid,
+        inv_freq=inv_freq.double(),
+        positions=pos,
+        with_max=True,
+        rope_style="interleaved",
+    )
+    ref_low = reference_block_pool(
+        x, 32, G, valid_len=valid, inv_freq=inv_freq, positions=pos, with_max=True, rope_style="interleaved"
+    )
+    rotate_half = reference_block_pool(
+        x.double(), 32, G, valid_len=valid, inv_freq=inv_freq.double(), positions=pos, with_max=True
+    )
     assert torch.isfinite(got).all()
     check_close("pool interleaved", got, ref, ref_low, torch.float32)
     assert (ref - rotate_half).abs().max() > 1e-3  # the two conventions pool different values

@@ -5,16 +5,17 @@ op; the argument checks of both backends. GPU (marker ``gpu``): bf16/fp16 at a r
 reference, and, with two CUDA devices, ``context_parallel_sparse_attention(backend="triton")`` on two NCCL
 processes against the single-GPU op.
 """
+
 import os
 
 import pytest
 import torch
-
 from builders import check_close, ids_from_starts, make_qkv, random_index, random_selection, rel_err, spawn_ranks
-from sparse_train.plan import plan as plan_mod
+
 from sparse_train.functional import sparse_attention
 from sparse_train.index.block_index import BlockIndex
 from sparse_train.kernels.reference.attention import reference_sparse_attention
+from sparse_train.plan import plan as plan_mod
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
@@ -43,24 +44,84 @@ def _rows(blocks, n, bq):
 CASES = [
     # B, HQ, HKV, N, D, BQ, BK, blocks (n, bq) -> list of maps, extras
     pytest.param(1, 4, 2, 128, 16, 16, 16, _zigzag(2), {}, id="zigzag-w2-gqa"),
-    pytest.param(2, 2, 1, 96, 16, 16, 16, _zigzag(3), {"seq_lens": [96, 40]},
-                 id="zigzag-w3-seq_lens-ending-inside-a-local-chunk"),
-    pytest.param(1, 4, 2, 75, 16, 16, 16, _listed([4, 0, 2], [3, 1]), {"dropout_p": 0.2},
-                 id="unsorted-subsets-short-last-block-first-dropout"),
-    pytest.param(2, 4, 2, 64, 16, 16, 16, _zigzag(2),
-                 {"documents": [[0, 5, 21, 40], [0, 33]], "dropout_p": 0.3}, id="zigzag-w2-documents-dropout"),
-    pytest.param(1, 4, 2, 128, 16, 16, 16, _zigzag(2), {"r0": 3, "hot_and_cold": True},
-                 id="zigzag-w2-hybrid-hot-and-cold-r0_3"),
-    pytest.param(1, 2, 1, 128, 16, 32, 16, _zigzag(2), {"deterministic": True, "seq_lens": [101]},
-                 id="zigzag-w2-deterministic-bq32-bk16"),
-    pytest.param(1, 2, 2, 120, 32, 16, 32, _listed([7, 2, 5], [0, 6, 1, 3, 4]), {"r0": 2, "num_splits": 2},
-                 id="partition-odd120-bq16-bk32-split2-hybrid"),
-    pytest.param(2, 4, 2, 75, 16, 16, 16, _listed([4, 0, 2], [3, 1]),
-                 {"documents": [[0, 5, 21, 40], [0, 33]], "dropout_p": 0.2, "fused_dq": True},
-                 id="unsorted-short-last-block-documents-dropout-fused-dq"),
-    pytest.param(2, 4, 2, 75, 16, 16, 16, _listed([4, 0, 2], [3, 1]),
-                 {"documents": [[0, 5, 21, 40], [0, 33]], "dropout_p": 0.2, "stored_ds": True, "seq_lens": [75, 50]},
-                 id="unsorted-short-last-block-documents-dropout-seq_lens-stored-ds"),
+    pytest.param(
+        2, 2, 1, 96, 16, 16, 16, _zigzag(3), {"seq_lens": [96, 40]}, id="zigzag-w3-seq_lens-ending-inside-a-local-chunk"
+    ),
+    pytest.param(
+        1,
+        4,
+        2,
+        75,
+        16,
+        16,
+        16,
+        _listed([4, 0, 2], [3, 1]),
+        {"dropout_p": 0.2},
+        id="unsorted-subsets-short-last-block-first-dropout",
+    ),
+    pytest.param(
+        2,
+        4,
+        2,
+        64,
+        16,
+        16,
+        16,
+        _zigzag(2),
+        {"documents": [[0, 5, 21, 40], [0, 33]], "dropout_p": 0.3},
+        id="zigzag-w2-documents-dropout",
+    ),
+    pytest.param(
+        1, 4, 2, 128, 16, 16, 16, _zigzag(2), {"r0": 3, "hot_and_cold": True}, id="zigzag-w2-hybrid-hot-and-cold-r0_3"
+    ),
+    pytest.param(
+        1,
+        2,
+        1,
+        128,
+        16,
+        32,
+        16,
+        _zigzag(2),
+        {"deterministic": True, "seq_lens": [101]},
+        id="zigzag-w2-deterministic-bq32-bk16",
+    ),
+    pytest.param(
+        1,
+        2,
+        2,
+        120,
+        32,
+        16,
+        32,
+        _listed([7, 2, 5], [0, 6, 1, 3, 4]),
+        {"r0": 2, "num_splits": 2},
+        id="partition-odd120-bq16-bk32-split2-hybrid",
+    ),
+    pytest.param(
+        2,
+        4,
+        2,
+        75,
+        16,
+        16,
+        16,
+        _listed([4, 0, 2], [3, 1]),
+        {"documents": [[0, 5, 21, 40], [0, 33]], "dropout_p": 0.2, "fused_dq": True},
+        id="unsorted-short-last-block-documents-dropout-fused-dq",
+    ),
+    pytest.param(
+        2,
+        4,
+        2,
+        75,
+        16,
+        16,
+        16,
+        _listed([4, 0, 2], [3, 1]),
+        {"documents": [[0, 5, 21, 40], [0, 33]], "dropout_p": 0.2, "stored_ds": True, "seq_lens": [75, 50]},
+        id="unsorted-short-last-block-documents-dropout-seq_lens-stored-ds",
+    ),
 ]
 
 
@@ -79,10 +140,16 @@ def _kernel_and_references(index, blocks, q_sub, k, v, do_sub, kernel: dict, com
     reference, and of the reference in the inputs' precision (the error-ratio rule's baseline)."""
     got = _grads(lambda a, b, c: sparse_attention(a, b, c, index, query_blocks=blocks, **kernel), q_sub, k, v, do_sub)
     ref_kw = dict(common, query_blocks=blocks)
-    want = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, index, **ref_kw),
-                  q_sub.double(), k.double(), v.double(), do_sub.double())
-    lowp = _grads(lambda a, b, c: reference_sparse_attention(a, b, c, index, upcast=False, **ref_kw),
-                  q_sub, k, v, do_sub)
+    want = _grads(
+        lambda a, b, c: reference_sparse_attention(a, b, c, index, **ref_kw),
+        q_sub.double(),
+        k.double(),
+        v.double(),
+        do_sub.double(),
+    )
+    lowp = _grads(
+        lambda a, b, c: reference_sparse_attention(a, b, c, index, upcast=False, **ref_kw), q_sub, k, v, do_sub
+    )
     return got, want, lowp
 
 
@@ -96,17 +163,33 @@ def test_triton_query_blocks_match_the_reference_and_the_full_op(B, HQ, HKV, N, 
     if docs is None:
         index = random_index(B, HKV, N, BQ, BK, 2, 1, 1, seed=N + BQ, device=DEV)
     else:
-        index = BlockIndex.from_selection(random_selection(B, HKV, N, BQ, BK, 2, seed=3).to(DEV), seq_len=N,
-                                          block_q=BQ, block_k=BK, window=1, sinks=1, document_ids=docs)
+        index = BlockIndex.from_selection(
+            random_selection(B, HKV, N, BQ, BK, 2, seed=3).to(DEV),
+            seq_len=N,
+            block_q=BQ,
+            block_k=BK,
+            window=1,
+            sinks=1,
+            document_ids=docs,
+        )
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
     do = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q)
     seq_lens = torch.tensor(extras["seq_lens"], device=DEV) if "seq_lens" in extras else None
     p = extras.get("dropout_p", 0.0)
-    options = {"r0": extras.get("r0", 1), "num_splits": extras.get("num_splits"), "fused_dq": extras.get("fused_dq"),
-               "stored_ds": extras.get("stored_ds")}
+    options = {
+        "r0": extras.get("r0", 1),
+        "num_splits": extras.get("num_splits"),
+        "fused_dq": extras.get("fused_dq"),
+        "stored_ds": extras.get("stored_ds"),
+    }
     common = dict(seq_lens=seq_lens, document_ids=docs, dropout_p=p, dropout_seed=123 if p else None)
-    kernel = dict(common, backend="triton", return_lse=True, kernel_options=options,
-                  deterministic=extras.get("deterministic", False))
+    kernel = dict(
+        common,
+        backend="triton",
+        return_lse=True,
+        kernel_options=options,
+        deterministic=extras.get("deterministic", False),
+    )
 
     full = _grads(lambda a, b, c: sparse_attention(a, b, c, index, **kernel), q, k, v, do)
     nqb = index.num_q_blocks
@@ -128,13 +211,15 @@ def test_triton_query_blocks_match_the_reference_and_the_full_op(B, HQ, HKV, N, 
         dk_sum += got[3]
         dv_sum += got[4]
         if extras.get("deterministic"):
-            again = _grads(lambda a, b, c: sparse_attention(a, b, c, index, query_blocks=blocks, **kernel),
-                           q_sub, k, v, do_sub)
+            again = _grads(
+                lambda a, b, c: sparse_attention(a, b, c, index, query_blocks=blocks, **kernel), q_sub, k, v, do_sub
+            )
             for name, a, b in zip(NAMES, got, again):
                 assert torch.equal(a, b), f"{name}: deterministic mode must be bitwise reproducible"
         if p:
-            plain = sparse_attention(q_sub, k, v, index, query_blocks=blocks, backend="triton", seq_lens=seq_lens,
-                                     document_ids=docs)
+            plain = sparse_attention(
+                q_sub, k, v, index, query_blocks=blocks, backend="triton", seq_lens=seq_lens, document_ids=docs
+            )
             assert rel_err(plain, got[0]) > 1e-2, "dropout must change o (the bits are not all kept)"
     if partition:  # the ranks' dK/dV partials sum to the full op's (the reduce-scatter of CP)
         torch.testing.assert_close(dk_sum, full[3])
@@ -181,8 +266,10 @@ def _bad_calls(q, k, v, index):
         (dict(q=rows, query_blocks=torch.tensor([0.0, 2.0])), "query_blocks must have an integer dtype"),
         (dict(q=rows, query_blocks=torch.tensor([0, 2], device="meta")), "query_blocks is on meta"),
         (dict(q=rows, query_blocks=torch.zeros(0, dtype=torch.int64)), "query_blocks must list between 1 and NQB=4"),
-        (dict(q=rows, query_blocks=torch.tensor([0, 2]), kernel_options={"plan": index.plan()}),
-         "kernel_options.plan cannot be combined with query_blocks"),
+        (
+            dict(q=rows, query_blocks=torch.tensor([0, 2]), kernel_options={"plan": index.plan()}),
+            "kernel_options.plan cannot be combined with query_blocks",
+        ),
     ]
 
 
@@ -200,8 +287,9 @@ def test_unchecked_query_blocks_are_clamped_not_read_out_of_bounds():
     [0, NQB) on the device (the rows of the last block), so no kernel addresses memory outside its tensors."""
     index = random_index(1, 1, 64, 16, 16, 2, 1, 1, seed=3)
     q, k, v = make_qkv(1, 2, 1, 64, 16, torch.float32, seed=3)
-    got = sparse_attention(q[:, :, :16], k, v, index, backend="triton", check_values=False,
-                           query_blocks=torch.tensor([9]))
+    got = sparse_attention(
+        q[:, :, :16], k, v, index, backend="triton", check_values=False, query_blocks=torch.tensor([9])
+    )
     want = sparse_attention(q[:, :, :16], k, v, index, backend="triton", query_blocks=torch.tensor([3]))
     assert torch.equal(got, want)
 
@@ -209,12 +297,16 @@ def test_unchecked_query_blocks_are_clamped_not_read_out_of_bounds():
 # ------------------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,world,extras", [
-    pytest.param(1, 8, 2, 8192, 128, 64, 64, 4, {"dropout_p": 0.1, "seq_lens": [7001]},
-                 id="d128-b64-w4-dropout-seq_lens"),
-    pytest.param(2, 4, 4, 4096, 64, 128, 64, 2, {"r0": 4}, id="d64-bq128-bk64-w2-hybrid"),
-    pytest.param(1, 8, 1, 6144, 64, 64, 128, 3, {"documents": True}, id="d64-bq64-bk128-w3-documents"),
-])
+@pytest.mark.parametrize(
+    "B,HQ,HKV,N,D,BQ,BK,world,extras",
+    [
+        pytest.param(
+            1, 8, 2, 8192, 128, 64, 64, 4, {"dropout_p": 0.1, "seq_lens": [7001]}, id="d128-b64-w4-dropout-seq_lens"
+        ),
+        pytest.param(2, 4, 4, 4096, 64, 128, 64, 2, {"r0": 4}, id="d64-bq128-bk64-w2-hybrid"),
+        pytest.param(1, 8, 1, 6144, 64, 64, 128, 3, {"documents": True}, id="d64-bq64-bk128-w3-documents"),
+    ],
+)
 def test_query_blocks_on_gpu(B, HQ, HKV, N, D, BQ, BK, world, extras, dtype):
     """Every rank's map of a zig-zag layout on the GPU: o, dq, dk, dv against the reference in fp64 with the
     same map (c = 3, floor 1e-4, as the GPU kernel tests), and the rows of the full single-GPU op."""
@@ -255,11 +347,21 @@ def _nccl_worker(rank, port, out_dir, case):
     q, k, v, do, index, seq_lens, p = _nccl_inputs(case, f"cuda:{rank}")
     seed = cp.shared_dropout_seed() if p else None
     local = [cp.shard_sequence(t, 2, rank, 2).detach().requires_grad_() for t in (q, k, v)]
-    o, lse = cp.context_parallel_sparse_attention(*local, index, dropout_p=p, dropout_seed=seed, seq_lens=seq_lens,
-                                                  backend="triton", return_lse=True)
+    o, lse = cp.context_parallel_sparse_attention(
+        *local, index, dropout_p=p, dropout_seed=seed, seq_lens=seq_lens, backend="triton", return_lse=True
+    )
     (o.float() * cp.shard_sequence(do, 2, rank, 2).float()).sum().backward()
-    torch.save(dict(o=o.detach().cpu(), lse=lse.detach().cpu(), dq=local[0].grad.cpu(), dk=local[1].grad.cpu(),
-                    dv=local[2].grad.cpu(), seed=seed), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(
+        dict(
+            o=o.detach().cpu(),
+            lse=lse.detach().cpu(),
+            dq=local[0].grad.cpu(),
+            dk=local[1].grad.cpu(),
+            dv=local[2].grad.cpu(),
+            seed=seed,
+        ),
+        os.path.join(out_dir, f"rank{rank}.pt"),
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -309,6 +411,12 @@ def test_context_parallel_triton_on_two_gpus_equals_the_single_gpu_op(case, tmp_
             assert got[name].shape == local.shape
             assert rel_err(got[name], local) < 1e-2, f"rank {rank} {name} vs the single-GPU op"
             if name in ref:
-                check_close(f"rank {rank} {name}", got[name], cp.shard_sequence(ref[name], 2, rank, 2).cpu(),
-                            cp.shard_sequence(lowp[name], 2, rank, 2).cpu(), torch.bfloat16, c=3.0, floor=1e-4)
-
+                check_close(
+                    f"rank {rank} {name}",
+                    got[name],
+                    cp.shard_sequence(ref[name], 2, rank, 2).cpu(),
+                    cp.shard_sequence(lowp[name], 2, rank, 2).cpu(),
+                    torch.bfloat16,
+                    c=3.0,
+                    floor=1e-4,
+                )

@@ -5,11 +5,11 @@ validation; the backward on the GPU takes it."""
 
 import pytest
 import torch
+from builders import random_selection
 
 import sparse_train as st
-from builders import random_selection
-from sparse_train.plan import plan as plan_mod
 from sparse_train.kernels.triton.schedule import triton_kv_schedule
+from sparse_train.plan import plan as plan_mod
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")
@@ -17,8 +17,9 @@ pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")
 
 def _plan(b, hkv, n, block, top_k, window, sinks, r0, seed, empty_rows=False):
     sel = random_selection(b, hkv, n, block, block, top_k, seed=seed, empty_rows=empty_rows)
-    index = st.BlockIndex.from_selection(sel.to(DEV), seq_len=n, block_q=block, block_k=block, window=window,
-                                         sinks=sinks)
+    index = st.BlockIndex.from_selection(
+        sel.to(DEV), seq_len=n, block_q=block, block_k=block, window=window, sinks=sinks
+    )
     return index, index.plan(r0)
 
 
@@ -39,8 +40,9 @@ CASES = [
 @pytest.mark.parametrize("step", [None, 16], ids=["one-step", "16-row-steps"])
 @pytest.mark.parametrize("exact", [False, True], ids=["shape-bounds", "exact-sizes"])
 @pytest.mark.parametrize("B,HKV,N,block,top_k,window,sinks,r0,chunk,empty_rows", CASES)
-def test_kv_schedule_kernel_equals_reference(B, HKV, N, block, top_k, window, sinks, r0, chunk, empty_rows, exact,
-                                             step, monkeypatch):
+def test_kv_schedule_kernel_equals_reference(
+    B, HKV, N, block, top_k, window, sinks, r0, chunk, empty_rows, exact, step, monkeypatch
+):
     """16-row steps make the program carry its item and partial counts across many steps, as at 64K and up."""
     if step is not None:
         import sparse_train.kernels.triton.schedule as schedule_module
@@ -52,8 +54,9 @@ def test_kv_schedule_kernel_equals_reference(B, HKV, N, block, top_k, window, si
         want = _reference(plan, slots, chunk)
         items, parts = want.item_row.numel(), want.total_parts
     else:
-        items, parts = plan_mod.kv_schedule_capacity(plan.reuse.numel(), index.num_q_blocks, index.indices.numel(),
-                                                     chunk)
+        items, parts = plan_mod.kv_schedule_capacity(
+            plan.reuse.numel(), index.num_q_blocks, index.indices.numel(), chunk
+        )
         want = _reference(plan, slots, chunk, num_items=items, num_parts=parts)
     got = triton_kv_schedule(plan.reuse, plan.kv_indptr, slots, chunk, num_items=items, num_parts=parts)
     for name in ("item_row", "item_t0", "item_t1", "item_part", "part_start", "num_parts"):
@@ -66,8 +69,14 @@ def test_kv_schedule_kernel_equals_reference(B, HKV, N, block, top_k, window, si
 
 
 def test_kv_schedule_kernel_of_an_empty_batch():
-    empty = st.BlockIndex.from_selection(torch.zeros(0, 2, 3, 1, dtype=torch.int64, device=DEV), seq_len=96,
-                                         block_q=32, block_k=32, capacity=2, check="none")
+    empty = st.BlockIndex.from_selection(
+        torch.zeros(0, 2, 3, 1, dtype=torch.int64, device=DEV),
+        seq_len=96,
+        block_q=32,
+        block_k=32,
+        capacity=2,
+        check="none",
+    )
     plan = empty.plan()
     slots = plan_mod.cold_slots(plan.hot, plan.reuse, False)
     got = triton_kv_schedule(plan.reuse, plan.kv_indptr, slots, 2, num_items=3, num_parts=0)
@@ -76,12 +85,19 @@ def test_kv_schedule_kernel_of_an_empty_batch():
     assert got.item_t0.tolist() == want.item_t0.tolist() == [0, 0, 0]
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda r, p, s: triton_kv_schedule(r, p[:-1], s, 2, num_items=4, num_parts=0), r"kv_indptr must be \[R \+ 1\]"),
-    (lambda r, p, s: triton_kv_schedule(r, p, s[:-1], 2, num_items=4, num_parts=0), r"slots \[R\]"),
-    (lambda r, p, s: triton_kv_schedule(r, p, s, 0, num_items=4, num_parts=0), "chunk must be a positive int"),
-    (lambda r, p, s: triton_kv_schedule(r, p, s, 2, num_items=-1, num_parts=0), "must be >= 0"),
-], ids=["indptr-length", "slots-length", "chunk-0", "negative-items"])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (
+            lambda r, p, s: triton_kv_schedule(r, p[:-1], s, 2, num_items=4, num_parts=0),
+            r"kv_indptr must be \[R \+ 1\]",
+        ),
+        (lambda r, p, s: triton_kv_schedule(r, p, s[:-1], 2, num_items=4, num_parts=0), r"slots \[R\]"),
+        (lambda r, p, s: triton_kv_schedule(r, p, s, 0, num_items=4, num_parts=0), "chunk must be a positive int"),
+        (lambda r, p, s: triton_kv_schedule(r, p, s, 2, num_items=-1, num_parts=0), "must be >= 0"),
+    ],
+    ids=["indptr-length", "slots-length", "chunk-0", "negative-items"],
+)
 def test_kv_schedule_kernel_rejects_bad_arguments(call, match):
     reuse = torch.tensor([2, 0, 3])
     indptr = torch.tensor([0, 2, 2, 5])

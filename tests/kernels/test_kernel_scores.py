@@ -5,8 +5,8 @@ two, unequal block sizes, context-parallel rows; validation; the scorer on the G
 
 import pytest
 import torch
-
 from builders import check_close
+
 from sparse_train.kernels.triton.scores import triton_block_logits
 from sparse_train.selection import BlockScorer, selection_geometry
 from sparse_train.selection.scorer import DISTANCE_BUCKETS, reference_block_logits
@@ -74,17 +74,29 @@ def test_block_logits_buckets_equal_the_reference_table():
     assert set(got[0, 0].unique().tolist()) == set(range(10)), "299 blocks back is bucket 9"
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda q, k, t, b, g: triton_block_logits(q[0], k, t, b, g), r"qs \[B, H, R, S\] and ks"),
-    (lambda q, k, t, b, g: triton_block_logits(q.double(), k, t, b, g), "qs must be float32"),
-    (lambda q, k, t, b, g: triton_block_logits(q, k, t[:1], b, g), r"temperature must be \[H\] = \[2\]"),
-    (lambda q, k, t, b, g: triton_block_logits(q, k, t, b, None), "needs the selection geometry"),
-    (lambda q, k, t, b, g: triton_block_logits(q, k, t, b[:1], g), r"bias must be \[H, C\] = \[2, 16\]"),
-    (lambda q, k, t, b, g: triton_block_logits(q, k, t, b[:, :4], g), r"bias must be \[H, C\] = \[2, 16\]"),
-    (lambda q, k, t, b, g: triton_block_logits(q, k[:, :, :3], t, b, g), "ks has 3 key blocks, the geometry 4"),
-    (lambda q, k, t, b, g: triton_block_logits(q, k, t, b, g, torch.tensor([0])), "query_blocks must list the 4"),
-], ids=["qs-3d", "qs-float64", "temperature-shape", "bias-without-geometry", "bias-heads", "bias-buckets", "key-blocks",
-        "query-blocks-length"])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda q, k, t, b, g: triton_block_logits(q[0], k, t, b, g), r"qs \[B, H, R, S\] and ks"),
+        (lambda q, k, t, b, g: triton_block_logits(q.double(), k, t, b, g), "qs must be float32"),
+        (lambda q, k, t, b, g: triton_block_logits(q, k, t[:1], b, g), r"temperature must be \[H\] = \[2\]"),
+        (lambda q, k, t, b, g: triton_block_logits(q, k, t, b, None), "needs the selection geometry"),
+        (lambda q, k, t, b, g: triton_block_logits(q, k, t, b[:1], g), r"bias must be \[H, C\] = \[2, 16\]"),
+        (lambda q, k, t, b, g: triton_block_logits(q, k, t, b[:, :4], g), r"bias must be \[H, C\] = \[2, 16\]"),
+        (lambda q, k, t, b, g: triton_block_logits(q, k[:, :, :3], t, b, g), "ks has 3 key blocks, the geometry 4"),
+        (lambda q, k, t, b, g: triton_block_logits(q, k, t, b, g, torch.tensor([0])), "query_blocks must list the 4"),
+    ],
+    ids=[
+        "qs-3d",
+        "qs-float64",
+        "temperature-shape",
+        "bias-without-geometry",
+        "bias-heads",
+        "bias-buckets",
+        "key-blocks",
+        "query-blocks-length",
+    ],
+)
 def test_block_logits_reject_bad_arguments(call, match):
     geometry = selection_geometry(256, 64, 64, 1, 1, 1)
     qs, ks, temperature, bias = (t.detach() for t in _inputs(1, 2, 4, 4, 16, device="cpu"))
@@ -123,13 +135,15 @@ def test_scorer_takes_the_kernel_on_gpu_and_matches_reference():
         wq, wk, log_t, bias = (p.detach().to(dtype).requires_grad_() for p in params)
         qs = torch.einsum("bhnd,hds->bhns", qbar.to(dtype), wq * multiplier.to(dtype))
         ks = torch.einsum("bhmd,hds->bhms", kbar.to(dtype), wk * multiplier.to(dtype))
-        out = reference_block_logits(qs, ks, torch.exp(log_t * multiplier.to(dtype)) * 0.125,
-                                     bias * multiplier.to(dtype), geometry)
+        out = reference_block_logits(
+            qs, ks, torch.exp(log_t * multiplier.to(dtype)) * 0.125, bias * multiplier.to(dtype), geometry
+        )
         return out, torch.autograd.grad(out, (wq, wk, log_t, bias), grad.to(dtype))
 
     ref, ref_grads = reference(torch.float64)
     low, low_grads = reference(torch.float32)
     check_close("scorer logits", got, ref, low, torch.float32)
-    for name, g_got, g_ref, g_low in zip(("query_proj", "key_proj", "log_temperature", "distance_bias"), got_grads,
-                                         ref_grads, low_grads):
+    for name, g_got, g_ref, g_low in zip(
+        ("query_proj", "key_proj", "log_temperature", "distance_bias"), got_grads, ref_grads, low_grads
+    ):
         check_close(f"grad {name}", g_got, g_ref, g_low, torch.float32)

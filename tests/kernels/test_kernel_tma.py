@@ -7,12 +7,13 @@ kernel; there both load paths must give bitwise equal results (same data, same a
 (marker ``gpu``) run the copy engine of a Hopper GPU at real sizes against the fp32 reference.
 Tolerance: the error-ratio rule of ``builders.check_close``.
 """
+
 import os
 
 import pytest
 import torch
-
 from builders import check_close, make_qkv, random_index
+
 from sparse_train.kernels.reference.attention import reference_sparse_attention
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -25,7 +26,8 @@ from sparse_train.kernels.triton.op import triton_sparse_attention  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # The Triton kernels' TMA and pointer loads: the Gluon kernels (the default on Hopper, always loading by TMA;
-# tests/kernels/test_kernel_gluon.py) are switched off, or on an H200 the dQ and KV-centric Triton kernels would not run.
+# tests/kernels/test_kernel_gluon.py) are switched off, or on an H200 the dQ and KV-centric Triton kernels would not
+# run.
 TRITON_ONLY = {"fwd_gluon": False, "dq_gluon": False, "kv_gluon": False}
 ALL_ON = {"fwd_tma": True, "dq_tma": True, "kv_tma": True, **TRITON_ONLY}
 ALL_OFF = {"fwd_tma": False, "dq_tma": False, "kv_tma": False, **TRITON_ONLY}
@@ -39,6 +41,7 @@ def descriptors(monkeypatch):
     asked = []
     real = _launch.tma_operands
     for module, name in ((kf, "forward"), (kb, "backward")):
+
         def spy(a, b, rows, enabled, _name=name):
             first, second, made = real(a, b, rows, enabled)
             if enabled:
@@ -87,14 +90,27 @@ TMA_CASES = [
     pytest.param(2, 4, 1, 99, 16, 16, 16, "bnhd", (99, 58), 0.0, {}, id="gqa4-b2-odd99-bnhd-seqlens-nan-padding"),
     pytest.param(2, 2, 2, 97, 32, 16, 32, "bhnd", (97, 70), 0.2, {}, id="mha-b2-odd97-bk32-seqlens-dropout"),
     pytest.param(1, 4, 2, 128, 32, 64, 64, "bnhd", None, 0.0, {}, id="gqa2-d32-b64-bnhd"),
-    pytest.param(2, 4, 1, 99, 16, 16, 32, "bnhd", (99, 58), 0.0, {"stored_ds": True},
-                 id="stored-ds-gqa4-b2-odd99-bk32-bnhd-seqlens-nan-padding"),
+    pytest.param(
+        2,
+        4,
+        1,
+        99,
+        16,
+        16,
+        32,
+        "bnhd",
+        (99, 58),
+        0.0,
+        {"stored_ds": True},
+        id="stored-ds-gqa4-b2-odd99-bk32-bnhd-seqlens-nan-padding",
+    ),
 ]
 
 
 @pytest.mark.parametrize("B,HQ,HKV,N,D,BQ,BK,layout,lengths,dropout_p,backward", TMA_CASES)
-def test_tma_loads_equal_pointer_loads_and_reference(descriptors, B, HQ, HKV, N, D, BQ, BK, layout, lengths,
-                                                     dropout_p, backward):
+def test_tma_loads_equal_pointer_loads_and_reference(
+    descriptors, B, HQ, HKV, N, D, BQ, BK, layout, lengths, dropout_p, backward
+):
     idx = random_index(B, HKV, N, BQ, BK, 3, 1, 1, seed=N + BQ, device=DEV)
     q, k, v = make_qkv(B, HQ, HKV, N, D, torch.float32, seed=N, device=DEV)
     kw = dict(dropout_p=dropout_p, dropout_seed=5)
@@ -115,8 +131,9 @@ def test_tma_loads_equal_pointer_loads_and_reference(descriptors, B, HQ, HKV, N,
     for name, a, p, r, l in zip(("o", "lse", "dq", "dk", "dv"), with_tma, with_pointers, ref64, ref32):
         finite = torch.isfinite(r)
         assert torch.equal(torch.isfinite(a), finite), f"{name}: NaN or inf where the reference has none"
-        check_close(name, torch.where(finite, a, 0), torch.where(finite, r, 0), torch.where(finite, l, 0),
-                    torch.float32)
+        check_close(
+            name, torch.where(finite, a, 0), torch.where(finite, r, 0), torch.where(finite, l, 0), torch.float32
+        )
         if DEV == "cpu":
             assert torch.equal(a.nan_to_num(), p.nan_to_num()), f"{name}: TMA and pointer loads differ"
 
@@ -213,5 +230,12 @@ def test_tma_loads_on_gpu(descriptors, B, HQ, HKV, N, D, BQ, BK, dtype, layout, 
         for name, a, r, l in zip(("o", "lse", "dq", "dk", "dv"), got, ref32, refl):
             finite = torch.isfinite(r)
             assert torch.equal(torch.isfinite(a), finite), f"{name}: NaN or inf where the reference has none"
-            check_close(f"{name} {options}", torch.where(finite, a, 0).float(),
-                        torch.where(finite, r, 0), torch.where(finite, l, 0).float(), dtype, c=3.0, floor=1e-4)
+            check_close(
+                f"{name} {options}",
+                torch.where(finite, a, 0).float(),
+                torch.where(finite, r, 0),
+                torch.where(finite, l, 0).float(),
+                dtype,
+                c=3.0,
+                floor=1e-4,
+            )

@@ -86,14 +86,22 @@ def test_topk_kernel_nan_scores_rank_first():
     assert torch.equal(_sorted(got), _sorted(ref))
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda s, g: triton_selection_candidates(s[0], g, window=1, sinks=0), r"scores must be \[B, HKV, R, NKB=8\]"),
-    (lambda s, g: triton_selection_candidates(s[..., :5], g, window=1, sinks=0), r"NKB=8"),
-    (lambda s, g: triton_selection_candidates(s, g, window=1, sinks=0, seq_lens=torch.tensor([3, 4])),
-     r"seq_lens must be \[B\]"),
-    (lambda s, g: triton_selection_candidates(s, g, window=1, sinks=0, query_blocks=torch.tensor([0])),
-     "query_blocks must list the 8 rows"),
-], ids=["3d", "wrong-nkb", "seq-lens-shape", "query-blocks-shape"])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda s, g: triton_selection_candidates(s[0], g, window=1, sinks=0), r"scores must be \[B, HKV, R, NKB=8\]"),
+        (lambda s, g: triton_selection_candidates(s[..., :5], g, window=1, sinks=0), r"NKB=8"),
+        (
+            lambda s, g: triton_selection_candidates(s, g, window=1, sinks=0, seq_lens=torch.tensor([3, 4])),
+            r"seq_lens must be \[B\]",
+        ),
+        (
+            lambda s, g: triton_selection_candidates(s, g, window=1, sinks=0, query_blocks=torch.tensor([0])),
+            "query_blocks must list the 8 rows",
+        ),
+    ],
+    ids=["3d", "wrong-nkb", "seq-lens-shape", "query-blocks-shape"],
+)
 def test_topk_kernel_rejects_bad_arguments(call, match):
     geom = selection_geometry(512, 64, 64, 2, 1, 0)
     scores = _scores(1, 1, geom.num_q_blocks, geom.num_k_blocks, device="cpu")

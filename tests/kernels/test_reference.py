@@ -2,13 +2,13 @@
 
 import math
 
+import builders
 import pytest
 import torch
 import torch.nn.functional as F
-
-import builders
-import sparse_train as st
 from builders import make_qkv
+
+import sparse_train as st
 from sparse_train.kernels.reference.attention import (
     dense_block_mask_attention,
     dropout_keep_mask,
@@ -18,8 +18,9 @@ from sparse_train.kernels.reference.attention import (
 
 def uniform_index(b, hkv, n, bq, bk, k, window, sinks, seed=0, empty_rows=False):
     """Uniform candidates (duplicates common), 30% of the slots empty; optionally empty rows."""
-    return builders.random_index(b, hkv, n, bq, bk, k, window, sinks, seed=seed, distinct=False, drop=0.3,
-                                 empty_rows=empty_rows)
+    return builders.random_index(
+        b, hkv, n, bq, bk, k, window, sinks, seed=seed, distinct=False, drop=0.3, empty_rows=empty_rows
+    )
 
 
 CASES = [
@@ -64,9 +65,7 @@ def test_full_selection_equals_causal_sdpa():
     q, k, v = make_qkv(2, 4, 2, 300, 16, seed=1, dtype=torch.float64)
     idx = st.BlockIndex.full(2, 2, 300, block_q=64, block_k=32)
     o, _ = reference_sparse_attention(q, k, v, idx)
-    expected = F.scaled_dot_product_attention(
-        q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True
-    )
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True)
     torch.testing.assert_close(o, expected, rtol=1e-10, atol=1e-10)
 
 
@@ -125,8 +124,14 @@ def test_dropout_equals_masked_probabilities(p):
     s = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(d)
     probs = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
     keep = dropout_keep_mask(
-        seed, torch.zeros(1, 1, 1, 1, dtype=torch.long), torch.arange(hq).view(1, hq, 1, 1),
-        pos.view(1, 1, n, 1), pos.view(1, 1, 1, n), hq, n, p,
+        seed,
+        torch.zeros(1, 1, 1, 1, dtype=torch.long),
+        torch.arange(hq).view(1, hq, 1, 1),
+        pos.view(1, 1, n, 1),
+        pos.view(1, 1, 1, n),
+        hq,
+        n,
+        p,
     )
     expected = (probs * keep / (1 - p)) @ v.repeat_interleave(2, 1)
     torch.testing.assert_close(o, expected, rtol=1e-10, atol=1e-10)
@@ -174,12 +179,14 @@ def test_functional_draws_reproducible_seed():
     assert torch.equal(a, b) and not torch.equal(a, c)
 
 
-@pytest.mark.parametrize("poison", [float("nan"), float("inf"), float("-inf"), 1e300],
-                         ids=["nan", "inf", "neg-inf", "huge"])
+@pytest.mark.parametrize(
+    "poison", [float("nan"), float("inf"), float("-inf"), 1e300], ids=["nan", "inf", "neg-inf", "huge"]
+)
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=["nodrop", "drop0.3"])
 def test_nonfinite_padding_reaches_no_output_or_gradient(poison, dropout_p):
     """NaN in k/v past seq_lens reaches no dQ of valid rows (masking by multiplication would give 0 x NaN
-    in the backward of the gathered keys). Outputs and q/k/v gradients must equal a run with clean padding, bit for bit, and
+    in the backward of the gathered keys). Outputs and q/k/v gradients must equal a run with clean padding, bit for bit,
+    and
     the padded keys get zero gradient."""
     b, hq, hkv, n, d = 2, 4, 2, 150, 8
     q, k, v = make_qkv(b, hq, hkv, n, d, seed=12, dtype=torch.float64)

@@ -13,8 +13,15 @@ from builders import load_script
 
 import sparse_train as st
 from sparse_train import cli
-from sparse_train.lightning import ByteLMDataModule, RetrievalDataModule, SparseLMModule, StepTimer, Transformer, \
-    TransformerConfig, load_weights
+from sparse_train.lightning import (
+    ByteLMDataModule,
+    RetrievalDataModule,
+    SparseLMModule,
+    StepTimer,
+    Transformer,
+    TransformerConfig,
+    load_weights,
+)
 
 TINY = dict(vocab_size=70, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
 SPARSE = dict(block_q=32, block_k=32, top_k=2, window=1, sinks=1, backend="reference")
@@ -25,10 +32,18 @@ def test_validation_reports_needle_block_recall_per_layer(tmp_path):
     from lightning.pytorch import Trainer
 
     module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=dict(SPARSE, dense_warmup_steps=0)))
-    dm = RetrievalDataModule(seq_len=256, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2,
-                             val_samples=4)
-    trainer = Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      num_sanity_val_steps=0, accelerator="cpu", default_root_dir=tmp_path)
+    dm = RetrievalDataModule(
+        seq_len=256, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2, val_samples=4
+    )
+    trainer = Trainer(
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+    )
     trainer.fit(module, dm)
     got = module.final_metrics
     layers = [got["val/needle_recall/layer0"], got["val/needle_recall/layer1"]]
@@ -38,8 +53,15 @@ def test_validation_reports_needle_block_recall_per_layer(tmp_path):
 
 
 def test_curriculum_data_module_batches():
-    dm = RetrievalDataModule(seq_len=128, num_pairs=2, num_queries=2, num_keys=4, batch_size=2, train_steps=3,
-                             curriculum=[{"steps": 1, "seq_len": 64, "batch_size": 3}])
+    dm = RetrievalDataModule(
+        seq_len=128,
+        num_pairs=2,
+        num_queries=2,
+        num_keys=4,
+        batch_size=2,
+        train_steps=3,
+        curriculum=[{"steps": 1, "seq_len": 64, "batch_size": 3}],
+    )
     shapes = [tuple(b["tokens"].shape) for b in dm.train_dataloader()]
     assert shapes == [(3, 64), (2, 128), (2, 128)]
 
@@ -94,8 +116,12 @@ def test_norms_hand_the_autocast_dtype_to_their_matmuls():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            if func.overloadpacket is torch.ops.aten._to_copy and tuple(args[0].shape) == width \
-                    and args[0].dtype == torch.float32 and out.dtype == torch.bfloat16:
+            if (
+                func.overloadpacket is torch.ops.aten._to_copy
+                and tuple(args[0].shape) == width
+                and args[0].dtype == torch.float32
+                and out.dtype == torch.bfloat16
+            ):
                 type(self).casts += 1
             return out
 
@@ -119,22 +145,47 @@ def test_step_timer_logs_expected_keys(tmp_path):
     from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import CSVLogger
 
-    module = SparseLMModule(TransformerConfig(**TINY, attention="sparse",
-                                              sparse=dict(SPARSE, profile=True, metrics_every=1)))
-    dm = RetrievalDataModule(seq_len=128, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2,
-                             val_samples=2)
+    module = SparseLMModule(
+        TransformerConfig(**TINY, attention="sparse", sparse=dict(SPARSE, profile=True, metrics_every=1))
+    )
+    dm = RetrievalDataModule(
+        seq_len=128, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2, val_samples=2
+    )
     timer = StepTimer()
-    trainer = Trainer(max_steps=3, logger=CSVLogger(tmp_path, name="t"), callbacks=[timer], log_every_n_steps=1,
-                      enable_checkpointing=False, enable_progress_bar=False, num_sanity_val_steps=0,
-                      accelerator="cpu", limit_val_batches=1)
+    trainer = Trainer(
+        max_steps=3,
+        logger=CSVLogger(tmp_path, name="t"),
+        callbacks=[timer],
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        limit_val_batches=1,
+    )
     trainer.fit(module, dm)
     rows = list(csv.DictReader(open(Path(trainer.logger.log_dir) / "metrics.csv")))
     keys = {k for r in rows for k, v in r.items() if v not in ("", None)}
-    expected = {"time/forward_ms", "time/backward_ms", "time/optimizer_ms", "time/step_ms",
-                "throughput/tokens_per_s", "attn/density", "attn/selector_loss", "attn/mass_recall_mean",
-                "attn/mass_recall_p5", "attn/layers/0/mass_recall_mean",
-                "attn/time/selector_ms", "attn/time/plan_ms", "attn/time/attn_fwd_ms", "attn/time/attn_bwd_ms",
-                "train/loss", "train/selector_loss", "val/acc", "val/loss"}
+    expected = {
+        "time/forward_ms",
+        "time/backward_ms",
+        "time/optimizer_ms",
+        "time/step_ms",
+        "throughput/tokens_per_s",
+        "attn/density",
+        "attn/selector_loss",
+        "attn/mass_recall_mean",
+        "attn/mass_recall_p5",
+        "attn/layers/0/mass_recall_mean",
+        "attn/time/selector_ms",
+        "attn/time/plan_ms",
+        "attn/time/attn_fwd_ms",
+        "attn/time/attn_bwd_ms",
+        "train/loss",
+        "train/selector_loss",
+        "val/acc",
+        "val/loss",
+    }
     assert expected <= keys, expected - keys
     assert any(k.startswith("attn/fallbacks/") for k in keys)
     m = timer.last_metrics
@@ -145,8 +196,10 @@ def test_step_timer_logs_expected_keys(tmp_path):
 
 def test_plot_script_renders_csv(tmp_path):
     path = tmp_path / "metrics.csv"
-    path.write_text("epoch,step,train/loss,val/acc,time/forward_ms,time/backward_ms,attn/density\n"
-                    "0,0,2.0,,1.0,2.0,0.3\n0,1,1.5,0.5,1.1,2.1,0.3\n")
+    path.write_text(
+        "epoch,step,train/loss,val/acc,time/forward_ms,time/backward_ms,attn/density\n"
+        "0,0,2.0,,1.0,2.0,0.3\n0,1,1.5,0.5,1.1,2.1,0.3\n"
+    )
     plot = load_script("plot_metrics")
     series = plot.read_csv_metrics(path)
     assert series["train/loss"] == [(0.0, 2.0), (1.0, 1.5)] and series["val/acc"] == [(1.0, 0.5)]
@@ -156,20 +209,35 @@ def test_plot_script_renders_csv(tmp_path):
 
 # ----------------------------------------------------------------------------------------- fine-tuning
 def _stage_args(recipe: str, root: Path, steps: int, extra: list[str] = ()) -> list[str]:
-    args = ["fit", "--config", recipe, "--trainer.accelerator=cpu", "--trainer.precision=32-true",
-            f"--trainer.max_steps={steps}", "--trainer.enable_progress_bar=false", "--logger_backend=csv",
-            f"--trainer.default_root_dir={root}", "--data.init_args.seq_len=128", "--data.init_args.batch_size=2",
-            "--data.init_args.curriculum=[]", "--data.init_args.val_samples=2", "--data.init_args.eval_batch_size=2",
-            "--model.init_args.model.d_model=32"]
+    args = [
+        "fit",
+        "--config",
+        recipe,
+        "--trainer.accelerator=cpu",
+        "--trainer.precision=32-true",
+        f"--trainer.max_steps={steps}",
+        "--trainer.enable_progress_bar=false",
+        "--logger_backend=csv",
+        f"--trainer.default_root_dir={root}",
+        "--data.init_args.seq_len=128",
+        "--data.init_args.batch_size=2",
+        "--data.init_args.curriculum=[]",
+        "--data.init_args.val_samples=2",
+        "--data.init_args.eval_batch_size=2",
+        "--model.init_args.model.d_model=32",
+    ]
     if "stage1" not in recipe:  # 4 key blocks of 32 at N=128, so the selection is really sparse
         args += ["--model.init_args.model.sparse.block_q=32", "--model.init_args.model.sparse.block_k=32"]
     return [*args, *extra]
 
 
 def _ckpt_cb(path: Path) -> list[str]:
-    return ["--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-            f"--trainer.callbacks.dirpath={path}", "--trainer.callbacks.save_last=true",
-            "--trainer.callbacks.every_n_train_steps=1"]
+    return [
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={path}",
+        "--trainer.callbacks.save_last=true",
+        "--trainer.callbacks.every_n_train_steps=1",
+    ]
 
 
 def test_three_stage_finetuning_with_exact_resume(tmp_path, monkeypatch):
@@ -187,8 +255,9 @@ def test_three_stage_finetuning_with_exact_resume(tmp_path, monkeypatch):
     assert all(torch.equal(s2[k], s1["state_dict"][k]) for k in base), "stage 2 changed a frozen base weight"
     fresh = SparseLMModule(r2.model.model_config)
     selector = [k for k in s2 if ".core." in k]
-    assert selector and any(not torch.equal(s2[k], fresh.state_dict()[k]) for k in selector), \
+    assert selector and any(not torch.equal(s2[k], fresh.state_dict()[k]) for k in selector), (
         "stage 2 did not train the selectors"
+    )
 
     # Stage 3: everything trains; 4 steps straight vs 2 steps + resume for 2 must agree exactly.
     straight = cli.run_cli(_stage_args("finetune_stage3_sparse", tmp_path / "a", 4, _ckpt_cb(tmp_path / "a_ckpt")))
@@ -196,8 +265,14 @@ def test_three_stage_finetuning_with_exact_resume(tmp_path, monkeypatch):
     half = torch.load(tmp_path / "b_ckpt" / "last.ckpt", weights_only=False)
     assert half["global_step"] == 2 and half["optimizer_states"][0]["state"], "no optimizer state saved"
     assert any(".core." in k for k in half["state_dict"])
-    resumed = cli.run_cli(_stage_args("finetune_stage3_sparse", tmp_path / "b", 4, _ckpt_cb(tmp_path / "b_ckpt2")
-                                   + [f"--ckpt_path={tmp_path / 'b_ckpt' / 'last.ckpt'}"]))
+    resumed = cli.run_cli(
+        _stage_args(
+            "finetune_stage3_sparse",
+            tmp_path / "b",
+            4,
+            _ckpt_cb(tmp_path / "b_ckpt2") + [f"--ckpt_path={tmp_path / 'b_ckpt' / 'last.ckpt'}"],
+        )
+    )
     assert resumed.trainer.global_step == 4
     sa, sb = straight.model.state_dict(), resumed.model.state_dict()
     for key in sa:
@@ -225,8 +300,14 @@ def test_load_from_checkpoint_with_torchs_default_weights_only_unpickler(tmp_pat
     from lightning.pytorch import Trainer
 
     module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE), lr=3e-4)
-    trainer = Trainer(max_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, default_root_dir=tmp_path)
+    trainer = Trainer(
+        max_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
     trainer.strategy.connect(module)
     trainer.save_checkpoint(tmp_path / "m.ckpt")
     assert torch.serialization.get_unsafe_globals_in_checkpoint(tmp_path / "m.ckpt") == []  # the config: allowed
@@ -246,13 +327,23 @@ def test_fork_point_branches_resume_the_uninterrupted_run_exactly(tmp_path):
 
     def fit(callbacks, ckpt_path=None):
         torch.manual_seed(0)
-        module = SparseLMModule(TransformerConfig(**TINY, attention="sparse",
-                                                  sparse=dict(SPARSE, dense_warmup_steps=1)), warmup_steps=1)
-        dm = RetrievalDataModule(seq_len=128, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2,
-                                 val_samples=2)
-        trainer = Trainer(max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                          num_sanity_val_steps=0, limit_val_batches=0, accelerator="cpu", callbacks=callbacks,
-                          default_root_dir=tmp_path)
+        module = SparseLMModule(
+            TransformerConfig(**TINY, attention="sparse", sparse=dict(SPARSE, dense_warmup_steps=1)), warmup_steps=1
+        )
+        dm = RetrievalDataModule(
+            seq_len=128, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2, val_samples=2
+        )
+        trainer = Trainer(
+            max_steps=4,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            accelerator="cpu",
+            callbacks=callbacks,
+            default_root_dir=tmp_path,
+        )
         trainer.fit(module, dm, ckpt_path=ckpt_path, weights_only=False)  # our own file: hparams hold a config
         return module, trainer
 
@@ -281,8 +372,14 @@ def test_resume_names_the_arguments_the_checkpoint_replaces(tmp_path, monkeypatc
     cli.run_cli(_stage_args("retrieval", tmp_path / "a", 1, _ckpt_cb(tmp_path / "ckpt")))
     resume = [f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}"]
     with pytest.warns(UserWarning, match=r"model\.sparse\.dense_warmup_steps: 7 -> 400; lr: 0\.5 -> "):
-        cli.run_cli(_stage_args("retrieval", tmp_path / "b", 2, [
-            *resume, "--model.init_args.model.sparse.dense_warmup_steps=7", "--model.init_args.lr=0.5"]))
+        cli.run_cli(
+            _stage_args(
+                "retrieval",
+                tmp_path / "b",
+                2,
+                [*resume, "--model.init_args.model.sparse.dense_warmup_steps=7", "--model.init_args.lr=0.5"],
+            )
+        )
     import warnings
 
     with warnings.catch_warnings(record=True) as caught:

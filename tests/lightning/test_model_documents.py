@@ -4,14 +4,14 @@ partial selections), the dense twin and activation checkpointing."""
 
 import pytest
 import torch
-
 from builders import ids_from_lengths
+
 from sparse_train.lightning import Transformer, TransformerConfig
 
 TINY = dict(vocab_size=70, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
-SPARSE = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, backend="reference", dense_warmup_steps=0,
-              distill="off")
-
+SPARSE = dict(
+    block_q=16, block_k=16, top_k=2, window=1, sinks=1, backend="reference", dense_warmup_steps=0, distill="off"
+)
 
 
 def each_document_alone(model, tokens, lengths_per_row):
@@ -19,7 +19,7 @@ def each_document_alone(model, tokens, lengths_per_row):
     for b, lengths in enumerate(lengths_per_row):
         parts, start = [], 0
         for n in lengths:
-            parts.append(model(tokens[b:b + 1, start:start + n]))
+            parts.append(model(tokens[b : b + 1, start : start + n]))
             start += n
         rows.append(torch.cat(parts, dim=1))
     return torch.cat(rows, dim=0)
@@ -27,8 +27,12 @@ def each_document_alone(model, tokens, lengths_per_row):
 
 def build(attention, checkpointing=False, **sparse):
     torch.manual_seed(0)
-    cfg = TransformerConfig(**TINY, attention=attention, sparse=dict(SPARSE, **sparse) if attention == "sparse" else {},
-                            activation_checkpointing=checkpointing)
+    cfg = TransformerConfig(
+        **TINY,
+        attention=attention,
+        sparse=dict(SPARSE, **sparse) if attention == "sparse" else {},
+        activation_checkpointing=checkpointing,
+    )
     return Transformer(cfg).double()
 
 

@@ -14,6 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from builders import save_tiny_tokenizer, write_tiny_corpus  # noqa: E402
+
 from sparse_train.lightning.text_data import (  # noqa: E402
     PackedRows,
     RowShards,
@@ -67,7 +68,7 @@ def _check_row(row: dict[str, torch.Tensor], seq_len: int, pad_id: int = PAD) ->
     inside = ~new_doc[: real - 1]
     assert torch.equal(labels[: real - 1][inside], tokens[1:real][inside])
     assert bool((labels[: real - 1][~inside] == IGNORE_INDEX).all()), "a label crosses into the next document"
-    assert bool((labels[real - 1:] == IGNORE_INDEX).all()), "the last document's end or padding is labelled"
+    assert bool((labels[real - 1 :] == IGNORE_INDEX).all()), "the last document's end or padding is labelled"
     return segments[:-1] if padded else segments
 
 
@@ -113,7 +114,7 @@ def test_packed_rows_format_and_long_documents_split():
     # the 30-token document is split into 13 + 13 + 4, each piece a separate document
     assert sorted(len(p) for p in pieces if int(p[0]) // 1000 == 4) == [4, 13, 13]
     assert rows.num_tokens == sum(lengths) == sum(len(p) for p in pieces)
-    for d, n in enumerate(lengths):
+    for d, _n in enumerate(lengths):
         own = sorted((p for p in pieces if int(p[0]) // 1000 == d + 1), key=lambda p: int(p[0]))
         assert torch.equal(torch.cat(own), docs[d].long()), f"document {d} is not reassembled from its pieces"
     labelled = sum(int((rows[i]["labels"] != IGNORE_INDEX).sum()) for i in range(len(rows)))
@@ -137,14 +138,21 @@ def test_read_text_and_jsonl(tmp_path):
     assert read_documents(files, text_field="body", max_documents=2) == ["w1 w2\nw3", "w5 w6"]
     # glob patterns (recursive) and plain files, each file once, in the given order
     assert expand_paths([str(tmp_path / "**" / "*.md"), str(tmp_path / "a.txt"), str(tmp_path / "*.txt")]) == [
-        tmp_path / "sub" / "b.md", tmp_path / "a.txt", tmp_path / "empty.txt"]
+        tmp_path / "sub" / "b.md",
+        tmp_path / "a.txt",
+        tmp_path / "empty.txt",
+    ]
 
 
-@pytest.mark.parametrize("content, match", [
-    ('{"text": "w1"}\n{"text": 3}\n', r"bad.jsonl:2: field 'text' must be a string"),
-    ('{"text": "w1"}\nnot json\n', r"bad.jsonl:2 is not valid JSON"),
-    ('["w1"]\n', r"bad.jsonl:1 has no 'text' field"),
-], ids=["non_string", "invalid_json", "not_an_object"])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ('{"text": "w1"}\n{"text": 3}\n', r"bad.jsonl:2: field 'text' must be a string"),
+        ('{"text": "w1"}\nnot json\n', r"bad.jsonl:2 is not valid JSON"),
+        ('["w1"]\n', r"bad.jsonl:1 has no 'text' field"),
+    ],
+    ids=["non_string", "invalid_json", "not_an_object"],
+)
 def test_read_jsonl_errors_name_file_and_line(tmp_path, content, match):
     (tmp_path / "bad.jsonl").write_text(content)
     with pytest.raises(ValueError, match=match):
@@ -162,23 +170,28 @@ def test_read_errors(tmp_path):
         expand_paths([str(tmp_path / "d")])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"paths": "data.txt"}, "single path"),
-    ({"paths": []}, "non-empty list"),
-    ({"seq_len": 0}, "seq_len"),
-    ({"val_fraction": 1.0}, "val_fraction"),
-    ({"tokenizer_path": "/no/such/tokenizer"}, "tokenizer_path"),
-    ({"text_field": ""}, "text_field"),
-    ({"patterns": "*.txt"}, "patterns"),
-], ids=["bare_string", "empty", "seq_len", "val_fraction", "tokenizer_path", "text_field", "patterns"])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"paths": "data.txt"}, "single path"),
+        ({"paths": []}, "non-empty list"),
+        ({"seq_len": 0}, "seq_len"),
+        ({"val_fraction": 1.0}, "val_fraction"),
+        ({"tokenizer_path": "/no/such/tokenizer"}, "tokenizer_path"),
+        ({"text_field": ""}, "text_field"),
+        ({"patterns": "*.txt"}, "patterns"),
+    ],
+    ids=["bare_string", "empty", "seq_len", "val_fraction", "tokenizer_path", "text_field", "patterns"],
+)
 def test_constructor_rejects_bad_arguments(corpus, kwargs, match):
     with pytest.raises(ValueError, match=match):
         TextDataModule(**{"paths": [str(corpus)], **kwargs})
 
 
 # ---------------------------------------------------------------------------------------------- tokenizing
-@pytest.mark.parametrize("bos, eos", [(True, False), (False, False), (True, True)],
-                         ids=["bos", "no_bos", "tokenizer_adds_eos"])
+@pytest.mark.parametrize(
+    "bos, eos", [(True, False), (False, False), (True, True)], ids=["bos", "no_bos", "tokenizer_adds_eos"]
+)
 def test_tokenize_bos_per_convention_one_eos(tmp_path, bos, eos):
     from transformers import AutoTokenizer
 
@@ -203,8 +216,10 @@ def test_datamodule_rows_follow_the_contract(corpus, tokenizer_dir):
     assert set(batch) == {"tokens", "labels", "document_ids", "position_ids"}
     assert batch["tokens"].shape == batch["document_ids"].shape == (2, 17)
     # every document ends with EOS, which is the label of its last word: EOS is learned
-    assert int((torch.stack([dm.train_rows[i]["labels"] for i in range(len(dm.train_rows))]) == EOS).sum()) \
+    assert (
+        int((torch.stack([dm.train_rows[i]["labels"] for i in range(len(dm.train_rows))]) == EOS).sum())
         == dm.train_rows.num_documents
+    )
 
 
 def test_datamodule_is_deterministic(corpus, tokenizer_dir):
@@ -253,8 +268,11 @@ def test_datamodule_shards_by_trainer_rank(corpus, tokenizer_dir, world):
     for split, loader_of in (("train", dm.train_dataloader), ("val", dm.val_dataloader)):
         shards = []
         for rank in range(world):
-            dm.trainer = SimpleNamespace(global_rank=rank, world_size=world,
-                                         _accelerator_connector=SimpleNamespace(use_distributed_sampler=False))
+            dm.trainer = SimpleNamespace(
+                global_rank=rank,
+                world_size=world,
+                _accelerator_connector=SimpleNamespace(use_distributed_sampler=False),
+            )
             loader = loader_of()
             shards.append(list(loader.sampler))
             assert len(loader) == len(shards[0]) // 2 + len(shards[0]) % 2  # batches: equal on every rank
@@ -263,8 +281,9 @@ def test_datamodule_shards_by_trainer_rank(corpus, tokenizer_dir, world):
         assert all(len(s) == rows // world for s in shards)
         assert len(union) == rows - rows % world == sum(map(len, shards))
         seen[split] = shards
-    dm.trainer = SimpleNamespace(global_rank=0, world_size=world,
-                                 _accelerator_connector=SimpleNamespace(use_distributed_sampler=True))
+    dm.trainer = SimpleNamespace(
+        global_rank=0, world_size=world, _accelerator_connector=SimpleNamespace(use_distributed_sampler=True)
+    )
     with pytest.raises(ValueError, match="use_distributed_sampler=false"):
         dm.train_dataloader()
 
@@ -301,8 +320,15 @@ def _tiny_llama(path: Path, vocab_size: int = 96) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     transformers.LlamaForCausalLM(config).save_pretrained(path)
     return save_tiny_tokenizer(path)
 
@@ -334,9 +360,18 @@ def test_training_step_passes_boundaries_the_model_takes(corpus, tokenizer_dir, 
     batch = next(iter(dm.train_dataloader()))
     module = torch.nn.Module()
     module.model = model_cls(64)
-    args = TrainingArgs.checked("test", lr=1e-3, selector_lr=None, weight_decay=0.0, betas=(0.9, 0.95),
-                                warmup_steps=0, min_lr_ratio=0.1, selector_loss_weight=1.0,
-                                train_only_selector=False, init_from=None)
+    args = TrainingArgs.checked(
+        "test",
+        lr=1e-3,
+        selector_lr=None,
+        weight_decay=0.0,
+        betas=(0.9, 0.95),
+        warmup_steps=0,
+        min_lr_ratio=0.1,
+        selector_loss_weight=1.0,
+        train_only_selector=False,
+        init_from=None,
+    )
     logic = CausalLMTraining(module, args, vocab_size=64, attention="dense", vocab_error="", sparse_hint="")
     if model_cls is _Recorder:
         loss, _, count = logic._lm_loss(module, batch)
@@ -388,13 +423,26 @@ def test_fit_through_the_hf_recipe(corpus, tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     checkpoint = _tiny_llama(tmp_path / "llama")
-    result = cli.run_cli([
-        "fit", "--config", "finetune_hf_stage3_sparse", f"--model.init_args.pretrained_path={checkpoint}",
-        "--model.init_args.attention=dense", "--model.init_args.init_from=null", f"--data.init_args.paths=[{corpus}]",
-        "--data.init_args.seq_len=32", "--data.init_args.batch_size=2", "--data.init_args.val_fraction=0.2",
-        "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--trainer.max_steps=3",
-        "--trainer.val_check_interval=3", "--trainer.limit_val_batches=1", "--logger_backend=none",
-    ])
+    result = cli.run_cli(
+        [
+            "fit",
+            "--config",
+            "finetune_hf_stage3_sparse",
+            f"--model.init_args.pretrained_path={checkpoint}",
+            "--model.init_args.attention=dense",
+            "--model.init_args.init_from=null",
+            f"--data.init_args.paths=[{corpus}]",
+            "--data.init_args.seq_len=32",
+            "--data.init_args.batch_size=2",
+            "--data.init_args.val_fraction=0.2",
+            "--trainer.accelerator=cpu",
+            "--trainer.precision=32-true",
+            "--trainer.max_steps=3",
+            "--trainer.val_check_interval=3",
+            "--trainer.limit_val_batches=1",
+            "--logger_backend=none",
+        ]
+    )
     assert result.trainer.global_step == 3
     assert result.datamodule.tokenizer.name_or_path == str(checkpoint)
     metrics = result.trainer.callback_metrics
@@ -421,13 +469,24 @@ def test_mid_epoch_resume_continues_the_epoch_order(corpus, tokenizer_dir, tmp_p
 
     def fit(callbacks, ckpt_path=None):
         torch.manual_seed(0)
-        module = SparseLMModule(TransformerConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1,
-                                                  attention="dense"), warmup_steps=1)
-        dm = TextDataModule([str(corpus)], tokenizer_path=str(tokenizer_dir), seq_len=17, batch_size=2,
-                            val_fraction=0.2)
-        trainer = Trainer(max_steps=10, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                          num_sanity_val_steps=0, limit_val_batches=0, accelerator="cpu", callbacks=callbacks,
-                          default_root_dir=tmp_path)
+        module = SparseLMModule(
+            TransformerConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, attention="dense"),
+            warmup_steps=1,
+        )
+        dm = TextDataModule(
+            [str(corpus)], tokenizer_path=str(tokenizer_dir), seq_len=17, batch_size=2, val_fraction=0.2
+        )
+        trainer = Trainer(
+            max_steps=10,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            accelerator="cpu",
+            callbacks=callbacks,
+            default_root_dir=tmp_path,
+        )
         trainer.fit(module, dm, ckpt_path=ckpt_path, weights_only=False)
         return module, trainer
 

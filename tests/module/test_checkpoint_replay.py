@@ -17,8 +17,17 @@ HQ, HKV, D, N = 4, 2, 16, 160
 
 
 def make(replay=True, **overrides):
-    base = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8, replay=replay,
-                dense_fallback=False, dense_warmup_steps=0)
+    base = dict(
+        block_q=16,
+        block_k=16,
+        top_k=2,
+        window=1,
+        sinks=1,
+        selector_dim=8,
+        replay=replay,
+        dense_fallback=False,
+        dense_warmup_steps=0,
+    )
     base.update(overrides)
     torch.manual_seed(0)
     return st.SparseAttention(st.SparseAttentionConfig(**base), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
@@ -148,8 +157,15 @@ def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM(config).to(torch.float64)
 
 
@@ -165,8 +181,18 @@ def _hf_grads(replay, checkpointing, scramble_between):
     from sparse_train.integrations import hf
 
     model = _tiny_llama()
-    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=1, window=1, sinks=1, selector_dim=8, dense_warmup_steps=0,
-                                   replay=replay, dense_fallback=False, distill="sparse")
+    cfg = st.SparseAttentionConfig(
+        block_q=16,
+        block_k=16,
+        top_k=1,
+        window=1,
+        sinks=1,
+        selector_dim=8,
+        dense_warmup_steps=0,
+        replay=replay,
+        dense_fallback=False,
+        distill="sparse",
+    )
     hf.enable(model, cfg)
     model.train()
     if checkpointing:

@@ -9,11 +9,20 @@ import torch
 
 import sparse_train as st
 import sparse_train.kernels.triton.op as kernel_op
-from sparse_train.module.checkpointing import attention_ops, checkpoint_keeping_attention
 from sparse_train.lightning.model import Transformer, TransformerConfig
+from sparse_train.module.checkpointing import attention_ops, checkpoint_keeping_attention
 
-SPARSE = dict(block_q=16, block_k=16, top_k=2, window=1, sinks=1, backend="triton", dense_warmup_steps=0,
-              dense_fallback=False, distill="sampled")
+SPARSE = dict(
+    block_q=16,
+    block_k=16,
+    top_k=2,
+    window=1,
+    sinks=1,
+    backend="triton",
+    dense_warmup_steps=0,
+    dense_fallback=False,
+    distill="sampled",
+)
 
 
 def train_step(attention, checkpointing, keep, monkeypatch, device="cpu", seq_len=96):
@@ -27,8 +36,17 @@ def train_step(attention, checkpointing, keep, monkeypatch, device="cpu", seq_le
         return forward(*args, **kwargs)
 
     monkeypatch.setattr(kernel_op, "sparse_attn_forward", counted)
-    cfg = TransformerConfig(vocab_size=61, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, attention=attention,
-                            sparse=SPARSE, activation_checkpointing=checkpointing, checkpoint_keeps_attention=keep)
+    cfg = TransformerConfig(
+        vocab_size=61,
+        d_model=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        attention=attention,
+        sparse=SPARSE,
+        activation_checkpointing=checkpointing,
+        checkpoint_keeps_attention=keep,
+    )
     torch.manual_seed(0)
     model = Transformer(cfg).to(device).train()
     torch.manual_seed(1)
@@ -102,16 +120,23 @@ def test_hf_gradient_checkpointing_keeping_attention_equals_plain(attention, mon
     sparse kernel's forward runs once per layer."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from sparse_train.module.checkpointing import checkpoint_kwargs
     from sparse_train.integrations import hf
+    from sparse_train.module.checkpointing import checkpoint_kwargs
 
     def grads(keep):
         launches = []
         forward = kernel_op.sparse_attn_forward
         monkeypatch.setattr(kernel_op, "sparse_attn_forward", lambda *a, **k: launches.append(1) or forward(*a, **k))
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        config = LlamaConfig(
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
         model = LlamaForCausalLM(config)
         if attention == "sparse":
             hf.enable(model, st.SparseAttentionConfig(**{**SPARSE, "distill": "sparse"}))

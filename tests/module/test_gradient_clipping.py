@@ -23,11 +23,20 @@ def _train(attention: str, tmp_path, clip: float | None, steps: int = 4) -> dict
 
     seed_everything(0)
     module = SparseLMModule(TransformerConfig(**TINY, attention=attention, sparse=SPARSE), lr=1e-2, warmup_steps=1)
-    dm = RetrievalDataModule(seq_len=128, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2,
-                             val_samples=2)
-    trainer = Trainer(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, accelerator="cpu", gradient_clip_val=clip,
-                      default_root_dir=tmp_path / attention)
+    dm = RetrievalDataModule(
+        seq_len=128, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2, val_samples=2
+    )
+    trainer = Trainer(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        accelerator="cpu",
+        gradient_clip_val=clip,
+        default_root_dir=tmp_path / attention,
+    )
     trainer.fit(module, dm)
     selector = {id(p) for p in st.selector_parameters(module.model)}
     return {n: p.detach().clone() for n, p in module.model.named_parameters() if id(p) not in selector}
@@ -52,7 +61,9 @@ def test_clip_grad_norms_clips_model_and_selectors_separately():
     selector_params = list(st.selector_parameters(model))
     model_params = [p for p in model.parameters() if all(p is not s for s in selector_params)]
     assert selector_params and model_params
-    expected = [torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ps])) for ps in (model_params, selector_params)]
+    expected = [
+        torch.linalg.vector_norm(torch.cat([p.grad.flatten() for p in ps])) for ps in (model_params, selector_params)
+    ]
     model_norm, selector_norm = st.clip_grad_norms(model, max_norm=1.0)
     assert float(model_norm) == pytest.approx(float(expected[0]))
     assert float(selector_norm) == pytest.approx(float(expected[1]))
@@ -76,11 +87,22 @@ def test_dense_warmup_matches_dense_twin_on_gpu(tmp_path):
         seed_everything(0)
         sparse = dict(block_q=64, block_k=64, top_k=2, window=1, sinks=1, dense_warmup_steps=100, distill="dense")
         module = SparseLMModule(TransformerConfig(**TINY, attention=attention, sparse=sparse), lr=1e-2, warmup_steps=1)
-        dm = RetrievalDataModule(seq_len=1024, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=4,
-                                 val_samples=2)
-        trainer = Trainer(max_steps=20, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                          num_sanity_val_steps=0, limit_val_batches=0, accelerator="gpu", devices=1,
-                          precision="bf16-mixed", gradient_clip_val=0.5, default_root_dir=tmp_path / tag)
+        dm = RetrievalDataModule(
+            seq_len=1024, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=4, val_samples=2
+        )
+        trainer = Trainer(
+            max_steps=20,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            accelerator="gpu",
+            devices=1,
+            precision="bf16-mixed",
+            gradient_clip_val=0.5,
+            default_root_dir=tmp_path / tag,
+        )
         trainer.fit(module, dm)
         selector = {id(p) for p in st.selector_parameters(module.model)}
         return {n: p.detach().float().cpu() for n, p in module.model.named_parameters() if id(p) not in selector}

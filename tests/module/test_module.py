@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from builders import make_qkv
 
 import sparse_train as st
-from builders import make_qkv
-from sparse_train.module.attention import FALLBACK_REASONS
 from sparse_train.functional import dense_causal_attention
 from sparse_train.kernels.reference.attention import reference_sparse_attention
+from sparse_train.module.attention import FALLBACK_REASONS
 from sparse_train.selection import selection_geometry
 
 HQ, HKV, D = 4, 2, 16
@@ -54,7 +54,7 @@ def test_config_rejects_empty_selection_and_documents_fields():
         st.SparseAttentionConfig(top_k=0, window=0, sinks=0)
     source = open(st.config.__file__ if hasattr(st, "config") else "sparse_train/config.py").read()
     for name in st.SparseAttentionConfig.__dataclass_fields__:
-        assert f'    {name}:' in source
+        assert f"    {name}:" in source
         block = source.split(f"    {name}:", 1)[1].split("\n", 2)
         assert block[1].strip().startswith('"""'), f"field {name} has no docstring"
 
@@ -141,8 +141,11 @@ def test_fused_and_stored_ds_backward_configs_reach_the_kernels(monkeypatch):
     real_launch = kb.launch
     monkeypatch.setattr(kb, "launch", lambda kernel, *a, **kw: launched.append(kernel) or real_launch(kernel, *a, **kw))
     results = []
-    for mode, dq_kernel in (({}, kb._dq_kernel), ({"fused_backward": True}, None),
-                            ({"stored_ds_backward": True}, kb._dq_from_ds_kernel)):
+    for mode, dq_kernel in (
+        ({}, kb._dq_kernel),
+        ({"fused_backward": True}, None),
+        ({"stored_ds_backward": True}, kb._dq_from_ds_kernel),
+    ):
         attn = make(backend="triton", dense_fallback=False, distill="sampled", **mode)
         attn.load_state_dict(make().state_dict())
         torch.manual_seed(3)
@@ -167,8 +170,9 @@ def test_gluon_kernels_config_reaches_the_launch_schedule(monkeypatch, gluon, ex
 
     schedules = []
     real_schedule = op.attention_schedule
-    monkeypatch.setattr(op, "attention_schedule", lambda *a, **kw: schedules.append(real_schedule(*a, **kw))
-                        or schedules[-1])
+    monkeypatch.setattr(
+        op, "attention_schedule", lambda *a, **kw: schedules.append(real_schedule(*a, **kw)) or schedules[-1]
+    )
     attn = make(backend="triton", dense_fallback=False, gluon_kernels=gluon)
     attn.load_state_dict(make().state_dict())
     torch.manual_seed(3)
@@ -240,8 +244,8 @@ def test_padded_rows_equal_unpadded_sequences(n_pad):
     q, k, v = qkv(2, n_pad, dtype=torch.float64)
     out = attn(q, k, v, seq_lens=torch.tensor(lengths))
     for b, length in enumerate(lengths):
-        alone = attn(q[b:b + 1, :, :length], k[b:b + 1, :, :length], v[b:b + 1, :, :length])
-        torch.testing.assert_close(out[b:b + 1, :, :length], alone)
+        alone = attn(q[b : b + 1, :, :length], k[b : b + 1, :, :length], v[b : b + 1, :, :length])
+        torch.testing.assert_close(out[b : b + 1, :, :length], alone)
 
 
 def test_padded_index_matches_unpadded_selection():
@@ -336,8 +340,15 @@ def test_profile_reports_the_checkpoint_recompute_apart():
     out = torch.utils.checkpoint.checkpoint(attn, q, k, v, use_reentrant=False)
     out.sum().backward()
     stats = attn.stats()
-    for key in ("time/selector_ms", "time/plan_ms", "time/attn_fwd_ms", "time/attn_bwd_ms",
-                "time/selector_recompute_ms", "time/plan_recompute_ms", "time/attn_fwd_recompute_ms"):
+    for key in (
+        "time/selector_ms",
+        "time/plan_ms",
+        "time/attn_fwd_ms",
+        "time/attn_bwd_ms",
+        "time/selector_recompute_ms",
+        "time/plan_recompute_ms",
+        "time/attn_fwd_recompute_ms",
+    ):
         assert key in stats and math.isfinite(stats[key]) and stats[key] >= 0, key
     assert "time/attn_bwd_recompute_ms" not in stats
     plain = make(profile=True)
@@ -353,8 +364,16 @@ def test_stats_metrics_profile_and_collect():
     torch.testing.assert_close(total, model["a"].selector_loss + model["b"].selector_loss)
     (out.sum() + total).backward()
     stats = model["a"].stats()
-    for key in ("density", "selector_loss", "mass_recall_mean", "mass_recall_p5", "time/selector_ms", "time/plan_ms",
-                "time/attn_fwd_ms", "time/attn_bwd_ms"):
+    for key in (
+        "density",
+        "selector_loss",
+        "mass_recall_mean",
+        "mass_recall_p5",
+        "time/selector_ms",
+        "time/plan_ms",
+        "time/attn_fwd_ms",
+        "time/attn_bwd_ms",
+    ):
         assert key in stats and math.isfinite(stats[key]), key
     assert 0.0 < stats["mass_recall_p5"] <= stats["mass_recall_mean"] <= 1.0 + 1e-6
     assert 0.0 < stats["density"] < 1.0
@@ -366,7 +385,8 @@ def test_stats_metrics_profile_and_collect():
     for layer, name in enumerate(("a", "b")):
         assert merged[f"layers/{layer}/mass_recall_p5"] == model[name].stats()["mass_recall_p5"]
     assert merged["mass_recall_mean"] == pytest.approx(
-        (stats["mass_recall_mean"] + model["b"].stats()["mass_recall_mean"]) / 2)
+        (stats["mass_recall_mean"] + model["b"].stats()["mass_recall_mean"]) / 2
+    )
     assert merged["selector_loss"] == pytest.approx((stats["selector_loss"] + model["b"].stats()["selector_loss"]) / 2)
     empty = st.collect_selector_losses(torch.nn.Linear(2, 2))
     assert empty.item() == 0.0
@@ -377,9 +397,14 @@ def test_stats_metrics_profile_and_collect():
 def test_state_dict_holds_selector_only():
     attn = make()
     keys = set(attn.state_dict())
-    assert keys == {"scorer.query_proj", "scorer.key_proj", "scorer.log_temperature", "scorer.distance_bias",
-                    "scorer.lr_multiplier",
-                    "selector_steps"}
+    assert keys == {
+        "scorer.query_proj",
+        "scorer.key_proj",
+        "scorer.log_temperature",
+        "scorer.distance_bias",
+        "scorer.lr_multiplier",
+        "selector_steps",
+    }
 
 
 def test_every_backend_reason_is_a_counted_fallback():
@@ -445,8 +470,11 @@ def _poison_padding(t, seq_lens, value):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), 1e30], ids=["nan", "inf", "huge"])
-@pytest.mark.parametrize("n,distill", [(48, "sampled"), (150, "sampled"), (150, "sparse"), (150, "dense")],
-                         ids=["dense-path", "sparse-sampled", "sparse-sparse", "sparse-dense"])
+@pytest.mark.parametrize(
+    "n,distill",
+    [(48, "sampled"), (150, "sampled"), (150, "sparse"), (150, "dense")],
+    ids=["dense-path", "sparse-sampled", "sparse-sparse", "sparse-dense"],
+)
 def test_garbage_past_seq_lens_never_reaches_outputs_gradients_or_selector_loss(n, distill, value):
     """Whatever sits past seq_lens (NaN, inf, huge) changes nothing: valid outputs, input gradients
     and the selector loss equal those of a run with clean (zero) padding."""
@@ -460,7 +488,7 @@ def test_garbage_past_seq_lens_never_reaches_outputs_gradients_or_selector_loss(
         module = make(distill=distill, distill_query_blocks=3).double()
         q, k, v = [t.clone().requires_grad_(True) for t in tensors]
         o = module(q, k, v, seq_lens=seq_lens)
-        valid = (torch.arange(n).view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1))
+        valid = torch.arange(n).view(1, 1, n, 1) < seq_lens.view(-1, 1, 1, 1)
         (torch.where(valid, o, 0.0).sum() + module.selector_loss).backward()
         return torch.where(valid, o, 0.0), module.selector_loss, [torch.where(valid, t.grad, 0.0) for t in (q, k, v)]
 
@@ -552,8 +580,9 @@ def test_autocast_casts_q_k_v_to_the_autocast_dtype():
     Face Llama under Lightning's bf16-mixed did): the layer computes in the autocast dtype, as SDPA
     does, and gives what it gives on bf16 inputs; without autocast mixed dtypes still raise."""
     torch.manual_seed(0)
-    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=2, window=1, sinks=1, dense_warmup_steps=0,
-                                   backend="reference")
+    cfg = st.SparseAttentionConfig(
+        block_q=16, block_k=16, top_k=2, window=1, sinks=1, dense_warmup_steps=0, backend="reference"
+    )
     layer = st.SparseAttention(cfg, num_heads=4, num_kv_heads=2, head_dim=16).eval()
     q, k, v = torch.randn(1, 4, 64, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16).bfloat16()
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from builders import check_close, ids_from_lengths, make_qkv
 from torch.utils.checkpoint import checkpoint
 
 import sparse_train as st
-from builders import check_close, ids_from_lengths, make_qkv
 from sparse_train.index.block_index import shares_document
 from sparse_train.kernels.reference.attention import reference_sparse_attention
 from sparse_train.selection import selection_geometry
@@ -30,7 +30,6 @@ def make(**overrides):
     return st.SparseAttention(st.SparseAttentionConfig(**base), num_heads=HQ, num_kv_heads=HKV, head_dim=D)
 
 
-
 def per_document_sdpa(q, k, v, lengths_per_row, scale=None):
     """Each document run alone through causal SDPA, concatenated back: the packing oracle."""
     out = torch.empty_like(q)
@@ -39,7 +38,12 @@ def per_document_sdpa(q, k, v, lengths_per_row, scale=None):
         for n in lengths:
             sl = slice(start, start + n)
             out[b, :, sl] = F.scaled_dot_product_attention(
-                q[b:b + 1, :, sl], k[b:b + 1, :, sl], v[b:b + 1, :, sl], is_causal=True, scale=scale, enable_gqa=True
+                q[b : b + 1, :, sl],
+                k[b : b + 1, :, sl],
+                v[b : b + 1, :, sl],
+                is_causal=True,
+                scale=scale,
+                enable_gqa=True,
             )[0]
             start += n
     return out
@@ -79,8 +83,9 @@ def test_dense_path_with_dropout_attends_the_document_index():
     torch.manual_seed(5)
     seed = st.validation.draw_dropout_seed()
     full = st.BlockIndex.full(1, HKV, 80, 16, 16, document_ids=ids)
-    ref, _ = reference_sparse_attention(q, k, v, full, scale=attn.scale, dropout_p=0.3, dropout_seed=seed,
-                                        document_ids=ids)
+    ref, _ = reference_sparse_attention(
+        q, k, v, full, scale=attn.scale, dropout_p=0.3, dropout_seed=seed, document_ids=ids
+    )
     torch.testing.assert_close(out, ref)
 
 
@@ -162,7 +167,7 @@ def test_unrotate_takes_restarting_positions():
     pos = torch.cat([torch.arange(20), torch.arange(30)]).view(1, -1).expand(2, -1)
     angles = pos.unsqueeze(-1).double() * inv_freq.double()
     cos, sin = angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
-    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    x1, x2 = x[..., : D // 2], x[..., D // 2 :]
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     torch.testing.assert_close(unrotate(rotated, inv_freq, pos).double(), x, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(unrotate(rotated, inv_freq).double(), x, atol=1e-3)
@@ -268,9 +273,14 @@ def check_module_against_reference(attn, q, k, v, ids, dtype, upcast_low):
 def test_module_with_documents_on_gpu_matches_the_float64_reference(dtype):
     """The whole module on CUDA (selector, document index, Triton kernels forward and backward) against
     the float64 reference on the same selection, odd length, GQA, many short documents."""
-    attn = st.SparseAttention(st.SparseAttentionConfig(block_q=64, block_k=64, top_k=4, window=2, sinks=1,
-                                                       dense_warmup_steps=0, dense_fallback=False),
-                              num_heads=8, num_kv_heads=2, head_dim=64).cuda()
+    attn = st.SparseAttention(
+        st.SparseAttentionConfig(
+            block_q=64, block_k=64, top_k=4, window=2, sinks=1, dense_warmup_steps=0, dense_fallback=False
+        ),
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+    ).cuda()
     attn.train()
     lengths = [[700, 37, 1, 900, 64, 600, 697], [3000 - 1]]
     n = sum(lengths[0])
@@ -291,21 +301,24 @@ def test_distillation_targets_pass_documents_to_the_block_mass_kernels(target, m
     n = 80
     ids = ids_from_lengths([20, 3, 40, 17])
     q, k, v = make_qkv(1, HQ, HKV, n, D, seed=10)
-    scale = D ** -0.5
+    scale = D**-0.5
     monkeypatch.setattr(distill_mod, "choose_backend", lambda *args, **kwargs: ("triton", "requested"))
     if target == "sparse":
         sel = torch.full((1, HKV, 5, 1), -1)
-        index = st.BlockIndex.from_selection(sel, seq_len=n, block_q=16, block_k=16, window=2, sinks=1,
-                                             document_ids=ids)
+        index = st.BlockIndex.from_selection(
+            sel, seq_len=n, block_q=16, block_k=16, window=2, sinks=1, document_ids=ids
+        )
         _, lse = reference_sparse_attention(q, k, v, index, scale=scale, document_ids=ids)
         got, got_ok = distill_mod.sparse_block_mass(q, k, index, scale=scale, lse=lse, document_ids=ids)
         want, want_ok = reference_sparse_block_mass(q, k, index, scale=scale, lse=lse, document_ids=ids)
     else:
         blocks = torch.tensor([1, 3, 4])
-        got, got_ok = distill_mod.dense_block_mass(q, k, block_q=16, block_k=16, scale=scale, query_blocks=blocks,
-                                                   document_ids=ids)
-        want, want_ok = reference_dense_block_mass(q, k, block_q=16, block_k=16, scale=scale, query_blocks=blocks,
-                                                   document_ids=ids)
+        got, got_ok = distill_mod.dense_block_mass(
+            q, k, block_q=16, block_k=16, scale=scale, query_blocks=blocks, document_ids=ids
+        )
+        want, want_ok = reference_dense_block_mass(
+            q, k, block_q=16, block_k=16, scale=scale, query_blocks=blocks, document_ids=ids
+        )
     assert torch.equal(got_ok, want_ok)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     # without the document mask the target differs: the ids really reached the kernel
@@ -339,6 +352,14 @@ def test_document_capacity_bounds_every_row(bq, bk):
         geometry = selection_geometry(n, bq, bk, top_k, window, sinks)
         scores = torch.randn(2, HKV, geometry.num_q_blocks, geometry.num_k_blocks, generator=g)
         picks = selection_candidates(scores, geometry, window=window, sinks=sinks, document_ids=ids)
-        index = st.BlockIndex.from_selection(picks, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks,
-                                             capacity=geometry.document_capacity, document_ids=ids)
+        index = st.BlockIndex.from_selection(
+            picks,
+            seq_len=n,
+            block_q=bq,
+            block_k=bk,
+            window=window,
+            sinks=sinks,
+            capacity=geometry.document_capacity,
+            document_ids=ids,
+        )
         assert index.capacity == geometry.document_capacity, trial

@@ -20,8 +20,12 @@ from builders import check_close, ids_from_starts, make_qkv, random_index, rel_e
 import sparse_train.parallel.context_parallel as cp
 from sparse_train.index.block_index import BlockIndex
 from sparse_train.kernels.reference.attention import reference_sparse_attention
-from sparse_train.selection.scorer import (BlockScorer, rope_inverse_frequencies, selection_candidates,
-                                           selection_geometry)
+from sparse_train.selection.scorer import (
+    BlockScorer,
+    rope_inverse_frequencies,
+    selection_candidates,
+    selection_geometry,
+)
 
 WORLD = 2
 FP64_REL = 1e-12  # float64: the sharded computation differs from the one-process one only in summation order
@@ -35,10 +39,28 @@ ATTENTION_CASES = [
     ("bq16_bk4_scale", 1, 2, 1, 64, 5, 16, 4, {"seq_lens": [61], "scale": 0.3}),
     # the Triton kernels (interpreter, float32; D and the blocks in the kernels' sizes), r0 = 2: hot and cold
     # key blocks, so the KV-centric and the atomic dK/dV paths both run on the local plan
-    ("triton_gqa_seq_lens_hybrid", 2, 4, 2, 64, 16, 16, 16,
-     {"seq_lens": [64, 37], "backend": "triton", "kernel_options": {"r0": 2}}),
-    ("triton_documents_dropout", 2, 2, 1, 64, 16, 16, 16,
-     {"documents": [[0, 5, 21, 40], [0, 33]], "dropout_p": 0.3, "backend": "triton"}),
+    (
+        "triton_gqa_seq_lens_hybrid",
+        2,
+        4,
+        2,
+        64,
+        16,
+        16,
+        16,
+        {"seq_lens": [64, 37], "backend": "triton", "kernel_options": {"r0": 2}},
+    ),
+    (
+        "triton_documents_dropout",
+        2,
+        2,
+        1,
+        64,
+        16,
+        16,
+        16,
+        {"documents": [[0, 5, 21, 40], [0, 33]], "dropout_p": 0.3, "backend": "triton"},
+    ),
 ]
 SELECTOR_CASES = [
     ("rope_bias_seq_lens", {"seq_lens": [64, 45]}),
@@ -64,8 +86,15 @@ def _attention_inputs(case):
     else:
         from builders import random_selection
 
-        index = BlockIndex.from_selection(random_selection(B, HKV, N, BQ, BK, 2, seed=3), seq_len=N, block_q=BQ,
-                                          block_k=BK, window=1, sinks=1, document_ids=docs)
+        index = BlockIndex.from_selection(
+            random_selection(B, HKV, N, BQ, BK, 2, seed=3),
+            seq_len=N,
+            block_q=BQ,
+            block_k=BK,
+            window=1,
+            sinks=1,
+            document_ids=docs,
+        )
     return q, k, v, grad_out, index, seq_lens, docs, extras.get("dropout_p", 0.0), extras.get("scale")
 
 
@@ -99,26 +128,48 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         q, k, v, grad_out, index, seq_lens, docs, p, scale = _attention_inputs(case)
         seed = cp.shared_dropout_seed() if p > 0 else None
         local = [cp.shard_sequence(t, 2, rank, WORLD).detach().requires_grad_() for t in (q, k, v)]
-        o, lse = cp.context_parallel_sparse_attention(*local, index, scale=scale, dropout_p=p, dropout_seed=seed,
-                                                      seq_lens=seq_lens, document_ids=docs, return_lse=True,
-                                                      backend=case[-1].get("backend", "reference"),
-                                                      kernel_options=case[-1].get("kernel_options"))
+        o, lse = cp.context_parallel_sparse_attention(
+            *local,
+            index,
+            scale=scale,
+            dropout_p=p,
+            dropout_seed=seed,
+            seq_lens=seq_lens,
+            document_ids=docs,
+            return_lse=True,
+            backend=case[-1].get("backend", "reference"),
+            kernel_options=case[-1].get("kernel_options"),
+        )
         (o * cp.shard_sequence(grad_out, 2, rank, WORLD)).sum().backward()
-        results["attention"][case[0]] = dict(o=o.detach(), lse=lse.detach(), dq=local[0].grad, dk=local[1].grad,
-                                             dv=local[2].grad, seed=seed)
+        results["attention"][case[0]] = dict(
+            o=o.detach(), lse=lse.detach(), dq=local[0].grad, dk=local[1].grad, dv=local[2].grad, seed=seed
+        )
 
     for case in SELECTOR_CASES:
         q, k, seq_lens, docs, geometry = _selector_inputs(case)
         scorer = _scorer()
         q_local, k_local = (cp.shard_sequence(t, 2, rank, WORLD) for t in (q, k))
-        scores = cp.context_parallel_block_scores(scorer, q_local, k_local, block_q=SEL["BQ"], block_k=SEL["BK"],
-                                                  scale=SEL["D"] ** -0.5, seq_lens=seq_lens, document_ids=docs,
-                                                  geometry=geometry)
-        index = cp.context_parallel_selection(scores, geometry, window=SEL["window"], sinks=SEL["sinks"],
-                                              seq_lens=seq_lens, document_ids=docs)
+        scores = cp.context_parallel_block_scores(
+            scorer,
+            q_local,
+            k_local,
+            block_q=SEL["BQ"],
+            block_k=SEL["BK"],
+            scale=SEL["D"] ** -0.5,
+            seq_lens=seq_lens,
+            document_ids=docs,
+            geometry=geometry,
+        )
+        index = cp.context_parallel_selection(
+            scores, geometry, window=SEL["window"], sinks=SEL["sinks"], seq_lens=seq_lens, document_ids=docs
+        )
         scores.sum().backward()  # the distillation's path: local scores -> the scorer's parameters
-        results["selector"][case[0]] = dict(scores=scores.detach(), indices=index.indices, counts=index.counts,
-                                            grads={n: p.grad for n, p in scorer.named_parameters()})
+        results["selector"][case[0]] = dict(
+            scores=scores.detach(),
+            indices=index.indices,
+            counts=index.counts,
+            grads={n: p.grad for n, p in scorer.named_parameters()},
+        )
 
     x = torch.arange(2 * 3 * 16, dtype=torch.float64).view(2, 3, 16)
     results["round_trip"] = cp.gather_sequence(cp.shard_sequence(x, -1, rank, WORLD), -1)
@@ -126,20 +177,23 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     q, k, v, _, index, _, _, _, _ = _attention_inputs(ATTENTION_CASES[0])
     ql, kl, vl = (cp.shard_sequence(t, 2, rank, WORLD) for t in (q, k, v))
     half = random_index(1, 2, 32, 8, 8, 2, 1, 1)
-    results["errors"] = value_errors_of([
-        lambda: cp.context_parallel_sparse_attention(ql[:, :, :16], kl[:, :, :16], vl[:, :, :16], index),
-        lambda: cp.context_parallel_sparse_attention(ql, kl, vl, half),
-        lambda: cp.context_parallel_sparse_attention(ql, kl, vl, random_index(2, 2, 64, 8, 8, 2, 1, 1)),
-        lambda: cp.context_parallel_sparse_attention(ql, kl.float(), vl, index),
-        lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, dropout_p=0.1),
-        lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, seq_lens=torch.tensor([40, 40])),
-        lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, document_ids=torch.zeros(1, 32,
-                                                                                                 dtype=torch.int64)),
-        lambda: cp.context_parallel_sparse_attention(ql, kl, vl, random_index(1, 2, 64, 32, 32, 2, 1, 1)),
-        lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, scale=float("nan")),
-        lambda: cp.context_parallel_sparse_attention(ql.float(), kl.float(), vl.float(), index, backend="triton"),
-        lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, kernel_options={"plan": index.plan()}),
-    ])
+    results["errors"] = value_errors_of(
+        [
+            lambda: cp.context_parallel_sparse_attention(ql[:, :, :16], kl[:, :, :16], vl[:, :, :16], index),
+            lambda: cp.context_parallel_sparse_attention(ql, kl, vl, half),
+            lambda: cp.context_parallel_sparse_attention(ql, kl, vl, random_index(2, 2, 64, 8, 8, 2, 1, 1)),
+            lambda: cp.context_parallel_sparse_attention(ql, kl.float(), vl, index),
+            lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, dropout_p=0.1),
+            lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, seq_lens=torch.tensor([40, 40])),
+            lambda: cp.context_parallel_sparse_attention(
+                ql, kl, vl, index, document_ids=torch.zeros(1, 32, dtype=torch.int64)
+            ),
+            lambda: cp.context_parallel_sparse_attention(ql, kl, vl, random_index(1, 2, 64, 32, 32, 2, 1, 1)),
+            lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, scale=float("nan")),
+            lambda: cp.context_parallel_sparse_attention(ql.float(), kl.float(), vl.float(), index, backend="triton"),
+            lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, kernel_options={"plan": index.plan()}),
+        ]
+    )
     dist.barrier()  # every rank got past the bad calls without a collective left hanging
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -173,8 +227,18 @@ def test_two_ranks_equal_the_single_process_attention(two_ranks, case):
 
     def single_process(dtype, **kwargs):
         qs, ks, vs = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-        o, lse = reference_sparse_attention(qs, ks, vs, index, scale=scale, dropout_p=p, dropout_seed=seed,
-                                            seq_lens=seq_lens, document_ids=docs, **kwargs)
+        o, lse = reference_sparse_attention(
+            qs,
+            ks,
+            vs,
+            index,
+            scale=scale,
+            dropout_p=p,
+            dropout_seed=seed,
+            seq_lens=seq_lens,
+            document_ids=docs,
+            **kwargs,
+        )
         (o * grad_out.to(dtype)).sum().backward()
         return dict(o=o.detach(), lse=lse.detach(), dq=qs.grad, dk=ks.grad, dv=vs.grad)
 
@@ -186,14 +250,20 @@ def test_two_ranks_equal_the_single_process_attention(two_ranks, case):
             local = cp.shard_sequence(full, 2, rank, WORLD)
             assert got[name].shape == local.shape, (rank, name)
             if triton:
-                check_close(f"rank {rank} {name}", got[name], local, cp.shard_sequence(lowp[name], 2, rank, WORLD),
-                            torch.float32)
+                check_close(
+                    f"rank {rank} {name}",
+                    got[name],
+                    local,
+                    cp.shard_sequence(lowp[name], 2, rank, WORLD),
+                    torch.float32,
+                )
             else:
                 error = rel_err(got[name], local)
                 assert error <= FP64_REL, f"rank {rank} {name}: relative error {error:.2e}"
     if p > 0:  # the test has teeth: without dropout the output differs
-        o_plain, _ = reference_sparse_attention(q.double(), k.double(), v.double(), index, seq_lens=seq_lens,
-                                                document_ids=docs)
+        o_plain, _ = reference_sparse_attention(
+            q.double(), k.double(), v.double(), index, seq_lens=seq_lens, document_ids=docs
+        )
         assert rel_err(o_plain, want["o"]) > 1e-2
 
 
@@ -209,9 +279,19 @@ def test_bad_arguments_raise_before_any_collective(two_ranks):
     backend="triton" on a head dim the kernels lack, a whole-index plan: each raises a ValueError naming the
     problem on the rank that sees it, and no collective is left waiting (the workers reach the barrier
     after them)."""
-    expected = ["local rows", "local rows", "batch", "share a dtype", "dropout_seed", "seq_lens has 2 entries",
-                "document_ids must have shape", "multiple of 2 * W", "scale", "head dim 5",
-                "kernel_options.plan cannot be combined with query_blocks"]
+    expected = [
+        "local rows",
+        "local rows",
+        "batch",
+        "share a dtype",
+        "dropout_seed",
+        "seq_lens has 2 entries",
+        "document_ids must have shape",
+        "multiple of 2 * W",
+        "scale",
+        "head dim 5",
+        "kernel_options.plan cannot be combined with query_blocks",
+    ]
     for result in two_ranks:
         assert len(result["errors"]) == len(expected)
         for message, want in zip(result["errors"], expected):
@@ -236,11 +316,20 @@ def test_two_ranks_select_the_single_process_index(two_ranks, case):
     qbar, kbar = scorer.pool(q, k, SEL["BQ"], SEL["BK"], seq_lens, positions)
     scores = scorer(qbar, kbar, SEL["D"] ** -0.5, geometry)
     scores.sum().backward()
-    candidates = selection_candidates(scores, geometry, window=SEL["window"], sinks=SEL["sinks"], seq_lens=seq_lens,
-                                      document_ids=docs)
+    candidates = selection_candidates(
+        scores, geometry, window=SEL["window"], sinks=SEL["sinks"], seq_lens=seq_lens, document_ids=docs
+    )
     capacity = geometry.capacity if docs is None else geometry.document_capacity
-    index = BlockIndex.from_selection(candidates, seq_len=SEL["N"], block_q=SEL["BQ"], block_k=SEL["BK"],
-                                      window=SEL["window"], sinks=SEL["sinks"], capacity=capacity, document_ids=docs)
+    index = BlockIndex.from_selection(
+        candidates,
+        seq_len=SEL["N"],
+        block_q=SEL["BQ"],
+        block_k=SEL["BK"],
+        window=SEL["window"],
+        sinks=SEL["sinks"],
+        capacity=capacity,
+        document_ids=docs,
+    )
     for rank, result in enumerate(two_ranks):
         got = result["selector"][case[0]]
         rows = cp.local_query_blocks(SEL["N"], SEL["BQ"], rank, WORLD)
@@ -271,8 +360,9 @@ def test_zigzag_layout_covers_the_sequence_once_with_equal_causal_area(world):
         assert torch.equal((blocks[r].view(-1, 1) * 3 + torch.arange(3)).view(-1), positions[r])
 
 
-@pytest.mark.parametrize("n,world,bq,bk", [(60, 2, 8, 8), (64, 2, 8, 12), (63, 1, 1, 1)],
-                         ids=["not-whole-blocks", "lcm", "odd-N"])
+@pytest.mark.parametrize(
+    "n,world,bq,bk", [(60, 2, 8, 8), (64, 2, 8, 12), (63, 1, 1, 1)], ids=["not-whole-blocks", "lcm", "odd-N"]
+)
 def test_layout_rejects_lengths_that_do_not_split_into_whole_blocks(n, world, bq, bk):
     with pytest.raises(ValueError, match=rf"N={n} must be a multiple of 2 \* W"):
         cp.check_layout(n, world, bq, bk)

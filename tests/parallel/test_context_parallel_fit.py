@@ -21,8 +21,18 @@ from sparse_train.tasks import IGNORE_INDEX
 TINY = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
 # Step 0 runs the dense warm-up (CP dense path), steps 1-2 the sparse path; the sampled target spreads its
 # three query blocks over both ranks.
-SPARSE = dict(block_q=8, block_k=8, top_k=1, window=1, sinks=1, backend="reference", dense_warmup_steps=1,
-              dense_fallback=False, distill="sampled", distill_query_blocks=3)
+SPARSE = dict(
+    block_q=8,
+    block_k=8,
+    top_k=1,
+    window=1,
+    sinks=1,
+    backend="reference",
+    dense_warmup_steps=1,
+    dense_fallback=False,
+    distill="sampled",
+    distill_query_blocks=3,
+)
 SEQ = 64
 ROWS_PER_STEP = 2  # per data-parallel replica
 STEPS = 3
@@ -43,8 +53,17 @@ def _rows(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
     return [{"tokens": t, "labels": lab} for t, lab in zip(tokens, labels)]
 
 
-def _fit(strategy, devices: int, out_dir: str, tag: str, rank: int = 0, cp: int = 1, replicas: int = 1,
-         precision: str | None = "64-true", checkpointing: bool = False) -> None:
+def _fit(
+    strategy,
+    devices: int,
+    out_dir: str,
+    tag: str,
+    rank: int = 0,
+    cp: int = 1,
+    replicas: int = 1,
+    precision: str | None = "64-true",
+    checkpointing: bool = False,
+) -> None:
     """Fit ``STEPS`` steps (one epoch) and write the logged losses, each step's gradient norms before the
     clipping, the validation metrics at the end of the epoch (the trained model), how often the first layer's
     attention ran in training mode, and a checkpoint. The data module shards the rows by
@@ -79,8 +98,9 @@ def _fit(strategy, devices: int, out_dir: str, tag: str, rank: int = 0, cp: int 
             record["norms"].append([float(n) for n in st.clip_grad_norms(pl_module.model, 1e30, process_group=group)])
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            record["losses"].append({key: float(trainer.callback_metrics[f"train/{key}"])
-                                     for key in ("lm_loss", "selector_loss")})
+            record["losses"].append(
+                {key: float(trainer.callback_metrics[f"train/{key}"]) for key in ("lm_loss", "selector_loss")}
+            )
             record["paths"] = [core._last_path for core in pl_module.model.sparse_cores()]
 
     class Rows(LightningDataModule):
@@ -99,10 +119,22 @@ def _fit(strategy, devices: int, out_dir: str, tag: str, rank: int = 0, cp: int 
     config = TransformerConfig(**TINY, attention="sparse", sparse=SPARSE, activation_checkpointing=checkpointing)
     module = SparseLMModule(config, **LR)
     callbacks = [Record()] + ([ContextParallel(cp)] if cp > 1 else [])
-    trainer = Trainer(max_steps=STEPS, accelerator="cpu", devices=devices, strategy=strategy, precision=precision,
-                      gradient_clip_val=CLIP, use_distributed_sampler=False, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=os.path.join(out_dir, tag))
+    trainer = Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        precision=precision,
+        gradient_clip_val=CLIP,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+        default_root_dir=os.path.join(out_dir, tag),
+    )
     # Validated at the end of the fit's only epoch, not by trainer.validate afterwards: that second run sets the
     # strategy up again, and Lightning's FSDP then finds the layers' units and leaves the root unwrapped.
     trainer.fit(module, datamodule=Rows())
@@ -130,12 +162,22 @@ def _fsdp_float64():
     return cpu_fsdp_strategy(precision_plugin=FSDPFloat64(), mixed_precision=double)
 
 
-def _fit_worker(rank: int, port: int, out_dir: str, world: int, cp: int, kind: str = "ddp",
-                checkpointing: bool = False) -> None:
+def _fit_worker(
+    rank: int, port: int, out_dir: str, world: int, cp: int, kind: str = "ddp", checkpointing: bool = False
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank), NODE_RANK="0")
     strategy, precision = (_fsdp_float64(), None) if kind == "fsdp" else ("ddp", "64-true")
-    _fit(strategy, world, out_dir, f"{kind}_dp{world // cp}cp{cp}", rank=rank, cp=cp, replicas=world // cp,
-         precision=precision, checkpointing=checkpointing)
+    _fit(
+        strategy,
+        world,
+        out_dir,
+        f"{kind}_dp{world // cp}cp{cp}",
+        rank=rank,
+        cp=cp,
+        replicas=world // cp,
+        precision=precision,
+        checkpointing=checkpointing,
+    )
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -181,8 +223,20 @@ def _check_against_one_process(tmp_path, kind: str, replicas: int, cp: int, chec
             assert gap <= 1e-12, (name, gap)
     moved = want["blocks.0.attn.wq.weight"]
     torch.manual_seed(0)
-    assert float((moved - Transformer(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE)).double()
-                  .blocks[0].attn.wq.weight).abs().max()) > 1e-4  # training moved the weights
+    assert (
+        float(
+            (
+                moved
+                - Transformer(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE))
+                .double()
+                .blocks[0]
+                .attn.wq.weight
+            )
+            .abs()
+            .max()
+        )
+        > 1e-4
+    )  # training moved the weights
 
 
 @pytest.mark.parametrize("replicas,cp", [(1, 2), (2, 2)], ids=["cp2", "dp2_cp2"])
@@ -216,8 +270,18 @@ def test_fsdp_cp_fit_matches_one_process_fit(tmp_path, replicas, checkpointing):
     _check_against_one_process(tmp_path, "fsdp", replicas, 2, checkpointing)
 
 
-REFUSALS = ["world_not_multiple", "cp_above_world", "strategy", "fsdp_hybrid", "fsdp_process_group",
-            "fsdp_device_mesh", "fsdp_accepted", "sampler", "model", "size"]
+REFUSALS = [
+    "world_not_multiple",
+    "cp_above_world",
+    "strategy",
+    "fsdp_hybrid",
+    "fsdp_process_group",
+    "fsdp_device_mesh",
+    "fsdp_accepted",
+    "sampler",
+    "model",
+    "size",
+]
 
 
 @pytest.mark.parametrize("case", REFUSALS, ids=REFUSALS)
@@ -242,16 +306,25 @@ def test_context_parallel_callback_refusals(case):
             ContextParallel(0)
         return
     module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE))
-    trainer = SimpleNamespace(world_size=4, global_rank=0, strategy=DDPStrategy(),
-                              _accelerator_connector=SimpleNamespace(use_distributed_sampler=False))
+    trainer = SimpleNamespace(
+        world_size=4,
+        global_rank=0,
+        strategy=DDPStrategy(),
+        _accelerator_connector=SimpleNamespace(use_distributed_sampler=False),
+    )
     size = 2
     model_refused = "supports sparse_train.lightning.model.Transformer"
-    want = {"world_not_multiple": r"world_size=6 is not a multiple of cp=4",
-            "cp_above_world": r"world_size=2 is not a multiple of cp=4", "strategy": "runs under DDP or FSDP",
-            "fsdp_hybrid": "sharding_strategy=HYBRID_SHARD is not supported",
-            "fsdp_process_group": r"FSDPStrategy\(process_group=\.\.\.\) is not supported",
-            "fsdp_device_mesh": r"FSDPStrategy\(device_mesh=\.\.\.\) is not supported",
-            "fsdp_accepted": model_refused, "sampler": "use_distributed_sampler=false", "model": model_refused}[case]
+    want = {
+        "world_not_multiple": r"world_size=6 is not a multiple of cp=4",
+        "cp_above_world": r"world_size=2 is not a multiple of cp=4",
+        "strategy": "runs under DDP or FSDP",
+        "fsdp_hybrid": "sharding_strategy=HYBRID_SHARD is not supported",
+        "fsdp_process_group": r"FSDPStrategy\(process_group=\.\.\.\) is not supported",
+        "fsdp_device_mesh": r"FSDPStrategy\(device_mesh=\.\.\.\) is not supported",
+        "fsdp_accepted": model_refused,
+        "sampler": "use_distributed_sampler=false",
+        "model": model_refused,
+    }[case]
     strategies = [trainer.strategy]
     if case == "world_not_multiple":
         trainer.world_size, size = 6, 4
@@ -280,9 +353,15 @@ def test_context_parallel_callback_refusals(case):
             ContextParallel(size).setup(trainer, module, "fit")
 
 
-CLI_TINY = ["--model.init_args.model.d_model=32", "--data.init_args.seq_len=128", "--data.init_args.curriculum=[]",
-            "--data.init_args.batch_size=2", "--data.init_args.val_samples=2", "--trainer.accelerator=cpu",
-            "--logger_backend=none"]
+CLI_TINY = [
+    "--model.init_args.model.d_model=32",
+    "--data.init_args.seq_len=128",
+    "--data.init_args.curriculum=[]",
+    "--data.init_args.batch_size=2",
+    "--data.init_args.val_samples=2",
+    "--trainer.accelerator=cpu",
+    "--logger_backend=none",
+]
 
 
 def test_cli_cp_flag_installs_the_callback(tmp_path, monkeypatch):
@@ -313,8 +392,10 @@ def test_data_parallel_rank_counts_a_cp_group_as_one_replica():
     assert data_parallel_rank(None) == (0, 1)
     assert data_parallel_rank(SimpleNamespace(global_rank=1, world_size=2, callbacks=[])) == (1, 2)
     assert data_parallel_rank(SimpleNamespace(global_rank=1, world_size=2, callbacks=[ContextParallel(2)])) == (0, 1)
-    four = [data_parallel_rank(SimpleNamespace(global_rank=r, world_size=4, callbacks=[ContextParallel(2)]))
-            for r in range(4)]
+    four = [
+        data_parallel_rank(SimpleNamespace(global_rank=r, world_size=4, callbacks=[ContextParallel(2)]))
+        for r in range(4)
+    ]
     assert four == [(0, 2), (0, 2), (1, 2), (1, 2)]
 
 
@@ -322,8 +403,7 @@ def _data_module(kind: str, tmp_path):
     from sparse_train.lightning import ByteLMDataModule, RetrievalDataModule
 
     if kind == "retrieval":
-        return RetrievalDataModule(seq_len=128, num_pairs=2, num_queries=2, batch_size=2, curriculum=[],
-                                   val_samples=2)
+        return RetrievalDataModule(seq_len=128, num_pairs=2, num_queries=2, batch_size=2, curriculum=[], val_samples=2)
     if kind == "byte_lm":
         root = tmp_path / "bytes"
         root.mkdir()
@@ -336,8 +416,13 @@ def _data_module(kind: str, tmp_path):
 
         from sparse_train.lightning.text_data import TextDataModule
 
-        module = TextDataModule([str(write_tiny_corpus(tmp_path / "corpus"))], seq_len=17, batch_size=2,
-                                val_fraction=0.2, tokenizer_path=str(save_tiny_tokenizer(tmp_path / "tok")))
+        module = TextDataModule(
+            [str(write_tiny_corpus(tmp_path / "corpus"))],
+            seq_len=17,
+            batch_size=2,
+            val_fraction=0.2,
+            tokenizer_path=str(save_tiny_tokenizer(tmp_path / "tok")),
+        )
     module.setup("fit")
     return module
 
@@ -354,9 +439,15 @@ def test_data_modules_give_a_cp_group_the_same_rows_and_replicas_different_rows(
     data = _data_module(kind, tmp_path)
     batches = []
     for rank in range(4):
-        data.trainer = SimpleNamespace(global_rank=rank, world_size=4, callbacks=[ContextParallel(2)], max_steps=2,
-                                       global_step=0, accumulate_grad_batches=1,
-                                       _accelerator_connector=SimpleNamespace(use_distributed_sampler=False))
+        data.trainer = SimpleNamespace(
+            global_rank=rank,
+            world_size=4,
+            callbacks=[ContextParallel(2)],
+            max_steps=2,
+            global_step=0,
+            accumulate_grad_batches=1,
+            _accelerator_connector=SimpleNamespace(use_distributed_sampler=False),
+        )
         loader = iter(data.train_dataloader())
         batches.append(torch.cat([next(loader)["tokens"] for _ in range(2)]))
     assert torch.equal(batches[0], batches[1]) and torch.equal(batches[2], batches[3])

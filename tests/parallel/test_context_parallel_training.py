@@ -27,9 +27,21 @@ WORLD = 2
 FP64_REL = 1e-12
 FP32_TOL = dict(rtol=2e-5, atol=2e-6)
 B, HQ, HKV, N, D = 2, 4, 2, 64, 8
-BASE = dict(block_q=8, block_k=8, top_k=2, window=1, sinks=1, backend="reference", selector_dim=4,
-            selector_rope_theta=100.0, selector_distance_bias=True, key_pooling="mean_max", distill_query_blocks=3,
-            dense_fallback=False, dense_warmup_steps=0)
+BASE = dict(
+    block_q=8,
+    block_k=8,
+    top_k=2,
+    window=1,
+    sinks=1,
+    backend="reference",
+    selector_dim=4,
+    selector_rope_theta=100.0,
+    selector_distance_bias=True,
+    key_pooling="mean_max",
+    distill_query_blocks=3,
+    dense_fallback=False,
+    dense_warmup_steps=0,
+)
 
 # (id, config overrides, extras): extras "warmup" runs the dense warm-up path; "seq_lens", "documents" global;
 # "checkpoint" runs the call under activation checkpointing (replay); "dropout" adds attention dropout.
@@ -44,8 +56,18 @@ MODULE_CASES = [
     ("dropout", dict(distill="sparse", dropout_p=0.2), {}),
 ]
 TINY = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
-MODEL_SPARSE = dict(block_q=8, block_k=8, top_k=1, window=1, sinks=1, backend="reference", dense_warmup_steps=0,
-                    distill="sampled", distill_query_blocks=3, dense_fallback=False)
+MODEL_SPARSE = dict(
+    block_q=8,
+    block_k=8,
+    top_k=1,
+    window=1,
+    sinks=1,
+    backend="reference",
+    dense_warmup_steps=0,
+    distill="sampled",
+    distill_query_blocks=3,
+    dense_fallback=False,
+)
 # (id, attention, activation checkpointing, documents)
 MODEL_CASES = [
     ("sparse", "sparse", False, None),
@@ -82,15 +104,23 @@ def _run_module(module, q, k, v, grad_out, seq_lens, docs, use_checkpoint, seed=
         o = module(q, k, v, seq_lens, document_ids=docs)
     loss = (o * grad_out).sum() + module.selector_loss
     loss.backward()
-    return dict(o=o.detach(), dq=q.grad, dk=k.grad, dv=v.grad, selector_loss=module.selector_loss.detach(),
-                grads={n: p.grad.clone() for n, p in module.scorer.named_parameters()},
-                path=module._last_path, replay=module._replay.stats())
+    return dict(
+        o=o.detach(),
+        dq=q.grad,
+        dk=k.grad,
+        dv=v.grad,
+        selector_loss=module.selector_loss.detach(),
+        grads={n: p.grad.clone() for n, p in module.scorer.named_parameters()},
+        path=module._last_path,
+        replay=module._replay.stats(),
+    )
 
 
 def _tiny_model(attention, ckpt):
     torch.manual_seed(0)
-    cfg = TransformerConfig(**TINY, attention=attention, sparse=MODEL_SPARSE if attention == "sparse" else {},
-                                         activation_checkpointing=ckpt)
+    cfg = TransformerConfig(
+        **TINY, attention=attention, sparse=MODEL_SPARSE if attention == "sparse" else {}, activation_checkpointing=ckpt
+    )
     return Transformer(cfg).double().train()
 
 
@@ -121,8 +151,9 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         cp.enable_context_parallel(module)
         q, k, v, grad_out, seq_lens, docs = _module_inputs(extras)
         local = [cp.shard_sequence(t, 2, rank, WORLD) for t in (q, k, v, grad_out)]
-        results["module"][name] = _run_module(module, *local, seq_lens, docs, extras.get("checkpoint", False),
-                                              seed=100 + rank)  # a rank-dependent global RNG: the seed is shared
+        results["module"][name] = _run_module(
+            module, *local, seq_lens, docs, extras.get("checkpoint", False), seed=100 + rank
+        )  # a rank-dependent global RNG: the seed is shared
     for name, attention, ckpt, doc_starts in MODEL_CASES:
         model = _tiny_model(attention, ckpt)
         cp.enable_context_parallel(model)
@@ -139,16 +170,18 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     cp.enable_context_parallel(metrics)
     model = _tiny_model("sparse", False)
     cp.enable_context_parallel(model)
-    results["errors"] = value_errors_of([
-        lambda: module(ql[:, :, :20], kl[:, :, :20], vl[:, :, :20]),   # N = 40: not whole chunks of blocks
-        lambda: module(ql, kl, vl, torch.tensor([64])),                 # seq_lens of another batch
-        lambda: module(ql, kl, vl, document_ids=torch.zeros(2, 32, dtype=torch.int64)),  # local, not global
-        lambda: module(ql, kl, vl, position_ids=torch.arange(32)),     # local positions
-        lambda: metrics(ql, kl, vl),
-        lambda: module.decode(ql, kl, vl),
-        lambda: model(torch.zeros(2, 30, dtype=torch.int64)),           # N = 60 is not a multiple of 2 * W * 8
-        lambda: cp.enable_context_parallel(torch.nn.Linear(2, 2)),
-    ])
+    results["errors"] = value_errors_of(
+        [
+            lambda: module(ql[:, :, :20], kl[:, :, :20], vl[:, :, :20]),  # N = 40: not whole chunks of blocks
+            lambda: module(ql, kl, vl, torch.tensor([64])),  # seq_lens of another batch
+            lambda: module(ql, kl, vl, document_ids=torch.zeros(2, 32, dtype=torch.int64)),  # local, not global
+            lambda: module(ql, kl, vl, position_ids=torch.arange(32)),  # local positions
+            lambda: metrics(ql, kl, vl),
+            lambda: module.decode(ql, kl, vl),
+            lambda: model(torch.zeros(2, 30, dtype=torch.int64)),  # N = 60 is not a multiple of 2 * W * 8
+            lambda: cp.enable_context_parallel(torch.nn.Linear(2, 2)),
+        ]
+    )
     dist.barrier()  # no rank is left inside a collective by the refused calls
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
@@ -236,9 +269,16 @@ def test_refusals_under_cp(two_ranks):
     reach the barrier after them): a length that does not split into 2W chunks of whole blocks, seq_lens /
     document_ids / position_ids that are not the global ones, metrics_every > 0, decode, a model with an
     odd-length shard, a model with nothing that supports CP."""
-    expected = ["multiple of 2 * W", "seq_lens has 1 entries", "document_ids must have shape",
-                "GLOBAL positions", "metrics_every", "decode: not supported under context parallelism",
-                "multiple of 2 * W", "no module that supports context parallelism"]
+    expected = [
+        "multiple of 2 * W",
+        "seq_lens has 1 entries",
+        "document_ids must have shape",
+        "GLOBAL positions",
+        "metrics_every",
+        "decode: not supported under context parallelism",
+        "multiple of 2 * W",
+        "no module that supports context parallelism",
+    ]
     for result in two_ranks:
         assert len(result["errors"]) == len(expected)
         for message, want in zip(result["errors"], expected):
@@ -287,8 +327,11 @@ def test_scorer_and_selection_on_a_subset_of_query_blocks(documents):
         scorer(qbar[:, :, rows], kbar, 0.3, geometry, query_blocks=rows[:3])
 
 
-@pytest.mark.parametrize("deterministic,fused,stored,gluon", [(True, False, True, False), (False, True, False, True)],
-                         ids=["deterministic-stored-ds-triton-only", "fused-gluon"])
+@pytest.mark.parametrize(
+    "deterministic,fused,stored,gluon",
+    [(True, False, True, False), (False, True, False, True)],
+    ids=["deterministic-stored-ds-triton-only", "fused-gluon"],
+)
 def test_cp_module_passes_its_kernel_settings(monkeypatch, deterministic, fused, stored, gluon):
     """Under context parallelism the module hands ``deterministic``, ``r0``, ``fused_backward``,
     ``stored_ds_backward`` and ``gluon_kernels`` to the
@@ -306,13 +349,31 @@ def test_cp_module_passes_its_kernel_settings(monkeypatch, deterministic, fused,
     monkeypatch.setattr(cp, "context_parallel_sparse_attention", recording)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        module = _module(dict(distill="sampled", deterministic=deterministic, fused_backward=fused,
-                              stored_ds_backward=stored, r0=3, gluon_kernels=gluon))
+        module = _module(
+            dict(
+                distill="sampled",
+                deterministic=deterministic,
+                fused_backward=fused,
+                stored_ds_backward=stored,
+                r0=3,
+                gluon_kernels=gluon,
+            )
+        )
         cp.enable_context_parallel(module)
         q, k, v = make_qkv(B, HQ, HKV, N, D, dtype=torch.float64, seed=1)
         module(q, k, v)
     finally:
         dist.destroy_process_group()
-    assert seen == [{"deterministic": deterministic,
-                     "kernel_options": {"r0": 3, "fused_dq": fused, "stored_ds": stored,
-                                        "fwd_gluon": gluon, "dq_gluon": gluon, "kv_gluon": gluon}}]
+    assert seen == [
+        {
+            "deterministic": deterministic,
+            "kernel_options": {
+                "r0": 3,
+                "fused_dq": fused,
+                "stored_ds": stored,
+                "fwd_gluon": gluon,
+                "dq_gluon": gluon,
+                "kv_gluon": gluon,
+            },
+        }
+    ]

@@ -24,8 +24,9 @@ from sparse_train.lightning.model import Block, Transformer, TransformerConfig
 from sparse_train.tasks import IGNORE_INDEX
 
 TINY = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
-SPARSE = dict(block_q=8, block_k=8, top_k=1, window=1, sinks=1, backend="reference", dense_warmup_steps=0,
-              distill="dense")
+SPARSE = dict(
+    block_q=8, block_k=8, top_k=1, window=1, sinks=1, backend="reference", dense_warmup_steps=0, distill="dense"
+)
 SEQ = 61  # 60 positions: 8 blocks of 8, the last one partial
 WORLD = 2
 
@@ -73,8 +74,9 @@ def _clip_worker(rank: int, port: int, out_dir: str, cases: list) -> None:
     for kind, max_norm, norm_type in cases:
         model = _tiny_model()
         if kind == "fsdp1":
-            wrapped = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True,
-                           device_id=torch.device("cpu"))
+            wrapped = FSDP(
+                model, auto_wrap_policy=ModuleWrapPolicy({Block}), use_orig_params=True, device_id=torch.device("cpu")
+            )
             _lm_loss(model, tokens, wrapped).backward()
             norms = st.clip_grad_norms(model, max_norm, norm_type, process_group=dist.group.WORLD)
             with FSDP.summon_full_params(wrapped, with_grads=True):
@@ -87,8 +89,9 @@ def _clip_worker(rank: int, port: int, out_dir: str, cases: list) -> None:
             assert all(type(p.grad).__name__ == "DTensor" for p in model.parameters())
             norms = st.clip_grad_norms(model, max_norm, norm_type)
             grads = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
-        results.append({"norms": [float(n) for n in norms],
-                        "grads": {n: g.flatten().tolist() for n, g in grads.items()}})
+        results.append(
+            {"norms": [float(n) for n in norms], "grads": {n: g.flatten().tolist() for n, g in grads.items()}}
+        )
         dist.barrier()
     if rank == 0:
         with open(os.path.join(out_dir, "clip.json"), "w") as f:
@@ -105,8 +108,13 @@ def test_clip_grad_norms_on_fsdp_shards_equals_the_unsharded_clipping(tmp_path):
     norms_inf, _ = _reference_clip(tokens, 1e9, math.inf)
     assert norms2[0] != pytest.approx(norms2[1], rel=0.2)  # one threshold can sit between them
     between = math.sqrt(norms2[0] * norms2[1])
-    cases = [("fsdp1", 0.5 * min(norms2), 2.0), ("fsdp1", between, 2.0), ("fsdp1", 0.5 * min(norms_inf), math.inf),
-             ("fsdp2", 0.5 * min(norms2), 2.0), ("fsdp2", between, 2.0)]
+    cases = [
+        ("fsdp1", 0.5 * min(norms2), 2.0),
+        ("fsdp1", between, 2.0),
+        ("fsdp1", 0.5 * min(norms_inf), math.inf),
+        ("fsdp2", 0.5 * min(norms2), 2.0),
+        ("fsdp2", between, 2.0),
+    ]
     _spawn(_clip_worker, str(tmp_path), cases)
     with open(tmp_path / "clip.json") as f:
         results = json.load(f)
@@ -125,7 +133,9 @@ def test_clip_grad_norms_on_fsdp_shards_equals_the_unsharded_clipping(tmp_path):
             assert float((have - want).abs().max()) <= rel * scale, (kind, norm_type, name)
 
 
-@pytest.mark.parametrize("norm_type", [0.0, -2.0, math.nan, "2", True], ids=["zero", "negative", "nan", "string", "bool"])
+@pytest.mark.parametrize(
+    "norm_type", [0.0, -2.0, math.nan, "2", True], ids=["zero", "negative", "nan", "string", "bool"]
+)
 def test_clip_grad_norms_rejects_bad_norm_type(norm_type):
     with pytest.raises(ValueError, match="norm_type"):
         st.clip_grad_norms(torch.nn.Linear(2, 2), max_norm=1.0, norm_type=norm_type)
@@ -149,7 +159,7 @@ def _train_rows(reorder: bool = False) -> list[dict[str, torch.Tensor]]:
         labels[i, : 7 * i] = IGNORE_INDEX
     rows = [{"tokens": t, "labels": lab} for t, lab in zip(tokens, labels)]
     if reorder:
-        rows = [row for k in range(STEPS) for row in reversed(rows[k * ROWS_PER_STEP:(k + 1) * ROWS_PER_STEP])]
+        rows = [row for k in range(STEPS) for row in reversed(rows[k * ROWS_PER_STEP : (k + 1) * ROWS_PER_STEP])]
     return rows
 
 
@@ -176,13 +186,26 @@ def _fit(strategy, world: int, rank: int, out_dir: str, tag: str, reorder: bool 
     seed_everything(0)
     module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=SPARSE), **LR)
     rows = _train_rows(reorder)
-    loader = DataLoader(rows, batch_size=ROWS_PER_STEP // world,
-                        sampler=RowShards(len(rows), rank, world, shuffle=False))
-    trainer = Trainer(max_steps=STEPS, accelerator="cpu", devices=world, strategy=strategy, precision="32-true",
-                      gradient_clip_val=CLIP, use_distributed_sampler=False, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=[Record()],
-                      default_root_dir=os.path.join(out_dir, tag))
+    loader = DataLoader(
+        rows, batch_size=ROWS_PER_STEP // world, sampler=RowShards(len(rows), rank, world, shuffle=False)
+    )
+    trainer = Trainer(
+        max_steps=STEPS,
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision="32-true",
+        gradient_clip_val=CLIP,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[Record()],
+        default_root_dir=os.path.join(out_dir, tag),
+    )
     trainer.fit(module, train_dataloaders=loader)
     trainer.save_checkpoint(os.path.join(out_dir, f"{tag}.ckpt"))
     with open(os.path.join(out_dir, f"{tag}.rank{rank}.json"), "w") as f:
@@ -244,7 +267,9 @@ def test_two_process_fit_matches_one_process_on_the_same_batches(tmp_path, one_p
     ulp = torch.finfo(torch.float32).eps
     print(f"{kind}: loss {distributed_loss[0].tolist()} vs {single_loss.tolist()} (reorder noise {loss_noise:.2e})")
     # A two-rank loss is two float32 partial sums over other rows combined: a few float32 roundings away.
-    assert float((distributed_loss - single_loss).abs().max()) <= 4 * loss_noise + 4 * ulp * float(single_loss.abs().max())
+    assert float((distributed_loss - single_loss).abs().max()) <= 4 * loss_noise + 4 * ulp * float(
+        single_loss.abs().max()
+    )
 
     want, floor = (_final_weights(one_process_runs / f"{tag}.ckpt") for tag in ("single", "reordered"))
     got = _final_weights(tmp_path / f"{kind}.ckpt")
@@ -262,9 +287,19 @@ def _fit_then_validate_worker(rank: int, port: int, out_dir: str) -> None:
     from sparse_train.lightning import SparseLMModule
 
     def trainer():
-        return Trainer(max_steps=1, accelerator="cpu", devices=WORLD, strategy=cpu_fsdp_strategy(),
-                       precision="32-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                       enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=out_dir)
+        return Trainer(
+            max_steps=1,
+            accelerator="cpu",
+            devices=WORLD,
+            strategy=cpu_fsdp_strategy(),
+            precision="32-true",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+            default_root_dir=out_dir,
+        )
 
     seed_everything(0)
     rows = _train_rows()[:WORLD]
@@ -322,11 +357,14 @@ def test_ddp_without_find_unused_parameters_is_refused_when_selectors_skip_steps
     every_step.training_logic.check_strategy(SimpleNamespace(model=every_step.model, trainer=fake.trainer))
 
 
-@pytest.mark.parametrize("precision,user_config,want_buffers", [
-    pytest.param("bf16-mixed", None, None, id="bf16-mixed-buffers-as-built"),
-    pytest.param("32-true", None, None, id="32-true-buffers-as-built"),
-    pytest.param("bf16-mixed", "user", torch.bfloat16, id="users-mixed-precision-kept"),
-])
+@pytest.mark.parametrize(
+    "precision,user_config,want_buffers",
+    [
+        pytest.param("bf16-mixed", None, None, id="bf16-mixed-buffers-as-built"),
+        pytest.param("32-true", None, None, id="32-true-buffers-as-built"),
+        pytest.param("bf16-mixed", "user", torch.bfloat16, id="users-mixed-precision-kept"),
+    ],
+)
 def test_fsdp_keeps_buffers_in_their_dtypes(precision, user_config, want_buffers):
     """Lightning's FSDP casts buffers to bf16 under bf16-mixed (and to fp32 under 32-true, which rounds a float64
     buffer), and a long-context model's buffers are its RoPE frequencies (bf16 frequencies turn position 64K by

@@ -1,6 +1,7 @@
 """Launch planning (sparse_train/plan/): the forward's split rule and the tile defaults (tuning.py), the device
 probes (device.py) and the backward's KV-centric schedule (plan.py); the plan of an index itself is tested in
 test_index.py."""
+
 import torch
 
 from sparse_train.plan import device, plan, tuning
@@ -8,10 +9,10 @@ from sparse_train.plan import device, plan, tuning
 
 def test_split_rule():
     h200 = 132  # streaming multiprocessors of an H200
-    assert tuning.choose_num_splits(10_000, 30, h200) == 1          # big grid: never split
-    assert tuning.choose_num_splits(8, 200, h200) == 8              # tiny grid, long rows
-    assert tuning.choose_num_splits(8, 12, h200) == 1               # tiny grid, short rows: not worth it
-    assert tuning.choose_num_splits(8, 20, h200) == 2               # each split keeps >= 8 blocks
+    assert tuning.choose_num_splits(10_000, 30, h200) == 1  # big grid: never split
+    assert tuning.choose_num_splits(8, 200, h200) == 8  # tiny grid, long rows
+    assert tuning.choose_num_splits(8, 12, h200) == 1  # tiny grid, short rows: not worth it
+    assert tuning.choose_num_splits(8, 20, h200) == 2  # each split keeps >= 8 blocks
     assert tuning.choose_num_splits(100, 64, h200) in (2, 4)
 
 
@@ -35,7 +36,8 @@ def test_kv_schedule_chunks_and_parts():
 def test_tma_defaults_follow_the_device_the_layout_rule_and_the_options(monkeypatch):
     """TMA loads are on by default where the device takes descriptors (Hopper or newer; the CPU's interpreter
     emulates them), the KV-centric kernel's only for one head per step, no query-block map and key tiles
-    under 128 x 128 (any tiles with stored dS), and its stage count follows the choice (3 with TMA, 2 with pointer loads at D = 64 over
+    under 128 x 128 (any tiles with stored dS), and its stage count follows the choice (3 with TMA, 2 with pointer loads
+    at D = 64 over
     128-key blocks); an explicit option wins."""
     cpu = torch.device("cpu")
     assert device.copy_engine_loads(cpu)
@@ -51,7 +53,11 @@ def test_tma_defaults_follow_the_device_the_layout_rule_and_the_options(monkeypa
     assert stacked.kv_tma == 0
     monkeypatch.setattr(tuning, "copy_engine_loads", lambda device: False)  # e.g. an A100
     old_gpu = tuning.backward_config(4, 128, 128, 64, False, device=cpu)
-    assert (tuning.forward_config(4, 128, 128, 64, device=cpu).tma_loads, old_gpu.dq_tma, old_gpu.kv_tma,
-            old_gpu.kv_num_stages) == (0, 0, 0, 2)
+    assert (
+        tuning.forward_config(4, 128, 128, 64, device=cpu).tma_loads,
+        old_gpu.dq_tma,
+        old_gpu.kv_tma,
+        old_gpu.kv_num_stages,
+    ) == (0, 0, 0, 2)
     forced = tuning.backward_config(4, 128, 128, 64, False, {"kv_tma": True, "dq_tma": True}, device=cpu)
     assert (forced.dq_tma, forced.kv_tma, forced.kv_num_stages) == (1, 1, 3)

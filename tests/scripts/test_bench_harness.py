@@ -1,5 +1,6 @@
 """The benchmarks' shared pieces on the CPU: the timing harness's repeat loop and statistics (scripts/bench/harness.py)
 and the input builders (scripts/bench/inputs.py)."""
+
 import statistics
 import time
 
@@ -27,15 +28,15 @@ def test_measure_counts_warmup_and_repeats():
 
 
 def test_measure_runs_until_the_budget():
-    timing = harness.measure(lambda: time.sleep(0.005), device="cpu", warmup=0, min_reps=2, max_reps=50,
-                             budget_ms=40.0)
+    timing = harness.measure(lambda: time.sleep(0.005), device="cpu", warmup=0, min_reps=2, max_reps=50, budget_ms=40.0)
     # each repeat takes at least 5 ms: the budget is reached after at most 8 repeats, and not before 2
     assert 2 <= timing.repeats <= 8 and timing.min_ms >= 4.9
 
 
 def test_benchmark_inputs_are_seeded():
-    q, k, v, do = inputs.benchmark_inputs(96, 16, seed=5, batch=2, heads=4, kv_heads=2, dtype=torch.float32,
-                                          device="cpu", requires_grad=True)
+    q, k, v, do = inputs.benchmark_inputs(
+        96, 16, seed=5, batch=2, heads=4, kv_heads=2, dtype=torch.float32, device="cpu", requires_grad=True
+    )
     assert q.shape == do.shape == (2, 4, 96, 16) and k.shape == v.shape == (2, 2, 96, 16)
     assert q.requires_grad and k.requires_grad and v.requires_grad and not do.requires_grad
     again = inputs.benchmark_inputs(96, 16, seed=5, batch=2, heads=4, kv_heads=2, dtype=torch.float32, device="cpu")

@@ -84,10 +84,12 @@ def test_rope_rotates_interleaved_pairs():
     assert torch.allclose(rope_interleaved(x, pos, 500.0).double(), expected, atol=1e-5)
     # scores depend on relative position only
     q, k = torch.randn(8), torch.randn(8)
+
     def score(m, n):
         qm = rope_interleaved(q.view(1, 1, 1, 8).expand(1, 1, 20, 8), torch.arange(20), 500.0)[0, 0, m]
         kn = rope_interleaved(k.view(1, 1, 1, 8).expand(1, 1, 20, 8), torch.arange(20), 500.0)[0, 0, n]
         return float(qm @ kn)
+
     assert math.isclose(score(7, 3), score(15, 11), rel_tol=1e-4, abs_tol=1e-5)
 
 
@@ -103,28 +105,44 @@ def test_row_oracle_keeps_each_rows_heaviest_blocks():
     k[:, 1, 75] += 3.0 * torch.eye(d)[1]
     mask = row_oracle_mask(q, k, (0, n), top_k=1, block=block, window=1, sinks=1, scale=1.0)
     assert mask.shape == (1, 4, n, n)
-    blocks = mask.view(1, 4, n, n // block, block).any(-1)           # [1, 4, rows, NKB]
+    blocks = mask.view(1, 4, n, n // block, block).any(-1)  # [1, 4, rows, NKB]
     target_of_group = {0: 2, 1: 4}
     for row in range(n):
         own = row // block
         for head in range(4):
             got = set(blocks[0, head, row].nonzero().flatten().tolist())
-            assert {0, own} <= got and len(got) <= 3                 # sink, window, at most top_k more
+            assert {0, own} <= got and len(got) <= 3  # sink, window, at most top_k more
             target = target_of_group[head // 2]
             if 0 < target < own:
                 assert target in got
-        assert not mask[0, :, row, row + 1:].any()                   # causal
+        assert not mask[0, :, row, row + 1 :].any()  # causal
     # with a budget covering every block the mask is the causal mask
     full = row_oracle_mask(q, k, (0, n), top_k=n // block, block=block, window=1, sinks=1, scale=1.0)
     assert torch.equal(full[0, 0], torch.ones(n, n, dtype=torch.bool).tril())
 
 
 def test_same_seed_same_initial_weights_in_every_mode():
-    base = {"family": "needles", "seed": 3, "seq_len": 256, "steps": 4, "batch": 2, "lr": 1e-3, "layers": 2,
-            "d_model": 128, "num_heads": 2, "num_kv_heads": 1, "rope_theta": 10000.0, "warmup_fraction": 0.25,
-            "short_steps": 0, "short_len": 64, "eval_rows": 2, "log_every": 2}
-    models = {mode: heldout.build_model(heldout.JobConfig(mode=mode, **base))[0] for mode in ("dense", "pooled",
-                                                                                                "row_oracle")}
+    base = {
+        "family": "needles",
+        "seed": 3,
+        "seq_len": 256,
+        "steps": 4,
+        "batch": 2,
+        "lr": 1e-3,
+        "layers": 2,
+        "d_model": 128,
+        "num_heads": 2,
+        "num_kv_heads": 1,
+        "rope_theta": 10000.0,
+        "warmup_fraction": 0.25,
+        "short_steps": 0,
+        "short_len": 64,
+        "eval_rows": 2,
+        "log_every": 2,
+    }
+    models = {
+        mode: heldout.build_model(heldout.JobConfig(mode=mode, **base))[0] for mode in ("dense", "pooled", "row_oracle")
+    }
     own = {name: p for name, p in models["dense"].named_parameters()}
     for mode in ("pooled", "row_oracle"):
         params = dict(models[mode].named_parameters())
@@ -135,14 +153,41 @@ def test_same_seed_same_initial_weights_in_every_mode():
 
 def test_runner_end_to_end(tmp_path):
     out = tmp_path / "run"
-    argv = ["--families", "needles,copy", "--modes", "dense,pooled", "--seeds", "0", "--seq-len", "256",
-            "--steps", "3", "--short-steps", "1", "--batch", "4", "--eval-rows", "8", "--log-every", "2", "--jobs", "2",
-            "--device", "cpu", "--out", str(out)]
+    argv = [
+        "--families",
+        "needles,copy",
+        "--modes",
+        "dense,pooled",
+        "--seeds",
+        "0",
+        "--seq-len",
+        "256",
+        "--steps",
+        "3",
+        "--short-steps",
+        "1",
+        "--batch",
+        "4",
+        "--eval-rows",
+        "8",
+        "--log-every",
+        "2",
+        "--jobs",
+        "2",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+    ]
     assert heldout.main(argv) == 0
     lines = (out / "results.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
     assert sorted((r["config"]["family"], r["config"]["mode"]) for r in records) == [
-        ("copy", "dense"), ("copy", "pooled"), ("needles", "dense"), ("needles", "pooled")]
+        ("copy", "dense"),
+        ("copy", "pooled"),
+        ("needles", "dense"),
+        ("needles", "pooled"),
+    ]
     for r in records:
         assert "error" not in r
         assert 0.0 <= r["accuracy"] <= 1.0 and r["answers"] > 0
@@ -163,9 +208,11 @@ def test_runner_end_to_end(tmp_path):
     assert [(g["family"], g["seq_len"]) for g in summary] == [("needles", 256), ("copy", 256)]
     for g in summary:
         assert set(g["modes"]) == {"dense", "pooled"}
-        assert g["modes"]["dense"]["seeds"] == {"0": next(r["accuracy"] for r in records if
-                                                          (r["config"]["family"], r["config"]["mode"]) ==
-                                                          (g["family"], "dense"))}
+        assert g["modes"]["dense"]["seeds"] == {
+            "0": next(
+                r["accuracy"] for r in records if (r["config"]["family"], r["config"]["mode"]) == (g["family"], "dense")
+            )
+        }
         assert math.isclose(g["ratios"]["pooled/dense"], g["modes"]["pooled"]["mean"] / g["modes"]["dense"]["mean"])
     table = (out / "summary.md").read_text()
     assert "| needles | 256 | 3 x 4 |" in table and "| copy | 256 | 3 x 4 |" in table

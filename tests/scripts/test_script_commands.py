@@ -1,6 +1,7 @@
 """Every maintained script under scripts/ runs as the command its docstring gives: the module imports as a package
 module, its docstring names its own ``-m`` command, ``--help`` exits cleanly; the shell runners parse, and every
 script module, file and test path they name exists."""
+
 import importlib
 import importlib.util
 import re
@@ -11,9 +12,16 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SHARED = {"scripts.bench.harness", "scripts.bench.inputs"}  # imported by the benchmarks, no command of their own
-MODULES = [name for name in sorted(".".join(path.relative_to(ROOT).with_suffix("").parts)
-                                   for sub in ("bench", "tools") for path in (ROOT / "scripts" / sub).glob("*.py")
-                                   if path.name != "__init__.py") if name not in SHARED]
+MODULES = [
+    name
+    for name in sorted(
+        ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        for sub in ("bench", "tools")
+        for path in (ROOT / "scripts" / sub).glob("*.py")
+        if path.name != "__init__.py"
+    )
+    if name not in SHARED
+]
 SHELL = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "scripts").rglob("*.sh"))
 
 

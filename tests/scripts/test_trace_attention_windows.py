@@ -1,5 +1,6 @@
 """scripts/tools/trace_attention_windows.py on a hand-made Chrome trace: how a timeline of kernels is cut into
 attention windows (kernel time, idle time inside, the gap before). The real traces come from the GPU."""
+
 import gzip
 import json
 
@@ -16,15 +17,15 @@ def kernel(name, ts, dur):
 # next layer's matmul; a forward window in between; CPU ops and a short foreign kernel after the last of ours
 TIMELINE = [
     kernel("nvjet_matmul_dgrad", 0, 1000),
-    kernel("_delta_kernel", 1200, 100),          # 200 us idle before
-    kernel("_kv_schedule_kernel", 1300, 60),     # ours, though longer than a foreign kernel may be
+    kernel("_delta_kernel", 1200, 100),  # 200 us idle before
+    kernel("_kv_schedule_kernel", 1300, 60),  # ours, though longer than a foreign kernel may be
     kernel("vectorized_fill_kernel", 1360, 10),
-    kernel("_dq_gluon_kernel", 1400, 2000),      # 30 us idle inside
+    kernel("_dq_gluon_kernel", 1400, 2000),  # 30 us idle inside
     kernel("_dkdv_gluon_kernel", 3400, 4000),
-    kernel("elementwise_cast", 7400, 5),        # short, after the last of ours: not in the window
+    kernel("elementwise_cast", 7400, 5),  # short, after the last of ours: not in the window
     kernel("nvjet_matmul_dgrad", 7460, 1000),
-    kernel("_fwd_gluon_kernel", 8460, 1500),     # forward window, no gap
-    kernel("_delta_kernel", 9960, 100),          # backward right after a forward: a new window
+    kernel("_fwd_gluon_kernel", 8460, 1500),  # forward window, no gap
+    kernel("_delta_kernel", 9960, 100),  # backward right after a forward: a new window
     kernel("_dq_kernel", 10060, 1000),
     kernel("_dkdv_kernel", 11060, 2000),
     {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 50, "dur": 900},

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+from builders import make_qkv
 
 import sparse_train as st
-from builders import make_qkv
 from sparse_train.selection import (
     allowed_dynamic_blocks,
     oracle_budget,
@@ -24,7 +24,9 @@ def _expected_top_p(scores, geom, window, sinks, top_p):
     at most dynamic_k of them."""
     allowed = allowed_dynamic_blocks(geom, window, sinks)
     out = []
-    for row_scores, row_allowed in zip(scores.reshape(-1, scores.shape[-1]), allowed.repeat(scores.shape[0] * scores.shape[1], 1)):
+    for row_scores, row_allowed in zip(
+        scores.reshape(-1, scores.shape[-1]), allowed.repeat(scores.shape[0] * scores.shape[1], 1)
+    ):
         ids = [j for j in range(row_scores.numel()) if row_allowed[j]]
         if not ids:
             out.append(set())
@@ -80,8 +82,16 @@ def test_top_p_keeps_one_block_when_one_score_dominates():
 
 
 def test_module_with_top_p_selects_no_more_than_top_k():
-    cfg = dict(block_q=16, block_k=16, top_k=4, window=1, sinks=1, dense_warmup_steps=0, backend="reference",
-               selector_rope_theta=None)
+    cfg = dict(
+        block_q=16,
+        block_k=16,
+        top_k=4,
+        window=1,
+        sinks=1,
+        dense_warmup_steps=0,
+        backend="reference",
+        selector_rope_theta=None,
+    )
     q, k, v = make_qkv(2, 4, 2, 200, 16, dtype=torch.float32, seed=1)
     dense_k = st.SparseAttention(st.SparseAttentionConfig(**cfg), 4, 2, 16).eval()
     adaptive = st.SparseAttention(st.SparseAttentionConfig(**cfg, top_p=0.5), 4, 2, 16).eval()
@@ -118,8 +128,12 @@ def _brute_oracle_density(q, k, scale, block, picks, seq_lens, goal):
     for b in range(batch):
         for kv in range(kv_heads):
             for i in picks.tolist():
-                rows = [(h, r) for h in range(kv * group, (kv + 1) * group)
-                        for r in range(i * block, min((i + 1) * block, n)) if r < int(limit[b])]
+                rows = [
+                    (h, r)
+                    for h in range(kv * group, (kv + 1) * group)
+                    for r in range(i * block, min((i + 1) * block, n))
+                    if r < int(limit[b])
+                ]
                 if not rows:
                     continue
                 totals = sum(mass_on_block[b, h, r] for h, r in rows)
@@ -142,8 +156,9 @@ def test_oracle_budget_matches_brute_force(with_lengths, goal):
     q = q * 3.0  # sharper attention, so the goal is met before the last block
     seq_lens = torch.tensor([112, 41]) if with_lengths else None
     picks = torch.tensor([1, 4, 6])
-    got = float(oracle_budget(q, k, block_q=block, block_k=block, scale=0.5, query_blocks=picks,
-                              seq_lens=seq_lens, goal=goal))
+    got = float(
+        oracle_budget(q, k, block_q=block, block_k=block, scale=0.5, query_blocks=picks, seq_lens=seq_lens, goal=goal)
+    )
     want = _brute_oracle_density(q, k, 0.5, block, picks, seq_lens, goal)
     print(f"oracle density for mean recall {goal}: {got:.4f} (brute force {want:.4f})")
     assert got == pytest.approx(want, rel=1e-6)  # a ratio of block counts, returned in float32

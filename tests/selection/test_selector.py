@@ -7,25 +7,25 @@ import math
 
 import pytest
 import torch
+from builders import make_qkv
 
 import sparse_train as st
-from builders import make_qkv
 from sparse_train.kernels.reference.attention import reference_sparse_attention
-from sparse_train.selection.scorer import DISTANCE_BUCKETS, block_distance_buckets
 from sparse_train.selection import (
-    needle_block_recall,
     BlockScorer,
     allowed_dynamic_blocks,
     block_kl,
     block_mean,
     causal_block_mask,
     dense_block_mass,
+    needle_block_recall,
     query_row_positions,
     selection_candidates,
     selection_geometry,
     selection_quality,
     sparse_block_mass,
 )
+from sparse_train.selection.scorer import DISTANCE_BUCKETS, block_distance_buckets
 
 GEOMETRIES = [
     # (N, BQ, BK, top_k, window, sinks)
@@ -50,8 +50,9 @@ def test_geometry_predicts_canonical_index(n, bq, bk, top_k, window, sinks):
     geom = selection_geometry(n, bq, bk, top_k, window, sinks)
     scores = torch.randn(2, 3, geom.num_q_blocks, geom.num_k_blocks)
     cand = selection_candidates(scores, geom, window=window, sinks=sinks)
-    index = st.BlockIndex.from_selection(cand, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks,
-                                         capacity=geom.capacity, check="full")
+    index = st.BlockIndex.from_selection(
+        cand, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks, capacity=geom.capacity, check="full"
+    )
     index.validate()
     assert index.capacity == geom.capacity
     assert (index.counts.sum(dim=-1) == geom.selected_blocks).all()
@@ -67,8 +68,9 @@ def test_selection_is_window_sinks_plus_topk_of_remaining(n, bq, bk, top_k, wind
     geom = selection_geometry(n, bq, bk, top_k, window, sinks)
     scores = torch.randn(1, 2, geom.num_q_blocks, geom.num_k_blocks)
     cand = selection_candidates(scores, geom, window=window, sinks=sinks)
-    index = st.BlockIndex.from_selection(cand, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks,
-                                         capacity=geom.capacity)
+    index = st.BlockIndex.from_selection(
+        cand, seq_len=n, block_q=bq, block_k=bk, window=window, sinks=sinks, capacity=geom.capacity
+    )
     dense = index.to_dense()
     allowed = allowed_dynamic_blocks(geom, window, sinks)
     causal = causal_block_mask(geom)
@@ -111,7 +113,7 @@ def test_block_mean_matches_loop(group, with_lengths):
                 if not rows:
                     assert torch.all(got[bi, h, j] == 0)
                     continue
-                ref = x[bi, h * group:(h + 1) * group, rows].mean(dim=(0, 1))
+                ref = x[bi, h * group : (h + 1) * group, rows].mean(dim=(0, 1))
                 torch.testing.assert_close(got[bi, h, j].double(), ref, rtol=1e-5, atol=1e-6)
 
 
@@ -134,7 +136,7 @@ def _rotate_half_rope(x, theta):
     n, dim = x.shape[-2], x.shape[-1]
     freqs = theta ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     angles = torch.arange(n, dtype=torch.float64).view(-1, 1) * freqs
-    x1, x2 = x[..., : dim // 2], x[..., dim // 2:]
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
     return torch.cat((x1 * angles.cos() - x2 * angles.sin(), x2 * angles.cos() + x1 * angles.sin()), dim=-1)
 
 
@@ -147,8 +149,13 @@ def test_rope_aware_scorer_pools_the_unrotated_content(key_pooling, with_lengths
     lengths = torch.tensor([45, 20]) if with_lengths else None
     scorer = BlockScorer(num_heads=6, num_kv_heads=2, head_dim=16, selector_dim=8, key_pooling=key_pooling)
     scorer.set_rope(st.selection.rope_inverse_frequencies(theta, 16))
-    qbar, kbar = scorer.pool(_rotate_half_rope(q_content.double(), theta).float(),
-                             _rotate_half_rope(k_content.double(), theta).float(), block, block, lengths)
+    qbar, kbar = scorer.pool(
+        _rotate_half_rope(q_content.double(), theta).float(),
+        _rotate_half_rope(k_content.double(), theta).float(),
+        block,
+        block,
+        lengths,
+    )
     plain = BlockScorer(num_heads=6, num_kv_heads=2, head_dim=16, selector_dim=8, key_pooling=key_pooling)
     want_q, want_k = plain.pool(q_content, k_content, block, block, lengths)
     torch.testing.assert_close(qbar, want_q, rtol=1e-4, atol=1e-5)
@@ -199,8 +206,9 @@ def test_distance_buckets_are_log2_of_blocks_behind_the_causal_edge():
 def test_distance_bias_starts_at_zero_and_adds_per_bucket():
     torch.manual_seed(0)
     geometry = selection_geometry(96, 16, 16, 2, 1, 0)
-    scorer = BlockScorer(num_heads=4, num_kv_heads=2, head_dim=8, selector_dim=4, lr_multiplier=10.0,
-                         distance_bias=True)
+    scorer = BlockScorer(
+        num_heads=4, num_kv_heads=2, head_dim=8, selector_dim=4, lr_multiplier=10.0, distance_bias=True
+    )
     q, k = _rand_qk(1, 4, 2, 96, 8, dtype=torch.float32)
     qbar, kbar = scorer.pool(q, k, 16, 16)
     plain = scorer(qbar, kbar, 0.5)
@@ -248,9 +256,9 @@ def _brute_block_mass(q, k, allowed_keys, block_q, block_k, scale, seq_lens=None
                 rows = [r for r in range(i * block_q, min(n, (i + 1) * block_q)) if r < limit]
                 if not rows:
                     continue
-                pr = p[bi, h * group:(h + 1) * group, rows]  # [G, R, N]
+                pr = p[bi, h * group : (h + 1) * group, rows]  # [G, R, N]
                 for j in range(nkb):
-                    per_row = pr[..., j * block_k:(j + 1) * block_k].sum(-1)
+                    per_row = pr[..., j * block_k : (j + 1) * block_k].sum(-1)
                     out[bi, h, i, j] = per_row.mean() if row_pool == "mean" else per_row.max()
     if row_pool == "max":
         out = out / out.sum(-1, keepdim=True).clamp(min=1e-30)
@@ -279,8 +287,9 @@ def test_sparse_block_mass_matches_brute_force(with_lengths, row_pool):
     seq_lens = torch.tensor([75, 40]) if with_lengths else None
     geom = selection_geometry(n, bq, bk, 1, 1, 1)
     cand = selection_candidates(torch.randn(2, 2, geom.num_q_blocks, geom.num_k_blocks), geom, window=1, sinks=1)
-    index = st.BlockIndex.from_selection(cand, seq_len=n, block_q=bq, block_k=bk, window=1, sinks=1,
-                                         capacity=geom.capacity)
+    index = st.BlockIndex.from_selection(
+        cand, seq_len=n, block_q=bq, block_k=bk, window=1, sinks=1, capacity=geom.capacity
+    )
     scale = 0.3
     _, lse = reference_sparse_attention(q, k, k, index, scale=scale, seq_lens=seq_lens)
     with_lse, valid_a = sparse_block_mass(q, k, index, scale=scale, lse=lse, seq_lens=seq_lens, row_pool=row_pool)
@@ -339,7 +348,8 @@ def test_block_kl_values_and_nan_safety():
 
 def test_query_mean_max_pooling():
     """``query_pooling="mean_max"``: qbar is [mean over the block's rows and the group's heads,
-    element-wise max over the rows of the group's mean query] (a brute-force check), and the max half starts with zero weight, so the initial
+    element-wise max over the rows of the group's mean query] (a brute-force check), and the max half starts with zero
+    weight, so the initial
     scores equal those of mean pooling."""
     torch.manual_seed(0)
     q, k = _rand_qk(2, 4, 2, 45, 8, dtype=torch.float32)
@@ -355,7 +365,7 @@ def test_query_mean_max_pooling():
                 if not rows:
                     assert torch.all(qbar[bi, h, i] == 0)
                     continue
-                block = q[bi, 2 * h:2 * h + 2, rows]  # [G, R, D]
+                block = q[bi, 2 * h : 2 * h + 2, rows]  # [G, R, D]
                 torch.testing.assert_close(qbar[bi, h, i, :8], block.mean(dim=(0, 1)))
                 torch.testing.assert_close(qbar[bi, h, i, 8:], block.mean(dim=0).amax(dim=0))
     plain_qbar, plain_kbar = plain.pool(q, k, 16, 8, lengths)
@@ -384,9 +394,19 @@ def test_distillation_training_improves_selector():
     k = k + 2.0 * q.view(1, 2, 2, n, dim).mean(2).roll(shifts=3 * block, dims=2)
     q.requires_grad_(True)
     k.requires_grad_(True)
-    cfg = st.SparseAttentionConfig(block_q=block, block_k=block, top_k=2, window=1, sinks=1, selector_dim=16,
-                                   distill="dense", dense_fallback=False, backend="reference", dense_warmup_steps=0,
-                                   selector_lr_multiplier=1.0)
+    cfg = st.SparseAttentionConfig(
+        block_q=block,
+        block_k=block,
+        top_k=2,
+        window=1,
+        sinks=1,
+        selector_dim=16,
+        distill="dense",
+        dense_fallback=False,
+        backend="reference",
+        dense_warmup_steps=0,
+        selector_lr_multiplier=1.0,
+    )
     attn = st.SparseAttention(cfg, num_heads=4, num_kv_heads=2, head_dim=dim)
     with torch.no_grad():
         attn.scorer.query_proj.normal_()
@@ -413,11 +433,14 @@ def test_distillation_training_improves_selector():
     geometry = selection_geometry(n, block, block, 2, 1, 1)
     target, _ = dense_block_mass(q, k, block_q=block, block_k=block, scale=attn.scale)
     best = target.masked_fill(~allowed_dynamic_blocks(geometry, 1, 1), -1.0).topk(2, dim=-1)
-    oracle = st.BlockIndex.from_selection(torch.where(best.values >= 0, best.indices, -1), seq_len=n,
-                                          block_q=block, block_k=block, window=1, sinks=1)
+    oracle = st.BlockIndex.from_selection(
+        torch.where(best.values >= 0, best.indices, -1), seq_len=n, block_q=block, block_k=block, window=1, sinks=1
+    )
     best_recall = quality(oracle)
-    print(f"KL {losses[0]:.4f} -> {losses[-1]:.4f}; mass recall {recalls[0]:.4f} -> {recalls[-1]:.4f} "
-          f"(best possible {best_recall:.4f})")
+    print(
+        f"KL {losses[0]:.4f} -> {losses[-1]:.4f}; mass recall {recalls[0]:.4f} -> {recalls[-1]:.4f} "
+        f"(best possible {best_recall:.4f})"
+    )
     assert q.grad is None and k.grad is None, "distillation must not send gradients into the main model"
     assert losses[-1] < 0.5 * losses[0], f"KL {losses[0]:.3f} -> {losses[-1]:.3f}"
     assert best_recall > recalls[0] + 0.02, "the planted structure must leave room to improve"
@@ -432,9 +455,19 @@ def test_selector_lr_multiplier_is_an_adam_learning_rate_factor():
 
     def run(multiplier, lr):
         torch.manual_seed(3)
-        cfg = st.SparseAttentionConfig(block_q=block, block_k=block, top_k=2, window=1, sinks=1, selector_dim=8,
-                                       distill="dense", dense_fallback=False, backend="reference", dense_warmup_steps=0,
-                                       selector_lr_multiplier=multiplier)
+        cfg = st.SparseAttentionConfig(
+            block_q=block,
+            block_k=block,
+            top_k=2,
+            window=1,
+            sinks=1,
+            selector_dim=8,
+            distill="dense",
+            dense_fallback=False,
+            backend="reference",
+            dense_warmup_steps=0,
+            selector_lr_multiplier=multiplier,
+        )
         attn = st.SparseAttention(cfg, num_heads=4, num_kv_heads=2, head_dim=dim)
         # Adam's eps is the one term that does not scale with the gradient; at the default 1e-8 it moves
         # the parameters whose gradients are small (the query-max half) by up to 3e-4, at 1e-12 by 2e-6
@@ -471,23 +504,33 @@ def test_selection_quality_is_per_row_dense_mass_inside_selection(with_lengths):
     p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
     sel = index.to_dense().repeat_interleave(2, dim=1)[:, :, pos // block][..., pos // block]  # [B, HQ, N, N]
     per_row = (p * sel).sum(-1)  # [B, HQ, N]
-    rows = [(b, h, r) for b in range(2) for h in range(4) for r in range(n)
-            if r // block in picks.tolist() and r < int(limit[b])]
+    rows = [
+        (b, h, r)
+        for b in range(2)
+        for h in range(4)
+        for r in range(n)
+        if r // block in picks.tolist() and r < int(limit[b])
+    ]
     expected = torch.stack([per_row[b, h, r] for b, h, r in rows])
     # oracle: per (batch, kv head, query block), the same number of key blocks with the most row mass
-    mass_on_block = torch.stack([p[..., pos // block == j].sum(-1) for j in range(n // block)], dim=-1)  # [B, HQ, N, NKB]
+    mass_on_block = torch.stack(
+        [p[..., pos // block == j].sum(-1) for j in range(n // block)], dim=-1
+    )  # [B, HQ, N, NKB]
     oracle_rows = []
     for b, h, r in rows:
         i, kv = r // block, h // 2
-        group_rows = [(hh, rr) for hh in (2 * kv, 2 * kv + 1) for rr in range(i * block, (i + 1) * block)
-                      if rr < int(limit[b])]
+        group_rows = [
+            (hh, rr) for hh in (2 * kv, 2 * kv + 1) for rr in range(i * block, (i + 1) * block) if rr < int(limit[b])
+        ]
         totals = sum(mass_on_block[b, hh, rr] for hh, rr in group_rows)
         best = torch.topk(totals, int(index.to_dense()[b, kv, i].sum())).indices
         oracle_rows.append(mass_on_block[b, h, r, best].sum())
     oracle = torch.stack(oracle_rows)
     got = selection_quality(q, k, index, scale=0.5, query_blocks=picks, seq_lens=seq_lens)
-    print(f"mass recall mean {float(got['mass_recall_mean']):.4f}, p5 {float(got['mass_recall_p5']):.4f}; "
-          f"oracle mean {float(got['oracle_mass_recall_mean']):.4f}")
+    print(
+        f"mass recall mean {float(got['mass_recall_mean']):.4f}, p5 {float(got['mass_recall_p5']):.4f}; "
+        f"oracle mean {float(got['oracle_mass_recall_mean']):.4f}"
+    )
     assert float(got["mass_recall_mean"]) == pytest.approx(float(expected.mean()), rel=1e-6)
     assert float(got["mass_recall_p5"]) == pytest.approx(float(torch.quantile(expected, 0.05)), rel=1e-6)
     assert float(got["mass_recall_p5"]) < float(got["mass_recall_mean"]) < 1.0
@@ -549,8 +592,9 @@ def test_transformer_hands_its_rope_to_the_selector(unrotate):
     else:
         assert scorer.rope_inv_freq.numel() == 0
     explicit = TransformerConfig(vocab_size=32, d_model=32, n_layers=1, sparse={"selector_rope_theta": 9.0})
-    torch.testing.assert_close(Transformer(explicit).blocks[0].attn.core.scorer.rope_inv_freq,
-                               st.selection.rope_inverse_frequencies(9.0, 8))
+    torch.testing.assert_close(
+        Transformer(explicit).blocks[0].attn.core.scorer.rope_inv_freq, st.selection.rope_inverse_frequencies(9.0, 8)
+    )
 
 
 def test_selector_saved_without_distance_bias_loads_as_zero_bias():

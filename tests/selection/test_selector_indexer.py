@@ -47,12 +47,15 @@ def _identity_indexer(hq, hkv, d):
     return indexer
 
 
-@pytest.mark.parametrize("hq,hkv,n,block_q,block_k,lengths,documents", [
-    pytest.param(2, 2, 90, 16, 16, None, False, id="mha-odd-n"),
-    pytest.param(4, 2, 77, 16, 32, (77, 40), False, id="gqa2-blocks-differ-lengths"),
-    pytest.param(3, 1, 64, 32, 16, None, True, id="gqa3-documents"),
-    pytest.param(4, 1, 50, 16, 16, (0, 50), False, id="gqa4-empty-row"),
-])
+@pytest.mark.parametrize(
+    "hq,hkv,n,block_q,block_k,lengths,documents",
+    [
+        pytest.param(2, 2, 90, 16, 16, None, False, id="mha-odd-n"),
+        pytest.param(4, 2, 77, 16, 32, (77, 40), False, id="gqa2-blocks-differ-lengths"),
+        pytest.param(3, 1, 64, 32, 16, None, True, id="gqa3-documents"),
+        pytest.param(4, 1, 50, 16, 16, (0, 50), False, id="gqa4-empty-row"),
+    ],
+)
 def test_token_scores_are_the_pairs_largest_logit(hq, hkv, n, block_q, block_k, lengths, documents):
     torch.manual_seed(0)
     d = 16
@@ -128,9 +131,19 @@ def test_oracle_selects_the_block_holding_the_attention_mass():
 @pytest.mark.parametrize("selector", ["pooled", "token", "oracle"])
 def test_module_trains_with_each_selector(selector):
     torch.manual_seed(4)
-    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=2, window=1, sinks=1, dense_warmup_steps=0,
-                                   selector=selector, selector_dim=16, selector_index_heads=2,
-                                   selector_rope_theta=10000.0, selector_rope_style="interleaved")
+    cfg = st.SparseAttentionConfig(
+        block_q=16,
+        block_k=16,
+        top_k=2,
+        window=1,
+        sinks=1,
+        dense_warmup_steps=0,
+        selector=selector,
+        selector_dim=16,
+        selector_index_heads=2,
+        selector_rope_theta=10000.0,
+        selector_rope_style="interleaved",
+    )
     attn = st.SparseAttention(cfg, 4, 2, 32).train()
     q = torch.randn(2, 4, 150, 32, requires_grad=True)
     k = torch.randn(2, 2, 150, 32, requires_grad=True)
@@ -150,8 +163,9 @@ def test_module_trains_with_each_selector(selector):
 
 
 def test_token_selector_state_dict_round_trip():
-    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=2, window=1, sinks=1, dense_warmup_steps=0,
-                                   selector="token", selector_dim=16)
+    cfg = st.SparseAttentionConfig(
+        block_q=16, block_k=16, top_k=2, window=1, sinks=1, dense_warmup_steps=0, selector="token", selector_dim=16
+    )
     a = st.SparseAttention(cfg, 4, 2, 32)
     with torch.no_grad():
         a.scorer.query_proj.add_(0.5)
@@ -167,8 +181,9 @@ def test_build_selector_follows_the_config():
         assert isinstance(build_selector(st.SparseAttentionConfig(selector=name), 4, 2, 32), cls)
 
 
-@pytest.mark.parametrize("field,value", [("selector", "blocks"), ("selector_rope_style", "neox"),
-                                         ("selector_index_heads", 0)])
+@pytest.mark.parametrize(
+    "field,value", [("selector", "blocks"), ("selector_rope_style", "neox"), ("selector_index_heads", 0)]
+)
 def test_config_rejects_bad_selector_fields(field, value):
     with pytest.raises(ValueError, match=field):
         st.SparseAttentionConfig(**{field: value})
@@ -180,8 +195,10 @@ def test_set_rope_rejects_unknown_style():
         indexer.set_rope(torch.ones(16), "neox")
 
 
-@pytest.mark.parametrize("model_type,style", [("llama", "rotate_half"), ("qwen2", "rotate_half"),
-                                              ("gptj", "interleaved"), ("cohere", "interleaved")])
+@pytest.mark.parametrize(
+    "model_type,style",
+    [("llama", "rotate_half"), ("qwen2", "rotate_half"), ("gptj", "interleaved"), ("cohere", "interleaved")],
+)
 def test_hf_rope_style_by_model_type(model_type, style):
     assert rope_style(SimpleNamespace(config=SimpleNamespace(model_type=model_type))) == style
 
@@ -200,8 +217,9 @@ def test_token_selector_on_gpu(hq, hkv):
     scores of the same indexer on the CPU, and a training step with NaN padding and packed documents."""
     torch.manual_seed(5)
     n, d, batch = 4097, 64, 2
-    cfg = st.SparseAttentionConfig(top_k=4, window=1, sinks=1, dense_warmup_steps=0, selector="token",
-                                   selector_rope_theta=10000.0)
+    cfg = st.SparseAttentionConfig(
+        top_k=4, window=1, sinks=1, dense_warmup_steps=0, selector="token", selector_rope_theta=10000.0
+    )
     attn = st.SparseAttention(cfg, hq, hkv, d).cuda().train()
     q = torch.randn(batch, hq, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(batch, hkv, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -215,8 +233,9 @@ def test_token_selector_on_gpu(hq, hkv):
     geometry = selection_geometry(n, 64, 64, 4, 1, 1)
     inputs = attn.scorer.pool(q, k, 64, 64, seq_lens)
     got = attn.scorer(*inputs, attn.scale, geometry, seq_lens=seq_lens, document_ids=documents)
-    cpu = TokenIndexer(hq, hkv, d, index_dim=cfg.selector_dim, lr_multiplier=cfg.selector_lr_multiplier,
-                       distance_bias=True).double()
+    cpu = TokenIndexer(
+        hq, hkv, d, index_dim=cfg.selector_dim, lr_multiplier=cfg.selector_lr_multiplier, distance_bias=True
+    ).double()
     cpu.load_state_dict(attn.scorer.state_dict())
     cpu.set_rope(attn.scorer.rope_inv_freq.cpu())
     ref_inputs = cpu.pool(q.detach().cpu().double(), k.detach().cpu().double(), 64, 64, seq_lens.cpu())
@@ -224,7 +243,9 @@ def test_token_selector_on_gpu(hq, hkv):
     filled = want > EMPTY_BLOCK_SCORE
     assert torch.equal(got.cpu() > EMPTY_BLOCK_SCORE, filled)
     error = (got.cpu().double()[filled] - want[filled]).abs().max()
-    print(f"token scores, bf16 kernel vs float64: max abs error {error:.3e}, max |score| {want[filled].abs().max():.3e}")
+    print(
+        f"token scores, bf16 kernel vs float64: max abs error {error:.3e}, max |score| {want[filled].abs().max():.3e}"
+    )
     assert error <= 2e-2 * want[filled].abs().max()
     o = attn(q, k, v, seq_lens=seq_lens, document_ids=documents)
     valid = ~pad.expand_as(o)
@@ -267,8 +288,9 @@ def test_token_distillation_loss_matches_brute_force():
     documents = torch.stack([torch.arange(n) // 30, torch.zeros(n, dtype=torch.int64)])
     blocks = torch.tensor([4, 1])
     q_index, k_index = indexer.pool(q, k, block, block, seq_lens)
-    total, count = indexer.token_distillation_loss(q_index, k_index, q, k, blocks, 0.25, block, seq_lens=seq_lens,
-                                                   document_ids=documents)
+    total, count = indexer.token_distillation_loss(
+        q_index, k_index, q, k, blocks, 0.25, block, seq_lens=seq_lens, document_ids=documents
+    )
     want_total, want_count = torch.zeros((), dtype=torch.float64), 0
     u, w = indexer._index_vectors(q_index, k_index)
     temperature = indexer._temperature(0.25)
@@ -290,8 +312,17 @@ def test_token_distillation_loss_matches_brute_force():
 
 def test_module_trains_with_token_level_distillation():
     torch.manual_seed(8)
-    cfg = st.SparseAttentionConfig(block_q=16, block_k=16, top_k=2, window=1, sinks=1, dense_warmup_steps=0,
-                                   selector="token", selector_distill="token", selector_dim=16)
+    cfg = st.SparseAttentionConfig(
+        block_q=16,
+        block_k=16,
+        top_k=2,
+        window=1,
+        sinks=1,
+        dense_warmup_steps=0,
+        selector="token",
+        selector_distill="token",
+        selector_dim=16,
+    )
     attn = st.SparseAttention(cfg, 4, 2, 32).train()
     q, k, v = (torch.randn(2, h, 150, 32, requires_grad=True) for h in (4, 2, 2))
     o = attn(q, k, v, seq_lens=torch.tensor([150, 97]))

@@ -21,13 +21,15 @@ one 1, e.g. the projections' [B, N, H, D] memory), N a multiple of BLOCK_Q (key 
 and are masked as in the Triton kernel; query rows past N would need masked lse/delta loads, whose registers
 spill the accumulators at D = 128), BLOCK_K in {64, 128}, no dropout, sequence lengths or query-block map, one
 head per step. A program takes KEY_ROWS (64 or 128) rows of its block, 4 warps per 64 rows: a 128-key block runs as
-two 64-row programs by default (``plan.tuning.GLUON_KEY_ROWS``), each loading the item's q/dO slices itself; 128 x 128 key
+two 64-row programs by default (``plan.tuning.GLUON_KEY_ROWS``), each loading the item's q/dO slices itself; 128 x 128
+key
 tiles at D = 128 (one program per block) spill a few bytes (ptxas of triton 3.6). The
 dQ kernel (``_dq_gluon_kernel``, :func:`gluon_dq_supported`) is the query tile of ``_dq_kernel``: q and dO once
 by TMA, the K/V tiles of its index row through a ring (``_gluon.kv_ring``), S and dP as asynchronous MMAs; it
 leaves cold blocks (atomic dK/dV) to the Triton kernel. Gluon kernels cannot run in Triton's interpreter; the CPU
 tests compile them for sm_90a instead (tests/kernels/test_kernel_gluon.py).
 """
+
 from __future__ import annotations
 
 import triton
@@ -53,18 +55,40 @@ if HAS_GLUON:
         warpgroup_mma_wait,
     )
 
-__all__ = ["HAS_GLUON", "dkdv_gluon_arguments", "dq_gluon_arguments", "gluon_dq_supported", "gluon_kv_supported",
-           "launch_dkdv_gluon", "launch_dq_gluon"]
+__all__ = [
+    "HAS_GLUON",
+    "dkdv_gluon_arguments",
+    "dq_gluon_arguments",
+    "gluon_dq_supported",
+    "gluon_kv_supported",
+    "launch_dkdv_gluon",
+    "launch_dq_gluon",
+]
 
 
 # ----------------------------------------------------------------------------------------------
 # Layer 1: kernel
 # ----------------------------------------------------------------------------------------------
 if HAS_GLUON:
+
     @gluon.jit
-    def _issue_qdo_load(desc_q, desc_do, q_ring, do_ring, ready, KV_QBLOCKS, t0, hkv, b, u,
-                        GROUP: gl.constexpr, ROW_SLICES: gl.constexpr, BLOCK_Q: gl.constexpr,
-                        TILE_ROWS: gl.constexpr, NUM_BUF: gl.constexpr):
+    def _issue_qdo_load(
+        desc_q,
+        desc_do,
+        q_ring,
+        do_ring,
+        ready,
+        KV_QBLOCKS,
+        t0,
+        hkv,
+        b,
+        u,
+        GROUP: gl.constexpr,
+        ROW_SLICES: gl.constexpr,
+        BLOCK_Q: gl.constexpr,
+        TILE_ROWS: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+    ):
         # step u of the item: query block t0 + u // (GROUP * ROW_SLICES), head (u // ROW_SLICES) % GROUP,
         # row slice u % ROW_SLICES; its q and dO slices ([1, 1, M, D] boxes, rows past N arrive as 0) land in
         # ring slot u % NUM_BUF
@@ -80,13 +104,44 @@ if HAS_GLUON:
 
     @gluon.jit
     def _dkdv_gluon_kernel(
-        desc_q, desc_do, desc_k, desc_v, LSE, DELTA, KV_QBLOCKS, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART,
-        DK, DV, DK_PARTIAL, DV_PARTIAL, DOCS,
-        stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-        stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-        N, HQ, HKV, NKB, scale_log2, scale,
-        GROUP: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
-        TILE_ROWS: gl.constexpr, KEY_ROWS: gl.constexpr, NUM_BUF: gl.constexpr, HAS_DOCS: gl.constexpr,
+        desc_q,
+        desc_do,
+        desc_k,
+        desc_v,
+        LSE,
+        DELTA,
+        KV_QBLOCKS,
+        ITEM_ROW,
+        ITEM_T0,
+        ITEM_T1,
+        ITEM_PART,
+        DK,
+        DV,
+        DK_PARTIAL,
+        DV_PARTIAL,
+        DOCS,
+        stride_dkb,
+        stride_dkh,
+        stride_dkn,
+        stride_dkd,
+        stride_dvb,
+        stride_dvh,
+        stride_dvn,
+        stride_dvd,
+        N,
+        HQ,
+        HKV,
+        NKB,
+        scale_log2,
+        scale,
+        GROUP: gl.constexpr,
+        BLOCK_Q: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        TILE_ROWS: gl.constexpr,
+        KEY_ROWS: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+        HAS_DOCS: gl.constexpr,
         num_warps: gl.constexpr,
     ):
         ROW_SLICES: gl.constexpr = BLOCK_Q // TILE_ROWS
@@ -96,9 +151,11 @@ if HAS_GLUON:
         # tile's rows are held by the warps that hold the same dK/dV rows (the P^T -> operand conversion
         # stays inside each thread)
         scores_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, TILE_ROWS, 16])
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, TILE_ROWS, 16]
+        )
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
         operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
         key_rows_layout: gl.constexpr = gl.SliceLayout(1, scores_layout)
         query_cols_layout: gl.constexpr = gl.SliceLayout(0, scores_layout)
@@ -123,8 +180,7 @@ if HAS_GLUON:
             k_box = gl.allocate_shared_memory(desc_k.dtype, desc_k.block_type.shape, desc_k.layout)
             v_box = gl.allocate_shared_memory(desc_v.dtype, desc_v.block_type.shape, desc_v.layout)
             q_ring = gl.allocate_shared_memory(desc_q.dtype, [NUM_BUF, 1, 1, TILE_ROWS, HEAD_DIM], desc_q.layout)
-            do_ring = gl.allocate_shared_memory(desc_do.dtype, [NUM_BUF, 1, 1, TILE_ROWS, HEAD_DIM],
-                                                desc_do.layout)
+            do_ring = gl.allocate_shared_memory(desc_do.dtype, [NUM_BUF, 1, 1, TILE_ROWS, HEAD_DIM], desc_do.layout)
             kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
             ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
             mbarrier.init(kv_ready, count=1)
@@ -137,8 +193,23 @@ if HAS_GLUON:
             tma.async_copy_global_to_shared(desc_v, [b, hkv, key_row0, 0], kv_ready, v_box)
             for i in gl.static_range(NUM_BUF - 1):
                 if i < num_steps:
-                    _issue_qdo_load(desc_q, desc_do, q_ring, do_ring, ready, KV_QBLOCKS, t0, hkv, b, i,
-                                    GROUP, ROW_SLICES, BLOCK_Q, TILE_ROWS, NUM_BUF)
+                    _issue_qdo_load(
+                        desc_q,
+                        desc_do,
+                        q_ring,
+                        do_ring,
+                        ready,
+                        KV_QBLOCKS,
+                        t0,
+                        hkv,
+                        b,
+                        i,
+                        GROUP,
+                        ROW_SLICES,
+                        BLOCK_Q,
+                        TILE_ROWS,
+                        NUM_BUF,
+                    )
 
             k_smem = k_box.reshape([KEY_ROWS, HEAD_DIM])
             v_smem = v_box.reshape([KEY_ROWS, HEAD_DIM])
@@ -164,10 +235,12 @@ if HAS_GLUON:
                 q_slot = q_ring.index(slot).reshape([TILE_ROWS, HEAD_DIM])  # [M, D]
                 do_slot = do_ring.index(slot).reshape([TILE_ROWS, HEAD_DIM])  # [M, D]
                 mbarrier.wait(ready.index(slot), phase=(u // NUM_BUF) & 1)
-                st = warpgroup_mma(k_smem, q_slot.permute((1, 0)), zero_scores, use_acc=False,
-                                   is_async=True)  # [KR, M] = K Q^T
-                dpt = warpgroup_mma(v_smem, do_slot.permute((1, 0)), zero_scores, use_acc=False,
-                                    is_async=True)  # [KR, M] = V dO^T
+                st = warpgroup_mma(
+                    k_smem, q_slot.permute((1, 0)), zero_scores, use_acc=False, is_async=True
+                )  # [KR, M] = K Q^T
+                dpt = warpgroup_mma(
+                    v_smem, do_slot.permute((1, 0)), zero_scores, use_acc=False, is_async=True
+                )  # [KR, M] = V dO^T
                 qpos = qb * BLOCK_Q + first_row + offs_m  # [M]
                 # [M] rows of lse / delta ([B, HQ, N] contiguous); every query row is < N (N a multiple of
                 # BLOCK_Q: unmasked loads, whose masks would cost the registers the accumulators need)
@@ -179,16 +252,30 @@ if HAS_GLUON:
                 # they read is free for the step NUM_BUF - 1 ahead
                 st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))
                 if u + NUM_BUF - 1 < num_steps:
-                    _issue_qdo_load(desc_q, desc_do, q_ring, do_ring, ready, KV_QBLOCKS, t0, hkv, b,
-                                    u + NUM_BUF - 1, GROUP, ROW_SLICES, BLOCK_Q, TILE_ROWS, NUM_BUF)
+                    _issue_qdo_load(
+                        desc_q,
+                        desc_do,
+                        q_ring,
+                        do_ring,
+                        ready,
+                        KV_QBLOCKS,
+                        t0,
+                        hkv,
+                        b,
+                        u + NUM_BUF - 1,
+                        GROUP,
+                        ROW_SLICES,
+                        BLOCK_Q,
+                        TILE_ROWS,
+                        NUM_BUF,
+                    )
                 st = st * scale_log2
                 edge = masked_block | (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q)
                 if HAS_DOCS:  # the forward's masks, where it had them (a block before the whole query block holds
                     # two documents iff its first key's id differs from the query block's last id)
                     if edge | (doc_k_first != gl.load(docs_row + qb * BLOCK_Q + BLOCK_Q - 1)):
                         doc_q = gl.load(docs_row + qpos)  # [M]
-                        ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < N) \
-                            & (doc_k[:, None] == doc_q[None, :])
+                        ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < N) & (doc_k[:, None] == doc_q[None, :])
                         st = gl.where(ok, st, float("-inf"))
                 else:
                     if edge:  # the forward's masks, where it had them
@@ -212,10 +299,20 @@ if HAS_GLUON:
                 # whole row in this item: dK/dV once, in the output dtype, through their strides
                 kpos64 = (key_row0 + rows).to(gl.int64)
                 kv_ok = (key_row0 + rows < N)[:, None]
-                dk_ptrs = DK + b.to(gl.int64) * stride_dkb + hkv.to(gl.int64) * stride_dkh \
-                    + kpos64[:, None] * stride_dkn + cols[None, :] * stride_dkd
-                dv_ptrs = DV + b.to(gl.int64) * stride_dvb + hkv.to(gl.int64) * stride_dvh \
-                    + kpos64[:, None] * stride_dvn + cols[None, :] * stride_dvd
+                dk_ptrs = (
+                    DK
+                    + b.to(gl.int64) * stride_dkb
+                    + hkv.to(gl.int64) * stride_dkh
+                    + kpos64[:, None] * stride_dkn
+                    + cols[None, :] * stride_dkd
+                )
+                dv_ptrs = (
+                    DV
+                    + b.to(gl.int64) * stride_dvb
+                    + hkv.to(gl.int64) * stride_dvh
+                    + kpos64[:, None] * stride_dvn
+                    + cols[None, :] * stride_dvd
+                )
                 gl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_ok)
                 gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_ok)
             else:
@@ -224,16 +321,43 @@ if HAS_GLUON:
                 gl.store(DK_PARTIAL + workspace, dk)
                 gl.store(DV_PARTIAL + workspace, dv)
 
-
     @gluon.jit
     def _dq_gluon_kernel(
-        desc_q, desc_do, desc_k, desc_v, LSE, DELTA, INDICES, COUNTS, DQ, DOCS,
-        stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-        stride_ib, stride_ih, stride_iq, stride_ik,
-        stride_cb, stride_ch, stride_cq,
-        N, HQ, HKV, NQB, scale_log2, scale,
-        GROUP: gl.constexpr, HEADS_PER_PROGRAM: gl.constexpr, BLOCK_Q: gl.constexpr, BLOCK_K: gl.constexpr,
-        HEAD_DIM: gl.constexpr, NUM_BUF: gl.constexpr, HAS_DOCS: gl.constexpr, num_warps: gl.constexpr,
+        desc_q,
+        desc_do,
+        desc_k,
+        desc_v,
+        LSE,
+        DELTA,
+        INDICES,
+        COUNTS,
+        DQ,
+        DOCS,
+        stride_dqb,
+        stride_dqh,
+        stride_dqn,
+        stride_dqd,
+        stride_ib,
+        stride_ih,
+        stride_iq,
+        stride_ik,
+        stride_cb,
+        stride_ch,
+        stride_cq,
+        N,
+        HQ,
+        HKV,
+        NQB,
+        scale_log2,
+        scale,
+        GROUP: gl.constexpr,
+        HEADS_PER_PROGRAM: gl.constexpr,
+        BLOCK_Q: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+        HAS_DOCS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         # one program = the query tile of _dq_kernel: HEADS_PER_PROGRAM heads of one query block stacked into
         # M rows, walking its index row; the tile of q and dO stays in shared memory, K/V tiles stream through
@@ -242,14 +366,27 @@ if HAS_GLUON:
         # one warpgroup per 64 query rows in both MMA shapes, so a score row is held by the warps that hold
         # the same dQ row (the dS -> operand conversion stays inside each thread)
         scores_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_K, 16])
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_K, 16]
+        )
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
         operand_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
 
         qb, b, hkv, first_head, count, selected = query_program(
-            INDICES, COUNTS, stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq, HKV, NQB, GROUP,
-            HEADS_PER_PROGRAM)
+            INDICES,
+            COUNTS,
+            stride_ib,
+            stride_ih,
+            stride_iq,
+            stride_cb,
+            stride_ch,
+            stride_cq,
+            HKV,
+            NQB,
+            GROUP,
+            HEADS_PER_PROGRAM,
+        )
         # q and dO arrive as [1, HEADS_PER_PROGRAM, BQ, D] boxes (the heads' rows of a [B, H, N, D] tensor of
         # any strides); the tile products take them as [M, D]
         q_box = gl.allocate_shared_memory(desc_q.dtype, desc_q.block_type.shape, desc_q.layout)
@@ -259,8 +396,7 @@ if HAS_GLUON:
         mbarrier.expect(qdo_ready, 2 * desc_q.block_type.nbytes)
         tma.async_copy_global_to_shared(desc_q, [b, first_head, qb * BLOCK_Q, 0], qdo_ready, q_box)
         tma.async_copy_global_to_shared(desc_do, [b, first_head, qb * BLOCK_Q, 0], qdo_ready, do_box)
-        k_ring, v_ring, ready = kv_ring(desc_k, desc_v, selected, stride_ik, b, hkv, count, BLOCK_K, HEAD_DIM,
-                                        NUM_BUF)
+        k_ring, v_ring, ready = kv_ring(desc_k, desc_v, selected, stride_ik, b, hkv, count, BLOCK_K, HEAD_DIM, NUM_BUF)
 
         q_smem = q_box.reshape([M, HEAD_DIM])
         do_smem = do_box.reshape([M, HEAD_DIM])
@@ -283,18 +419,33 @@ if HAS_GLUON:
             k_slot = k_ring.index(slot).reshape([BLOCK_K, HEAD_DIM])  # [BK, D]
             v_slot = v_ring.index(slot).reshape([BLOCK_K, HEAD_DIM])  # [BK, D]
             mbarrier.wait(ready.index(slot), phase=(t // NUM_BUF) & 1)
-            s = warpgroup_mma(q_smem, k_slot.permute((1, 0)), zero_scores, use_acc=False,
-                              is_async=True)  # [M, BK] = Q K^T
-            dp = warpgroup_mma(do_smem, v_slot.permute((1, 0)), zero_scores, use_acc=False,
-                               is_async=True)  # [M, BK] = dO V^T
+            s = warpgroup_mma(
+                q_smem, k_slot.permute((1, 0)), zero_scores, use_acc=False, is_async=True
+            )  # [M, BK] = Q K^T
+            dp = warpgroup_mma(
+                do_smem, v_slot.permute((1, 0)), zero_scores, use_acc=False, is_async=True
+            )  # [M, BK] = dO V^T
             # S done (and with it the previous step's dQ product, issued before it): the ring slot that product
             # read is free for the step NUM_BUF - 1 ahead
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
             if t + NUM_BUF - 1 < count:
-                issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv,
-                               t + NUM_BUF - 1, BLOCK_K, NUM_BUF)
-            s = mask_query_scores(s * scale_log2, qb, j, qpos, offs_k, N, docs_row, doc_q, doc_q_last, BLOCK_Q,
-                                  BLOCK_K, HAS_DOCS)
+                issue_kv_load(
+                    desc_k,
+                    desc_v,
+                    k_ring,
+                    v_ring,
+                    ready,
+                    selected,
+                    stride_ik,
+                    b,
+                    hkv,
+                    t + NUM_BUF - 1,
+                    BLOCK_K,
+                    NUM_BUF,
+                )
+            s = mask_query_scores(
+                s * scale_log2, qb, j, qpos, offs_k, N, docs_row, doc_q, doc_q_last, BLOCK_Q, BLOCK_K, HAS_DOCS
+            )
             p = gl.exp2(s - lse2[:, None])  # [M, BK]
             dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
             ds = p * (dp - delta[:, None])  # [M, BK]
@@ -303,24 +454,61 @@ if HAS_GLUON:
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         mbarrier.invalidate(qdo_ready)
         invalidate_ring(ready, NUM_BUF)
-        store_query_rows(DQ, dq * scale, b, first_head, qb, stride_dqb, stride_dqh, stride_dqn, stride_dqd, BLOCK_Q,
-                         M, HEAD_DIM, acc_layout)
+        store_query_rows(
+            DQ,
+            dq * scale,
+            b,
+            first_head,
+            qb,
+            stride_dqb,
+            stride_dqh,
+            stride_dqn,
+            stride_dqd,
+            BLOCK_Q,
+            M,
+            HEAD_DIM,
+            acc_layout,
+        )
 
 
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def gluon_kv_supported(q, k, v, do, *, block_q: int, block_k: int, tile_rows: int, heads_per_step: int,
-                       has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool,
-                       key_rows: int = GLUON_KEY_ROWS) -> str | None:
+def gluon_kv_supported(
+    q,
+    k,
+    v,
+    do,
+    *,
+    block_q: int,
+    block_k: int,
+    tile_rows: int,
+    heads_per_step: int,
+    has_seq_lens: bool,
+    has_docs: bool,
+    dropout: bool,
+    query_map: bool,
+    key_rows: int = GLUON_KEY_ROWS,
+) -> str | None:
     """None when the Gluon KV-centric kernel can take this call, else why not (the launcher then runs the
     Triton kernel)."""
-    common = gluon_call_supported(q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=has_seq_lens,
-                                   has_docs=has_docs, dropout=dropout, query_map=query_map)
+    common = gluon_call_supported(
+        q,
+        k,
+        v,
+        do,
+        block_q=block_q,
+        block_k=block_k,
+        has_seq_lens=has_seq_lens,
+        has_docs=has_docs,
+        dropout=dropout,
+        query_map=query_map,
+    )
     if common is not None:
         return common
-    return gluon_kv_tiles_supported(block_q=block_q, tile_rows=tile_rows, heads_per_step=heads_per_step,
-                                    block_k=block_k, key_rows=key_rows)
+    return gluon_kv_tiles_supported(
+        block_q=block_q, tile_rows=tile_rows, heads_per_step=heads_per_step, block_k=block_k, key_rows=key_rows
+    )
 
 
 def gluon_kv_key_rows(block_k: int, key_rows: int) -> int:
@@ -329,8 +517,9 @@ def gluon_kv_key_rows(block_k: int, key_rows: int) -> int:
     return min(block_k, key_rows)
 
 
-def gluon_kv_tiles_supported(*, block_q: int, tile_rows: int, heads_per_step: int, block_k: int,
-                             key_rows: int = GLUON_KEY_ROWS) -> str | None:
+def gluon_kv_tiles_supported(
+    *, block_q: int, tile_rows: int, heads_per_step: int, block_k: int, key_rows: int = GLUON_KEY_ROWS
+) -> str | None:
     """The KV-centric Gluon kernel's own conditions, beyond those every Gluon kernel shares
     (``_gluon.gluon_call_supported``): None, or why not."""
     if heads_per_step != 1:
@@ -343,22 +532,74 @@ def gluon_kv_tiles_supported(*, block_q: int, tile_rows: int, heads_per_step: in
     return None
 
 
-def dkdv_gluon_arguments(q, k, v, do, lse, delta, kv_qblocks, item_row, item_t0, item_t1, item_part, dk, dv,
-                         dk_partial, dv_partial, document_ids=None, *, block_q: int, block_k: int, scale: float,
-                         tile_rows: int, num_buf: int = 2, key_rows: int = GLUON_KEY_ROWS):
+def dkdv_gluon_arguments(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    kv_qblocks,
+    item_row,
+    item_t0,
+    item_t1,
+    item_part,
+    dk,
+    dv,
+    dk_partial,
+    dv_partial,
+    document_ids=None,
+    *,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    tile_rows: int,
+    num_buf: int = 2,
+    key_rows: int = GLUON_KEY_ROWS,
+):
     """The grid, positional arguments and keyword arguments of :func:`launch_dkdv_gluon` (the CPU tests
     compile the kernel from them without a GPU). ``key_rows``: keys per program (:func:`gluon_kv_key_rows`);
     a 128-key block split into two 64-row programs lets two programs share an SM."""
     B, HQ, N, D = q.shape
     HKV = k.shape[1]
     rows = gluon_kv_key_rows(block_k, key_rows)
-    args = (gluon_descriptor(q, 1, tile_rows), gluon_descriptor(do, 1, tile_rows), gluon_descriptor(k, 1, rows),
-            gluon_descriptor(v, 1, rows),
-            lse, delta, kv_qblocks, item_row, item_t0, item_t1, item_part, dk, dv, dk_partial, dv_partial,
-            lse if document_ids is None else document_ids, *dk.stride(), *dv.stride(), N, HQ, HKV,
-            triton.cdiv(N, block_k), scale * LOG2E, scale)
-    kwargs = dict(GROUP=HQ // HKV, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D, TILE_ROWS=tile_rows,
-                  KEY_ROWS=rows, NUM_BUF=num_buf, HAS_DOCS=document_ids is not None, num_warps=4 * (rows // 64))
+    args = (
+        gluon_descriptor(q, 1, tile_rows),
+        gluon_descriptor(do, 1, tile_rows),
+        gluon_descriptor(k, 1, rows),
+        gluon_descriptor(v, 1, rows),
+        lse,
+        delta,
+        kv_qblocks,
+        item_row,
+        item_t0,
+        item_t1,
+        item_part,
+        dk,
+        dv,
+        dk_partial,
+        dv_partial,
+        lse if document_ids is None else document_ids,
+        *dk.stride(),
+        *dv.stride(),
+        N,
+        HQ,
+        HKV,
+        triton.cdiv(N, block_k),
+        scale * LOG2E,
+        scale,
+    )
+    kwargs = dict(
+        GROUP=HQ // HKV,
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        HEAD_DIM=D,
+        TILE_ROWS=tile_rows,
+        KEY_ROWS=rows,
+        NUM_BUF=num_buf,
+        HAS_DOCS=document_ids is not None,
+        num_warps=4 * (rows // 64),
+    )
     return (item_row.numel() * (block_k // rows),), args, kwargs
 
 
@@ -371,11 +612,34 @@ def launch_dkdv_gluon(*tensors, **options):
     return _dkdv_gluon_kernel[grid](*args, **kwargs)
 
 
-def gluon_dq_supported(q, k, v, do, *, block_q: int, block_k: int, heads_per_program: int, has_cold: bool,
-                       has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool) -> str | None:
+def gluon_dq_supported(
+    q,
+    k,
+    v,
+    do,
+    *,
+    block_q: int,
+    block_k: int,
+    heads_per_program: int,
+    has_cold: bool,
+    has_seq_lens: bool,
+    has_docs: bool,
+    dropout: bool,
+    query_map: bool,
+) -> str | None:
     """None when the Gluon dQ kernel can take this call, else why not (the launcher then runs ``_dq_kernel``)."""
-    common = gluon_call_supported(q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=has_seq_lens,
-                                   has_docs=has_docs, dropout=dropout, query_map=query_map)
+    common = gluon_call_supported(
+        q,
+        k,
+        v,
+        do,
+        block_q=block_q,
+        block_k=block_k,
+        has_seq_lens=has_seq_lens,
+        has_docs=has_docs,
+        dropout=dropout,
+        query_map=query_map,
+    )
     if common is not None:
         return common
     return gluon_dq_tiles_supported(block_q=block_q, heads_per_program=heads_per_program, has_cold=has_cold)
@@ -391,8 +655,24 @@ def gluon_dq_tiles_supported(*, block_q: int, heads_per_program: int, has_cold: 
     return None
 
 
-def dq_gluon_arguments(q, k, v, do, lse, delta, indices, counts, dq, document_ids=None, *, block_q: int,
-                       block_k: int, scale: float, heads_per_program: int, num_buf: int = 2):
+def dq_gluon_arguments(
+    q,
+    k,
+    v,
+    do,
+    lse,
+    delta,
+    indices,
+    counts,
+    dq,
+    document_ids=None,
+    *,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    heads_per_program: int,
+    num_buf: int = 2,
+):
     """The grid, positional arguments and keyword arguments of :func:`launch_dq_gluon` (the CPU tests compile
     the kernel from them without a GPU)."""
     B, HQ, N, D = q.shape
@@ -401,12 +681,37 @@ def dq_gluon_arguments(q, k, v, do, lse, delta, indices, counts, dq, document_id
 
     nqb = indices.shape[2]
     rows = heads_per_program * block_q
-    args = (gluon_descriptor(q, heads_per_program, block_q), gluon_descriptor(do, heads_per_program, block_q),
-            gluon_descriptor(k, 1, block_k), gluon_descriptor(v, 1, block_k), lse, delta, indices, counts, dq,
-            lse if document_ids is None else document_ids, *dq.stride(), *indices.stride(), *counts.stride(), N, HQ,
-            HKV, nqb, scale * LOG2E, scale)
-    kwargs = dict(GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
-                  NUM_BUF=num_buf, HAS_DOCS=document_ids is not None, num_warps=4 * (rows // 64))
+    args = (
+        gluon_descriptor(q, heads_per_program, block_q),
+        gluon_descriptor(do, heads_per_program, block_q),
+        gluon_descriptor(k, 1, block_k),
+        gluon_descriptor(v, 1, block_k),
+        lse,
+        delta,
+        indices,
+        counts,
+        dq,
+        lse if document_ids is None else document_ids,
+        *dq.stride(),
+        *indices.stride(),
+        *counts.stride(),
+        N,
+        HQ,
+        HKV,
+        nqb,
+        scale * LOG2E,
+        scale,
+    )
+    kwargs = dict(
+        GROUP=group,
+        HEADS_PER_PROGRAM=heads_per_program,
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        HEAD_DIM=D,
+        NUM_BUF=num_buf,
+        HAS_DOCS=document_ids is not None,
+        num_warps=4 * (rows // 64),
+    )
     return (nqb * (group // heads_per_program), B * HKV), args, kwargs
 
 

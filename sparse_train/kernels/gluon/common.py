@@ -2,6 +2,7 @@
 the TMA descriptors of ``[B, H, N, D]`` tensors, the conditions every Gluon kernel needs (the launchers run the
 Triton kernels outside them), and the pieces of a query-centric program (the forward and dQ kernels): its tile,
 its K/V ring, the forward's masks, the store of its rows."""
+
 from __future__ import annotations
 
 import torch
@@ -17,16 +18,33 @@ try:  # Gluon ships with triton >= 3.4; without it the Triton kernels are the on
         warpgroup_mma_wait,
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
     HAS_GLUON = True
 except ImportError:  # pragma: no cover - depends on the installed triton
     HAS_GLUON = False
 
 from ...plan.device import tma_addressable
 
-__all__ = ["HAS_GLUON", "LOG2E", "gl", "gluon", "gluon_call_supported", "gluon_descriptor", "invalidate_ring",
-           "issue_kv_load", "kv_ring", "mask_query_scores", "mbarrier", "query_documents", "query_program",
-           "store_query_rows", "tma",
-           "warpgroup_mma", "warpgroup_mma_init", "warpgroup_mma_wait"]
+__all__ = [
+    "HAS_GLUON",
+    "LOG2E",
+    "gl",
+    "gluon",
+    "gluon_call_supported",
+    "gluon_descriptor",
+    "invalidate_ring",
+    "issue_kv_load",
+    "kv_ring",
+    "mask_query_scores",
+    "mbarrier",
+    "query_documents",
+    "query_program",
+    "store_query_rows",
+    "tma",
+    "warpgroup_mma",
+    "warpgroup_mma_init",
+    "warpgroup_mma_wait",
+]
 
 LOG2E = 1.4426950408889634
 """log2(e) (the kernels' softmax runs in base 2), as a float the Gluon kernels and launchers both take."""
@@ -42,8 +60,9 @@ def gluon_descriptor(x, heads: int, rows: int):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), block, layout)
 
 
-def gluon_call_supported(q, k, v, do, *, block_q: int, block_k: int, has_seq_lens: bool, has_docs: bool,
-                         dropout: bool, query_map: bool) -> str | None:
+def gluon_call_supported(
+    q, k, v, do, *, block_q: int, block_k: int, has_seq_lens: bool, has_docs: bool, dropout: bool, query_map: bool
+) -> str | None:
     """The conditions every Gluon kernel shares: None, or why this call is outside them (``do`` may be None:
     the forward). Documents (``has_docs``) are within them: the kernels take the document mask."""
     if not HAS_GLUON:
@@ -64,9 +83,22 @@ def gluon_call_supported(q, k, v, do, *, block_q: int, block_k: int, has_seq_len
 
 
 if HAS_GLUON:
+
     @gluon.jit
-    def issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv, t,
-                      BLOCK_K: gl.constexpr, NUM_BUF: gl.constexpr):
+    def issue_kv_load(
+        desc_k,
+        desc_v,
+        k_ring,
+        v_ring,
+        ready,
+        selected,
+        stride_ik,
+        b,
+        hkv,
+        t,
+        BLOCK_K: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+    ):
         """Step t of a query-centric program: the K and V tiles of its t-th selected key block ([1, 1, BK, D]
         boxes, rows past N arrive as 0) land in ring slot t % NUM_BUF, signalled on ``ready[slot]``."""
         j = gl.load(selected + t * stride_ik)
@@ -77,8 +109,20 @@ if HAS_GLUON:
         tma.async_copy_global_to_shared(desc_v, [b, hkv, j * BLOCK_K, 0], bar, v_ring.index(slot))
 
     @gluon.jit
-    def query_program(INDICES, COUNTS, stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq, HKV, NQB,
-                      GROUP: gl.constexpr, HEADS_PER_PROGRAM: gl.constexpr):
+    def query_program(
+        INDICES,
+        COUNTS,
+        stride_ib,
+        stride_ih,
+        stride_iq,
+        stride_cb,
+        stride_ch,
+        stride_cq,
+        HKV,
+        NQB,
+        GROUP: gl.constexpr,
+        HEADS_PER_PROGRAM: gl.constexpr,
+    ):
         """The tile of a query-centric program on a grid (NQB * HEAD_SUBSETS, B * HKV), late (long) query blocks
         first, as the Triton kernels' ``query_tile``: (query block, batch, KV head, first query head, number of
         selected key blocks, pointer to the index row)."""
@@ -89,14 +133,25 @@ if HAS_GLUON:
         b = pid_bh // HKV
         hkv = pid_bh % HKV
         first_head = hkv * GROUP + (pid_m % HEAD_SUBSETS) * HEADS_PER_PROGRAM
-        count = gl.load(COUNTS + b.to(gl.int64) * stride_cb + hkv.to(gl.int64) * stride_ch
-                        + qb.to(gl.int64) * stride_cq)
+        count = gl.load(
+            COUNTS + b.to(gl.int64) * stride_cb + hkv.to(gl.int64) * stride_ch + qb.to(gl.int64) * stride_cq
+        )
         selected = INDICES + b.to(gl.int64) * stride_ib + hkv.to(gl.int64) * stride_ih + qb.to(gl.int64) * stride_iq
         return qb, b, hkv, first_head, count, selected
 
     @gluon.jit
-    def kv_ring(desc_k, desc_v, selected, stride_ik, b, hkv, count, BLOCK_K: gl.constexpr, HEAD_DIM: gl.constexpr,
-                NUM_BUF: gl.constexpr):
+    def kv_ring(
+        desc_k,
+        desc_v,
+        selected,
+        stride_ik,
+        b,
+        hkv,
+        count,
+        BLOCK_K: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        NUM_BUF: gl.constexpr,
+    ):
         """The K/V ring of a query-centric program in shared memory (NUM_BUF slots and their barriers), its first
         NUM_BUF - 1 steps already in flight (:func:`issue_kv_load`). Returns (K ring, V ring, barriers)."""
         k_ring = gl.allocate_shared_memory(desc_k.dtype, [NUM_BUF, 1, 1, BLOCK_K, HEAD_DIM], desc_k.layout)
@@ -106,8 +161,7 @@ if HAS_GLUON:
             mbarrier.init(ready.index(i), count=1)
         for i in gl.static_range(NUM_BUF - 1):
             if i < count:
-                issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv, i, BLOCK_K,
-                              NUM_BUF)
+                issue_kv_load(desc_k, desc_v, k_ring, v_ring, ready, selected, stride_ik, b, hkv, i, BLOCK_K, NUM_BUF)
         return k_ring, v_ring, ready
 
     @gluon.jit
@@ -132,8 +186,20 @@ if HAS_GLUON:
         return docs_row, doc_q, doc_q_last
 
     @gluon.jit
-    def mask_query_scores(s, qb, j, qpos, offs_k, N, docs_row, doc_q, doc_q_last, BLOCK_Q: gl.constexpr,
-                          BLOCK_K: gl.constexpr, HAS_DOCS: gl.constexpr):
+    def mask_query_scores(
+        s,
+        qb,
+        j,
+        qpos,
+        offs_k,
+        N,
+        docs_row,
+        doc_q,
+        doc_q_last,
+        BLOCK_Q: gl.constexpr,
+        BLOCK_K: gl.constexpr,
+        HAS_DOCS: gl.constexpr,
+    ):
         """The forward's masks on scores ``s`` [M, BK] of key block ``j``: -inf past the diagonal, past N and
         (``HAS_DOCS``) across documents, applied only to blocks that can hold such a pair, as the Triton kernels'
         ``mask_scores`` (a block before the whole query block holds two documents iff its first key's id differs
@@ -153,14 +219,32 @@ if HAS_GLUON:
         return s
 
     @gluon.jit
-    def store_query_rows(X, tile, b, first_head, qb, stride_b, stride_h, stride_n, stride_d, BLOCK_Q: gl.constexpr,
-                         M: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    def store_query_rows(
+        X,
+        tile,
+        b,
+        first_head,
+        qb,
+        stride_b,
+        stride_h,
+        stride_n,
+        stride_d,
+        BLOCK_Q: gl.constexpr,
+        M: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        layout: gl.constexpr,
+    ):
         """Store ``tile`` [M, D] (heads of query block ``qb`` stacked, in ``layout``) into X [B, H, N, D] through
         its strides, in X's dtype."""
         rows = gl.arange(0, M, gl.SliceLayout(1, layout))
         cols = gl.arange(0, HEAD_DIM, gl.SliceLayout(0, layout))
         heads64 = (first_head + rows // BLOCK_Q).to(gl.int64)
         qpos64 = (qb * BLOCK_Q + rows % BLOCK_Q).to(gl.int64)
-        ptrs = X + b.to(gl.int64) * stride_b + heads64[:, None] * stride_h + qpos64[:, None] * stride_n \
+        ptrs = (
+            X
+            + b.to(gl.int64) * stride_b
+            + heads64[:, None] * stride_h
+            + qpos64[:, None] * stride_n
             + cols[None, :] * stride_d
+        )
         gl.store(ptrs, tile.to(X.dtype.element_ty))

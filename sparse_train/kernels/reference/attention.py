@@ -63,8 +63,9 @@ def philox_key(seed: int) -> int:
     return int(seed) & _MASK64
 
 
-def philox4x32_10(seed: int, c0: Tensor, c1: Tensor, c2: Tensor | None = None, c3: Tensor | None = None,
-                  rounds: int = 10) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def philox4x32_10(
+    seed: int, c0: Tensor, c1: Tensor, c2: Tensor | None = None, c3: Tensor | None = None, rounds: int = 10
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Philox4x32 with 10 rounds (Salmon et al., SC'11), counter (c0, c1, c2, c3), key = the 64-bit
     ``seed`` split into (low, high) 32-bit words, exactly as Triton's ``tl.philox`` orders them.
 
@@ -102,8 +103,9 @@ def dropout_threshold(p: float) -> int:
     return min(int(math.floor(check_dropout_p(p) * 2.0**32)), _MASK32)
 
 
-def dropout_keep_mask(seed: int, b: Tensor, h: Tensor, q_pos: Tensor, k_pos: Tensor,
-                      num_q_heads: int, seq_len: int, p: float) -> Tensor:
+def dropout_keep_mask(
+    seed: int, b: Tensor, h: Tensor, q_pos: Tensor, k_pos: Tensor, num_q_heads: int, seq_len: int, p: float
+) -> Tensor:
     """bool keep bits of elements (b, h, q_pos, k_pos) (broadcastable int tensors)."""
     offsets = dropout_offsets(b, h, q_pos, k_pos, num_q_heads, seq_len)
     word0, _, _, _ = philox4x32_10(seed, offsets & _MASK32, offsets >> 32)
@@ -176,9 +178,18 @@ def reference_sparse_attention(
         q_global = global_query_stand_in(q, index)
     else:
         q_global = q
-    args = check_attention_args(q_global, k, v, index, scale=scale, dropout_p=dropout_p,
-                                dropout_seed=dropout_seed, seq_lens=seq_lens, document_ids=document_ids,
-                                seq_lens_values=check_values)
+    args = check_attention_args(
+        q_global,
+        k,
+        v,
+        index,
+        scale=scale,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        seq_lens=seq_lens,
+        document_ids=document_ids,
+        seq_lens_values=check_values,
+    )
     scale, dropout_p, dropout_seed = args.scale, args.dropout_p, args.dropout_seed
     if dropout_p > 0.0 and dropout_seed is None:
         raise ValueError("dropout_p > 0 needs an explicit dropout_seed in the reference")
@@ -254,7 +265,7 @@ def reference_sparse_attention(
         denom = probs.sum(dim=-1)  # [B, HKV, G, C, BQ]
         safe_denom = torch.where(denom > 0, denom, torch.ones_like(denom))
         if dropout_p > 0.0:
-            heads = (torch.arange(hkv, device=device).view(hkv, 1) * group + torch.arange(group, device=device))
+            heads = torch.arange(hkv, device=device).view(hkv, 1) * group + torch.arange(group, device=device)
             offsets = dropout_offsets(
                 torch.arange(batch, device=device).view(batch, 1, 1, 1, 1, 1),
                 heads.view(1, hkv, group, 1, 1, 1),
@@ -266,9 +277,7 @@ def reference_sparse_attention(
             word0, _, _, _ = philox4x32_10(dropout_seed, offsets & _MASK32, offsets >> 32)
             probs = probs * ((word0 >= threshold).to(compute) / (1.0 - dropout_p))
         out = torch.einsum("bhgcqk,bhckd->bhgcqd", probs, v_sel) / safe_denom.unsqueeze(-1)
-        lse = torch.where(
-            denom > 0, shift.squeeze(-1) + torch.log(safe_denom), torch.full_like(denom, float("-inf"))
-        )
+        lse = torch.where(denom > 0, shift.squeeze(-1) + torch.log(safe_denom), torch.full_like(denom, float("-inf")))
         out_chunks.append(out)
         lse_chunks.append(lse)
 
@@ -281,10 +290,12 @@ def reference_sparse_attention(
     return o.to(out_dtype), lse.to(lse_dtype)
 
 
-def _query_block_rows(q: Tensor, k: Tensor, index: BlockIndex, query_blocks,
-                      check_values: bool = True) -> tuple[Tensor, Tensor]:
-    """Checked ``query_blocks`` (:func:`~sparse_train.arguments.check_query_blocks`) as int64 on q's device, and int64 ``[L]``: where
-    each row of q sits in the block-padded layout ``[NQL * BQ]`` (row r of listed block s at ``s * BQ + r``)."""
+def _query_block_rows(
+    q: Tensor, k: Tensor, index: BlockIndex, query_blocks, check_values: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Checked ``query_blocks`` (:func:`~sparse_train.arguments.check_query_blocks`) as int64 on q's device, and
+    int64 ``[L]``: where each row of q sits in the block-padded layout ``[NQL * BQ]`` (row r of listed block s at
+    ``s * BQ + r``)."""
     blocks = check_query_blocks(q, k, index, query_blocks, check_values=check_values)
     positions = blocks.view(-1, 1) * index.block_q + torch.arange(index.block_q, device=q.device)  # [NQL, BQ]
     rows = (positions < index.seq_len).view(-1).nonzero().view(-1)
@@ -292,7 +303,13 @@ def _query_block_rows(q: Tensor, k: Tensor, index: BlockIndex, query_blocks,
 
 
 def dense_block_mask_attention(
-    q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, *, scale: float | None = None, seq_lens: Tensor | None = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index: BlockIndex,
+    *,
+    scale: float | None = None,
+    seq_lens: Tensor | None = None,
     document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The same function computed the naive way: expand the block index to an ``[N, N]`` element mask

@@ -201,7 +201,9 @@ def reference_sparse_block_mass(
         # rows that are not real queries subtract +inf, so their probabilities become exactly 0
         shift = torch.where(row_ok, row_lse, float("inf")).unsqueeze(-1)
         probs = logits.sub_(shift).exp_()
-        row_mass = probs.view(batch, num_kv_heads, chunk, group * rows, capacity, block_k).sum(dim=-1)  # [B, HKV, C, G*R, K]
+        row_mass = probs.view(batch, num_kv_heads, chunk, group * rows, capacity, block_k).sum(
+            dim=-1
+        )  # [B, HKV, C, G*R, K]
         target = pool_rows(row_mass, row_ok, row_pool)
         targets.append(target)
         valids.append(row_ok.any(dim=3) & (target.sum(dim=-1) > 0))
@@ -221,8 +223,20 @@ def _same_document(document_ids: Tensor, key_pos: Tensor, pos_rows: Tensor) -> T
     return doc_k == doc_q
 
 
-def _dense_row_mass_chunks(q, k, *, block_q, block_k, scale, seq_lens, rows_per_block, query_blocks, chunk_mb,
-                           document_ids=None, check_values=True):
+def _dense_row_mass_chunks(
+    q,
+    k,
+    *,
+    block_q,
+    block_k,
+    scale,
+    seq_lens,
+    rows_per_block,
+    query_blocks,
+    chunk_mb,
+    document_ids=None,
+    check_values=True,
+):
     """Yield ``(row_mass [B, HKV, C, G*R, NKB], row_ok [B, 1, C, G*R])`` chunk by chunk (exact, dense)."""
     q, k = q.detach(), k.detach()
     batch, num_heads, seq_len, _ = q.shape
@@ -244,7 +258,7 @@ def _dense_row_mass_chunks(q, k, *, block_q, block_k, scale, seq_lens, rows_per_
     key_ok = key_ok.view(key_ok.shape[0], 1, 1, 1, seq_len)
     keys_t = keys.transpose(-1, -2).unsqueeze(2)  # [B, HKV, 1, D, N]
     for start in range(0, total_blocks, step):
-        pos = positions[start:start + step]
+        pos = positions[start : start + step]
         chunk = pos.shape[0]
         pos_rows = _row_positions_grouped(pos, group)
         rows_real = _row_validity(pos_rows, seq_len, seq_lens, batch)
@@ -286,9 +300,20 @@ def dense_row_block_mass(
         ``row_mass`` float32 ``[B, HKV, S, G*BQ, NKB]`` (row r of a block sums to 1 over its causal
         blocks; rows ordered group head major) and ``row_ok`` bool ``[B, HKV, S, G*BQ]`` (real rows).
     """
-    parts = list(_dense_row_mass_chunks(q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens,
-                                        rows_per_block=None, query_blocks=query_blocks, chunk_mb=chunk_mb,
-                                        document_ids=document_ids))
+    parts = list(
+        _dense_row_mass_chunks(
+            q,
+            k,
+            block_q=block_q,
+            block_k=block_k,
+            scale=scale,
+            seq_lens=seq_lens,
+            rows_per_block=None,
+            query_blocks=query_blocks,
+            chunk_mb=chunk_mb,
+            document_ids=document_ids,
+        )
+    )
     return torch.cat([m for m, _ in parts], dim=2), torch.cat([ok for _, ok in parts], dim=2)
 
 
@@ -333,8 +358,17 @@ def reference_dense_block_mass(
     check_choice("row_pool", row_pool, ROW_POOLS)
     targets, valids = [], []
     for row_mass, row_ok in _dense_row_mass_chunks(
-        q, k, block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, rows_per_block=rows_per_block,
-        query_blocks=query_blocks, chunk_mb=chunk_mb, document_ids=document_ids, check_values=check_values,
+        q,
+        k,
+        block_q=block_q,
+        block_k=block_k,
+        scale=scale,
+        seq_lens=seq_lens,
+        rows_per_block=rows_per_block,
+        query_blocks=query_blocks,
+        chunk_mb=chunk_mb,
+        document_ids=document_ids,
+        check_values=check_values,
     ):
         targets.append(pool_rows(row_mass, row_ok, row_pool))
         valids.append(row_ok.any(dim=3))

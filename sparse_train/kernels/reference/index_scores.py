@@ -56,8 +56,9 @@ def _check_block(name: str, value) -> int:
     return value
 
 
-def check_index_score_args(u, w, block_q, block_k, seq_lens=None, document_ids=None, query_blocks=None, *,
-                           dtypes=_FLOAT_DTYPES) -> IndexScoreArgs:
+def check_index_score_args(
+    u, w, block_q, block_k, seq_lens=None, document_ids=None, query_blocks=None, *, dtypes=_FLOAT_DTYPES
+) -> IndexScoreArgs:
     """Check the arguments of the index block scores; a bad one raises a ``ValueError`` that names it.
 
     u: float ``[B, H, M, E, S]``; w: float ``[B, H, N, S]`` with the same dtype (one of ``dtypes``), device, B, H
@@ -77,8 +78,10 @@ def check_index_score_args(u, w, block_q, block_k, seq_lens=None, document_ids=N
         raise ValueError(f"u and w must be on one device, got u on {u.device} and w on {w.device}")
     B, H, M, E, S = u.shape
     if tuple(w.shape[:2]) != (B, H) or w.shape[3] != S:
-        raise ValueError(f"u {tuple(u.shape)} and w {tuple(w.shape)} disagree on B, H or S "
-                         "(expected u [B, H, M, E, S] and w [B, H, N, S])")
+        raise ValueError(
+            f"u {tuple(u.shape)} and w {tuple(w.shape)} disagree on B, H or S "
+            "(expected u [B, H, M, E, S] and w [B, H, N, S])"
+        )
     N = w.shape[2]
     if B < 1 or H < 1 or N < 1 or S < 1:
         raise ValueError(f"w must have B, H, N, S >= 1, got shape {tuple(w.shape)}")
@@ -100,19 +103,31 @@ def check_index_score_args(u, w, block_q, block_k, seq_lens=None, document_ids=N
             raise ValueError(f"query_blocks is on {query_blocks.device} but u is on {u.device}")
         rows = query_blocks.numel()
         if M != rows * block_q:
-            raise ValueError(f"u must have M = len(query_blocks) * block_q = {rows} * {block_q} = {rows * block_q} "
-                             f"rows with query_blocks, got shape {tuple(u.shape)}")
+            raise ValueError(
+                f"u must have M = len(query_blocks) * block_q = {rows} * {block_q} = {rows * block_q} "
+                f"rows with query_blocks, got shape {tuple(u.shape)}"
+            )
         if on_cpu and rows:
             bad = (query_blocks < 0) | (query_blocks >= num_q_blocks)
             if bool(bad.any()):
                 first = int(bad.nonzero()[0, 0])
-                raise ValueError(f"query_blocks values must lie in [0, NQB={num_q_blocks}), got "
-                                 f"query_blocks[{first}] = {int(query_blocks[first])}")
+                raise ValueError(
+                    f"query_blocks values must lie in [0, NQB={num_q_blocks}), got "
+                    f"query_blocks[{first}] = {int(query_blocks[first])}"
+                )
     return IndexScoreArgs(B, H, M, E, S, N, block_q, block_k, rows)
 
 
-def reference_index_block_scores(u: Tensor, w: Tensor, *, block_q: int, block_k: int, seq_lens: Tensor | None = None,
-                                 document_ids: Tensor | None = None, query_blocks: Tensor | None = None) -> Tensor:
+def reference_index_block_scores(
+    u: Tensor,
+    w: Tensor,
+    *,
+    block_q: int,
+    block_k: int,
+    seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    query_blocks: Tensor | None = None,
+) -> Tensor:
     """Index block scores by PyTorch ops, chunked over query blocks; differentiable in u and w.
 
     Args:
@@ -138,10 +153,16 @@ def reference_index_block_scores(u: Tensor, w: Tensor, *, block_q: int, block_k:
     nkb = args.num_k_blocks
     compute = torch.float64 if u.dtype == torch.float64 else torch.float32
     device = u.device
-    blocks = (torch.arange(args.num_q_blocks, device=device) if query_blocks is None
-              else query_blocks.to(device=device, dtype=torch.int64))
-    lengths = (torch.full((B,), N, device=device, dtype=torch.int64) if seq_lens is None
-               else seq_lens.to(torch.int64).clamp(0, N))
+    blocks = (
+        torch.arange(args.num_q_blocks, device=device)
+        if query_blocks is None
+        else query_blocks.to(device=device, dtype=torch.int64)
+    )
+    lengths = (
+        torch.full((B,), N, device=device, dtype=torch.int64)
+        if seq_lens is None
+        else seq_lens.to(torch.int64).clamp(0, N)
+    )
     key_pos = torch.arange(N, device=device)
     key_ok = key_pos.view(1, N) < lengths.view(B, 1)  # [B, N]
     # padding may hold NaN: select zeros there (not multiply) so that neither the values nor the gradients see it
@@ -152,7 +173,7 @@ def reference_index_block_scores(u: Tensor, w: Tensor, *, block_q: int, block_k:
     offsets = torch.arange(block_q, device=device)
     parts = []
     for start in range(0, args.rows, step):
-        chunk = blocks[start:start + step]  # [C] global query blocks
+        chunk = blocks[start : start + step]  # [C] global query blocks
         C = chunk.numel()
         pos = chunk.view(C, 1) * block_q + offsets  # [C, BQ] positions
         local = pos if query_blocks is None else (start + torch.arange(C, device=device)).view(C, 1) * block_q + offsets

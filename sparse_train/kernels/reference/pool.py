@@ -22,15 +22,24 @@ ROPE_STYLES = ("rotate_half", "interleaved")
 """RoPE conventions :func:`unrotate` undoes: pairs ``(i, i + R/2)`` or ``(2i, 2i + 1)``."""
 
 
-def reference_block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tensor | None = None,
-                         inv_freq: Tensor | None = None, positions: Tensor | None = None,
-                         with_max: bool = False, rope_style: str = "rotate_half") -> Tensor:
+def reference_block_pool(
+    x: Tensor,
+    block: int,
+    group: int = 1,
+    *,
+    valid_len: Tensor | None = None,
+    inv_freq: Tensor | None = None,
+    positions: Tensor | None = None,
+    with_max: bool = False,
+    rope_style: str = "rotate_half",
+) -> Tensor:
     """Block pooling of ``x`` ``[B, H * group, N, D]`` as the selector pools its queries (``group`` = the GQA
     group) and keys (``group`` = 1): float32 ``[B, H, ceil(N / block), D]`` of block means, or
     ``[..., 2 * D]`` with the block maxima after them (``with_max``); float64 for a float64 ``x``.
 
     ``inv_freq`` (``[R / 2]``, optional): un-rotate RoPE (:func:`unrotate` in the ``rope_style`` convention, at
-    ``positions`` ``[N]`` or ``[B, N]``, default ``0..N-1``) after averaging the group and before pooling. ``valid_len`` (int ``[B]``):
+    ``positions`` ``[N]`` or ``[B, N]``, default ``0..N-1``) after averaging the group and before pooling. ``valid_len``
+    (int ``[B]``):
     rows at positions >= valid_len[b] are left out (never read: NaN there stays out)."""
     rope = inv_freq is not None and inv_freq.numel() > 0
     if rope or (with_max and group > 1):
@@ -54,10 +63,13 @@ def check_rope_args(inv_freq: Tensor, positions, batch: int, seq_len: int, dim: 
     half = inv_freq.shape[0]
     if 2 * half > dim:
         raise ValueError(f"{half} RoPE frequencies rotate {2 * half} channels but the head dim is {dim}")
-    if positions is not None and (not isinstance(positions, Tensor)
-                                  or positions.shape not in ((seq_len,), (batch, seq_len))):
-        raise ValueError(f"positions must be a tensor [N] or [B, N] = [{batch}, {seq_len}], got "
-                         f"{getattr(positions, 'shape', type(positions).__name__)}")
+    if positions is not None and (
+        not isinstance(positions, Tensor) or positions.shape not in ((seq_len,), (batch, seq_len))
+    ):
+        raise ValueError(
+            f"positions must be a tensor [N] or [B, N] = [{batch}, {seq_len}], got "
+            f"{getattr(positions, 'shape', type(positions).__name__)}"
+        )
 
 
 def block_mean(x: Tensor, block: int, group: int = 1, valid_len: Tensor | None = None) -> Tensor:
@@ -104,7 +116,7 @@ def _block_pool(x: Tensor, block: int, group: int, valid_len: Tensor | None, how
     if full > 0:
         parts.append(reduce(x[:, :, :, : full * block].reshape(batch, heads, group, full, block, dim), (2, 4)))
     if seq_len > full * block:
-        parts.append(reduce(x[:, :, :, full * block:], (2, 3)).unsqueeze(2))
+        parts.append(reduce(x[:, :, :, full * block :], (2, 3)).unsqueeze(2))
     pooled = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # [B, H, NB, D]
     starts = torch.arange(pooled.shape[2], device=x.device) * block
     rows = torch.clamp(torch.minimum(limit.view(-1, 1), starts.view(1, -1) + block) - starts.view(1, -1), min=0)
@@ -143,10 +155,10 @@ def unrotate(x: Tensor, inv_freq: Tensor, positions: Tensor | None = None, style
         angles = angles.unsqueeze(1)  # [B, 1, N, R/2]
     cos, sin = angles.cos(), angles.sin()
     x = x.to(dtype)
-    rest = x[..., 2 * half:]
+    rest = x[..., 2 * half :]
     if style == "interleaved":
-        x1, x2 = x[..., 0: 2 * half: 2], x[..., 1: 2 * half: 2]
+        x1, x2 = x[..., 0 : 2 * half : 2], x[..., 1 : 2 * half : 2]
         turned = torch.stack((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1).flatten(-2)
         return torch.cat((turned, rest), dim=-1)
-    x1, x2 = x[..., :half], x[..., half: 2 * half]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
     return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin, rest), dim=-1)

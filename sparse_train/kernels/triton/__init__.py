@@ -1,5 +1,6 @@
 """Triton kernels: sparse attention forward/backward and its autograd op (``forward``, ``backward``, ``op``),
-the selector's kernels (``pool``, ``scores``, ``index_scores``, ``topk``, ``canonical``, ``draw``), the distillation target
+the selector's kernels (``pool``, ``scores``, ``index_scores``, ``topk``, ``canonical``, ``draw``), the distillation
+target
 (``block_mass``) and the backward's KV schedule (``schedule``); shared ``@triton.jit`` helpers in ``_jit`` and
 launch helpers in ``_launch``. On CPU these need ``TRITON_INTERPRET=1`` set before they are first imported;
 the package loads through :func:`sparse_train.kernels.triton_kernels`. ``HAS_GLUON``: whether this triton

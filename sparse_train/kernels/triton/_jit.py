@@ -12,9 +12,28 @@ import math
 import triton
 import triton.language as tl
 
-__all__ = ["LN2", "LOG2E", "crosses_documents", "documents_row", "dot", "dropout_keep", "index_row", "last_document",
-           "load_documents", "load_key_tile", "load_rows", "log2_lse", "map_query_rows", "mask_scores",
-           "query_documents", "query_tile", "sequence_length", "tile_pointers", "tile_row_slice", "tile_rows"]
+__all__ = [
+    "LN2",
+    "LOG2E",
+    "crosses_documents",
+    "documents_row",
+    "dot",
+    "dropout_keep",
+    "index_row",
+    "last_document",
+    "load_documents",
+    "load_key_tile",
+    "load_rows",
+    "log2_lse",
+    "map_query_rows",
+    "mask_scores",
+    "query_documents",
+    "query_tile",
+    "sequence_length",
+    "tile_pointers",
+    "tile_row_slice",
+    "tile_rows",
+]
 
 LOG2E = tl.constexpr(math.log2(math.e))
 """log2(e): the kernels run the softmax in base 2, exp(x) = exp2(x * LOG2E) (host side: ``LOG2E.value``)."""
@@ -34,17 +53,27 @@ def dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def tile_rows(query_block, kv_head, head_subset, GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
-              BLOCK_Q: tl.constexpr):
+def tile_rows(
+    query_block, kv_head, head_subset, GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr
+):
     """The HEADS_PER_PROGRAM * BLOCK_Q rows of one tile, heads stacked: (query head, query position)
     of each row, int32."""
-    return tile_row_slice(query_block, kv_head, head_subset, 0, HEADS_PER_PROGRAM * BLOCK_Q, GROUP,
-                          HEADS_PER_PROGRAM, BLOCK_Q)
+    return tile_row_slice(
+        query_block, kv_head, head_subset, 0, HEADS_PER_PROGRAM * BLOCK_Q, GROUP, HEADS_PER_PROGRAM, BLOCK_Q
+    )
 
 
 @triton.jit
-def tile_row_slice(query_block, kv_head, head_subset, first_row, ROWS: tl.constexpr, GROUP: tl.constexpr,
-                   HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr):
+def tile_row_slice(
+    query_block,
+    kv_head,
+    head_subset,
+    first_row,
+    ROWS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+):
     """Rows ``first_row .. first_row + ROWS - 1`` of the tile of :func:`tile_rows` (a kernel that walks
     its tile in slices keeps fewer scores live): (query head, query position) of each row, int32."""
     rows = first_row + tl.arange(0, ROWS)
@@ -54,8 +83,14 @@ def tile_row_slice(query_block, kv_head, head_subset, first_row, ROWS: tl.conste
 
 
 @triton.jit
-def query_tile(NQB, HKV, GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr,
-               LATE_BLOCKS_FIRST: tl.constexpr):
+def query_tile(
+    NQB,
+    HKV,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    LATE_BLOCKS_FIRST: tl.constexpr,
+):
     """This program's tile on a grid (NQB * HEAD_SUBSETS, B * HKV): query block, batch, KV head, and per
     row its query head and position (int32). Programs sharing a query block (and so its K/V blocks)
     are adjacent in launch order, so the second finds K/V in L2; ``LATE_BLOCKS_FIRST`` starts the late
@@ -73,8 +108,7 @@ def query_tile(NQB, HKV, GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, B
 
 
 @triton.jit
-def map_query_rows(QUERY_MAP, QUERY_ROW0, local_block, position, BLOCK_Q: tl.constexpr,
-                   HAS_QUERY_MAP: tl.constexpr):
+def map_query_rows(QUERY_MAP, QUERY_ROW0, local_block, position, BLOCK_Q: tl.constexpr, HAS_QUERY_MAP: tl.constexpr):
     """Rows of LOCAL query block ``local_block`` under a query-block map (context parallelism): q, o,
     lse, dO and dQ hold only the rows of the listed global blocks, while positions (masks, dropout
     counters, document ids) are global. ``position`` int32 ``[R]``: the rows as ``local_block * BQ + r``
@@ -95,8 +129,9 @@ def map_query_rows(QUERY_MAP, QUERY_ROW0, local_block, position, BLOCK_Q: tl.con
 
 
 @triton.jit
-def index_row(INDICES, COUNTS, b64, kv_head64, query_block64, stride_ib, stride_ih, stride_iq,
-              stride_cb, stride_ch, stride_cq):
+def index_row(
+    INDICES, COUNTS, b64, kv_head64, query_block64, stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq
+):
     """(pointer to the first slot, number of valid slots) of the index row of one query block."""
     count = tl.load(COUNTS + b64 * stride_cb + kv_head64 * stride_ch + query_block64 * stride_cq)
     return INDICES + b64 * stride_ib + kv_head64 * stride_ih + query_block64 * stride_iq, count
@@ -118,9 +153,23 @@ def load_rows(X, b64, head64, position64, offs_d, stride_b, stride_h, stride_n, 
 
 
 @triton.jit
-def load_key_tile(DESC, base, b, kv_head, block, positions64, offs_d, stride_n, stride_d, valid, crosses_length,
-                  TMA_LOADS: tl.constexpr, ZERO_PAST_LENGTH: tl.constexpr, BLOCK_K: tl.constexpr,
-                  HEAD_DIM: tl.constexpr):
+def load_key_tile(
+    DESC,
+    base,
+    b,
+    kv_head,
+    block,
+    positions64,
+    offs_d,
+    stride_n,
+    stride_d,
+    valid,
+    crosses_length,
+    TMA_LOADS: tl.constexpr,
+    ZERO_PAST_LENGTH: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
     """Key block ``block`` of K or V (``[BK, D]``) of one (batch, KV head). Pointer loads (``base`` the
     head's first row) give 0 where ``valid`` (``positions < seq_len``) is false. A TMA descriptor load gives
     0 only past N: rows in ``[seq_len, N)`` arrive as stored, so with ``ZERO_PAST_LENGTH`` (a kernel whose
@@ -194,8 +243,20 @@ def crosses_documents(docs_row, key_first, query_last_doc):
 
 
 @triton.jit
-def mask_scores(s, qpos, kpos, seqlen, key_first, query_first, docs_row, doc_q, doc_q_last, N,
-                HAS_DOCS: tl.constexpr, BLOCK_K: tl.constexpr):
+def mask_scores(
+    s,
+    qpos,
+    kpos,
+    seqlen,
+    key_first,
+    query_first,
+    docs_row,
+    doc_q,
+    doc_q_last,
+    N,
+    HAS_DOCS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """Scores ``s`` ``[M, BK]`` (rows = queries ``qpos``, columns = keys ``kpos``, the key block starting at
     ``key_first``) with -inf where the key is not visible: after the query, at or past ``seqlen``, or
     (``HAS_DOCS``) in another document. Only blocks that reach past the tile's first query, cross the

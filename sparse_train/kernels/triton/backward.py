@@ -59,6 +59,7 @@ recomputed by both the dQ and the KV-centric kernel (7 tile products per (block,
 on the atomic path, in fused mode and in stored-dS mode, whose dS buffer is B*HQ*NQB*K*BQ*BK elements);
 GQA dK/dV are summed over the group's heads inside the programs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,6 +68,9 @@ import triton.language as tl
 
 from ...plan.plan import kv_schedule, kv_schedule_capacity
 from ...plan.tuning import backward_config
+from ..gluon.backward import gluon_dq_tiles_supported, gluon_kv_tiles_supported, launch_dkdv_gluon, launch_dq_gluon
+from ..gluon.common import gluon_call_supported
+from ..reference.attention import dropout_threshold, philox_key  # the one definition of the keep bits
 from ._jit import (
     LOG2E,
     crosses_documents,
@@ -87,8 +91,6 @@ from ._jit import (
     tile_pointers,
     tile_row_slice,
 )
-from ..gluon.common import gluon_call_supported
-from ..gluon.backward import gluon_dq_tiles_supported, gluon_kv_tiles_supported, launch_dkdv_gluon, launch_dq_gluon
 from ._launch import (
     LAST_COMPILED,
     kernel_document_ids,
@@ -98,7 +100,6 @@ from ._launch import (
     tma_descriptor,
     tma_operands,
 )
-from ..reference.attention import dropout_threshold, philox_key  # the one definition of the keep bits
 
 __all__ = ["sparse_attn_backward"]
 
@@ -110,11 +111,23 @@ _DELTA_ROWS = 64  # rows per program of the delta kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _delta_kernel(
-    O, DO, DELTA, DLSE,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_dob, stride_doh, stride_don, stride_dod,
-    N, HQ,
-    BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_DLSE: tl.constexpr,
+    O,
+    DO,
+    DELTA,
+    DLSE,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    N,
+    HQ,
+    BLOCK_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
     # delta [B, HQ, N] fp32 (contiguous) = rowsum(dO * O) - dLSE  (d lse / d s = P, so an lse
     # gradient enters dS = P (dP - delta) exactly like a shift of delta)
@@ -125,10 +138,16 @@ def _delta_kernel(
     ok = rows < N
     rows64 = rows.to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
-    o = tl.load(tile_pointers(O + b64 * stride_ob + h64 * stride_oh, rows64, offs_d, stride_on, stride_od),
-                mask=ok[:, None], other=0.0)
-    do = tl.load(tile_pointers(DO + b64 * stride_dob + h64 * stride_doh, rows64, offs_d, stride_don, stride_dod),
-                 mask=ok[:, None], other=0.0)
+    o = tl.load(
+        tile_pointers(O + b64 * stride_ob + h64 * stride_oh, rows64, offs_d, stride_on, stride_od),
+        mask=ok[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        tile_pointers(DO + b64 * stride_dob + h64 * stride_doh, rows64, offs_d, stride_don, stride_dod),
+        mask=ok[:, None],
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + batch_head.to(tl.int64) * N + rows64, mask=ok, other=0.0)
@@ -137,19 +156,74 @@ def _delta_kernel(
 
 @triton.jit
 def _dq_kernel(
-    Q, K, V, DO, LSE, DELTA, INDICES, COUNTS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, COLD_SLOTS, DQ, DK_ATOMIC,
-    DV_ATOMIC, DESC_K, DESC_V,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_don, stride_dod,
-    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-    stride_ib, stride_ih, stride_iq, stride_ik,
-    stride_cb, stride_ch, stride_cq,
-    N, L, HQ, HKV, NQB, NKB, scale_log2, scale, seed, threshold, inv_keep,
-    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, HAS_COLD: tl.constexpr,
-    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr, TMA_LOADS: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    INDICES,
+    COUNTS,
+    SEQ_LENS,
+    DOCS,
+    QUERY_MAP,
+    QUERY_ROW0,
+    COLD_SLOTS,
+    DQ,
+    DK_ATOMIC,
+    DV_ATOMIC,
+    DESC_K,
+    DESC_V,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqn,
+    stride_dqd,
+    stride_ib,
+    stride_ih,
+    stride_iq,
+    stride_ik,
+    stride_cb,
+    stride_ch,
+    stride_cq,
+    N,
+    L,
+    HQ,
+    HKV,
+    NQB,
+    NKB,
+    scale_log2,
+    scale,
+    seed,
+    threshold,
+    inv_keep,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    HAS_COLD: tl.constexpr,
+    IEEE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_QUERY_MAP: tl.constexpr,
+    TMA_LOADS: tl.constexpr,
 ):
     M: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
     # qb: the LOCAL query block (index row, rows of q/dO/lse/dQ); qb_global, qpos: GLOBAL (masks, dropout)
@@ -170,8 +244,9 @@ def _dq_kernel(
     lse2 = log2_lse(tl.load(LSE + row, mask=row_ok, other=float("-inf")))
     delta = tl.load(DELTA + row, mask=row_ok, other=0.0)
     seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
-    selected, count = index_row(INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq,
-                             stride_cb, stride_ch, stride_cq)
+    selected, count = index_row(
+        INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq
+    )
     k_base = K + b64 * stride_kb + hkv64 * stride_kh
     v_base = V + b64 * stride_vb + hkv64 * stride_vh
     cold_slot_row = COLD_SLOTS + (b64 * HKV + hkv64) * NKB
@@ -186,15 +261,46 @@ def _dq_kernel(
         kv_ok = kpos < seqlen  # padding keys load as 0 (see forward.py)
         # as in the forward; here K's padding rows are zeroed too (dS there is 0, and 0 * NaN in dS K is NaN)
         crosses_length = j * BLOCK_K + BLOCK_K > seqlen
-        k = load_key_tile(DESC_K, k_base, b, hkv, j, kpos64, offs_d, stride_kn, stride_kd, kv_ok, crosses_length,
-                          TMA_LOADS, HAS_SEQ_LENS, BLOCK_K, HEAD_DIM)  # [BK, D]
-        v = load_key_tile(DESC_V, v_base, b, hkv, j, kpos64, offs_d, stride_vn, stride_vd, kv_ok, crosses_length,
-                          TMA_LOADS, HAS_SEQ_LENS, BLOCK_K, HEAD_DIM)  # [BK, D]
+        k = load_key_tile(
+            DESC_K,
+            k_base,
+            b,
+            hkv,
+            j,
+            kpos64,
+            offs_d,
+            stride_kn,
+            stride_kd,
+            kv_ok,
+            crosses_length,
+            TMA_LOADS,
+            HAS_SEQ_LENS,
+            BLOCK_K,
+            HEAD_DIM,
+        )  # [BK, D]
+        v = load_key_tile(
+            DESC_V,
+            v_base,
+            b,
+            hkv,
+            j,
+            kpos64,
+            offs_d,
+            stride_vn,
+            stride_vd,
+            kv_ok,
+            crosses_length,
+            TMA_LOADS,
+            HAS_SEQ_LENS,
+            BLOCK_K,
+            HEAD_DIM,
+        )  # [BK, D]
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         dp = dot(do, tl.trans(v), IEEE)  # [M, BK]
         s = s * scale_log2
-        s = mask_scores(s, qpos, kpos, seqlen, j * BLOCK_K, q_first, docs_row, doc_q, doc_q_last, N,
-                        HAS_DOCS, BLOCK_K)  # the forward's masks, skipped where it skipped them
+        s = mask_scores(
+            s, qpos, kpos, seqlen, j * BLOCK_K, q_first, docs_row, doc_q, doc_q_last, N, HAS_DOCS, BLOCK_K
+        )  # the forward's masks, skipped where it skipped them
         p = tl.exp2(s - lse2[:, None])  # [M, BK] normalised probabilities
         if DROPOUT:
             keep = dropout_keep(seed, row_counter[:, None] + kpos64[None, :], threshold)
@@ -215,26 +321,88 @@ def _dq_kernel(
                 tl.atomic_add(DK_ATOMIC + workspace, dk_part, sem="relaxed")
                 tl.atomic_add(DV_ATOMIC + workspace, dv_part, sem="relaxed")
     dq = dq * scale
-    dq_ptrs = tile_pointers(DQ + b64 * stride_dqb + head64[:, None] * stride_dqh, qrow64, offs_d, stride_dqn,
-                            stride_dqd)
+    dq_ptrs = tile_pointers(
+        DQ + b64 * stride_dqb + head64[:, None] * stride_dqh, qrow64, offs_d, stride_dqn, stride_dqd
+    )
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, KV_QBLOCKS, KV_PAIRS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, ITEM_ROW, ITEM_T0, ITEM_T1,
-    ITEM_PART, DK, DV, DK_PARTIAL, DV_PARTIAL, DQ_ACC, DS, DESC_Q, DESC_DO, DESC_DS,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_don, stride_dod,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    N, L, HQ, HKV, NKB, scale_log2, scale, seed, threshold, inv_keep,
-    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, IEEE: tl.constexpr,
-    HAS_DOCS: tl.constexpr, TILE_ROWS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr, FUSE_DQ: tl.constexpr,
-    TMA_LOADS: tl.constexpr, STORE_DS: tl.constexpr, TMA_STORE_DS: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    KV_QBLOCKS,
+    KV_PAIRS,
+    SEQ_LENS,
+    DOCS,
+    QUERY_MAP,
+    QUERY_ROW0,
+    ITEM_ROW,
+    ITEM_T0,
+    ITEM_T1,
+    ITEM_PART,
+    DK,
+    DV,
+    DK_PARTIAL,
+    DV_PARTIAL,
+    DQ_ACC,
+    DS,
+    DESC_Q,
+    DESC_DO,
+    DESC_DS,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_don,
+    stride_dod,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    N,
+    L,
+    HQ,
+    HKV,
+    NKB,
+    scale_log2,
+    scale,
+    seed,
+    threshold,
+    inv_keep,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    IEEE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    HAS_QUERY_MAP: tl.constexpr,
+    FUSE_DQ: tl.constexpr,
+    TMA_LOADS: tl.constexpr,
+    STORE_DS: tl.constexpr,
+    TMA_STORE_DS: tl.constexpr,
 ):
     # one work item = one KV block and a chunk [t0, t1) of its transposed row (the query blocks that
     # selected it); long rows (sinks, popular blocks) are chunked so no program becomes the long pole
@@ -263,10 +431,16 @@ def _dkdv_kernel(
     kv_ok = kpos < N  # rows of dK/dV this program writes
     seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
     kv_in = kpos < seqlen  # padding keys load as 0 (see forward.py)
-    k = tl.load(tile_pointers(K + b64 * stride_kb + hkv64 * stride_kh, kpos64, offs_d, stride_kn, stride_kd),
-                mask=kv_in[:, None], other=0.0)  # [BK, D]
-    v = tl.load(tile_pointers(V + b64 * stride_vb + hkv64 * stride_vh, kpos64, offs_d, stride_vn, stride_vd),
-                mask=kv_in[:, None], other=0.0)  # [BK, D]
+    k = tl.load(
+        tile_pointers(K + b64 * stride_kb + hkv64 * stride_kh, kpos64, offs_d, stride_kn, stride_kd),
+        mask=kv_in[:, None],
+        other=0.0,
+    )  # [BK, D]
+    v = tl.load(
+        tile_pointers(V + b64 * stride_vb + hkv64 * stride_vh, kpos64, offs_d, stride_vn, stride_vd),
+        mask=kv_in[:, None],
+        other=0.0,
+    )  # [BK, D]
     if HAS_DOCS:
         docs_row = documents_row(DOCS, b64, N)
         doc_k = load_documents(docs_row, kpos, N)  # [BK]
@@ -280,8 +454,7 @@ def _dkdv_kernel(
         first_row = (u % ROW_SLICES) * TILE_ROWS
         qb_local = tl.load(KV_QBLOCKS + t)  # the plan lists LOCAL query blocks under a query-block map
         # [M] each, M = TILE_ROWS; the masks below test the whole query block (a superset of the slice)
-        head, qpos = tile_row_slice(qb_local, hkv, head_subset, first_row, TILE_ROWS, GROUP, HEADS_PER_PROGRAM,
-                                    BLOCK_Q)
+        head, qpos = tile_row_slice(qb_local, hkv, head_subset, first_row, TILE_ROWS, GROUP, HEADS_PER_PROGRAM, BLOCK_Q)
         qb, qpos, qrow64 = map_query_rows(QUERY_MAP, QUERY_ROW0, qb_local, qpos, BLOCK_Q, HAS_QUERY_MAP)
         head64 = head.to(tl.int64)
         qpos64 = qpos.to(tl.int64)
@@ -295,8 +468,9 @@ def _dkdv_kernel(
             do = DESC_DO.load([b, slice_head, slice_row, 0]).reshape(TILE_ROWS, HEAD_DIM)  # [M, D]
         else:
             q = load_rows(Q, b64, head64, qrow64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, q_ok)  # [M, D]
-            do = load_rows(DO, b64, head64, qrow64, offs_d, stride_dob, stride_doh, stride_don, stride_dod,
-                           q_ok)  # [M, D]
+            do = load_rows(
+                DO, b64, head64, qrow64, offs_d, stride_dob, stride_doh, stride_don, stride_dod, q_ok
+            )  # [M, D]
         if HAS_QUERY_MAP:
             row = (b64 * HQ + head64) * L + qrow64  # [M] row of lse / delta ([B, HQ, L])
             counter_row = (b64 * HQ + head64) * N + qpos64  # [M] global (b, h, q) of the dropout counters
@@ -309,8 +483,11 @@ def _dkdv_kernel(
         dpt = dot(v, tl.trans(do), IEEE)  # [BK, M] = dP^T before dropout
         st = st * scale_log2
         if HAS_DOCS:  # the forward's masks, skipped where it skipped them (forward.py)
-            if ((j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q) | (j * BLOCK_K + BLOCK_K > seqlen)
-                    | crosses_documents(docs_row, j * BLOCK_K, last_document(docs_row, qb * BLOCK_Q, BLOCK_Q, N))):
+            if (
+                (j * BLOCK_K + BLOCK_K - 1 > qb * BLOCK_Q)
+                | (j * BLOCK_K + BLOCK_K > seqlen)
+                | crosses_documents(docs_row, j * BLOCK_K, last_document(docs_row, qb * BLOCK_Q, BLOCK_Q, N))
+            ):
                 doc_q = load_documents(docs_row, qpos, N)  # [M]
                 ok = (kpos[:, None] <= qpos[None, :]) & (kpos[:, None] < seqlen) & (doc_k[:, None] == doc_q[None, :])
                 st = tl.where(ok, st, float("-inf"))
@@ -336,21 +513,27 @@ def _dkdv_kernel(
             if TMA_STORE_DS:
                 # one head per step (the launcher's condition): the slice is one [BK, M] box of that head's tile,
                 # written by the copy engine from shared memory while the program goes on
-                DESC_DS.store([(pair64 * GROUP + head_subset).to(tl.int32), 0, first_row],
-                              dst_operand.reshape(1, BLOCK_K, TILE_ROWS))
+                DESC_DS.store(
+                    [(pair64 * GROUP + head_subset).to(tl.int32), 0, first_row],
+                    dst_operand.reshape(1, BLOCK_K, TILE_ROWS),
+                )
             else:
                 in_group64 = (head - hkv * GROUP).to(tl.int64)  # [M]
                 row_in_block = (first_row + tl.arange(0, TILE_ROWS)) % BLOCK_Q  # [M]
-                ds_ptrs = DS + ((pair64 * GROUP + in_group64[None, :]) * BLOCK_K + offs_k[:, None]) * BLOCK_Q \
-                    + row_in_block[None, :]  # [BK, M]
+                ds_ptrs = (
+                    DS
+                    + ((pair64 * GROUP + in_group64[None, :]) * BLOCK_K + offs_k[:, None]) * BLOCK_Q
+                    + row_in_block[None, :]
+                )  # [BK, M]
                 tl.store(ds_ptrs, dst_operand)
         if FUSE_DQ:
             # this slice's share of dQ: the rows' other key blocks add theirs from other programs, in no
             # fixed order (float32 atomics into DQ_ACC [B, HQ, L, D], contiguous)
             dq_part = dot(tl.trans(dst.to(k.dtype)), k, IEEE) * scale  # [M, D]
             dq_rows = (b64 * HQ + head64) * L + qrow64  # [M]
-            tl.atomic_add(DQ_ACC + dq_rows[:, None] * HEAD_DIM + offs_d[None, :], dq_part, mask=q_ok[:, None],
-                          sem="relaxed")
+            tl.atomic_add(
+                DQ_ACC + dq_rows[:, None] * HEAD_DIM + offs_d[None, :], dq_part, mask=q_ok[:, None], sem="relaxed"
+            )
     if part < 0:
         # whole row in this item: write dK/dV once, in the output dtype
         dk_ptrs = tile_pointers(DK + b64 * stride_dkb + hkv64 * stride_dkh, kpos64, offs_d, stride_dkn, stride_dkd)
@@ -365,14 +548,43 @@ def _dkdv_kernel(
 
 @triton.jit
 def _dq_from_ds_kernel(
-    K, DS, INDICES, COUNTS, SEQ_LENS, QUERY_MAP, QUERY_ROW0, DQ, DESC_K,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_dqb, stride_dqh, stride_dqn, stride_dqd,
-    stride_ib, stride_ih, stride_iq, stride_ik,
-    stride_cb, stride_ch, stride_cq,
-    N, HKV, NQB, CAPACITY, scale,
-    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, IEEE: tl.constexpr, HAS_QUERY_MAP: tl.constexpr,
+    K,
+    DS,
+    INDICES,
+    COUNTS,
+    SEQ_LENS,
+    QUERY_MAP,
+    QUERY_ROW0,
+    DQ,
+    DESC_K,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_dqb,
+    stride_dqh,
+    stride_dqn,
+    stride_dqd,
+    stride_ib,
+    stride_ih,
+    stride_iq,
+    stride_ik,
+    stride_cb,
+    stride_ch,
+    stride_cq,
+    N,
+    HKV,
+    NQB,
+    CAPACITY,
+    scale,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr,
+    IEEE: tl.constexpr,
+    HAS_QUERY_MAP: tl.constexpr,
     TMA_LOADS: tl.constexpr,
 ):
     # stored-dS mode: dQ_q = scale sum_t dS[q, block t] K[block t], the dS tiles filed by the KV-centric kernel
@@ -388,8 +600,9 @@ def _dq_from_ds_kernel(
     in_group64 = head64 - hkv64 * GROUP  # [M]
     row_in_block = tl.arange(0, M) % BLOCK_Q  # [M]
     seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
-    selected, count = index_row(INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq,
-                             stride_cb, stride_ch, stride_cq)
+    selected, count = index_row(
+        INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq
+    )
     k_base = K + b64 * stride_kb + hkv64 * stride_kh
     first_pair64 = ((b64 * HKV + hkv64) * NQB + qb) * CAPACITY  # the index slot of t = 0
     dq = tl.zeros([M, HEAD_DIM], tl.float32)
@@ -398,24 +611,63 @@ def _dq_from_ds_kernel(
         kpos = j * BLOCK_K + offs_k
         kv_ok = kpos < seqlen
         # K's rows in [seqlen, N) zeroed: dS is 0 there, and 0 * NaN padding would be NaN
-        k = load_key_tile(DESC_K, k_base, b, hkv, j, kpos.to(tl.int64), offs_d, stride_kn, stride_kd, kv_ok,
-                          j * BLOCK_K + BLOCK_K > seqlen, TMA_LOADS, HAS_SEQ_LENS, BLOCK_K, HEAD_DIM)  # [BK, D]
-        dst = tl.load(DS + (((first_pair64 + t) * GROUP + in_group64[None, :]) * BLOCK_K + offs_k[:, None]) * BLOCK_Q
-                      + row_in_block[None, :])  # [BK, M]
+        k = load_key_tile(
+            DESC_K,
+            k_base,
+            b,
+            hkv,
+            j,
+            kpos.to(tl.int64),
+            offs_d,
+            stride_kn,
+            stride_kd,
+            kv_ok,
+            j * BLOCK_K + BLOCK_K > seqlen,
+            TMA_LOADS,
+            HAS_SEQ_LENS,
+            BLOCK_K,
+            HEAD_DIM,
+        )  # [BK, D]
+        dst = tl.load(
+            DS
+            + (((first_pair64 + t) * GROUP + in_group64[None, :]) * BLOCK_K + offs_k[:, None]) * BLOCK_Q
+            + row_in_block[None, :]
+        )  # [BK, M]
         dq += dot(tl.trans(dst), k, IEEE)  # [M, D]
     dq = dq * scale
-    dq_ptrs = tile_pointers(DQ + b64 * stride_dqb + head64[:, None] * stride_dqh, qrow64, offs_d, stride_dqn,
-                            stride_dqd)
+    dq_ptrs = tile_pointers(
+        DQ + b64 * stride_dqb + head64[:, None] * stride_dqh, qrow64, offs_d, stride_dqn, stride_dqd
+    )
     tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _dkdv_finish_kernel(
-    COLD_SLOTS, PART_START, NUM_PARTS, DK, DV, DK_ATOMIC, DV_ATOMIC, DK_PARTIAL, DV_PARTIAL,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    N, HKV, NKB, scale,
-    BLOCK_K: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_COLD: tl.constexpr, HAS_PARTS: tl.constexpr,
+    COLD_SLOTS,
+    PART_START,
+    NUM_PARTS,
+    DK,
+    DV,
+    DK_ATOMIC,
+    DV_ATOMIC,
+    DK_PARTIAL,
+    DV_PARTIAL,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    N,
+    HKV,
+    NKB,
+    scale,
+    BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_COLD: tl.constexpr,
+    HAS_PARTS: tl.constexpr,
 ):
     # per KV block: cold -> convert its atomic workspace; chunked -> sum its partials in chunk order
     # (fixed order: deterministic); unselected -> zeros; rows in one work item were written already
@@ -455,10 +707,34 @@ def _dkdv_finish_kernel(
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, num_cold,
-                         *, block_q, block_k, scale, seq_lens=None, dlse=None, dropout_p=0.0, dropout_seed=0,
-                         config=None, stage_events=None, document_ids=None, query_map=None, query_row0=None,
-                         kv_pairs=None):
+def sparse_attn_backward(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    indices,
+    counts,
+    kv_indptr,
+    kv_qblocks,
+    slots,
+    num_cold,
+    *,
+    block_q,
+    block_k,
+    scale,
+    seq_lens=None,
+    dlse=None,
+    dropout_p=0.0,
+    dropout_seed=0,
+    config=None,
+    stage_events=None,
+    document_ids=None,
+    query_map=None,
+    query_row0=None,
+    kv_pairs=None,
+):
     """Launch the backward.  ``slots`` from ``plan.cold_slots`` (int32 ``[B*HKV*NKB]``); ``num_cold`` =
     blocks of the atomic workspace, at least the number of slots >= 0 (``plan.cold_capacity``: a shape
     bound; 0 when no block is cold, e.g. in deterministic mode); ``config``: a ``plan.BackwardConfig`` (default
@@ -509,12 +785,24 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     if dlse is not None:
         dlse = dlse.to(torch.float32).contiguous()
     _delta_kernel[(triton.cdiv(L, _DELTA_ROWS), B * HQ)](
-        o, do, delta, dlse if dlse is not None else delta, *o.stride(), *do.stride(), L, HQ,
-        BLOCK_ROWS=_DELTA_ROWS, HEAD_DIM=D, HAS_DLSE=dlse is not None, num_warps=4)
+        o,
+        do,
+        delta,
+        dlse if dlse is not None else delta,
+        *o.stride(),
+        *do.stride(),
+        L,
+        HQ,
+        BLOCK_ROWS=_DELTA_ROWS,
+        HEAD_DIM=D,
+        HAS_DLSE=dlse is not None,
+        num_warps=4,
+    )
     # sized from shapes (no host read of the real item count): padding items return at once
     num_items, num_parts = kv_schedule_capacity(kv_indptr.numel() - 1, NQB, kv_qblocks.numel(), config.kv_chunk)
-    schedule = kv_schedule(kv_indptr[1:] - kv_indptr[:-1], kv_indptr, slots, config.kv_chunk,
-                           num_items=num_items, num_parts=num_parts)
+    schedule = kv_schedule(
+        kv_indptr[1:] - kv_indptr[:-1], kv_indptr, slots, config.kv_chunk, num_items=num_items, num_parts=num_parts
+    )
 
     has_cold = num_cold > 0
     if has_cold:
@@ -530,8 +818,10 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     fused = bool(config.fused_dq)
     stored = bool(config.stored_ds)
     if (fused or stored) and has_cold:
-        raise ValueError("the fused and the stored-dS backward (kernel_options.fused_dq / stored_ds) need every "
-                         "block KV-centric: num_cold must be 0")
+        raise ValueError(
+            "the fused and the stored-dS backward (kernel_options.fused_dq / stored_ds) need every "
+            "block KV-centric: num_cold must be 0"
+        )
     if fused and stored:
         raise ValueError("config.fused_dq and config.stored_ds are two ways of producing dQ; set at most one")
     if stored and kv_pairs is None:
@@ -556,68 +846,242 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
     scale_log2 = float(scale * LOG2E.value)
     # the Gluon kernels where they apply (one check of what they share); the Triton kernels' TMA descriptors are
     # built only for the Triton kernels that run
-    gluon = bool(config.dq_gluon or config.kv_gluon) and not (fused or stored) and gluon_call_supported(
-        q, k, v, do, block_q=block_q, block_k=block_k, has_seq_lens=seq_lens is not None, has_docs=has_docs,
-        dropout=dropout, query_map=has_map) is None
-    dq_gluon = gluon and bool(config.dq_gluon) and gluon_dq_tiles_supported(
-        block_q=block_q, heads_per_program=config.dq_gluon_heads_per_program, has_cold=has_cold) is None
-    kv_gluon = gluon and bool(config.kv_gluon) and gluon_kv_tiles_supported(
-        block_q=block_q, tile_rows=config.gluon_tile_rows, heads_per_step=config.kv_heads_per_program,
-        block_k=block_k, key_rows=config.gluon_key_rows) is None
+    gluon = (
+        bool(config.dq_gluon or config.kv_gluon)
+        and not (fused or stored)
+        and gluon_call_supported(
+            q,
+            k,
+            v,
+            do,
+            block_q=block_q,
+            block_k=block_k,
+            has_seq_lens=seq_lens is not None,
+            has_docs=has_docs,
+            dropout=dropout,
+            query_map=has_map,
+        )
+        is None
+    )
+    dq_gluon = (
+        gluon
+        and bool(config.dq_gluon)
+        and gluon_dq_tiles_supported(
+            block_q=block_q, heads_per_program=config.dq_gluon_heads_per_program, has_cold=has_cold
+        )
+        is None
+    )
+    kv_gluon = (
+        gluon
+        and bool(config.kv_gluon)
+        and gluon_kv_tiles_supported(
+            block_q=block_q,
+            tile_rows=config.gluon_tile_rows,
+            heads_per_step=config.kv_heads_per_program,
+            block_k=block_k,
+            key_rows=config.gluon_key_rows,
+        )
+        is None
+    )
     k_operand, v_operand, dq_tma = tma_operands(k, v, block_k, bool(config.dq_tma) and not fused and not dq_gluon)
     # the KV-centric kernel's TMA slices are rows of one head: one head per step, rows of q = positions
     kv_slices = bool(config.kv_tma) and config.kv_heads_per_program == 1 and not has_map
     q_operand, do_operand, kv_tma = tma_operands(q, do, config.kv_tile_rows, kv_slices and not kv_gluon)
     # the dS slices go out through a descriptor under the same conditions as the q/dO slices come in (a slice is
     # then rows of one head); tile ids are int32 coordinates
-    ds_operand = tma_descriptor(ds, 0, stored and kv_slices and 0 < ds.shape[0] < 2**31,
-                                block=[1, block_k, config.kv_tile_rows]) if stored else None
+    ds_operand = (
+        tma_descriptor(ds, 0, stored and kv_slices and 0 < ds.shape[0] < 2**31, block=[1, block_k, config.kv_tile_rows])
+        if stored
+        else None
+    )
     ds_tma = ds_operand is not None
     if not ds_tma:
         ds_operand = ds
     if dq_gluon:
         LAST_COMPILED["dq"] = launch_dq_gluon(
-            q, k, v, do, lse, delta, indices, counts, dq, docs_arg if has_docs else None, block_q=block_q,
-            block_k=block_k, scale=float(scale), heads_per_program=config.dq_gluon_heads_per_program,
-            num_buf=config.dq_gluon_stages)
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            indices,
+            counts,
+            dq,
+            docs_arg if has_docs else None,
+            block_q=block_q,
+            block_k=block_k,
+            scale=float(scale),
+            heads_per_program=config.dq_gluon_heads_per_program,
+            num_buf=config.dq_gluon_stages,
+        )
     elif not (fused or stored):
         LAST_COMPILED["dq"] = launch(
-            _dq_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
-            q, k, v, do, lse, delta, indices, counts, seq_lens_arg, docs_arg, query_map, query_row0, slots, dq,
-            dk_atomic, dv_atomic, k_operand, v_operand,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-            *indices.stride(), *counts.stride(),
-            N, L, HQ, HKV, NQB, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
-            GROUP=group, HEADS_PER_PROGRAM=config.dq_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
-            HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, HAS_COLD=has_cold, IEEE=ieee, HAS_DOCS=has_docs,
-            HAS_QUERY_MAP=has_map, TMA_LOADS=dq_tma, num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
+            _dq_kernel,
+            (NQB * (group // config.dq_heads_per_program), B * HKV),
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            indices,
+            counts,
+            seq_lens_arg,
+            docs_arg,
+            query_map,
+            query_row0,
+            slots,
+            dq,
+            dk_atomic,
+            dv_atomic,
+            k_operand,
+            v_operand,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *do.stride(),
+            *dq.stride(),
+            *indices.stride(),
+            *counts.stride(),
+            N,
+            L,
+            HQ,
+            HKV,
+            NQB,
+            NKB,
+            scale_log2,
+            float(scale),
+            seed,
+            threshold,
+            inv_keep,
+            GROUP=group,
+            HEADS_PER_PROGRAM=config.dq_heads_per_program,
+            BLOCK_Q=block_q,
+            BLOCK_K=block_k,
+            HEAD_DIM=D,
+            HAS_SEQ_LENS=seq_lens is not None,
+            DROPOUT=dropout,
+            HAS_COLD=has_cold,
+            IEEE=ieee,
+            HAS_DOCS=has_docs,
+            HAS_QUERY_MAP=has_map,
+            TMA_LOADS=dq_tma,
+            num_warps=config.dq_num_warps,
+            num_stages=config.dq_num_stages,
         )
     if stage_events and not stored:
         stage_events[2].record()
     num_items = schedule.item_row.numel()
     if num_items > 0 and kv_gluon:
         LAST_COMPILED["dkdv"] = launch_dkdv_gluon(
-            q, k, v, do, lse, delta, kv_qblocks, schedule.item_row, schedule.item_t0, schedule.item_t1,
-            schedule.item_part, dk, dv, dk_partial, dv_partial, docs_arg if has_docs else None, block_q=block_q,
-            block_k=block_k, scale=float(scale), tile_rows=config.gluon_tile_rows, num_buf=config.gluon_stages,
-            key_rows=config.gluon_key_rows)
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            kv_qblocks,
+            schedule.item_row,
+            schedule.item_t0,
+            schedule.item_t1,
+            schedule.item_part,
+            dk,
+            dv,
+            dk_partial,
+            dv_partial,
+            docs_arg if has_docs else None,
+            block_q=block_q,
+            block_k=block_k,
+            scale=float(scale),
+            tile_rows=config.gluon_tile_rows,
+            num_buf=config.gluon_stages,
+            key_rows=config.gluon_key_rows,
+        )
     elif num_items > 0:
         LAST_COMPILED["dkdv"] = launch(
-            _dkdv_kernel, (num_items,), q, k, v, do, lse, delta, kv_qblocks, kv_pairs, seq_lens_arg, docs_arg,
-            query_map, query_row0, schedule.item_row, schedule.item_t0, schedule.item_t1, schedule.item_part, dk, dv,
-            dk_partial, dv_partial, dq_acc, ds, q_operand, do_operand, ds_operand,
-            *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-            N, L, HQ, HKV, NKB, scale_log2, float(scale), seed, threshold, inv_keep,
-            GROUP=group, HEADS_PER_PROGRAM=config.kv_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k,
-            HEAD_DIM=D, HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, IEEE=ieee, HAS_DOCS=has_docs,
-            TILE_ROWS=config.kv_tile_rows, HAS_QUERY_MAP=has_map, FUSE_DQ=fused, TMA_LOADS=kv_tma, STORE_DS=stored,
+            _dkdv_kernel,
+            (num_items,),
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            kv_qblocks,
+            kv_pairs,
+            seq_lens_arg,
+            docs_arg,
+            query_map,
+            query_row0,
+            schedule.item_row,
+            schedule.item_t0,
+            schedule.item_t1,
+            schedule.item_part,
+            dk,
+            dv,
+            dk_partial,
+            dv_partial,
+            dq_acc,
+            ds,
+            q_operand,
+            do_operand,
+            ds_operand,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *do.stride(),
+            *dk.stride(),
+            *dv.stride(),
+            N,
+            L,
+            HQ,
+            HKV,
+            NKB,
+            scale_log2,
+            float(scale),
+            seed,
+            threshold,
+            inv_keep,
+            GROUP=group,
+            HEADS_PER_PROGRAM=config.kv_heads_per_program,
+            BLOCK_Q=block_q,
+            BLOCK_K=block_k,
+            HEAD_DIM=D,
+            HAS_SEQ_LENS=seq_lens is not None,
+            DROPOUT=dropout,
+            IEEE=ieee,
+            HAS_DOCS=has_docs,
+            TILE_ROWS=config.kv_tile_rows,
+            HAS_QUERY_MAP=has_map,
+            FUSE_DQ=fused,
+            TMA_LOADS=kv_tma,
+            STORE_DS=stored,
             TMA_STORE_DS=ds_tma,
-            num_warps=config.kv_num_warps, num_stages=config.kv_num_stages,
+            num_warps=config.kv_num_warps,
+            num_stages=config.kv_num_stages,
         )
     _dkdv_finish_kernel[(NKB, B * HKV)](
-        slots, schedule.part_start, schedule.num_parts, dk, dv, dk_atomic, dv_atomic, dk_partial, dv_partial,
-        *dk.stride(), *dv.stride(), N, HKV, NKB, float(scale),
-        BLOCK_K=block_k, HEAD_DIM=D, HAS_COLD=has_cold, HAS_PARTS=schedule.total_parts > 0, num_warps=4,
+        slots,
+        schedule.part_start,
+        schedule.num_parts,
+        dk,
+        dv,
+        dk_atomic,
+        dv_atomic,
+        dk_partial,
+        dv_partial,
+        *dk.stride(),
+        *dv.stride(),
+        N,
+        HKV,
+        NKB,
+        float(scale),
+        BLOCK_K=block_k,
+        HEAD_DIM=D,
+        HAS_COLD=has_cold,
+        HAS_PARTS=schedule.total_parts > 0,
+        num_warps=4,
     )
     if fused:
         dq = torch.empty_like(q).copy_(dq_acc)
@@ -625,13 +1089,37 @@ def sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qbl
         if stage_events:
             stage_events[2].record()
         LAST_COMPILED["dq"] = launch(
-            _dq_from_ds_kernel, (NQB * (group // config.dq_heads_per_program), B * HKV),
-            k, ds, indices, counts, seq_lens_arg, query_map, query_row0, dq, k_operand,
-            *k.stride(), *dq.stride(), *indices.stride(), *counts.stride(),
-            N, HKV, NQB, indices.shape[3], float(scale),
-            GROUP=group, HEADS_PER_PROGRAM=config.dq_heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
-            HAS_SEQ_LENS=seq_lens is not None, IEEE=ieee, HAS_QUERY_MAP=has_map, TMA_LOADS=dq_tma,
-            num_warps=config.dq_num_warps, num_stages=config.dq_num_stages,
+            _dq_from_ds_kernel,
+            (NQB * (group // config.dq_heads_per_program), B * HKV),
+            k,
+            ds,
+            indices,
+            counts,
+            seq_lens_arg,
+            query_map,
+            query_row0,
+            dq,
+            k_operand,
+            *k.stride(),
+            *dq.stride(),
+            *indices.stride(),
+            *counts.stride(),
+            N,
+            HKV,
+            NQB,
+            indices.shape[3],
+            float(scale),
+            GROUP=group,
+            HEADS_PER_PROGRAM=config.dq_heads_per_program,
+            BLOCK_Q=block_q,
+            BLOCK_K=block_k,
+            HEAD_DIM=D,
+            HAS_SEQ_LENS=seq_lens is not None,
+            IEEE=ieee,
+            HAS_QUERY_MAP=has_map,
+            TMA_LOADS=dq_tma,
+            num_warps=config.dq_num_warps,
+            num_stages=config.dq_num_stages,
         )
     if stage_events:
         stage_events[3].record()

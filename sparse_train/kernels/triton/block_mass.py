@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...plan.tuning import block_mass_config, row_log_mass_chunk
 from ...index.block_index import check_inputs
+from ...plan.tuning import block_mass_config, row_log_mass_chunk
 from ...validation import (
     check_choice,
     check_document_ids,
@@ -47,6 +47,7 @@ from ...validation import (
     check_scale,
     check_seq_lens,
 )
+from ..reference.block_mass import ROW_POOLS, renormalise
 from ._jit import (
     LN2,
     LOG2E,
@@ -62,10 +63,15 @@ from ._jit import (
 )
 from ._launch import kernel_document_ids, kernel_seq_lens, launch
 from .op import triton_supports
-from ..reference.block_mass import ROW_POOLS, renormalise
 
-__all__ = ["DENSE_TARGET_BUFFER_BYTES", "block_mass_launch", "pool_row_log_mass", "row_log_mass_launch",
-           "triton_block_mass", "triton_dense_block_mass"]
+__all__ = [
+    "DENSE_TARGET_BUFFER_BYTES",
+    "block_mass_launch",
+    "pool_row_log_mass",
+    "row_log_mass_launch",
+    "triton_block_mass",
+    "triton_dense_block_mass",
+]
 
 DENSE_TARGET_BUFFER_BYTES = 256 * 2**20
 """Largest per-row log-mass buffer of :func:`triton_dense_block_mass`; more sampled query blocks than fit
@@ -77,15 +83,45 @@ are processed in groups (fixed shapes, no host read), so ``distill="dense"`` sta
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _block_mass_kernel(
-    Q, K, LSE, INDICES, COUNTS, SEQ_LENS, DOCS, OUT,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_lb, stride_lh, stride_ln,
-    stride_ib, stride_ih, stride_iq, stride_ik,
-    stride_cb, stride_ch, stride_cq,
-    N, HKV, NQB, CAPACITY, scale_log2,
-    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, IEEE: tl.constexpr, ROW_MAX: tl.constexpr,
+    Q,
+    K,
+    LSE,
+    INDICES,
+    COUNTS,
+    SEQ_LENS,
+    DOCS,
+    OUT,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_lb,
+    stride_lh,
+    stride_ln,
+    stride_ib,
+    stride_ih,
+    stride_iq,
+    stride_ik,
+    stride_cb,
+    stride_ch,
+    stride_cq,
+    N,
+    HKV,
+    NQB,
+    CAPACITY,
+    scale_log2,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr,
+    IEEE: tl.constexpr,
+    ROW_MAX: tl.constexpr,
     HAS_DOCS: tl.constexpr,
 ):
     HEAD_SUBSETS: tl.constexpr = GROUP // HEADS_PER_PROGRAM
@@ -107,8 +143,9 @@ def _block_mass_kernel(
         docs_row = documents_row(DOCS, b64, N)
         doc_q = load_documents(docs_row, qpos, N)  # [M]
 
-    selected, count = index_row(INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq,
-                             stride_cb, stride_ch, stride_cq)
+    selected, count = index_row(
+        INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq
+    )
     k_base = K + b64 * stride_kb + hkv64 * stride_kh
     head_subset = tl.program_id(0) % HEAD_SUBSETS
     out_row = OUT + ((tl.program_id(1).to(tl.int64) * HEAD_SUBSETS + head_subset) * NQB + qb) * CAPACITY
@@ -116,8 +153,9 @@ def _block_mass_kernel(
         j = tl.load(selected + t * stride_ik)  # t-th selected key block
         kpos = j * BLOCK_K + offs_k  # [BK]
         key_in = kpos < seqlen
-        k = tl.load(tile_pointers(k_base, kpos.to(tl.int64), offs_d, stride_kn, stride_kd),
-                    mask=key_in[:, None], other=0.0)  # [BK, D]
+        k = tl.load(
+            tile_pointers(k_base, kpos.to(tl.int64), offs_d, stride_kn, stride_kd), mask=key_in[:, None], other=0.0
+        )  # [BK, D]
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         ok = (kpos[None, :] <= qpos[:, None]) & key_in[None, :]
         if HAS_DOCS:
@@ -132,12 +170,35 @@ def _block_mass_kernel(
 
 @triton.jit
 def _row_log_mass_kernel(
-    Q, K, QUERY_BLOCKS, SEQ_LENS, DOCS, OUT,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    N, HQ, HKV, NKB, NUM_SAMPLED, BLOCKS_PER_CHUNK, scale_log2,
-    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, IEEE: tl.constexpr, HAS_DOCS: tl.constexpr,
+    Q,
+    K,
+    QUERY_BLOCKS,
+    SEQ_LENS,
+    DOCS,
+    OUT,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    N,
+    HQ,
+    HKV,
+    NKB,
+    NUM_SAMPLED,
+    BLOCKS_PER_CHUNK,
+    scale_log2,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr,
+    IEEE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
 ):
     HEAD_SUBSETS: tl.constexpr = GROUP // HEADS_PER_PROGRAM
     scale_log2 = tl.cast(scale_log2, tl.float32)
@@ -169,8 +230,9 @@ def _row_log_mass_kernel(
         for j in range(first, tl.minimum(first + BLOCKS_PER_CHUNK, last_block + 1)):
             kpos = j * BLOCK_K + offs_k  # [BK]
             key_in = kpos < seqlen
-            k = tl.load(tile_pointers(k_base, kpos.to(tl.int64), offs_d, stride_kn, stride_kd),
-                        mask=key_in[:, None], other=0.0)  # [BK, D]
+            k = tl.load(
+                tile_pointers(k_base, kpos.to(tl.int64), offs_d, stride_kn, stride_kd), mask=key_in[:, None], other=0.0
+            )  # [BK, D]
             s = dot(q, tl.trans(k), IEEE) * scale_log2  # [M, BK]
             ok = (kpos[None, :] <= qpos[:, None]) & key_in[None, :]
             if HAS_DOCS:
@@ -187,9 +249,20 @@ def _row_log_mass_kernel(
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts: Tensor, *, block_q: int,
-                      block_k: int, scale: float, seq_lens: Tensor | None = None, row_max: bool = True,
-                      document_ids: Tensor | None = None) -> Tensor:
+def block_mass_launch(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    indices: Tensor,
+    counts: Tensor,
+    *,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    seq_lens: Tensor | None = None,
+    row_max: bool = True,
+    document_ids: Tensor | None = None,
+) -> Tensor:
     """Unnormalised mass float32 ``[B, HKV, NQB, K]`` pooled over rows by max (``row_max``) or sum
     (zeros in empty slots). No validation; q, k, lse, indices, counts are passed with their strides,
     seq_lens and document_ids ``[B, N]`` made contiguous int32 (``kernel_seq_lens``, ``kernel_document_ids``)."""
@@ -201,20 +274,52 @@ def block_mass_launch(q: Tensor, k: Tensor, lse: Tensor, indices: Tensor, counts
     head_subsets = group // config.heads_per_program
     out = torch.zeros((B, HKV, head_subsets, NQB, capacity), device=q.device, dtype=torch.float32)
     launch(
-        _block_mass_kernel, (NQB * head_subsets, B * HKV),
-        q, k, lse, indices, counts, kernel_seq_lens(seq_lens, N, counts), kernel_document_ids(document_ids, counts),
+        _block_mass_kernel,
+        (NQB * head_subsets, B * HKV),
+        q,
+        k,
+        lse,
+        indices,
+        counts,
+        kernel_seq_lens(seq_lens, N, counts),
+        kernel_document_ids(document_ids, counts),
         out,
-        *q.stride(), *k.stride(), *lse.stride(), *indices.stride(), *counts.stride(),
-        N, HKV, NQB, capacity, float(scale * LOG2E.value),
-        GROUP=group, HEADS_PER_PROGRAM=config.heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
-        HAS_SEQ_LENS=seq_lens is not None, IEEE=q.dtype == torch.float32, ROW_MAX=row_max,
-        HAS_DOCS=document_ids is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+        *q.stride(),
+        *k.stride(),
+        *lse.stride(),
+        *indices.stride(),
+        *counts.stride(),
+        N,
+        HKV,
+        NQB,
+        capacity,
+        float(scale * LOG2E.value),
+        GROUP=group,
+        HEADS_PER_PROGRAM=config.heads_per_program,
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        HEAD_DIM=D,
+        HAS_SEQ_LENS=seq_lens is not None,
+        IEEE=q.dtype == torch.float32,
+        ROW_MAX=row_max,
+        HAS_DOCS=document_ids is not None,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out.amax(dim=2) if row_max else out.sum(dim=2)
 
 
-def row_log_mass_launch(q: Tensor, k: Tensor, query_blocks: Tensor, *, block_q: int, block_k: int, scale: float,
-                        seq_lens: Tensor | None = None, document_ids: Tensor | None = None) -> Tensor:
+def row_log_mass_launch(
+    q: Tensor,
+    k: Tensor,
+    query_blocks: Tensor,
+    *,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
+) -> Tensor:
     """Base-2 log of each row's unnormalised mass on each key block, float32 ``[B, HQ, S, NKB, BQ]``
     (row r of sampled block s at ``[..., s, :, r]``; -inf where the row sees no key of the block, for
     dead rows and past the last causal block). No validation; ``query_blocks`` int32 ``[S]`` in range,
@@ -227,17 +332,35 @@ def row_log_mass_launch(q: Tensor, k: Tensor, query_blocks: Tensor, *, block_q: 
     config = block_mass_config(group, block_q)
     head_subsets = group // config.heads_per_program
     per_chunk = row_log_mass_chunk(num_k_blocks, num_sampled * head_subsets * B * HKV, q.device)
-    out = torch.full((B, HQ, num_sampled, num_k_blocks, block_q), float("-inf"), device=q.device,
-                     dtype=torch.float32)
+    out = torch.full((B, HQ, num_sampled, num_k_blocks, block_q), float("-inf"), device=q.device, dtype=torch.float32)
     launch(
-        _row_log_mass_kernel, (-(-num_k_blocks // per_chunk), num_sampled * head_subsets, B * HKV),
-        q, k, query_blocks, kernel_seq_lens(seq_lens, N, query_blocks),
-        kernel_document_ids(document_ids, query_blocks), out,
-        *q.stride(), *k.stride(),
-        N, HQ, HKV, num_k_blocks, num_sampled, per_chunk, float(scale * LOG2E.value),
-        GROUP=group, HEADS_PER_PROGRAM=config.heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
-        HAS_SEQ_LENS=seq_lens is not None, IEEE=q.dtype == torch.float32, HAS_DOCS=document_ids is not None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        _row_log_mass_kernel,
+        (-(-num_k_blocks // per_chunk), num_sampled * head_subsets, B * HKV),
+        q,
+        k,
+        query_blocks,
+        kernel_seq_lens(seq_lens, N, query_blocks),
+        kernel_document_ids(document_ids, query_blocks),
+        out,
+        *q.stride(),
+        *k.stride(),
+        N,
+        HQ,
+        HKV,
+        num_k_blocks,
+        num_sampled,
+        per_chunk,
+        float(scale * LOG2E.value),
+        GROUP=group,
+        HEADS_PER_PROGRAM=config.heads_per_program,
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        HEAD_DIM=D,
+        HAS_SEQ_LENS=seq_lens is not None,
+        IEEE=q.dtype == torch.float32,
+        HAS_DOCS=document_ids is not None,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return out
 
@@ -246,9 +369,18 @@ def row_log_mass_launch(q: Tensor, k: Tensor, query_blocks: Tensor, *, block_q: 
 # Layer 4: public functions (no autograd: the target is a constant)
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
-                      seq_lens: Tensor | None = None, row_pool: str = "max",
-                      document_ids: Tensor | None = None, check_values: bool = True) -> tuple[Tensor, Tensor]:
+def triton_block_mass(
+    q: Tensor,
+    k: Tensor,
+    lse: Tensor,
+    index,
+    *,
+    scale: float,
+    seq_lens: Tensor | None = None,
+    row_pool: str = "max",
+    document_ids: Tensor | None = None,
+    check_values: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Distillation target over the selected blocks, from the forward's lse.
 
     Args:
@@ -277,11 +409,20 @@ def triton_block_mass(q: Tensor, k: Tensor, lse: Tensor, index, *, scale: float,
     scale = check_scale(scale, q.shape[-1])
     if lse.shape != q.shape[:3] or lse.dtype != torch.float32 or lse.device != q.device:
         raise ValueError(
-            f"lse must be float32 {tuple(q.shape[:3])} on {q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}"
+            f"lse must be float32 {tuple(q.shape[:3])} on {q.device}, got {lse.dtype} {tuple(lse.shape)} on "
+            f"{lse.device}"
         )
     mass = block_mass_launch(
-        q.detach(), k.detach(), lse.detach(), index.indices, index.counts,
-        block_q=index.block_q, block_k=index.block_k, scale=scale, seq_lens=seq_lens, row_max=row_pool == "max",
+        q.detach(),
+        k.detach(),
+        lse.detach(),
+        index.indices,
+        index.counts,
+        block_q=index.block_q,
+        block_k=index.block_k,
+        scale=scale,
+        seq_lens=seq_lens,
+        row_max=row_pool == "max",
         document_ids=document_ids,
     )
     target = renormalise(mass)
@@ -304,9 +445,19 @@ def pool_row_log_mass(log_mass: Tensor, num_kv_heads: int, row_pool: str) -> tup
 
 
 @torch.no_grad()
-def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block_q: int, block_k: int, scale: float,
-                            seq_lens: Tensor | None = None, row_pool: str = "max",
-                            document_ids: Tensor | None = None, check_values: bool = True) -> tuple[Tensor, Tensor]:
+def triton_dense_block_mass(
+    q: Tensor,
+    k: Tensor,
+    query_blocks: Tensor,
+    *,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    seq_lens: Tensor | None = None,
+    row_pool: str = "max",
+    document_ids: Tensor | None = None,
+    check_values: bool = True,
+) -> tuple[Tensor, Tensor]:
     """Dense causal attention mass of a few query blocks on every key block, through the kernels.
 
     One kernel pass over the sampled blocks' causal area (``_row_log_mass_kernel``: each row's log mass
@@ -343,8 +494,10 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     picks = check_integer_tensor("query_blocks", query_blocks, dim=1).to(device=q.device, dtype=torch.int32)
     num_q_blocks = -(-seq_len // block_q)
     if check_values and not torch.compiler.is_compiling() and bool(((picks < 0) | (picks >= num_q_blocks)).any()):
-        raise ValueError(f"query_blocks must lie in [0, {num_q_blocks}) (N={seq_len}, BQ={block_q}), got values in "
-                         f"[{int(picks.min())}, {int(picks.max())}]")
+        raise ValueError(
+            f"query_blocks must lie in [0, {num_q_blocks}) (N={seq_len}, BQ={block_q}), got values in "
+            f"[{int(picks.min())}, {int(picks.max())}]"
+        )
     # an unchecked id may change which rows are computed, never make the kernel read outside q
     picks = picks.clamp(0, num_q_blocks - 1)
     num_k_blocks = -(-seq_len // block_k)
@@ -352,13 +505,22 @@ def triton_dense_block_mass(q: Tensor, k: Tensor, query_blocks: Tensor, *, block
     per_group = max(1, DENSE_TARGET_BUFFER_BYTES // row_bytes)
     targets, valids = [], []
     for start in range(0, picks.numel(), per_group):
-        log_mass = row_log_mass_launch(q.detach(), k.detach(), picks[start:start + per_group].contiguous(),
-                                       block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens,
-                                       document_ids=document_ids)
+        log_mass = row_log_mass_launch(
+            q.detach(),
+            k.detach(),
+            picks[start : start + per_group].contiguous(),
+            block_q=block_q,
+            block_k=block_k,
+            scale=scale,
+            seq_lens=seq_lens,
+            document_ids=document_ids,
+        )
         target, row_valid = pool_row_log_mass(log_mass, num_kv_heads, row_pool)
         targets.append(target)
         valids.append(row_valid)
     if not targets:
-        return (q.new_zeros((batch, num_kv_heads, 0, num_k_blocks), dtype=torch.float32),
-                torch.zeros((batch, num_kv_heads, 0), dtype=torch.bool, device=q.device))
+        return (
+            q.new_zeros((batch, num_kv_heads, 0, num_k_blocks), dtype=torch.float32),
+            torch.zeros((batch, num_kv_heads, 0), dtype=torch.bool, device=q.device),
+        )
     return torch.cat(targets, dim=2), torch.cat(valids, dim=2)

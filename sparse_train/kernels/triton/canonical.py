@@ -17,6 +17,7 @@ without documents), the one owner of the invariants; tests compare the two exact
 Known limits: no packed documents (``document_ids``: the PyTorch path), a given capacity; candidates outside
 ``[0, last_i]`` are dropped (``check="none"``: validation, where asked for, runs before, in PyTorch).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,10 +33,25 @@ __all__ = ["canonical_launch", "triton_canonical_merge"]
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _canonical_kernel(
-    PICKS, INDICES, COUNTS,
-    stride_pb, stride_ph, stride_pr, stride_pk,
-    N, HKV, NQB, NKB, window, sinks, capacity,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, K: tl.constexpr, CP: tl.constexpr, CAP_POW2: tl.constexpr,
+    PICKS,
+    INDICES,
+    COUNTS,
+    stride_pb,
+    stride_ph,
+    stride_pr,
+    stride_pk,
+    N,
+    HKV,
+    NQB,
+    NKB,
+    window,
+    sinks,
+    capacity,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K: tl.constexpr,
+    CP: tl.constexpr,
+    CAP_POW2: tl.constexpr,
 ):
     i = tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -67,8 +83,9 @@ def _canonical_kernel(
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def canonical_launch(picks: Tensor, *, seq_len: int, block_q: int, block_k: int, window: int, sinks: int,
-                     capacity: int) -> tuple[Tensor, Tensor]:
+def canonical_launch(
+    picks: Tensor, *, seq_len: int, block_q: int, block_k: int, window: int, sinks: int, capacity: int
+) -> tuple[Tensor, Tensor]:
     """int32 ``indices [B, HKV, NQB, capacity]`` and ``counts [B, HKV, NQB]``, contiguous. No validation:
     ``picks`` integer ``[B, HKV, NQB, k]`` (any strides), window / sinks <= NKB, capacity in [1, NKB]."""
     B, HKV, NQB, k = picks.shape
@@ -78,9 +95,23 @@ def canonical_launch(picks: Tensor, *, seq_len: int, block_q: int, block_k: int,
     if B * HKV * NQB == 0:
         return indices, counts
     _canonical_kernel[(NQB, B * HKV)](
-        picks, indices, counts, *picks.stride(), seq_len, HKV, NQB, num_k_blocks, window, sinks, capacity,
-        BLOCK_Q=block_q, BLOCK_K=block_k, K=k, CP=triton.next_power_of_2(max(1, k + window + sinks)),
-        CAP_POW2=triton.next_power_of_2(capacity), num_warps=1,
+        picks,
+        indices,
+        counts,
+        *picks.stride(),
+        seq_len,
+        HKV,
+        NQB,
+        num_k_blocks,
+        window,
+        sinks,
+        capacity,
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        K=k,
+        CP=triton.next_power_of_2(max(1, k + window + sinks)),
+        CAP_POW2=triton.next_power_of_2(capacity),
+        num_warps=1,
     )
     return indices, counts
 
@@ -89,10 +120,12 @@ def canonical_launch(picks: Tensor, *, seq_len: int, block_q: int, block_k: int,
 # Layer 4: public function (no autograd)
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def triton_canonical_merge(picks: Tensor, *, seq_len: int, block_q: int, block_k: int, window: int, sinks: int,
-                           capacity: int) -> tuple[Tensor, Tensor]:
+def triton_canonical_merge(
+    picks: Tensor, *, seq_len: int, block_q: int, block_k: int, window: int, sinks: int, capacity: int
+) -> tuple[Tensor, Tensor]:
     """Canonical ``(indices, counts)`` of ``picks`` plus window and sinks in one kernel: what
-    ``sparse_train.index.block_index.canonicalize(picks, ..., capacity=capacity, check="none")`` returns (without documents).
+    ``sparse_train.index.block_index.canonicalize(picks, ..., capacity=capacity, check="none")`` returns (without
+    documents).
 
     Args:
         picks: integer ``[B, HKV, NQB, k]`` candidate key blocks, -1 (or any value outside the causal range)
@@ -105,5 +138,12 @@ def triton_canonical_merge(picks: Tensor, *, seq_len: int, block_q: int, block_k
         int32 ``indices [B, HKV, NQB, capacity]`` (-1 padded), int32 ``counts [B, HKV, NQB]``.
     """
     num_k_blocks = -(-seq_len // block_k)
-    return canonical_launch(picks, seq_len=seq_len, block_q=block_q, block_k=block_k,
-                            window=min(window, num_k_blocks), sinks=min(sinks, num_k_blocks), capacity=capacity)
+    return canonical_launch(
+        picks,
+        seq_len=seq_len,
+        block_q=block_q,
+        block_k=block_k,
+        window=min(window, num_k_blocks),
+        sinks=min(sinks, num_k_blocks),
+        capacity=capacity,
+    )

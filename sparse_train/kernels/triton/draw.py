@@ -14,6 +14,7 @@ Known limits: t in [0, 2**63); NQB < 2**32. The key is a compile-time constant (
 library): inductor (torch 2.11) could not take it as a 64-bit int argument ("'int' object has no attribute
 'xreplace'"), and a constant costs no recompilation since the key never changes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,8 +51,9 @@ def draw_words_launch(num_q_blocks: int, draw: Tensor, key: int) -> Tensor:
     out = torch.empty(num_q_blocks, device=draw.device, dtype=torch.int64)
     if num_q_blocks:
         block = min(_BLOCKS_PER_PROGRAM, triton.next_power_of_2(num_q_blocks))
-        _draw_words_kernel[(triton.cdiv(num_q_blocks, block),)](draw, out, num_q_blocks, KEY=key, BLOCK=block,
-                                                                 num_warps=4)
+        _draw_words_kernel[(triton.cdiv(num_q_blocks, block),)](
+            draw, out, num_q_blocks, KEY=key, BLOCK=block, num_warps=4
+        )
     return out
 
 
@@ -75,10 +77,11 @@ def triton_draw_words(num_q_blocks: int, draw: Tensor, key: int) -> Tensor:
     Raises:
         ValueError: ``draw`` not a one-element integer tensor; ``key`` out of range.
     """
-    if (not isinstance(draw, Tensor) or draw.numel() != 1 or draw.dtype.is_floating_point
-            or draw.dtype == torch.bool):
-        raise ValueError(f"draw must be an integer tensor of one element, got "
-                         f"{getattr(draw, 'dtype', type(draw).__name__)} {tuple(getattr(draw, 'shape', ()))}")
+    if not isinstance(draw, Tensor) or draw.numel() != 1 or draw.dtype.is_floating_point or draw.dtype == torch.bool:
+        raise ValueError(
+            f"draw must be an integer tensor of one element, got "
+            f"{getattr(draw, 'dtype', type(draw).__name__)} {tuple(getattr(draw, 'shape', ()))}"
+        )
     if not isinstance(key, int) or not 0 <= key < 2**63:
         raise ValueError(f"key must be an int in [0, 2**63), got {key!r}")
     return draw_words_launch(num_q_blocks, draw.reshape(1).to(torch.int64), key)

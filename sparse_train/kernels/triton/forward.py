@@ -37,6 +37,7 @@ the interpreter and tests (its dots use input_precision="ieee"); rows are walked
 zeroes it; selections should drop such blocks upstream); split partials use an fp32 workspace of
 NUM_SPLITS * B * HQ * N * (D + 2) * 4 bytes.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,6 +45,8 @@ import triton
 import triton.language as tl
 
 from ...plan.tuning import forward_config
+from ..gluon.forward import gluon_fwd_supported, launch_fwd_gluon
+from ..reference.attention import dropout_threshold, philox_key  # the one definition of the keep bits
 from ._jit import (
     LN2,
     LOG2E,
@@ -68,8 +71,6 @@ from ._launch import (
     launch,
     tma_operands,
 )
-from ..gluon.forward import gluon_fwd_supported, launch_fwd_gluon
-from ..reference.attention import dropout_threshold, philox_key  # the one definition of the keep bits
 
 __all__ = ["sparse_attn_forward"]
 
@@ -81,19 +82,69 @@ _MERGE_ROWS = 32  # rows per program of the merge kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, O, LSE, INDICES, COUNTS, SEQ_LENS, DOCS, QUERY_MAP, QUERY_ROW0, PARTIAL_O, PARTIAL_M, PARTIAL_L,
-    DESC_K, DESC_V,
-    stride_qb, stride_qh, stride_qn, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_lb, stride_lh, stride_ln,
-    stride_ib, stride_ih, stride_iq, stride_ik,
-    stride_cb, stride_ch, stride_cq,
-    N, L, HQ, HKV, NQB, scale_log2, seed, threshold, inv_keep,
-    GROUP: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, DROPOUT: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    IEEE: tl.constexpr, HAS_DOCS: tl.constexpr, HAS_QUERY_MAP: tl.constexpr, TMA_LOADS: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    INDICES,
+    COUNTS,
+    SEQ_LENS,
+    DOCS,
+    QUERY_MAP,
+    QUERY_ROW0,
+    PARTIAL_O,
+    PARTIAL_M,
+    PARTIAL_L,
+    DESC_K,
+    DESC_V,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ln,
+    stride_ib,
+    stride_ih,
+    stride_iq,
+    stride_ik,
+    stride_cb,
+    stride_ch,
+    stride_cq,
+    N,
+    L,
+    HQ,
+    HKV,
+    NQB,
+    scale_log2,
+    seed,
+    threshold,
+    inv_keep,
+    GROUP: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    IEEE: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    HAS_QUERY_MAP: tl.constexpr,
+    TMA_LOADS: tl.constexpr,
 ):
     M: tl.constexpr = HEADS_PER_PROGRAM * BLOCK_Q
     # qb: the LOCAL query block (index row, rows of q/o/lse); qb_global, qpos: GLOBAL (masks, dropout)
@@ -106,8 +157,9 @@ def _fwd_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     q = load_rows(Q, b64, head64, qrow64, offs_d, stride_qb, stride_qh, stride_qn, stride_qd, row_ok)  # [M, D]
     seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
-    selected, count = index_row(INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq,
-                             stride_cb, stride_ch, stride_cq)
+    selected, count = index_row(
+        INDICES, COUNTS, b64, hkv64, qb.to(tl.int64), stride_ib, stride_ih, stride_iq, stride_cb, stride_ch, stride_cq
+    )
     # split-KV: this program walks slots [lo, hi) of its index row
     per_split = tl.cdiv(count, NUM_SPLITS)
     lo = split * per_split
@@ -136,14 +188,45 @@ def _fwd_kernel(
         # TMA: one bulk copy per tile, no [BK, D] address tensor in registers; V's rows in [seqlen, N) are
         # zeroed, K's need not be (their scores are masked to -inf below)
         crosses_length = j * BLOCK_K + BLOCK_K > seqlen
-        k = load_key_tile(DESC_K, k_base, b, hkv, j, kpos64, offs_d, stride_kn, stride_kd, kv_ok, crosses_length,
-                          TMA_LOADS, False, BLOCK_K, HEAD_DIM)  # [BK, D]
-        v = load_key_tile(DESC_V, v_base, b, hkv, j, kpos64, offs_d, stride_vn, stride_vd, kv_ok, crosses_length,
-                          TMA_LOADS, HAS_SEQ_LENS, BLOCK_K, HEAD_DIM)  # [BK, D]
+        k = load_key_tile(
+            DESC_K,
+            k_base,
+            b,
+            hkv,
+            j,
+            kpos64,
+            offs_d,
+            stride_kn,
+            stride_kd,
+            kv_ok,
+            crosses_length,
+            TMA_LOADS,
+            False,
+            BLOCK_K,
+            HEAD_DIM,
+        )  # [BK, D]
+        v = load_key_tile(
+            DESC_V,
+            v_base,
+            b,
+            hkv,
+            j,
+            kpos64,
+            offs_d,
+            stride_vn,
+            stride_vd,
+            kv_ok,
+            crosses_length,
+            TMA_LOADS,
+            HAS_SEQ_LENS,
+            BLOCK_K,
+            HEAD_DIM,
+        )  # [BK, D]
         s = dot(q, tl.trans(k), IEEE)  # [M, BK]
         s = s * scale_log2  # log2 domain: exp(x) = exp2(x * log2 e)
-        s = mask_scores(s, qpos, kpos, seqlen, j * BLOCK_K, q_first, docs_row, doc_q, doc_q_last, N,
-                        HAS_DOCS, BLOCK_K)  # masks before max/exp
+        s = mask_scores(
+            s, qpos, kpos, seqlen, j * BLOCK_K, q_first, docs_row, doc_q, doc_q_last, N, HAS_DOCS, BLOCK_K
+        )  # masks before max/exp
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with nothing valid so far keeps m = -inf; use 0 as base so exp2 gives 0, not NaN
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -178,11 +261,25 @@ def _fwd_kernel(
 
 @triton.jit
 def _merge_kernel(
-    O, LSE, PARTIAL_O, PARTIAL_M, PARTIAL_L,
-    stride_ob, stride_oh, stride_on, stride_od,
-    stride_lb, stride_lh, stride_ln,
-    N, HQ, inv_keep, TOTAL_ROWS,
-    NUM_SPLITS: tl.constexpr, BLOCK_ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    O,
+    LSE,
+    PARTIAL_O,
+    PARTIAL_M,
+    PARTIAL_L,
+    stride_ob,
+    stride_oh,
+    stride_on,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ln,
+    N,
+    HQ,
+    inv_keep,
+    TOTAL_ROWS,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     # exact merge of split partials: m = max_s m_s; l = sum_s 2^(m_s - m) l_s; o = sum_s 2^(m_s - m) o_s / l
     # N here: the rows per (batch, head) of o (L under a query-block map)
@@ -200,8 +297,9 @@ def _merge_kernel(
     for s in tl.static_range(NUM_SPLITS):
         w = tl.exp2(tl.load(PARTIAL_M + s * TOTAL_ROWS + rows64, mask=ok, other=float("-inf")) - m_base)
         l += w * tl.load(PARTIAL_L + s * TOTAL_ROWS + rows64, mask=ok, other=0.0)
-        acc += w[:, None] * tl.load(PARTIAL_O + (s * TOTAL_ROWS + rows64)[:, None] * HEAD_DIM + offs_d[None, :],
-                                    mask=ok[:, None], other=0.0)
+        acc += w[:, None] * tl.load(
+            PARTIAL_O + (s * TOTAL_ROWS + rows64)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None], other=0.0
+        )
     empty = l == 0.0
     l_safe = tl.where(empty, 1.0, l)
     o = acc * (inv_keep / l_safe)[:, None]
@@ -210,7 +308,9 @@ def _merge_kernel(
     qpos = rows64 % N
     batch = batch_head // HQ
     head = batch_head % HQ
-    o_ptrs = tile_pointers(O + batch[:, None] * stride_ob + head[:, None] * stride_oh, qpos, offs_d, stride_on, stride_od)
+    o_ptrs = tile_pointers(
+        O + batch[:, None] * stride_ob + head[:, None] * stride_oh, qpos, offs_d, stride_on, stride_od
+    )
     tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=ok[:, None])
     tl.store(LSE + batch * stride_lb + head * stride_lh + qpos * stride_ln, lse, mask=ok)
 
@@ -218,9 +318,25 @@ def _merge_kernel(
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, seq_lens=None,
-                        dropout_p=0.0, dropout_seed=0, num_splits=1, config=None, document_ids=None,
-                        query_map=None, query_row0=None):
+def sparse_attn_forward(
+    q,
+    k,
+    v,
+    indices,
+    counts,
+    *,
+    block_q,
+    block_k,
+    scale,
+    seq_lens=None,
+    dropout_p=0.0,
+    dropout_seed=0,
+    num_splits=1,
+    config=None,
+    document_ids=None,
+    query_map=None,
+    query_row0=None,
+):
     """Launch the forward.  q ``[B, HQ, N, D]``; k, v ``[B, HKV, N, D]``; indices int32 ``[B, HKV, NQB, K]``;
     counts int32 ``[B, HKV, NQB]``; seq_lens int ``[B]`` or None; document_ids int ``[B, N]`` (non-decreasing)
     or None.  Returns (o ``[B, HQ, N, D]`` in q's
@@ -259,31 +375,108 @@ def sparse_attn_forward(q, k, v, indices, counts, *, block_q, block_k, scale, se
         partial_l = torch.empty((num_splits, total_rows), device=q.device, dtype=torch.float32)
     else:
         partial_o = partial_m = partial_l = lse  # unused
-    gluon = bool(config.gluon) and gluon_fwd_supported(
-        q, k, v, block_q=block_q, block_k=block_k, heads_per_program=config.gluon_heads_per_program,
-        num_splits=num_splits, has_seq_lens=seq_lens is not None, has_docs=document_ids is not None,
-        dropout=dropout, query_map=has_map) is None
+    gluon = (
+        bool(config.gluon)
+        and gluon_fwd_supported(
+            q,
+            k,
+            v,
+            block_q=block_q,
+            block_k=block_k,
+            heads_per_program=config.gluon_heads_per_program,
+            num_splits=num_splits,
+            has_seq_lens=seq_lens is not None,
+            has_docs=document_ids is not None,
+            dropout=dropout,
+            query_map=has_map,
+        )
+        is None
+    )
     if gluon:
         docs = None if document_ids is None else kernel_document_ids(document_ids, counts)
         LAST_COMPILED["fwd"] = launch_fwd_gluon(
-            q, k, v, o, lse, indices, counts, docs, block_q=block_q, block_k=block_k, scale=float(scale),
-            heads_per_program=config.gluon_heads_per_program, num_buf=config.gluon_stages)
+            q,
+            k,
+            v,
+            o,
+            lse,
+            indices,
+            counts,
+            docs,
+            block_q=block_q,
+            block_k=block_k,
+            scale=float(scale),
+            heads_per_program=config.gluon_heads_per_program,
+            num_buf=config.gluon_stages,
+        )
         return o, lse
     k_operand, v_operand, tma = tma_operands(k, v, block_k, bool(config.tma_loads))
     LAST_COMPILED["fwd"] = launch(
-        _fwd_kernel, grid, q, k, v, o, lse, indices, counts, seq_lens_arg, kernel_document_ids(document_ids, counts),
-        query_map, query_row0, partial_o, partial_m, partial_l, k_operand, v_operand,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(), *lse.stride(),
-        *indices.stride(), *counts.stride(),
-        N, L, HQ, HKV, NQB, float(scale * LOG2E.value), philox_key(dropout_seed), threshold, inv_keep,
-        GROUP=group, HEADS_PER_PROGRAM=heads_per_program, BLOCK_Q=block_q, BLOCK_K=block_k, HEAD_DIM=D,
-        HAS_SEQ_LENS=seq_lens is not None, DROPOUT=dropout, NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32,
-        HAS_DOCS=document_ids is not None, HAS_QUERY_MAP=has_map, TMA_LOADS=tma, num_warps=config.num_warps,
+        _fwd_kernel,
+        grid,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        indices,
+        counts,
+        seq_lens_arg,
+        kernel_document_ids(document_ids, counts),
+        query_map,
+        query_row0,
+        partial_o,
+        partial_m,
+        partial_l,
+        k_operand,
+        v_operand,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *o.stride(),
+        *lse.stride(),
+        *indices.stride(),
+        *counts.stride(),
+        N,
+        L,
+        HQ,
+        HKV,
+        NQB,
+        float(scale * LOG2E.value),
+        philox_key(dropout_seed),
+        threshold,
+        inv_keep,
+        GROUP=group,
+        HEADS_PER_PROGRAM=heads_per_program,
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        HEAD_DIM=D,
+        HAS_SEQ_LENS=seq_lens is not None,
+        DROPOUT=dropout,
+        NUM_SPLITS=num_splits,
+        IEEE=q.dtype == torch.float32,
+        HAS_DOCS=document_ids is not None,
+        HAS_QUERY_MAP=has_map,
+        TMA_LOADS=tma,
+        num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if num_splits > 1:
         _merge_kernel[(triton.cdiv(total_rows, _MERGE_ROWS),)](
-            o, lse, partial_o, partial_m, partial_l, *o.stride(), *lse.stride(), L, HQ, inv_keep, total_rows,
-            NUM_SPLITS=num_splits, BLOCK_ROWS=_MERGE_ROWS, HEAD_DIM=D, num_warps=4,
+            o,
+            lse,
+            partial_o,
+            partial_m,
+            partial_l,
+            *o.stride(),
+            *lse.stride(),
+            L,
+            HQ,
+            inv_keep,
+            total_rows,
+            NUM_SPLITS=num_splits,
+            BLOCK_ROWS=_MERGE_ROWS,
+            HEAD_DIM=D,
+            num_warps=4,
         )
     return o, lse

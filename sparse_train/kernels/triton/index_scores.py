@@ -46,13 +46,13 @@ import triton.language as tl
 from torch import Tensor
 
 from ...validation import check_choice, check_int
-from ._jit import documents_row, dot, last_document, sequence_length
-from ._launch import kernel_document_ids, kernel_seq_lens, launch
 from ..reference.index_scores import (
     IndexScoreArgs,
     check_index_score_args,
     reference_index_block_scores,
 )
+from ._jit import documents_row, dot, last_document, sequence_length
+from ._launch import kernel_document_ids, kernel_seq_lens, launch
 
 __all__ = ["BACKWARD_CHUNK_BYTES", "MAX_ROW_TILE", "TILE_VALUES_PER_THREAD", "IndexScoreOptions", "index_block_scores",
            "index_block_scores_launch", "index_scores_support", "tile_options", "winner_gradients"]

@@ -35,10 +35,11 @@ Known limits: CUDA tensors in bf16/fp16 (fp32 only under TRITON_INTERPRET=1, for
 16/32/64/128; BQ, BK in {16, 32, 64, 128}; N < 2^31. dropout_seed=None draws a seed from torch's
 global CPU generator (a graph break under torch.compile: pass an int seed when compiling).
 """
+
 from __future__ import annotations
 
 import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -64,75 +65,260 @@ _FWD_FIELDS = len(ForwardConfig._fields)
 
 
 def _forward_impl(
-    q: Tensor, k: Tensor, v: Tensor, indices: Tensor, counts: Tensor,
-    kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor, seq_lens: Optional[Tensor],
-    cold_capacity: int, block_q: int, block_k: int, scale: float, dropout_p: float, dropout_seed: int,
-    num_splits: int, launch_config: list[int], document_ids: Optional[Tensor] = None,
-    query_map: Optional[Tensor] = None, query_row0: Optional[Tensor] = None, kv_pairs: Optional[Tensor] = None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    indices: Tensor,
+    counts: Tensor,
+    kv_indptr: Tensor,
+    kv_qblocks: Tensor,
+    slots: Tensor,
+    seq_lens: Tensor | None,
+    cold_capacity: int,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    dropout_p: float,
+    dropout_seed: int,
+    num_splits: int,
+    launch_config: list[int],
+    document_ids: Tensor | None = None,
+    query_map: Tensor | None = None,
+    query_row0: Tensor | None = None,
+    kv_pairs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     # kv_indptr / kv_qblocks / kv_pairs / slots / cold_capacity and the backward half of launch_config are not read
     # here; they are inputs so that setup_context can save them (custom ops save only inputs and outputs).
-    return sparse_attn_forward(q, k, v, indices, counts, block_q=block_q, block_k=block_k, scale=scale,
-                               seq_lens=seq_lens, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                               num_splits=num_splits, config=ForwardConfig(*launch_config[:_FWD_FIELDS]),
-                               document_ids=document_ids, query_map=query_map, query_row0=query_row0)
+    return sparse_attn_forward(
+        q,
+        k,
+        v,
+        indices,
+        counts,
+        block_q=block_q,
+        block_k=block_k,
+        scale=scale,
+        seq_lens=seq_lens,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        num_splits=num_splits,
+        config=ForwardConfig(*launch_config[:_FWD_FIELDS]),
+        document_ids=document_ids,
+        query_map=query_map,
+        query_row0=query_row0,
+    )
 
 
 _sparse_attn_fwd = torch.library.custom_op("sparse_train::sparse_attn_fwd", mutates_args=())(_forward_impl)
 
 
 @_sparse_attn_fwd.register_fake
-def _(q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
-      scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids=None, query_map=None, query_row0=None,
-      kv_pairs=None):
+def _(
+    q,
+    k,
+    v,
+    indices,
+    counts,
+    kv_indptr,
+    kv_qblocks,
+    slots,
+    seq_lens,
+    cold_capacity,
+    block_q,
+    block_k,
+    scale,
+    dropout_p,
+    dropout_seed,
+    num_splits,
+    launch_config,
+    document_ids=None,
+    query_map=None,
+    query_row0=None,
+    kv_pairs=None,
+):
     B, HQ, L, D = q.shape  # L = N, or the rows of the listed query blocks under a query-block map
     return attention_output(q), q.new_empty((B, HQ, L), dtype=torch.float32)
 
 
 def _backward_impl(
-    do: Tensor, dlse: Optional[Tensor], q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor,
-    indices: Tensor, counts: Tensor, kv_indptr: Tensor, kv_qblocks: Tensor, slots: Tensor,
-    seq_lens: Optional[Tensor], cold_capacity: int, block_q: int, block_k: int, scale: float,
-    dropout_p: float, dropout_seed: int, backward_config: list[int], document_ids: Optional[Tensor] = None,
-    query_map: Optional[Tensor] = None, query_row0: Optional[Tensor] = None, kv_pairs: Optional[Tensor] = None,
+    do: Tensor,
+    dlse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    lse: Tensor,
+    indices: Tensor,
+    counts: Tensor,
+    kv_indptr: Tensor,
+    kv_qblocks: Tensor,
+    slots: Tensor,
+    seq_lens: Tensor | None,
+    cold_capacity: int,
+    block_q: int,
+    block_k: int,
+    scale: float,
+    dropout_p: float,
+    dropout_seed: int,
+    backward_config: list[int],
+    document_ids: Tensor | None = None,
+    query_map: Tensor | None = None,
+    query_row0: Tensor | None = None,
+    kv_pairs: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    return sparse_attn_backward(do, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, cold_capacity,
-                                block_q=block_q, block_k=block_k, scale=scale, seq_lens=seq_lens, dlse=dlse,
-                                dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                config=BackwardConfig(*backward_config), document_ids=document_ids,
-                                query_map=query_map, query_row0=query_row0, kv_pairs=kv_pairs)
+    return sparse_attn_backward(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        indices,
+        counts,
+        kv_indptr,
+        kv_qblocks,
+        slots,
+        cold_capacity,
+        block_q=block_q,
+        block_k=block_k,
+        scale=scale,
+        seq_lens=seq_lens,
+        dlse=dlse,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        config=BackwardConfig(*backward_config),
+        document_ids=document_ids,
+        query_map=query_map,
+        query_row0=query_row0,
+        kv_pairs=kv_pairs,
+    )
 
 
 _sparse_attn_bwd = torch.library.custom_op("sparse_train::sparse_attn_bwd", mutates_args=())(_backward_impl)
 
 
 @_sparse_attn_bwd.register_fake
-def _(do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity,
-      block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids=None, query_map=None,
-      query_row0=None, kv_pairs=None):
+def _(
+    do,
+    dlse,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    indices,
+    counts,
+    kv_indptr,
+    kv_qblocks,
+    slots,
+    seq_lens,
+    cold_capacity,
+    block_q,
+    block_k,
+    scale,
+    dropout_p,
+    dropout_seed,
+    backward_config,
+    document_ids=None,
+    query_map=None,
+    query_row0=None,
+    kv_pairs=None,
+):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)  # the launcher's layouts
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, cold_capacity, block_q, block_k,
-     scale, dropout_p, dropout_seed, num_splits, launch_config, document_ids, query_map, query_row0,
-     kv_pairs) = inputs
+    (
+        q,
+        k,
+        v,
+        indices,
+        counts,
+        kv_indptr,
+        kv_qblocks,
+        slots,
+        seq_lens,
+        cold_capacity,
+        block_q,
+        block_k,
+        scale,
+        dropout_p,
+        dropout_seed,
+        num_splits,
+        launch_config,
+        document_ids,
+        query_map,
+        query_row0,
+        kv_pairs,
+    ) = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids,
-                          query_map, query_row0, kv_pairs)
+    ctx.save_for_backward(
+        q,
+        k,
+        v,
+        o,
+        lse,
+        indices,
+        counts,
+        kv_indptr,
+        kv_qblocks,
+        slots,
+        seq_lens,
+        document_ids,
+        query_map,
+        query_row0,
+        kv_pairs,
+    )
     ctx.meta = (cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, list(launch_config[_FWD_FIELDS:]))
 
 
 def _backward_with(backward_op, ctx, do, dlse):
-    (q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens, document_ids, query_map,
-     query_row0, kv_pairs) = ctx.saved_tensors
+    (
+        q,
+        k,
+        v,
+        o,
+        lse,
+        indices,
+        counts,
+        kv_indptr,
+        kv_qblocks,
+        slots,
+        seq_lens,
+        document_ids,
+        query_map,
+        query_row0,
+        kv_pairs,
+    ) = ctx.saved_tensors
     cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config = ctx.meta
     if do is None:  # only lse was used
         do = torch.zeros_like(o)
     dq, dk, dv = backward_op(
-        do, dlse, q, k, v, o, lse, indices, counts, kv_indptr, kv_qblocks, slots, seq_lens,
-        cold_capacity, block_q, block_k, scale, dropout_p, dropout_seed, backward_config, document_ids,
-        query_map, query_row0, kv_pairs)
+        do,
+        dlse,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        indices,
+        counts,
+        kv_indptr,
+        kv_qblocks,
+        slots,
+        seq_lens,
+        cold_capacity,
+        block_q,
+        block_k,
+        scale,
+        dropout_p,
+        dropout_seed,
+        backward_config,
+        document_ids,
+        query_map,
+        query_row0,
+        kv_pairs,
+    )
     return dq, dk, dv, *([None] * 18)
 
 
@@ -199,30 +385,46 @@ def triton_supports(q: Tensor, block_q: int, block_k: int) -> Support:
     mismatches are not checked here: they are errors, raised by `triton_sparse_attention`."""
     if q.device.type == "cuda":
         if q.dtype not in (torch.float16, torch.bfloat16):
-            return Support(False, "unsupported_dtype", f"dtype {q.dtype} on CUDA (kernels support bfloat16 and float16)")
+            return Support(
+                False, "unsupported_dtype", f"dtype {q.dtype} on CUDA (kernels support bfloat16 and float16)"
+            )
     elif q.device.type == "cpu":
         if not _interpreter():
             return Support(False, "cpu", "CPU tensors need TRITON_INTERPRET=1 for the Triton kernels")
         if q.dtype not in (torch.float16, torch.float32):
-            return Support(False, "unsupported_dtype",
-                           f"dtype {q.dtype} under the Triton interpreter (float16/float32 only: bf16 math is wrong there)")
+            return Support(
+                False,
+                "unsupported_dtype",
+                f"dtype {q.dtype} under the Triton interpreter (float16/float32 only: bf16 math is wrong there)",
+            )
     else:
         return Support(False, "unsupported_device", f"device type {q.device.type} (CUDA only)")
     d = q.shape[-1]
     if d not in _SUPPORTED_HEAD_DIMS:
         return Support(False, "unsupported_head_dim", f"head dim {d} (supported: {_SUPPORTED_HEAD_DIMS})")
     if block_q not in _SUPPORTED_BLOCKS or block_k not in _SUPPORTED_BLOCKS:
-        return Support(False, "unsupported_block_size",
-                       f"block sizes BQ={block_q}, BK={block_k} (supported: {_SUPPORTED_BLOCKS})")
+        return Support(
+            False, "unsupported_block_size", f"block sizes BQ={block_q}, BK={block_k} (supported: {_SUPPORTED_BLOCKS})"
+        )
     if q.shape[2] >= 2**31:
         return Support(False, "unsupported_other", "sequence length >= 2^31")
     return Support(True, "supported", "ok")
 
 
 def triton_sparse_attention(
-    q: Tensor, k: Tensor, v: Tensor, index, *, scale: float | None = None, dropout_p: float = 0.0,
-    dropout_seed: int | None = None, seq_lens: Tensor | None = None, deterministic: bool = False,
-    kernel_options=None, document_ids: Tensor | None = None, check_values: bool = True,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    index,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    seq_lens: Tensor | None = None,
+    deterministic: bool = False,
+    kernel_options=None,
+    document_ids: Tensor | None = None,
+    check_values: bool = True,
     query_blocks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact block-sparse causal attention through the Triton kernels, differentiable (eager and
@@ -287,9 +489,19 @@ def triton_sparse_attention(
     """
     check_values = check_bool("check_values", check_values)
     blocks, q_global = query_block_args(q, k, index, query_blocks, check_values)
-    args = check_attention_args(q_global, k, v, index, scale=scale, dropout_p=dropout_p, dropout_seed=dropout_seed,
-                                seq_lens=seq_lens, kernel_options=kernel_options, document_ids=document_ids,
-                                seq_lens_values=check_values)
+    args = check_attention_args(
+        q_global,
+        k,
+        v,
+        index,
+        scale=scale,
+        dropout_p=dropout_p,
+        dropout_seed=dropout_seed,
+        seq_lens=seq_lens,
+        kernel_options=kernel_options,
+        document_ids=document_ids,
+        seq_lens_values=check_values,
+    )
     support = triton_supports(q, index.block_q, index.block_k)
     if not support.ok:
         raise ValueError(f"triton_sparse_attention does not support this input: {support.message}")
@@ -300,8 +512,9 @@ def triton_sparse_attention(
     # the op's int is an int64: seeds >= 2**63 travel as their two's complement (same 64 bits)
     seed = seed - (1 << 64) if seed >= 1 << 63 else seed
     deterministic = check_bool("deterministic", deterministic) or torch.are_deterministic_algorithms_enabled()
-    schedule = attention_schedule(index, q.shape[1] // k.shape[1], q.shape[-1], q.device, args.kernel_options,
-                                  deterministic, query_blocks=blocks)
+    schedule = attention_schedule(
+        index, q.shape[1] // k.shape[1], q.shape[-1], q.device, args.kernel_options, deterministic, query_blocks=blocks
+    )
     plan = schedule.plan
     # copies: the backward must see the forward's selection and lengths whatever the caller does afterwards
     if blocks is None:
@@ -317,9 +530,29 @@ def triton_sparse_attention(
         seq_lens = seq_lens.to(torch.int32, copy=True)
     if document_ids is not None:
         document_ids = document_ids.to(torch.int32, memory_format=torch.contiguous_format, copy=True)
-    inputs = (q, k, v, indices, counts, plan.kv_indptr, plan.kv_qblocks, schedule.slots, seq_lens,
-              schedule.cold_capacity, index.block_q, index.block_k, scale, dropout_p, seed, schedule.num_splits,
-              [*schedule.forward, *schedule.backward], document_ids, query_map, query_row0, plan.kv_pairs)
+    inputs = (
+        q,
+        k,
+        v,
+        indices,
+        counts,
+        plan.kv_indptr,
+        plan.kv_qblocks,
+        schedule.slots,
+        seq_lens,
+        schedule.cold_capacity,
+        index.block_q,
+        index.block_k,
+        scale,
+        dropout_p,
+        seed,
+        schedule.num_splits,
+        [*schedule.forward, *schedule.backward],
+        document_ids,
+        query_map,
+        query_row0,
+        plan.kv_pairs,
+    )
     if not _direct_call(q, k, v):
         return torch.ops.sparse_train.sparse_attn_fwd(*inputs)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

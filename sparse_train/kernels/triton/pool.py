@@ -27,6 +27,7 @@ Known limits: head dims that are powers of two (the selector calls it where the 
 128); any strides; float32 accumulation, so the mean differs from the reference's by rounding (the reference
 reduces in another order); the max is exact without RoPE and grouping (keys: G = 1).
 """
+
 from __future__ import annotations
 
 import math
@@ -51,8 +52,7 @@ TWO_PI_LO = tl.constexpr(2.0 * math.pi - 6.28125)
 # Layer 1: kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS: tl.constexpr, FAST_TRIG: tl.constexpr, stride_pb,
-                  stride_pn):
+def _rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS: tl.constexpr, FAST_TRIG: tl.constexpr, stride_pb, stride_pn):
     # cos and sin [ROWS, HALF] of the angles pos[n] * w_d of one row step (shared by every head of the program)
     rows64 = rows.to(tl.int64)
     if HAS_POS:
@@ -71,8 +71,7 @@ def _rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS: tl.constexpr, FAST_TRIG
 
 
 @triton.jit
-def _group_sum(x_head, rows64, row_ok, channels, channel_ok, stride_xh, stride_xn, stride_xd,
-               GROUP: tl.constexpr):
+def _group_sum(x_head, rows64, row_ok, channels, channel_ok, stride_xh, stride_xn, stride_xd, GROUP: tl.constexpr):
     # [ROWS, C] float32 sum over the group's heads of the given channels (masked rows and channels read as 0)
     ptrs = x_head + rows64[:, None] * stride_xn + channels[None, :].to(tl.int64) * stride_xd
     mask = row_ok[:, None] & channel_ok[None, :]
@@ -92,12 +91,33 @@ def _store_pooled(out, channels, channel_ok, total, best, count, HEAD_DIM: tl.co
 
 @triton.jit
 def _block_pool_kernel(
-    X, INV_FREQ, POS, VALID_LEN, OUT,
-    stride_xb, stride_xh, stride_xn, stride_xd, stride_pb, stride_pn,
-    N, H, NB, HEADS_PER_PROGRAM,
-    GROUP: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ROT_HALF: tl.constexpr, HALF_P2: tl.constexpr, TAIL_P2: tl.constexpr, HAS_POS: tl.constexpr,
-    HAS_VALID_LEN: tl.constexpr, WITH_MAX: tl.constexpr, FAST_TRIG: tl.constexpr, INTERLEAVED: tl.constexpr,
+    X,
+    INV_FREQ,
+    POS,
+    VALID_LEN,
+    OUT,
+    stride_xb,
+    stride_xh,
+    stride_xn,
+    stride_xd,
+    stride_pb,
+    stride_pn,
+    N,
+    H,
+    NB,
+    HEADS_PER_PROGRAM,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROT_HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    TAIL_P2: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_VALID_LEN: tl.constexpr,
+    WITH_MAX: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
 ):
     # one program: block j of batch b for HEADS_PER_PROGRAM pooled heads. With RoPE and the block in one row
     # step the angles' cosine and sine are computed once and serve every head (they depend on the row only).
@@ -126,8 +146,9 @@ def _block_pool_kernel(
         if ONE_STEP:
             block_rows = j * BLOCK + tl.arange(0, ROWS)
             block_ok = (block_rows < limit) & (tl.arange(0, ROWS) < BLOCK)
-            cos_block, sin_block = _rope_cos_sin(POS, b64, block_rows, block_ok, freq, HAS_POS, FAST_TRIG,
-                                                 stride_pb, stride_pn)
+            cos_block, sin_block = _rope_cos_sin(
+                POS, b64, block_rows, block_ok, freq, HAS_POS, FAST_TRIG, stride_pb, stride_pn
+            )
     if TAIL > 0:
         tail = 2 * ROT_HALF + tl.arange(0, TAIL_P2)  # [TAIL] channels that are not rotated
         tail_ok = tail < HEAD_DIM
@@ -152,10 +173,14 @@ def _block_pool_kernel(
                     cos, sin = cos_block, sin_block
                 else:
                     cos, sin = _rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS, FAST_TRIG, stride_pb, stride_pn)
-                x_1 = _group_sum(x_head, rows64, row_ok, first_ch, half_ok, stride_xh, stride_xn, stride_xd,
-                                 GROUP) / GROUP  # [ROWS, HALF] the group's mean rows
-                x_2 = _group_sum(x_head, rows64, row_ok, second_ch, half_ok, stride_xh, stride_xn, stride_xd,
-                                 GROUP) / GROUP  # [ROWS, HALF]
+                x_1 = (
+                    _group_sum(x_head, rows64, row_ok, first_ch, half_ok, stride_xh, stride_xn, stride_xd, GROUP)
+                    / GROUP
+                )  # [ROWS, HALF] the group's mean rows
+                x_2 = (
+                    _group_sum(x_head, rows64, row_ok, second_ch, half_ok, stride_xh, stride_xn, stride_xd, GROUP)
+                    / GROUP
+                )  # [ROWS, HALF]
                 turned_1 = x_1 * cos + x_2 * sin
                 turned_2 = x_2 * cos - x_1 * sin
                 total_1 += tl.sum(tl.where(row_ok[:, None], turned_1, 0.0), axis=0)
@@ -164,8 +189,9 @@ def _block_pool_kernel(
                     best_1 = tl.maximum(best_1, tl.max(tl.where(row_ok[:, None], turned_1, float("-inf")), axis=0))
                     best_2 = tl.maximum(best_2, tl.max(tl.where(row_ok[:, None], turned_2, float("-inf")), axis=0))
             if TAIL > 0:
-                x_t = _group_sum(x_head, rows64, row_ok, tail, tail_ok, stride_xh, stride_xn, stride_xd,
-                                 GROUP) / GROUP  # [ROWS, TAIL]
+                x_t = (
+                    _group_sum(x_head, rows64, row_ok, tail, tail_ok, stride_xh, stride_xn, stride_xd, GROUP) / GROUP
+                )  # [ROWS, TAIL]
                 total_t += tl.sum(tl.where(row_ok[:, None], x_t, 0.0), axis=0)
                 if WITH_MAX:
                     best_t = tl.maximum(best_t, tl.max(tl.where(row_ok[:, None], x_t, float("-inf")), axis=0))
@@ -179,10 +205,20 @@ def _block_pool_kernel(
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def block_pool_launch(x: Tensor, block: int, group: int, valid_len: Tensor | None, inv_freq: Tensor | None,
-                      positions: Tensor | None, with_max: bool, *, rope_style: str = "rotate_half",
-                      rows: int | None = None, num_warps: int | None = None,
-                      heads_per_program: int | None = None) -> Tensor:
+def block_pool_launch(
+    x: Tensor,
+    block: int,
+    group: int,
+    valid_len: Tensor | None,
+    inv_freq: Tensor | None,
+    positions: Tensor | None,
+    with_max: bool,
+    *,
+    rope_style: str = "rotate_half",
+    rows: int | None = None,
+    num_warps: int | None = None,
+    heads_per_program: int | None = None,
+) -> Tensor:
     """float32 ``[B, H, NB, (1 + with_max) * D]``. No validation: ``valid_len`` int ``[B]`` contiguous,
     ``inv_freq`` float ``[R/2]`` contiguous or None, ``positions`` ``[N]`` or ``[B, N]`` or None. ``rows`` /
     ``num_warps`` / ``heads_per_program``: the tile and the heads a program walks (default
@@ -204,13 +240,30 @@ def block_pool_launch(x: Tensor, block: int, group: int, valid_len: Tensor | Non
     dummy = out
     if out.numel():
         _block_pool_kernel[(NB, B, triton.cdiv(H, heads_per_program))](
-            x, dummy if inv_freq is None else inv_freq, dummy if positions is None else positions,
-            dummy if valid_len is None else valid_len, out,
-            *x.stride(), stride_pb, stride_pn, N, H, NB, heads_per_program,
-            GROUP=group, BLOCK=block, ROWS=rows, HEAD_DIM=D, ROT_HALF=rot_half,
-            HALF_P2=triton.next_power_of_2(max(rot_half, 1)), TAIL_P2=triton.next_power_of_2(max(D - 2 * rot_half, 1)),
-            HAS_POS=positions is not None, HAS_VALID_LEN=valid_len is not None, WITH_MAX=with_max,
-            FAST_TRIG=x.device.type == "cuda", INTERLEAVED=rope_style == "interleaved",
+            x,
+            dummy if inv_freq is None else inv_freq,
+            dummy if positions is None else positions,
+            dummy if valid_len is None else valid_len,
+            out,
+            *x.stride(),
+            stride_pb,
+            stride_pn,
+            N,
+            H,
+            NB,
+            heads_per_program,
+            GROUP=group,
+            BLOCK=block,
+            ROWS=rows,
+            HEAD_DIM=D,
+            ROT_HALF=rot_half,
+            HALF_P2=triton.next_power_of_2(max(rot_half, 1)),
+            TAIL_P2=triton.next_power_of_2(max(D - 2 * rot_half, 1)),
+            HAS_POS=positions is not None,
+            HAS_VALID_LEN=valid_len is not None,
+            WITH_MAX=with_max,
+            FAST_TRIG=x.device.type == "cuda",
+            INTERLEAVED=rope_style == "interleaved",
             num_warps=num_warps or default_warps,
         )
     return out
@@ -220,9 +273,17 @@ def block_pool_launch(x: Tensor, block: int, group: int, valid_len: Tensor | Non
 # Layer 4: public function (no autograd: pooled inputs are detached)
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def triton_block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tensor | None = None,
-                      inv_freq: Tensor | None = None, positions: Tensor | None = None,
-                      with_max: bool = False, rope_style: str = "rotate_half") -> Tensor:
+def triton_block_pool(
+    x: Tensor,
+    block: int,
+    group: int = 1,
+    *,
+    valid_len: Tensor | None = None,
+    inv_freq: Tensor | None = None,
+    positions: Tensor | None = None,
+    with_max: bool = False,
+    rope_style: str = "rotate_half",
+) -> Tensor:
     """Block pooling of the selector in one kernel; the semantics of
     :func:`~sparse_train.kernels.reference.pool.reference_block_pool`.
 
@@ -254,11 +315,18 @@ def triton_block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tenso
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
     if valid_len is not None:
-        if (not isinstance(valid_len, Tensor) or valid_len.shape != (B,) or valid_len.dtype.is_floating_point
-                or valid_len.dtype == torch.bool or valid_len.device != x.device):
-            raise ValueError(f"valid_len must be an integer tensor [B] = [{B}] on {x.device}, got "
-                             f"{getattr(valid_len, 'dtype', type(valid_len).__name__)} "
-                             f"{tuple(getattr(valid_len, 'shape', ()))} on {getattr(valid_len, 'device', None)}")
+        if (
+            not isinstance(valid_len, Tensor)
+            or valid_len.shape != (B,)
+            or valid_len.dtype.is_floating_point
+            or valid_len.dtype == torch.bool
+            or valid_len.device != x.device
+        ):
+            raise ValueError(
+                f"valid_len must be an integer tensor [B] = [{B}] on {x.device}, got "
+                f"{getattr(valid_len, 'dtype', type(valid_len).__name__)} "
+                f"{tuple(getattr(valid_len, 'shape', ()))} on {getattr(valid_len, 'device', None)}"
+            )
         valid_len = valid_len.to(torch.int32).contiguous()
     if inv_freq is not None and inv_freq.numel() == 0:
         inv_freq = None
@@ -267,8 +335,10 @@ def triton_block_pool(x: Tensor, block: int, group: int = 1, *, valid_len: Tenso
         inv_freq = inv_freq.to(x.device, torch.float32).contiguous()
         if positions is not None:
             if positions.dtype == torch.bool or positions.device != x.device:
-                raise ValueError(f"positions must be an integer or float tensor on {x.device}, got "
-                                 f"{positions.dtype} on {positions.device}")
+                raise ValueError(
+                    f"positions must be an integer or float tensor on {x.device}, got "
+                    f"{positions.dtype} on {positions.device}"
+                )
             if positions.dtype == torch.float64:  # the reference turns positions into float32 first
                 positions = positions.to(torch.float32)
     else:

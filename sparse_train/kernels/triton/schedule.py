@@ -17,6 +17,7 @@ PyTorch path: cumulative sums, a sorted search and gathers); tests require equal
 Known limits: one program, so its time grows with R (steps of 4096 rows; 8192 rows at 64K, B = 1, HKV = 8,
 BK = 64); counts in int32 (the plan's item and partial counts are below 2**31).
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,8 +37,19 @@ _MAX_BLOCK = 4096
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _kv_schedule_kernel(
-    REUSE, KV_INDPTR, SLOTS, ITEM_ROW, ITEM_T0, ITEM_T1, ITEM_PART, PART_START, NUM_PARTS,
-    R, NUM_ITEMS, CHUNK, BLOCK: tl.constexpr,
+    REUSE,
+    KV_INDPTR,
+    SLOTS,
+    ITEM_ROW,
+    ITEM_T0,
+    ITEM_T1,
+    ITEM_PART,
+    PART_START,
+    NUM_PARTS,
+    R,
+    NUM_ITEMS,
+    CHUNK,
+    BLOCK: tl.constexpr,
 ):
     items_before = 0  # items of the rows of earlier steps
     parts_before = 0  # partial slots of the rows of earlier steps
@@ -78,8 +90,9 @@ def _kv_schedule_kernel(
 # ----------------------------------------------------------------------------------------------
 # Layer 2: launcher
 # ----------------------------------------------------------------------------------------------
-def kv_schedule_launch(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int, num_items: int
-                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def kv_schedule_launch(
+    reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int, num_items: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(item_row, item_t0, item_t1, item_part ``[num_items]``, part_start, num_parts ``[R]``), int32. No
     validation: ``reuse`` int ``[R]``, ``kv_indptr`` int64 ``[R + 1]``, ``slots`` int32 ``[R]``, contiguous."""
     num_rows = reuse.numel()
@@ -89,8 +102,20 @@ def kv_schedule_launch(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: i
     if num_rows or num_items:
         block = min(_MAX_BLOCK, triton.next_power_of_2(max(num_rows, num_items, 16)))
         _kv_schedule_kernel[(1,)](
-            reuse, kv_indptr, slots, item_arrays[0], item_arrays[1], item_arrays[2], item_arrays[3], row_arrays[0],
-            row_arrays[1], num_rows, num_items, chunk, BLOCK=block, num_warps=8 if block >= 2048 else 4,
+            reuse,
+            kv_indptr,
+            slots,
+            item_arrays[0],
+            item_arrays[1],
+            item_arrays[2],
+            item_arrays[3],
+            row_arrays[0],
+            row_arrays[1],
+            num_rows,
+            num_items,
+            chunk,
+            BLOCK=block,
+            num_warps=8 if block >= 2048 else 4,
         )
     return (*item_arrays.unbind(0), *row_arrays.unbind(0))
 
@@ -99,8 +124,7 @@ def kv_schedule_launch(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: i
 # Layer 4: public function (no autograd)
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def triton_kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int, *, num_items: int,
-                       num_parts: int):
+def triton_kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: int, *, num_items: int, num_parts: int):
     """The KV-centric work list in one kernel; the semantics of :func:`sparse_train.plan.plan.kv_schedule` with the
     array lengths given (no host read).
 
@@ -121,16 +145,19 @@ def triton_kv_schedule(reuse: Tensor, kv_indptr: Tensor, slots: Tensor, chunk: i
     slots = slots.reshape(-1)
     num_rows = reuse.numel()
     if kv_indptr.shape != (num_rows + 1,) or slots.shape != (num_rows,):
-        raise ValueError(f"kv_indptr must be [R + 1] and slots [R] for R = {num_rows} rows, got "
-                         f"{tuple(kv_indptr.shape)} and {tuple(slots.shape)}")
+        raise ValueError(
+            f"kv_indptr must be [R + 1] and slots [R] for R = {num_rows} rows, got "
+            f"{tuple(kv_indptr.shape)} and {tuple(slots.shape)}"
+        )
     if kv_indptr.device != reuse.device or slots.device != reuse.device:
-        raise ValueError(f"reuse, kv_indptr and slots must share a device, got {reuse.device}, {kv_indptr.device}, "
-                         f"{slots.device}")
+        raise ValueError(
+            f"reuse, kv_indptr and slots must share a device, got {reuse.device}, {kv_indptr.device}, {slots.device}"
+        )
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     if num_items < 0 or num_parts < 0:
         raise ValueError(f"num_items and num_parts must be >= 0, got {num_items} and {num_parts}")
     item_row, item_t0, item_t1, item_part, part_start, parts = kv_schedule_launch(
-        reuse.contiguous(), kv_indptr.to(torch.int64).contiguous(), slots.to(torch.int32).contiguous(), chunk,
-        num_items)
+        reuse.contiguous(), kv_indptr.to(torch.int64).contiguous(), slots.to(torch.int32).contiguous(), chunk, num_items
+    )
     return KVSchedule(item_row, item_t0, item_t1, item_part, part_start, parts, num_parts)

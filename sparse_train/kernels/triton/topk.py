@@ -20,6 +20,7 @@ fixed order; for distinct scores the two pick the same blocks).
 Known limits: NKB <= ``MAX_KEY_BLOCKS`` (one register tile per row); no packed documents and no adaptive
 budget (``top_p``): those stay on the PyTorch path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,7 @@ MAX_KEY_BLOCKS = 8192
 """Longest score row the kernel holds (8192 key blocks: 512K tokens at BK = 64)."""
 
 _EMPTY_BLOCK_SCORE = tl.constexpr(EMPTY_BLOCK_SCORE)
-NEG_INF_ORDERED = tl.constexpr(-2**31 + 2**23 - 1)  # the sortable int32 of the bits of -inf (kernel's mapping)
+NEG_INF_ORDERED = tl.constexpr(-(2**31) + 2**23 - 1)  # the sortable int32 of the bits of -inf (kernel's mapping)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -43,11 +44,27 @@ NEG_INF_ORDERED = tl.constexpr(-2**31 + 2**23 - 1)  # the sortable int32 of the 
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _topk_kernel(
-    SCORES, SEQ_LENS, QUERY_BLOCKS, OUT,
-    stride_sb, stride_sh, stride_sr, stride_sj,
-    N, HKV, R, NKB, window, sinks,
-    BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SEQ_LENS: tl.constexpr, HAS_QUERY_BLOCKS: tl.constexpr,
+    SCORES,
+    SEQ_LENS,
+    QUERY_BLOCKS,
+    OUT,
+    stride_sb,
+    stride_sh,
+    stride_sr,
+    stride_sj,
+    N,
+    HKV,
+    R,
+    NKB,
+    window,
+    sinks,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K: tl.constexpr,
+    K_POW2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr,
+    HAS_QUERY_BLOCKS: tl.constexpr,
 ):
     r = tl.program_id(0)
     batch_head = tl.program_id(1)
@@ -95,18 +112,43 @@ def topk_warps(block_n: int) -> int:
     return max(1, min(8, block_n // 1024))
 
 
-def topk_launch(scores: Tensor, *, seq_len: int, block_q: int, block_k: int, k: int, window: int, sinks: int,
-                seq_lens: Tensor | None, query_blocks: Tensor | None) -> Tensor:
+def topk_launch(
+    scores: Tensor,
+    *,
+    seq_len: int,
+    block_q: int,
+    block_k: int,
+    k: int,
+    window: int,
+    sinks: int,
+    seq_lens: Tensor | None,
+    query_blocks: Tensor | None,
+) -> Tensor:
     """int64 ``[B, HKV, R, k]``. No validation: ``seq_lens`` int32 ``[B]`` contiguous, ``query_blocks`` int32
     ``[R]`` contiguous in range, or None; ``window`` 0 means no window (every causal block stays allowed)."""
     B, HKV, R, NKB = scores.shape
     out = torch.empty((B, HKV, R, k), device=scores.device, dtype=torch.int64)
     block_n = triton.next_power_of_2(NKB)
     _topk_kernel[(R, B * HKV)](
-        scores, out if seq_lens is None else seq_lens, out if query_blocks is None else query_blocks, out,
-        *scores.stride(), seq_len, HKV, R, NKB, window, sinks,
-        BLOCK_Q=block_q, BLOCK_K=block_k, K=k, K_POW2=triton.next_power_of_2(k), BLOCK_N=block_n,
-        HAS_SEQ_LENS=seq_lens is not None, HAS_QUERY_BLOCKS=query_blocks is not None, num_warps=topk_warps(block_n),
+        scores,
+        out if seq_lens is None else seq_lens,
+        out if query_blocks is None else query_blocks,
+        out,
+        *scores.stride(),
+        seq_len,
+        HKV,
+        R,
+        NKB,
+        window,
+        sinks,
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        K=k,
+        K_POW2=triton.next_power_of_2(k),
+        BLOCK_N=block_n,
+        HAS_SEQ_LENS=seq_lens is not None,
+        HAS_QUERY_BLOCKS=query_blocks is not None,
+        num_warps=topk_warps(block_n),
     )
     return out
 
@@ -115,8 +157,15 @@ def topk_launch(scores: Tensor, *, seq_len: int, block_q: int, block_k: int, k: 
 # Layer 4: public function (no autograd)
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
-def triton_selection_candidates(scores: Tensor, geometry, *, window: int, sinks: int,
-                                seq_lens: Tensor | None = None, query_blocks: Tensor | None = None) -> Tensor:
+def triton_selection_candidates(
+    scores: Tensor,
+    geometry,
+    *,
+    window: int,
+    sinks: int,
+    seq_lens: Tensor | None = None,
+    query_blocks: Tensor | None = None,
+) -> Tensor:
     """Top-k dynamic key blocks per query block in one kernel; the semantics of
     :func:`sparse_train.selection.scorer.selection_candidates` without documents and ``top_p`` (ties go to the
     lower block).
@@ -141,8 +190,9 @@ def triton_selection_candidates(scores: Tensor, geometry, *, window: int, sinks:
     if scores.dim() != 4 or scores.shape[3] != geometry.num_k_blocks:
         raise ValueError(f"scores must be [B, HKV, R, NKB={geometry.num_k_blocks}], got {tuple(scores.shape)}")
     if geometry.num_k_blocks > MAX_KEY_BLOCKS:
-        raise ValueError(f"the top-k kernel holds rows of at most {MAX_KEY_BLOCKS} key blocks, got "
-                         f"{geometry.num_k_blocks}")
+        raise ValueError(
+            f"the top-k kernel holds rows of at most {MAX_KEY_BLOCKS} key blocks, got {geometry.num_k_blocks}"
+        )
     B, HKV, R, _ = scores.shape
     k = geometry.dynamic_k
     if k == 0 or R == 0:
@@ -155,6 +205,14 @@ def triton_selection_candidates(scores: Tensor, geometry, *, window: int, sinks:
         if query_blocks.shape != (R,):
             raise ValueError(f"query_blocks must list the {R} rows of scores, got {tuple(query_blocks.shape)}")
         query_blocks = query_blocks.to(device=scores.device, dtype=torch.int32).contiguous()
-    return topk_launch(scores.detach(), seq_len=geometry.seq_len, block_q=geometry.block_q,
-                       block_k=geometry.block_k, k=k, window=window, sinks=sinks, seq_lens=seq_lens,
-                       query_blocks=query_blocks)
+    return topk_launch(
+        scores.detach(),
+        seq_len=geometry.seq_len,
+        block_q=geometry.block_q,
+        block_k=geometry.block_k,
+        k=k,
+        window=window,
+        sinks=sinks,
+        seq_lens=seq_lens,
+        query_blocks=query_blocks,
+    )
