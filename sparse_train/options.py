@@ -83,31 +83,29 @@ class KernelOptions:
     recomputing S and dP: 5 tile products per block pair instead of 7, no atomics (deterministic). Every
     block is then KV-centric (``r0`` does not apply). Excludes ``fused_dq``. Default off: on the H200 at 64K
     the backward is 2-8% faster (0.98-1.08x by shape), for about 8 GB more peak memory at B = 1, HQ = 32
-    (docs/benchmarks/speed_round2/README.md, thirteenth session)."""
+    (docs/kernel_tuning.md)."""
     kv_gluon: bool | None = None
     """The KV-centric dK/dV kernel hand-scheduled in Gluon (:mod:`sparse_train.kernels.gluon.backward`:
     q/dO slices prefetched by TMA, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
     (Hopper, no dropout, sequence lengths or query-block map, N a multiple of the blocks, neither
     ``fused_dq`` nor ``stored_ds``; the Triton kernel runs elsewhere). Same products in the same order: the
-    gradients equal the Triton kernel's. Default on where :func:`~sparse_train.plan.device.gluon_kernels` holds (H200,
-    64K: the
-    backward 9-15% faster; docs/benchmarks/speed_round2/README.md, fourteenth session)."""
+    gradients equal the Triton kernel's. Default on where :func:`~sparse_train.plan.device.gluon_kernels` holds
+    (H200, 64K: the backward 9-15% faster; docs/kernel_tuning.md)."""
     fwd_gluon: bool | None = None
     """The forward hand-scheduled in Gluon (:mod:`sparse_train.kernels.gluon.forward`: the q tile in shared
     memory, K/V tiles prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where
     it applies (Hopper, no dropout, sequence lengths, query-block map or split rows, N a multiple of
     the blocks); same products in the same order, so the outputs equal the Triton forward's bit for bit. Default
-    on where :func:`~sparse_train.plan.device.gluon_kernels` holds and the head dim and key blocks are 64, the one shape
-    where it measured
-    faster (H200, 64K: 11%; 3-17% slower at D = 128 and over 128-key blocks)."""
+    on where :func:`~sparse_train.plan.device.gluon_kernels` holds and the head dim and key blocks are 64, the one
+    shape where it measures faster (H200, 64K: 11%; 3-17% slower at D = 128 and over 128-key blocks;
+    docs/kernel_tuning.md)."""
     dq_gluon: bool | None = None
     """The dQ kernel hand-scheduled in Gluon (:mod:`sparse_train.kernels.gluon.backward`: K/V tiles
     prefetched by TMA into a ring, asynchronous warpgroup MMAs) instead of the Triton one, where it applies
     (as ``kv_gluon``, and no cold block: the atomic dK/dV products of cold blocks stay in the Triton kernel).
     Same products in the same order: dQ equals the Triton kernel's bit for bit. Default on where
-    :func:`~sparse_train.plan.device.gluon_kernels` holds (H200, 64K, whole backward with the Gluon KV-centric kernel:
-    2.6-5% faster;
-    docs/benchmarks/speed_round2/README.md, fifteenth session)."""
+    :func:`~sparse_train.plan.device.gluon_kernels` holds (H200, 64K, whole backward with the Gluon KV-centric
+    kernel: 2.6-5% faster; docs/kernel_tuning.md)."""
 
 
 KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))

@@ -67,7 +67,7 @@ SINKS = 1
 
 # Wall-time estimate. Aggregate bf16 throughput of several small-model jobs sharing one H200, and the cost
 # of a sparse training step relative to a dense one, both derived from
-# docs/benchmarks/selector_2026-11-30/runs/h200_round17_summary.json (lm8k_dense / lm8k_sparse_k8: a 4-layer
+# docs/benchmarks/selector_quality_lm8k_hard4k.json (lm8k_dense / lm8k_sparse_k8: a 4-layer
 # d_model 256 model at 8K, batch 4, 600 steps, runs sharing the GPU: 1.4 min dense, 3.2 min sparse).
 EST_AGGREGATE_FLOPS = 100e12
 EST_STEP_FACTOR = {"dense": 1.0, "pooled": 2.3, "token": 2.3, "oracle": 2.3, "row_oracle": 4.0}

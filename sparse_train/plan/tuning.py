@@ -32,7 +32,7 @@ block) is cut into chunks whose fp32 partials are summed in chunk order, so no p
 GLUON_TILE_ROWS = 64
 """Query rows per step of the Gluon KV-centric kernel: at D = 128 its two [BK, D] accumulators and two
 [BK, 64] score tiles fit in 255 registers (H200, 64K: 32 rows 2-10% slower, 128 rows spill and run 1.4-1.9x
-slower; docs/benchmarks/speed_round2/h200_probe_gluon_kv_session14.json)."""
+slower; docs/benchmarks/gluon_kv_h200.json)."""
 GLUON_RING = 2
 """q/dO slices the Gluon KV-centric kernel keeps in flight (3: equal at D = 64, spills at D = 128)."""
 GLUON_KEY_ROWS = 64
@@ -40,11 +40,11 @@ GLUON_KEY_ROWS = 64
 two programs share an SM and one's softmax runs while the other's products do, as with 64-key blocks; one
 128-row program of 8 warps filled the SM alone and kept the tensor pipe busy 55% of the time, two 64-row programs
 64% (H200, 64K, D = 128, Nsight Compute); whole backward at P128 11.29 -> 10.53 ms (D = 128), 7.47 -> 6.77 ms
-(D = 64), bitwise equal (docs/benchmarks/speed_round2/h200_probe_gluon_key_rows_session19.json)."""
+(D = 64), bitwise equal (docs/benchmarks/gluon_key_rows_h200.json)."""
 GLUON_FWD_ROWS = 64
 """Query rows a Gluon forward program aims at (heads x BQ; one head for BQ >= 64): at head dim 64 over 64-key
 blocks two such programs share an SM (H200, 64K: 1.99 ms against 2.13 with 128 rows, 2.58 with 256, and 2.24
-for the Triton forward; docs/benchmarks/speed_round2/h200_probe_gluon_forward_session15.json)."""
+for the Triton forward; docs/benchmarks/gluon_forward_h200.json)."""
 GLUON_FWD_RING = 2
 """K/V tiles the Gluon forward keeps in flight."""
 GLUON_DQ_RING = 2
@@ -54,7 +54,7 @@ GLUON_DQ_ROWS = 64
 """Query rows a Gluon dQ program aims at (heads x BQ; one head for BQ = 128). 64 rows (4 warps) let two programs
 share an SM, one computing its softmax while the other's products run: on the H200 at 64K, P64, the whole
 backward took 10.01 against 10.46 ms with 128 rows at D = 128, 6.01 against 6.64 at D = 64
-(docs/benchmarks/speed_round2/h200_probe_gluon_backward_session15_p64_heads.json). The Triton dQ kernel keeps
+(docs/benchmarks/gluon_dq_p64_heads_h200.json). The Triton dQ kernel keeps
 its 128 rows (with one head at BQ = 64 it took 17.5 ms)."""
 
 
@@ -165,7 +165,7 @@ def forward_config(
     elements, 4 below, 3 stages (2 for 256-row tiles over 128-key blocks: shared memory); but 4 warps and 2
     stages below head dim 128 over 128-key blocks; K/V through TMA descriptors where ``device`` takes them
     (:func:`copy_engine_loads`; None: assumed). Measured: docs/benchmarks/kernel_tuning.md,
-    docs/benchmarks/speed_round2/. ``kernel_options`` override each field."""
+    docs/kernel_tuning.md. ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
     heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=256 if head_dim >= 128 else 128)
     _divides_group("kernel_options.fwd_heads_per_program", heads, group)
@@ -178,7 +178,7 @@ def forward_config(
         warps = 8 if rows * max(head_dim, block_k) >= 128 * 64 else 4
         stages = 2 if (rows >= 256 and block_k >= 128) else 3
     # TMA K/V loads: 4.17 -> 3.67 ms (P128, D = 128), 3.65 -> 3.45 (P64), 2.47 -> 2.32 (P128, D = 64), equal
-    # at P64, D = 64 (H200, 64K: docs/benchmarks/speed_round2/h200_probe_tma_session12.json)
+    # at P64, D = 64 (H200, 64K: docs/benchmarks/tma_loads_h200.json)
     tma = _flag(options.fwd_tma, device is None or copy_engine_loads(device))
     gluon = _flag(options.fwd_gluon, head_dim == 64 and block_k == 64 and device is not None and gluon_kernels(device))
     gluon_heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=GLUON_FWD_ROWS)
@@ -288,7 +288,7 @@ def block_mass_config(group: int, block_q: int) -> ForwardConfig:
 def pool_config(rope: bool, block: int, head_dim: int) -> tuple[int, int, int]:
     """(rows per step, warps, pooled heads per program) of the selector's pooling kernel (``kernels/triton/pool.py``)
     for blocks of ``block`` rows, measured on the H200 at 64K and 16K
-    (``docs/benchmarks/speed_round2/h200_pool_sweep_session11.json``).
+    (``docs/benchmarks/selector_pool_sweep_h200.json``).
 
     Without RoPE the kernel streams q and k: 64-row steps on 2 warps, one head per program (2.5-3 TB/s).
     With RoPE a program takes the whole block in one step, so the angles' cosine and sine are computed once
