@@ -401,7 +401,7 @@ class CausalLMTraining:
         parts = [f"{k} = {v:.4f}" for k, v in sorted(self.final_metrics.items()) if "/layer" not in k]
         if chance is not None:
             parts.append(f"chance = {chance:.4f}")
-        for key in ("attn/mass_recall_mean", "attn/mass_recall_p5", "attn/oracle_mass_recall_mean",
+        for key in ("attn/density", "attn/mass_recall_mean", "attn/mass_recall_p5", "attn/oracle_mass_recall_mean",
                     "attn/oracle_density_r90"):
             value = module.trainer.callback_metrics.get(key)
             if value is not None:  # the last training-time measurement (sparse config metrics_every)

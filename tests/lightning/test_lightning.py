@@ -52,6 +52,29 @@ def test_validation_reports_needle_block_recall_per_layer(tmp_path):
     assert got["val/needle_recall_best_layer"] == max(layers)
 
 
+
+def test_final_line_reports_accuracy_density_and_the_dense_twin(tmp_path, monkeypatch):
+    from lightning.pytorch import Trainer
+
+    from sparse_train.lightning import training
+
+    lines: list[str] = []
+    monkeypatch.setattr(training, "rank_zero_info", lines.append)
+    module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=dict(SPARSE, dense_warmup_steps=0)),
+                            dense_twin_acc=0.5)
+    dm = RetrievalDataModule(seq_len=256, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2,
+                             val_samples=4)
+    trainer = Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      num_sanity_val_steps=0, accelerator="cpu", default_root_dir=tmp_path, callbacks=[StepTimer()])
+    trainer.fit(module, dm)
+    done = [line for line in lines if line.startswith("[sparse-train] done: 2 steps")]
+    assert len(done) == 1, lines
+    density = float(trainer.callback_metrics["attn/density"])
+    assert 0.0 < density < 1.0  # 256 tokens in blocks of 32 with 2 + 1 + 1 blocks per row: sparse
+    acc = module.final_metrics["val/acc"]
+    assert f"val/acc = {acc:.4f}" in done[0] and f"density = {density:.4f}" in done[0]
+    assert f"dense twin val/acc = 0.5000 (this run: {acc / 0.5:.1%} of it)" in done[0]
+
 def test_curriculum_data_module_batches():
     dm = RetrievalDataModule(
         seq_len=128,
