@@ -9,7 +9,8 @@ Times, in one process, ``index_block_scores`` at B=1, H=8, block 64 (query and k
 with the automatic tiles (``tile_options``) at every N, and at N = 65536 also three other tile variants (64 keys
 per step on 4 warps, 256 keys on 8 warps, two query blocks per program). Timed by
 ``scripts.bench.harness.measure`` (CUDA events, warm-up, L2 flushed before each repeat, device time only), median
-and p95; effective TFLOP/s counts the causal work, N^2 / 2 (row, key) pairs x 2 E S flops x H. Correctness: for each (N, E, S), the kernel on three listed query
+and p95; effective TFLOP/s counts the causal work, N^2 / 2 (row, key) pairs x 2 E S flops x H. Correctness: for each
+(N, E, S), the kernel on three listed query
 blocks (first, middle, last) against the float64 reference (largest error relative to the largest |score|),
 and the full kernel's rows at those blocks equal the listed ones bit for bit. Checks the budget: forward at
 N = 65536 (best tiles) <= 1.2 ms.
@@ -65,8 +66,12 @@ def parse_args(argv=None):
     p.add_argument("--heads", type=int, default=8, help="heads H (KV heads of the selector)")
     p.add_argument("--block", type=int, default=64, help="block size (query and key)")
     p.add_argument("--shapes", nargs="+", default=[f"{e}x{s}" for e, s in SHAPES], help="ExS pairs")
-    p.add_argument("--max-repeats", type=int, default=20, help="most timed repeats of one call (at least 5, and "
-                   "until 400 ms are measured)")
+    p.add_argument(
+        "--max-repeats",
+        type=int,
+        default=20,
+        help="most timed repeats of one call (at least 5, and until 400 ms are measured)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda")
     return p.parse_args(argv)
@@ -86,13 +91,18 @@ def check_rows(u, w, block: int) -> dict:
     with torch.no_grad():
         listed = index_block_scores(u_listed, w, block_q=block, block_k=block, query_blocks=blocks)
         full = index_block_scores(u, w, block_q=block, block_k=block)
-        ref = reference_index_block_scores(u_listed.double(), w.double(), block_q=block, block_k=block,
-                                           query_blocks=blocks)
+        ref = reference_index_block_scores(
+            u_listed.double(), w.double(), block_q=block, block_k=block, query_blocks=blocks
+        )
     finite = torch.isfinite(ref)
     same_pattern = bool(torch.equal(torch.isfinite(listed), finite))
     err = ((listed.double() - ref)[finite].abs().max() / ref[finite].abs().max()).item()
-    return {"query_blocks": blocks.tolist(), "max_rel_err": err, "same_inf_pattern": same_pattern,
-            "full_equals_listed": bool(torch.equal(full[:, :, blocks], listed))}
+    return {
+        "query_blocks": blocks.tolist(),
+        "max_rel_err": err,
+        "same_inf_pattern": same_pattern,
+        "full_equals_listed": bool(torch.equal(full[:, :, blocks], listed)),
+    }
 
 
 def main(argv=None) -> int:
@@ -109,8 +119,11 @@ def main(argv=None) -> int:
             w = torch.randn(1, args.heads, n, S, device=device, generator=g).to(dtype)
             check = {"N": n, "E": E, "S": S, **check_rows(u, w, args.block)}
             checks.append(check)
-            print(f"check N={n} E={E} S={S}: rel err {check['max_rel_err']:.2e}, -inf pattern "
-                  f"{check['same_inf_pattern']}, full == listed {check['full_equals_listed']}", flush=True)
+            print(
+                f"check N={n} E={E} S={S}: rel err {check['max_rel_err']:.2e}, -inf pattern "
+                f"{check['same_inf_pattern']}, full == listed {check['full_equals_listed']}",
+                flush=True,
+            )
             variants = VARIANTS if n == VARIANT_LENGTH else {"auto": None}
             for name, options in variants.items():
                 tiles = tile_options(args.block, args.block, E, S, options)
@@ -122,21 +135,37 @@ def main(argv=None) -> int:
                         index_block_scores(u, w, block_q=args.block, block_k=args.block, options=options)
 
                 def forward_backward(options=options, u_grad=u_grad, w_grad=w_grad):
-                    scores = index_block_scores(u_grad, w_grad, block_q=args.block, block_k=args.block,
-                                                options=options)
+                    scores = index_block_scores(u_grad, w_grad, block_q=args.block, block_k=args.block, options=options)
                     torch.autograd.grad(scores, (u_grad, w_grad), torch.ones_like(scores))
 
                 flops = causal_flops(n, args.heads, E, S)
                 for mode, fn in (("fwd", forward), ("fwd_bwd", forward_backward)):
-                    t = measure(fn, device=device, warmup=args.warmup, max_reps=max(5, args.max_repeats),
-                                busy=device.type == "cuda")._asdict()
-                    row = {"N": n, "H": args.heads, "E": E, "S": S, "block": args.block, "variant": name,
-                           "tiles": tiles._asdict(), "mode": mode, **t,
-                           "tflops": flops / (t["median_ms"] * 1e-3) / 1e12 if mode == "fwd" else None}
+                    t = measure(
+                        fn,
+                        device=device,
+                        warmup=args.warmup,
+                        max_reps=max(5, args.max_repeats),
+                        busy=device.type == "cuda",
+                    )._asdict()
+                    row = {
+                        "N": n,
+                        "H": args.heads,
+                        "E": E,
+                        "S": S,
+                        "block": args.block,
+                        "variant": name,
+                        "tiles": tiles._asdict(),
+                        "mode": mode,
+                        **t,
+                        "tflops": flops / (t["median_ms"] * 1e-3) / 1e12 if mode == "fwd" else None,
+                    }
                     results.append(row)
                     tf = f", {row['tflops']:.1f} TFLOP/s" if row["tflops"] is not None else ""
-                    print(f"N={n} E={E} S={S} {name:10s} {mode:8s} median {t['median_ms']:.3f} ms "
-                          f"p95 {t['p95_ms']:.3f} ms{tf}", flush=True)
+                    print(
+                        f"N={n} E={E} S={S} {name:10s} {mode:8s} median {t['median_ms']:.3f} ms "
+                        f"p95 {t['p95_ms']:.3f} ms{tf}",
+                        flush=True,
+                    )
                 del u_grad, w_grad
             del u, w
             if device.type == "cuda":
@@ -147,32 +176,57 @@ def main(argv=None) -> int:
         fwd = [r for r in results if r["N"] == VARIANT_LENGTH and r["E"] == E and r["S"] == S and r["mode"] == "fwd"]
         if fwd:
             best = min(fwd, key=lambda r: r["median_ms"])
-            budget.append({"E": E, "S": S, "best_variant": best["variant"], "median_ms": best["median_ms"],
-                           "budget_ms": BUDGET_MS, "within_budget": best["median_ms"] <= BUDGET_MS})
-    env = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-           "python": platform.python_version(), "dtype": str(dtype),
-           "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()}
-    (args.out / "index_scores.json").write_text(json.dumps({"env": env, "results": results, "checks": checks,
-                                                            "budget": budget}, indent=1))
-    lines = [f"Index block scores, B=1, H={args.heads}, block {args.block}, {dtype}, {env['device']}, {env['date']}",
-             "", "| N | E | S | tiles (key, row, warps, blocks) | fwd ms (p95) | fwd TFLOP/s | fwd+bwd ms (p95) |",
-             "|---|---|---|---|---|---|---|"]
+            budget.append(
+                {
+                    "E": E,
+                    "S": S,
+                    "best_variant": best["variant"],
+                    "median_ms": best["median_ms"],
+                    "budget_ms": BUDGET_MS,
+                    "within_budget": best["median_ms"] <= BUDGET_MS,
+                }
+            )
+    env = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "dtype": str(dtype),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+    }
+    (args.out / "index_scores.json").write_text(
+        json.dumps({"env": env, "results": results, "checks": checks, "budget": budget}, indent=1)
+    )
+    lines = [
+        f"Index block scores, B=1, H={args.heads}, block {args.block}, {dtype}, {env['device']}, {env['date']}",
+        "",
+        "| N | E | S | tiles (key, row, warps, blocks) | fwd ms (p95) | fwd TFLOP/s | fwd+bwd ms (p95) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         if r["mode"] != "fwd":
             continue
-        fb = next(x for x in results if x["mode"] == "fwd_bwd" and
-                  all(x[k] == r[k] for k in ("N", "E", "S", "variant")))
+        fb = next(
+            x for x in results if x["mode"] == "fwd_bwd" and all(x[k] == r[k] for k in ("N", "E", "S", "variant"))
+        )
         tl = r["tiles"]
-        lines.append(f"| {r['N']} | {r['E']} | {r['S']} | {r['variant']} ({tl['key_tile']}, {tl['row_tile']}, "
-                     f"{tl['num_warps']}, {tl['blocks_per_program']}) | {r['median_ms']:.3f} ({r['p95_ms']:.3f}) | "
-                     f"{r['tflops']:.1f} | {fb['median_ms']:.3f} ({fb['p95_ms']:.3f}) |")
+        lines.append(
+            f"| {r['N']} | {r['E']} | {r['S']} | {r['variant']} ({tl['key_tile']}, {tl['row_tile']}, "
+            f"{tl['num_warps']}, {tl['blocks_per_program']}) | {r['median_ms']:.3f} ({r['p95_ms']:.3f}) | "
+            f"{r['tflops']:.1f} | {fb['median_ms']:.3f} ({fb['p95_ms']:.3f}) |"
+        )
     lines += ["", f"Budget: forward at N={VARIANT_LENGTH} <= {BUDGET_MS} ms (best tiles):", ""]
-    lines += [f"- E={b['E']} S={b['S']}: {b['median_ms']:.3f} ms ({b['best_variant']}) "
-              f"{'within' if b['within_budget'] else 'OVER'}" for b in budget]
+    lines += [
+        f"- E={b['E']} S={b['S']}: {b['median_ms']:.3f} ms ({b['best_variant']}) "
+        f"{'within' if b['within_budget'] else 'OVER'}"
+        for b in budget
+    ]
     lines += ["", "Correctness (three listed query blocks vs the float64 reference):", ""]
-    lines += [f"- N={c['N']} E={c['E']} S={c['S']}: max rel err {c['max_rel_err']:.2e}, -inf pattern "
-              f"{'equal' if c['same_inf_pattern'] else 'DIFFERS'}, full kernel rows "
-              f"{'equal' if c['full_equals_listed'] else 'DIFFER'}" for c in checks]
+    lines += [
+        f"- N={c['N']} E={c['E']} S={c['S']}: max rel err {c['max_rel_err']:.2e}, -inf pattern "
+        f"{'equal' if c['same_inf_pattern'] else 'DIFFERS'}, full kernel rows "
+        f"{'equal' if c['full_equals_listed'] else 'DIFFER'}"
+        for c in checks
+    ]
     (args.out / "index_scores.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     ok = all(c["same_inf_pattern"] and c["full_equals_listed"] and c["max_rel_err"] < 1e-4 for c in checks)

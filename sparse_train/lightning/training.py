@@ -10,7 +10,8 @@ it, and neither inherits the other's behaviour. The component reaches the model 
 Multi-GPU runs use Lightning's strategies. Under ``--trainer.strategy=fsdp`` (FSDP1, ``use_orig_params=True``)
 :meth:`CausalLMTraining.configure_model` gives the strategy an auto-wrap policy that makes each of the model's
 layers (``layer_types``: our ``Block``, a Hugging Face model's ``_no_split_modules``) its own FSDP unit, so the
-selectors, which sit inside the layers' attention, are sharded, gathered and freed with their layer; gradient-norm clipping stays two
+selectors, which sit inside the layers' attention, are sharded, gathered and freed with their layer; gradient-norm
+clipping stays two
 groups through ``st.clip_grad_norms`` on the shards. Losses are normalised by the labelled tokens of all
 ranks, so a step on ``W`` ranks of ``B`` rows each computes the gradient of one ``W * B`` row batch. Under
 context parallelism (:class:`~sparse_train.lightning.context_parallel.ContextParallel`, ``--cp``) the ranks of a
@@ -52,9 +53,18 @@ from ..selection.metrics import needle_block_recall
 from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_float, check_int
 
-__all__ = ["TrainingArgs", "CausalLMTraining", "CausalLMHooks", "load_weights", "keep_buffer_dtypes",
-           "selector_parameter_names", "selector_state_names",
-           "attached_datamodule", "gradient_shard_group", "unwrapped_name"]
+__all__ = [
+    "TrainingArgs",
+    "CausalLMTraining",
+    "CausalLMHooks",
+    "load_weights",
+    "keep_buffer_dtypes",
+    "selector_parameter_names",
+    "selector_state_names",
+    "attached_datamodule",
+    "gradient_shard_group",
+    "unwrapped_name",
+]
 
 
 def keep_buffer_dtypes(strategy: FSDPStrategy) -> None:
@@ -82,7 +92,7 @@ def load_weights(model: nn.Module, path: str, prefix: str = "model.") -> dict[st
     blob = torch.load(path, map_location="cpu", weights_only=False)
     state = blob.get("state_dict", blob) if isinstance(blob, dict) else blob
     if any(k.startswith(prefix) for k in state):
-        state = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        state = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
     selector = selector_state_names(model)
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if k not in selector]
@@ -90,8 +100,9 @@ def load_weights(model: nn.Module, path: str, prefix: str = "model.") -> dict[st
     # a dense twin); their names contain the attention core's attribute name.
     unexpected = [k for k in result.unexpected_keys if ".core." not in k]
     if missing or unexpected:
-        raise RuntimeError(f"checkpoint {path} does not match the model: missing={missing[:8]} "
-                           f"unexpected={unexpected[:8]}")
+        raise RuntimeError(
+            f"checkpoint {path} does not match the model: missing={missing[:8]} unexpected={unexpected[:8]}"
+        )
     return {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
 
 
@@ -180,9 +191,18 @@ class CausalLMTraining:
         dense_twin_acc: The dense twin's ``val/acc``, printed in the final line (reporting only).
     """
 
-    def __init__(self, module: LightningModule, args: TrainingArgs, *, vocab_size: int, attention: str,
-                 vocab_error: str, sparse_hint: str, layer_types: tuple[type[nn.Module], ...] = (),
-                 dense_twin_acc: float | None = None) -> None:
+    def __init__(
+        self,
+        module: LightningModule,
+        args: TrainingArgs,
+        *,
+        vocab_size: int,
+        attention: str,
+        vocab_error: str,
+        sparse_hint: str,
+        layer_types: tuple[type[nn.Module], ...] = (),
+        dense_twin_acc: float | None = None,
+    ) -> None:
         self.args = args
         self.layer_types = tuple(layer_types)
         self.vocab_size = vocab_size
@@ -194,8 +214,10 @@ class CausalLMTraining:
             raise ValueError(f"train_only_selector needs sparse attention ({sparse_hint})")
         if args.init_from:
             info = load_weights(module.model, args.init_from)
-            rank_zero_info(f"[sparse-train] initialised from {args.init_from} "
-                           f"(new selector tensors: {len(info['missing'])}, dropped: {len(info['unexpected'])})")
+            rank_zero_info(
+                f"[sparse-train] initialised from {args.init_from} "
+                f"(new selector tensors: {len(info['missing'])}, dropped: {len(info['unexpected'])})"
+            )
         if args.train_only_selector:
             for name, p in module.named_parameters():
                 p.requires_grad_(name in self.selector_names)
@@ -232,12 +254,15 @@ class CausalLMTraining:
         if not inputs and any(key in batch for key in _BOUNDARY_KEYS) and not self._warned_boundaries:
             self._warned_boundaries = True
             present = ", ".join(key for key in _BOUNDARY_KEYS if key in batch)
-            rank_zero_warn(f"the batch marks document boundaries ({present}) but {type(model).__name__}.forward "
-                           f"takes none of {_BOUNDARY_KEYS}: attention crosses the documents packed into a row")
+            rank_zero_warn(
+                f"the batch marks document boundaries ({present}) but {type(model).__name__}.forward "
+                f"takes none of {_BOUNDARY_KEYS}: attention crosses the documents packed into a row"
+            )
         return inputs
 
-    def _lm_loss(self, module: LightningModule,
-                 batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _lm_loss(
+        self, module: LightningModule, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if self.context_parallel is not None:
             batch = self.context_parallel.shard_batch(batch)
         inputs = self.model_inputs(module.model, batch)
@@ -379,21 +404,28 @@ class CausalLMTraining:
         ddp = strategy.model if isinstance(strategy, DDPStrategy) else None
         if ddp is None or getattr(ddp, "find_unused_parameters", True):
             return
-        skipping = [core for core in module.model.modules() if isinstance(core, st.SparseAttention)
-                    and (core.config.distill == "off" or core.config.distill_every > 1)
-                    and any(p.requires_grad for p in core.parameters())]
+        skipping = [
+            core
+            for core in module.model.modules()
+            if isinstance(core, st.SparseAttention)
+            and (core.config.distill == "off" or core.config.distill_every > 1)
+            and any(p.requires_grad for p in core.parameters())
+        ]
         if skipping:
             cfg = skipping[0].config
-            raise ValueError(f"DDP: the selectors do not distill on every step (distill={cfg.distill!r}, "
-                             f"distill_every={cfg.distill_every}), so their parameters miss gradients on some "
-                             "steps; use --trainer.strategy=ddp_find_unused_parameters_true (or distill_every=1)")
+            raise ValueError(
+                f"DDP: the selectors do not distill on every step (distill={cfg.distill!r}, "
+                f"distill_every={cfg.distill_every}), so their parameters miss gradients on some "
+                "steps; use --trainer.strategy=ddp_find_unused_parameters_true (or distill_every=1)"
+            )
 
     def on_fit_start(self, module: LightningModule) -> None:
         self.check_strategy(module)
         self._fit_start = time.perf_counter()
         n, trainable = self.parameter_counts
-        rank_zero_info(f"[sparse-train] {self.attention} attention, {n / 1e6:.2f}M parameters, "
-                       f"{trainable / 1e6:.3f}M trainable")
+        rank_zero_info(
+            f"[sparse-train] {self.attention} attention, {n / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable"
+        )
 
     def on_fit_end(self, module: LightningModule) -> None:
         minutes = (time.perf_counter() - self._fit_start) / 60
@@ -401,14 +433,21 @@ class CausalLMTraining:
         parts = [f"{k} = {v:.4f}" for k, v in sorted(self.final_metrics.items()) if "/layer" not in k]
         if chance is not None:
             parts.append(f"chance = {chance:.4f}")
-        for key in ("attn/density", "attn/mass_recall_mean", "attn/mass_recall_p5", "attn/oracle_mass_recall_mean",
-                    "attn/oracle_density_r90"):
+        for key in (
+            "attn/density",
+            "attn/mass_recall_mean",
+            "attn/mass_recall_p5",
+            "attn/oracle_mass_recall_mean",
+            "attn/oracle_density_r90",
+        ):
             value = module.trainer.callback_metrics.get(key)
             if value is not None:  # the last training-time measurement (sparse config metrics_every)
                 parts.append(f"{key.split('/', 1)[1]} = {float(value):.4f}")
         twin = self.dense_twin_acc
         if twin is not None and "val/acc" in self.final_metrics:
-            parts.append(f"dense twin val/acc = {twin:.4f} (this run: {self.final_metrics['val/acc'] / twin:.1%} of it)")
+            parts.append(
+                f"dense twin val/acc = {twin:.4f} (this run: {self.final_metrics['val/acc'] / twin:.1%} of it)"
+            )
         rank_zero_info(f"[sparse-train] done: {module.global_step} steps in {minutes:.1f} min; " + ", ".join(parts))
 
     # ------------------------------------------------------------------ optimisation
@@ -446,8 +485,13 @@ class CausalLMTraining:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def configure_gradient_clipping(self, module: LightningModule, optimizer: torch.optim.Optimizer,
-                                    gradient_clip_val: float | None, gradient_clip_algorithm: str | None) -> None:
+    def configure_gradient_clipping(
+        self,
+        module: LightningModule,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None,
+        gradient_clip_algorithm: str | None,
+    ) -> None:
         """``--trainer.gradient_clip_val`` with the norm algorithm clips the model's and the selectors'
         gradients as two groups (``st.clip_grad_norms``): one global norm would let the selectors'
         large distillation gradients shrink the model's steps, so the sparse model would not train like
@@ -458,12 +502,14 @@ class CausalLMTraining:
             return
         algorithm = gradient_clip_algorithm or "norm"
         if algorithm != "norm":
-            module.clip_gradients(optimizer, gradient_clip_val=gradient_clip_val,
-                                  gradient_clip_algorithm=gradient_clip_algorithm)
+            module.clip_gradients(
+                optimizer, gradient_clip_val=gradient_clip_val, gradient_clip_algorithm=gradient_clip_algorithm
+            )
             return
         # The precision plugin has unscaled the gradients (fp16 AMP) before it calls this hook.
-        st.clip_grad_norms(module.model, float(gradient_clip_val),
-                           process_group=gradient_shard_group(module.trainer.strategy))
+        st.clip_grad_norms(
+            module.model, float(gradient_clip_val), process_group=gradient_shard_group(module.trainer.strategy)
+        )
 
 
 def check_not_wrapped_before(module: LightningModule) -> None:
@@ -480,7 +526,8 @@ def check_not_wrapped_before(module: LightningModule) -> None:
             "this process, and Lightning's FSDPStrategy does not wrap it again (the parameters outside the layers "
             "would stay sharded; Lightning-AI/pytorch-lightning#19015). Validate during fit (val_check_interval, "
             "limit_val_batches), or start from the checkpoint in a new process: `sparse-train validate --config ... "
-            "--ckpt_path PATH`, or a fresh module from `load_from_checkpoint(PATH)` with a new Trainer")
+            "--ckpt_path PATH`, or a fresh module from `load_from_checkpoint(PATH)` with a new Trainer"
+        )
 
 
 def gradient_shard_group(strategy: Any) -> torch.distributed.ProcessGroup | None:
@@ -495,8 +542,9 @@ def gradient_shard_group(strategy: Any) -> torch.distributed.ProcessGroup | None
 
     root = strategy.model
     if not isinstance(root, FullyShardedDataParallel):
-        raise RuntimeError(f"FSDPStrategy's model is a {type(root).__name__}, not the FSDP root the "
-                           "gradient clipping expects")
+        raise RuntimeError(
+            f"FSDPStrategy's model is a {type(root).__name__}, not the FSDP root the gradient clipping expects"
+        )
     if root.sharding_strategy == ShardingStrategy.NO_SHARD:
         return None
     return root.process_group
@@ -549,6 +597,10 @@ class CausalLMHooks(LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         return self.training_logic.configure_optimizers(self)
 
-    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None,
-                                    gradient_clip_algorithm: str | None = None) -> None:
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
         self.training_logic.configure_gradient_clipping(self, optimizer, gradient_clip_val, gradient_clip_algorithm)

@@ -29,8 +29,11 @@ def _inputs(B, H, N, E, S, *, blocks=None, block_q=None, seed=0, dtype=torch.flo
     """u ``[B, H, M, E, S]`` (M = N, or ``len(blocks) * block_q`` rows of the listed query blocks) and w
     ``[B, H, N, S]`` standard normal, NaN at every position past ``seq_lens`` (or N): padding the scores ignore."""
     g = torch.Generator().manual_seed(seed)
-    pos = torch.arange(N) if blocks is None else (torch.tensor(blocks).view(-1, 1) * block_q
-                                                  + torch.arange(block_q)).reshape(-1)
+    pos = (
+        torch.arange(N)
+        if blocks is None
+        else (torch.tensor(blocks).view(-1, 1) * block_q + torch.arange(block_q)).reshape(-1)
+    )
     u = torch.randn(B, H, pos.numel(), E, S, generator=g)
     w = torch.randn(B, H, N, S, generator=g)
     for b in range(B):
@@ -71,10 +74,13 @@ CASES = [
 @pytest.mark.parametrize("B,H,N,E,S,BQ,BK,seq_lens,docs,blocks", CASES)
 def test_index_scores_match_reference(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks):
     u, w = _inputs(B, H, N, E, S, blocks=blocks, block_q=BQ, seed=N + E, seq_lens=seq_lens)
-    kwargs = {"block_q": BQ, "block_k": BK,
-              "seq_lens": None if seq_lens is None else torch.tensor(seq_lens, device=DEV),
-              "document_ids": None if docs is None else ids_from_lengths(*docs).to(DEV),
-              "query_blocks": None if blocks is None else torch.tensor(blocks, device=DEV)}
+    kwargs = {
+        "block_q": BQ,
+        "block_k": BK,
+        "seq_lens": None if seq_lens is None else torch.tensor(seq_lens, device=DEV),
+        "document_ids": None if docs is None else ids_from_lengths(*docs).to(DEV),
+        "query_blocks": None if blocks is None else torch.tensor(blocks, device=DEV),
+    }
     u.requires_grad_()
     w.requires_grad_()
     got = index_block_scores(u, w, backend=BACKEND, **kwargs)
@@ -116,14 +122,23 @@ def test_index_scores_fp16_match_reference():
 
 
 @pytest.mark.parametrize("blocks", [None, (9, 2, 5)], ids=["all-blocks", "three-listed-blocks"])
-@pytest.mark.parametrize("options", [
-    IndexScoreOptions(key_tile=16, row_tile=16, num_warps=1, num_stages=1),
-    IndexScoreOptions(key_tile=64, row_tile=32, num_warps=2),
-    IndexScoreOptions(key_tile=256, row_tile=256, num_warps=8),
-    IndexScoreOptions(blocks_per_program=2),
-    IndexScoreOptions(key_tile=32, row_tile=16, blocks_per_program=2),
-], ids=["one-block-16-row-slices", "two-blocks-32-row-slices", "sixteen-blocks-whole-tile", "pairs",
-        "pairs-row-slices"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        IndexScoreOptions(key_tile=16, row_tile=16, num_warps=1, num_stages=1),
+        IndexScoreOptions(key_tile=64, row_tile=32, num_warps=2),
+        IndexScoreOptions(key_tile=256, row_tile=256, num_warps=8),
+        IndexScoreOptions(blocks_per_program=2),
+        IndexScoreOptions(key_tile=32, row_tile=16, blocks_per_program=2),
+    ],
+    ids=[
+        "one-block-16-row-slices",
+        "two-blocks-32-row-slices",
+        "sixteen-blocks-whole-tile",
+        "pairs",
+        "pairs-row-slices",
+    ],
+)
 def test_index_scores_tile_options_give_the_same_scores(options, blocks):
     """Key blocks per step, row slices and query blocks per program change the order of nothing but the max:
     scores and winners equal the default tiles' bit for bit (rows of 16 * 2 = 32 per block: two slices of 16,
@@ -158,10 +173,12 @@ def test_index_scores_winners_are_valid_maxima(monkeypatch):
     blocks = torch.tensor([4, 0, 2], device=DEV)
     u, w = _inputs(B, H, N, E, S, blocks=(4, 0, 2), block_q=BQ, seed=11, seq_lens=(147, 90))
     args = check_index_score_args(u, w, BQ, BK, lens, docs, blocks)
-    scores, win_row, win_key = index_block_scores_launch(u, w, args, seq_lens=lens, document_ids=docs,
-                                                         query_blocks=blocks, with_winner=True)
-    ref = reference_index_block_scores(u.double(), w.double(), block_q=BQ, block_k=BK, seq_lens=lens,
-                                       document_ids=docs, query_blocks=blocks)
+    scores, win_row, win_key = index_block_scores_launch(
+        u, w, args, seq_lens=lens, document_ids=docs, query_blocks=blocks, with_winner=True
+    )
+    ref = reference_index_block_scores(
+        u.double(), w.double(), block_q=BQ, block_k=BK, seq_lens=lens, document_ids=docs, query_blocks=blocks
+    )
     finite = torch.isfinite(ref)
     assert torch.equal(torch.isfinite(scores), finite)
     assert torch.all(win_row[~finite] == -1) and torch.all(win_key[~finite] == -1)
@@ -243,26 +260,45 @@ def _bad_calls():
         pytest.param(lambda f: f(u, w[..., :8], **ok), "disagree on B, H or S", id="s-mismatch"),
         pytest.param(lambda f: f(u, w[:, :1], **ok), "disagree on B, H or S", id="h-mismatch"),
         pytest.param(lambda f: f(u[:, :, :, :0], w, **ok), "u must have E >= 1", id="e-zero"),
-        pytest.param(lambda f: f(u, w, block_q=24, block_k=16), r"block_q must be one of \(16, 32, 64, 128\)",
-                     id="block-q-24"),
+        pytest.param(
+            lambda f: f(u, w, block_q=24, block_k=16), r"block_q must be one of \(16, 32, 64, 128\)", id="block-q-24"
+        ),
         pytest.param(lambda f: f(u, w, block_q=16, block_k=256), r"block_k must be one of", id="block-k-256"),
         pytest.param(lambda f: f(u[:, :, :63], w, **ok), "u must have M = N = 64 rows", id="rows-without-blocks"),
-        pytest.param(lambda f: f(u_blocks, w, query_blocks=blocks.float(), **ok),
-                     "query_blocks must have an integer dtype", id="query-blocks-float"),
-        pytest.param(lambda f: f(u_blocks, w, query_blocks=blocks.view(1, 2), **ok), "query_blocks must be 1-D",
-                     id="query-blocks-2d"),
-        pytest.param(lambda f: f(u_blocks, w, query_blocks=torch.tensor([0, 4]), **ok),
-                     r"query_blocks values must lie in \[0, NQB=4\)", id="query-blocks-range"),
-        pytest.param(lambda f: f(u, w, query_blocks=blocks, **ok), r"len\(query_blocks\) \* block_q",
-                     id="rows-with-blocks"),
-        pytest.param(lambda f: f(u, w, seq_lens=torch.tensor([64, 64]), **ok), "seq_lens has 2 entries",
-                     id="seq-lens-shape"),
-        pytest.param(lambda f: f(u, w, seq_lens=torch.tensor([65]), **ok), "seq_lens values must lie",
-                     id="seq-lens-value"),
-        pytest.param(lambda f: f(u, w, document_ids=torch.zeros(1, 63, dtype=torch.int64), **ok),
-                     "document_ids must have shape", id="document-ids-shape"),
-        pytest.param(lambda f: f(u, w, document_ids=torch.arange(64).flip(0).view(1, 64), **ok),
-                     "document_ids must be non-decreasing", id="document-ids-decreasing"),
+        pytest.param(
+            lambda f: f(u_blocks, w, query_blocks=blocks.float(), **ok),
+            "query_blocks must have an integer dtype",
+            id="query-blocks-float",
+        ),
+        pytest.param(
+            lambda f: f(u_blocks, w, query_blocks=blocks.view(1, 2), **ok),
+            "query_blocks must be 1-D",
+            id="query-blocks-2d",
+        ),
+        pytest.param(
+            lambda f: f(u_blocks, w, query_blocks=torch.tensor([0, 4]), **ok),
+            r"query_blocks values must lie in \[0, NQB=4\)",
+            id="query-blocks-range",
+        ),
+        pytest.param(
+            lambda f: f(u, w, query_blocks=blocks, **ok), r"len\(query_blocks\) \* block_q", id="rows-with-blocks"
+        ),
+        pytest.param(
+            lambda f: f(u, w, seq_lens=torch.tensor([64, 64]), **ok), "seq_lens has 2 entries", id="seq-lens-shape"
+        ),
+        pytest.param(
+            lambda f: f(u, w, seq_lens=torch.tensor([65]), **ok), "seq_lens values must lie", id="seq-lens-value"
+        ),
+        pytest.param(
+            lambda f: f(u, w, document_ids=torch.zeros(1, 63, dtype=torch.int64), **ok),
+            "document_ids must have shape",
+            id="document-ids-shape",
+        ),
+        pytest.param(
+            lambda f: f(u, w, document_ids=torch.arange(64).flip(0).view(1, 64), **ok),
+            "document_ids must be non-decreasing",
+            id="document-ids-decreasing",
+        ),
     ]
 
 
@@ -271,6 +307,7 @@ def _bad_calls():
 def test_index_scores_reject_bad_arguments(call, match, which):
     """Each bad argument raises a ValueError naming it, on both paths."""
     if which == "kernel":
+
         def f(*a, **k):
             return index_block_scores(*a, backend=BACKEND, **k)
     else:
@@ -279,28 +316,39 @@ def test_index_scores_reject_bad_arguments(call, match, which):
         call(f)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    pytest.param({"backend": "cuda"}, "backend must be one of", id="backend"),
-    pytest.param({"options": IndexScoreOptions(key_tile=24)}, "options.key_tile must be a power of two",
-                 id="key-tile"),
-    pytest.param({"options": IndexScoreOptions(row_tile=8)}, "options.row_tile must be an int >= 16",
-                 id="row-tile"),
-    pytest.param({"options": IndexScoreOptions(num_warps=3)}, "options.num_warps must be one of", id="warps"),
-    pytest.param({"options": IndexScoreOptions(num_stages=0)}, "options.num_stages must be", id="stages"),
-    pytest.param({"options": IndexScoreOptions(blocks_per_program=4)},
-                 "options.blocks_per_program must be one of", id="blocks-per-program"),
-    pytest.param({"options": {"key_tile": 64}}, "options must be an IndexScoreOptions", id="options-dict"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        pytest.param({"backend": "cuda"}, "backend must be one of", id="backend"),
+        pytest.param(
+            {"options": IndexScoreOptions(key_tile=24)}, "options.key_tile must be a power of two", id="key-tile"
+        ),
+        pytest.param(
+            {"options": IndexScoreOptions(row_tile=8)}, "options.row_tile must be an int >= 16", id="row-tile"
+        ),
+        pytest.param({"options": IndexScoreOptions(num_warps=3)}, "options.num_warps must be one of", id="warps"),
+        pytest.param({"options": IndexScoreOptions(num_stages=0)}, "options.num_stages must be", id="stages"),
+        pytest.param(
+            {"options": IndexScoreOptions(blocks_per_program=4)},
+            "options.blocks_per_program must be one of",
+            id="blocks-per-program",
+        ),
+        pytest.param({"options": {"key_tile": 64}}, "options must be an IndexScoreOptions", id="options-dict"),
+    ],
+)
 def test_index_scores_reject_bad_backend_and_options(kwargs, match):
     u, w = _inputs(1, 1, 64, 1, 16, device="cpu")
     with pytest.raises(ValueError, match=match):
         index_block_scores(u, w, block_q=16, block_k=16, **kwargs)
 
 
-@pytest.mark.parametrize("dtype,device,match", [
-    pytest.param(torch.float64, DEV, "backend='triton' cannot run this input: dtype torch.float64", id="float64"),
-    pytest.param(torch.bfloat16, "cpu", "backend='triton' cannot run this input", id="bf16-cpu"),
-])
+@pytest.mark.parametrize(
+    "dtype,device,match",
+    [
+        pytest.param(torch.float64, DEV, "backend='triton' cannot run this input: dtype torch.float64", id="float64"),
+        pytest.param(torch.bfloat16, "cpu", "backend='triton' cannot run this input", id="bf16-cpu"),
+    ],
+)
 def test_index_scores_triton_backend_names_what_it_cannot_run(dtype, device, match):
     u, w = _inputs(1, 1, 64, 1, 16, dtype=dtype, device=device)
     with pytest.raises(ValueError, match=match):
@@ -346,11 +394,24 @@ def _check_gpu(u, w, grad_seed, **kwargs):
         low = reference_index_block_scores(u, w, **kwargs)
         assert torch.equal(torch.isfinite(got), torch.isfinite(ref))
         check_close(f"scores {dtype}", got, ref, low, torch.float32)
-        args = check_index_score_args(u, w, kwargs["block_q"], kwargs["block_k"], kwargs.get("seq_lens"),
-                                      kwargs.get("document_ids"), kwargs.get("query_blocks"))
+        args = check_index_score_args(
+            u,
+            w,
+            kwargs["block_q"],
+            kwargs["block_k"],
+            kwargs.get("seq_lens"),
+            kwargs.get("document_ids"),
+            kwargs.get("query_blocks"),
+        )
         scores, win_row, win_key = index_block_scores_launch(
-            u, w, args, seq_lens=kwargs.get("seq_lens"), document_ids=kwargs.get("document_ids"),
-            query_blocks=kwargs.get("query_blocks"), with_winner=True)
+            u,
+            w,
+            args,
+            seq_lens=kwargs.get("seq_lens"),
+            document_ids=kwargs.get("document_ids"),
+            query_blocks=kwargs.get("query_blocks"),
+            with_winner=True,
+        )
         assert torch.equal(scores, got)
         finite = torch.isfinite(ref)
         E = u.shape[3]
@@ -402,11 +463,16 @@ def test_index_scores_gpu_never_synchronises_and_captures():
     from sparse_train.cuda_graphs import capture_cuda_graph
 
     N, H, E, S, P = 4097, 4, 2, 32, 64
-    u, w = _inputs(2, H, N, E, S, blocks=(64, 3, 30), block_q=P, seed=2, dtype=torch.bfloat16, device="cuda",
-                   seq_lens=(N, 3000))
-    kwargs = {"block_q": P, "block_k": P, "seq_lens": torch.tensor([N, 3000], device="cuda"),
-              "document_ids": ids_from_lengths((1000, N - 1000), (N,)).cuda(),
-              "query_blocks": torch.tensor([64, 3, 30], device="cuda")}
+    u, w = _inputs(
+        2, H, N, E, S, blocks=(64, 3, 30), block_q=P, seed=2, dtype=torch.bfloat16, device="cuda", seq_lens=(N, 3000)
+    )
+    kwargs = {
+        "block_q": P,
+        "block_k": P,
+        "seq_lens": torch.tensor([N, 3000], device="cuda"),
+        "document_ids": ids_from_lengths((1000, N - 1000), (N,)).cuda(),
+        "query_blocks": torch.tensor([64, 3, 30], device="cuda"),
+    }
     u.requires_grad_()
     w.requires_grad_()
 
@@ -482,22 +548,56 @@ def hopper_compile_report(cases):
         driver.set_active(Hopper())
         try:
             compiled = _index_block_scores_kernel.warmup(
-                u, w, ints, ints, ints, out, ints, ints, *u.stride(), *w.stride(), 2, N, 4, 4, S, 9,
-                E=E, BLOCK_Q=block, BLOCK_K=block, S_P2=max(16, triton.next_power_of_2(S)), ROW_TILE=tiles.row_tile,
-                ROW_SLICES=rows // tiles.row_tile, KEY_BLOCKS=max(1, tiles.key_tile // block),
-                PAIR=per_program == 2, FILL=256,
-                HAS_QUERY_BLOCKS=full, HAS_SEQ_LENS=full, HAS_DOCS=full, WITH_WINNER=full, IEEE=False,
-                num_warps=tiles.num_warps, num_stages=tiles.num_stages, grid=(1, 1))
+                u,
+                w,
+                ints,
+                ints,
+                ints,
+                out,
+                ints,
+                ints,
+                *u.stride(),
+                *w.stride(),
+                2,
+                N,
+                4,
+                4,
+                S,
+                9,
+                E=E,
+                BLOCK_Q=block,
+                BLOCK_K=block,
+                S_P2=max(16, triton.next_power_of_2(S)),
+                ROW_TILE=tiles.row_tile,
+                ROW_SLICES=rows // tiles.row_tile,
+                KEY_BLOCKS=max(1, tiles.key_tile // block),
+                PAIR=per_program == 2,
+                FILL=256,
+                HAS_QUERY_BLOCKS=full,
+                HAS_SEQ_LENS=full,
+                HAS_DOCS=full,
+                WITH_WINNER=full,
+                IEEE=False,
+                num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages,
+                grid=(1, 1),
+            )
         finally:
             driver._active = saved
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "kernel.ptx")
             with open(path, "w") as f:
                 f.write(compiled.asm["ptx"])
-            text = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True,
-                                  text=True, check=True).stderr
-        report.append((int(re.search(r"Used (\d+) registers", text).group(1)),
-                       int(re.search(r"(\d+) bytes spill stores", text).group(1)), compiled.metadata.shared))
+            text = subprocess.run(
+                [ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True, check=True
+            ).stderr
+        report.append(
+            (
+                int(re.search(r"Used (\d+) registers", text).group(1)),
+                int(re.search(r"(\d+) bytes spill stores", text).group(1)),
+                compiled.metadata.shared,
+            )
+        )
     return report
 
 
@@ -516,23 +616,42 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip("this triton ships no ptxas")
-    cases = [(1, 32, False, 1), (1, 32, True, 1), (1, 64, True, 1), (2, 32, True, 1), (4, 16, True, 1),
-             (4, 32, True, 1), (1, 32, False, 2), (1, 32, True, 2), (2, 32, True, 2)]
+    cases = [
+        (1, 32, False, 1),
+        (1, 32, True, 1),
+        (1, 64, True, 1),
+        (2, 32, True, 1),
+        (4, 16, True, 1),
+        (4, 32, True, 1),
+        (1, 32, False, 2),
+        (1, 32, True, 2),
+        (2, 32, True, 2),
+    ]
     import sparse_train
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # the child imports the package this process tests (a worktree's, not whatever the venv points to)
     # and the tests' shared builders (tests/builders.py, one folder up from this file)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(sparse_train.__file__)),
-                                         os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                         env.get("PYTHONPATH", "")])
-    code = ("import json, test_kernel_index_scores as t; "
-            f"print(json.dumps(t.hopper_compile_report({cases!r})))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(__file__), env=env, capture_output=True,
-                          text=True, check=False)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [
+            os.path.dirname(os.path.dirname(sparse_train.__file__)),
+            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            env.get("PYTHONPATH", ""),
+        ]
+    )
+    code = f"import json, test_kernel_index_scores as t; print(json.dumps(t.hopper_compile_report({cases!r})))"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(__file__),
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    for (E, S, full, pair), (registers, spills, shared) in zip(cases,
-                                                               json.loads(done.stdout.strip().splitlines()[-1])):
-        print(f"E={E} S={S} full={full} blocks per program {pair}: {registers} registers, {spills} bytes spilled, "
-              f"{shared} bytes shared")
+    for (E, S, full, pair), (registers, spills, shared) in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
+        print(
+            f"E={E} S={S} full={full} blocks per program {pair}: {registers} registers, {spills} bytes spilled, "
+            f"{shared} bytes shared"
+        )
         assert spills == 0

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from builders import load_script
 
 import sparse_train as st
@@ -52,7 +53,6 @@ def test_validation_reports_needle_block_recall_per_layer(tmp_path):
     assert got["val/needle_recall_best_layer"] == max(layers)
 
 
-
 def test_final_line_reports_accuracy_density_and_the_dense_twin(tmp_path, monkeypatch):
     from lightning.pytorch import Trainer
 
@@ -60,12 +60,22 @@ def test_final_line_reports_accuracy_density_and_the_dense_twin(tmp_path, monkey
 
     lines: list[str] = []
     monkeypatch.setattr(training, "rank_zero_info", lines.append)
-    module = SparseLMModule(TransformerConfig(**TINY, attention="sparse", sparse=dict(SPARSE, dense_warmup_steps=0)),
-                            dense_twin_acc=0.5)
-    dm = RetrievalDataModule(seq_len=256, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2,
-                             val_samples=4)
-    trainer = Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      num_sanity_val_steps=0, accelerator="cpu", default_root_dir=tmp_path, callbacks=[StepTimer()])
+    module = SparseLMModule(
+        TransformerConfig(**TINY, attention="sparse", sparse=dict(SPARSE, dense_warmup_steps=0)), dense_twin_acc=0.5
+    )
+    dm = RetrievalDataModule(
+        seq_len=256, num_pairs=2, num_queries=2, num_keys=4, num_values=8, batch_size=2, val_samples=4
+    )
+    trainer = Trainer(
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        num_sanity_val_steps=0,
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+        callbacks=[StepTimer()],
+    )
     trainer.fit(module, dm)
     done = [line for line in lines if line.startswith("[sparse-train] done: 2 steps")]
     assert len(done) == 1, lines
@@ -74,6 +84,7 @@ def test_final_line_reports_accuracy_density_and_the_dense_twin(tmp_path, monkey
     acc = module.final_metrics["val/acc"]
     assert f"val/acc = {acc:.4f}" in done[0] and f"density = {density:.4f}" in done[0]
     assert f"dense twin val/acc = 0.5000 (this run: {acc / 0.5:.1%} of it)" in done[0]
+
 
 def test_curriculum_data_module_batches():
     dm = RetrievalDataModule(
@@ -394,7 +405,9 @@ def test_resume_names_the_arguments_the_checkpoint_replaces(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     cli.run_cli(_stage_args("retrieval", tmp_path / "a", 1, _ckpt_cb(tmp_path / "ckpt")))
     resume = [f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}"]
-    with pytest.warns(UserWarning, match=r"model\.sparse\.dense_warmup_steps: 7 -> 400; lr: 0\.5 -> "):
+    stored = yaml.safe_load(Path(cli.resolve_recipe("retrieval")).read_text())["model"]["init_args"]["model"]["sparse"]
+    warmup = stored["dense_warmup_steps"]  # the recipe's value, stored in the checkpoint
+    with pytest.warns(UserWarning, match=rf"model\.sparse\.dense_warmup_steps: 7 -> {warmup}; lr: 0\.5 -> "):
         cli.run_cli(
             _stage_args(
                 "retrieval",

@@ -54,8 +54,17 @@ from ..reference.index_scores import (
 from ._jit import documents_row, dot, last_document, sequence_length
 from ._launch import kernel_document_ids, kernel_seq_lens, launch
 
-__all__ = ["BACKWARD_CHUNK_BYTES", "MAX_ROW_TILE", "TILE_VALUES_PER_THREAD", "IndexScoreOptions", "index_block_scores",
-           "index_block_scores_launch", "index_scores_support", "tile_options", "winner_gradients"]
+__all__ = [
+    "BACKWARD_CHUNK_BYTES",
+    "MAX_ROW_TILE",
+    "TILE_VALUES_PER_THREAD",
+    "IndexScoreOptions",
+    "index_block_scores",
+    "index_block_scores_launch",
+    "index_scores_support",
+    "tile_options",
+    "winner_gradients",
+]
 
 BACKWARD_CHUNK_BYTES = 256 * 2**20
 """Largest float32 buffer of gathered rows in one step of the backward's scatter-add."""
@@ -92,8 +101,9 @@ MAX_ROW_TILE = 256
 """Largest automatic row tile: E * BQ rows above it are walked in slices."""
 
 
-def tile_options(block_q: int, block_k: int, index_heads: int, index_dim: int,
-                 options: IndexScoreOptions | None = None) -> IndexScoreOptions:
+def tile_options(
+    block_q: int, block_k: int, index_heads: int, index_dim: int, options: IndexScoreOptions | None = None
+) -> IndexScoreOptions:
     """``options`` with every None field filled: the whole block's rows in one tile up to :data:`MAX_ROW_TILE`
     (4 warps up to 128 rows, 8 above), and as many keys per step as keep :data:`TILE_VALUES_PER_THREAD` logits
     per thread (half as many for S > 32, whose operand tiles take registers too), at least one key block."""
@@ -104,8 +114,13 @@ def tile_options(block_q: int, block_k: int, index_heads: int, index_dim: int,
     values = TILE_VALUES_PER_THREAD * 32 * num_warps // (2 if index_dim > 32 else 1)
     keys = triton.next_power_of_2(max(16, values // min(rows, row_tile)))
     key_tile = options.key_tile or max(block_k, min(256, keys))
-    return IndexScoreOptions(key_tile=key_tile, row_tile=row_tile, num_warps=num_warps, num_stages=options.num_stages,
-                             blocks_per_program=options.blocks_per_program or 1)
+    return IndexScoreOptions(
+        key_tile=key_tile,
+        row_tile=row_tile,
+        num_warps=num_warps,
+        num_stages=options.num_stages,
+        blocks_per_program=options.blocks_per_program or 1,
+    )
 
 
 def _check_options(options) -> IndexScoreOptions | None:
@@ -129,8 +144,22 @@ def _check_options(options) -> IndexScoreOptions | None:
 # Layer 1: kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _load_u_slice(U, u_head, block_row0, q_first, seqlen, slice_index, stride_um, stride_ue, stride_us, offs_s, S,
-                  E: tl.constexpr, BLOCK_Q: tl.constexpr, ROW_TILE: tl.constexpr):
+def _load_u_slice(
+    U,
+    u_head,
+    block_row0,
+    q_first,
+    seqlen,
+    slice_index,
+    stride_um,
+    stride_ue,
+    stride_us,
+    offs_s,
+    S,
+    E: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    ROW_TILE: tl.constexpr,
+):
     """Rows ``slice_index * ROW_TILE ..`` of one block's u tile: (tile [ROW_TILE, S_P2], 0 where invalid; the
     query position of each row; whether the row is a real query)."""
     offs_m = slice_index * ROW_TILE + tl.arange(0, ROW_TILE)  # [ROW_TILE] m = r * E + e
@@ -138,15 +167,30 @@ def _load_u_slice(U, u_head, block_row0, q_first, seqlen, slice_index, stride_um
     e = offs_m % E
     pos = q_first + r
     row_ok = (offs_m < BLOCK_Q * E) & (pos < seqlen)
-    pointers = (u_head + (block_row0 + r).to(tl.int64)[:, None] * stride_um + e.to(tl.int64)[:, None] * stride_ue
-                + offs_s.to(tl.int64)[None, :] * stride_us)
+    pointers = (
+        u_head
+        + (block_row0 + r).to(tl.int64)[:, None] * stride_um
+        + e.to(tl.int64)[:, None] * stride_ue
+        + offs_s.to(tl.int64)[None, :] * stride_us
+    )
     tile = tl.load(pointers, mask=row_ok[:, None] & (offs_s[None, :] < S), other=0.0)
     return tile, pos, row_ok
 
 
 @triton.jit
-def _block_bounds(QUERY_BLOCKS, i, present, seqlen, docs_row, N, SEARCH_STEPS, BLOCK_Q: tl.constexpr,
-                  BLOCK_K: tl.constexpr, HAS_QUERY_BLOCKS: tl.constexpr, HAS_DOCS: tl.constexpr):
+def _block_bounds(
+    QUERY_BLOCKS,
+    i,
+    present,
+    seqlen,
+    docs_row,
+    N,
+    SEARCH_STEPS,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_QUERY_BLOCKS: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
     """(first position, end of the valid rows, first and end key block that can hold a valid key, document of the
     block's last row) of local query block ``i``; an absent block (``present`` False: past R) has no rows."""
     if HAS_QUERY_BLOCKS:
@@ -176,10 +220,36 @@ def _block_bounds(QUERY_BLOCKS, i, present, seqlen, docs_row, N, SEARCH_STEPS, B
 
 
 @triton.jit
-def _block_step(u0, pos0, row_ok0, U, u_head, block_row0, q_first, q_end, seqlen, w, kpos, key_first, docs_row,
-                doc_k, doc_q_last, stride_um, stride_ue, stride_us, offs_s, S, IEEE: tl.constexpr,
-                E: tl.constexpr, BLOCK_Q: tl.constexpr, ROW_TILE: tl.constexpr, ROW_SLICES: tl.constexpr,
-                KEYS: tl.constexpr, HAS_DOCS: tl.constexpr, WITH_WINNER: tl.constexpr):
+def _block_step(
+    u0,
+    pos0,
+    row_ok0,
+    U,
+    u_head,
+    block_row0,
+    q_first,
+    q_end,
+    seqlen,
+    w,
+    kpos,
+    key_first,
+    docs_row,
+    doc_k,
+    doc_q_last,
+    stride_um,
+    stride_ue,
+    stride_us,
+    offs_s,
+    S,
+    IEEE: tl.constexpr,
+    E: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    ROW_TILE: tl.constexpr,
+    ROW_SLICES: tl.constexpr,
+    KEYS: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    WITH_WINNER: tl.constexpr,
+):
     """Best logit of each of the step's keys over the block's rows ([KEYS] float32, -inf where no row is valid)
     and its tile row m ([KEYS] int32; with ``WITH_WINNER``)."""
     # every (row, key) of the step is valid unless a key may follow a row, a row is not a real query (past the
@@ -194,8 +264,22 @@ def _block_step(u0, pos0, row_ok0, U, u_head, block_row0, q_first, q_end, seqlen
         if sl == 0:
             u, pos, row_ok = u0, pos0, row_ok0
         else:
-            u, pos, row_ok = _load_u_slice(U, u_head, block_row0, q_first, seqlen, sl, stride_um, stride_ue,
-                                           stride_us, offs_s, S, E, BLOCK_Q, ROW_TILE)
+            u, pos, row_ok = _load_u_slice(
+                U,
+                u_head,
+                block_row0,
+                q_first,
+                seqlen,
+                sl,
+                stride_um,
+                stride_ue,
+                stride_us,
+                offs_s,
+                S,
+                E,
+                BLOCK_Q,
+                ROW_TILE,
+            )
         s = dot(u, tl.trans(w), IEEE)  # [ROW_TILE, KEYS] float32
         if needs_mask:
             ok = row_ok[:, None] & (kpos[None, :] <= pos[:, None])
@@ -215,8 +299,22 @@ def _block_step(u0, pos0, row_ok0, U, u_head, block_row0, q_first, q_end, seqlen
 
 
 @triton.jit
-def _store_step(best, best_m, OUT, WIN_ROW, WIN_KEY, out_row, j0, j_start, j_end, block_row0, E: tl.constexpr,
-                BLOCK_K: tl.constexpr, KEY_BLOCKS: tl.constexpr, WITH_WINNER: tl.constexpr):
+def _store_step(
+    best,
+    best_m,
+    OUT,
+    WIN_ROW,
+    WIN_KEY,
+    out_row,
+    j0,
+    j_start,
+    j_end,
+    block_row0,
+    E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    KEY_BLOCKS: tl.constexpr,
+    WITH_WINNER: tl.constexpr,
+):
     """Scores (and winners) of the step's key blocks j0 .. j0 + KEY_BLOCKS - 1 that lie in [j_start, j_end)."""
     j = j0 + tl.arange(0, KEY_BLOCKS)  # [KEY_BLOCKS]
     store_ok = (j >= j_start) & (j < j_end)
@@ -234,8 +332,9 @@ def _store_step(best, best_m, OUT, WIN_ROW, WIN_KEY, out_row, j0, j_start, j_end
 
 
 @triton.jit
-def _fill_outside(OUT, WIN_ROW, WIN_KEY, out_row, j_start, j_end, fill_end, FILL: tl.constexpr,
-                  WITH_WINNER: tl.constexpr):
+def _fill_outside(
+    OUT, WIN_ROW, WIN_KEY, out_row, j_start, j_end, fill_end, FILL: tl.constexpr, WITH_WINNER: tl.constexpr
+):
     """-inf scores (winners -1) in the columns no valid key reaches: before ``j_start`` (the first block that can
     share a document) and from ``j_end`` (past the causal edge) to ``fill_end`` (NKB; ``j_end`` for an absent
     block, which stores nothing)."""
@@ -257,13 +356,42 @@ def _fill_outside(OUT, WIN_ROW, WIN_KEY, out_row, j_start, j_end, fill_end, FILL
 
 @triton.jit
 def _index_block_scores_kernel(
-    U, W, QUERY_BLOCKS, SEQ_LENS, DOCS, OUT, WIN_ROW, WIN_KEY,
-    stride_ub, stride_uh, stride_um, stride_ue, stride_us,
-    stride_wb, stride_wh, stride_wn, stride_ws,
-    H, N, R, NKB, S, SEARCH_STEPS,
-    E: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_K: tl.constexpr, S_P2: tl.constexpr, ROW_TILE: tl.constexpr,
-    ROW_SLICES: tl.constexpr, KEY_BLOCKS: tl.constexpr, PAIR: tl.constexpr, FILL: tl.constexpr,
-    HAS_QUERY_BLOCKS: tl.constexpr, HAS_SEQ_LENS: tl.constexpr, HAS_DOCS: tl.constexpr, WITH_WINNER: tl.constexpr,
+    U,
+    W,
+    QUERY_BLOCKS,
+    SEQ_LENS,
+    DOCS,
+    OUT,
+    WIN_ROW,
+    WIN_KEY,
+    stride_ub,
+    stride_uh,
+    stride_um,
+    stride_ue,
+    stride_us,
+    stride_wb,
+    stride_wh,
+    stride_wn,
+    stride_ws,
+    H,
+    N,
+    R,
+    NKB,
+    S,
+    SEARCH_STEPS,
+    E: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    S_P2: tl.constexpr,
+    ROW_TILE: tl.constexpr,
+    ROW_SLICES: tl.constexpr,
+    KEY_BLOCKS: tl.constexpr,
+    PAIR: tl.constexpr,
+    FILL: tl.constexpr,
+    HAS_QUERY_BLOCKS: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    WITH_WINNER: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     KEYS: tl.constexpr = KEY_BLOCKS * BLOCK_K
@@ -284,11 +412,12 @@ def _index_block_scores_kernel(
     offs_s = tl.arange(0, S_P2)
     offs_keys = tl.arange(0, KEYS)
 
-    q_first0, q_end0, j_start0, j_end0, doc_last0 = _block_bounds(QUERY_BLOCKS, i0, i0 < R, seqlen, docs_row, N,
-                                                                  SEARCH_STEPS, BLOCK_Q, BLOCK_K, HAS_QUERY_BLOCKS,
-                                                                  HAS_DOCS)
-    u0, pos0, row_ok0 = _load_u_slice(U, u_head, i0 * BLOCK_Q, q_first0, seqlen, 0, stride_um, stride_ue, stride_us,
-                                      offs_s, S, E, BLOCK_Q, ROW_TILE)
+    q_first0, q_end0, j_start0, j_end0, doc_last0 = _block_bounds(
+        QUERY_BLOCKS, i0, i0 < R, seqlen, docs_row, N, SEARCH_STEPS, BLOCK_Q, BLOCK_K, HAS_QUERY_BLOCKS, HAS_DOCS
+    )
+    u0, pos0, row_ok0 = _load_u_slice(
+        U, u_head, i0 * BLOCK_Q, q_first0, seqlen, 0, stride_um, stride_ue, stride_us, offs_s, S, E, BLOCK_Q, ROW_TILE
+    )
     out_row0 = (bh.to(tl.int64) * R + i0) * NKB
     # the key blocks the program walks (a block without valid rows adds none)
     j_lo = tl.where(j_end0 > 0, j_start0, NKB)
@@ -297,11 +426,25 @@ def _index_block_scores_kernel(
     if PAIR:
         i1 = i0 + 1
         present1 = i1 < R
-        q_first1, q_end1, j_start1, j_end1, doc_last1 = _block_bounds(QUERY_BLOCKS, i1, present1, seqlen, docs_row,
-                                                                      N, SEARCH_STEPS, BLOCK_Q, BLOCK_K,
-                                                                      HAS_QUERY_BLOCKS, HAS_DOCS)
-        u1, pos1, row_ok1 = _load_u_slice(U, u_head, i1 * BLOCK_Q, q_first1, seqlen, 0, stride_um, stride_ue,
-                                          stride_us, offs_s, S, E, BLOCK_Q, ROW_TILE)
+        q_first1, q_end1, j_start1, j_end1, doc_last1 = _block_bounds(
+            QUERY_BLOCKS, i1, present1, seqlen, docs_row, N, SEARCH_STEPS, BLOCK_Q, BLOCK_K, HAS_QUERY_BLOCKS, HAS_DOCS
+        )
+        u1, pos1, row_ok1 = _load_u_slice(
+            U,
+            u_head,
+            i1 * BLOCK_Q,
+            q_first1,
+            seqlen,
+            0,
+            stride_um,
+            stride_ue,
+            stride_us,
+            offs_s,
+            S,
+            E,
+            BLOCK_Q,
+            ROW_TILE,
+        )
         out_row1 = out_row0 + NKB
         j_lo = tl.minimum(j_lo, tl.where(j_end1 > 0, j_start1, NKB))
         j_hi = tl.maximum(j_hi, j_end1)
@@ -311,40 +454,164 @@ def _index_block_scores_kernel(
         key_first = j0 * BLOCK_K
         kpos = key_first + offs_keys  # [KEYS]
         key_in = kpos < q_end_max  # keys at or past every block's valid rows are never loaded (NaN padding)
-        w = tl.load(w_head + kpos.to(tl.int64)[:, None] * stride_wn + offs_s.to(tl.int64)[None, :] * stride_ws,
-                    mask=key_in[:, None] & (offs_s[None, :] < S), other=0.0)  # [KEYS, S_P2]
+        w = tl.load(
+            w_head + kpos.to(tl.int64)[:, None] * stride_wn + offs_s.to(tl.int64)[None, :] * stride_ws,
+            mask=key_in[:, None] & (offs_s[None, :] < S),
+            other=0.0,
+        )  # [KEYS, S_P2]
         doc_k = kpos
         if HAS_DOCS:
             doc_k = tl.load(docs_row + kpos.to(tl.int64), mask=key_in, other=-1)
         if PAIR:
             # each block of the pair computes only the steps inside its own range
             if (j0 + KEY_BLOCKS > j_start0) & (j0 < j_end0):
-                best, best_m = _block_step(u0, pos0, row_ok0, U, u_head, i0 * BLOCK_Q, q_first0, q_end0, seqlen, w,
-                                           kpos, key_first, docs_row, doc_k, doc_last0, stride_um, stride_ue,
-                                           stride_us, offs_s, S, IEEE, E, BLOCK_Q, ROW_TILE, ROW_SLICES, KEYS,
-                                           HAS_DOCS, WITH_WINNER)
-                _store_step(best, best_m, OUT, WIN_ROW, WIN_KEY, out_row0, j0, j_start0, j_end0, i0 * BLOCK_Q, E,
-                            BLOCK_K, KEY_BLOCKS, WITH_WINNER)
+                best, best_m = _block_step(
+                    u0,
+                    pos0,
+                    row_ok0,
+                    U,
+                    u_head,
+                    i0 * BLOCK_Q,
+                    q_first0,
+                    q_end0,
+                    seqlen,
+                    w,
+                    kpos,
+                    key_first,
+                    docs_row,
+                    doc_k,
+                    doc_last0,
+                    stride_um,
+                    stride_ue,
+                    stride_us,
+                    offs_s,
+                    S,
+                    IEEE,
+                    E,
+                    BLOCK_Q,
+                    ROW_TILE,
+                    ROW_SLICES,
+                    KEYS,
+                    HAS_DOCS,
+                    WITH_WINNER,
+                )
+                _store_step(
+                    best,
+                    best_m,
+                    OUT,
+                    WIN_ROW,
+                    WIN_KEY,
+                    out_row0,
+                    j0,
+                    j_start0,
+                    j_end0,
+                    i0 * BLOCK_Q,
+                    E,
+                    BLOCK_K,
+                    KEY_BLOCKS,
+                    WITH_WINNER,
+                )
             if (j0 + KEY_BLOCKS > j_start1) & (j0 < j_end1):
-                best1, best_m1 = _block_step(u1, pos1, row_ok1, U, u_head, i1 * BLOCK_Q, q_first1, q_end1, seqlen, w,
-                                             kpos, key_first, docs_row, doc_k, doc_last1, stride_um, stride_ue,
-                                             stride_us, offs_s, S, IEEE, E, BLOCK_Q, ROW_TILE, ROW_SLICES, KEYS,
-                                             HAS_DOCS, WITH_WINNER)
-                _store_step(best1, best_m1, OUT, WIN_ROW, WIN_KEY, out_row1, j0, j_start1, j_end1, i1 * BLOCK_Q, E,
-                            BLOCK_K, KEY_BLOCKS, WITH_WINNER)
+                best1, best_m1 = _block_step(
+                    u1,
+                    pos1,
+                    row_ok1,
+                    U,
+                    u_head,
+                    i1 * BLOCK_Q,
+                    q_first1,
+                    q_end1,
+                    seqlen,
+                    w,
+                    kpos,
+                    key_first,
+                    docs_row,
+                    doc_k,
+                    doc_last1,
+                    stride_um,
+                    stride_ue,
+                    stride_us,
+                    offs_s,
+                    S,
+                    IEEE,
+                    E,
+                    BLOCK_Q,
+                    ROW_TILE,
+                    ROW_SLICES,
+                    KEYS,
+                    HAS_DOCS,
+                    WITH_WINNER,
+                )
+                _store_step(
+                    best1,
+                    best_m1,
+                    OUT,
+                    WIN_ROW,
+                    WIN_KEY,
+                    out_row1,
+                    j0,
+                    j_start1,
+                    j_end1,
+                    i1 * BLOCK_Q,
+                    E,
+                    BLOCK_K,
+                    KEY_BLOCKS,
+                    WITH_WINNER,
+                )
         else:
             # the loop is this block's range: no branch around the dot (the pipeliner keeps the key loads ahead)
-            best, best_m = _block_step(u0, pos0, row_ok0, U, u_head, i0 * BLOCK_Q, q_first0, q_end0, seqlen, w, kpos,
-                                       key_first, docs_row, doc_k, doc_last0, stride_um, stride_ue, stride_us,
-                                       offs_s, S, IEEE, E, BLOCK_Q, ROW_TILE, ROW_SLICES, KEYS, HAS_DOCS,
-                                       WITH_WINNER)
-            _store_step(best, best_m, OUT, WIN_ROW, WIN_KEY, out_row0, j0, j_start0, j_end0, i0 * BLOCK_Q, E,
-                        BLOCK_K, KEY_BLOCKS, WITH_WINNER)
+            best, best_m = _block_step(
+                u0,
+                pos0,
+                row_ok0,
+                U,
+                u_head,
+                i0 * BLOCK_Q,
+                q_first0,
+                q_end0,
+                seqlen,
+                w,
+                kpos,
+                key_first,
+                docs_row,
+                doc_k,
+                doc_last0,
+                stride_um,
+                stride_ue,
+                stride_us,
+                offs_s,
+                S,
+                IEEE,
+                E,
+                BLOCK_Q,
+                ROW_TILE,
+                ROW_SLICES,
+                KEYS,
+                HAS_DOCS,
+                WITH_WINNER,
+            )
+            _store_step(
+                best,
+                best_m,
+                OUT,
+                WIN_ROW,
+                WIN_KEY,
+                out_row0,
+                j0,
+                j_start0,
+                j_end0,
+                i0 * BLOCK_Q,
+                E,
+                BLOCK_K,
+                KEY_BLOCKS,
+                WITH_WINNER,
+            )
 
     _fill_outside(OUT, WIN_ROW, WIN_KEY, out_row0, j_start0, j_end0, NKB, FILL, WITH_WINNER)
     if PAIR:
-        _fill_outside(OUT, WIN_ROW, WIN_KEY, out_row1, j_start1, j_end1, tl.where(present1, NKB, j_end1), FILL,
-                      WITH_WINNER)
+        _fill_outside(
+            OUT, WIN_ROW, WIN_KEY, out_row1, j_start1, j_end1, tl.where(present1, NKB, j_end1), FILL, WITH_WINNER
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,9 +620,17 @@ def _index_block_scores_kernel(
 _FILL = 256  # columns per store of the -inf fill
 
 
-def index_block_scores_launch(u: Tensor, w: Tensor, args: IndexScoreArgs, *, seq_lens: Tensor | None = None,
-                              document_ids: Tensor | None = None, query_blocks: Tensor | None = None,
-                              with_winner: bool = False, options: IndexScoreOptions | None = None):
+def index_block_scores_launch(
+    u: Tensor,
+    w: Tensor,
+    args: IndexScoreArgs,
+    *,
+    seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    query_blocks: Tensor | None = None,
+    with_winner: bool = False,
+    options: IndexScoreOptions | None = None,
+):
     """(scores float32 ``[B, H, R, NKB]``, winner rows int32 ``[B, H, R, NKB]`` or None, winner keys likewise).
 
     A winner row is ``m * E + e`` (m the row of u, e the index head) and a winner key the key position t of the
@@ -376,17 +651,40 @@ def index_block_scores_launch(u: Tensor, w: Tensor, args: IndexScoreArgs, *, seq
     key_blocks = max(1, options.key_tile // block_k)
     blocks = None if query_blocks is None else query_blocks.to(torch.int32).contiguous()
     launch(
-        _index_block_scores_kernel, (triton.cdiv(R, options.blocks_per_program), B * H),
-        u, w, out if blocks is None else blocks, kernel_seq_lens(seq_lens, N, out),
+        _index_block_scores_kernel,
+        (triton.cdiv(R, options.blocks_per_program), B * H),
+        u,
+        w,
+        out if blocks is None else blocks,
+        kernel_seq_lens(seq_lens, N, out),
         kernel_document_ids(document_ids, out),
-        out, out if win_row is None else win_row, out if win_key is None else win_key,
-        *u.stride(), *w.stride(),
-        H, N, R, NKB, S, max(1, N.bit_length()),
-        E=E, BLOCK_Q=block_q, BLOCK_K=block_k, S_P2=max(16, triton.next_power_of_2(S)), ROW_TILE=row_tile,
-        ROW_SLICES=rows // row_tile, KEY_BLOCKS=key_blocks, PAIR=options.blocks_per_program == 2, FILL=_FILL,
+        out,
+        out if win_row is None else win_row,
+        out if win_key is None else win_key,
+        *u.stride(),
+        *w.stride(),
+        H,
+        N,
+        R,
+        NKB,
+        S,
+        max(1, N.bit_length()),
+        E=E,
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        S_P2=max(16, triton.next_power_of_2(S)),
+        ROW_TILE=row_tile,
+        ROW_SLICES=rows // row_tile,
+        KEY_BLOCKS=key_blocks,
+        PAIR=options.blocks_per_program == 2,
+        FILL=_FILL,
         HAS_QUERY_BLOCKS=blocks is not None,
-        HAS_SEQ_LENS=seq_lens is not None, HAS_DOCS=document_ids is not None, WITH_WINNER=with_winner,
-        IEEE=u.dtype == torch.float32, num_warps=options.num_warps, num_stages=options.num_stages,
+        HAS_SEQ_LENS=seq_lens is not None,
+        HAS_DOCS=document_ids is not None,
+        WITH_WINNER=with_winner,
+        IEEE=u.dtype == torch.float32,
+        num_warps=options.num_warps,
+        num_stages=options.num_stages,
     )
     return out, win_row, win_key
 
@@ -402,8 +700,17 @@ def _scatter_rows(target: Tensor, index: Tensor, values: Tensor, deterministic: 
         target.index_add_(0, index, values)
 
 
-def winner_gradients(grad: Tensor, scores: Tensor, win_row: Tensor, win_key: Tensor, u: Tensor, w: Tensor, *,
-                     need_u: bool = True, need_w: bool = True) -> tuple[Tensor | None, Tensor | None]:
+def winner_gradients(
+    grad: Tensor,
+    scores: Tensor,
+    win_row: Tensor,
+    win_key: Tensor,
+    u: Tensor,
+    w: Tensor,
+    *,
+    need_u: bool = True,
+    need_w: bool = True,
+) -> tuple[Tensor | None, Tensor | None]:
     """(du, dw) of the scores through the hard max: each finite score's gradient times ``w[t]`` lands on
     ``du[m, e]`` and times ``u[m, e]`` on ``dw[t]`` at its winner (``win_row = m * E + e``, ``win_key = t``);
     -inf scores pass nothing. Accumulated in float32 over chunks of output rows, returned in u's / w's dtype."""
@@ -426,13 +733,17 @@ def winner_gradients(grad: Tensor, scores: Tensor, win_row: Tensor, win_key: Ten
         key = (head * N + win_key[:, :, part].clamp(min=0).to(torch.int64)).reshape(-1)
         # selection, not multiplication: the rows gathered for -inf scores may be NaN padding
         if need_u:
-            _scatter_rows(du, row, torch.where(found, g * w_rows.index_select(0, key).to(torch.float32), 0.0),
-                          deterministic)
+            _scatter_rows(
+                du, row, torch.where(found, g * w_rows.index_select(0, key).to(torch.float32), 0.0), deterministic
+            )
         if need_w:
-            _scatter_rows(dw, key, torch.where(found, g * u_rows.index_select(0, row).to(torch.float32), 0.0),
-                          deterministic)
-    return (None if du is None else du.view(B, H, M, E, S).to(u.dtype),
-            None if dw is None else dw.view(B, H, N, S).to(w.dtype))
+            _scatter_rows(
+                dw, key, torch.where(found, g * u_rows.index_select(0, row).to(torch.float32), 0.0), deterministic
+            )
+    return (
+        None if du is None else du.view(B, H, M, E, S).to(u.dtype),
+        None if dw is None else dw.view(B, H, N, S).to(w.dtype),
+    )
 
 
 class _IndexBlockScores(torch.autograd.Function):
@@ -441,8 +752,15 @@ class _IndexBlockScores(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, w, seq_lens, document_ids, query_blocks, args, options):
         scores, win_row, win_key = index_block_scores_launch(
-            u.detach(), w.detach(), args, seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks,
-            with_winner=True, options=options)
+            u.detach(),
+            w.detach(),
+            args,
+            seq_lens=seq_lens,
+            document_ids=document_ids,
+            query_blocks=query_blocks,
+            with_winner=True,
+            options=options,
+        )
         ctx.save_for_backward(u, w, scores, win_row, win_key)
         return scores
 
@@ -450,8 +768,16 @@ class _IndexBlockScores(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         u, w, scores, win_row, win_key = ctx.saved_tensors
-        du, dw = winner_gradients(grad, scores, win_row, win_key, u.detach(), w.detach(),
-                                  need_u=ctx.needs_input_grad[0], need_w=ctx.needs_input_grad[1])
+        du, dw = winner_gradients(
+            grad,
+            scores,
+            win_row,
+            win_key,
+            u.detach(),
+            w.detach(),
+            need_u=ctx.needs_input_grad[0],
+            need_w=ctx.needs_input_grad[1],
+        )
         return du, dw, None, None, None, None, None
 
 
@@ -472,15 +798,25 @@ def index_scores_support(u: Tensor) -> tuple[bool, str]:
         if not _interpreter():
             return False, "CPU tensors need TRITON_INTERPRET=1 for the Triton kernel"
         if u.dtype not in (torch.float16, torch.float32):
-            return False, (f"dtype {u.dtype} under the Triton interpreter (float16, float32 only: its bf16 math is "
-                           "wrong)")
+            return False, (
+                f"dtype {u.dtype} under the Triton interpreter (float16, float32 only: its bf16 math is wrong)"
+            )
         return True, "ok"
     return False, f"device type {u.device.type} (CUDA, or CPU under TRITON_INTERPRET=1)"
 
 
-def index_block_scores(u: Tensor, w: Tensor, *, block_q: int, block_k: int, seq_lens: Tensor | None = None,
-                       document_ids: Tensor | None = None, query_blocks: Tensor | None = None,
-                       backend: str = "auto", options: IndexScoreOptions | None = None) -> Tensor:
+def index_block_scores(
+    u: Tensor,
+    w: Tensor,
+    *,
+    block_q: int,
+    block_k: int,
+    seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    query_blocks: Tensor | None = None,
+    backend: str = "auto",
+    options: IndexScoreOptions | None = None,
+) -> Tensor:
     """Token-level index block scores: the largest index logit of each (query block, key block) pair, in tiles.
 
     ``score[b, h, i, j]`` is the max over the rows r of query block i, the index heads e and the keys t of key
@@ -533,11 +869,24 @@ def index_block_scores(u: Tensor, w: Tensor, *, block_q: int, block_k: int, seq_
             raise ValueError(f"backend='triton' cannot run this input: {reason}")
         use_kernel = supported and (backend == "triton" or u.device.type == "cuda")
     if not use_kernel:
-        return reference_index_block_scores(u, w, block_q=block_q, block_k=block_k, seq_lens=seq_lens,
-                                            document_ids=document_ids, query_blocks=query_blocks)
+        return reference_index_block_scores(
+            u,
+            w,
+            block_q=block_q,
+            block_k=block_k,
+            seq_lens=seq_lens,
+            document_ids=document_ids,
+            query_blocks=query_blocks,
+        )
     if torch.is_grad_enabled() and (u.requires_grad or w.requires_grad):
         return _IndexBlockScores.apply(u, w, seq_lens, document_ids, query_blocks, args, options)
-    scores, _, _ = index_block_scores_launch(u.detach(), w.detach(), args, seq_lens=seq_lens,
-                                             document_ids=document_ids, query_blocks=query_blocks, options=options)
+    scores, _, _ = index_block_scores_launch(
+        u.detach(),
+        w.detach(),
+        args,
+        seq_lens=seq_lens,
+        document_ids=document_ids,
+        query_blocks=query_blocks,
+        options=options,
+    )
     return scores
-
