@@ -1,4 +1,4 @@
-"""What the Gluon kernels (Hopper, hand-scheduled: backward_gluon.py, forward_gluon.py) share: the Gluon imports,
+"""What the Gluon kernels (Hopper, hand-scheduled: gluon/backward.py, gluon/forward.py) share: the Gluon imports,
 the TMA descriptors of ``[B, H, N, D]`` tensors, the conditions every Gluon kernel needs (the launchers run the
 Triton kernels outside them), and the pieces of a query-centric program (the forward and dQ kernels): its tile,
 its K/V ring, the forward's masks, the store of its rows."""

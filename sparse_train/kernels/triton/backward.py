@@ -25,7 +25,7 @@ order, or write zeros when unselected); (2) the launcher ``sparse_attn_backward`
 the tile configuration come from sparse_train/plan/plan.py.
 
 Gluon KV-centric kernel (``BackwardConfig.kv_gluon``, default on a Hopper GPU): the same work items, partials
-and finish, with the dK/dV tile products hand-scheduled in Gluon (backward_gluon.py: TMA ring of q/dO slices,
+and finish, with the dK/dV tile products hand-scheduled in Gluon (gluon/backward.py: TMA ring of q/dO slices,
 asynchronous warpgroup MMAs; documents included); where it does not apply (dropout, sequence lengths, a query-block
 map, N not a multiple of BLOCK_Q, fused or stored-dS mode) ``_dkdv_kernel`` runs.
 

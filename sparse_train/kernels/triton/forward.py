@@ -23,7 +23,7 @@ one split of them) and ``_merge_kernel`` (exact merge of split partials); (2) th
 configuration come from sparse_train/plan/plan.py; the PyTorch reference is reference.py.
 
 Gluon forward (``ForwardConfig.gluon``, default on a Hopper GPU at head dim 64 over 64-key blocks, where it
-measured faster): the same tiles' products hand-scheduled in Gluon (forward_gluon.py), bitwise this kernel's
+measured faster): the same tiles' products hand-scheduled in Gluon (gluon/forward.py), bitwise this kernel's
 outputs, documents included; where it does not apply (dropout, sequence lengths, a query-block map, split rows,
 N not a multiple of BLOCK_Q) ``_fwd_kernel`` runs.
 
