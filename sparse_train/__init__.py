@@ -21,6 +21,7 @@ from .losses import linear_cross_entropy
 from .module.attention import SparseAttention
 from .module.checkpointing import checkpoint_keeping_attention, keep_attention_context
 from .module.collection import clip_grad_norms, collect_attention_stats, collect_selector_losses, selector_parameters
+from .options import KernelOptions
 from .parallel.context_parallel import (
     context_parallel_sparse_attention,
     disable_context_parallel,
@@ -34,6 +35,7 @@ __all__ = [
     "BlockIndex",
     "BlockPlan",
     "DEFAULT_R0",
+    "KernelOptions",
     "SparseAttention",
     "SparseAttentionConfig",
     "block_document_ranges",

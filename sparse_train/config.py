@@ -14,7 +14,7 @@ from .functional import BACKENDS
 from .index.block_index import INDEX_CHECKS
 from .kernels.reference.block_mass import ROW_POOLS as DISTILL_ROW_POOLS
 from .kernels.reference.pool import ROPE_STYLES
-from .options import config_kernel_options
+from .options import KernelOptions, config_kernel_options
 from .validation import check_bool, check_choice, check_float, check_int
 
 __all__ = [
@@ -160,9 +160,6 @@ class SparseAttentionConfig:
     (``selector_steps``), so a resumed run continues where it stopped; eval forwards during the
     warm-up are dense too. 0 = sparse from the first step (a selector loaded from a checkpoint)."""
 
-    r0: int | None = None
-    """Reuse threshold of the hybrid dK/dV backward; ``None`` = ``sparse_train.plan.plan.DEFAULT_R0``."""
-
     dropout_p: float = 0.0
     """Dropout on attention probabilities during training, in [0, 1) (ignored in eval mode). The bits
     come from counters over (seed, batch, head, query, key), also on the dense path (warm-up, full
@@ -179,26 +176,13 @@ class SparseAttentionConfig:
     deterministic: bool = False
     """Bitwise-reproducible gradients (every dK/dV block KV-centric, no atomics)."""
 
-    fused_backward: bool = False
-    """One backward kernel instead of two: the KV-centric dK/dV kernel also adds dQ into a float32 buffer
-    with atomics (``kernel_options.fused_dq`` of :func:`sparse_train.sparse_attention`), which saves the
-    dQ kernel's recomputation of the scores. dQ is then not bitwise reproducible, so it cannot be combined
-    with ``deterministic``. Off by default: the atomics cost more than they save (measured slower at 64K;
-    docs/kernel_tuning.md)."""
-
-    stored_ds_backward: bool = False
-    """The KV-centric kernel stores each dS tile and the dQ kernel reads it instead of recomputing the scores
-    (``kernel_options.stored_ds`` of :func:`sparse_train.sparse_attention`): no atomics, so it combines with
-    ``deterministic``, but not with ``fused_backward``. Off by default: not faster than the default backward,
-    for a buffer of about 8 GB at 64K (B = 1, 32 heads; ``docs/kernel_tuning.md``)."""
-
-    gluon_kernels: bool | None = None
-    """The hand-scheduled Gluon kernels (Hopper only; ``kernel_options.fwd_gluon`` / ``dq_gluon`` / ``kv_gluon``
-    of :func:`sparse_train.sparse_attention`): ``None`` = each kernel's measured default (on Hopper the dQ and
-    KV-centric backward kernels always, the forward at head dim 64 over 64-key blocks); ``False`` = the Triton
-    kernels only; ``True`` = the Gluon kernels wherever they apply. Where a Gluon kernel does not apply (another
-    GPU, dropout, sequence lengths, context parallelism, N not a multiple of ``block_q``) the Triton kernel runs
-    either way; results are bitwise the same, only the speed differs."""
+    kernel_options: KernelOptions | None = None
+    """The kernels' performance choices: a :class:`~sparse_train.KernelOptions`, or a dict of its fields (a YAML
+    recipe's mapping), as ``kernel_options`` of :func:`sparse_train.sparse_attention`; ``None`` = every kernel's
+    default. Among them the reuse threshold ``r0`` of the hybrid backward, tiles, warps and stages, TMA loads,
+    the Gluon kernels (``fwd_gluon`` / ``dq_gluon`` / ``kv_gluon``) and the fused or stored-dS backward
+    (``fused_dq`` / ``stored_ds``). They never change a result beyond floating-point order. ``plan`` is refused
+    here: the module builds each step's plan from that step's index."""
 
     distill: str = "sampled"
     """Selector training target: ``"sampled"`` = dense attention mass on all causal blocks for
@@ -286,7 +270,6 @@ class SparseAttentionConfig:
             _check_int(self, name, minimum=0)
         if self.top_k + self.window + self.sinks == 0:
             raise ValueError("SparseAttentionConfig: top_k + window + sinks must be > 0 (nothing would be selected)")
-        _check_int(self, "r0", minimum=0, optional=True)
         _check_int(self, "distill_query_rows", minimum=1, optional=True)
         if self.distill_query_rows is not None and self.distill_query_rows > self.block_q:
             raise ValueError(
@@ -321,14 +304,10 @@ class SparseAttentionConfig:
             "dense_fallback",
             "profile",
             "deterministic",
-            "fused_backward",
-            "stored_ds_backward",
             "selector_distance_bias",
         ):
             _check_bool(self, name)
-        if self.gluon_kernels is not None:
-            _check_bool(self, "gluon_kernels")
-        config_kernel_options(self)  # the rules that tie the kernel switches together
+        self.kernel_options = config_kernel_options(self.kernel_options, self.deterministic)
 
     @property
     def capacity(self) -> int:
@@ -336,5 +315,8 @@ class SparseAttentionConfig:
         return self.top_k + self.window + self.sinks
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain dict of the fields (for logging / hparams)."""
-        return asdict(self)
+        """Plain dict of the fields (for logging / hparams; ``kernel_options`` as a dict of its set fields, so
+        ``SparseAttentionConfig(**config.to_dict())`` is the same config)."""
+        out = asdict(self)
+        out["kernel_options"] = {k: v for k, v in out["kernel_options"].items() if v is not None} or None
+        return out

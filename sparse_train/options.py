@@ -5,8 +5,8 @@ hybrid backward, the split count, tiles, warps and stages of each kernel, TMA lo
 fused and stored-dS backward. ``sparse_attention(..., kernel_options=)`` takes a :class:`KernelOptions` or a
 dict of its fields; :func:`normalize_kernel_options` is the one validation of both forms, and the rules
 that tie switches to each other or to ``deterministic`` are written here once
-(:func:`check_dq_source`). :class:`sparse_train.SparseAttentionConfig` names four of the switches
-(``r0``, ``fused_backward``, ``stored_ds_backward``, ``gluon_kernels``); :func:`config_kernel_options` maps them.
+(:func:`check_dq_source`). :class:`sparse_train.SparseAttentionConfig` carries one in its ``kernel_options``
+field (:func:`config_kernel_options` checks it).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ __all__ = [
     "check_fused_dq_allowed",
     "check_no_plan_with_query_blocks",
     "config_kernel_options",
+    "kernel_options_dict",
     "normalize_kernel_options",
 ]
 
@@ -173,21 +174,19 @@ def check_dq_source(
     stored_ds: bool | None,
     deterministic: bool,
     *,
-    names: tuple[str, str] = ("kernel_options.fused_dq", "kernel_options.stored_ds"),
     context: str = "",
 ) -> None:
     """The rules of the two ways of producing dQ from the KV-centric kernel: ``fused_dq`` (atomics) and
     ``stored_ds`` (a dS buffer) exclude each other, and ``fused_dq`` sums in no fixed order, which
-    ``deterministic`` forbids. ``names`` and ``context`` word the ValueError for the caller's own argument
-    names (the config's ``fused_backward`` / ``stored_ds_backward``)."""
+    ``deterministic`` forbids. ``context`` prefixes the ValueError (the caller's name)."""
     if fused_dq and stored_ds:
         raise ValueError(
-            f"{context}{names[0]} and {names[1]} are two ways of producing dQ from the KV-centric "
-            "kernel; set at most one of them"
+            f"{context}kernel_options.fused_dq and kernel_options.stored_ds are two ways of producing dQ from the "
+            "KV-centric kernel; set at most one of them"
         )
     if fused_dq and deterministic:
         raise ValueError(
-            f"{context}{names[0]} sums dQ with atomics in no fixed order, so it cannot give the "
+            f"{context}kernel_options.fused_dq sums dQ with atomics in no fixed order, so it cannot give the "
             "bitwise-reproducible gradients deterministic=True asks for; drop one of the two"
         )
 
@@ -210,27 +209,29 @@ def check_no_plan_with_query_blocks(kernel_options) -> None:
         )
 
 
-def config_kernel_options(config) -> dict:
-    """The kernel options a :class:`~sparse_train.SparseAttentionConfig` names, in the dict form of
-    ``kernel_options``: ``r0``, ``fused_backward`` (``fused_dq``), ``stored_ds_backward`` (``stored_ds``) and
-    ``gluon_kernels`` (``fwd_gluon``, ``dq_gluon`` and ``kv_gluon`` alike), checked by
-    :func:`normalize_kernel_options` and the rules above (against the config's ``deterministic`` too); the
-    other options keep their defaults."""
-    check_dq_source(
-        config.fused_backward,
-        config.stored_ds_backward,
-        config.deterministic,
-        names=("fused_backward", "stored_ds_backward"),
-        context="SparseAttentionConfig: ",
-    )
-    gluon = config.gluon_kernels
-    options = {
-        "r0": config.r0,
-        "fused_dq": config.fused_backward,
-        "stored_ds": config.stored_ds_backward,
-        "fwd_gluon": gluon,
-        "dq_gluon": gluon,
-        "kv_gluon": gluon,
-    }
-    normalize_kernel_options(options)
+def config_kernel_options(kernel_options: Mapping | KernelOptions | None, deterministic: bool) -> KernelOptions:
+    """``SparseAttentionConfig.kernel_options`` checked and normalised: the rules of
+    :func:`normalize_kernel_options` (errors name ``SparseAttentionConfig.kernel_options``), no ``plan`` (the
+    module plans each step's own index), and ``fused_dq`` refused with the config's ``deterministic``."""
+    context = "SparseAttentionConfig: "
+    if kernel_options is not None and not isinstance(kernel_options, (Mapping, KernelOptions)):
+        raise ValueError(
+            f"{context}kernel_options must be a sparse_train.KernelOptions, a dict of its fields or None, "
+            f"got {type(kernel_options).__name__}"
+        )
+    try:
+        options = normalize_kernel_options(kernel_options)
+    except ValueError as err:
+        raise ValueError(context + str(err)) from None
+    if options.plan is not None:
+        raise ValueError(
+            f"{context}kernel_options.plan is not a config choice: the module builds each step's plan from "
+            "that step's index; set kernel_options.r0 for the reuse threshold"
+        )
+    check_dq_source(options.fused_dq, options.stored_ds, deterministic, context=context)
     return options
+
+
+def kernel_options_dict(options: KernelOptions) -> dict:
+    """The set (non-None) fields of a :class:`KernelOptions`, in the dict form of ``kernel_options``."""
+    return {f.name: getattr(options, f.name) for f in fields(KernelOptions) if getattr(options, f.name) is not None}

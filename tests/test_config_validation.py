@@ -33,7 +33,6 @@ CONFIG_INT_FIELDS = [
     "sinks",
     "selector_dim",
     "selector_index_heads",
-    "r0",
     "distill_every",
     "distill_query_rows",
     "distill_query_blocks",
@@ -54,14 +53,12 @@ CONFIG_FLOAT_FIELDS = [
 ]
 CONFIG_BOOL_FIELDS = [
     "deterministic",
-    "fused_backward",
-    "stored_ds_backward",
     "replay",
     "dense_fallback",
     "profile",
     "selector_distance_bias",
-    "gluon_kernels",
 ]
+CONFIG_OPTIONS_FIELDS = ["kernel_options"]
 CONFIG_CHOICE_FIELDS = [
     "backend",
     "distill",
@@ -78,13 +75,14 @@ CONFIG_CHOICE_FIELDS = [
 
 def test_config_field_lists_cover_every_field():
     """A new field must be listed here (and get its one-line check in ``__post_init__``)."""
-    listed = CONFIG_INT_FIELDS + CONFIG_FLOAT_FIELDS + CONFIG_BOOL_FIELDS + CONFIG_CHOICE_FIELDS
+    listed = CONFIG_INT_FIELDS + CONFIG_FLOAT_FIELDS + CONFIG_BOOL_FIELDS + CONFIG_CHOICE_FIELDS + CONFIG_OPTIONS_FIELDS
     assert sorted(listed) == sorted(st.SparseAttentionConfig.__dataclass_fields__)
     lists = {
         "int": CONFIG_INT_FIELDS,
         "float": CONFIG_FLOAT_FIELDS,
         "bool": CONFIG_BOOL_FIELDS,
         "str": CONFIG_CHOICE_FIELDS,
+        "KernelOptions": CONFIG_OPTIONS_FIELDS,
     }
     for name, f in st.SparseAttentionConfig.__dataclass_fields__.items():
         kind = str(f.type).split(" ")[0]  # "int | None" -> "int"
@@ -140,7 +138,21 @@ def test_config_float_field_rejects_non_finite_and_non_numbers(field, value):
             "dense_enter_density must be a finite number in [0, 1]",
             id="enter-density-above-one",
         ),
-        pytest.param("r0", -1, "r0 must be an int >= 0 or None", id="r0-negative"),
+        pytest.param(
+            "kernel_options",
+            {"r0": -1},
+            "SparseAttentionConfig: kernel_options.r0 must be an int >= 0, got -1",
+            id="kernel-options-r0-negative",
+        ),
+        pytest.param(
+            "kernel_options",
+            {"fused": True},
+            "SparseAttentionConfig: kernel_options has no key 'fused'",
+            id="kernel-options-unknown-key",
+        ),
+        pytest.param(
+            "kernel_options", "fast", "kernel_options must be a sparse_train.KernelOptions", id="kernel-options-str"
+        ),
         pytest.param("distill_query_rows", 0, "distill_query_rows must be a positive int or None", id="rows-zero"),
         pytest.param("backend", None, "backend must be one of", id="backend-none"),
     ],
@@ -151,11 +163,33 @@ def test_config_rejects_out_of_domain_values(field, value, message):
 
 
 def test_config_refuses_the_fused_backward_with_deterministic():
-    with pytest.raises(ValueError, match="fused_backward sums dQ with atomics.*deterministic=True"):
-        st.SparseAttentionConfig(fused_backward=True, deterministic=True)
-    with pytest.raises(ValueError, match="fused_backward and stored_ds_backward are two ways"):
-        st.SparseAttentionConfig(fused_backward=True, stored_ds_backward=True)
-    assert st.SparseAttentionConfig(stored_ds_backward=True, deterministic=True).stored_ds_backward
+    with pytest.raises(ValueError, match="fused_dq sums dQ with atomics.*deterministic=True"):
+        st.SparseAttentionConfig(kernel_options={"fused_dq": True}, deterministic=True)
+    with pytest.raises(ValueError, match="fused_dq and kernel_options.stored_ds are two ways"):
+        st.SparseAttentionConfig(kernel_options=st.KernelOptions(fused_dq=True, stored_ds=True))
+    cfg = st.SparseAttentionConfig(kernel_options={"stored_ds": True}, deterministic=True)
+    assert cfg.kernel_options == st.KernelOptions(stored_ds=True)
+
+
+def test_config_kernel_options_refuse_a_plan():
+    idx = st.BlockIndex.from_selection(torch.zeros(1, 1, 2, 1, dtype=torch.int32), seq_len=128, block_q=64, block_k=64)
+    with pytest.raises(ValueError, match="kernel_options.plan is not a config choice"):
+        st.SparseAttentionConfig(kernel_options={"plan": idx.plan()})
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(None, id="none"),
+        pytest.param({"r0": 3, "kv_gluon": False}, id="dict"),
+        pytest.param(st.KernelOptions(r0=2, fused_dq=True), id="typed"),
+    ],
+)
+def test_config_kernel_options_round_trip_through_to_dict(options):
+    cfg = st.SparseAttentionConfig(kernel_options=options)
+    assert isinstance(cfg.kernel_options, st.KernelOptions)
+    again = st.SparseAttentionConfig(**cfg.to_dict())
+    assert again == cfg
 
 
 @pytest.mark.parametrize(
@@ -574,7 +608,7 @@ def test_check_helpers_messages(check, value, message):
 
 
 def test_valid_values_pass_unchanged():
-    cfg = st.SparseAttentionConfig(scale=1, dropout_p=0, distill_weight=0, r0=None, distill_query_rows=64)
-    assert cfg.scale == 1 and cfg.r0 is None
+    cfg = st.SparseAttentionConfig(scale=1, dropout_p=0, distill_weight=0, kernel_options=None, distill_query_rows=64)
+    assert cfg.scale == 1 and cfg.kernel_options == st.KernelOptions()
     check_float("x.f", INF, minimum=0.0, finite=False)
     check_int("x.n", 4, minimum=0, maximum=4)

@@ -96,7 +96,7 @@ def _dense_attention_factory(backend: str) -> Callable[..., torch.Tensor]:
 POINTWISE = {"on": True, "off": False, "auto": "auto"}
 """``--compile-pointwise`` values as ``TransformerConfig.compile_pointwise`` takes them."""
 GLUON = {"on": True, "off": False, "auto": None}
-"""``--gluon`` values as ``SparseAttentionConfig.gluon_kernels`` takes them."""
+"""``--gluon`` values as ``KernelOptions.fwd_gluon`` / ``dq_gluon`` / ``kv_gluon`` take them."""
 
 
 def time_steps(
@@ -137,9 +137,13 @@ def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Trans
         distill=args.distill,
         backend=args.backend,
         dense_warmup_steps=0,
-        fused_backward=args.fused_backward == "on",
-        stored_ds_backward=args.stored_ds_backward == "on",
-        gluon_kernels=GLUON[args.gluon],
+        kernel_options=dict(
+            fused_dq=args.fused_backward == "on",
+            stored_ds=args.stored_ds_backward == "on",
+            fwd_gluon=GLUON[args.gluon],
+            dq_gluon=GLUON[args.gluon],
+            kv_gluon=GLUON[args.gluon],
+        ),
         selector=args.selector,
         selector_index_heads=args.index_heads,
     )
@@ -206,19 +210,19 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
         "--fused-backward",
         choices=["on", "off"],
         default="off",
-        help="sparse variant: dQ from the KV-centric kernel by atomics (SparseAttentionConfig.fused_backward)",
+        help="sparse variant: dQ from the KV-centric kernel by atomics (KernelOptions.fused_dq)",
     )
     ap.add_argument(
         "--stored-ds-backward",
         choices=["on", "off"],
         default="off",
-        help="sparse variant: dQ from dS tiles the KV-centric kernel stores (SparseAttentionConfig.stored_ds_backward)",
+        help="sparse variant: dQ from dS tiles the KV-centric kernel stores (KernelOptions.stored_ds)",
     )
     ap.add_argument(
         "--gluon",
         choices=sorted(GLUON),
         default="auto",
-        help="sparse variant: the Gluon kernels (SparseAttentionConfig.gluon_kernels: auto = each kernel's "
+        help="sparse variant: the Gluon kernels (KernelOptions.fwd_gluon / dq_gluon / kv_gluon: auto = each kernel's "
         "default, on = wherever they apply, off = the Triton kernels only)",
     )
     ap.add_argument(

@@ -69,7 +69,7 @@ from ..config import SparseAttentionConfig
 from ..documents import document_positions
 from ..functional import BACKEND_REASONS, dense_causal_attention
 from ..index.block_index import BlockIndex
-from ..options import config_kernel_options
+from ..options import kernel_options_dict
 from ..selection.distill import block_kl_sum, dense_block_mass, renormalise, sparse_block_mass
 from ..selection.indexer import build_selector
 from ..selection.metrics import draw_query_blocks, sample_query_blocks, selection_quality
@@ -532,7 +532,7 @@ class SparseAttention(nn.Module):
             if profile:
                 self._timings.mark("plan" + phase_suffix, 0, device)
             if attend_index is not None and backend == "triton" and plan is None:
-                plan = layout.plan(attend_index, cfg.r0)
+                plan = layout.plan(attend_index, cfg.kernel_options.r0)
             if profile:
                 self._timings.mark("plan" + phase_suffix, 1, device)
             if attend_index is not None and dropout_p > 0.0 and dropout_seed is None:
@@ -655,9 +655,9 @@ class SparseAttention(nn.Module):
         return o
 
     def _kernel_options(self) -> dict:
-        """The config's performance choices for :func:`sparse_train.sparse_attention` (both paths;
-        :func:`~sparse_train.options.config_kernel_options`)."""
-        return config_kernel_options(self.config)
+        """The config's performance choices (``SparseAttentionConfig.kernel_options``) in the dict form of
+        :func:`sparse_train.sparse_attention`'s ``kernel_options`` (both paths)."""
+        return kernel_options_dict(self.config.kernel_options)
 
     def _distills_now(self, first_pass: bool) -> bool:
         """Whether this call computes the distillation loss (training with grad, ``distill`` on, every

@@ -132,7 +132,7 @@ def test_sparse_path_equals_reference_on_its_own_index():
 
 
 def test_fused_and_stored_ds_backward_configs_reach_the_kernels(monkeypatch):
-    """``fused_backward=True`` (Triton interpreter): the dQ kernel does not run; ``stored_ds_backward=True``: the
+    """``kernel_options.fused_dq`` (Triton interpreter): the dQ kernel does not run; ``kernel_options.stored_ds``: the
     dQ pass reads stored dS (``_dq_from_ds_kernel``); in both the output, the selector loss and the q/k/v
     gradients equal the two-kernel backward's (the same index; dQ summed in another order)."""
     from sparse_train.kernels.triton import backward as kb
@@ -143,8 +143,8 @@ def test_fused_and_stored_ds_backward_configs_reach_the_kernels(monkeypatch):
     results = []
     for mode, dq_kernel in (
         ({}, kb._dq_kernel),
-        ({"fused_backward": True}, None),
-        ({"stored_ds_backward": True}, kb._dq_from_ds_kernel),
+        ({"kernel_options": {"fused_dq": True}}, None),
+        ({"kernel_options": st.KernelOptions(stored_ds=True)}, kb._dq_from_ds_kernel),
     ):
         attn = make(backend="triton", dense_fallback=False, distill="sampled", **mode)
         attn.load_state_dict(make().state_dict())
@@ -162,8 +162,9 @@ def test_fused_and_stored_ds_backward_configs_reach_the_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("gluon,expected", [(None, 0), (False, 0), (True, 1)], ids=["default", "off", "on"])
-def test_gluon_kernels_config_reaches_the_launch_schedule(monkeypatch, gluon, expected):
-    """``gluon_kernels`` sets the three Gluon switches of the launch schedule (None: each kernel's default, which on
+def test_gluon_kernel_options_reach_the_launch_schedule(monkeypatch, gluon, expected):
+    """``kernel_options`` ``fwd_gluon`` / ``dq_gluon`` / ``kv_gluon`` set the launch schedule's Gluon switches
+    (None: each kernel's default, which on
     this CPU is off); where the Gluon kernels do not apply (here: no Hopper GPU) the Triton kernels run and the
     output is the same."""
     from sparse_train.kernels.triton import op
@@ -173,7 +174,8 @@ def test_gluon_kernels_config_reaches_the_launch_schedule(monkeypatch, gluon, ex
     monkeypatch.setattr(
         op, "attention_schedule", lambda *a, **kw: schedules.append(real_schedule(*a, **kw)) or schedules[-1]
     )
-    attn = make(backend="triton", dense_fallback=False, gluon_kernels=gluon)
+    options = {"fwd_gluon": gluon, "dq_gluon": gluon, "kv_gluon": gluon}
+    attn = make(backend="triton", dense_fallback=False, kernel_options=options)
     attn.load_state_dict(make().state_dict())
     torch.manual_seed(3)
     q, k, v = qkv(2, 83)
@@ -186,10 +188,10 @@ def test_gluon_kernels_config_reaches_the_launch_schedule(monkeypatch, gluon, ex
     torch.testing.assert_close(out, reference(q, k, v), rtol=0, atol=0)
 
 
-def test_gluon_kernels_config_takes_a_bool_or_none():
-    assert st.SparseAttentionConfig(gluon_kernels=None).gluon_kernels is None
-    with pytest.raises(ValueError, match="SparseAttentionConfig.gluon_kernels"):
-        st.SparseAttentionConfig(gluon_kernels="yes")
+def test_gluon_kernel_options_take_a_bool_or_none():
+    assert st.SparseAttentionConfig(kernel_options={"kv_gluon": None}).kernel_options.kv_gluon is None
+    with pytest.raises(ValueError, match="SparseAttentionConfig: kernel_options.kv_gluon"):
+        st.SparseAttentionConfig(kernel_options={"kv_gluon": "yes"})
 
 
 @pytest.mark.parametrize("n", [30, 64, 80], ids=["n30", "n64", "n80"])

@@ -333,10 +333,9 @@ def test_scorer_and_selection_on_a_subset_of_query_blocks(documents):
     ids=["deterministic-stored-ds-triton-only", "fused-gluon"],
 )
 def test_cp_module_passes_its_kernel_settings(monkeypatch, deterministic, fused, stored, gluon):
-    """Under context parallelism the module hands ``deterministic``, ``r0``, ``fused_backward``,
-    ``stored_ds_backward`` and ``gluon_kernels`` to the
-    attention as the single-process path does (they were dropped before: a deterministic config ran the
-    atomic backward under CP). One process, a world-1 gloo group."""
+    """Under context parallelism the module hands ``deterministic`` and its ``kernel_options`` to the attention as
+    the single-process path does (a deterministic config must not run the atomic backward under CP). One process,
+    a world-1 gloo group."""
     if dist.is_initialized():
         pytest.skip("needs to create its own process group")
     seen = []
@@ -353,10 +352,9 @@ def test_cp_module_passes_its_kernel_settings(monkeypatch, deterministic, fused,
             dict(
                 distill="sampled",
                 deterministic=deterministic,
-                fused_backward=fused,
-                stored_ds_backward=stored,
-                r0=3,
-                gluon_kernels=gluon,
+                kernel_options=dict(
+                    r0=3, fused_dq=fused, stored_ds=stored, fwd_gluon=gluon, dq_gluon=gluon, kv_gluon=gluon
+                ),
             )
         )
         cp.enable_context_parallel(module)
