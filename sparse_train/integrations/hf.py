@@ -77,7 +77,35 @@ SELECTOR_WEIGHTS_NAME = "sparse_train.safetensors"
 """Selector weights file written beside the model's own files by :func:`save_pretrained`."""
 SELECTOR_CONFIG_NAME = "sparse_train_config.json"
 """The ``SparseAttentionConfig`` (and a format version) written beside the model's ``config.json``."""
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
+"""Version of the saved sparse config. Version 1 holds the kernel choices ``r0``, ``fused_backward``,
+``stored_ds_backward`` and ``gluon_kernels`` as top-level config fields; :func:`_config_from_saved` reads them
+into ``kernel_options``."""
+
+_KERNEL_FIELDS_V1 = {
+    "r0": ("r0",),
+    "fused_backward": ("fused_dq",),
+    "stored_ds_backward": ("stored_ds",),
+    "gluon_kernels": ("fwd_gluon", "dq_gluon", "kv_gluon"),
+}
+
+
+def _config_from_saved(saved: dict, path: str) -> SparseAttentionConfig:
+    """The :class:`SparseAttentionConfig` of a saved ``sparse_config.json`` of format 1 or 2."""
+    version = saved.get("format_version")
+    if version not in (1, _FORMAT_VERSION):
+        raise ValueError(f"{path}: format_version {version!r}, this version reads 1 and {_FORMAT_VERSION}")
+    fields = dict(saved["config"])
+    if version == 1:
+        options = {}
+        for old, new_names in _KERNEL_FIELDS_V1.items():
+            value = fields.pop(old, None)
+            if value is None or (value is False and old != "gluon_kernels"):  # the kernel's default
+                continue
+            options.update(dict.fromkeys(new_names, value))
+        fields["kernel_options"] = options or None
+    return SparseAttentionConfig(**fields)
+
 
 _last_mask: tuple[weakref.ReferenceType, int, tuple[Tensor | None, Tensor | None]] | None = None
 _last_positions: tuple[weakref.ReferenceType, int, Tensor | None] | None = None
@@ -500,12 +528,9 @@ def from_pretrained(model_class, directory, **kwargs) -> nn.Module:
             )
     with open(config_path) as f:
         saved = json.load(f)
-    if saved.get("format_version") != _FORMAT_VERSION:
-        raise ValueError(
-            f"{config_path}: format_version {saved.get('format_version')!r}, this version reads {_FORMAT_VERSION}"
-        )
+    config = _config_from_saved(saved, config_path)
     model = model_class.from_pretrained(directory, **kwargs)
-    enable(model, SparseAttentionConfig(**saved["config"]))
+    enable(model, config)
     weights = load_file(weights_path)
     expected = [name for name in model.state_dict() if _is_selector_key(name)]
     missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))

@@ -2,6 +2,8 @@
 configs (hidden 64, 2 layers): equality with sdpa under full selection, training under sparse
 selection, padding, state-dict round trip, and clear errors for what is not supported."""
 
+import json
+
 import pytest
 import torch
 
@@ -412,6 +414,37 @@ def test_save_pretrained_round_trip(family, tmp_path):
         torch.testing.assert_close(restored(ids).logits, model(ids).logits, rtol=0, atol=0)
     for a, b in zip(hf.attention_layers(model), restored_layers):
         assert torch.equal(a.sparse_attention._last_index.indices, b.sparse_attention._last_index.indices)
+
+
+@pytest.mark.parametrize(
+    "old_fields,options",
+    [
+        pytest.param({"r0": 3, "fused_backward": False, "gluon_kernels": None}, st.KernelOptions(r0=3), id="r0"),
+        pytest.param(
+            {"r0": None, "stored_ds_backward": True, "gluon_kernels": False},
+            st.KernelOptions(stored_ds=True, fwd_gluon=False, dq_gluon=False, kv_gluon=False),
+            id="stored-ds-triton-only",
+        ),
+    ],
+)
+def test_from_pretrained_reads_format_1_kernel_fields_into_kernel_options(old_fields, options, tmp_path):
+    """A ``sparse_train_config.json`` of format 1 keeps the kernel choices as top-level fields; they load into
+    ``kernel_options``."""
+    model = build("llama")
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    hf.save_pretrained(model, tmp_path)
+    path = tmp_path / hf.SELECTOR_CONFIG_NAME
+    saved = json.loads(path.read_text())
+    del saved["config"]["kernel_options"]
+    saved["config"].update(old_fields, fused_backward=old_fields.get("fused_backward", False))
+    saved["format_version"] = 1
+    path.write_text(json.dumps(saved))
+    restored = hf.from_pretrained(type(model), tmp_path)
+    assert hf.attention_layers(restored)[0].sparse_attention.config.kernel_options == options
+    saved["format_version"] = 7
+    path.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="format_version 7, this version reads 1 and 2"):
+        hf.from_pretrained(type(model), tmp_path)
 
 
 def test_save_and_load_refuse_models_without_selectors(tmp_path):
