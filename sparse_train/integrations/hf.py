@@ -33,6 +33,12 @@ Generation: ``model.generate()`` works after ``enable``. The prompt (query lengt
 the sparse path like training; each decoding step (fewer queries than cached keys) attends the whole
 cache densely through :meth:`SparseAttention.decode`, counted as the fallback ``"decode"``.
 
+Context parallelism: after ``st.enable_context_parallel(model, group)`` each rank runs the model on its
+zig-zag shard of the sequence with the shard's GLOBAL ``position_ids`` (so the model's RoPE rotates at global
+positions); :func:`context_parallel_inputs` builds a rank's ``input_ids``, ``position_ids`` and the labels of
+the loss from the global batch. Packed documents come from restarting global positions; padding masks and
+the ``cu_seq_lens`` kwargs are refused under context parallelism.
+
 Saving: :func:`save_pretrained` / :func:`from_pretrained` keep the selectors beside the model's own
 files. Only APIs present in transformers 5.17 and 5.24 are used.
 """
@@ -50,6 +56,7 @@ from torch import Tensor, nn
 from ..config import SparseAttentionConfig
 from ..documents import document_ids_from_cu_seqlens, document_ids_from_position_ids
 from ..module.attention import SparseAttention
+from ..parallel.context_parallel import context_parallel_rank, shard_sequence
 
 __all__ = [
     "ATTENTION_NAME",
@@ -63,6 +70,7 @@ __all__ = [
     "seq_lens_from_padding_mask",
     "padding_from_mask",
     "document_ids_for_call",
+    "context_parallel_inputs",
     "attention_layers",
     "rope_frequencies",
     "rope_style",
@@ -311,6 +319,8 @@ def sparse_train_attention_forward(
             )
         out = sparse.decode(query, key, value, key_padding_mask=mask, scale=scaling)
         return out.transpose(1, 2).contiguous(), None
+    if sparse.layout.splits_sequence:
+        return _context_parallel_attention(sparse, query, key, value, attention_mask, scaling, dropout, kwargs)
     batch, seq_len = query.shape[0], key.shape[2]
     seq_lens, padding_documents = padding_from_mask(attention_mask, seq_len)
     position_ids = kwargs.get("position_ids")
@@ -335,6 +345,123 @@ def sparse_train_attention_forward(
         dropout_p=dropout,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _context_parallel_attention(
+    sparse: SparseAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict,
+) -> tuple[Tensor, None]:
+    """The attention call of a layer under context parallelism: query/key/value are this rank's zig-zag shard
+    ``[B, H, N / W, D]``; ``position_ids`` (required) are the shard's GLOBAL positions, all-gathered into the
+    sequence's ``[B, N]`` positions, which give the packed documents (restarts) and the selector's RoPE
+    un-rotation."""
+    if attention_mask is not None and not (attention_mask.dim() == 2 and bool(attention_mask.all())):
+        raise NotImplementedError(
+            "sparse_train attention under context parallelism takes no padding mask: pack the rows instead "
+            "(position_ids restarting at every document)"
+        )
+    if kwargs.get("cu_seq_lens_q") is not None:
+        raise NotImplementedError(
+            "sparse_train attention under context parallelism reads packed documents from position_ids, not "
+            "from cu_seq_lens_q"
+        )
+    batch, local_len = query.shape[0], key.shape[2]
+    position_ids = kwargs.get("position_ids")
+    if not (
+        isinstance(position_ids, Tensor)
+        and position_ids.dim() == 2
+        and position_ids.shape[0] in (1, batch)
+        and position_ids.shape[1] == local_len
+    ):
+        raise ValueError(
+            "a Hugging Face model under context parallelism needs position_ids: this rank's shard of the GLOBAL "
+            f"positions, [B or 1, {local_len}] (sparse_train.integrations.hf.context_parallel_inputs builds them), "
+            f"got {getattr(position_ids, 'shape', position_ids)!r}"
+        )
+    local = position_ids.to(query.device).expand(batch, local_len).contiguous()
+    positions = sparse.layout.gather(local, -1)  # [B, N], global order
+    if not torch.compiler.is_compiling():
+        # global positions start at 0 and continue by +1 or restart a document at 0; the model's own default,
+        # 0 .. N/W - 1 on every rank, gathers into a jump (one host sync)
+        following = positions[:, 1:]
+        valid = (positions[:, 0] == 0).all() & ((following - positions[:, :-1] == 1) | (following == 0)).all()
+        if not bool(valid):
+            raise ValueError(
+                "a Hugging Face model under context parallelism needs position_ids that are this rank's shard of the "
+                "GLOBAL positions (0, 1, ... restarting at 0 where a packed document starts); the ranks' "
+                "position_ids do not gather into such a sequence (a model called without position_ids uses local "
+                "ones); sparse_train.integrations.hf.context_parallel_inputs builds them"
+            )
+    documents = document_ids_for_call(positions, batch, positions.shape[1])
+    out = sparse(
+        query,
+        key,
+        value,
+        document_ids=None if documents is None else documents.to(query.device),
+        position_ids=positions,
+        scale=scaling,
+        dropout_p=dropout,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def context_parallel_inputs(
+    input_ids: Tensor,
+    labels: Tensor | None = None,
+    position_ids: Tensor | None = None,
+    *,
+    group=None,
+    ignore_index: int = -100,
+) -> dict[str, Tensor]:
+    """This rank's keyword arguments of a Hugging Face causal LM under context parallelism, from the GLOBAL batch.
+
+    Returns ``input_ids`` and ``position_ids`` (the rank's zig-zag shard, :func:`~sparse_train.parallel.
+    context_parallel.shard_sequence`, of the tokens and of their global positions: ``position_ids`` when given,
+    e.g. restarting at packed documents, else ``0 .. N-1``); with ``labels`` also ``labels`` and ``shift_labels``
+    (the labels shifted left by one over the GLOBAL sequence, ``ignore_index`` last, then sharded: transformers'
+    causal-LM loss takes ``shift_labels`` as they are instead of shifting the local shard, whose neighbour
+    tokens sit on another rank) and ``num_items_in_batch`` (the global count of labelled tokens, so each rank's
+    loss is its share of the global mean). Summed over the ranks, the losses and the parameter gradients
+    (all-reduce them over ``group``) are the single-process ones.
+
+    Args:
+        input_ids: int ``[B, N]``, the whole batch, the same on every rank of ``group``.
+        labels: int ``[B, N]`` unshifted (the ``labels`` argument of a causal LM), or None.
+        position_ids: int ``[B or 1, N]`` global positions, or None for ``0 .. N-1``.
+        group: the context-parallel process group (``None``: the default group).
+        ignore_index: the label of tokens without a loss.
+
+    Raises:
+        ValueError: tensors that are not ``[B, N]`` of one N, or N not a multiple of 2 * world size
+            (:func:`~sparse_train.parallel.context_parallel.shard_sequence`).
+    """
+    rank, world = context_parallel_rank(group)
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [B, N] tensor, got {getattr(input_ids, 'shape', input_ids)!r}")
+    batch, seq_len = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(seq_len, device=input_ids.device).view(1, seq_len)
+    elif not isinstance(position_ids, Tensor) or position_ids.dim() != 2 or position_ids.shape[1] != seq_len:
+        raise ValueError(f"position_ids must be [B or 1, {seq_len}], got {getattr(position_ids, 'shape', None)!r}")
+    out = {
+        "input_ids": shard_sequence(input_ids, 1, rank, world),
+        "position_ids": shard_sequence(position_ids, 1, rank, world),
+    }
+    if labels is not None:
+        if not isinstance(labels, Tensor) or tuple(labels.shape) != (batch, seq_len):
+            raise ValueError(
+                f"labels must be [{batch}, {seq_len}] like input_ids, got {getattr(labels, 'shape', None)!r}"
+            )
+        shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
+        local = shard_sequence(shifted, 1, rank, world)
+        out.update(labels=local, shift_labels=local, num_items_in_batch=(shifted != ignore_index).sum())
+    return out
 
 
 def _merge_boundaries(a: Tensor, b: Tensor) -> Tensor:

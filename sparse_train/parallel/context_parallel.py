@@ -594,8 +594,8 @@ def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str 
     Raises:
         ValueError: a module with a selector other than ``"pooled"``; torch.distributed not initialised or this
             process outside ``group``; ``backend`` not a string or None; no module of ``model`` supports context
-            parallelism (for example a Hugging
-            Face model: its RoPE is applied at local positions, which the integration does not shift)."""
+            parallelism (a Hugging Face model needs ``hf.enable`` first; it then runs on each rank's shard with
+            global ``position_ids``: :func:`sparse_train.integrations.hf.context_parallel_inputs`)."""
     for module in model.modules():
         scorer = getattr(module, "scorer", None)
         if isinstance(module, SparseAttention) and not isinstance(scorer, BlockScorer):
