@@ -394,7 +394,7 @@ def test_stats_metrics_profile_and_collect():
     assert model["a"].fallback_counts == {}
 
 
-def test_state_dict_holds_selector_only():
+def test_state_dict_holds_the_selector_and_the_resume_state():
     attn = make()
     keys = set(attn.state_dict())
     assert keys == {
@@ -404,6 +404,8 @@ def test_state_dict_holds_selector_only():
         "scorer.distance_bias",
         "scorer.lr_multiplier",
         "selector_steps",
+        "distill_draws",
+        "dense_mode",
     }
 
 
