@@ -149,7 +149,9 @@ class SparseAttentionConfig:
     """The selector learns this many times faster than the model under one Adam-type optimizer and
     one learning rate: its weights are stored divided by the multiplier and multiplied back in the
     forward (a reparametrisation; under plain SGD the factor is squared). 10x was measured to be
-    needed for the selector to keep up with the model's moving attention; 1.0 = the model's pace."""
+    needed for the selector to keep up with the model's moving attention; 1.0 = the model's pace.
+    A state dict saved with another multiplier loads at this one, its selector weights rescaled to
+    the same effective weights bit for bit; a ratio that is not a power of two raises ValueError."""
 
     dense_warmup_steps: int = 500
     """Run dense causal attention for the first this-many training forwards while the selector

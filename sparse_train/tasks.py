@@ -228,8 +228,13 @@ class CurriculumStage:
 class CurriculumBatches(Sampler):
     """Batches of ``(sample_index, seq_len)`` for :class:`RetrievalDataset`: the curriculum stages, then
     the final length until ``total_steps``. Sample indices run consecutively, so batch ``t`` is the same
-    whatever the worker count; ``start_step`` skips the batches already trained on (resume). Under data
-    parallelism each of the ``world_size`` ranks takes its own ``batch_size`` slice of step ``t``'s samples."""
+    whatever the worker count. Under data parallelism each of the ``world_size`` ranks takes its own
+    ``batch_size`` slice of step ``t``'s samples.
+
+    ``start_step`` (resume): the batches already trained on, counted over epochs of ``total_steps`` batches.
+    The first iteration starts at that position of its epoch; later ones are whole epochs, as in the
+    uninterrupted run. The length stays the epoch's: Lightning counts the batches of a resumed epoch from the
+    checkpoint's position on, so the epoch ends where the uninterrupted run's ends."""
 
     def __init__(
         self,
@@ -247,14 +252,15 @@ class CurriculumBatches(Sampler):
             self.plan.extend([(st.batch_size, st.seq_len)] * st.steps)
         self.plan = self.plan[:total_steps]
         self.plan.extend([(final_batch, final_len)] * (total_steps - len(self.plan)))
-        self.start_step = min(start_step, len(self.plan))
+        self.start_step = start_step % len(self.plan) if self.plan else 0
 
     def __len__(self) -> int:
-        return len(self.plan) - self.start_step
+        return len(self.plan)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        first = sum(b for b, _ in self.plan[: self.start_step]) * self.world_size
-        for bs, n in self.plan[self.start_step :]:
+        start, self.start_step = self.start_step, 0
+        first = sum(b for b, _ in self.plan[:start]) * self.world_size
+        for bs, n in self.plan[start:]:
             yield [(first + self.rank * bs + i, n) for i in range(bs)]
             first += bs * self.world_size
 

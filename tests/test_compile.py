@@ -79,6 +79,7 @@ def test_fullgraph_compile_of_the_sparse_training_step_equals_eager(backend, dis
         assert torch.equal(twin.last_selection.indices, eager.last_selection.indices)
     assert int(eager.fallback_counter.sum()) == int(twin.fallback_counter.sum()) == 0  # the sparse path ran
     assert int(twin.distill_draws) == int(eager.distill_draws) == (2 if distill == "sampled" else 0)
+    assert int(twin.selector_steps) == int(eager.selector_steps) == 2  # the state dict's step count, compiled too
 
 
 def _train_forwards(models, tokens, labels, sparse, autocast_device=None):

@@ -97,8 +97,12 @@ def test_curriculum_batches_and_resume_skip():
     full = list(CurriculumBatches(stages, final_len=256, final_batch=1, total_steps=5))
     assert [(len(b), b[0][1]) for b in full] == [(4, 64), (4, 64), (2, 128), (1, 256), (1, 256)]
     assert [i for b in full for i, _ in b] == list(range(12))  # consecutive sample indices
-    resumed = list(CurriculumBatches(stages, final_len=256, final_batch=1, total_steps=5, start_step=3))
-    assert resumed == full[3:]
+    resumed = CurriculumBatches(stages, final_len=256, final_batch=1, total_steps=5, start_step=3)
+    assert len(resumed) == 5  # the epoch's length, as Lightning counts a resumed epoch
+    assert list(resumed) == full[3:]
+    assert list(resumed) == full  # the next epoch is whole
+    in_second_epoch = CurriculumBatches(stages, final_len=256, final_batch=1, total_steps=5, start_step=5 + 2)
+    assert list(in_second_epoch) == full[2:]
     ranks = [list(CurriculumBatches(stages, 256, 1, 5, start_step=1, rank=r, world_size=2)) for r in (0, 1)]
     for a, b in zip(*ranks):  # data parallel: same shapes per step, disjoint samples
         assert len(a) == len(b) and a[0][1] == b[0][1] and not {i for i, _ in a} & {i for i, _ in b}

@@ -659,11 +659,13 @@ def from_pretrained(model_class, directory, **kwargs) -> nn.Module:
     model = model_class.from_pretrained(directory, **kwargs)
     enable(model, config)
     weights = load_file(weights_path)
-    expected = [name for name in model.state_dict() if _is_selector_key(name)]
-    missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
+    # the keys the load itself reports: a selector fills the resume state an older file lacks
+    # (sparse_train.module.attention.RESUME_STATE)
+    result = model.load_state_dict(weights, strict=False)
+    missing = sorted(name for name in result.missing_keys if _is_selector_key(name))
+    unexpected = sorted(result.unexpected_keys)
     if missing or unexpected:
         raise ValueError(
             f"{weights_path} does not match the model's selectors: missing {missing[:4]}, unexpected {unexpected[:4]}"
         )
-    model.load_state_dict(weights, strict=False)
     return model

@@ -93,13 +93,18 @@ from ..validation import (
 from .checkpointing import outside_selective_checkpoint
 from .layout import SequenceLayout
 
-__all__ = ["FALLBACK_REASONS", "SparseAttention"]
+__all__ = ["FALLBACK_REASONS", "RESUME_STATE", "SparseAttention"]
 
 FALLBACK_REASONS = ("dense_warmup", "dense_full_selection", "dense_hysteresis", "decode") + tuple(
     f"reference_{code}" for code in BACKEND_REASONS if code not in ("requested", "supported")
 )
 """Every reason a call leaves the Triton sparse path; ``fallback_counts`` and ``stats()`` use these names
 (the reference ones are ``resolve_backend``'s codes, so a new code cannot be miscounted)."""
+
+RESUME_STATE = ("distill_draws", "dense_mode")
+"""The state-dict buffers of a ``SparseAttention``, besides ``selector_steps``, that decide the numbers of later
+calls: the distillation sample's draw number and the dense/sparse hysteresis. A state dict without them loads
+them at their initial values (zero, sparse), also under ``strict=True``."""
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -116,6 +121,11 @@ class SparseAttention(nn.Module):
             learned :class:`~sparse_train.selection.BlockScorer` or :class:`~sparse_train.selection.TokenIndexer`,
             or the parameter-free :class:`~sparse_train.selection.OracleSelector`); its parameters are the
             selector's and appear in ``state_dict`` under ``scorer.``.
+        selector_steps, distill_draws, dense_mode: buffers in ``state_dict`` holding the training-forward count
+            (warm-up, ``distill_every``, ``metrics_every``), the distillation sample's draw number and the
+            dense/sparse hysteresis: with them a run resumed from ``state_dict`` continues exactly (the
+            quality metrics' sample is drawn from the training-forward count too). ``fallback_counts``, the
+            replay counts and the timings are statistics of the module object and are not saved.
         selector_loss: the last training forward's distillation loss (scalar, gradients only into
             ``scorer``), or None.
         fallback_counts: dict reason -> number of calls that took that fallback.
@@ -138,18 +148,24 @@ class SparseAttention(nn.Module):
         self.scorer = build_selector(config, num_heads, num_kv_heads, head_dim)
         if config.selector_rope_theta is not None:
             self.scorer.set_rope(rope_inverse_frequencies(config.selector_rope_theta, head_dim))
-        # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every).
-        # The Python int is the source of truth (reading a CUDA buffer would sync every call); the
-        # buffer mirrors it for the state dict so a resumed run continues its schedule.
+        # The state that decides a later call's numbers is in the state dict (selector_steps and RESUME_STATE),
+        # so a run resumed from a checkpoint computes what the uninterrupted run computes.
+        # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every). The
+        # Python int is the source of truth (reading a CUDA buffer would sync every call); the buffer
+        # advances beside it on the device (an in-graph add under torch.compile).
         self.register_buffer("selector_steps", torch.zeros((), dtype=torch.int64))
+        # Draw number of the distillation's query-block sample (draw_query_blocks), advanced on the
+        # device: no generator object (torch.compile cannot trace one) and no host read.
+        self.register_buffer("distill_draws", torch.zeros((), dtype=torch.int64))
+        # The dense/sparse hysteresis: True while the dense path holds. The Python bool is the source of
+        # truth (the path is decided on the host); the buffer mirrors it.
+        self.register_buffer("dense_mode", torch.zeros((), dtype=torch.bool))
         # A tensor (not a dict of ints) so counting inside a compiled graph is an in-graph add, not a
-        # Python side effect that would guard and recompile on every call.
+        # Python side effect that would guard and recompile on every call. A statistic of this module
+        # object (like the replay counts and timings), not saved.
         self.register_buffer(
             "fallback_counter", torch.zeros(len(FALLBACK_REASONS), dtype=torch.int64), persistent=False
         )
-        # Draw number of the distillation's query-block sample (draw_query_blocks), advanced on the
-        # device: no generator object (torch.compile cannot trace one) and no host read.
-        self.register_buffer("distill_draws", torch.zeros((), dtype=torch.int64), persistent=False)
         self.selector_loss: Tensor | None = None
         self._dense_mode = False
         self._training_calls = 0
@@ -159,7 +175,6 @@ class SparseAttention(nn.Module):
         self._last_quality: dict[str, Tensor] = {}
         self._replay = SelectionReplay()
         self._timings = PhaseTimer()
-        self._metrics_rng = torch.Generator().manual_seed(0)
         # Where the rows of a call sit in the sequence: the whole sequence here, or under context parallelism
         # (set from outside by sparse_train.parallel.context_parallel.enable_context_parallel) one rank's
         # zig-zag shard of it.
@@ -268,8 +283,15 @@ class SparseAttention(nn.Module):
         return self._training_calls < self.config.dense_warmup_steps
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # A state dict of this module written without some of RESUME_STATE loads them at their initial
+        # values (strict loads included). A state dict without the module's keys at all (a dense model's)
+        # still reports every key missing.
+        if prefix + "selector_steps" in state_dict:
+            for name in RESUME_STATE:
+                state_dict.setdefault(prefix + name, torch.zeros_like(getattr(self, name)))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._training_calls = int(self.selector_steps)
+        self._dense_mode = bool(self.dense_mode)
 
     def _choose_path(self, geometry, update_state: bool) -> tuple[str, str | None]:
         """``("dense" | "sparse", fallback reason)`` from shapes, the warm-up and the hysteresis state."""
@@ -284,8 +306,9 @@ class SparseAttention(nn.Module):
             dense_mode = False
         elif not dense_mode and (density >= cfg.dense_enter_density or geometry.is_full):
             dense_mode = True
-        if update_state:
+        if update_state and dense_mode != self._dense_mode:
             self._dense_mode = dense_mode
+            self.dense_mode.fill_(dense_mode)
         if geometry.is_full:
             return "dense", "dense_full_selection"
         return ("dense", "dense_hysteresis") if dense_mode else ("sparse", None)
@@ -444,8 +467,7 @@ class SparseAttention(nn.Module):
         )
         if first_pass and self.training:
             self._training_calls += 1
-            if not compiling:
-                self.selector_steps.fill_(self._training_calls)
+            self.selector_steps.add_(1)
 
         # ---- selector: scores (with grad when distilling) and, unless replayed, the selection
         need_selection = index is None and (
@@ -628,7 +650,9 @@ class SparseAttention(nn.Module):
             self._last_index = index
             self.selector_loss = loss
             if metrics_now and index is not None:
-                picks = sample_query_blocks(index.num_q_blocks, cfg.metrics_query_blocks, self._metrics_rng)
+                # drawn from the training-forward count: the same blocks at the same step, resumed or not
+                generator = torch.Generator().manual_seed(self._training_calls)
+                picks = sample_query_blocks(index.num_q_blocks, cfg.metrics_query_blocks, generator)
                 with host_ops():
                     self._last_quality = selection_quality(
                         q, k, index, scale=scale, query_blocks=picks, seq_lens=seq_lens, document_ids=document_ids

@@ -40,7 +40,15 @@ from ..kernels.reference.pool import unrotate
 from ..plan.device import triton_runs_on
 from ..validation import check_choice, check_float
 from .distill import dense_block_mass
-from .scorer import DISTANCE_BUCKETS, EMPTY_BLOCK_SCORE, BlockScorer, SelectionGeometry, add_distance_bias, checked_rope
+from .scorer import (
+    DISTANCE_BUCKETS,
+    EMPTY_BLOCK_SCORE,
+    BlockScorer,
+    SelectionGeometry,
+    add_distance_bias,
+    checked_rope,
+    rescale_to_multiplier,
+)
 
 __all__ = ["TokenIndexer", "OracleSelector", "build_selector", "index_scores"]
 
@@ -63,7 +71,8 @@ class TokenIndexer(nn.Module):
     Args:
         num_heads: HQ. num_kv_heads: HKV. head_dim: D.
         index_dim: S, the width of index queries and keys. index_heads: E, index queries per row.
-        lr_multiplier: the selector's learning-rate multiplier (a buffer in the state dict).
+        lr_multiplier: the selector's learning-rate multiplier (a buffer in the state dict; a state dict saved with
+            another one loads rescaled to this one, :func:`~sparse_train.selection.scorer.rescale_to_multiplier`).
         distance_bias: add a learned bias per KV head and log2 bucket of block distance.
         rope_style: the RoPE convention :meth:`set_rope` undoes.
 
@@ -113,6 +122,11 @@ class TokenIndexer(nn.Module):
         self.rope_inv_freq, self.rope_style = checked_rope(
             inv_freq, style, self.rope_style, self.head_dim, self.query_proj.device
         )
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # saved with another lr_multiplier: rescaled to this indexer's, the effective weights kept exactly
+        rescale_to_multiplier(self, state_dict, prefix)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

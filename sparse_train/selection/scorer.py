@@ -51,6 +51,7 @@ __all__ = [
     "SelectionGeometry",
     "selection_geometry",
     "BlockScorer",
+    "rescale_to_multiplier",
     "block_pool",
     "block_mean",
     "block_max",
@@ -257,6 +258,54 @@ def block_pool(
     )
 
 
+def rescale_to_multiplier(selector: nn.Module, state_dict: dict, prefix: str) -> None:
+    """Rewrite, in ``state_dict``, the saved parameters of ``selector`` (a learned selector whose parameters are
+    stored divided by its ``lr_multiplier`` buffer) for the multiplier ``selector`` was built with.
+
+    The configured multiplier wins (it sets how fast the selector learns), and the effective weights
+    (``lr_multiplier * parameter``, what the forward computes with) stay the saved ones bit for bit: each saved
+    parameter is multiplied by ``saved / configured``, which is exact when that ratio is a power of two. Called
+    by the selectors' ``_load_from_state_dict``; a state dict without ``lr_multiplier`` or with the configured
+    one is left as it is.
+
+    Raises:
+        ValueError: the ratio is not a power of two (the rescaled parameters could not represent every saved
+            effective weight), or a rescaled parameter leaves the range of its dtype.
+    """
+    key = prefix + "lr_multiplier"
+    saved = state_dict.get(key)
+    if not isinstance(saved, Tensor) or saved.numel() != 1:
+        return
+    configured = selector.lr_multiplier
+    saved_value, configured_value = float(saved), float(configured)
+    if saved_value == configured_value:
+        return
+    ratio = saved_value / configured_value
+    where = f"{type(selector).__name__} at {prefix or '<root>'!r}"
+    if not (math.isfinite(ratio) and ratio > 0 and math.frexp(ratio)[0] == 0.5):
+        raise ValueError(
+            f"{where}: the state dict's lr_multiplier {saved_value:g} and this module's {configured_value:g} "
+            f"(SparseAttentionConfig.selector_lr_multiplier) have the ratio {ratio:g}, not a power of two, so the "
+            f"saved selector weights cannot be rescaled to {configured_value:g} exactly; build the module with "
+            f"selector_lr_multiplier={saved_value:g} to load this state dict"
+        )
+    saved_f32, configured_f32 = saved.detach().reshape(()).float().cpu(), configured.detach().float().cpu()
+    for name, _ in selector.named_parameters(recurse=False):
+        value = state_dict.get(prefix + name)
+        if not isinstance(value, Tensor):
+            continue
+        rescaled = value * ratio
+        want = value.detach().float().cpu() * saved_f32
+        if not torch.equal(rescaled.detach().float().cpu() * configured_f32, want):
+            raise ValueError(
+                f"{where}: rescaling {name} from the state dict's lr_multiplier {saved_value:g} to this module's "
+                f"{configured_value:g} (SparseAttentionConfig.selector_lr_multiplier) leaves the range of "
+                f"{value.dtype}; build the module with selector_lr_multiplier={saved_value:g} to load this state dict"
+            )
+        state_dict[prefix + name] = rescaled
+    state_dict[key] = configured.detach().clone()
+
+
 class BlockScorer(nn.Module):
     """Per-KV-head learned projections of pooled queries and keys -> block logits.
 
@@ -267,8 +316,9 @@ class BlockScorer(nn.Module):
     ``lr_multiplier`` times faster than the model it sits in, with one optimizer and one learning rate:
     the distillation target moves with the model, and a selector that learns at the model's pace lags
     behind it (measured: selector-only fit at lr 3e-3 reached needle recall 0.5, at 3e-2 0.99). Under
-    plain SGD the factor is ``lr_multiplier**2``. The multiplier is a buffer saved in the state dict,
-    so loaded weights mean the same function whatever the loading config says.
+    plain SGD the factor is ``lr_multiplier**2``. The multiplier is a buffer saved in the state dict; a
+    state dict saved with another multiplier loads rescaled to this scorer's (:func:`rescale_to_multiplier`):
+    the effective weights are the saved ones bit for bit, and the scorer learns at its own multiplier's pace.
 
     ``distance_bias`` (``[HKV, DISTANCE_BUCKETS]``, zero at start, same multiplier) adds a learned
     preference per log2 bucket of block distance: what content scores cannot express, such as a
@@ -343,6 +393,7 @@ class BlockScorer(nn.Module):
             and self.query_proj.shape[1] == 2 * self.head_dim
         ):
             state_dict[query_key] = torch.cat([saved, torch.zeros_like(saved)], dim=1)
+        rescale_to_multiplier(self, state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     @torch.no_grad()

@@ -316,9 +316,9 @@ def test_state_dict_round_trip_includes_selector():
             layer.sparse_attention.scorer.query_proj.mul_(-2.0)  # distinguishable from a fresh init
     state = model.state_dict()
     selector_keys = [k for k in state if "sparse_attention." in k]
-    # per layer: query_proj, key_proj, log_temperature, distance_bias, the lr multiplier and the
-    # warm-up step count
-    assert len(selector_keys) == 2 * 6, selector_keys
+    # per layer: query_proj, key_proj, log_temperature, distance_bias, the lr multiplier, the
+    # warm-up step count, the distillation draw number and the hysteresis state
+    assert len(selector_keys) == 2 * 8, selector_keys
     restored = build("llama")
     hf.enable(restored, st.SparseAttentionConfig(**SPARSE))
     restored.load_state_dict(state, strict=True)
@@ -445,6 +445,37 @@ def test_from_pretrained_reads_format_1_kernel_fields_into_kernel_options(old_fi
     path.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match="format_version 7, this version reads 1 and 2"):
         hf.from_pretrained(type(model), tmp_path)
+
+
+def test_from_pretrained_loads_selector_files_without_the_resume_state(tmp_path):
+    """A selector file written without the resume state (``distill_draws``, ``dense_mode``) loads with their initial
+    values and the saved selectors; a file missing a selector weight or holding a foreign tensor is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from sparse_train.module.attention import RESUME_STATE
+
+    model = build("llama")
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    with torch.no_grad():
+        for layer in hf.attention_layers(model):
+            layer.sparse_attention.scorer.query_proj.mul_(-3.0)
+            layer.sparse_attention.distill_draws.fill_(4)
+    hf.save_pretrained(model, tmp_path)
+    path = tmp_path / hf.SELECTOR_WEIGHTS_NAME
+    saved = load_file(path)
+    save_file({name: t for name, t in saved.items() if not name.endswith(RESUME_STATE)}, path)
+    restored = hf.attention_layers(hf.from_pretrained(transformers.LlamaForCausalLM, tmp_path))
+    for want, got in zip(hf.attention_layers(model), restored):
+        assert int(got.sparse_attention.distill_draws) == 0
+        assert torch.equal(got.sparse_attention.scorer.query_proj, want.sparse_attention.scorer.query_proj)
+    weight = next(name for name in saved if name.endswith("scorer.key_proj"))
+    save_file({name: t for name, t in saved.items() if name != weight}, path)
+    with pytest.raises(ValueError, match=rf"missing \['{weight}'\], unexpected \[\]"):
+        hf.from_pretrained(transformers.LlamaForCausalLM, tmp_path)
+    foreign = "model.layers.0.self_attn.sparse_attention.extra"
+    save_file({**saved, foreign: torch.zeros(1)}, path)
+    with pytest.raises(ValueError, match=rf"missing \[\], unexpected \['{foreign}'\]"):
+        hf.from_pretrained(transformers.LlamaForCausalLM, tmp_path)
 
 
 def test_save_and_load_refuse_models_without_selectors(tmp_path):

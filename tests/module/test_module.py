@@ -396,7 +396,7 @@ def test_stats_metrics_profile_and_collect():
     assert model["a"].fallback_counts == {}
 
 
-def test_state_dict_holds_selector_only():
+def test_state_dict_holds_the_selector_and_the_resume_state():
     attn = make()
     keys = set(attn.state_dict())
     assert keys == {
@@ -406,6 +406,8 @@ def test_state_dict_holds_selector_only():
         "scorer.distance_bias",
         "scorer.lr_multiplier",
         "selector_steps",
+        "distill_draws",
+        "dense_mode",
     }
 
 

@@ -4,6 +4,7 @@ CPU, tiny shapes, reference semantics; every expected value comes from a brute-f
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -607,3 +608,72 @@ def test_selector_saved_without_distance_bias_loads_as_zero_bias():
     new.load_state_dict(state, strict=True)
     assert torch.equal(new.scorer.distance_bias, torch.zeros_like(new.scorer.distance_bias))
     assert torch.equal(new.scorer.query_proj, old.scorer.query_proj)
+
+
+def _multiplier_module(selector: str, multiplier: float) -> st.SparseAttention:
+    config = st.SparseAttentionConfig(
+        selector=selector,
+        block_q=16,
+        block_k=16,
+        top_k=2,
+        window=1,
+        sinks=1,
+        selector_dim=8,
+        backend="reference",
+        dense_warmup_steps=0,
+        dense_fallback=False,
+        selector_lr_multiplier=multiplier,
+    )
+    return st.SparseAttention(config, num_heads=4, num_kv_heads=2, head_dim=16).train()
+
+
+@pytest.mark.parametrize("selector", ["pooled", "token"])
+@pytest.mark.parametrize("configured", [5.0, 40.0], ids=["configured-half", "configured-4x"])
+def test_state_dict_of_another_multiplier_loads_at_the_configured_multiplier(selector, configured):
+    """A selector saved at ``selector_lr_multiplier`` 10 loaded into a module configured with 5 or 40: the module
+    keeps its configured multiplier (the pace it learns at: the stored parameters' gradients scale with it), and
+    the effective weights (multiplier x parameter), the attention output, the selection and the selector loss are
+    the saved module's bitwise."""
+    torch.manual_seed(0)
+    saved = _multiplier_module(selector, 10.0)
+    with torch.no_grad():
+        for p in saved.scorer.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # a trained selector, not the initialisation
+    loaded = _multiplier_module(selector, configured)
+    loaded.load_state_dict(saved.state_dict(), strict=True)
+    assert float(loaded.scorer.lr_multiplier) == configured
+    for (name, want), got in zip(saved.scorer.named_parameters(), loaded.scorer.parameters()):
+        assert torch.equal(got * loaded.scorer.lr_multiplier, want * saved.scorer.lr_multiplier), name
+    q, k, v = make_qkv(2, 4, 2, 112, 16, seed=5)
+    outputs = [module(q, k, v) for module in (saved, loaded)]
+    assert torch.equal(outputs[0], outputs[1])
+    assert torch.equal(saved.last_selection.indices, loaded.last_selection.indices)
+    assert torch.equal(saved.selector_loss, loaded.selector_loss)
+    saved.selector_loss.backward()
+    loaded.selector_loss.backward()
+    for (name, want), got in zip(saved.scorer.named_parameters(), loaded.scorer.parameters()):
+        assert torch.equal(got.grad, want.grad * (configured / 10.0)), name
+
+
+@pytest.mark.parametrize("selector", ["pooled", "token"])
+@pytest.mark.parametrize(
+    "saved_multiplier,configured,message",
+    [
+        pytest.param(10.0, 3.0, "the ratio 3.33333, not a power of two", id="ratio-not-a-power-of-two"),
+        pytest.param(2.0**100, 2.0**-100, "leaves the range of torch.float32", id="rescaled-out-of-range"),
+    ],
+)
+def test_state_dict_of_a_multiplier_that_cannot_be_rescaled_exactly_is_refused(
+    selector, saved_multiplier, configured, message
+):
+    """When the saved parameters cannot be rescaled to the configured multiplier with their effective weights kept
+    exactly, loading raises a ValueError naming selector_lr_multiplier and the value that loads the state dict."""
+    state = _multiplier_module(selector, saved_multiplier).state_dict()
+    module = _multiplier_module(selector, configured)
+    before = {name: p.clone() for name, p in module.scorer.named_parameters()}
+    with pytest.raises(
+        ValueError, match=re.escape(message) + ".*" + re.escape(f"selector_lr_multiplier={saved_multiplier:g} ")
+    ):
+        module.load_state_dict(state)
+    assert float(module.scorer.lr_multiplier) == configured
+    assert all(torch.equal(p, before[name]) for name, p in module.scorer.named_parameters())
