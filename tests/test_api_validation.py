@@ -294,6 +294,26 @@ def test_plan_of_another_index_is_refused(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_inference_mode_calls_equal_no_grad(backend):
+    """Under torch.inference_mode the plan of an index of inference tensors (no version counters) is built,
+    cached and passed like any other: every call equals the no_grad one."""
+    q, k, v, idx = _inputs(seed=5)
+    with torch.no_grad():
+        want = st.sparse_attention(q, k, v, idx, backend=backend)
+    with torch.inference_mode():
+        inference_idx = st.BlockIndex(idx.indices.clone(), idx.counts.clone(), 64, 16, 16)
+        calls = [
+            st.sparse_attention(q, k, v, idx, backend=backend),
+            st.sparse_attention(q, k, v, inference_idx, backend=backend),
+            st.sparse_attention(q, k, v, inference_idx, backend=backend),
+            st.sparse_attention(q, k, v, inference_idx, kernel_options={"plan": inference_idx.plan()}, backend=backend),
+        ]
+    assert inference_idx.plan() is inference_idx.plan()
+    for got in calls:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_plan_of_index_modified_in_place_is_refused(backend):
     q, k, v, idx = _inputs(seed=3)
     _, _, _, other = _inputs(seed=4)

@@ -31,7 +31,9 @@ interface reads (``layer_idx``, ``head_dim``, ``is_causal``), so fused projectio
 
 Generation: ``model.generate()`` works after ``enable``. The prompt (query length == key length) takes
 the sparse path like training; each decoding step (fewer queries than cached keys) attends the whole
-cache densely through :meth:`SparseAttention.decode`, counted as the fallback ``"decode"``.
+cache densely through :meth:`SparseAttention.decode`, counted as the fallback ``"decode"``. Forwards and
+``generate()`` run under ``torch.no_grad()`` and ``torch.inference_mode()`` alike (masks and position ids
+made in inference mode have no version counter; they are validated at every layer instead of once).
 
 Context parallelism: after ``st.enable_context_parallel(model, group)`` each rank runs the model on its
 zig-zag shard of the sequence with the shard's GLOBAL ``position_ids`` (so the model's RoPE rotates at global
@@ -147,8 +149,9 @@ def padding_from_mask(mask: Tensor | None, seq_len: int) -> tuple[Tensor | None,
     Right padding (ones, then zeros) gives int64 ``seq_lens [B]`` and no document ids. Left padding
     (zeros, ones, then possibly zeros) gives int64 ``document_ids [B, N]``: 0 on the padded prefix,
     1 on the real tokens, 2 on a padded tail, so real queries see only real keys; ``seq_lens`` is
-    then None. ``(None, None)`` without a mask. The mask is validated once per mask object (every
-    layer receives the same one).
+    then None. ``(None, None)`` without a mask. The mask is validated once per mask object and version
+    (every layer receives the same one); an inference tensor (created under ``torch.inference_mode``) has
+    no version counter, so an in-place write to it could not be seen: it is validated at every call.
 
     Raises:
         NotImplementedError: a 4-D mask, or a row with a hole (a zero between real tokens).
@@ -167,7 +170,8 @@ def padding_from_mask(mask: Tensor | None, seq_len: int) -> tuple[Tensor | None,
     if mask.shape[1] != seq_len:
         raise ValueError(f"padding mask has length {mask.shape[1]} but keys have length {seq_len}")
     # Every layer receives the same mask object: validate it once, not once per layer.
-    if _last_mask is not None and _last_mask[0]() is mask and _last_mask[1] == mask._version:
+    cached = _cache_key(mask)
+    if cached is not None and _last_mask is not None and _last_mask[0]() is mask and _last_mask[1] == cached:
         return _last_mask[2]
     keep = mask.to(torch.bool)
     seq_lens = keep.sum(dim=-1)
@@ -195,8 +199,19 @@ def padding_from_mask(mask: Tensor | None, seq_len: int) -> tuple[Tensor | None,
             if bool(hole.any()):
                 raise NotImplementedError(f"{_HOLE_MESSAGE} in row {int(hole.nonzero()[0, 0])}")
             result = (None, document_ids)
-    _last_mask = (weakref.ref(mask), mask._version, result)
+    if cached is not None:
+        _last_mask = (weakref.ref(mask), cached, result)
     return result
+
+
+def _cache_key(tensor: Tensor) -> int | None:
+    """The version counter of ``tensor`` (an in-place write bumps it), which keys the per-forward caches of
+    :func:`padding_from_mask` and :func:`document_ids_for_call`; None (not cached) for an inference tensor,
+    which has no version counter, and while torch.compile traces (dynamo traces neither weak references nor
+    version counters, and the traced ops cost no host sync)."""
+    if torch.compiler.is_compiling() or tensor.is_inference():
+        return None
+    return tensor._version
 
 
 def document_ids_for_call(
@@ -211,7 +226,7 @@ def document_ids_for_call(
     previous one by +1, the rule of transformers' own packed-sequence detection). One host sync per
     position tensor (to return None on unpacked input; while torch.compile traces, the ids are
     returned without that check); every layer of a forward receives the same tensor, so the result
-    is computed once.
+    is computed once (at every call for an inference tensor, as in :func:`padding_from_mask`).
 
     Raises:
         ValueError: ``cu_seq_lens`` with a batch other than 1, or shapes that do not match.
@@ -223,10 +238,12 @@ def document_ids_for_call(
         return document_ids_from_cu_seqlens(cu_seq_lens, seq_len)
     if position_ids is None or position_ids.shape[-1] != seq_len:
         return None
+    cached = _cache_key(position_ids)
     if (
-        _last_positions is not None
+        cached is not None
+        and _last_positions is not None
         and _last_positions[0]() is position_ids
-        and _last_positions[1] == position_ids._version
+        and _last_positions[1] == cached
     ):
         return _last_positions[2]
     document_ids = document_ids_from_position_ids(position_ids).expand(batch, seq_len)
@@ -234,7 +251,8 @@ def document_ids_for_call(
         return document_ids  # no data-dependent branch while tracing: one document per row is exact too
     if bool((document_ids[:, -1] == 0).all()):
         document_ids = None  # no restarts
-    _last_positions = (weakref.ref(position_ids), position_ids._version, document_ids)
+    if cached is not None:
+        _last_positions = (weakref.ref(position_ids), cached, document_ids)
     return document_ids
 
 

@@ -27,7 +27,9 @@ Per call:
    selector's parameters, which learn ``selector_lr_multiplier`` times faster than the model under
    the same optimizer; ``dense_warmup_steps`` runs dense attention while the selector first learns.
 5. **Replay.** Under activation checkpointing the recompute reuses the first forward's decisions
-   (:mod:`sparse_train.selection.replay`).
+   (:mod:`sparse_train.selection.replay`). Under reentrant checkpointing (``use_reentrant=True``) the first
+   forward runs under ``torch.no_grad``; the module recognises it and computes the distillation loss there
+   with autograd on for the selector alone, so ``selector_loss`` trains the selector as without checkpointing.
 
 The steps that depend on where the call's rows sit in the sequence (input checks, the rows the selector
 pools, the all-gather of keys and selections, the attention call, the distillation's reductions) are the
@@ -73,7 +75,7 @@ from ..options import kernel_options_dict
 from ..selection.distill import block_kl_sum, dense_block_mass, renormalise, sparse_block_mass
 from ..selection.indexer import build_selector
 from ..selection.metrics import draw_query_blocks, sample_query_blocks, selection_quality
-from ..selection.replay import SelectionRecord, SelectionReplay, in_backward_pass
+from ..selection.replay import SelectionRecord, SelectionReplay, in_backward_pass, reentrant_checkpoint_node
 from ..selection.scorer import (
     allowed_dynamic_blocks,
     causal_block_mask,
@@ -433,6 +435,12 @@ class SparseAttention(nn.Module):
         compiling = torch.compiler.is_compiling()
         recomputing = not compiling and in_backward_pass()
         first_pass = not recomputing
+        # The first forward of a reentrant activation checkpoint runs under torch.no_grad, and its backward
+        # recomputes this call with autograd on: the selector's loss is computed here, with autograd on for the
+        # selector alone, and the record for the recompute hangs on the checkpoint's backward node.
+        checkpoint_node = (
+            reentrant_checkpoint_node() if first_pass and not compiling and not torch.is_grad_enabled() else None
+        )
         profile = cfg.profile and not compiling
         # a checkpoint's recompute of this call is timed as phases of its own (``time/attn_fwd_recompute_ms``, ...)
         phase_suffix = "" if first_pass else "_recompute"
@@ -457,7 +465,7 @@ class SparseAttention(nn.Module):
             path, reason = self._choose_path(geometry, update_state=first_pass)
             index = plan = backend = pooled = None
             dropout_seed = distill_blocks = distill_target = None
-            distill_now = self._distills_now(first_pass)
+            distill_now = self._distills_now(first_pass, reentrant=checkpoint_node is not None)
         metrics_now = (
             first_pass
             and not compiling
@@ -478,9 +486,13 @@ class SparseAttention(nn.Module):
         # checkpoint keeping the attention would route one by one through its Python dispatch mode; they run
         # outside it (in the recompute too), the attention call below stays inside (see checkpointing.py)
         host_ops = contextlib.nullcontext if compiling else outside_selective_checkpoint
+        # autograd for the selector's loss: the caller's, or on in a reentrant checkpoint's first forward
+        selector_autograd = (
+            torch.enable_grad if (checkpoint_node is not None and distill_now) else contextlib.nullcontext
+        )
         if profile:
             self._timings.mark("selector" + phase_suffix, 0, device)
-        with host_ops():
+        with host_ops(), selector_autograd():
             if need_selection or distill_now:
                 if pooled is None:
                     pool_lens, pool_positions = layout.pooling_rows(seq_len, seq_lens, position_ids, device)
@@ -596,7 +608,7 @@ class SparseAttention(nn.Module):
         loss = None
         if distill_now:
             mode = self._distill_mode(path)
-            with host_ops():
+            with host_ops(), selector_autograd():
                 if mode == "sampled" and distill_blocks is None:
                     # drawn from the module's draw counter: under context parallelism the same global blocks
                     # on every rank
@@ -657,7 +669,10 @@ class SparseAttention(nn.Module):
                     self._last_quality = selection_quality(
                         q, k, index, scale=scale, query_blocks=picks, seq_lens=seq_lens, document_ids=document_ids
                     )
-            if cfg.replay and not compiling and torch.is_grad_enabled() and o.requires_grad:
+            in_graph = torch.is_grad_enabled() and o.requires_grad
+            if cfg.replay and not compiling and (in_graph or checkpoint_node is not None):
+                # a reentrant recompute only attends: this forward's loss is already outside the checkpoint
+                redistill = distill_now and checkpoint_node is None
                 self._replay.remember(
                     SelectionRecord(
                         batch=batch,
@@ -668,13 +683,14 @@ class SparseAttention(nn.Module):
                         plan=plan,
                         backend=backend,
                         dropout_seed=dropout_seed,
-                        distilled=distill_now,
-                        distill_blocks=distill_blocks,
-                        distill_target=distill_target,
-                        pooled=pooled if distill_now else None,
+                        distilled=redistill,
+                        distill_blocks=distill_blocks if redistill else None,
+                        distill_target=distill_target if redistill else None,
+                        pooled=pooled if redistill else None,
                         document_ids=document_ids,
                     ),
-                    anchors=[o, scores],
+                    anchors=[o, scores] if in_graph else [],
+                    checkpoint_node=checkpoint_node,
                 )
         return o
 
@@ -683,20 +699,23 @@ class SparseAttention(nn.Module):
         :func:`sparse_train.sparse_attention`'s ``kernel_options`` (both paths)."""
         return kernel_options_dict(self.config.kernel_options)
 
-    def _distills_now(self, first_pass: bool) -> bool:
-        """Whether this call computes the distillation loss (training with grad, ``distill`` on, every
-        ``distill_every``-th training forward); a checkpoint recompute repeats its first pass's answer."""
+    def _distills_now(self, first_pass: bool, reentrant: bool = False) -> bool:
+        """Whether this call computes the distillation loss (training with grad or in a reentrant checkpoint's
+        first forward, ``distill`` on, every ``distill_every``-th training forward). A checkpoint recompute
+        without a record repeats its first pass's answer, except after a reentrant first pass (``reentrant``),
+        whose loss lies outside the checkpoint: its recompute does not distill."""
         if not first_pass:
             return self._last_distilled
         cfg = self.config
-        self._last_distilled = (
+        distills = (
             cfg.distill != "off"
             and cfg.selector != "oracle"
             and self.training
-            and torch.is_grad_enabled()
+            and (torch.is_grad_enabled() or reentrant)
             and self._training_calls % cfg.distill_every == 0
         )
-        return self._last_distilled
+        self._last_distilled = distills and not reentrant
+        return distills
 
     def _draw_distill_blocks(self, geometry, device) -> Tensor:
         """This call's ``distill_query_blocks`` sampled query blocks: drawn on the device from the draw

@@ -1,6 +1,6 @@
 """Checkpoint replay: an activation-checkpoint recompute reuses the first forward's selection.
 
-Why: under ``torch.utils.checkpoint`` (non-reentrant) and Hugging Face gradient checkpointing, the
+Why: under ``torch.utils.checkpoint`` (reentrant or not) and Hugging Face gradient checkpointing, the
 layer's forward runs a second time inside the backward to rebuild the saved tensors. If that rerun
 chose its blocks again, a tie in top-k, a rounding difference or selector parameters that changed in
 between (an optimizer step, a hook) would give the backward a different function than the one whose
@@ -26,31 +26,77 @@ Mechanism (no cooperation needed from the caller):
 4. *Retire.* A matched record is retired when that backward finishes (engine callback), so a later
    step never picks up a stale record even while the old graph is still referenced.
 
-Not covered: reentrant checkpointing (``use_reentrant=True``) runs the first forward without
-autograd recording, so there is nothing to replay; the recompute then selects afresh and counts a
-``miss``. Inside ``torch.compile`` the bookkeeping is skipped (compiled graphs are traced once).
+Reentrant checkpointing (``use_reentrant=True``) runs the first forward under ``torch.no_grad`` inside
+``CheckpointFunction.forward`` and the recompute in that function's backward, whose node is the ``ctx`` of
+the forward. :func:`reentrant_checkpoint_node` finds that node on the Python stack; the module then
+computes its distillation loss in the first forward with autograd on for the selector alone (the loss
+reaches only the selector's parameters, so its graph lies outside the checkpoint and the caller adds it
+to the loss as without checkpointing), and the record hangs on the checkpoint's node: it lives as long as
+that backward is possible, and the recompute, which runs while the engine executes that very node, finds
+it there (the earliest in forward order when the module ran several times inside the region). Such a
+record does not distill again (``distilled`` False): the recompute only attends.
+
+Other reentrant implementations (a checkpoint that is not ``torch.utils.checkpoint``'s) are not
+recognised: their first forward runs without autograd, so the selector gets no loss from it and the
+recompute finds no record; it selects afresh, counts a ``miss`` and warns once. Inside
+``torch.compile`` the bookkeeping is skipped (compiled graphs are traced once).
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
+import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
-__all__ = ["SelectionRecord", "SelectionReplay", "in_backward_pass"]
+__all__ = ["SelectionRecord", "SelectionReplay", "in_backward_pass", "reentrant_checkpoint_node"]
 
 _METADATA_KEY = "sparse_train.selection_records"
+_CHECKPOINT_KEY = "sparse_train.reentrant_checkpoint_records"
 _WALK_LIMIT = 50_000
+_MISS_WARNING = (
+    "SparseAttention: an activation-checkpoint recompute found no record of its first forward (counted in "
+    "replay/misses) and selects its blocks afresh. If that checkpoint is reentrant and not "
+    "torch.utils.checkpoint's, its first forward ran without autograd: the selector got no distillation loss "
+    "and the backward may attend other blocks than the forward. Use torch.utils.checkpoint.checkpoint(..., "
+    "use_reentrant=False) (in Hugging Face: gradient_checkpointing_kwargs={'use_reentrant': False})."
+)
 
 
 def in_backward_pass() -> bool:
     """True while the autograd engine executes a backward (where checkpoint recomputes happen)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _reentrant_forward_code():
+    """The code object of ``torch.utils.checkpoint.CheckpointFunction.forward`` (None if this torch has none)."""
+    function = getattr(torch.utils.checkpoint, "CheckpointFunction", None)
+    return function.forward.__code__ if function is not None else None
+
+
+def reentrant_checkpoint_node() -> Any | None:
+    """The backward node of the reentrant ``torch.utils.checkpoint`` region whose first forward is running
+    (the ``ctx`` of ``CheckpointFunction.forward``, found on the Python stack), or None: outside such a region,
+    or when the region has no backward (autograd off around the checkpoint call, or no input that requires
+    grad: the node then has no next edges and is never run). Nested regions: the innermost that has one."""
+    code = _reentrant_forward_code()
+    if code is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            node = frame.f_locals.get("ctx")
+            if node is not None and any(next_node is not None for next_node, _ in node.next_functions):
+                return node
+        frame = frame.f_back
+    return None
 
 
 @dataclass(eq=False)
@@ -70,7 +116,9 @@ class SelectionRecord:
     backend: str | None
     dropout_seed: int | None
     distilled: bool
-    """Whether the first forward computed the distillation loss (the recompute must save the same tensors)."""
+    """Whether the recompute computes the distillation loss again: True when the first forward computed it
+    inside a non-reentrant checkpoint (the recompute must save the same tensors); False under reentrant
+    checkpointing, whose first forward's loss lies outside the checkpoint."""
     distill_blocks: Any = None
     """The query blocks the first forward's ``distill="sampled"`` target was computed on (a random
     draw: the recompute must use the same rows or the selector's gradient changes)."""
@@ -100,14 +148,18 @@ class SelectionReplay:
         self.misses = 0
         self.ambiguous = 0
 
-    def remember(self, record: SelectionRecord, anchors: list[Tensor | None]) -> None:
-        """Attach ``record`` to the graph nodes of ``anchors`` (tensors of the first forward)."""
+    def remember(self, record: SelectionRecord, anchors: list[Tensor | None], checkpoint_node: Any = None) -> None:
+        """Attach ``record`` to the graph nodes of ``anchors`` (tensors of the first forward), or to
+        ``checkpoint_node``, the backward node of the reentrant checkpoint whose first forward this is
+        (:func:`reentrant_checkpoint_node`)."""
         nodes = [t.grad_fn for t in anchors if isinstance(t, Tensor) and t.grad_fn is not None]
-        if not nodes:
+        if not nodes and checkpoint_node is None:
             return
         record.sequence = next(self._counter)
         for node in nodes:
             node.metadata.setdefault(_METADATA_KEY, []).append(record)
+        if checkpoint_node is not None:
+            checkpoint_node.metadata.setdefault(_CHECKPOINT_KEY, []).append(record)
         self._records = [ref for ref in self._records if ref() is not None and not ref().retired]
         self._records.append(weakref.ref(record))
 
@@ -124,11 +176,12 @@ class SelectionReplay:
         ]
         if not candidates:
             self.misses += 1
+            warnings.warn(_MISS_WARNING, stacklevel=2)
             return None
         if len(candidates) == 1:
             chosen = candidates[0]
         else:
-            reachable = self._reachable(candidates)
+            reachable = self._on_running_checkpoint(candidates) or self._reachable(candidates)
             if reachable:
                 chosen = min(reachable, key=lambda r: r.sequence)
             else:
@@ -150,6 +203,15 @@ class SelectionReplay:
             # Not inside an engine task after all (e.g. called from a hook run outside backward):
             # keep the record; the graph's lifetime still bounds it.
             pass
+
+    @staticmethod
+    def _on_running_checkpoint(candidates: list[SelectionRecord]) -> list[SelectionRecord]:
+        """Candidates attached to the node the engine is running: the reentrant checkpoint being recomputed."""
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return []
+        wanted = {id(r) for r in candidates}
+        return [r for r in node.metadata.get(_CHECKPOINT_KEY, ()) if id(r) in wanted]
 
     @staticmethod
     def _reachable(candidates: list[SelectionRecord]) -> list[SelectionRecord]:

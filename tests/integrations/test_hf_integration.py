@@ -252,6 +252,73 @@ def test_generate_after_enable(family, prompt_len):
         assert layers[0].sparse_attention.fallback_counts.get("dense_full_selection", 0) == 0
 
 
+# ----------------------------------------------------------------------------------------- inference mode
+def _padded(kind, batch=2, n=150):
+    """``(ids, forward kwargs)`` of a batch with no mask, right or left padding, or packed position ids."""
+    ids = tokens(batch, n, seed=9)
+    if kind == "no-mask":
+        return ids, {}
+    if kind == "packed-position-ids":
+        return ids, {"position_ids": torch.cat([torch.arange(60), torch.arange(n - 60)]).view(1, -1).expand(batch, n)}
+    mask = torch.ones(batch, n, dtype=torch.long)
+    if kind == "right-padding":
+        mask[1, 97:] = 0
+    else:
+        mask[1, :53] = 0
+    return ids, {"attention_mask": mask}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", ["no-mask", "right-padding", "left-padding", "packed-position-ids"])
+def test_inference_mode_forward_equals_no_grad(family, kind):
+    """Under torch.inference_mode the masks and position ids are inference tensors, which have no version
+    counter: the forward runs (twice, so a cached validation would be reused) and equals the no_grad one."""
+    model = build(family).eval()
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    ids, kwargs = _padded(kind)
+    with torch.no_grad():
+        want = model(ids, **kwargs).logits
+    with torch.inference_mode():
+        inference_kwargs = {name: value.clone() for name, value in kwargs.items()}  # inference tensors
+        got = model(ids, **inference_kwargs).logits
+        again = model(ids, **inference_kwargs).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(again, want, rtol=0, atol=0)
+    assert st.collect_attention_stats(model)["dense_path"] == 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_under_inference_mode_equals_no_grad(family):
+    """generate() under torch.inference_mode (left-padded prompts: the prefill's mask is built inside
+    inference mode) gives the tokens of generate() under torch.no_grad."""
+    model = build(family).eval()
+    model.generation_config.pad_token_id = 0
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    ids, kwargs = _padded("left-padding", n=120)
+    with torch.no_grad():
+        want = model.generate(ids, **kwargs, max_new_tokens=4, do_sample=False)
+    with torch.inference_mode():
+        got = model.generate(ids, **kwargs, max_new_tokens=4, do_sample=False)
+    assert torch.equal(got, want)
+
+
+def test_inference_tensors_are_validated_at_every_call():
+    """An inference tensor has no version counter, so an in-place write cannot be told from the cached
+    state: masks and position ids created under torch.inference_mode are read afresh at every call."""
+    with torch.inference_mode():
+        mask = torch.ones(2, 10, dtype=torch.long)
+        assert hf.padding_from_mask(mask, 10)[0].tolist() == [10, 10]
+        mask[1, 6:] = 0
+        assert hf.padding_from_mask(mask, 10)[0].tolist() == [10, 6]
+        mask[1, :2] = 0  # left padding as well: documents
+        seq_lens, documents = hf.padding_from_mask(mask, 10)
+        assert seq_lens is None and documents[1].tolist() == [0, 0] + [1] * 4 + [2] * 4
+        positions = torch.arange(10).view(1, -1)
+        assert hf.document_ids_for_call(positions, 1, 10) is None
+        positions[0, 4:] = torch.arange(6)
+        assert hf.document_ids_for_call(positions, 1, 10).tolist() == [[0] * 4 + [1] * 6]
+
+
 TINY = dict(
     vocab_size=VOCAB,
     hidden_size=64,

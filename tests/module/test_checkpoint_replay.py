@@ -65,10 +65,10 @@ def grads_without_checkpoint(**cfg):
     return [t.grad for t in (q, k, v)], module._last_index
 
 
-def grads_with_checkpoint_and_scrambled_selector(replay, **cfg):
+def grads_with_checkpoint_and_scrambled_selector(replay, reentrant=False, **cfg):
     module = make(replay=replay, **cfg)
     q, k, v, w = inputs()
-    out = checkpoint(layer(module), q, k, v, use_reentrant=False)
+    out = checkpoint(layer(module), q, k, v, use_reentrant=reentrant)
     loss = (out * w).sum()
     if module.selector_loss is not None:
         loss = loss + module.selector_loss
@@ -78,18 +78,22 @@ def grads_with_checkpoint_and_scrambled_selector(replay, **cfg):
     return [t.grad for t in (q, k, v)], first_index, module
 
 
+REENTRANT = [pytest.param(False, id="non-reentrant"), pytest.param(True, id="reentrant")]
+
+
+@pytest.mark.parametrize("reentrant", REENTRANT)
 @pytest.mark.parametrize("distill", ["off", "sparse"], ids=["no-distill", "sparse-distill"])
-def test_recompute_replays_first_selection_and_fails_without_replay(distill):
+def test_recompute_replays_first_selection_and_fails_without_replay(distill, reentrant):
     reference, ref_index = grads_without_checkpoint(distill=distill)
 
-    replayed, index, module = grads_with_checkpoint_and_scrambled_selector(True, distill=distill)
+    replayed, index, module = grads_with_checkpoint_and_scrambled_selector(True, reentrant, distill=distill)
     assert torch.equal(index.indices, ref_index.indices)
     for got, want in zip(replayed, reference):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert module.stats()["replay/hits"] == 1.0 and module.stats()["replay/misses"] == 0.0
 
     # the same check with replay switched off: the recompute picks new blocks -> gradients change
-    fresh, _, module_off = grads_with_checkpoint_and_scrambled_selector(False, distill=distill)
+    fresh, _, module_off = grads_with_checkpoint_and_scrambled_selector(False, reentrant, distill=distill)
     assert module_off._last_index is not None
     worst = max(float((got - want).abs().max()) for got, want in zip(fresh, reference))
     assert worst > 1e-3, f"without replay the gradients should differ, max diff {worst:.2e}"
@@ -105,9 +109,10 @@ def test_scrambled_selector_really_changes_the_selection():
     assert not torch.equal(before, module._last_index.indices)
 
 
-def test_two_forwards_then_one_backward_match_their_own_selections():
+@pytest.mark.parametrize("reentrant", REENTRANT)
+def test_two_forwards_then_one_backward_match_their_own_selections(reentrant):
     """Two checkpointed micro-batches, then one backward: each recompute must find its own record
-    (the graph walk disambiguates), not simply the most recent one."""
+    (the graph walk, or the reentrant checkpoint's node, disambiguates), not simply the most recent one."""
     module = make(distill="off")
     q1, k1, v1, w1 = inputs(seed=1)
     q2, k2, v2, w2 = inputs(seed=2)
@@ -117,8 +122,8 @@ def test_two_forwards_then_one_backward_match_their_own_selections():
         ref.append([t.grad.clone() for t in (q, k, v)])
         for t in (q, k, v):
             t.grad = None
-    out1 = checkpoint(layer(module), q1, k1, v1, use_reentrant=False)
-    out2 = checkpoint(layer(module), q2, k2, v2, use_reentrant=False)
+    out1 = checkpoint(layer(module), q1, k1, v1, use_reentrant=reentrant)
+    out2 = checkpoint(layer(module), q2, k2, v2, use_reentrant=reentrant)
     scramble(module)
     ((out1 * w1).sum() + (out2 * w2).sum()).backward()
     for got, want in zip([q1.grad, k1.grad, v1.grad, q2.grad, k2.grad, v2.grad], ref[0] + ref[1]):
@@ -126,12 +131,13 @@ def test_two_forwards_then_one_backward_match_their_own_selections():
     assert module.stats()["replay/hits"] == 2.0 and module.stats()["replay/ambiguous"] == 0.0
 
 
-def test_recompute_does_not_count_twice_and_keeps_the_path():
+@pytest.mark.parametrize("reentrant", REENTRANT)
+def test_recompute_does_not_count_twice_and_keeps_the_path(reentrant):
     # N=160 -> block density 0.69; a full selection afterwards flips the hysteresis state, which the
     # recompute of the earlier step must not follow
     module = make(dense_fallback=True, distill="off", dense_enter_density=0.9, dense_exit_density=0.5)
     q, k, v, w = inputs()
-    out = checkpoint(layer(module), q, k, v, use_reentrant=False)
+    out = checkpoint(layer(module), q, k, v, use_reentrant=reentrant)
     short = [t[:, :, :32].detach() for t in (q, k, v)]
     module(*short)  # full selection: dense path, hysteresis state -> dense
     assert module._dense_mode
@@ -141,15 +147,68 @@ def test_recompute_does_not_count_twice_and_keeps_the_path():
     assert module.stats()["replay/hits"] == 1.0
 
 
-def test_stale_records_are_retired_after_backward():
+@pytest.mark.parametrize("reentrant", REENTRANT)
+def test_stale_records_are_retired_after_backward(reentrant):
     module = make(distill="off")
     for step in range(3):
         q, k, v, w = inputs(seed=step)
-        loss = (checkpoint(layer(module), q, k, v, use_reentrant=False) * w).sum()
+        loss = (checkpoint(layer(module), q, k, v, use_reentrant=reentrant) * w).sum()
         loss.backward()  # `loss` stays referenced, keeping the old graph (and record) alive
     assert module.stats()["replay/hits"] == 3.0
     assert module.stats()["replay/ambiguous"] == 0.0
     assert module._replay.live_records() == [], "every replayed record must be retired when its backward ends"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(lambda run, q, k, v: run(q, k, v), id="no_grad"),
+        pytest.param(lambda run, q, k, v: checkpoint(run, q, k, v, use_reentrant=True), id="reentrant-under-no_grad"),
+    ],
+)
+def test_no_grad_forward_in_train_mode_computes_no_selector_loss(call):
+    """A module left in train mode and run under torch.no_grad (evaluation without model.eval(); a reentrant
+    checkpoint under no_grad has no backward either) computes no distillation loss and keeps no record."""
+    module = make(distill="sampled").train()
+    q, k, v, _ = inputs()
+    with torch.no_grad():
+        out = call(layer(module), q, k, v)
+        want = layer(module)(q, k, v)
+    assert module.selector_loss is None and module._replay.live_records() == []
+    assert int(module.distill_draws) == 0, "no distillation sample was drawn"
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+class _UnrecognisedReentrantCheckpoint(torch.autograd.Function):
+    """A reentrant checkpoint written apart from torch.utils.checkpoint (as some training libraries have their
+    own): the forward under torch.no_grad, the recompute and its backward inside the backward."""
+
+    @staticmethod
+    def forward(ctx, run, *tensors):
+        ctx.run = run
+        ctx.save_for_backward(*tensors)
+        with torch.no_grad():
+            return run(*tensors)
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
+        with torch.enable_grad():
+            out = ctx.run(*inputs)
+        torch.autograd.backward(out, grad)
+        return (None, *(t.grad for t in inputs))
+
+
+def test_unrecognised_reentrant_checkpoint_warns_and_counts_a_miss():
+    """Only torch.utils.checkpoint's reentrant forward is recognised; another one leaves the selector without a
+    loss and the recompute without a record, which is counted and warned about, naming the remedy."""
+    module = make(distill="sampled")
+    q, k, v, w = inputs()
+    out = _UnrecognisedReentrantCheckpoint.apply(layer(module), q, k, v)
+    assert module.selector_loss is None
+    with pytest.warns(UserWarning, match=r"use_reentrant=False"):
+        (out * w).sum().backward()
+    assert module.stats()["replay/misses"] == 1.0 and q.grad is not None
 
 
 # ---------------------------------------------------------------------------------------------- Hugging Face
@@ -169,8 +228,8 @@ def _tiny_llama():
     return LlamaForCausalLM(config).to(torch.float64)
 
 
-def _enable_gradient_checkpointing(model):
-    kwargs = {"use_reentrant": False}
+def _enable_gradient_checkpointing(model, reentrant=False):
+    kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
@@ -218,33 +277,73 @@ def test_hf_gradient_checkpointing_replays_selection_and_fails_without_replay():
     assert worst > 1e-4, f"without replay the gradients should differ, max diff {worst:.2e}"
 
 
-def _all_grads(use_checkpoint, distill, dropout_p, warmup):
-    """Input and selector gradients of one step (selector loss included), plain or checkpointed."""
+@pytest.mark.parametrize("reentrant", REENTRANT)
+def test_hf_gradient_checkpointing_trains_the_selectors_as_without_checkpointing(reentrant):
+    """Two optimizer steps of a tiny Llama under Hugging Face gradient checkpointing, reentrant or not: at
+    each step every gradient (the model's and the selectors') equals that of the same model trained without
+    checkpointing, and the selectors' gradients are not zero."""
+    from sparse_train.integrations import hf
+
+    cfg = st.SparseAttentionConfig(
+        block_q=16, block_k=16, top_k=2, window=1, sinks=1, selector_dim=8, dense_warmup_steps=1, distill="sparse"
+    )
+    models = []
+    for checkpointing in (False, True):
+        model = _tiny_llama()
+        hf.enable(model, cfg)
+        model.train()
+        if checkpointing:
+            _enable_gradient_checkpointing(model, reentrant)
+        models.append((model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    for step in range(2):
+        ids = torch.randint(0, 97, (2, 128), generator=torch.Generator().manual_seed(step))
+        grads = []
+        for model, optimizer in models:
+            optimizer.zero_grad(set_to_none=True)
+            (model(ids, labels=ids).loss + st.collect_selector_losses(model)).backward()
+            grads.append({name: p.grad for name, p in model.named_parameters()})
+            optimizer.step()
+        plain, checkpointed = grads
+        selector = sorted(name for name in plain if "sparse_attention" in name)
+        assert selector and all(checkpointed[name] is not None for name in selector), f"step {step}"
+        for prefix in {name.split("sparse_attention.")[0] for name in selector}:  # every layer's selector learns
+            layer_grads = [checkpointed[name] for name in selector if name.startswith(prefix)]
+            assert sum(float(g.abs().sum()) for g in layer_grads) > 0, f"step {step}: {prefix}"
+        for name, grad in plain.items():
+            torch.testing.assert_close(checkpointed[name], grad, rtol=1e-10, atol=1e-12, msg=f"step {step}: {name}")
+    stats = st.collect_attention_stats(models[1][0])
+    assert stats["replay/hits"] == 4.0 and stats["replay/misses"] == 0.0, stats
+
+
+def _all_grads(reentrant, distill, dropout_p, warmup):
+    """Input and selector gradients of one step (selector loss included, through ``collect_selector_losses`` as
+    a training loop adds it): plain (``reentrant`` None) or checkpointed, reentrant or not. Also the module."""
     module = make(distill=distill, dropout_p=dropout_p, dense_warmup_steps=warmup, distill_query_blocks=2)
     q, k, v, w = inputs()
     torch.manual_seed(123)  # the dropout seed draw reads the global generator
     run = layer(module)
-    out = checkpoint(run, q, k, v, use_reentrant=False) if use_checkpoint else run(q, k, v)
-    loss = (out * w).sum()
-    if module.selector_loss is not None:
-        loss = loss + module.selector_loss
-    loss.backward()
+    out = run(q, k, v) if reentrant is None else checkpoint(run, q, k, v, use_reentrant=reentrant)
+    ((out * w).sum() + st.collect_selector_losses(module)).backward()
     selector = [p.grad if p.grad is not None else torch.zeros_like(p) for p in module.scorer.parameters()]
-    return [t.grad for t in (q, k, v)] + selector
+    return [t.grad for t in (q, k, v)] + selector, module
 
 
-@pytest.mark.parametrize("warmup", [0, 5], ids=["sparse-path", "dense-warmup-path"])
+@pytest.mark.parametrize("reentrant", REENTRANT)
+@pytest.mark.parametrize("warmup", [0, 1, 5], ids=["sparse-path", "last-dense-warmup-step", "dense-warmup-path"])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3], ids=["no-dropout", "dropout"])
 @pytest.mark.parametrize("distill", ["off", "sparse", "sampled", "dense"])
-def test_checkpointed_gradients_equal_plain_for_every_distill_mode(distill, dropout_p, warmup):
-    """Every random draw of the forward (dropout seed, the sampled distillation query blocks) is
-    replayed by the checkpoint recompute: gradients of inputs and selector equal the plain run's."""
-    plain = _all_grads(False, distill, dropout_p, warmup)
-    checkpointed = _all_grads(True, distill, dropout_p, warmup)
+def test_checkpointed_gradients_equal_plain_for_every_distill_mode(distill, dropout_p, warmup, reentrant):
+    """Every random draw of the forward (dropout seed, the sampled distillation query blocks) and its path
+    (the last warm-up step is dense, while the recompute runs after the step count has passed the warm-up)
+    are replayed by the checkpoint recompute: gradients of inputs and selector equal the plain run's. Under
+    reentrant checkpointing the first forward runs under torch.no_grad; the selector still gets its loss."""
+    plain, _ = _all_grads(None, distill, dropout_p, warmup)
+    checkpointed, module = _all_grads(reentrant, distill, dropout_p, warmup)
     for a, b in zip(plain, checkpointed):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
     if distill != "off":
         assert any(g.abs().sum() > 0 for g in plain[3:]), "the selector must receive a gradient"
+    assert module.stats()["replay/hits"] == 1.0 and module.stats()["replay/misses"] == 0.0
 
 
 @pytest.mark.parametrize("distill", ["sampled", "dense", "sparse"])

@@ -518,6 +518,35 @@ def test_batch_of_zero_sequences(n, training, distill):
     assert q.grad.shape == q.shape
 
 
+@pytest.mark.parametrize("trained", [False, True], ids=["fresh", "after-a-training-step"])
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_inference_mode_equals_no_grad(trained, mode):
+    """Under torch.inference_mode (inference tensors: no version counters, nothing saved for a backward) the
+    module gives the no_grad output, with inputs made outside and inside inference mode, and decodes."""
+    module = make(dense_fallback=False, metrics_every=1)
+    q, k, v = qkv(2, 150)
+    seq_lens = torch.tensor([150, 101])
+    docs = (torch.arange(150) >= 70).long().view(1, -1).expand(2, -1)
+    if trained:
+        module.train()
+        q_grad = q.clone().requires_grad_()
+        (module(q_grad, k, v, seq_lens, document_ids=docs).sum() + module.selector_loss).backward()
+    module.train(mode == "train")
+    with torch.no_grad():
+        want = module(q, k, v, seq_lens, document_ids=docs)
+        want_decode = module.decode(q[:, :, -3:], k, v)
+    with torch.inference_mode():
+        outside = module(q, k, v, seq_lens, document_ids=docs)
+        made_inside = [t.clone() for t in (q, k, v, seq_lens, docs)]
+        inside = module(*made_inside[:4], document_ids=made_inside[4])
+        again = module(*made_inside[:4], document_ids=made_inside[4])
+        decoded = module.decode(made_inside[0][:, :, -3:], made_inside[1], made_inside[2])
+    for got in (outside, inside, again):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(decoded, want_decode, rtol=0, atol=0)
+    assert module.stats()["dense_path"] == 0.0
+
+
 @pytest.mark.parametrize("num_queries", [1, 5], ids=["one-token", "chunk-of-5"])
 @pytest.mark.parametrize("with_padding", [False, True], ids=["no-padding", "key-padding"])
 def test_decode_is_end_aligned_causal_attention(num_queries, with_padding):
