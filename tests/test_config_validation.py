@@ -150,6 +150,25 @@ def test_config_rejects_out_of_domain_values(field, value, message):
         st.SparseAttentionConfig(**{field: value})
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        pytest.param({"r0": 0, "fused_backward": True, "gluon_kernels": False}, id="r0-0-fused-triton-only"),
+        pytest.param({"r0": None, "stored_ds_backward": True, "gluon_kernels": True}, id="r0-default-stored-gluon"),
+    ],
+)
+def test_config_performance_fields_map_onto_valid_kernel_options(overrides):
+    """The config's performance fields (r0, fused_backward, stored_ds_backward, gluon_kernels) at the ends of
+    their ranges become a KernelOptions that passes the kernel options' own checks."""
+    from sparse_train.options import KernelOptions, config_kernel_options
+
+    config = st.SparseAttentionConfig(**overrides)
+    options = KernelOptions(**config_kernel_options(config))
+    assert options.r0 == config.r0
+    assert (options.fused_dq, options.stored_ds) == (config.fused_backward, config.stored_ds_backward)
+    assert options.fwd_gluon == options.dq_gluon == options.kv_gluon == config.gluon_kernels
+
+
 def test_config_refuses_the_fused_backward_with_deterministic():
     with pytest.raises(ValueError, match="fused_backward sums dQ with atomics.*deterministic=True"):
         st.SparseAttentionConfig(fused_backward=True, deterministic=True)
