@@ -173,7 +173,8 @@ def sparse_attention(
     never change the result beyond floating-point order.
 
     Args:
-        q: ``[B, HQ, N, D]``; k, v: ``[B, HKV, N, D]`` with HQ a multiple of HKV (GQA). Any strides.
+        q: ``[B, HQ, N, D]``; k, v: ``[B, HKV, N, D]`` with HQ a multiple of HKV (GQA). Any strides. HQ, HKV,
+            N, D >= 1; B = 0 gives empty outputs and gradients on both backends.
         index: canonical :class:`~sparse_train.BlockIndex` for (B, HKV, N).
         scale: logit scale, default ``1 / sqrt(D)``.
         dropout_p: dropout on attention probabilities, in [0, 1). The softmax denominator excludes

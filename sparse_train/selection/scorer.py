@@ -601,7 +601,7 @@ def selection_candidates(
     if seq_lens is not None:
         block_start = torch.arange(geometry.num_k_blocks, device=scores.device) * geometry.block_k
         empty = block_start.view(1, -1) >= seq_lens.view(-1, 1)  # [B, NKB]
-        low = empty.view(batch, 1, 1, -1) & allowed
+        low = empty[:, None, None, :] & allowed
         masked = torch.where(low, torch.full_like(masked, EMPTY_BLOCK_SCORE), masked)
     values, picked = torch.topk(masked, k, dim=-1, sorted=top_p is not None)
     unused = torch.isneginf(values)

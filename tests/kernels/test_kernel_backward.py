@@ -879,3 +879,36 @@ def test_strided_seq_lens_nan_padding_and_top_seeds_on_gpu(seed):
     gl = torch.autograd.grad(ol, (ql, kl, vl), do)
     for name, a, r, l in zip(("o", "dq", "dk", "dv"), (o, *grads), (o32, *g32), (ol, *gl)):
         check_close(name, a, r, l, torch.bfloat16, c=3.0, floor=1e-4)
+
+
+EMPTY_BATCH_CASES = [
+    pytest.param({}, id="plain"),
+    pytest.param({"seq_lens": torch.zeros(0, dtype=torch.int64)}, id="seq_lens"),
+    pytest.param({"document_ids": torch.zeros(0, 32, dtype=torch.int64)}, id="documents"),
+    pytest.param({"dropout_p": 0.1, "dropout_seed": 5}, id="dropout"),
+    pytest.param({"deterministic": True}, id="deterministic"),
+    pytest.param({"kernel_options": {"num_splits": 2}}, id="split-kv"),
+    pytest.param({"kernel_options": {"fused_dq": True}}, id="fused-dq"),
+    pytest.param({"kernel_options": {"stored_ds": True}}, id="stored-ds"),
+    pytest.param({"query_blocks": torch.tensor([1])}, id="query-blocks"),
+]
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("kwargs", EMPTY_BATCH_CASES)
+def test_empty_batch_gives_empty_outputs_and_gradients(backend, kwargs):
+    """B = 0: o, lse and dq, dk, dv come back empty in their shapes, on both backends, with every option."""
+    import sparse_train as st
+
+    n, rows = 32, 16 if "query_blocks" in kwargs else 32
+    kwargs = {key: value.to(DEV) if isinstance(value, torch.Tensor) else value for key, value in kwargs.items()}
+    idx = BlockIndex.from_selection(
+        torch.zeros(0, 1, 2, 1, dtype=torch.int64, device=DEV), seq_len=n, block_q=16, block_k=16, window=1, sinks=1
+    )
+    dtype = torch.float16 if DEV == "cuda" else torch.float32
+    q = torch.randn(0, 2, rows, 16, device=DEV, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(0, 1, n, 16, device=DEV, dtype=dtype, requires_grad=True) for _ in range(2))
+    o, lse = st.sparse_attention(q, k, v, idx, backend=backend, return_lse=True, **kwargs)
+    assert o.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    dq, dk, dv = torch.autograd.grad(o.sum() + lse.sum(), (q, k, v))
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
