@@ -172,6 +172,17 @@ def sparse_attention(
     The named arguments are the semantics; ``kernel_options`` holds the performance choices, which
     never change the result beyond floating-point order.
 
+    Extreme logits: the Triton backward recomputes each probability as ``exp(s - lse)`` from a recomputed
+    fp32 logit s and the fp32 lse the forward stores, so the absolute rounding of numbers of size |lse|
+    (about ``|lse| * 2**-24``, and the recomputed dot product's rounding, which grows as ``sqrt(D)``) becomes a
+    relative error of the probabilities. The gradients then carry, beyond PyTorch's fp32 attention, a relative
+    error below ``sqrt(D) * max|lse| * 2**-26``, max|lse| the largest |lse| of any row (measured on the Triton
+    interpreter at |lse| 1e2 to 1e5, D 16 to 128: 0.35 to 0.6 of it). Negligible at the |lse| of trained
+    models; at fp32 logits of 1e4, dV is off by 2e-4 to 7e-4 where PyTorch's fp32 SDPA, which keeps its
+    normalised probabilities, is off by 1e-7; dQ and dK lose about as much in any fp32 implementation there
+    (the logits themselves round at ``|s| * 2**-24``). The reference backend keeps its probabilities and has
+    no such term.
+
     Args:
         q: ``[B, HQ, N, D]``; k, v: ``[B, HKV, N, D]`` with HQ a multiple of HKV (GQA). Any strides. HQ, HKV,
             N, D >= 1; B = 0 gives empty outputs and gradients on both backends.
