@@ -624,9 +624,11 @@ def test_empty_batch_gives_empty_outputs_and_gradients(backend, overrides, masks
     CPU), the selector, its distillation and the metrics included."""
     if backend == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    module = make(backend=backend, selector_rope_theta=None, metrics_every=1, **overrides).train()
-    q, k, v = qkv(0, 64, grad=True)
-    o = module(q, k, v, **masks)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    module = make(backend=backend, selector_rope_theta=None, metrics_every=1, **overrides).train().to(device)
+    q, k, v = (t.to(device).detach().requires_grad_() for t in qkv(0, 64, dtype=dtype))
+    o = module(q, k, v, **{name: mask.to(device) for name, mask in masks.items()})
     assert o.shape == q.shape
     o.sum().backward()
     assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
