@@ -75,7 +75,8 @@ class SparseAttentionConfig:
     (0, 1] = each query block takes the fewest of its ``top_k`` best blocks whose mass *predicted by
     the selector* (softmax of its scores over the blocks it chooses from) reaches ``top_p``; ``top_k``
     is then the cap, so the index keeps its capacity and density can only drop. Rows with one
-    dominant block stop early, rows with spread attention take up to the cap."""
+    dominant block stop early, rows with spread attention take up to the cap. ``1.0`` selects what
+    ``None`` selects."""
 
     window: int = 8
     """Local window in key blocks: the block holding the query block's last query and the

@@ -172,8 +172,20 @@ def sparse_attention(
     The named arguments are the semantics; ``kernel_options`` holds the performance choices, which
     never change the result beyond floating-point order.
 
+    Extreme logits: the Triton backward recomputes each probability as ``exp(s - lse)`` from a recomputed
+    fp32 logit s and the fp32 lse the forward stores, so the absolute rounding of numbers of size |lse|
+    (about ``|lse| * 2**-24``, and the recomputed dot product's rounding, which grows as ``sqrt(D)``) becomes a
+    relative error of the probabilities. The gradients then carry, beyond PyTorch's fp32 attention, a relative
+    error below ``sqrt(D) * max|lse| * 2**-26``, max|lse| the largest |lse| of any row (measured on the Triton
+    interpreter at |lse| 1e2 to 1e5, D 16 to 128: 0.35 to 0.6 of it). Negligible at the |lse| of trained
+    models; at fp32 logits of 1e4, dV is off by 2e-4 to 7e-4 where PyTorch's fp32 SDPA, which keeps its
+    normalised probabilities, is off by 1e-7; dQ and dK lose about as much in any fp32 implementation there
+    (the logits themselves round at ``|s| * 2**-24``). The reference backend keeps its probabilities and has
+    no such term.
+
     Args:
-        q: ``[B, HQ, N, D]``; k, v: ``[B, HKV, N, D]`` with HQ a multiple of HKV (GQA). Any strides.
+        q: ``[B, HQ, N, D]``; k, v: ``[B, HKV, N, D]`` with HQ a multiple of HKV (GQA). Any strides. HQ, HKV,
+            N, D >= 1; B = 0 gives empty outputs and gradients on both backends.
         index: canonical :class:`~sparse_train.BlockIndex` for (B, HKV, N).
         scale: logit scale, default ``1 / sqrt(D)``.
         dropout_p: dropout on attention probabilities, in [0, 1). The softmax denominator excludes
@@ -196,31 +208,29 @@ def sparse_attention(
             by ``torch.use_deterministic_algorithms(True)``.
         backend: one of :data:`BACKENDS`: ``"auto"`` (Triton on supported CUDA inputs, reference
             otherwise), ``"triton"``, ``"reference"``.
-        kernel_options: ``None`` or a dict with keys among :data:`sparse_train.options.KERNEL_OPTIONS`,
-            each None (default) or: ``plan`` a precomputed ``index.plan(r0)`` of this very index, to
-            reuse across layers; ``r0`` the reuse threshold of the hybrid backward (default
-            :data:`sparse_train.plan.plan.DEFAULT_R0`; must equal ``plan.r0`` when both are given);
-            ``num_splits`` the forward's split-KV count (1..64); ``{fwd,dq,kv}_heads_per_program``,
-            ``{fwd,dq,kv}_num_warps``, ``{fwd,dq,kv}_num_stages`` the tiles of the forward, dQ and
-            KV-centric kernels; ``kv_chunk`` query blocks per KV-centric work item; ``kv_tile_rows``
-            query rows the KV-centric kernel takes per step (a power of two >= 16); ``fused_dq`` (bool) one
-            backward pass, dQ added by the KV-centric kernel with float32 atomics (not bitwise
-            reproducible, so refused with ``deterministic``; off by default: measured slower,
-            ``docs/kernel_tuning.md``); ``stored_ds`` (bool) the
-            KV-centric kernel stores dS and the dQ kernel reads it instead of recomputing S and dP
-            (deterministic; a buffer of B*HQ*NQB*K*BQ*BK elements in q's dtype; off by default: not faster
-            than the default backward, for about 8 GB more memory at 64K);
-            ``{fwd,dq,kv}_tma`` (bool) TMA tensor-descriptor loads of the K/V tiles (forward, dQ) and of the
-            q/dO slices (KV-centric) on Hopper and newer, where the tensors' layout allows a descriptor (the
-            defaults follow the measurements in ``docs/kernel_tuning.md``); ``kv_gluon``
-            (bool) the KV-centric dK/dV kernel hand-scheduled in Gluon (default on a Hopper GPU, where it
-            applies: no dropout or sequence lengths, N a multiple of the blocks; same gradients as
-            the Triton kernel, a faster backward); ``dq_gluon`` (bool) the dQ kernel
-            hand-scheduled in Gluon (default on a Hopper GPU where it applies, as ``kv_gluon`` and no cold
-            block; dQ bitwise the Triton kernel's; a faster backward); ``fwd_gluon`` (bool) the forward
-            hand-scheduled in Gluon (where it applies, also one split per row; outputs bitwise the Triton
-            forward's; default on a Hopper GPU at head dim 64 over 64-key blocks, the one shape where it
-            measured faster). Validated on both backends; only the Triton backend uses them.
+        kernel_options: ``None``, a :class:`~sparse_train.options.KernelOptions`, or a dict with keys among
+            :data:`sparse_train.options.KERNEL_OPTIONS` (the same checks for both forms), each None (default) or:
+            ``plan`` a precomputed ``index.plan(r0)`` of this very index, to reuse across layers; ``r0`` the reuse
+            threshold of the hybrid backward, >= 0 (default :data:`sparse_train.plan.plan.DEFAULT_R0`; must equal
+            ``plan.r0`` when both are given); ``num_splits`` the forward's split-KV count (1..64);
+            ``{fwd,dq,kv}_heads_per_program`` (a power of two dividing the GQA group), ``{fwd,dq,kv}_num_warps``
+            (1, 2, 4, 8 or 16), ``{fwd,dq,kv}_num_stages`` (1..8) the tiles of the forward, dQ and KV-centric kernels;
+            ``kv_chunk`` query blocks per KV-centric work item (>= 1); ``kv_tile_rows`` query rows the KV-centric
+            kernel takes per step (a power of two >= 16); ``fused_dq`` (bool) one backward pass, dQ added by the
+            KV-centric kernel with float32 atomics (not bitwise reproducible, so refused with ``deterministic``; off
+            by default: measured slower, ``docs/kernel_tuning.md``); ``stored_ds`` (bool) the KV-centric kernel
+            stores dS and the dQ kernel reads it instead of recomputing S and dP (deterministic; a buffer of
+            B*HQ*NQB*K*BQ*BK elements in q's dtype; off by default: not faster than the default backward, for about
+            8 GB more memory at 64K); ``{fwd,dq,kv}_tma`` (bool) TMA tensor-descriptor loads of the K/V tiles
+            (forward, dQ) and of the q/dO slices (KV-centric) on Hopper and newer, where the tensors' layout allows
+            a descriptor (the defaults follow the measurements in ``docs/kernel_tuning.md``); ``kv_gluon`` (bool)
+            the KV-centric dK/dV kernel hand-scheduled in Gluon (default on a Hopper GPU, where it applies: no
+            dropout or sequence lengths, N a multiple of the blocks; same gradients as the Triton kernel, a faster
+            backward); ``dq_gluon`` (bool) the dQ kernel hand-scheduled in Gluon (default on a Hopper GPU where it
+            applies, as ``kv_gluon`` and no cold block; dQ bitwise the Triton kernel's; a faster backward);
+            ``fwd_gluon`` (bool) the forward hand-scheduled in Gluon (where it applies, also one split per row;
+            outputs bitwise the Triton forward's; default on a Hopper GPU at head dim 64 over 64-key blocks, the one
+            shape where it measured faster). Validated on both backends; only the Triton backend uses them.
         check_values: check the *values* of ``seq_lens`` and ``document_ids`` (default). These are the
             only checks that read device memory back to the host (a sync on CUDA); ``False`` skips
             them, for callers that must not sync (CUDA-graph capture, the ``SparseAttention`` module at
@@ -251,13 +261,12 @@ def sparse_attention(
 
     Raises:
         ValueError: any argument outside its domain (see :mod:`sparse_train.validation`), naming it:
-            shape/dtype/device mismatch between q, k, v, index, seq_lens and document_ids; seq_lens
-            values outside [0, N]; document_ids negative or decreasing along N; dropout_p outside
-            [0, 1); dropout_seed outside [0, 2**64); an unknown kernel_options key or a value of the
-            wrong type; a plan of another index; unknown backend; ``backend="triton"`` on input the
-            kernels do not support; query_blocks not a 1-D integer tensor on q's device, empty, out of
-            range, repeated, or q's length not that of the listed blocks; query_blocks with
-            ``kernel_options.plan``.
+            shape/dtype/device mismatch between q, k, v, index, seq_lens and document_ids; seq_lens values outside
+            [0, N]; document_ids negative or decreasing along N; dropout_p outside [0, 1); dropout_seed outside
+            [0, 2**64); an unknown kernel_options key or a value of the wrong type or range (dict or KernelOptions
+            alike); a plan of another index; unknown backend; ``backend="triton"`` on input the kernels do not
+            support; query_blocks not a 1-D integer tensor on q's device, empty, out of range, repeated, or q's
+            length not that of the listed blocks; query_blocks with ``kernel_options.plan``.
     """
     # Everything but the seq_lens and document_ids values (host syncs) before choosing a backend; the
     # backend that runs validates again, values included (unless check_values=False), so the syncs

@@ -3,10 +3,10 @@
 The switches never change a result beyond floating-point order: the plan and reuse threshold ``r0`` of the
 hybrid backward, the split count, tiles, warps and stages of each kernel, TMA loads, the Gluon kernels, the
 fused and stored-dS backward. ``sparse_attention(..., kernel_options=)`` takes a :class:`KernelOptions` or a
-dict of its fields; :func:`normalize_kernel_options` is the one validation of both forms, and the rules
-that tie switches to each other or to ``deterministic`` are written here once
-(:func:`check_dq_source`). :class:`sparse_train.SparseAttentionConfig` carries one in its ``kernel_options``
-field (:func:`config_kernel_options` checks it).
+dict of its fields; building a :class:`KernelOptions` is the one validation of both forms
+(:func:`normalize_kernel_options` builds one from the dict), and the rules that tie switches to each other or
+to ``deterministic`` are written here once (:func:`check_dq_source`). :class:`sparse_train.SparseAttentionConfig`
+carries one in its ``kernel_options`` field (:func:`config_kernel_options` checks it).
 """
 
 from __future__ import annotations
@@ -32,32 +32,43 @@ _WARPS = (1, 2, 4, 8, 16)
 _MAX_STAGES = 8
 _MAX_SPLITS = 64
 _MIN_DOT_ROWS = 16  # smallest row count of a tensor-core tile product (tl.dot)
+_BOOL_OPTIONS = ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma", "kv_gluon", "dq_gluon", "fwd_gluon")
 
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """Normalised ``kernel_options`` (see :func:`normalize_kernel_options`); None = default."""
+    """Normalised ``kernel_options`` (see :func:`normalize_kernel_options`); None = default. Construction
+    checks every field's type and range (``ValueError`` naming ``kernel_options.<field>`` and the accepted
+    range) and the rule tying ``fused_dq`` to ``stored_ds`` (:func:`check_dq_source`)."""
 
     plan: BlockPlan | None = None
     """A plan from ``index.plan(r0)`` of this very index, reused across layers (default: that call)."""
     r0: int | None = None
-    """Reuse threshold of the hybrid backward (default :data:`~sparse_train.plan.plan.DEFAULT_R0`); equals ``plan.r0``
-    if both."""
+    """Reuse threshold of the hybrid backward, an int >= 0 (default :data:`~sparse_train.plan.plan.DEFAULT_R0`);
+    equals ``plan.r0`` if both."""
     num_splits: int | None = None
     """Split-KV count of the forward, 1..64 (default :func:`~sparse_train.plan.tuning.choose_num_splits`)."""
     fwd_heads_per_program: int | None = None
     """Query heads of a GQA group stacked along the rows of one forward program (a power of two
     dividing G; the tile has heads_per_program * BQ rows)."""
     fwd_num_warps: int | None = None
+    """Warps of a forward program, one of 1, 2, 4, 8, 16."""
     fwd_num_stages: int | None = None
+    """Software-pipelining stages of the forward, 1..8."""
     dq_heads_per_program: int | None = None
+    """Query heads per dQ program (a power of two dividing G)."""
     dq_num_warps: int | None = None
+    """Warps of a dQ program, one of 1, 2, 4, 8, 16."""
     dq_num_stages: int | None = None
+    """Software-pipelining stages of the dQ kernel, 1..8."""
     kv_heads_per_program: int | None = None
+    """Query heads per KV-centric program (a power of two dividing G)."""
     kv_num_warps: int | None = None
+    """Warps of a KV-centric program, one of 1, 2, 4, 8, 16."""
     kv_num_stages: int | None = None
+    """Software-pipelining stages of the KV-centric kernel, 1..8."""
     kv_chunk: int | None = None
-    """Query blocks per KV-centric work item (default :data:`~sparse_train.plan.tuning.KV_CHUNK`)."""
+    """Query blocks per KV-centric work item, an int >= 1 (default :data:`~sparse_train.plan.tuning.KV_CHUNK`)."""
     kv_tile_rows: int | None = None
     """Query rows the KV-centric kernel takes per step (a power of two >= 16 dividing
     kv_heads_per_program * BQ; default the whole tile): thinner slices keep fewer scores live."""
@@ -108,6 +119,13 @@ class KernelOptions:
     :func:`~sparse_train.plan.device.gluon_kernels` holds (H200, 64K, whole backward with the Gluon KV-centric
     kernel: 2.6-5% faster; docs/kernel_tuning.md)."""
 
+    def __post_init__(self) -> None:
+        # Every field is checked here, so a KernelOptions built directly and one built from the dict form
+        # (normalize_kernel_options) pass the same checks.
+        for f in fields(self):
+            object.__setattr__(self, f.name, _check_option(f.name, getattr(self, f.name)))
+        check_dq_source(self.fused_dq, self.stored_ds, deterministic=False)
+
 
 KERNEL_OPTIONS = tuple(f.name for f in fields(KernelOptions))
 """Keys of ``sparse_attention(..., kernel_options=)`` (the fields of :class:`KernelOptions`); every
@@ -121,10 +139,50 @@ def _check_power_of_two(label: str, value) -> int:
     return value
 
 
+def _check_option(name: str, value):
+    """One field of :class:`KernelOptions`: None, or ``value`` of the field's type and range (as the field's
+    docstring states), normalised (numpy ints become ints); ``ValueError`` naming ``kernel_options.<name>``
+    and the accepted range otherwise."""
+    label = f"kernel_options.{name}"
+    if value is None:
+        return None
+    if name == "plan":
+        if not isinstance(value, BlockPlan):
+            raise ValueError(
+                f"{label} must be a sparse_train.BlockPlan (from index.plan(r0)), got {type(value).__name__}"
+            )
+        return value
+    if name == "r0":
+        return check_int(label, value, minimum=0)
+    if name == "num_splits":
+        return check_int(label, value, minimum=1, maximum=_MAX_SPLITS)
+    if name.endswith("heads_per_program"):
+        return _check_power_of_two(label, value)
+    if name.endswith("num_warps"):
+        value = _check_power_of_two(label, value)
+        if value not in _WARPS:
+            raise ValueError(f"{label} must be one of {_WARPS}, got {value}")
+        return value
+    if name.endswith("num_stages"):
+        return check_int(label, value, minimum=1, maximum=_MAX_STAGES)
+    if name == "kv_chunk":
+        return check_int(label, value, minimum=1)
+    if name == "kv_tile_rows":
+        value = _check_power_of_two(label, value)
+        if value < _MIN_DOT_ROWS:
+            raise ValueError(f"{label} must be >= {_MIN_DOT_ROWS} (tensor-core tile), got {value}")
+        return value
+    if name in _BOOL_OPTIONS:
+        return check_bool(label, value)
+    raise AssertionError(f"KernelOptions.{name} has no check")  # a new field must get one here
+
+
 def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> KernelOptions:
-    """The one validation of ``kernel_options``: None, a :class:`KernelOptions`, or a dict whose keys
-    are among :data:`KERNEL_OPTIONS` (an unknown key raises ``ValueError`` naming it and the allowed
-    keys) and whose values are None or of the key's type and range (``ValueError`` otherwise).
+    """``kernel_options`` as a :class:`KernelOptions`: None, a :class:`KernelOptions` (checked when it was
+    built), or a dict whose keys are among :data:`KERNEL_OPTIONS` (an unknown key raises ``ValueError`` naming
+    it and the allowed keys), built into one, so both forms pass the one check of
+    :meth:`KernelOptions.__post_init__` (values None or of the key's type and range, ``ValueError`` naming
+    the field otherwise).
 
     Shape-dependent rules (heads per program must divide the GQA group; a plan must belong to the
     index) are checked where the shapes are known: :func:`~sparse_train.plan.tuning.forward_config`,
@@ -134,39 +192,7 @@ def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> 
     if isinstance(kernel_options, KernelOptions):
         return kernel_options
     check_keys("kernel_options", kernel_options, KERNEL_OPTIONS)
-    values = {}
-    for name, value in kernel_options.items():
-        label = f"kernel_options.{name}"
-        if value is None:
-            continue
-        if name == "plan":
-            if not isinstance(value, BlockPlan):
-                raise ValueError(
-                    f"{label} must be a sparse_train.BlockPlan (from index.plan(r0)), got {type(value).__name__}"
-                )
-        elif name == "r0":
-            value = check_int(label, value, minimum=0)
-        elif name == "num_splits":
-            value = check_int(label, value, minimum=1, maximum=_MAX_SPLITS)
-        elif name.endswith("heads_per_program"):
-            value = _check_power_of_two(label, value)
-        elif name.endswith("num_warps"):
-            value = _check_power_of_two(label, value)
-            if value not in _WARPS:
-                raise ValueError(f"{label} must be one of {_WARPS}, got {value}")
-        elif name.endswith("num_stages"):
-            value = check_int(label, value, minimum=1, maximum=_MAX_STAGES)
-        elif name == "kv_chunk":
-            value = check_int(label, value, minimum=1)
-        elif name == "kv_tile_rows":
-            value = _check_power_of_two(label, value)
-            if value < _MIN_DOT_ROWS:
-                raise ValueError(f"{label} must be >= {_MIN_DOT_ROWS} (tensor-core tile), got {value}")
-        elif name in ("fused_dq", "stored_ds", "fwd_tma", "dq_tma", "kv_tma", "kv_gluon", "dq_gluon", "fwd_gluon"):
-            value = check_bool(label, value)
-        values[name] = value
-    check_dq_source(values.get("fused_dq"), values.get("stored_ds"), deterministic=False)
-    return KernelOptions(**values)
+    return KernelOptions(**kernel_options)
 
 
 def check_dq_source(

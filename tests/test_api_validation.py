@@ -195,6 +195,86 @@ def test_sparse_attention_rejects_bad_kernel_options(backend, options, match):
         st.sparse_attention(q, k, v, idx, backend=backend, kernel_options=options)
 
 
+_HEADS = ("fwd_heads_per_program", "dq_heads_per_program", "kv_heads_per_program")
+_WARPS = ("fwd_num_warps", "dq_num_warps", "kv_num_warps")
+_STAGES = ("fwd_num_stages", "dq_num_stages", "kv_num_stages")
+_SWITCHES = ("fwd_tma", "dq_tma", "kv_tma", "fused_dq", "stored_ds", "kv_gluon", "dq_gluon", "fwd_gluon")
+# every field of KernelOptions: (field, values at the ends of its range, values just past them with the message)
+KERNEL_OPTION_RANGES = [
+    ("r0", [0, 10**9], [(-1, "must be an int >= 0, got -1")]),
+    (
+        "num_splits",
+        [1, 64],
+        [(0, "must be an int >= 1 and <= 64, got 0"), (65, "must be an int >= 1 and <= 64, got 65")],
+    ),
+    *(
+        (name, [1, 2], [(0, "must be a positive int, got 0"), (-1, "must be a positive int, got -1")])
+        for name in _HEADS
+    ),
+    *(
+        (name, [1, 16], [(0, "must be a positive int, got 0"), (32, r"must be one of \(1, 2, 4, 8, 16\), got 32")])
+        for name in _WARPS
+    ),
+    *(
+        (name, [1, 8], [(0, "must be an int >= 1 and <= 8, got 0"), (9, "must be an int >= 1 and <= 8, got 9")])
+        for name in _STAGES
+    ),
+    ("kv_chunk", [1, 10**9], [(0, "must be a positive int, got 0"), (-1, "must be a positive int, got -1")]),
+    (
+        "kv_tile_rows",
+        [16, 2**20],
+        [(8, r"must be >= 16 \(tensor-core tile\), got 8"), (0, "must be a positive int, got 0")],
+    ),
+    *((name, [False, True], [(1, r"must be a bool, got 1 \(int\)")]) for name in _SWITCHES),
+    ("plan", [], [("plan", "must be a sparse_train.BlockPlan")]),
+]
+KERNEL_OPTION_ACCEPTED = [
+    pytest.param(name, value, id=f"{name}={value}") for name, values, _ in KERNEL_OPTION_RANGES for value in values
+]
+KERNEL_OPTION_REJECTED = [
+    pytest.param(name, value, match, id=f"{name}={value}")
+    for name, _, rejected in KERNEL_OPTION_RANGES
+    for value, match in rejected
+]
+
+
+def test_kernel_option_ranges_cover_every_field():
+    assert sorted(name for name, _, _ in KERNEL_OPTION_RANGES) == sorted(st.options.KERNEL_OPTIONS)
+
+
+@pytest.mark.parametrize("form", ["typed", "dict"])
+@pytest.mark.parametrize("name,value,match", KERNEL_OPTION_REJECTED)
+def test_kernel_options_reject_values_past_each_end_in_both_forms(form, name, value, match):
+    """A KernelOptions field just past either end of its range raises a ValueError naming the field and the
+    range, whether the options come typed or as a dict."""
+    q, k, v, idx = _inputs()
+    with pytest.raises(ValueError, match=f"kernel_options.{name} {match}"):
+        options = st.options.KernelOptions(**{name: value}) if form == "typed" else {name: value}
+        st.sparse_attention(q, k, v, idx, backend="reference", kernel_options=options)
+
+
+@pytest.mark.parametrize("name,value", KERNEL_OPTION_ACCEPTED)
+def test_kernel_options_accept_each_end_of_the_range_in_both_forms(name, value):
+    typed = st.options.KernelOptions(**{name: value})
+    assert getattr(typed, name) == value
+    assert st.options.normalize_kernel_options({name: value}) == typed
+    assert st.options.normalize_kernel_options(typed) is typed
+
+
+def test_kernel_options_refuse_fused_dq_with_stored_ds_in_both_forms():
+    for make in (st.options.KernelOptions, lambda **kw: st.options.normalize_kernel_options(kw)):
+        with pytest.raises(ValueError, match="kernel_options.fused_dq and kernel_options.stored_ds are two ways"):
+            make(fused_dq=True, stored_ds=True)
+
+
+@pytest.mark.skipif(not TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
+def test_typed_kernel_options_run_like_the_dict_form():
+    q, k, v, idx = _inputs(b=1)
+    options = {"num_splits": 2, "fwd_heads_per_program": 2, "kv_chunk": 1}
+    typed = st.sparse_attention(q, k, v, idx, backend="triton", kernel_options=st.options.KernelOptions(**options))
+    assert torch.equal(typed, st.sparse_attention(q, k, v, idx, backend="triton", kernel_options=options))
+
+
 @pytest.mark.skipif(not TRITON, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("key", ["fwd_heads_per_program", "dq_heads_per_program", "kv_heads_per_program"])
 def test_heads_per_program_must_divide_the_group(key):

@@ -329,7 +329,7 @@ def document_sink_candidates(document_ids: Tensor, sinks: int, *, seq_len: int, 
     first_block = (doc_start[:, q_start] // block_k).unsqueeze(-1)  # [B, NQB, 1]
     own = first_block + torch.arange(sinks, device=device).view(1, 1, -1)
     own_ok = (own <= last) & (
-        k_first_doc.gather(1, own.clamp(max=num_k_blocks - 1).view(batch, -1)).view_as(own) <= first_doc.unsqueeze(-1)
+        k_first_doc.gather(1, own.clamp(max=num_k_blocks - 1).flatten(1)).view_as(own) <= first_doc.unsqueeze(-1)
     )
     own = torch.where(own_ok, own, -1)
 
@@ -342,7 +342,7 @@ def document_sink_candidates(document_ids: Tensor, sinks: int, *, seq_len: int, 
     in_span = j <= last
     probe = torch.minimum((j + 1) * block_k, q_end.view(1, -1, 1)) - 1
     probe = torch.where(in_span, probe, 0).expand(batch, -1, -1)
-    latest = doc_start.gather(1, probe.reshape(batch, -1)).view_as(probe)  # [B, NQB, span]
+    latest = doc_start.gather(1, probe.flatten(1)).view_as(probe)  # [B, NQB, span]
     inner = in_span & (latest > q_start.view(1, -1, 1)) & (j - latest // block_k < sinks)
     inner = torch.where(inner, j.expand(batch, -1, -1), -1)
     return torch.cat([own, inner], dim=-1)

@@ -572,6 +572,25 @@ def _topk_kernel_runs(scores: Tensor, geometry: SelectionGeometry) -> bool:
     return geometry.num_k_blocks <= triton_kernels().topk.MAX_KEY_BLOCKS
 
 
+def _past_top_p(masked: Tensor, values: Tensor, top_p: float) -> Tensor:
+    """True where a pick of ``values`` (the sorted top-k of ``masked``, the row's scores with -inf outside the
+    allowed blocks) falls past the ``top_p`` budget: the unnormalised softmax mass of the better picks before it
+    already reaches ``top_p`` times the row's total over every allowed block.
+
+    In float64 from the scores as given, and the comparison allows for the rounding of both sums (at most
+    ``terms * 2**-53`` relative each): a pick whose exact mass before it is short of ``top_p`` is never cut, so
+    the kept set always reaches ``top_p``; at worst one pick within that rounding of the boundary is kept
+    beyond the exact set. (Summed in float32, the mass of a confident row reaches 1 by rounding while the exact
+    mass is still short of it, which would cut blocks the budget needs.)"""
+    scores = masked.double()
+    row_max = scores.amax(dim=-1, keepdim=True).clamp(min=EMPTY_BLOCK_SCORE)
+    total = torch.exp(scores - row_max).sum(dim=-1, keepdim=True)
+    weights = torch.exp(values.double() - row_max)
+    before = torch.cat([torch.zeros_like(weights[..., :1]), torch.cumsum(weights, dim=-1)[..., :-1]], dim=-1)
+    slack = (scores.shape[-1] + values.shape[-1] + 4) * 2.0**-52
+    return before >= top_p * total * (1.0 + slack)
+
+
 def selection_candidates(
     scores: Tensor,
     geometry: SelectionGeometry,
@@ -584,8 +603,8 @@ def selection_candidates(
     query_blocks: Tensor | None = None,
 ) -> Tensor:
     """Top-k dynamic key blocks per query block, for ``BlockIndex.from_selection``. On CUDA without documents and
-    ``top_p``: one Triton kernel (``kernels/triton/topk.py``: ties go to the lower block; ``torch.topk`` here ranks
-    ties in no fixed order), else this PyTorch path.
+    ``top_p`` (or with ``top_p=1.0``): one Triton kernel (``kernels/triton/topk.py``: ties go to the lower block;
+    ``torch.topk`` here ranks ties in no fixed order), else this PyTorch path.
 
     Args:
         scores: block logits ``[B, HKV, NQB, NKB]`` (detached here: the hard top-k carries no gradient).
@@ -599,8 +618,10 @@ def selection_candidates(
             per row, the fewest of them (best first) whose predicted mass reaches ``top_p``: the
             predicted mass is the softmax of the row's scores over the blocks top-k chooses from,
             the distribution the distillation fits to the attention mass, so a row whose mass sits in
-            one block keeps one and a row with spread mass keeps up to ``dynamic_k``. Shapes do not
-            change and nothing is read back to the host.
+            one block keeps one and a row with spread mass keeps up to ``dynamic_k``. ``1.0`` keeps
+            what ``None`` keeps (the whole mass needs every candidate). The mass is summed in float64
+            and the cut errs toward keeping a block within rounding of the boundary, never toward
+            dropping one the budget needs. Shapes do not change and nothing is read back to the host.
         query_blocks: optional int ``[S]``, the GLOBAL query-block ids of the rows of ``scores``
             (``[B, HKV, S, NKB]``), when it holds only some query blocks (context parallelism: a rank's
             local blocks). Each row is picked exactly as the row of that block in a full call.
@@ -611,6 +632,9 @@ def selection_candidates(
     """
     batch, kv_heads, rows = scores.shape[:3]
     k = geometry.dynamic_k
+    top_p = check_float("top_p", top_p, exclusive_minimum=0.0, maximum=1.0, optional=True)
+    if top_p == 1.0:
+        top_p = None  # the whole mass needs every candidate: no cut, the same path and picks as None
     if query_blocks is not None:
         query_blocks = _check_query_blocks(query_blocks, geometry, rows, scores.device)
     if k == 0:
@@ -628,16 +652,10 @@ def selection_candidates(
     if seq_lens is not None:
         block_start = torch.arange(geometry.num_k_blocks, device=scores.device) * geometry.block_k
         empty = block_start.view(1, -1) >= seq_lens.view(-1, 1)  # [B, NKB]
-        low = empty.view(batch, 1, 1, -1) & allowed
+        low = empty[:, None, None, :] & allowed
         masked = torch.where(low, torch.full_like(masked, EMPTY_BLOCK_SCORE), masked)
     values, picked = torch.topk(masked, k, dim=-1, sorted=top_p is not None)
     unused = torch.isneginf(values)
     if top_p is not None:
-        # Probabilities of the picked blocks under the row's softmax over every allowed block; a row
-        # keeps a block while the mass of the better blocks before it is still short of top_p.
-        row_max = masked.amax(dim=-1, keepdim=True).clamp(min=EMPTY_BLOCK_SCORE)
-        weights = torch.exp(masked.float() - row_max.float())
-        probs = torch.exp(values.float() - row_max.float()) / weights.sum(dim=-1, keepdim=True).clamp(min=1e-30)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        unused = unused | (mass_before >= top_p)
+        unused = unused | _past_top_p(masked, values, top_p)
     return torch.where(unused, torch.full_like(picked, -1), picked)

@@ -573,3 +573,66 @@ def test_attention_over_a_batch_of_the_index_is_that_batch_of_the_attention():
     assert torch.equal(one, full[1:2])
     head = st.sparse_attention(q[:, 2:4], k[:, 1:2], v[:, 1:2], idx[:, 1], backend="reference")
     assert torch.equal(head, full[:, 2:4])
+
+
+GEOMETRY_40 = {"seq_len": 40, "block_q": 16, "block_k": 16}
+EMPTY_BATCH_CONSTRUCTORS = [
+    pytest.param(
+        lambda: st.BlockIndex.from_selection(torch.zeros(0, 1, 3, 2, dtype=torch.int64), **GEOMETRY_40, window=1),
+        id="from_selection",
+    ),
+    pytest.param(
+        lambda: st.BlockIndex.from_selection(
+            torch.zeros(0, 1, 3, 2, dtype=torch.int64),
+            **GEOMETRY_40,
+            window=1,
+            sinks=1,
+            document_ids=torch.zeros(0, 40, dtype=torch.int64),
+        ),
+        id="from_selection-documents-sinks",
+    ),
+    pytest.param(
+        lambda: st.BlockIndex.from_selection(
+            torch.zeros(0, 1, 3, 2, dtype=torch.int64), **GEOMETRY_40, sinks=1, check="full"
+        ),
+        id="from_selection-check-full",
+    ),
+    pytest.param(
+        lambda: st.BlockIndex.from_dense(torch.zeros(0, 1, 3, 3, dtype=torch.bool), **GEOMETRY_40), id="from_dense"
+    ),
+    pytest.param(lambda: st.BlockIndex.full(0, 1, 40, 16, 16), id="full"),
+    pytest.param(
+        lambda: st.BlockIndex.full(0, 1, 40, 16, 16, document_ids=torch.zeros(0, 40, dtype=torch.int64)),
+        id="full-documents",
+    ),
+    pytest.param(
+        lambda: st.BlockIndex.from_csr(
+            torch.zeros(1, dtype=torch.int64),
+            torch.zeros(0, dtype=torch.int64),
+            batch=0,
+            num_kv_heads=1,
+            **GEOMETRY_40,
+            sinks=1,
+            document_ids=torch.zeros(0, 40, dtype=torch.int64),
+        ),
+        id="from_csr-documents",
+    ),
+    pytest.param(
+        lambda: st.BlockIndex.from_canonical(
+            torch.zeros(0, 1, 3, 2, dtype=torch.int32), torch.zeros(0, 1, 3, dtype=torch.int32), **GEOMETRY_40
+        ),
+        id="from_canonical",
+    ),
+]
+
+
+@pytest.mark.parametrize("make", EMPTY_BATCH_CONSTRUCTORS)
+def test_constructors_take_an_empty_batch(make):
+    """B = 0: every constructor gives an index of no rows, whose views and plan are empty too."""
+    index = make()
+    assert index.batch == 0 and index.num_q_blocks == 3
+    index.validate()
+    assert index.to_dense().shape == (0, 1, 3, 3)
+    indptr, cols = index.to_csr()
+    assert indptr.tolist() == [0] and cols.numel() == 0
+    assert index.plan().kv_indptr.tolist() == [0]

@@ -316,6 +316,19 @@ def test_index_scores_reject_bad_arguments(call, match, which):
         call(f)
 
 
+@pytest.mark.parametrize("which", ["kernel", "reference"])
+def test_index_scores_of_an_empty_batch_are_empty(which):
+    """B = 0: scores ``[0, H, NQB, NKB]`` and empty gradients of u and w, on both paths."""
+    u, w = (t.requires_grad_() for t in _inputs(0, 2, 64, 2, 16))
+    if which == "kernel":
+        scores = index_block_scores(u, w, block_q=16, block_k=16, backend=BACKEND)
+    else:
+        scores = reference_index_block_scores(u, w, block_q=16, block_k=16)
+    assert scores.shape == (0, 2, 4, 4)
+    du, dw = torch.autograd.grad(scores.sum(), (u, w))
+    assert (du.shape, dw.shape) == (u.shape, w.shape)
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -124,3 +124,19 @@ def test_selection_candidates_take_the_kernel_on_gpu(monkeypatch):
     real = lambda p: _sorted(torch.where((p >= 0) & (p < empty_from), p, -1))  # noqa: E731
     assert torch.equal(real(got), real(ref))
     assert torch.equal((got >= empty_from).sum(-1), (ref >= empty_from).sum(-1))
+
+
+@pytest.mark.parametrize("spread", [10.0, 40.0], ids=["spread10", "spread40"])
+def test_top_p_one_takes_the_kernel_and_picks_what_none_picks(monkeypatch, spread):
+    """Where the kernel runs, top_p = 1.0 (no budget cut) runs it too and picks exactly the blocks of top_p = None,
+    on the peaked scores of a confident selector."""
+    import sparse_train.selection.scorer as scorer_mod
+
+    monkeypatch.setattr(scorer_mod, "_topk_kernel_runs", lambda *a: True)
+    geom = selection_geometry(320, 16, 16, 6, 1, 1)
+    scores = torch.randn(2, 2, geom.num_q_blocks, geom.num_k_blocks, generator=torch.Generator().manual_seed(0))
+    scores = (scores * spread).to(DEV)
+    lens = torch.tensor([320, 200], device=DEV)
+    none = selection_candidates(scores, geom, window=1, sinks=1, seq_lens=lens)
+    one = selection_candidates(scores, geom, window=1, sinks=1, seq_lens=lens, top_p=1.0)
+    assert torch.equal(one, none)

@@ -3,6 +3,7 @@ fallbacks (full selection -> SDPA, CPU -> reference) with counted reasons, hyste
 stats/profiling and the collect helpers. GPU-only: torch.compile of the module."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -628,3 +629,39 @@ def test_autocast_casts_q_k_v_to_the_autocast_dtype():
     for bad in ((q.tolist(), k, v), (q, "k", v)):  # bad input is still named, under autocast too
         with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="must be a 4-D tensor"):
             layer(*bad)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize(
+    "overrides,masks",
+    [
+        pytest.param({"dense_fallback": False}, {}, id="sparse-path"),
+        pytest.param({}, {}, id="dense-fallback"),
+        pytest.param(
+            {"dense_fallback": False, "selector": "token", "selector_distill": "token"}, {}, id="token-selector"
+        ),
+        pytest.param(
+            {"dense_fallback": False, "distill": "sparse"},
+            {"document_ids": torch.zeros(0, 64, dtype=torch.int64)},
+            id="documents-sparse-distill",
+        ),
+        pytest.param(
+            {"dense_fallback": False, "top_p": 0.5},
+            {"seq_lens": torch.zeros(0, dtype=torch.int64)},
+            id="seq_lens-top_p",
+        ),
+    ],
+)
+def test_empty_batch_gives_empty_outputs_and_gradients(backend, overrides, masks):
+    """B = 0 in training: an empty output and empty gradients, on both backends (the Triton interpreter on the
+    CPU), the selector, its distillation and the metrics included."""
+    if backend == "triton" and not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    module = make(backend=backend, selector_rope_theta=None, metrics_every=1, **overrides).train().to(device)
+    q, k, v = (t.to(device).detach().requires_grad_() for t in qkv(0, 64, dtype=dtype))
+    o = module(q, k, v, **{name: mask.to(device) for name, mask in masks.items()})
+    assert o.shape == q.shape
+    o.sum().backward()
+    assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)

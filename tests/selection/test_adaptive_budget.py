@@ -71,6 +71,69 @@ def test_top_p_none_and_one_keep_every_top_k_block():
     assert torch.equal(torch.sort(base, dim=-1).values, torch.sort(one, dim=-1).values)
 
 
+def _peaked_scores(geom, spread, seed=0):
+    """float32 block scores of a confident selector: standard normal times ``spread``, so the best block of a row
+    holds nearly all of its softmax mass and the rest hold 1e-5 to 1e-40 of it."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 2, geom.num_q_blocks, geom.num_k_blocks, generator=g) * spread
+
+
+@pytest.mark.parametrize("spread", [10.0, 40.0], ids=["spread10", "spread40"])
+@pytest.mark.parametrize("masks", ["none", "seq_lens", "documents"])
+def test_top_p_one_selects_what_none_selects_on_peaked_scores(spread, masks):
+    """top_p = 1.0 needs the whole mass, so it keeps every candidate None keeps, however confident the row."""
+    n, block, top_k = 320, 16, 6
+    geom = selection_geometry(n, block, block, top_k, 1, 1)
+    scores = _peaked_scores(geom, spread)
+    kwargs = {"window": 1, "sinks": 1}
+    if masks == "seq_lens":
+        kwargs["seq_lens"] = torch.tensor([320, 200])
+    if masks == "documents":
+        kwargs["document_ids"] = (torch.arange(n) // 100).repeat(2, 1)
+    base = selection_candidates(scores, geom, **kwargs)
+    one = selection_candidates(scores, geom, top_p=1.0, **kwargs)
+    print(f"spread {spread}, {masks}: top_p=1.0 keeps {int((one >= 0).sum())} of {int((base >= 0).sum())}")
+    assert torch.equal(torch.sort(base, dim=-1).values, torch.sort(one, dim=-1).values)
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.99999, 1 - 1e-7], ids=["p0.9", "p0.99999", "p1-1e-7"])
+@pytest.mark.parametrize("spread", [10.0, 20.0], ids=["spread10", "spread20"])
+def test_top_p_below_one_keeps_the_exact_set_on_peaked_float32_scores(top_p, spread):
+    """The kept blocks are the exact (float64, per-row loop) smallest set reaching top_p, also when the mass
+    of the better blocks is within float32 rounding of 1."""
+    n, block, top_k, window, sinks = 320, 16, 6, 1, 1
+    geom = selection_geometry(n, block, block, top_k, window, sinks)
+    scores = _peaked_scores(geom, spread, seed=1)
+    got = selection_candidates(scores, geom, window=window, sinks=sinks, top_p=top_p)
+    expected = _expected_top_p(scores, geom, window, sinks, top_p)
+    rows = [{int(j) for j in row if j >= 0} for row in got.reshape(-1, got.shape[-1])]
+    print(f"kept {sum(map(len, rows))} blocks, the exact set {sum(map(len, expected))}")
+    assert rows == expected
+
+
+def test_module_with_top_p_one_selects_what_none_selects():
+    cfg = dict(
+        block_q=16,
+        block_k=16,
+        top_k=4,
+        window=1,
+        sinks=1,
+        dense_warmup_steps=0,
+        backend="reference",
+        selector_rope_theta=None,
+        scale=100.0,  # also scales the selector's logits: a confident selector
+    )
+    q, k, v = make_qkv(2, 4, 2, 200, 16, dtype=torch.float32, seed=1)
+    none = st.SparseAttention(st.SparseAttentionConfig(**cfg), 4, 2, 16).eval()
+    one = st.SparseAttention(st.SparseAttentionConfig(**cfg, top_p=1.0), 4, 2, 16).eval()
+    one.load_state_dict(none.state_dict())
+    none(q, k, v)
+    one(q, k, v)
+    kept, all_kept = int(one.last_selection.to_dense().sum()), int(none.last_selection.to_dense().sum())
+    print(f"top_p=1.0 keeps {kept} of {all_kept} blocks")
+    assert torch.equal(none.last_selection.to_dense(), one.last_selection.to_dense())
+
+
 def test_top_p_keeps_one_block_when_one_score_dominates():
     n, block = 128, 16
     geom = selection_geometry(n, block, block, 4, 1, 1)
@@ -108,6 +171,14 @@ def test_module_with_top_p_selects_no_more_than_top_k():
 def test_config_rejects_bad_top_p(top_p):
     with pytest.raises(ValueError, match="top_p"):
         st.SparseAttentionConfig(top_p=top_p)
+
+
+@pytest.mark.parametrize("top_p", [0.0, 1.0 + 1e-9, float("nan"), True], ids=["zero", "above-one", "nan", "bool"])
+def test_selection_candidates_rejects_top_p_outside_zero_one(top_p):
+    geom = selection_geometry(64, 16, 16, 2, 1, 1)
+    scores = torch.zeros(1, 1, geom.num_q_blocks, geom.num_k_blocks)
+    with pytest.raises(ValueError, match=r"top_p must be a finite number in \(0, 1\]"):
+        selection_candidates(scores, geom, window=1, sinks=1, top_p=top_p)
 
 
 def _brute_oracle_density(q, k, scale, block, picks, seq_lens, goal):

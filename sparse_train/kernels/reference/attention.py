@@ -252,7 +252,7 @@ def reference_sparse_attention(
         logits = torch.einsum("bhgcqd,bhckd->bhgcqk", q_chunk, k_sel) * scale  # [B, HKV, G, C, BQ, K*BK]
         valid = key_ok.unsqueeze(3) & (key_pos.unsqueeze(3) <= q_pos)  # [B, HKV, C, BQ, K*BK]
         if docs is not None:
-            doc_k = docs.gather(1, key_pos.clamp(0, n - 1).reshape(batch, -1)).view(batch, hkv, chunk, 1, cap * bk)
+            doc_k = docs.gather(1, key_pos.clamp(0, n - 1).flatten(1)).view(batch, hkv, chunk, 1, cap * bk)
             doc_q = docs[:, q_pos.clamp(max=n - 1).reshape(-1)].view(batch, 1, chunk, bq, 1)
             valid = valid & (doc_k == doc_q)
         valid = valid.unsqueeze(2)  # [B, HKV, 1, C, BQ, K*BK]

@@ -189,9 +189,10 @@ def reference_sparse_block_mass(
         # fp32 logits straight from the matmul (scale folded into the small query operand); the
         # element-wise steps below run in place to keep the passes over this large buffer few
         logits = torch.matmul(q_rows.to(torch.float32) * scale, keys.to(torch.float32).transpose(-1, -2))
-        causal = key_pos.reshape(batch, num_kv_heads, chunk, 1, capacity * block_k) <= pos_rows.view(1, 1, chunk, -1, 1)
+        key_cols = key_pos.reshape(batch, num_kv_heads, chunk, 1, capacity * block_k)
+        causal = key_cols <= pos_rows.view(1, 1, chunk, -1, 1)
         if document_ids is not None:
-            causal = causal & _same_document(document_ids, key_pos.reshape(batch, num_kv_heads, chunk, 1, -1), pos_rows)
+            causal = causal & _same_document(document_ids, key_cols, pos_rows)
         logits.masked_fill_(~(key_ok & causal), float("-inf"))
         if lse is None:
             row_lse = torch.logsumexp(logits, dim=-1)
@@ -216,7 +217,7 @@ def _same_document(document_ids: Tensor, key_pos: Tensor, pos_rows: Tensor) -> T
     docs = document_ids.to(torch.int64)
     batch, seq_len = docs.shape
     key_pos = key_pos.expand(batch, *key_pos.shape[1:])
-    doc_k = docs.gather(1, key_pos.clamp(0, seq_len - 1).reshape(batch, -1)).view(key_pos.shape)
+    doc_k = docs.gather(1, key_pos.clamp(0, seq_len - 1).flatten(1)).view(key_pos.shape)
     chunk, rows = pos_rows.shape
     doc_q = docs[:, pos_rows.clamp(max=seq_len - 1).reshape(-1)]
     doc_q = doc_q.view(batch, *([1] * (key_pos.dim() - 4)), chunk, rows, 1)

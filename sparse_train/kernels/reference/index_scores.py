@@ -62,7 +62,7 @@ def check_index_score_args(
     """Check the arguments of the index block scores; a bad one raises a ``ValueError`` that names it.
 
     u: float ``[B, H, M, E, S]``; w: float ``[B, H, N, S]`` with the same dtype (one of ``dtypes``), device, B, H
-    and S; E, S, N >= 1; block sizes in :data:`BLOCK_SIZES`; M = N without ``query_blocks``, else
+    and S; H, E, S, N >= 1 (B may be 0); block sizes in :data:`BLOCK_SIZES`; M = N without ``query_blocks``, else
     M = R * block_q for ``query_blocks`` an integer ``[R]`` tensor on u's device. ``seq_lens`` (int ``[B]``) and
     ``document_ids`` (int ``[B, N]``) as :mod:`sparse_train.validation` checks them. Values (of seq_lens,
     document_ids and query_blocks) are checked only for CPU tensors: on a GPU that check would be a host sync.
@@ -83,8 +83,8 @@ def check_index_score_args(
             "(expected u [B, H, M, E, S] and w [B, H, N, S])"
         )
     N = w.shape[2]
-    if B < 1 or H < 1 or N < 1 or S < 1:
-        raise ValueError(f"w must have B, H, N, S >= 1, got shape {tuple(w.shape)}")
+    if H < 1 or N < 1 or S < 1:
+        raise ValueError(f"w must have H, N, S >= 1, got shape {tuple(w.shape)}")
     if E < 1:
         raise ValueError(f"u must have E >= 1 index heads, got shape {tuple(u.shape)}")
     block_q = _check_block("block_q", block_q)
@@ -169,7 +169,7 @@ def reference_index_block_scores(
     keys = torch.where(key_ok.view(B, 1, N, 1), w, 0).to(compute)
     docs = None if document_ids is None else document_ids.to(torch.int64)
     per_block = B * H * block_q * E * nkb * block_k * (8 if compute == torch.float64 else 4)
-    step = max(1, min(args.rows, REFERENCE_CHUNK_BYTES // per_block))
+    step = max(1, min(args.rows, REFERENCE_CHUNK_BYTES // max(1, per_block)))
     offsets = torch.arange(block_q, device=device)
     parts = []
     for start in range(0, args.rows, step):

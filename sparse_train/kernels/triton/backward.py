@@ -760,6 +760,10 @@ def sparse_attn_backward(
     group = HQ // HKV
     NQB = indices.shape[2]
     NKB = triton.cdiv(N, block_k)
+    if B == 0:  # no sequence: empty gradients, nothing to launch (and a TMA descriptor takes no zero extent)
+        for event in stage_events or ():
+            event.record()
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if config is None:
         config = backward_config(group, block_q, block_k, D, num_cold > 0)
     dropout = dropout_p > 0.0

@@ -361,6 +361,8 @@ def sparse_attn_forward(
     heads_per_program = config.heads_per_program
     o = attention_output(q)  # [B, HQ, L, D] view of [B, L, HQ, D] memory
     lse = torch.empty((B, HQ, L), device=q.device, dtype=torch.float32)
+    if B == 0:  # no sequence: nothing to launch (and a TMA descriptor takes no zero extent)
+        return o, lse
     dropout = dropout_p > 0.0
     threshold = int(dropout_threshold(dropout_p)) if dropout else 0
     inv_keep = 1.0 / (1.0 - dropout_p) if dropout else 1.0

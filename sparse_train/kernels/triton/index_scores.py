@@ -723,7 +723,7 @@ def winner_gradients(
     du = torch.zeros((B * H * M * E, S), device=u.device, dtype=torch.float32) if need_u else None
     dw = torch.zeros((B * H * N, S), device=w.device, dtype=torch.float32) if need_w else None
     per_row = B * H * NKB * S * 4 * 2
-    step = max(1, min(R, BACKWARD_CHUNK_BYTES // per_row)) if R else 1
+    step = max(1, min(R, BACKWARD_CHUNK_BYTES // max(1, per_row)))
     head = torch.arange(B * H, device=u.device, dtype=torch.int64).view(B, H, 1, 1)
     for start in range(0, R, step):
         part = slice(start, start + step)

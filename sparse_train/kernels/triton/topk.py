@@ -18,7 +18,7 @@ Its reference is ``sparse_train.selection.scorer.selection_candidates`` (the PyT
 fixed order; for distinct scores the two pick the same blocks).
 
 Known limits: NKB <= ``MAX_KEY_BLOCKS`` (one register tile per row); no packed documents and no adaptive
-budget (``top_p``): those stay on the PyTorch path.
+budget (``top_p`` below 1): those stay on the PyTorch path.
 """
 
 from __future__ import annotations
