@@ -259,5 +259,6 @@ def config_kernel_options(kernel_options: Mapping | KernelOptions | None, determ
 
 
 def kernel_options_dict(options: KernelOptions) -> dict:
-    """The set (non-None) fields of a :class:`KernelOptions`, in the dict form of ``kernel_options``."""
-    return {f.name: getattr(options, f.name) for f in fields(KernelOptions) if getattr(options, f.name) is not None}
+    """The set (non-None) fields of a :class:`KernelOptions`, in the dict form of ``kernel_options`` (by the names
+    of :data:`KERNEL_OPTIONS`, which torch.compile traces; ``dataclasses.fields`` of the class it does not)."""
+    return {name: getattr(options, name) for name in KERNEL_OPTIONS if getattr(options, name) is not None}
