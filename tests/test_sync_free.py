@@ -295,7 +295,7 @@ def test_module_training_step_reads_nothing_back(monkeypatch, host_reads, backen
         window=1,
         sinks=1,
         selector_dim=8,
-        r0=r0,
+        kernel_options={"r0": r0},
         dense_warmup_steps=0,
         distill=distill,
         backend=backend,
