@@ -117,6 +117,7 @@ def _config_from_saved(saved: dict, path: str) -> SparseAttentionConfig:
     return SparseAttentionConfig(**fields)
 
 
+_last_cp_positions: tuple[weakref.ReferenceType, int, tuple[Tensor, Tensor | None]] | None = None
 _last_mask: tuple[weakref.ReferenceType, int, tuple[Tensor | None, Tensor | None]] | None = None
 _last_positions: tuple[weakref.ReferenceType, int, Tensor | None] | None = None
 
@@ -402,7 +403,35 @@ def _context_parallel_attention(
             f"positions, [B or 1, {local_len}] (sparse_train.integrations.hf.context_parallel_inputs builds them), "
             f"got {getattr(position_ids, 'shape', position_ids)!r}"
         )
-    local = position_ids.to(query.device).expand(batch, local_len).contiguous()
+    positions, documents = _global_positions(sparse, position_ids.to(query.device), batch, local_len)
+    out = sparse(
+        query,
+        key,
+        value,
+        document_ids=documents,
+        position_ids=positions,
+        scale=scaling,
+        dropout_p=dropout,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _global_positions(
+    sparse: SparseAttention, position_ids: Tensor, batch: int, local_len: int
+) -> tuple[Tensor, Tensor | None]:
+    """This rank's ``position_ids`` gathered into the sequence's global ``[B, N]`` positions, checked, and their
+    packed documents (or None). Every layer of a forward receives the same local tensor, so the gather and its
+    host reads run once per forward (keyed as :func:`padding_from_mask`'s cache)."""
+    global _last_cp_positions
+    cached = _cache_key(position_ids)
+    if (
+        cached is not None
+        and _last_cp_positions is not None
+        and _last_cp_positions[0]() is position_ids
+        and _last_cp_positions[1] == cached
+    ):
+        return _last_cp_positions[2]
+    local = position_ids.expand(batch, local_len).contiguous()
     positions = sparse.layout.gather(local, -1)  # [B, N], global order
     if not torch.compiler.is_compiling():
         # global positions start at 0 and continue by +1 or restart a document at 0; the model's own default,
@@ -416,17 +445,10 @@ def _context_parallel_attention(
                 "position_ids do not gather into such a sequence (a model called without position_ids uses local "
                 "ones); sparse_train.integrations.hf.context_parallel_inputs builds them"
             )
-    documents = document_ids_for_call(positions, batch, positions.shape[1])
-    out = sparse(
-        query,
-        key,
-        value,
-        document_ids=None if documents is None else documents.to(query.device),
-        position_ids=positions,
-        scale=scaling,
-        dropout_p=dropout,
-    )
-    return out.transpose(1, 2).contiguous(), None
+    result = positions, document_ids_for_call(positions, batch, positions.shape[1])
+    if cached is not None:
+        _last_cp_positions = (weakref.ref(position_ids), cached, result)
+    return result
 
 
 def context_parallel_inputs(
