@@ -264,9 +264,10 @@ def sparse_attention(
             shape/dtype/device mismatch between q, k, v, index, seq_lens and document_ids; seq_lens values outside
             [0, N]; document_ids negative or decreasing along N; dropout_p outside [0, 1); dropout_seed outside
             [0, 2**64); an unknown kernel_options key or a value of the wrong type or range (dict or KernelOptions
-            alike); a plan of another index; unknown backend; ``backend="triton"`` on input the kernels do not
-            support; query_blocks not a 1-D integer tensor on q's device, empty, out of range, repeated, or q's
-            length not that of the listed blocks; query_blocks with ``kernel_options.plan``.
+            alike), or one that does not fit the shapes (a heads per program not dividing the GQA group, a
+            kv_tile_rows past the KV-centric tile); a plan of another index; unknown backend; ``backend="triton"``
+            on input the kernels do not support; query_blocks not a 1-D integer tensor on q's device, empty, out of
+            range, repeated, or q's length not that of the listed blocks; query_blocks with ``kernel_options.plan``.
     """
     # Everything but the seq_lens and document_ids values (host syncs) before choosing a backend; the
     # backend that runs validates again, values included (unless check_values=False), so the syncs

@@ -71,7 +71,7 @@ from ..config import SparseAttentionConfig
 from ..documents import document_positions
 from ..functional import BACKEND_REASONS, dense_causal_attention
 from ..index.block_index import BlockIndex
-from ..options import kernel_options_dict
+from ..options import check_kernel_option_shapes, kernel_options_dict
 from ..selection.distill import block_kl_sum, dense_block_mass, renormalise, sparse_block_mass
 from ..selection.indexer import build_selector
 from ..selection.metrics import draw_query_blocks, sample_query_blocks, selection_quality
@@ -142,6 +142,8 @@ class SparseAttention(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        # the kernel options that depend on the shapes are checked here rather than at the first call
+        check_kernel_option_shapes(config.kernel_options, num_heads // num_kv_heads, config.block_q)
         self.config = config
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
