@@ -152,7 +152,9 @@ class SparseAttentionConfig:
     forward (a reparametrisation; under plain SGD the factor is squared). 10x was measured to be
     needed for the selector to keep up with the model's moving attention; 1.0 = the model's pace.
     A state dict saved with another multiplier loads at this one, its selector weights rescaled to
-    the same effective weights bit for bit; a ratio that is not a power of two raises ValueError."""
+    the same effective weights bit for bit; a ratio that is not a power of two raises ValueError.
+    In [2**-100, 2**100]: the float32 weights stored divided by it and their gradients multiplied by it
+    stay inside float32's range (at the extremes of (0, inf) they become 0, inf or NaN)."""
 
     dense_warmup_steps: int = 500
     """Run dense causal attention for the first this-many training forwards while the selector
@@ -283,7 +285,7 @@ class SparseAttentionConfig:
         _check_float(self, "selector_rope_theta", exclusive_minimum=0.0, optional=True)
         _check_float(self, "top_p", exclusive_minimum=0.0, maximum=1.0, optional=True)
         _check_float(self, "distill_weight", minimum=0.0)
-        _check_float(self, "selector_lr_multiplier", exclusive_minimum=0.0)
+        _check_float(self, "selector_lr_multiplier", minimum=2.0**-100, maximum=2.0**100)
         _check_choice(self, "backend", BACKENDS)
         _check_choice(self, "distill", DISTILL_MODES)
         _check_choice(self, "distill_row_pool", DISTILL_ROW_POOLS)
