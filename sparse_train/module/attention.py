@@ -151,7 +151,11 @@ class SparseAttention(nn.Module):
         self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim)
         self.scorer = build_selector(config, num_heads, num_kv_heads, head_dim)
         if config.selector_rope_theta is not None:
-            self.scorer.set_rope(rope_inverse_frequencies(config.selector_rope_theta, head_dim))
+            self.scorer.set_rope(
+                rope_inverse_frequencies(
+                    config.selector_rope_theta, head_dim, label="SparseAttentionConfig.selector_rope_theta"
+                )
+            )
         # The state that decides a later call's numbers is in the state dict (selector_steps and RESUME_STATE),
         # so a run resumed from a checkpoint computes what the uninterrupted run computes.
         # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every). The
