@@ -581,6 +581,10 @@ class SparseAttention(nn.Module):
         # ---- attention
         if profile:
             self._timings.mark("attn_fwd" + phase_suffix, 0, device)
+            if first_pass and torch.is_grad_enabled():
+                # the attention reads views of its inputs, on which the end of its backward is hooked: torch refuses
+                # a multi-grad hook on leaf tensors under torch.autograd.grad (_hook_backward_timing)
+                q, k, v = (t.view_as(t) if t.requires_grad else t for t in (q, k, v))
         lse = None
         if attend_index is None:
             # the kernel path checks these values inside sparse_attention
