@@ -13,6 +13,7 @@ from typing import Any
 from .functional import BACKENDS
 from .index.block_index import INDEX_CHECKS
 from .kernels.reference.block_mass import ROW_POOLS as DISTILL_ROW_POOLS
+from .kernels.reference.index_scores import BLOCK_SIZES as TOKEN_BLOCK_SIZES
 from .kernels.reference.pool import ROPE_STYLES
 from .options import KernelOptions, config_kernel_options
 from .validation import check_bool, check_choice, check_float, check_int
@@ -94,7 +95,7 @@ class SparseAttentionConfig:
       (``selector_index_heads`` heads of width ``selector_dim`` per query row, one of width ``selector_dim`` per
       key); a (query block, key block) pair scores the largest index logit over its causal (row, key) pairs, so a
       single key that matters to a single row decides the block's rank. Cost O(N^2 E S / 2) in one fused kernel,
-      no N x N tensor.
+      no N x N tensor. Its blocks ``block_q`` and ``block_k`` are 16, 32, 64 or 128.
     - ``"oracle"``: the true dense attention mass of each key block, max over the query block's rows and GQA heads
       (the distillation target itself), same budget. Diagnostic: it computes dense attention scores (O(N^2 D)) and
       has nothing to train; comparing a model's accuracy under ``"oracle"`` and under a learned selector tells
@@ -291,6 +292,13 @@ class SparseAttentionConfig:
         _check_choice(self, "distill_row_pool", DISTILL_ROW_POOLS)
         _check_choice(self, "distill_support", DISTILL_SUPPORTS)
         _check_choice(self, "selector", SELECTORS)
+        if self.selector == "token":
+            for name in ("block_q", "block_k"):
+                if getattr(self, name) not in TOKEN_BLOCK_SIZES:
+                    raise ValueError(
+                        f"SparseAttentionConfig.{name} must be one of {TOKEN_BLOCK_SIZES} with selector='token' (the "
+                        f"token indexer's kernels), got {getattr(self, name)!r}"
+                    )
         _check_choice(self, "selector_rope_style", ROPE_STYLES)
         _check_choice(self, "selector_distill", SELECTOR_DISTILLS)
         _check_choice(self, "key_pooling", KEY_POOLINGS)
