@@ -78,6 +78,10 @@ def dense_causal_attention(
     rows without any valid key output zeros, as in the kernels). Dropout uses SDPA's own RNG, not the
     counter-based bits. Arguments are not validated here (the callers do: `check_inputs`)."""
     gqa = q.shape[1] != k.shape[1]
+    if scale is not None and abs(scale) <= 2**-150:
+        # a scale that rounds to 0 in float32, where PyTorch's causal SDPA returns NaN: every logit is 0 just the
+        # same with q * 0 and scale 1 (and the gradient of q the 0 it rounds to)
+        q, scale = q * 0.0, 1.0
     if seq_lens is None and document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     n = q.shape[2]
