@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from .index.block_index import BlockIndex, check_block_index, check_inputs
-from .options import KernelOptions, normalize_kernel_options
+from .options import KernelOptions, check_kernel_option_shapes, normalize_kernel_options
 from .plan.plan import check_plan
 from .validation import check_dropout, check_integer_tensor, check_scale
 
@@ -54,10 +54,12 @@ def check_attention_args(
     """Every argument of `sparse_attention` that has a meaning for both backends. The backends call it
     with ``seq_lens_values=True`` (the host syncs of the seq_lens and document_ids values, see the module
     docstring); the dispatcher calls it before choosing a backend with ``False``. ``kernel_options`` are normalised by
-    :func:`~sparse_train.options.normalize_kernel_options`; a plan among them must belong to ``index``."""
+    :func:`~sparse_train.options.normalize_kernel_options` and must fit the shapes
+    (:func:`~sparse_train.options.check_kernel_option_shapes`); a plan among them must belong to ``index``."""
     head_dim = check_inputs(q, k, v, index, seq_lens, seq_lens_values=seq_lens_values, document_ids=document_ids)
     p, seed = check_dropout(dropout_p, dropout_seed)
     options = normalize_kernel_options(kernel_options)
+    check_kernel_option_shapes(options, q.shape[1] // k.shape[1], index.block_q)
     if options.plan is not None:
         check_plan(options.plan, index, options.r0)
     return AttentionArgs(check_scale(scale, head_dim), p, seed, options)

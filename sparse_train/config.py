@@ -13,6 +13,7 @@ from typing import Any
 from .functional import BACKENDS
 from .index.block_index import INDEX_CHECKS
 from .kernels.reference.block_mass import ROW_POOLS as DISTILL_ROW_POOLS
+from .kernels.reference.index_scores import BLOCK_SIZES as TOKEN_BLOCK_SIZES
 from .kernels.reference.pool import ROPE_STYLES
 from .options import KernelOptions, config_kernel_options
 from .validation import check_bool, check_choice, check_float, check_int
@@ -94,7 +95,7 @@ class SparseAttentionConfig:
       (``selector_index_heads`` heads of width ``selector_dim`` per query row, one of width ``selector_dim`` per
       key); a (query block, key block) pair scores the largest index logit over its causal (row, key) pairs, so a
       single key that matters to a single row decides the block's rank. Cost O(N^2 E S / 2) in one fused kernel,
-      no N x N tensor.
+      no N x N tensor. Its blocks ``block_q`` and ``block_k`` are 16, 32, 64 or 128.
     - ``"oracle"``: the true dense attention mass of each key block, max over the query block's rows and GQA heads
       (the distillation target itself), same budget. Diagnostic: it computes dense attention scores (O(N^2 D)) and
       has nothing to train; comparing a model's accuracy under ``"oracle"`` and under a learned selector tells
@@ -152,7 +153,9 @@ class SparseAttentionConfig:
     forward (a reparametrisation; under plain SGD the factor is squared). 10x was measured to be
     needed for the selector to keep up with the model's moving attention; 1.0 = the model's pace.
     A state dict saved with another multiplier loads at this one, its selector weights rescaled to
-    the same effective weights bit for bit; a ratio that is not a power of two raises ValueError."""
+    the same effective weights bit for bit; a ratio that is not a power of two raises ValueError.
+    In [2**-100, 2**100]: the float32 weights stored divided by it and their gradients multiplied by it
+    stay inside float32's range (at the extremes of (0, inf) they become 0, inf or NaN)."""
 
     dense_warmup_steps: int = 500
     """Run dense causal attention for the first this-many training forwards while the selector
@@ -283,12 +286,19 @@ class SparseAttentionConfig:
         _check_float(self, "selector_rope_theta", exclusive_minimum=0.0, optional=True)
         _check_float(self, "top_p", exclusive_minimum=0.0, maximum=1.0, optional=True)
         _check_float(self, "distill_weight", minimum=0.0)
-        _check_float(self, "selector_lr_multiplier", exclusive_minimum=0.0)
+        _check_float(self, "selector_lr_multiplier", minimum=2.0**-100, maximum=2.0**100)
         _check_choice(self, "backend", BACKENDS)
         _check_choice(self, "distill", DISTILL_MODES)
         _check_choice(self, "distill_row_pool", DISTILL_ROW_POOLS)
         _check_choice(self, "distill_support", DISTILL_SUPPORTS)
         _check_choice(self, "selector", SELECTORS)
+        if self.selector == "token":
+            for name in ("block_q", "block_k"):
+                if getattr(self, name) not in TOKEN_BLOCK_SIZES:
+                    raise ValueError(
+                        f"SparseAttentionConfig.{name} must be one of {TOKEN_BLOCK_SIZES} with selector='token' (the "
+                        f"token indexer's kernels), got {getattr(self, name)!r}"
+                    )
         _check_choice(self, "selector_rope_style", ROPE_STYLES)
         _check_choice(self, "selector_distill", SELECTOR_DISTILLS)
         _check_choice(self, "key_pooling", KEY_POOLINGS)

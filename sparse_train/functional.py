@@ -78,6 +78,10 @@ def dense_causal_attention(
     rows without any valid key output zeros, as in the kernels). Dropout uses SDPA's own RNG, not the
     counter-based bits. Arguments are not validated here (the callers do: `check_inputs`)."""
     gqa = q.shape[1] != k.shape[1]
+    if scale is not None and abs(scale) <= 2**-150:
+        # a scale that rounds to 0 in float32, where PyTorch's causal SDPA returns NaN: every logit is 0 just the
+        # same with q * 0 and scale 1 (and the gradient of q the 0 it rounds to)
+        q, scale = q * 0.0, 1.0
     if seq_lens is None and document_ids is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, scale=scale, enable_gqa=gqa)
     n = q.shape[2]
@@ -264,9 +268,10 @@ def sparse_attention(
             shape/dtype/device mismatch between q, k, v, index, seq_lens and document_ids; seq_lens values outside
             [0, N]; document_ids negative or decreasing along N; dropout_p outside [0, 1); dropout_seed outside
             [0, 2**64); an unknown kernel_options key or a value of the wrong type or range (dict or KernelOptions
-            alike); a plan of another index; unknown backend; ``backend="triton"`` on input the kernels do not
-            support; query_blocks not a 1-D integer tensor on q's device, empty, out of range, repeated, or q's
-            length not that of the listed blocks; query_blocks with ``kernel_options.plan``.
+            alike), or one that does not fit the shapes (a heads per program not dividing the GQA group, a
+            kv_tile_rows past the KV-centric tile); a plan of another index; unknown backend; ``backend="triton"``
+            on input the kernels do not support; query_blocks not a 1-D integer tensor on q's device, empty, out of
+            range, repeated, or q's length not that of the listed blocks; query_blocks with ``kernel_options.plan``.
     """
     # Everything but the seq_lens and document_ids values (host syncs) before choosing a backend; the
     # backend that runs validates again, values included (unless check_values=False), so the syncs

@@ -22,6 +22,7 @@ __all__ = [
     "KernelOptions",
     "check_dq_source",
     "check_fused_dq_allowed",
+    "check_kernel_option_shapes",
     "check_no_plan_with_query_blocks",
     "config_kernel_options",
     "kernel_options_dict",
@@ -184,15 +185,35 @@ def normalize_kernel_options(kernel_options: Mapping | KernelOptions | None) -> 
     :meth:`KernelOptions.__post_init__` (values None or of the key's type and range, ``ValueError`` naming
     the field otherwise).
 
-    Shape-dependent rules (heads per program must divide the GQA group; a plan must belong to the
-    index) are checked where the shapes are known: :func:`~sparse_train.plan.tuning.forward_config`,
-    :func:`~sparse_train.plan.tuning.backward_config`, :func:`~sparse_train.plan.plan.check_plan`."""
+    Shape-dependent rules (heads per program must divide the GQA group, ``kv_tile_rows`` must fit the KV-centric
+    tile: :func:`check_kernel_option_shapes`; a plan must belong to the index:
+    :func:`~sparse_train.plan.plan.check_plan`) are checked where the shapes are known, on both backends."""
     if kernel_options is None:
         return KernelOptions()
     if isinstance(kernel_options, KernelOptions):
         return kernel_options
     check_keys("kernel_options", kernel_options, KERNEL_OPTIONS)
     return KernelOptions(**kernel_options)
+
+
+def check_kernel_option_shapes(kernel_options: Mapping | KernelOptions | None, group: int, block_q: int) -> None:
+    """The rules that tie kernel options to the input's shape, the same on both backends (the reference ignores
+    the options, so a value the kernels refuse is refused there too): each ``*_heads_per_program`` divides the
+    GQA group ``group`` (query heads per KV head), and ``kv_tile_rows`` fits the KV-centric tile of
+    ``(kv_heads_per_program or 1) * block_q`` rows. ValueError naming the option otherwise."""
+    options = normalize_kernel_options(kernel_options)
+    for name in ("fwd_heads_per_program", "dq_heads_per_program", "kv_heads_per_program"):
+        heads = getattr(options, name)
+        if heads is not None and group % heads:
+            raise ValueError(
+                f"kernel_options.{name}={heads} must divide the GQA group size {group} (query heads per KV head)"
+            )
+    rows = (options.kv_heads_per_program or 1) * block_q
+    if options.kv_tile_rows is not None and options.kv_tile_rows > rows:
+        raise ValueError(
+            f"kernel_options.kv_tile_rows={options.kv_tile_rows} exceeds the KV-centric tile of "
+            f"kv_heads_per_program * block_q = {rows} rows"
+        )
 
 
 def check_dq_source(

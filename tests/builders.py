@@ -67,6 +67,60 @@ def make_qkv(B, HQ, HKV, N, D, dtype=torch.float32, seed=0, device="cpu", requir
     ]
 
 
+def dense_oracle(q, k, v, index, seq_lens=None, dropout_p=0.0, dropout_seed=None, *, scale=None, document_ids=None):
+    """The float64 oracle of the attention property tests: dense masked softmax where query i of batch b and query head
+    h sees key j iff the block of j is selected by the block of i (``index.to_dense()``), j <= i, j < seq_lens[b]
+    and (with ``document_ids`` ``[B, N]``) j lies in i's document. Rows with nothing allowed give o = 0 and
+    lse = -inf. ``scale`` default ``1 / sqrt(D)``; dropout keeps the counter-based bits of the reference
+    (``dropout_keep_mask``) and scales kept probabilities by ``1 / (1 - dropout_p)``. Returns ``(o, lse)``."""
+    from sparse_train.kernels.reference.attention import dropout_keep_mask
+
+    b, hq, n, d = q.shape
+    group = hq // k.shape[1]
+    blocks = index.to_dense()
+    # a block longer than N is one block (expanding it to its size would only cost memory)
+    block_q, block_k = min(index.block_q, n), min(index.block_k, n)
+    allowed = blocks.repeat_interleave(block_q, 2)[:, :, :n].repeat_interleave(block_k, 3)[..., :n]
+    allowed = allowed.repeat_interleave(group, 1)
+    pos = torch.arange(n, device=q.device)
+    allowed = allowed & (pos.view(1, 1, 1, n) <= pos.view(1, 1, n, 1))
+    if seq_lens is not None:
+        allowed = allowed & (pos.view(1, 1, 1, n) < seq_lens.view(-1, 1, 1, 1).to(q.device))
+    if document_ids is not None:
+        docs = document_ids.to(q.device)
+        allowed = allowed & (docs.view(-1, 1, 1, n) == docs.view(-1, 1, n, 1))
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scores = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) * scale
+    scores = torch.where(allowed, scores, float("-inf"))
+    # a row with no allowed key takes the logsumexp of zeros (finite, so no NaN in its backward)
+    has_key = allowed.any(dim=-1, keepdim=True)
+    row_lse = torch.logsumexp(torch.where(has_key, scores, 0.0), dim=-1, keepdim=True)
+    probs = torch.where(allowed, torch.exp(scores - row_lse), 0.0)
+    lse = torch.where(has_key, row_lse, float("-inf")).squeeze(-1)
+    if dropout_p > 0:
+        keep = dropout_keep_mask(
+            dropout_seed,
+            torch.arange(b, device=q.device).view(b, 1, 1, 1),
+            torch.arange(hq, device=q.device).view(1, hq, 1, 1),
+            pos.view(1, 1, n, 1),
+            pos.view(1, 1, 1, n),
+            hq,
+            n,
+            dropout_p,
+        )
+        probs = probs * keep / (1.0 - dropout_p)
+    return probs @ v.repeat_interleave(group, 1), lse
+
+
+def outputs_and_grads(fn, q, k, v, do, dl):
+    """``(o, lse, dq, dk, dv)`` of ``fn(q, k, v) -> (o, lse)`` for the loss ``sum(o * do) + sum(lse * dl)`` over
+    the finite lse (fresh leaves of q, k, v; the upstream gradients ``do``, ``dl`` in float64)."""
+    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+    o, lse = fn(qs, ks, vs)
+    loss = (o.double() * do).sum() + (torch.where(torch.isfinite(lse), lse, 0.0).double() * dl).sum()
+    return (o, lse, *torch.autograd.grad(loss, (qs, ks, vs)))
+
+
 def rel_err(a, b):
     """Relative Frobenius error of ``a`` against ``b`` over the finite entries of ``b`` (both must have
     the same non-finite pattern)."""

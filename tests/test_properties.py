@@ -4,7 +4,7 @@ Each example draws a tiny problem: batch, GQA group, length (any, not a multiple
 sizes 16/32/64, a candidate selection with duplicates and -1, window, sinks, optional seq_lens
 (contiguous or a strided column), q/k/v layouts (contiguous, transposed from [B, N, H, D] storage, or
 sliced from a wider head dim), NaN/inf written past seq_lens into k/v, and dropout with a seed
-anywhere in [0, 2**64). The oracle is written out below: dense attention with the element mask built
+anywhere in [0, 2**64). The oracle is `builders.dense_oracle`: dense attention with the element mask built
 from `index.to_dense()` + causal + seq_lens, on the clean inputs. Bounded for CI: derandomized fixed
 examples (profile "ci" in conftest.py), a fixed max_examples per property.
 
@@ -13,19 +13,18 @@ fp32 / fp16) follow the project rule err(kernel vs fp64) <= 4 * err(same computa
 kernel's precision) + floor (`builders.check_close`).
 """
 
-import math
 import os
 
 import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from builders import check_close, make_qkv, random_selection  # noqa: E402
+from builders import check_close, dense_oracle, make_qkv, outputs_and_grads, random_selection  # noqa: E402
 from hypothesis import example, given, settings  # noqa: E402
 from hypothesis import strategies as hs  # noqa: E402
 
 from sparse_train.index.block_index import BlockIndex  # noqa: E402
-from sparse_train.kernels.reference.attention import dropout_keep_mask, reference_sparse_attention  # noqa: E402
+from sparse_train.kernels.reference.attention import reference_sparse_attention  # noqa: E402
 
 TRITON = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -118,47 +117,6 @@ def build(case, dtype):
     return index, seq_lens, clean, run
 
 
-def oracle(q, k, v, index, seq_lens, dropout_p, dropout_seed):
-    """fp64 dense masked softmax: allowed(b, h, i, j) = block of j selected by i's block (to_dense),
-    j <= i, j < seq_lens[b]; rows with nothing allowed give o = 0, lse = -inf."""
-    b, hq, n, d = q.shape
-    group = hq // k.shape[1]
-    blocks = index.to_dense()
-    allowed = blocks.repeat_interleave(index.block_q, 2)[:, :, :n].repeat_interleave(index.block_k, 3)[..., :n]
-    allowed = allowed.repeat_interleave(group, 1)
-    pos = torch.arange(n, device=q.device)
-    allowed = allowed & (pos.view(1, 1, 1, n) <= pos.view(1, 1, n, 1))
-    if seq_lens is not None:
-        allowed = allowed & (pos.view(1, 1, 1, n) < seq_lens.view(-1, 1, 1, 1).to(q.device))
-    scores = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) / math.sqrt(d)
-    scores = torch.where(allowed, scores, float("-inf"))
-    # a row with no allowed key takes the logsumexp of zeros (finite, so no NaN in its backward)
-    has_key = allowed.any(dim=-1, keepdim=True)
-    row_lse = torch.logsumexp(torch.where(has_key, scores, 0.0), dim=-1, keepdim=True)
-    probs = torch.where(allowed, torch.exp(scores - row_lse), 0.0)
-    lse = torch.where(has_key, row_lse, float("-inf")).squeeze(-1)
-    if dropout_p > 0:
-        keep = dropout_keep_mask(
-            dropout_seed,
-            torch.arange(b, device=q.device).view(b, 1, 1, 1),
-            torch.arange(hq, device=q.device).view(1, hq, 1, 1),
-            pos.view(1, 1, n, 1),
-            pos.view(1, 1, 1, n),
-            hq,
-            n,
-            dropout_p,
-        )
-        probs = probs * keep / (1.0 - dropout_p)
-    return probs @ v.repeat_interleave(group, 1), lse
-
-
-def _with_grads(fn, q, k, v, do, dl):
-    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-    o, lse = fn(qs, ks, vs)
-    loss = (o.double() * do).sum() + (torch.where(torch.isfinite(lse), lse, 0.0).double() * dl).sum()
-    return (o, lse, *torch.autograd.grad(loss, (qs, ks, vs)))
-
-
 def _upstream(case, q):
     g = torch.Generator().manual_seed(case["seed"] + 1)
     return (
@@ -177,8 +135,8 @@ def test_reference_matches_dense_oracle(case):
     index, seq_lens, clean, run = build(case, torch.float64)
     p, seed = case["dropout_p"], case["dropout_seed"]
     do, dl = _upstream(case, clean[0])
-    want = _with_grads(lambda a, b, c: oracle(a, b, c, index, seq_lens, p, seed), *clean, do, dl)
-    got = _with_grads(
+    want = outputs_and_grads(lambda a, b, c: dense_oracle(a, b, c, index, seq_lens, p, seed), *clean, do, dl)
+    got = outputs_and_grads(
         lambda a, b, c: reference_sparse_attention(a, b, c, index, dropout_p=p, dropout_seed=seed, seq_lens=seq_lens),
         *run,
         do,
@@ -201,9 +159,9 @@ def _triton_property(case, dtype):
             a, b, c, index, dropout_p=p, dropout_seed=seed, seq_lens=seq_lens, backend="triton", return_lse=True
         )
 
-    want = _with_grads(lambda a, b, c: oracle(a, b, c, index, seq_lens, p, seed), *clean, do, dl)
+    want = outputs_and_grads(lambda a, b, c: dense_oracle(a, b, c, index, seq_lens, p, seed), *clean, do, dl)
     lowp_in = [t.to(dtype) for t in clean]
-    lowp = _with_grads(
+    lowp = outputs_and_grads(
         lambda a, b, c: reference_sparse_attention(
             a, b, c, index, dropout_p=p, dropout_seed=seed, seq_lens=seq_lens, upcast=False
         ),
@@ -211,7 +169,7 @@ def _triton_property(case, dtype):
         do,
         dl,
     )
-    got = _with_grads(kernel, *run, do, dl)
+    got = outputs_and_grads(kernel, *run, do, dl)
     for name, a, w, lo in zip(NAMES, got, want, lowp):
         assert not torch.isnan(a).any(), f"{name} has NaN"
         check_close(name, a, w, lo.to(a.dtype) if name != "lse" else lo.float(), dtype)

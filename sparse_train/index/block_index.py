@@ -356,6 +356,9 @@ def _verify_canonical(indices: Tensor, counts: Tensor, seq_len: int, block_q: in
     """Exhaustive check of every canonical invariant; raises ValueError naming the first bad row."""
     num_q_blocks = math.ceil(seq_len / block_q)
     num_k_blocks = math.ceil(seq_len / block_k)
+    for name, t in (("indices", indices), ("counts", counts)):
+        if not isinstance(t, Tensor):
+            raise ValueError(f"{name} must be an int32 torch.Tensor, got {type(t).__name__}")
     if indices.dtype != torch.int32 or counts.dtype != torch.int32:
         raise ValueError(f"indices and counts must be int32, got {indices.dtype} and {counts.dtype}")
     if indices.dim() != 4 or indices.shape[2] != num_q_blocks:

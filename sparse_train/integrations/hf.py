@@ -585,6 +585,12 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
     (:func:`rope_frequencies`, :func:`rope_style`) unless ``config.selector_rope_theta`` is set (then the
     config's theta and ``selector_rope_style`` apply); existing selectors are kept (calling ``enable`` twice does
     not reset trained selectors).
+
+    Raises:
+        ValueError: ``config`` not a SparseAttentionConfig or None, or not fitting the model's heads (its kernel
+            options, :func:`~sparse_train.options.check_kernel_option_shapes`); ``model`` not a Hugging Face model
+            (a module whose ``config`` has ``num_attention_heads``) or without attention layers.
+        NotImplementedError: a layer with sliding-window attention or attention-logit softcapping.
     """
     config = SparseAttentionConfig() if config is None else config
     if not isinstance(config, SparseAttentionConfig):
@@ -592,8 +598,14 @@ def enable(model: nn.Module, config: SparseAttentionConfig | None = None) -> nn.
             f"hf.enable: config must be a SparseAttentionConfig or None, got {type(config).__name__} "
             "(for a dict use SparseAttentionConfig(**mapping))"
         )
+    hf_config = getattr(model, "config", None) if isinstance(model, nn.Module) else None
+    if getattr(hf_config, "num_attention_heads", None) is None:
+        raise ValueError(
+            "hf.enable: model must be a Hugging Face transformers model (a torch.nn.Module whose config has "
+            f"num_attention_heads), got {type(model).__name__}"
+            + ("" if hf_config is None else f" with a {type(hf_config).__name__} config")
+        )
     register()
-    hf_config = model.config
     num_heads = hf_config.num_attention_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     layers = attention_layers(model)

@@ -71,7 +71,7 @@ from ..config import SparseAttentionConfig
 from ..documents import document_positions
 from ..functional import BACKEND_REASONS, dense_causal_attention
 from ..index.block_index import BlockIndex
-from ..options import kernel_options_dict
+from ..options import check_kernel_option_shapes, kernel_options_dict
 from ..selection.distill import block_kl_sum, dense_block_mass, renormalise, sparse_block_mass
 from ..selection.indexer import build_selector
 from ..selection.metrics import draw_query_blocks, sample_query_blocks, selection_quality
@@ -142,6 +142,8 @@ class SparseAttention(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        # the kernel options that depend on the shapes are checked here rather than at the first call
+        check_kernel_option_shapes(config.kernel_options, num_heads // num_kv_heads, config.block_q)
         self.config = config
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -149,7 +151,11 @@ class SparseAttention(nn.Module):
         self.scale = config.scale if config.scale is not None else 1.0 / math.sqrt(head_dim)
         self.scorer = build_selector(config, num_heads, num_kv_heads, head_dim)
         if config.selector_rope_theta is not None:
-            self.scorer.set_rope(rope_inverse_frequencies(config.selector_rope_theta, head_dim))
+            self.scorer.set_rope(
+                rope_inverse_frequencies(
+                    config.selector_rope_theta, head_dim, label="SparseAttentionConfig.selector_rope_theta"
+                )
+            )
         # The state that decides a later call's numbers is in the state dict (selector_steps and RESUME_STATE),
         # so a run resumed from a checkpoint computes what the uninterrupted run computes.
         # Training forwards seen so far (drives the dense warm-up, distill_every and metrics_every). The
@@ -575,6 +581,10 @@ class SparseAttention(nn.Module):
         # ---- attention
         if profile:
             self._timings.mark("attn_fwd" + phase_suffix, 0, device)
+            if first_pass and torch.is_grad_enabled():
+                # the attention reads views of its inputs, on which the end of its backward is hooked: torch refuses
+                # a multi-grad hook on leaf tensors under torch.autograd.grad (_hook_backward_timing)
+                q, k, v = (t.view_as(t) if t.requires_grad else t for t in (q, k, v))
         lse = None
         if attend_index is None:
             # the kernel path checks these values inside sparse_attention

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..documents import document_positions
-from ..functional import choose_backend, sparse_attention
+from ..functional import BACKENDS, choose_backend, sparse_attention
 from ..index.block_index import BlockIndex, check_block_index
 from ..module.attention import SparseAttention
 from ..module.layout import SequenceLayout
@@ -592,10 +592,15 @@ def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str 
         The number of modules switched (at least 1).
 
     Raises:
-        ValueError: a module with a selector other than ``"pooled"``; torch.distributed not initialised or this
-            process outside ``group``; ``backend`` not a string or None; no module of ``model`` supports context
+        ValueError: ``model`` not a module; a module with a selector other than ``"pooled"``; torch.distributed not
+            initialised or this process outside ``group``; ``backend`` not None or one of
+            :data:`~sparse_train.functional.BACKENDS`; no module of ``model`` supports context
             parallelism (a Hugging Face model needs ``hf.enable`` first; it then runs on each rank's shard with
             global ``position_ids``: :func:`sparse_train.integrations.hf.context_parallel_inputs`)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if backend is not None and not any(isinstance(backend, str) and backend == name for name in BACKENDS):
+        raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
     for module in model.modules():
         scorer = getattr(module, "scorer", None)
         if isinstance(module, SparseAttention) and not isinstance(scorer, BlockScorer):
@@ -604,8 +609,6 @@ def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str 
                 f"selector='pooled'); {type(model).__name__} has a {type(scorer).__name__}"
             )
     group, _, _ = _group_info(group)
-    if backend is not None and not isinstance(backend, str):
-        raise ValueError(f"backend must be a backend name or None, got {backend!r}")
     switched = 0
     for module in model.modules():
         if isinstance(module, SparseAttention):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from ..options import KernelOptions, normalize_kernel_options
+from ..options import KernelOptions, check_kernel_option_shapes, normalize_kernel_options
 from .device import copy_engine_loads, device_sm_count, gluon_kernels
 
 __all__ = [
@@ -145,12 +145,6 @@ def _flag(option: bool | None, default: bool) -> int:
     return int(default if option is None else option)
 
 
-def _divides_group(label: str, heads: int, group: int) -> int:
-    if group % heads:
-        raise ValueError(f"{label}={heads} must divide the GQA group size {group} (query heads per KV head)")
-    return heads
-
-
 def forward_config(
     group: int,
     block_q: int,
@@ -167,8 +161,8 @@ def forward_config(
     (:func:`copy_engine_loads`; None: assumed). Measured: docs/benchmarks/kernel_tuning.md,
     docs/kernel_tuning.md. ``kernel_options`` override each field."""
     options = normalize_kernel_options(kernel_options)
+    check_kernel_option_shapes(options, group, block_q)
     heads = options.fwd_heads_per_program or _heads_per_program(group, block_q, rows=256 if head_dim >= 128 else 128)
-    _divides_group("kernel_options.fwd_heads_per_program", heads, group)
     rows = heads * block_q
     if head_dim < 128 and block_k >= 128:
         # measured (64K, D = 64, 128-blocks): 4 warps / 2 stages 2.41 ms, 4 / 3 2.57, 8 / 3 3.05 (255 registers,
@@ -213,10 +207,9 @@ def backward_config(
     :data:`GLUON_DQ_RING`); the Triton kernels' fields stay as above for the calls they cover.
     ``kernel_options`` override each field (``dq_heads_per_program`` both dQ kernels' heads)."""
     options = normalize_kernel_options(kernel_options)
+    check_kernel_option_shapes(options, group, block_q)
     dq_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=128)
-    _divides_group("kernel_options.dq_heads_per_program", dq_heads, group)
     kv_heads = options.kv_heads_per_program or 1
-    _divides_group("kernel_options.kv_heads_per_program", kv_heads, group)
     # the [rows, D] dQ accumulator and the [rows, BK] scores and dP live at once: 8 warps once either reaches
     # 128 x 128 (at D = 64 with 128-key blocks 4 warps spilled 150 slots on the H200)
     dq_warps = 8 if dq_heads * block_q * max(head_dim, block_k) > 64 * 128 else 4
@@ -251,11 +244,6 @@ def backward_config(
     dq_gluon_heads = options.dq_heads_per_program or _heads_per_program(group, block_q, rows=GLUON_DQ_ROWS)
     kv_rows = kv_heads * block_q
     kv_tile_rows = options.kv_tile_rows or min(kv_rows, kv_slice or kv_rows)
-    if kv_tile_rows > kv_rows:
-        raise ValueError(
-            f"kernel_options.kv_tile_rows={kv_tile_rows} exceeds the KV-centric tile of "
-            f"kv_heads_per_program * block_q = {kv_rows} rows"
-        )
     return BackwardConfig(
         dq_heads,
         options.dq_num_warps or dq_warps,

@@ -183,12 +183,19 @@ def allowed_dynamic_blocks(
     return allowed
 
 
-def rope_inverse_frequencies(theta: float, rotary_dim: int) -> Tensor:
-    """float32 ``[rotary_dim // 2]``: the standard RoPE frequencies ``theta ** (-2i / rotary_dim)``."""
-    check_float("rope_theta", theta, exclusive_minimum=0.0)
+def rope_inverse_frequencies(theta: float, rotary_dim: int, *, label: str = "rope_theta") -> Tensor:
+    """float32 ``[rotary_dim // 2]``: the standard RoPE frequencies ``theta ** (-2i / rotary_dim)``. ValueError naming
+    ``label`` (the caller's name of theta) for a theta that is not > 0, an odd or non-positive ``rotary_dim``, or a
+    theta so small that the frequencies leave float32's range."""
+    check_float(label, theta, exclusive_minimum=0.0)
     if not isinstance(rotary_dim, int) or rotary_dim <= 0 or rotary_dim % 2:
-        raise ValueError(f"rotary_dim must be a positive even int, got {rotary_dim!r}")
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        raise ValueError(f"{label}: RoPE needs a positive even rotary_dim (head dim), got {rotary_dim!r}")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    if not torch.isfinite(inv_freq).all():
+        raise ValueError(
+            f"{label}={theta!r} is too small: its RoPE frequencies theta ** (-2i / {rotary_dim}) leave float32's range"
+        )
+    return inv_freq
 
 
 def checked_rope(

@@ -198,7 +198,8 @@ def reference_sparse_attention(
     batch, hq, _, d = q.shape
     hkv, n = k.shape[1], k.shape[2]
     group = hq // hkv
-    bq, bk = index.block_q, index.block_k
+    # a block longer than the sequence is one block of N rows (padding it to its size would only cost memory)
+    bq, bk = min(index.block_q, n), min(index.block_k, n)
     nqb, nkb, cap = index.num_q_blocks, index.num_k_blocks, index.capacity
     if query_blocks is None:
         block_ids = torch.arange(nqb, device=q.device)
@@ -297,7 +298,8 @@ def _query_block_rows(
     int64 ``[L]``: where each row of q sits in the block-padded layout ``[NQL * BQ]`` (row r of listed block s at
     ``s * BQ + r``)."""
     blocks = check_query_blocks(q, k, index, query_blocks, check_values=check_values)
-    positions = blocks.view(-1, 1) * index.block_q + torch.arange(index.block_q, device=q.device)  # [NQL, BQ]
+    block_q = min(index.block_q, index.seq_len)  # as in reference_sparse_attention
+    positions = blocks.view(-1, 1) * block_q + torch.arange(block_q, device=q.device)  # [NQL, BQ]
     rows = (positions < index.seq_len).view(-1).nonzero().view(-1)
     return blocks, rows
 
