@@ -6,13 +6,15 @@ Times, in one process, ``index_block_scores`` at B=1, H=8, block 64 (query and k
 * ``fwd``     the scores only (no autograd: the selection path)
 * ``fwd_bwd`` the scores with the winners stored, then the backward's scatter-add into du and dw
 
-with the automatic tiles (``tile_options``) at every N, and at N = 65536 also three other tile variants (64 keys
-per step on 4 warps, 256 keys on 8 warps, two query blocks per program). Timed by
+with the automatic tiles (``tile_options``) at every N, and at N = 65536 also the tile variants of ``VARIANTS``
+(each orientation of the product, 64 keys per step on 4 warps, 256 keys on 8 warps, two query blocks per program;
+``--variants`` picks some). Timed by
 ``scripts.bench.harness.measure`` (CUDA events, warm-up, L2 flushed before each repeat, device time only), median
 and p95; effective TFLOP/s counts the causal work, N^2 / 2 (row, key) pairs x 2 E S flops x H. Correctness: for each
 (N, E, S), the kernel on three listed query
 blocks (first, middle, last) against the float64 reference (largest error relative to the largest |score|),
-and the full kernel's rows at those blocks equal the listed ones bit for bit. Checks the budget: forward at
+and the full kernel's rows at those blocks equal the listed ones bit for bit; each tile variant's full scores
+against the automatic tiles' (the same -inf pattern, the largest relative difference). Checks the budget: forward at
 N = 65536 (best tiles) <= 1.2 ms.
 
 Writes ``index_scores.json`` and ``index_scores.md`` (a markdown table) to ``--out``.
@@ -51,9 +53,13 @@ VARIANT_LENGTH = 65536
 """The length at which the tile variants are timed besides the automatic tiles."""
 VARIANTS = {
     "auto": None,
+    "rows-major": IndexScoreOptions(keys_major=False),
+    "keys-major": IndexScoreOptions(keys_major=True),
     "keys64-w4": IndexScoreOptions(key_tile=64, num_warps=4),
     "keys256-w8": IndexScoreOptions(key_tile=256, num_warps=8),
+    "keys-major-keys256-w8": IndexScoreOptions(key_tile=256, num_warps=8, keys_major=True),
     "pairs": IndexScoreOptions(blocks_per_program=2),
+    "keys-major-pairs": IndexScoreOptions(blocks_per_program=2, keys_major=True),
 }
 BUDGET_MS = 1.2
 """Forward budget at N = 65536, H = 8 (issue 34: scoring + top-k + plan <= 2.0 ms in all)."""
@@ -72,6 +78,9 @@ def parse_args(argv=None):
         default=20,
         help="most timed repeats of one call (at least 5, and until 400 ms are measured)",
     )
+    p.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS), help="tile variants at N = 65536"
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cuda")
     return p.parse_args(argv)
@@ -80,6 +89,14 @@ def parse_args(argv=None):
 def causal_flops(seq_len: int, heads: int, index_heads: int, index_dim: int) -> float:
     """N^2 / 2 causal (row, key) pairs x 2 E S flops per pair x H heads."""
     return seq_len * seq_len / 2 * 2 * index_heads * index_dim * heads
+
+
+def same_scores(scores, auto_scores) -> dict:
+    """A tile variant's scores against the automatic tiles': the same -inf pattern, and the largest difference
+    relative to the largest |score| (0 unless the product's summation order differs)."""
+    finite = torch.isfinite(auto_scores)
+    diff = (scores.double() - auto_scores.double())[finite].abs().max() / auto_scores[finite].abs().max()
+    return {"same_inf_pattern": bool(torch.equal(torch.isfinite(scores), finite)), "max_rel_diff": diff.item()}
 
 
 def check_rows(u, w, block: int) -> dict:
@@ -124,9 +141,16 @@ def main(argv=None) -> int:
                 f"{check['same_inf_pattern']}, full == listed {check['full_equals_listed']}",
                 flush=True,
             )
-            variants = VARIANTS if n == VARIANT_LENGTH else {"auto": None}
+            variants = {k: VARIANTS[k] for k in args.variants} if n == VARIANT_LENGTH else {"auto": None}
+            with torch.no_grad():
+                auto_scores = index_block_scores(u, w, block_q=args.block, block_k=args.block)
             for name, options in variants.items():
                 tiles = tile_options(args.block, args.block, E, S, options)
+                with torch.no_grad():
+                    scores = index_block_scores(u, w, block_q=args.block, block_k=args.block, options=options)
+                check[f"{name}_vs_auto"] = same_scores(scores, auto_scores)
+                print(f"check N={n} E={E} S={S} {name} vs auto: {check[f'{name}_vs_auto']}", flush=True)
+                del scores
                 u_grad = u.detach().requires_grad_()
                 w_grad = w.detach().requires_grad_()
 

@@ -130,6 +130,9 @@ def test_index_scores_fp16_match_reference():
         IndexScoreOptions(key_tile=256, row_tile=256, num_warps=8),
         IndexScoreOptions(blocks_per_program=2),
         IndexScoreOptions(key_tile=32, row_tile=16, blocks_per_program=2),
+        IndexScoreOptions(keys_major=False),
+        IndexScoreOptions(keys_major=True),
+        IndexScoreOptions(key_tile=32, row_tile=16, blocks_per_program=2, keys_major=True),
     ],
     ids=[
         "one-block-16-row-slices",
@@ -137,10 +140,14 @@ def test_index_scores_fp16_match_reference():
         "sixteen-blocks-whole-tile",
         "pairs",
         "pairs-row-slices",
+        "rows-major",
+        "keys-major",
+        "keys-major-pairs-row-slices",
     ],
 )
 def test_index_scores_tile_options_give_the_same_scores(options, blocks):
-    """Key blocks per step, row slices and query blocks per program change the order of nothing but the max:
+    """Key blocks per step, row slices, query blocks per program and the product's orientation change the order
+    of nothing but the max:
     scores and winners equal the default tiles' bit for bit (rows of 16 * 2 = 32 per block: two slices of 16,
     one of 32 or 256; pairs of query blocks, the last one alone when their number is odd). The inputs are
     integers (|value| <= 64, so every 16-term dot product is exact in float32): a tile's product then does not
@@ -519,8 +526,9 @@ def test_index_scores_gpu_never_synchronises_and_captures():
 # ---------------------------------------------------------------------------------------------- compile for Hopper
 def hopper_compile_report(cases):
     """[(registers, spill store bytes, shared bytes)] of the kernel compiled for sm_90a at the automatic tiles of
-    each ``(E, S, with_winner_docs_lengths, blocks_per_program)`` case (block 64, bf16). Runs in a process without
-    the interpreter (the test below starts one): the active driver answers sm_90 while ``warmup`` compiles."""
+    each ``(E, S, with_winner_docs_lengths, blocks_per_program, keys_major)`` case (block 64, bf16). Runs in a
+    process without the interpreter (the test below starts one): the active driver answers sm_90 while
+    ``warmup`` compiles."""
     import os
     import re
     import subprocess
@@ -552,9 +560,11 @@ def hopper_compile_report(cases):
 
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     report = []
-    for E, S, full, per_program in cases:
+    for E, S, full, per_program, keys_major in cases:
         block, N = 64, 256
-        tiles = tile_options(block, block, E, S, IndexScoreOptions(blocks_per_program=per_program))
+        tiles = tile_options(
+            block, block, E, S, IndexScoreOptions(blocks_per_program=per_program, keys_major=keys_major)
+        )
         rows = triton.next_power_of_2(block * E)
         u = torch.zeros(1, 2, N, E, S, dtype=torch.bfloat16)
         w = torch.zeros(1, 2, N, S, dtype=torch.bfloat16)
@@ -594,6 +604,7 @@ def hopper_compile_report(cases):
                 HAS_DOCS=full,
                 WITH_WINNER=full,
                 IEEE=False,
+                KEYS_MAJOR=tiles.keys_major,
                 num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages,
                 grid=(1, 1),
@@ -633,15 +644,19 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
     if not os.path.exists(ptxas):
         pytest.skip("this triton ships no ptxas")
     cases = [
-        (1, 32, False, 1),
-        (1, 32, True, 1),
-        (1, 64, True, 1),
-        (2, 32, True, 1),
-        (4, 16, True, 1),
-        (4, 32, True, 1),
-        (1, 32, False, 2),
-        (1, 32, True, 2),
-        (2, 32, True, 2),
+        (E, S, full, per_program, keys_major)
+        for E, S, full, per_program in [
+            (1, 32, False, 1),
+            (1, 32, True, 1),
+            (1, 64, True, 1),
+            (2, 32, True, 1),
+            (4, 16, True, 1),
+            (4, 32, True, 1),
+            (1, 32, False, 2),
+            (1, 32, True, 2),
+            (2, 32, True, 2),
+        ]
+        for keys_major in (False, True)
     ]
     import sparse_train
 
@@ -665,9 +680,10 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    for (E, S, full, pair), (registers, spills, shared) in zip(cases, json.loads(done.stdout.strip().splitlines()[-1])):
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for (E, S, full, pair, keys_major), (registers, spills, shared) in zip(cases, report):
         print(
-            f"E={E} S={S} full={full} blocks per program {pair}: {registers} registers, {spills} bytes spilled, "
-            f"{shared} bytes shared"
+            f"E={E} S={S} full={full} blocks per program {pair} keys major {keys_major}: {registers} registers, "
+            f"{spills} bytes spilled, {shared} bytes shared"
         )
         assert spills == 0

@@ -85,6 +85,9 @@ class IndexScoreOptions(NamedTuple):
         num_stages: software pipeline depth of the key loop (>= 1).
         blocks_per_program: query blocks per program, 1 or 2: two adjacent blocks share each loaded key tile
             (half the key traffic from L2, two u tiles held).
+        keys_major: orientation of each step's product: True computes ``[keys, rows]`` (the max over rows
+            reduces inside each thread's accumulator), False ``[rows, keys]`` (the max over rows crosses
+            threads and warps).
     """
 
     key_tile: int | None = None
@@ -92,6 +95,7 @@ class IndexScoreOptions(NamedTuple):
     num_warps: int | None = None
     num_stages: int = 2
     blocks_per_program: int | None = None
+    keys_major: bool | None = None
 
 
 TILE_VALUES_PER_THREAD = 64
@@ -99,19 +103,25 @@ TILE_VALUES_PER_THREAD = 64
 more spills past the register file (compiled for sm_90a: 64 gives 70-130 registers at S <= 32)."""
 MAX_ROW_TILE = 256
 """Largest automatic row tile: E * BQ rows above it are walked in slices."""
+DEFAULT_KEYS_MAJOR = True
+"""Orientation of the automatic tiles (:attr:`IndexScoreOptions.keys_major`)."""
 
 
 def tile_options(
     block_q: int, block_k: int, index_heads: int, index_dim: int, options: IndexScoreOptions | None = None
 ) -> IndexScoreOptions:
     """``options`` with every None field filled: the whole block's rows in one tile up to :data:`MAX_ROW_TILE`
-    (4 warps up to 128 rows, 8 above), and as many keys per step as keep :data:`TILE_VALUES_PER_THREAD` logits
-    per thread (half as many for S > 32, whose operand tiles take registers too), at least one key block."""
+    (4 warps; rows major: 8 above 128 rows), and as many keys per step as keep :data:`TILE_VALUES_PER_THREAD` logits
+    per thread (half as many for S > 32, whose operand tiles take registers too, and for two query blocks per
+    program in the keys-major orientation), at least one key block; the orientation :data:`DEFAULT_KEYS_MAJOR`."""
     options = options or IndexScoreOptions()
+    keys_major = DEFAULT_KEYS_MAJOR if options.keys_major is None else options.keys_major
     rows = triton.next_power_of_2(block_q * index_heads)
     row_tile = options.row_tile or min(rows, MAX_ROW_TILE)
-    num_warps = options.num_warps or (4 if min(rows, row_tile) <= 128 else 8)
+    num_warps = options.num_warps or (4 if keys_major or min(rows, row_tile) <= 128 else 8)
     values = TILE_VALUES_PER_THREAD * 32 * num_warps // (2 if index_dim > 32 else 1)
+    if keys_major and options.blocks_per_program == 2:
+        values //= 2  # two blocks' [keys, rows] products live at once
     keys = triton.next_power_of_2(max(16, values // min(rows, row_tile)))
     key_tile = options.key_tile or max(block_k, min(256, keys))
     return IndexScoreOptions(
@@ -120,6 +130,7 @@ def tile_options(
         num_warps=num_warps,
         num_stages=options.num_stages,
         blocks_per_program=options.blocks_per_program or 1,
+        keys_major=keys_major,
     )
 
 
@@ -137,6 +148,8 @@ def _check_options(options) -> IndexScoreOptions | None:
     check_int("options.num_stages", options.num_stages, minimum=1)
     if options.blocks_per_program is not None:
         check_choice("options.blocks_per_program", options.blocks_per_program, (1, 2))
+    if options.keys_major is not None and not isinstance(options.keys_major, bool):
+        raise ValueError(f"options.keys_major must be a bool or None, got {options.keys_major!r}")
     return options
 
 
@@ -249,6 +262,7 @@ def _block_step(
     KEYS: tl.constexpr,
     HAS_DOCS: tl.constexpr,
     WITH_WINNER: tl.constexpr,
+    KEYS_MAJOR: tl.constexpr,
 ):
     """Best logit of each of the step's keys over the block's rows ([KEYS] float32, -inf where no row is valid)
     and its tile row m ([KEYS] int32; with ``WITH_WINNER``)."""
@@ -258,6 +272,7 @@ def _block_step(
     needs_mask = (key_first + KEYS - 1 > q_first) | (q_first + BLOCK_Q > seqlen) | padded_rows
     if HAS_DOCS:
         needs_mask = needs_mask | (tl.load(docs_row + key_first) != doc_q_last)
+    ROW_AXIS: tl.constexpr = 1 if KEYS_MAJOR else 0
     best = tl.full([KEYS], float("-inf"), tl.float32)
     best_m = tl.zeros([KEYS], tl.int32)
     for sl in tl.static_range(ROW_SLICES):
@@ -280,21 +295,31 @@ def _block_step(
                 BLOCK_Q,
                 ROW_TILE,
             )
-        s = dot(u, tl.trans(w), IEEE)  # [ROW_TILE, KEYS] float32
-        if needs_mask:
-            ok = row_ok[:, None] & (kpos[None, :] <= pos[:, None])
-            if HAS_DOCS:
-                doc_r = tl.load(docs_row + pos.to(tl.int64), mask=row_ok, other=-2)
-                ok = ok & (doc_r[:, None] == doc_k[None, :])
-            s = tl.where(ok, s, float("-inf"))
+        if KEYS_MAJOR:
+            # keys on the product's M axis: the max over rows runs along each thread's own accumulator columns
+            s = dot(w, tl.trans(u), IEEE)  # [KEYS, ROW_TILE] float32
+            if needs_mask:
+                ok = row_ok[None, :] & (kpos[:, None] <= pos[None, :])
+                if HAS_DOCS:
+                    doc_r = tl.load(docs_row + pos.to(tl.int64), mask=row_ok, other=-2)
+                    ok = ok & (doc_r[None, :] == doc_k[:, None])
+                s = tl.where(ok, s, float("-inf"))
+        else:
+            s = dot(u, tl.trans(w), IEEE)  # [ROW_TILE, KEYS] float32
+            if needs_mask:
+                ok = row_ok[:, None] & (kpos[None, :] <= pos[:, None])
+                if HAS_DOCS:
+                    doc_r = tl.load(docs_row + pos.to(tl.int64), mask=row_ok, other=-2)
+                    ok = ok & (doc_r[:, None] == doc_k[None, :])
+                s = tl.where(ok, s, float("-inf"))
         if WITH_WINNER:
-            col, col_m = tl.max(s, axis=0, return_indices=True)  # [KEYS]: best row of each key
+            col, col_m = tl.max(s, axis=ROW_AXIS, return_indices=True)  # [KEYS]: best row of each key
             col_m = col_m + sl * ROW_TILE
             better = col > best
             best_m = tl.where(better, col_m, best_m)
             best = tl.where(better, col, best)
         else:
-            best = tl.maximum(best, tl.max(s, axis=0))
+            best = tl.maximum(best, tl.max(s, axis=ROW_AXIS))
     return best, best_m
 
 
@@ -393,6 +418,7 @@ def _index_block_scores_kernel(
     HAS_DOCS: tl.constexpr,
     WITH_WINNER: tl.constexpr,
     IEEE: tl.constexpr,
+    KEYS_MAJOR: tl.constexpr,
 ):
     KEYS: tl.constexpr = KEY_BLOCKS * BLOCK_K
     # the program's output rows (local query blocks): one, or two adjacent ones (PAIR) that share each key tile;
@@ -494,6 +520,7 @@ def _index_block_scores_kernel(
                     KEYS,
                     HAS_DOCS,
                     WITH_WINNER,
+                    KEYS_MAJOR,
                 )
                 _store_step(
                     best,
@@ -541,6 +568,7 @@ def _index_block_scores_kernel(
                     KEYS,
                     HAS_DOCS,
                     WITH_WINNER,
+                    KEYS_MAJOR,
                 )
                 _store_step(
                     best1,
@@ -589,6 +617,7 @@ def _index_block_scores_kernel(
                 KEYS,
                 HAS_DOCS,
                 WITH_WINNER,
+                KEYS_MAJOR,
             )
             _store_step(
                 best,
@@ -683,6 +712,7 @@ def index_block_scores_launch(
         HAS_DOCS=document_ids is not None,
         WITH_WINNER=with_winner,
         IEEE=u.dtype == torch.float32,
+        KEYS_MAJOR=options.keys_major,
         num_warps=options.num_warps,
         num_stages=options.num_stages,
     )
