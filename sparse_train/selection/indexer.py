@@ -52,6 +52,9 @@ from .scorer import (
 
 __all__ = ["TokenIndexer", "OracleSelector", "build_selector", "index_scores"]
 
+UNROTATE_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Input dtypes :meth:`TokenIndexer.pool` un-rotates with the Triton kernel (``kernels/triton/unrotate.py``) on CUDA;
+the others (float64) take the PyTorch reference."""
 _PROJECTION_SEED = 20261203
 """Seed of the initial random projection (the same in every layer; layers differ by their q and k)."""
 
@@ -159,14 +162,27 @@ class TokenIndexer(nn.Module):
         positions: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The indexer's detached inputs: q ``[B, HQ, N, D]`` and k ``[B, HKV, N, D]`` with RoPE undone (when
-        set), in q's dtype for half-precision inputs (float32 otherwise). Blocks are not pooled: the name is
+        set; on CUDA by one Triton kernel per tensor) and the rows past ``seq_lens`` zero, in q's dtype for
+        half-precision inputs (float32 otherwise). Blocks are not pooled: the name is
         the selectors' common call. ``positions``: the RoPE positions (``[N]`` or ``[B, N]``; default 0..N-1)."""
         inv_freq = self.rope_inv_freq if self.rope_inv_freq.numel() else None
         q, k = q.detach(), k.detach()
         dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.promote_types(q.dtype, torch.float32)
+        # rows past a sequence's length may hold anything (NaN padding); zeros keep it out of the index
+        # projections' gradients (0 * NaN), the kernel never reads them for a score
+        if (
+            inv_freq is not None
+            and q.dtype in UNROTATE_KERNEL_DTYPES
+            and triton_runs_on(q)
+            and not torch.compiler.is_compiling()
+        ):
+            # one pass per tensor: the un-rotation, the zeroed rows and the cast in one kernel
+            unrotate_kernel = triton_kernels().unrotate.triton_unrotate
+            return (
+                unrotate_kernel(q, inv_freq, positions, self.rope_style, valid_len=seq_lens),
+                unrotate_kernel(k, inv_freq, positions, self.rope_style, valid_len=seq_lens),
+            )
         if seq_lens is not None:
-            # rows past a sequence's length may hold anything (NaN padding); zeros keep it out of the index
-            # projections' gradients (0 * NaN), the kernel never reads them for a score
             keep = torch.arange(q.shape[2], device=q.device).view(1, 1, -1, 1) < seq_lens.view(-1, 1, 1, 1)
             q, k = torch.where(keep, q, 0.0), torch.where(keep, k, 0.0)
         if inv_freq is not None:

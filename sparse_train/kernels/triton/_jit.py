@@ -1,7 +1,8 @@
-"""Small ``@triton.jit`` helpers and constants shared by the forward, backward and block-mass kernels.
+"""Small ``@triton.jit`` helpers and constants shared by the kernels.
 
 Each helper is a few lines the kernels would otherwise repeat (the program's tile, its index row, row
-and pointer tiles, the IEEE-or-default dot, the dropout keep bit); Triton inlines them, so a kernel
+and pointer tiles, the IEEE-or-default dot, the dropout keep bit, the RoPE angles' cosine and sine of the
+pooling and un-rotation kernels); Triton inlines them, so a kernel
 compiles to the code it had with the lines written out.
 """
 
@@ -11,6 +12,7 @@ import math
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 __all__ = [
     "LN2",
@@ -29,6 +31,7 @@ __all__ = [
     "mask_scores",
     "query_documents",
     "query_tile",
+    "rope_cos_sin",
     "sequence_length",
     "tile_pointers",
     "tile_row_slice",
@@ -39,6 +42,12 @@ LOG2E = tl.constexpr(math.log2(math.e))
 """log2(e): the kernels run the softmax in base 2, exp(x) = exp2(x * LOG2E) (host side: ``LOG2E.value``)."""
 LN2 = tl.constexpr(math.log(2.0))
 """ln(2): converts a base-2 log-sum-exp back to the natural log the API returns."""
+
+
+INV_TWO_PI = tl.constexpr(1.0 / (2.0 * math.pi))
+"""1 / (2 pi): turns of a RoPE angle (:func:`rope_cos_sin`)."""
+TWO_PI_HI = tl.constexpr(6.28125)  # 8 significant bits: turns * TWO_PI_HI is exact in float32 below 2**16 turns
+TWO_PI_LO = tl.constexpr(2.0 * math.pi - 6.28125)
 
 
 @triton.jit
@@ -288,3 +297,26 @@ def dropout_keep(seed, counters, threshold):
     """Keep bits of the elements with Philox counters ``counters`` (int64, see
     ``reference.dropout_offsets``): ``randint(seed, counter) >= threshold``, as ``reference.dropout_keep_mask``."""
     return tl.randint(seed, counters).to(tl.int64) >= threshold
+
+
+@triton.jit
+def rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS: tl.constexpr, FAST_TRIG: tl.constexpr, stride_pb, stride_pn):
+    """cos and sin [ROWS, HALF] of the RoPE angles pos[n] * w_d of a row tile (``freq`` [HALF] the inverse
+    frequencies; positions from POS, or the row numbers without HAS_POS). The angle is the float32 product of
+    the float32 position and frequency, as in the reference; FAST_TRIG takes the hardware approximations after
+    a reduction by whole turns (errors far below the float32 angle's own rounding, ~4e-3 rad at position
+    65536), otherwise tl.cos / tl.sin (the interpreter)."""
+    rows64 = rows.to(tl.int64)
+    if HAS_POS:
+        pos = tl.load(POS + b64 * stride_pb + rows64 * stride_pn, mask=row_ok, other=0).to(tl.float32)
+    else:
+        pos = rows.to(tl.float32)
+    angle = pos[:, None] * freq[None, :]  # [ROWS, HALF]
+    if FAST_TRIG:
+        # the hardware's sine and cosine are accurate to ~1e-6 on [-pi, pi]; reduce by whole turns first
+        # (2 pi = TWO_PI_HI + TWO_PI_LO, the high part exact times any turn count below 2**16, angles below
+        # ~4e5 rad)
+        turns = tl.floor(angle * INV_TWO_PI + 0.5)
+        angle = (angle - turns * TWO_PI_HI) - turns * TWO_PI_LO
+        return libdevice.fast_cosf(angle), libdevice.fast_sinf(angle)
+    return tl.cos(angle), tl.sin(angle)

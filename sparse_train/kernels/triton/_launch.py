@@ -88,3 +88,26 @@ def tma_operands(a: Tensor, b: Tensor, rows: int, enabled: bool) -> tuple:
     if desc_b is None:
         return a, b, False
     return desc_a, desc_b, True
+
+
+def kernel_valid_len(valid_len: Tensor | None, batch: int, device: torch.device) -> Tensor | None:
+    """``valid_len`` (optional integer ``[B]`` on ``device``) as the kernels read it: int32, contiguous.
+
+    Raises:
+        ValueError: not an integer tensor of shape ``[B]`` on ``device``.
+    """
+    if valid_len is None:
+        return None
+    if (
+        not isinstance(valid_len, Tensor)
+        or valid_len.shape != (batch,)
+        or valid_len.dtype.is_floating_point
+        or valid_len.dtype == torch.bool
+        or valid_len.device != device
+    ):
+        raise ValueError(
+            f"valid_len must be an integer tensor [B] = [{batch}] on {device}, got "
+            f"{getattr(valid_len, 'dtype', type(valid_len).__name__)} "
+            f"{tuple(getattr(valid_len, 'shape', ()))} on {getattr(valid_len, 'device', None)}"
+        )
+    return valid_len.to(torch.int32).contiguous()

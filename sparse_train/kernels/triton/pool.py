@@ -30,46 +30,22 @@ reduces in another order); the max is exact without RoPE and grouping (keys: G =
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-from triton.language.extra import libdevice
 
 from ...plan.tuning import pool_config
 from ..reference.pool import ROPE_STYLES, check_rope_args
+from ._jit import rope_cos_sin
+from ._launch import kernel_valid_len
 
 __all__ = ["triton_block_pool", "block_pool_launch"]
-
-INV_TWO_PI = tl.constexpr(1.0 / (2.0 * math.pi))
-TWO_PI_HI = tl.constexpr(6.28125)  # 8 significant bits: turns * TWO_PI_HI is exact in float32 below 2**16 turns
-TWO_PI_LO = tl.constexpr(2.0 * math.pi - 6.28125)
 
 
 # ----------------------------------------------------------------------------------------------
 # Layer 1: kernel
 # ----------------------------------------------------------------------------------------------
-@triton.jit
-def _rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS: tl.constexpr, FAST_TRIG: tl.constexpr, stride_pb, stride_pn):
-    # cos and sin [ROWS, HALF] of the angles pos[n] * w_d of one row step (shared by every head of the program)
-    rows64 = rows.to(tl.int64)
-    if HAS_POS:
-        pos = tl.load(POS + b64 * stride_pb + rows64 * stride_pn, mask=row_ok, other=0).to(tl.float32)
-    else:
-        pos = rows.to(tl.float32)
-    angle = pos[:, None] * freq[None, :]  # [ROWS, HALF]
-    if FAST_TRIG:
-        # the hardware's sine and cosine are accurate to ~1e-6 on [-pi, pi]; reduce by whole turns first
-        # (2 pi = TWO_PI_HI + TWO_PI_LO, the high part exact times any turn count below 2**16, angles below
-        # ~4e5 rad)
-        turns = tl.floor(angle * INV_TWO_PI + 0.5)
-        angle = (angle - turns * TWO_PI_HI) - turns * TWO_PI_LO
-        return libdevice.fast_cosf(angle), libdevice.fast_sinf(angle)
-    return tl.cos(angle), tl.sin(angle)
-
-
 @triton.jit
 def _group_sum(x_head, rows64, row_ok, channels, channel_ok, stride_xh, stride_xn, stride_xd, GROUP: tl.constexpr):
     # [ROWS, C] float32 sum over the group's heads of the given channels (masked rows and channels read as 0)
@@ -146,7 +122,7 @@ def _block_pool_kernel(
         if ONE_STEP:
             block_rows = j * BLOCK + tl.arange(0, ROWS)
             block_ok = (block_rows < limit) & (tl.arange(0, ROWS) < BLOCK)
-            cos_block, sin_block = _rope_cos_sin(
+            cos_block, sin_block = rope_cos_sin(
                 POS, b64, block_rows, block_ok, freq, HAS_POS, FAST_TRIG, stride_pb, stride_pn
             )
     if TAIL > 0:
@@ -172,7 +148,7 @@ def _block_pool_kernel(
                 if ONE_STEP:
                     cos, sin = cos_block, sin_block
                 else:
-                    cos, sin = _rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS, FAST_TRIG, stride_pb, stride_pn)
+                    cos, sin = rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS, FAST_TRIG, stride_pb, stride_pn)
                 x_1 = (
                     _group_sum(x_head, rows64, row_ok, first_ch, half_ok, stride_xh, stride_xn, stride_xd, GROUP)
                     / GROUP
@@ -314,20 +290,7 @@ def triton_block_pool(
         raise ValueError(f"group={group!r} must be a positive int dividing the {heads_total} heads of x")
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
-    if valid_len is not None:
-        if (
-            not isinstance(valid_len, Tensor)
-            or valid_len.shape != (B,)
-            or valid_len.dtype.is_floating_point
-            or valid_len.dtype == torch.bool
-            or valid_len.device != x.device
-        ):
-            raise ValueError(
-                f"valid_len must be an integer tensor [B] = [{B}] on {x.device}, got "
-                f"{getattr(valid_len, 'dtype', type(valid_len).__name__)} "
-                f"{tuple(getattr(valid_len, 'shape', ()))} on {getattr(valid_len, 'device', None)}"
-            )
-        valid_len = valid_len.to(torch.int32).contiguous()
+    valid_len = kernel_valid_len(valid_len, B, x.device)
     if inv_freq is not None and inv_freq.numel() == 0:
         inv_freq = None
     if inv_freq is not None:
