@@ -22,6 +22,8 @@ Writes ``index_scores.json`` and ``index_scores.md`` (a markdown table) to ``--o
 Usage::
 
     python -m scripts.bench.index_scores --out bench_out
+    python -m scripts.bench.index_scores --out bench_out --variants auto rows-major   # the orientations only
+    python -m scripts.bench.index_scores --out docs_dir --render bench_out/index_scores.json   # the table again
     python -m scripts.bench.index_scores --out /tmp/smoke --n 256 --heads 1 --shapes 1x16 --device cpu   # smoke
 
 (on the CPU the scores take the PyTorch reference: the smoke checks the script, not the kernel)
@@ -68,6 +70,12 @@ BUDGET_MS = 1.2
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="output directory (created)")
+    p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        help="only write index_scores.md to --out from this index_scores.json (an earlier run's), timing nothing",
+    )
     p.add_argument("--n", type=int, nargs="+", default=list(LENGTHS), help="sequence lengths")
     p.add_argument("--heads", type=int, default=8, help="heads H (KV heads of the selector)")
     p.add_argument("--block", type=int, default=64, help="block size (query and key)")
@@ -122,8 +130,52 @@ def check_rows(u, w, block: int) -> dict:
     }
 
 
+def render_markdown(report: dict, args=None) -> str:
+    """The markdown table of a run's ``index_scores.json`` content (``report``: env, results, checks, budget)."""
+    env, results, checks, budget = report["env"], report["results"], report["checks"], report["budget"]
+    heads = results[0]["H"] if results else (args.heads if args else "?")
+    block = results[0]["block"] if results else (args.block if args else "?")
+    lines = [
+        f"Index block scores, B=1, H={heads}, block {block}, {env['dtype']}, {env['device']}, {env['date']}",
+        "",
+        "| N | E | S | tiles (key, row, warps, blocks, orientation) | fwd ms (p95) | fwd TFLOP/s | fwd+bwd ms (p95) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r["mode"] != "fwd":
+            continue
+        fb = next(
+            x for x in results if x["mode"] == "fwd_bwd" and all(x[k] == r[k] for k in ("N", "E", "S", "variant"))
+        )
+        tl = r["tiles"]
+        lines.append(
+            f"| {r['N']} | {r['E']} | {r['S']} | {r['variant']} ({tl['key_tile']}, {tl['row_tile']}, "
+            f"{tl['num_warps']}, {tl['blocks_per_program']}, {'keys' if tl.get('keys_major') else 'rows'}) | "
+            f"{r['median_ms']:.3f} ({r['p95_ms']:.3f}) | "
+            f"{r['tflops']:.1f} | {fb['median_ms']:.3f} ({fb['p95_ms']:.3f}) |"
+        )
+    lines += ["", f"Budget: forward at N={VARIANT_LENGTH} <= {BUDGET_MS} ms (best tiles):", ""]
+    lines += [
+        f"- E={b['E']} S={b['S']}: {b['median_ms']:.3f} ms ({b['best_variant']}) "
+        f"{'within' if b['within_budget'] else 'OVER'}"
+        for b in budget
+    ]
+    lines += ["", "Correctness (three listed query blocks vs the float64 reference):", ""]
+    lines += [
+        f"- N={c['N']} E={c['E']} S={c['S']}: max rel err {c['max_rel_err']:.2e}, -inf pattern "
+        f"{'equal' if c['same_inf_pattern'] else 'DIFFERS'}, full kernel rows "
+        f"{'equal' if c['full_equals_listed'] else 'DIFFER'}"
+        for c in checks
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.render is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "index_scores.md").write_text(render_markdown(json.loads(args.render.read_text()), args))
+        return 0
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     args.out.mkdir(parents=True, exist_ok=True)
@@ -220,39 +272,9 @@ def main(argv=None) -> int:
     (args.out / "index_scores.json").write_text(
         json.dumps({"env": env, "results": results, "checks": checks, "budget": budget}, indent=1)
     )
-    lines = [
-        f"Index block scores, B=1, H={args.heads}, block {args.block}, {dtype}, {env['device']}, {env['date']}",
-        "",
-        "| N | E | S | tiles (key, row, warps, blocks) | fwd ms (p95) | fwd TFLOP/s | fwd+bwd ms (p95) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        if r["mode"] != "fwd":
-            continue
-        fb = next(
-            x for x in results if x["mode"] == "fwd_bwd" and all(x[k] == r[k] for k in ("N", "E", "S", "variant"))
-        )
-        tl = r["tiles"]
-        lines.append(
-            f"| {r['N']} | {r['E']} | {r['S']} | {r['variant']} ({tl['key_tile']}, {tl['row_tile']}, "
-            f"{tl['num_warps']}, {tl['blocks_per_program']}) | {r['median_ms']:.3f} ({r['p95_ms']:.3f}) | "
-            f"{r['tflops']:.1f} | {fb['median_ms']:.3f} ({fb['p95_ms']:.3f}) |"
-        )
-    lines += ["", f"Budget: forward at N={VARIANT_LENGTH} <= {BUDGET_MS} ms (best tiles):", ""]
-    lines += [
-        f"- E={b['E']} S={b['S']}: {b['median_ms']:.3f} ms ({b['best_variant']}) "
-        f"{'within' if b['within_budget'] else 'OVER'}"
-        for b in budget
-    ]
-    lines += ["", "Correctness (three listed query blocks vs the float64 reference):", ""]
-    lines += [
-        f"- N={c['N']} E={c['E']} S={c['S']}: max rel err {c['max_rel_err']:.2e}, -inf pattern "
-        f"{'equal' if c['same_inf_pattern'] else 'DIFFERS'}, full kernel rows "
-        f"{'equal' if c['full_equals_listed'] else 'DIFFER'}"
-        for c in checks
-    ]
-    (args.out / "index_scores.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    markdown = render_markdown({"env": env, "results": results, "checks": checks, "budget": budget}, args)
+    (args.out / "index_scores.md").write_text(markdown)
+    print(markdown, end="")
     ok = all(c["same_inf_pattern"] and c["full_equals_listed"] and c["max_rel_err"] < 1e-4 for c in checks)
     return 0 if ok else 1
 
