@@ -5,6 +5,7 @@ import torch
 from builders import make_qkv, random_index
 
 import sparse_train.kernels.triton.block_mass as block_mass_mod
+from sparse_train.index.block_index import BlockIndex
 from sparse_train.kernels.reference.attention import reference_sparse_attention
 from sparse_train.kernels.reference.block_mass import (
     dense_row_block_mass,
@@ -50,8 +51,6 @@ def test_block_mass_empty_rows_are_invalid():
     idx = random_index(1, 1, 96, 32, 32, 1, 0, 0, seed=3, device=DEV)
     sel = idx.indices.clone()
     sel[:, :, 1] = -1  # query block 1 selects nothing
-    from sparse_train.index.block_index import BlockIndex
-
     idx = BlockIndex.from_selection(sel, seq_len=96, block_q=32, block_k=32)
     q, k, v = make_qkv(1, 2, 1, 96, 16, torch.float32, seed=3, device=DEV)
     _, lse = reference_sparse_attention(q, k, v, idx)
@@ -239,3 +238,27 @@ def test_dense_block_mass_dispatches_to_kernels_on_gpu(dtype, blocks):
     print(f"{dtype}, {blocks} query blocks: dense block mass max abs err {err:.2e}")
     assert torch.equal(valid.cpu(), ref_valid)
     assert err < 1e-3  # same bf16/fp16 inputs on both sides: only fp32 accumulation order differs
+
+
+@pytest.mark.parametrize("block_k", [2**30, 16], ids=["key-block-2pow30", "key-block-16"])
+def test_reference_block_mass_takes_key_blocks_longer_than_n(block_k):
+    """A key block longer than the sequence is one block of its N keys: the dense, per-row and sparse targets
+    equal those of a key block of exactly N (2**30 keys of padding per row would need hundreds of GB)."""
+    n = 9
+    q, k, _ = make_qkv(2, 4, 2, n, 16, torch.float64, seed=4, device=DEV)
+    lens = torch.tensor([9, 5], device=DEV)
+    common = {"scale": 0.25, "seq_lens": lens}
+    dense = reference_dense_block_mass(q, k, block_q=4, block_k=block_k, **common)
+    dense_n = reference_dense_block_mass(q, k, block_q=4, block_k=n, **common)
+    blocks = torch.arange(3, device=DEV)
+    rows = dense_row_block_mass(q, k, block_q=4, block_k=block_k, query_blocks=blocks, **common)
+    rows_n = dense_row_block_mass(q, k, block_q=4, block_k=n, query_blocks=blocks, **common)
+    sparse = reference_sparse_block_mass(
+        q, k, BlockIndex.full(2, 2, n, block_q=4, block_k=block_k, device=DEV), **common
+    )
+    sparse_n = reference_sparse_block_mass(q, k, BlockIndex.full(2, 2, n, block_q=4, block_k=n, device=DEV), **common)
+    for got, want in ((dense, dense_n), (rows, rows_n), (sparse, sparse_n)):
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert dense[0].shape == (2, 2, 3, 1) and torch.all(dense[0][dense[1]] == 1)

@@ -665,3 +665,25 @@ def test_empty_batch_gives_empty_outputs_and_gradients(backend, overrides, masks
     assert o.shape == q.shape
     o.sum().backward()
     assert (q.grad.shape, k.grad.shape, v.grad.shape) == (q.shape, k.shape, v.shape)
+
+
+@pytest.mark.parametrize("distill", ["sampled", "sparse"])
+def test_blocks_far_longer_than_the_sequence_attend_everything_causally(distill):
+    """Blocks of 2**20 tokens on a sequence of 8: one block holds every key, so the sparse path is dense causal
+    attention, and the distillation's targets take the 8 keys, not 2**20 columns of padding per row."""
+    cfg = st.SparseAttentionConfig(
+        block_q=2**20,
+        block_k=2**20,
+        top_k=1,
+        window=1,
+        sinks=1,
+        dense_warmup_steps=0,
+        dense_fallback=False,
+        distill=distill,
+    )
+    attn = st.SparseAttention(cfg, 4, 2, 16)
+    q, k, v = make_qkv(1, 4, 2, 8, 16, torch.float32, seed=2, requires_grad=True)
+    out = attn(q, k, v)
+    (out.sum() + attn.selector_loss).backward()
+    torch.testing.assert_close(out, dense_causal_attention(q, k, v), rtol=1e-5, atol=1e-6)
+    assert attn.stats()["dense_path"] == 0 and torch.isfinite(q.grad).all()

@@ -162,6 +162,8 @@ def reference_sparse_block_mass(
     group = num_heads // num_kv_heads
     block_q, block_k = index.block_q, index.block_k
     nqb, capacity = index.num_q_blocks, index.capacity
+    # a key block longer than the sequence is its one block of N keys: the columns past N are never gathered
+    block_k = max(1, min(block_k, seq_len))
     positions = query_row_positions(nqb, block_q, rows_per_block, q.device)
     rows = positions.shape[1]
     per_block = batch * num_heads * rows * capacity * block_k
@@ -246,6 +248,8 @@ def _dense_row_mass_chunks(
     group = num_heads // num_kv_heads
     nqb = math.ceil(seq_len / block_q)
     nkb = math.ceil(seq_len / block_k)
+    # a key block longer than the sequence is its one block of N keys: no padding of the rows to block_k columns
+    block_k = max(1, min(block_k, seq_len))
     positions = query_row_positions(nqb, block_q, rows_per_block, q.device)
     if query_blocks is not None:
         positions = positions[query_blocks.to(device=q.device, dtype=torch.int64)]
