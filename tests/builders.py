@@ -8,6 +8,7 @@ import math
 import torch
 
 from sparse_train.index.block_index import BlockIndex
+from sparse_train.selection import rope_inverse_frequencies
 
 
 def random_selection(
@@ -65,6 +66,32 @@ def make_qkv(B, HQ, HKV, N, D, dtype=torch.float32, seed=0, device="cpu", requir
         torch.randn(B, h, N, D, generator=g).to(device=device, dtype=dtype).requires_grad_(requires_grad)
         for h in (HQ, HKV, HKV)
     ]
+
+
+def rope_inputs(B, H, N, D, *, rope, positions, lengths, dtype=torch.float32, device="cpu", seed=0, layout="bhnd"):
+    """Inputs of the RoPE kernels' tests: ``(x [B, H, N, D], inv_freq [rope / 2] or None for rope = 0, positions,
+    valid_len)``. ``layout="bnhd"``: x seen through a transpose (non-contiguous heads and rows). ``positions``:
+    None, ``"shifted"`` (``[N]`` from 100,000: large angles), ``"per_row"`` (``[B, N]`` int64 restarting every 37)
+    or ``"float"`` (``[B, N]`` float up to 1000). ``lengths``: rows at or past ``lengths[b]`` hold NaN (a kernel
+    that reads them poisons its output)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    if layout == "bnhd":
+        x = torch.randn(B, N, H, D, generator=g).to(device, dtype).transpose(1, 2)
+    else:
+        x = torch.randn(B, H, N, D, generator=g).to(device, dtype)
+    inv_freq = None if rope == 0 else rope_inverse_frequencies(10000.0, rope).to(device)
+    pos = None
+    if positions == "shifted":
+        pos = torch.arange(N, device=device) + 100_000
+    elif positions == "per_row":
+        pos = (torch.arange(N, device=device) % 37).expand(B, N).contiguous()
+    elif positions == "float":
+        pos = torch.rand(B, N, generator=g).to(device) * 1000.0
+    valid = None if lengths is None else torch.tensor(lengths, device=device)
+    if valid is not None:
+        rows = torch.arange(N, device=device).view(1, 1, N, 1) >= valid.view(B, 1, 1, 1)
+        x = x.masked_fill(rows, float("nan"))
+    return x, inv_freq, pos, valid
 
 
 def dense_oracle(q, k, v, index, seq_lens=None, dropout_p=0.0, dropout_seed=None, *, scale=None, document_ids=None):

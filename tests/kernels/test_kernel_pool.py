@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from builders import check_close
+from builders import check_close, rope_inputs
 
 from sparse_train.kernels.reference.pool import reference_block_pool
 from sparse_train.kernels.triton.pool import triton_block_pool
@@ -15,25 +15,9 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")  # fresh outputs start as NaN
 
 
-def _inputs(B, HP, G, N, D, *, rope, positions, lengths, dtype=torch.float32, device=DEV, seed=0, layout="bhnd"):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    if layout == "bnhd":  # the projections' layout seen through a transpose: non-contiguous heads and rows
-        x = torch.randn(B, N, HP * G, D, generator=g).to(device, dtype).transpose(1, 2)
-    else:
-        x = torch.randn(B, HP * G, N, D, generator=g).to(device, dtype)
-    inv_freq = None if rope == 0 else rope_inverse_frequencies(10000.0, rope).to(device)
-    pos = None
-    if positions == "shifted":  # [N]: a late chunk of a long sequence, large angles
-        pos = torch.arange(N, device=device) + 100_000
-    elif positions == "per_row":  # [B, N] restarting per document, int64
-        pos = (torch.arange(N, device=device) % 37).expand(B, N).contiguous()
-    elif positions == "float":
-        pos = torch.rand(B, N, generator=g).to(device) * 1000.0
-    valid = None if lengths is None else torch.tensor(lengths, device=device)
-    if valid is not None:  # padded rows hold NaN: a kernel that reads them poisons its block
-        rows = torch.arange(N, device=device).view(1, 1, N, 1) >= valid.view(B, 1, 1, 1)
-        x = x.masked_fill(rows, float("nan"))
-    return x, inv_freq, pos, valid
+def _inputs(B, HP, G, N, D, *, device=DEV, **kwargs):
+    """:func:`builders.rope_inputs` with HP pooled heads of G heads each."""
+    return rope_inputs(B, HP * G, N, D, device=device, **kwargs)
 
 
 CASES = [

@@ -32,6 +32,7 @@ __all__ = [
     "query_documents",
     "query_tile",
     "rope_cos_sin",
+    "rope_pairs",
     "sequence_length",
     "tile_pointers",
     "tile_row_slice",
@@ -320,3 +321,19 @@ def rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS: tl.constexpr, FAST_TRIG:
         angle = (angle - turns * TWO_PI_HI) - turns * TWO_PI_LO
         return libdevice.fast_cosf(angle), libdevice.fast_sinf(angle)
     return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def rope_pairs(INV_FREQ, ROT_HALF: tl.constexpr, HALF_P2: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The rotated pairs of RoPE, [HALF] each: (pair valid, first channel, partner channel, inverse frequency
+    float32). Pair i is channels (i, i + R/2) (rotate-half) or (2i, 2i + 1) (``INTERLEAVED``)."""
+    half = tl.arange(0, HALF_P2)  # [HALF] pair index i
+    half_ok = half < ROT_HALF
+    if INTERLEAVED:
+        first_ch = 2 * half
+        second_ch = 2 * half + 1
+    else:
+        first_ch = half
+        second_ch = half + ROT_HALF
+    freq = tl.load(INV_FREQ + half, mask=half_ok, other=0.0).to(tl.float32)
+    return half_ok, first_ch, second_ch, freq

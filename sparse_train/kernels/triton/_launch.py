@@ -111,3 +111,13 @@ def kernel_valid_len(valid_len: Tensor | None, batch: int, device: torch.device)
             f"{tuple(getattr(valid_len, 'shape', ()))} on {getattr(valid_len, 'device', None)}"
         )
     return valid_len.to(torch.int32).contiguous()
+
+
+def position_strides(positions: Tensor | None) -> tuple[int, int]:
+    """(batch stride, row stride) of RoPE ``positions`` ``[N]`` or ``[B, N]`` as the kernels read them (0 for an
+    axis it lacks; both 0 without positions, which the kernels then take as the row numbers)."""
+    if positions is None:
+        return 0, 0
+    if positions.dim() == 1:
+        return 0, positions.stride(0)
+    return positions.stride(0), positions.stride(1)

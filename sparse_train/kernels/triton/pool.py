@@ -37,8 +37,8 @@ from torch import Tensor
 
 from ...plan.tuning import pool_config
 from ..reference.pool import ROPE_STYLES, check_rope_args
-from ._jit import rope_cos_sin
-from ._launch import kernel_valid_len
+from ._jit import rope_cos_sin, rope_pairs
+from ._launch import kernel_valid_len, position_strides
 
 __all__ = ["triton_block_pool", "block_pool_launch"]
 
@@ -110,15 +110,7 @@ def _block_pool_kernel(
         limit = tl.minimum(tl.maximum(tl.load(VALID_LEN + b), 0), N)
     count = tl.minimum(limit - j * BLOCK, BLOCK)  # valid rows of this block (<= 0: none)
     if ROT_HALF > 0:
-        half = tl.arange(0, HALF_P2)  # [HALF] pair index i
-        half_ok = half < ROT_HALF
-        if INTERLEAVED:
-            first_ch = 2 * half  # [HALF] the pair's first channel and its partner
-            second_ch = 2 * half + 1
-        else:
-            first_ch = half
-            second_ch = half + ROT_HALF
-        freq = tl.load(INV_FREQ + half, mask=half_ok, other=0.0).to(tl.float32)  # [HALF]
+        half_ok, first_ch, second_ch, freq = rope_pairs(INV_FREQ, ROT_HALF, HALF_P2, INTERLEAVED)  # [HALF] each
         if ONE_STEP:
             block_rows = j * BLOCK + tl.arange(0, ROWS)
             block_ok = (block_rows < limit) & (tl.arange(0, ROWS) < BLOCK)
@@ -207,12 +199,7 @@ def block_pool_launch(
     default_rows, default_warps, default_heads = pool_config(rot_half > 0, block, D)
     rows = min(rows or default_rows, triton.next_power_of_2(block))
     heads_per_program = max(1, min(H, heads_per_program or default_heads))
-    if positions is None:
-        stride_pb = stride_pn = 0
-    elif positions.dim() == 1:
-        stride_pb, stride_pn = 0, positions.stride(0)
-    else:
-        stride_pb, stride_pn = positions.stride()
+    stride_pb, stride_pn = position_strides(positions)
     dummy = out
     if out.numel():
         _block_pool_kernel[(NB, B, triton.cdiv(H, heads_per_program))](

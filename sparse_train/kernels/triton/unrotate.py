@@ -32,8 +32,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference.pool import ROPE_STYLES, check_rope_args
-from ._jit import rope_cos_sin
-from ._launch import kernel_valid_len
+from ._jit import rope_cos_sin, rope_pairs
+from ._launch import kernel_valid_len, position_strides
 
 __all__ = ["triton_unrotate", "unrotate_launch"]
 
@@ -83,15 +83,7 @@ def _unrotate_kernel(
     row_in = rows < N  # rows stored
     row_ok = rows < limit  # rows read (the others store 0)
     rows64 = rows.to(tl.int64)
-    half = tl.arange(0, HALF_P2)  # [HALF] pair index i
-    half_ok = half < ROT_HALF
-    if INTERLEAVED:
-        first_ch = 2 * half  # [HALF] the pair's first channel and its partner
-        second_ch = 2 * half + 1
-    else:
-        first_ch = half
-        second_ch = half + ROT_HALF
-    freq = tl.load(INV_FREQ + half, mask=half_ok, other=0.0).to(tl.float32)  # [HALF]
+    half_ok, first_ch, second_ch, freq = rope_pairs(INV_FREQ, ROT_HALF, HALF_P2, INTERLEAVED)  # [HALF] each
     cos, sin = rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS, FAST_TRIG, stride_pb, stride_pn)  # [ROWS, HALF]
     tail = 2 * ROT_HALF + tl.arange(0, TAIL_P2)  # [TAIL] channels that are not rotated
     tail_ok = tail < HEAD_DIM
@@ -132,12 +124,7 @@ def unrotate_launch(
     if out.numel() == 0:
         return out
     rot_half = inv_freq.shape[0]
-    if positions is None:
-        stride_pb = stride_pn = 0
-    elif positions.dim() == 1:
-        stride_pb, stride_pn = 0, positions.stride(0)
-    else:
-        stride_pb, stride_pn = positions.stride()
+    stride_pb, stride_pn = position_strides(positions)
     _unrotate_kernel[(triton.cdiv(N, ROWS), B, triton.cdiv(H, HEADS_PER_PROGRAM))](
         x,
         inv_freq,
