@@ -507,18 +507,20 @@ class SparseAttention(nn.Module):
                 qbar, kbar = pooled
                 # the token indexer's sampled distillation scores its few query blocks apart (with gradients);
                 # the selection's scores over every block then need none (the winners' bookkeeping costs more
-                # than the scores)
+                # than the scores), and a call that does not select (a checkpoint recompute replaying its
+                # selection) none at all
                 scores_apart = distill_now and cfg.selector == "token" and self._distill_mode(path) == "sampled"
-                with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now and not scores_apart):
-                    scores = self.scorer(
-                        qbar,
-                        kbar,
-                        scale,
-                        geometry,
-                        query_blocks=query_blocks,
-                        seq_lens=seq_lens,
-                        document_ids=document_ids,
-                    )
+                if need_selection or not scores_apart:
+                    with torch.set_grad_enabled(torch.is_grad_enabled() and distill_now and not scores_apart):
+                        scores = self.scorer(
+                            qbar,
+                            kbar,
+                            scale,
+                            geometry,
+                            query_blocks=query_blocks,
+                            seq_lens=seq_lens,
+                            document_ids=document_ids,
+                        )
             if need_selection:
                 candidates = selection_candidates(
                     scores,

@@ -394,6 +394,41 @@ def test_recompute_reuses_the_first_forwards_pooled_inputs(distill, monkeypatch)
     assert len(calls) == 1, calls
 
 
+@pytest.mark.parametrize("selector_distill", ["block", "token"])
+def test_token_selector_recompute_scores_only_what_its_loss_needs(selector_distill):
+    """The token selector's sampled distillation scores its few query blocks apart: a checkpoint recompute, which
+    replays the selection, scores no other block (the full scores only serve a selection), and its gradients
+    (inputs and selector) equal the plain run's."""
+    grads = {}
+    for checkpointed in (False, True):
+        module = make(selector="token", selector_distill=selector_distill, distill="sampled", distill_query_blocks=2)
+        calls = []
+        original = type(module.scorer).forward
+
+        def counted(self, *args, _original=original, **kwargs):
+            calls.append(torch.is_grad_enabled())
+            return _original(self, *args, **kwargs)
+
+        q, k, v, w = inputs()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(type(module.scorer), "forward", counted)
+            run = layer(module)
+            out = checkpoint(run, q, k, v, use_reentrant=False) if checkpointed else run(q, k, v)
+            first = len(calls)
+            ((out * w).sum() + module.selector_loss).backward()
+        selector = [p.grad if p.grad is not None else torch.zeros_like(p) for p in module.scorer.parameters()]
+        grads[checkpointed] = [t.grad for t in (q, k, v)] + selector
+        if checkpointed:
+            assert module.stats()["replay/hits"] == 1
+            # first forward: every block without gradients (the selection), and with block-level KL the sampled
+            # blocks with them; the recompute: the sampled blocks again only where the loss needs their graph
+            assert calls[:first] == ([False, True] if selector_distill == "block" else [False]), calls
+            assert calls[first:] == ([True] if selector_distill == "block" else []), calls
+    assert any(g.abs().sum() > 0 for g in grads[False][3:]), "the selector must receive a gradient"
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
 def test_scoring_listed_query_blocks_equals_the_rows_of_every_blocks_scores():
     """Scoring only some query blocks (``BlockScorer(..., query_blocks=rows)``, what a context-parallel rank
     does with its own blocks): values and parameter gradients, distance bias included, equal those of scoring
