@@ -466,11 +466,11 @@ class SparseAttention(nn.Module):
             path, reason, index, plan = record.path, record.reason, record.index, record.plan
             backend, dropout_seed, distill_now = record.backend, record.dropout_seed, record.distilled
             distill_blocks, distill_target = record.distill_blocks, record.distill_target
-            document_ids, pooled = record.document_ids, record.pooled
+            document_ids, pooled, distill_queries = record.document_ids, record.pooled, record.distill_queries
         else:
             path, reason = self._choose_path(geometry, update_state=first_pass)
             index = plan = backend = pooled = None
-            dropout_seed = distill_blocks = distill_target = None
+            dropout_seed = distill_blocks = distill_target = distill_queries = None
             distill_now = self._distills_now(first_pass, reentrant=checkpoint_node is not None)
         metrics_now = (
             first_pass
@@ -626,10 +626,14 @@ class SparseAttention(nn.Module):
                     # on every rank
                     distill_blocks = self._draw_distill_blocks(geometry, device)
                 row_scores = None
+                if cfg.selector == "token" and mode == "sampled" and distill_queries is None:
+                    # the indexer's query inputs of the sampled blocks: all its loss reads of the queries, and all
+                    # a checkpoint record keeps of them
+                    distill_queries = self.scorer.query_rows(pooled[0], distill_blocks.to(device), cfg.block_q)
                 if cfg.selector == "token" and mode == "sampled" and cfg.selector_distill == "token":
                     loss = self._mean_kl(
                         *self.scorer.token_distillation_loss(
-                            pooled[0],
+                            distill_queries,
                             pooled[1],
                             q,
                             k,
@@ -643,9 +647,14 @@ class SparseAttention(nn.Module):
                 elif cfg.selector == "token" and mode == "sampled":
 
                     def row_scores(rows: Tensor) -> Tensor:
-                        rows_q = self.scorer.query_rows(pooled[0], rows, cfg.block_q)
                         return self.scorer(
-                            rows_q, pooled[1], scale, geometry, rows, seq_lens=seq_lens, document_ids=document_ids
+                            distill_queries,
+                            pooled[1],
+                            scale,
+                            geometry,
+                            rows,
+                            seq_lens=seq_lens,
+                            document_ids=document_ids,
                         )
 
                 if loss is None:
@@ -698,7 +707,9 @@ class SparseAttention(nn.Module):
                         distilled=redistill,
                         distill_blocks=distill_blocks if redistill else None,
                         distill_target=distill_target if redistill else None,
-                        pooled=pooled if redistill else None,
+                        # the token selector's sampled distillation reads the queries of its blocks only
+                        pooled=(pooled if distill_queries is None else (None, pooled[1])) if redistill else None,
+                        distill_queries=distill_queries if redistill else None,
                         document_ids=document_ids,
                     ),
                     anchors=[o, scores] if in_graph else [],

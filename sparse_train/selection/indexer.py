@@ -268,7 +268,7 @@ class TokenIndexer(nn.Module):
 
     def token_distillation_loss(
         self,
-        q_index: Tensor,
+        q_index_rows: Tensor,
         k_index: Tensor,
         q: Tensor,
         k: Tensor,
@@ -285,7 +285,8 @@ class TokenIndexer(nn.Module):
         logits ``temperature * max_e u[r, e] . w[t]``. Returns the KL summed over the valid rows and their count
         (float32 scalars); gradients reach only this module's parameters.
 
-        ``q_index`` / ``k_index``: :meth:`pool`'s outputs; ``q`` ``[B, HQ, N, D]`` / ``k`` ``[B, HKV, N, D]``: the
+        ``q_index_rows``: :meth:`pool`'s queries at the rows of ``query_blocks`` (:meth:`query_rows`: ``[B, HQ, R * BQ,
+        D]`` block by block); ``k_index``: :meth:`pool`'s keys; ``q`` ``[B, HQ, N, D]`` / ``k`` ``[B, HKV, N, D]``: the
         attention's own (detached here). One query block at a time: memory O(HQ BQ N)."""
         batch, _, seq_len, dim = q.shape
         device = q.device
@@ -297,7 +298,7 @@ class TokenIndexer(nn.Module):
         )
         temperature = self._temperature(scale).view(1, -1, 1, 1)
         w = self._index_keys(k_index)
-        for block in query_blocks.to(device, torch.int64).unbind(0):
+        for listed, block in enumerate(query_blocks.to(device, torch.int64).unbind(0)):
             positions = block * block_q + torch.arange(block_q, device=device)
             rows = positions.clamp(max=seq_len - 1)
             valid = (positions < seq_len).view(1, -1, 1) & (rows.view(1, -1, 1) < limit.view(-1, 1, 1))  # [B, BQ, 1]
@@ -312,7 +313,7 @@ class TokenIndexer(nn.Module):
                 target = torch.nan_to_num(probs).amax(dim=2)  # [B, HKV, BQ, N]: max over the group's heads
                 target = target / target.sum(dim=-1, keepdim=True).clamp(min=1e-30)
             with torch.autocast(device.type, enabled=False):
-                u = self._index_queries(q_index[:, :, rows])
+                u = self._index_queries(q_index_rows[:, :, listed * block_q : (listed + 1) * block_q])
                 index_logits = torch.einsum("bhres,bhns->bhren", u, w).amax(dim=3).float() * temperature
                 log_p = torch.log_softmax(index_logits.masked_fill(~allowed, float("-inf")), dim=-1)
                 kl = torch.where(target > 0, target * (torch.log(target.clamp(min=1e-30)) - log_p), 0.0)

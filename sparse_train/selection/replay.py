@@ -129,7 +129,12 @@ class SelectionRecord:
     pooled: Any = None
     """``(qbar, kbar)``, the selector's pooled inputs of a first forward that distilled (pooled from detached q
     and k, so no gradient flows through them): the recompute scores from them rather than pooling again (same
-    q and k, so the same tensors; saves the two pooling kernels of every recomputed layer)."""
+    q and k, so the same tensors; saves the two pooling kernels of every recomputed layer). ``qbar`` is None
+    where ``distill_queries`` holds what the loss reads of it."""
+    distill_queries: Any = None
+    """The token indexer's query inputs of the sampled distillation blocks (``TokenIndexer.query_rows`` of
+    :meth:`~sparse_train.selection.indexer.TokenIndexer.pool`'s queries; ``pooled`` then keeps only the keys): all
+    its loss reads of the queries, a few blocks instead of the whole sequence."""
     document_ids: Any = None
     """The packed-document ids the first forward attended with (None without documents): the
     recompute masks with the same ones."""

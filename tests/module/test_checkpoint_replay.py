@@ -397,8 +397,8 @@ def test_recompute_reuses_the_first_forwards_pooled_inputs(distill, monkeypatch)
 @pytest.mark.parametrize("selector_distill", ["block", "token"])
 def test_token_selector_recompute_scores_only_what_its_loss_needs(selector_distill):
     """The token selector's sampled distillation scores its few query blocks apart: a checkpoint recompute, which
-    replays the selection, scores no other block (the full scores only serve a selection), and its gradients
-    (inputs and selector) equal the plain run's."""
+    replays the selection, scores no other block (the full scores only serve a selection), its record keeps the
+    indexer's queries of those blocks only, and its gradients (inputs and selector) equal the plain run's."""
     grads = {}
     for checkpointed in (False, True):
         module = make(selector="token", selector_distill=selector_distill, distill="sampled", distill_query_blocks=2)
@@ -415,6 +415,9 @@ def test_token_selector_recompute_scores_only_what_its_loss_needs(selector_disti
             run = layer(module)
             out = checkpoint(run, q, k, v, use_reentrant=False) if checkpointed else run(q, k, v)
             first = len(calls)
+            if checkpointed:  # the record keeps the indexer's queries of the two sampled blocks, not of all N rows
+                (record,) = module._replay.live_records()
+                assert record.pooled[0] is None and record.distill_queries.shape == (1, HQ, 2 * 16, D)
             ((out * w).sum() + module.selector_loss).backward()
         selector = [p.grad if p.grad is not None else torch.zeros_like(p) for p in module.scorer.parameters()]
         grads[checkpointed] = [t.grad for t in (q, k, v)] + selector

@@ -289,7 +289,15 @@ def test_token_distillation_loss_matches_brute_force():
     blocks = torch.tensor([4, 1])
     q_index, k_index = indexer.pool(q, k, block, block, seq_lens)
     total, count = indexer.token_distillation_loss(
-        q_index, k_index, q, k, blocks, 0.25, block, seq_lens=seq_lens, document_ids=documents
+        indexer.query_rows(q_index, blocks, block),
+        k_index,
+        q,
+        k,
+        blocks,
+        0.25,
+        block,
+        seq_lens=seq_lens,
+        document_ids=documents,
     )
     want_total, want_count = torch.zeros((), dtype=torch.float64), 0
     u, w = indexer._index_vectors(q_index, k_index)
