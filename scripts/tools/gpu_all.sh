@@ -21,6 +21,9 @@
 #                                                           # sampled
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
 #                                                           # then block-mass GPU tests, selector and step benchmarks
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh token       # the token selector against the pooled one at 64K: the
+#                                                           # selection and the 1.1B step with its dense twin
+#                                                           # (docs/benchmarks/selector_heldout)
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
 #                                                           # benchmark with its sustained (power-capped) column,
 #                                                           # then Nsight Compute over one forward + backward per
@@ -162,6 +165,22 @@ case "$phase" in
     kill "$clocks_pid"
     cp "$R"/step_*.json "$OUT"/ 2>/dev/null
     ;;
+  token)
+    # the token selector against the pooled one at 64K: the selection (CUDA-graph replay) and the 1.1B step with
+    # the dense twin; the tables of docs/benchmarks/selector_heldout/README.md
+    for s in token pooled; do
+      timeout 100 python3 -m scripts.bench.selector --selector "$s" --graph --out "$R/selection_64k_$s.json" \
+        > "$R/selection_64k_$s.log" 2>&1
+      echo "bench_selector $s rc=$?" >> "$R/selection_64k_$s.log"
+    done
+    timeout 240 python3 -m scripts.bench.step --contexts 65536 --variants sparse dense --repeats 4 --warmup 2 \
+      --out "$R/step_1p1b_64k_pooled_dense.json" > "$R/step_1p1b_64k_pooled_dense.log" 2>&1
+    echo "bench_step pooled_dense rc=$?" >> "$R/step_1p1b_64k_pooled_dense.log"
+    timeout 150 python3 -m scripts.bench.step --contexts 65536 --variants sparse --selector token --repeats 4 \
+      --warmup 2 --out "$R/step_1p1b_64k_token.json" > "$R/step_1p1b_64k_token.log" 2>&1
+    echo "bench_step token rc=$?" >> "$R/step_1p1b_64k_token.log"
+    cp "$R"/selection_64k_*.json "$R"/step_1p1b_64k_*.json "$OUT"/ 2>/dev/null
+    ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
 
@@ -171,6 +190,7 @@ cat "$R/env_$phase.txt"
 for f in "$R"/*.log; do echo "--- $(basename "$f")"; grep -E "rc=|passed|failed|Error|error:" "$f" | tail -n 6; done
 [ -f "$R/bench_selector.log" ] && tail -n 25 "$R/bench_selector.log"
 [ -f "$R/bench_step.log" ] && tail -n 15 "$R/bench_step.log"
+for f in "$R"/selection_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; sed -n 2,9p "$f"; }; done
 for f in "$R"/step_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -vE "^ {4}" "$f" | tail -n 6; }; done
 ls "$R"/bench_attention/*.md >/dev/null 2>&1 && head -n 20 "$R"/bench_attention/*.md
 for f in "$R"/bench_attention_d*/*.md; do [ -f "$f" ] && sed -n '/^| N | pattern | density/,$p' "$f" | head -n 40; done
