@@ -10,13 +10,13 @@ count and rank for the training stream, and the data facts the LightningModule r
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from ..tasks import (
     IGNORE_INDEX,
@@ -28,8 +28,9 @@ from ..tasks import (
     check_retrieval_args,
     default_corpus_root,
     read_byte_corpus,
+    sample_generator,
 )
-from ..validation import check_float, check_int, check_keys
+from ..validation import check_bool, check_float, check_int, check_keys
 from .context_parallel import data_parallel_rank
 
 # The task-side names stay importable from here (the path they had before sparse_train.tasks existed).
@@ -41,12 +42,83 @@ __all__ = [
     "CurriculumStage",
     "default_corpus_root",
     "IGNORE_INDEX",
+    "RowShards",
+    "skip_trained_rows",
 ]
 
 
 def _loader(dataset: Dataset, num_workers: int, **kwargs: Any) -> DataLoader:
     # Workers, when there are any, persist across epochs: no re-spawn for every validation run.
     return DataLoader(dataset, num_workers=num_workers, persistent_workers=num_workers > 0, **kwargs)
+
+
+class RowShards(Sampler[int]):
+    """The row indices rank ``rank`` of ``world_size`` reads, one epoch at a time.
+
+    Each epoch orders all rows (a permutation drawn from ``(seed, epoch)`` when ``shuffle``, else
+    ascending), drops the last ``num_rows % world_size`` of that order, and gives rank ``r`` the
+    positions ``r, r + world_size, ...``: the ranks' rows are disjoint, every rank gets
+    ``num_rows // world_size`` of them (DDP/FSDP need the same number of batches everywhere), and with a
+    shuffle the dropped rows change from epoch to epoch. Lightning calls :meth:`set_epoch`.
+    """
+
+    def __init__(self, num_rows: int, rank: int, world_size: int, seed: int = 0, shuffle: bool = True) -> None:
+        check_int("RowShards.world_size", world_size, minimum=1)
+        check_int("RowShards.rank", rank, minimum=0, maximum=world_size - 1)
+        check_int("RowShards.num_rows", num_rows, minimum=0)
+        if num_rows < world_size:
+            raise ValueError(
+                f"RowShards: {num_rows} rows cannot give each of {world_size} ranks a row; add "
+                f"documents, lower seq_len or use fewer devices"
+            )
+        self.num_rows, self.rank, self.world_size = num_rows, rank, world_size
+        self.seed = check_int("RowShards.seed", seed)
+        self.shuffle = check_bool("RowShards.shuffle", shuffle)
+        self.epoch = 0
+        self._skip: tuple[int, int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order :meth:`__iter__` yields."""
+        self.epoch = int(epoch)
+
+    def skip_in_epoch(self, epoch: int, count: int) -> None:
+        """Leave out the first ``count`` of this rank's rows the next time epoch ``epoch`` is iterated, once:
+        a run resumed in the middle of an epoch continues that epoch's order where it stopped, instead of
+        reading its first rows again; later epochs are whole."""
+        self._skip = (check_int("RowShards.epoch", epoch, minimum=0), check_int("RowShards.count", count, minimum=0))
+
+    def __len__(self) -> int:
+        return self.num_rows // self.world_size
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            order = torch.randperm(self.num_rows, generator=sample_generator(self.seed, self.epoch))
+        else:
+            order = torch.arange(self.num_rows)
+        kept = len(self) * self.world_size
+        rows = order[self.rank : kept : self.world_size].tolist()
+        if self._skip is not None and self._skip[0] == self.epoch:
+            rows, self._skip = rows[self._skip[1] :], None
+        return iter(rows)
+
+
+def skip_trained_rows(trainer: Any, loader: DataLoader, batch_size: int) -> None:
+    """On a resumed run (``trainer.global_step > 0``), make ``loader``'s :class:`RowShards` sampler leave out the rows
+    of the interrupted epoch that were trained before the checkpoint: Lightning restarts that epoch's loader from
+    its first batch. The step count says how many (every epoch has the same number of batches, fewer with
+    ``limit_train_batches``, as Lightning counts them)."""
+    if trainer is None or getattr(trainer, "global_step", 0) <= 0:
+        return
+    per_epoch = len(loader)
+    limit = getattr(trainer, "limit_train_batches", 1.0)
+    if isinstance(limit, int):
+        per_epoch = min(per_epoch, limit)
+    elif isinstance(limit, float) and limit < 1.0:
+        per_epoch = int(per_epoch * limit)
+    accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1)))
+    done = trainer.global_step * accumulate
+    if per_epoch > 0:
+        loader.sampler.skip_in_epoch(done // per_epoch, (done % per_epoch) * batch_size)
 
 
 class RetrievalDataModule(LightningDataModule):
@@ -271,11 +343,16 @@ class ByteLMDataModule(LightningDataModule):
         crops = ByteCrops(self.train_bytes, self.hparams.seq_len, self.hparams.seed, self.hparams.train_samples)
         rank, world = data_parallel_rank(self.trainer)  # the ranks of a context-parallel group share rows
         connector = getattr(self.trainer, "_accelerator_connector", None)
-        if world > 1 and not getattr(connector, "use_distributed_sampler", True):
-            # Without Lightning's sampler (context parallelism refuses it) every rank would read every crop;
-            # replica r takes crops r, r + world, ..., the same number on every replica (DDP steps together).
-            crops = Subset(crops, range(rank, len(crops) // world * world, world))
-        return _loader(crops, self.hparams.num_workers, batch_size=self.hparams.batch_size)
+        if world > 1 and getattr(connector, "use_distributed_sampler", True):
+            # Lightning's distributed sampler shards the crops (a resumed run reads its epoch from the start)
+            return _loader(crops, self.hparams.num_workers, batch_size=self.hparams.batch_size)
+        # one process, or replicas without Lightning's sampler (context parallelism refuses it): replica r takes
+        # crops r, r + world, ..., the same number on every replica (DDP steps together); a resumed run continues
+        # the interrupted epoch's crops where it stopped
+        sampler = RowShards(len(crops), rank, world, seed=self.hparams.seed, shuffle=False)
+        loader = _loader(crops, self.hparams.num_workers, batch_size=self.hparams.batch_size, sampler=sampler)
+        skip_trained_rows(self.trainer, loader, self.hparams.batch_size)
+        return loader
 
     def val_dataloader(self) -> DataLoader:
         return self._crops_loader(self.val_bytes, self.hparams.seed + 1, self.hparams.val_samples)

@@ -42,12 +42,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
-from ..tasks import IGNORE_INDEX, sample_generator
+from ..tasks import IGNORE_INDEX
 from ..validation import check_bool, check_float, check_int
 from .context_parallel import data_parallel_rank
-from .data import _loader
+from .data import RowShards, _loader, skip_trained_rows
 
 __all__ = [
     "TextDataModule",
@@ -274,56 +274,6 @@ class PackedRows(Dataset):
         return {"tokens": tokens, "labels": labels, "document_ids": document_ids, "position_ids": position_ids}
 
 
-class RowShards(Sampler[int]):
-    """The row indices rank ``rank`` of ``world_size`` reads, one epoch at a time.
-
-    Each epoch orders all rows (a permutation drawn from ``(seed, epoch)`` when ``shuffle``, else
-    ascending), drops the last ``num_rows % world_size`` of that order, and gives rank ``r`` the
-    positions ``r, r + world_size, ...``: the ranks' rows are disjoint, every rank gets
-    ``num_rows // world_size`` of them (DDP/FSDP need the same number of batches everywhere), and with a
-    shuffle the dropped rows change from epoch to epoch. Lightning calls :meth:`set_epoch`.
-    """
-
-    def __init__(self, num_rows: int, rank: int, world_size: int, seed: int = 0, shuffle: bool = True) -> None:
-        check_int("RowShards.world_size", world_size, minimum=1)
-        check_int("RowShards.rank", rank, minimum=0, maximum=world_size - 1)
-        check_int("RowShards.num_rows", num_rows, minimum=0)
-        if num_rows < world_size:
-            raise ValueError(
-                f"RowShards: {num_rows} rows cannot give each of {world_size} ranks a row; add "
-                f"documents, lower seq_len or use fewer devices"
-            )
-        self.num_rows, self.rank, self.world_size = num_rows, rank, world_size
-        self.seed = check_int("RowShards.seed", seed)
-        self.shuffle = check_bool("RowShards.shuffle", shuffle)
-        self.epoch = 0
-        self._skip: tuple[int, int] | None = None
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order :meth:`__iter__` yields."""
-        self.epoch = int(epoch)
-
-    def skip_in_epoch(self, epoch: int, count: int) -> None:
-        """Leave out the first ``count`` of this rank's rows the next time epoch ``epoch`` is iterated, once:
-        a run resumed in the middle of an epoch continues that epoch's order where it stopped, instead of
-        reading its first rows again; later epochs are whole."""
-        self._skip = (check_int("RowShards.epoch", epoch, minimum=0), check_int("RowShards.count", count, minimum=0))
-
-    def __len__(self) -> int:
-        return self.num_rows // self.world_size
-
-    def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            order = torch.randperm(self.num_rows, generator=sample_generator(self.seed, self.epoch))
-        else:
-            order = torch.arange(self.num_rows)
-        kept = len(self) * self.world_size
-        rows = order[self.rank : kept : self.world_size].tolist()
-        if self._skip is not None and self._skip[0] == self.epoch:
-            rows, self._skip = rows[self._skip[1] :], None
-        return iter(rows)
-
-
 class TextDataModule(LightningDataModule):
     """Causal-LM fine-tuning data: local text / JSONL files, a local Hugging Face tokenizer, documents packed
     into rows of ``seq_len`` tokens with document ids and restarting position ids (see the module
@@ -499,21 +449,7 @@ class TextDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup()
         loader = self._sharded_loader(self.train_rows, self.hparams.batch_size, self.hparams.shuffle)
-        trainer = self.trainer
-        if trainer is not None and getattr(trainer, "global_step", 0) > 0:
-            # A resumed run: Lightning restarts the interrupted epoch's loader from its first batch, so the
-            # rows read before the checkpoint are skipped here (the step count says how many; every epoch
-            # has the same number of batches, fewer with limit_train_batches, as Lightning counts them).
-            per_epoch = len(loader)
-            limit = getattr(trainer, "limit_train_batches", 1.0)
-            if isinstance(limit, int):
-                per_epoch = min(per_epoch, limit)
-            elif isinstance(limit, float) and limit < 1.0:
-                per_epoch = int(per_epoch * limit)
-            accumulate = max(1, int(getattr(trainer, "accumulate_grad_batches", 1)))
-            done = trainer.global_step * accumulate
-            if per_epoch > 0:
-                loader.sampler.skip_in_epoch(done // per_epoch, (done % per_epoch) * self.hparams.batch_size)
+        skip_trained_rows(self.trainer, loader, self.hparams.batch_size)
         return loader
 
     def val_dataloader(self) -> DataLoader | list:
