@@ -266,7 +266,8 @@ class ByteLMDataModule(LightningDataModule):
     Files are split into train and validation by a hash of their path, so the validation text is never
     seen in training. With no ``paths`` the corpus is the Python standard library's ``.py`` sources.
     Several ranks without Lightning's distributed sampler (``--cp``) split the training crops by
-    data-parallel replica; every replica evaluates the whole validation set.
+    data-parallel replica; every replica evaluates the whole validation set. A run resumed in the middle of an
+    epoch continues that epoch's crops (under Lightning's distributed sampler the epoch starts over).
 
     Args:
         paths: Files or directories to read (directories are searched recursively with ``pattern``);
