@@ -120,7 +120,7 @@ def test_byte_lm_split_and_determinism(tmp_path):
 def test_byte_lm_mid_epoch_resume_continues_the_crop_stream(tmp_path, fork_step):
     """A byte-LM run stopped in the middle of an epoch of 7 batches (ForkPoint after 3 or 9 steps) and resumed to
     step 10 equals 10 steps straight: the resumed loader continues the interrupted epoch's crops where it stopped
-    (it does not read that epoch's first crops again), and the next epoch is whole. Failed before the fix."""
+    (it does not read that epoch's first crops again), and the next epoch is whole."""
     from lightning.pytorch import Trainer
 
     from sparse_train.lightning import ForkPoint

@@ -462,7 +462,7 @@ def test_vocabulary_larger_than_the_model_is_refused(corpus, tmp_path):
 def test_mid_epoch_resume_continues_the_epoch_order(corpus, tokenizer_dir, tmp_path, fork_step):
     """A run stopped in the middle of an epoch of 7 batches (ForkPoint after 3 or 9 steps) and resumed to
     step 10 equals 10 steps straight: the resumed loader continues the interrupted epoch's row order where
-    it stopped (it does not start that epoch over), and the next epoch is whole. Failed before the fix."""
+    it stopped (it does not start that epoch over), and the next epoch is whole."""
     from lightning.pytorch import Trainer
 
     from sparse_train.lightning import ForkPoint, SparseLMModule, TransformerConfig
