@@ -21,7 +21,9 @@ key blocks, so the launch ends on short programs); the u tile is loaded
 once (in ROW_TILE-row slices when ROWS exceeds the option's row tile: then the later slices are reloaded per
 key step); the program walks the key blocks from the first that can share a document with the block's first
 row (a binary search over the non-decreasing document ids) to the last the block's last valid row reaches,
-KEY_BLOCKS key blocks per step: one ``tl.dot`` [ROWS, S] x [S, KEY_BLOCKS * BK], the mask only on blocks that
+KEY_BLOCKS key blocks per step: one ``tl.dot`` of the step's keys and the block's rows, [KEYS, S] x [S, ROWS]
+(``KEYS_MAJOR``, the default: the max over rows stays in each thread's accumulator) or [ROWS, S] x [S, KEYS],
+KEYS = KEY_BLOCKS * BK, the mask only on blocks that
 need it (causal edge, sequence end, padding rows, two documents), a max over rows then over each block's keys
 (with the winner's row * E + e and key position when autograd needs them: ``WITH_WINNER``); the columns outside
 the walked range are stored as -inf; (2) the launcher ``index_block_scores_launch``; (3) the autograd op
