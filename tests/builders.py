@@ -287,3 +287,41 @@ def load_script(name: str):
     """The tool ``scripts/tools/<name>.py``, imported as the package module ``scripts.tools.<name>`` (the tests run
     from the repository root, ``python -m pytest``, which puts it on the path)."""
     return importlib.import_module(f"scripts.tools.{name}")
+
+
+def assert_mid_epoch_resume_equals_straight(make_datamodule, tmp_path, fork_step: int, max_steps: int = 10) -> None:
+    """A tiny dense LM trained ``max_steps`` straight on ``make_datamodule()`` equals the same run stopped after
+    ``fork_step`` steps (a ``ForkPoint`` checkpoint) and resumed from there, weight for weight."""
+    from lightning.pytorch import Trainer
+
+    from sparse_train.lightning import ForkPoint, SparseLMModule, TransformerConfig
+
+    def fit(callbacks, ckpt_path=None):
+        torch.manual_seed(0)
+        dm = make_datamodule()
+        vocab = dm.vocab_size
+        module = SparseLMModule(
+            TransformerConfig(vocab_size=vocab, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, attention="dense"),
+            warmup_steps=1,
+        )
+        trainer = Trainer(
+            max_steps=max_steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            num_sanity_val_steps=0,
+            limit_val_batches=0,
+            accelerator="cpu",
+            callbacks=callbacks,
+            default_root_dir=tmp_path,
+        )
+        trainer.fit(module, dm, ckpt_path=ckpt_path, weights_only=False)
+        return module, trainer
+
+    straight, _ = fit([])
+    fork = str(tmp_path / f"at{fork_step}.ckpt")
+    fit([ForkPoint(fork_step, fork)])
+    resumed, trainer = fit([], ckpt_path=fork)
+    assert trainer.global_step == max_steps
+    for key, value in straight.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[key]), f"the resumed run diverged at {key}"

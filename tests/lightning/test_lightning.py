@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from builders import load_script
+from builders import assert_mid_epoch_resume_equals_straight, load_script
 
 import sparse_train as st
 from sparse_train import cli
@@ -121,45 +121,17 @@ def test_byte_lm_mid_epoch_resume_continues_the_crop_stream(tmp_path, fork_step)
     """A byte-LM run stopped in the middle of an epoch of 7 batches (ForkPoint after 3 or 9 steps) and resumed to
     step 10 equals 10 steps straight: the resumed loader continues the interrupted epoch's crops where it stopped
     (it does not read that epoch's first crops again), and the next epoch is whole."""
-    from lightning.pytorch import Trainer
-
-    from sparse_train.lightning import ForkPoint
-
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(20):
         (corpus / f"f{i}.txt").write_text(f"text {i} of the corpus. " * 40)
-
-    def fit(callbacks, ckpt_path=None):
-        torch.manual_seed(0)
-        module = SparseLMModule(
-            TransformerConfig(vocab_size=256, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, attention="dense"),
-            warmup_steps=1,
-        )
-        dm = ByteLMDataModule(
+    assert_mid_epoch_resume_equals_straight(
+        lambda: ByteLMDataModule(
             paths=[str(corpus)], pattern="*.txt", seq_len=16, batch_size=2, val_fraction=0.2, train_samples=14
-        )
-        trainer = Trainer(
-            max_steps=10,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            accelerator="cpu",
-            callbacks=callbacks,
-            default_root_dir=tmp_path,
-        )
-        trainer.fit(module, dm, ckpt_path=ckpt_path, weights_only=False)
-        return module, trainer
-
-    straight, _ = fit([])
-    fork = str(tmp_path / f"at{fork_step}.ckpt")
-    fit([ForkPoint(fork_step, fork)])
-    resumed, trainer = fit([], ckpt_path=fork)
-    assert trainer.global_step == 10
-    for key, value in straight.state_dict().items():
-        assert torch.equal(value, resumed.state_dict()[key]), f"the resumed run diverged at {key}"
+        ),
+        tmp_path,
+        fork_step,
+    )
 
 
 # ----------------------------------------------------------------------------------------- model

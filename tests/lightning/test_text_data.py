@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from builders import save_tiny_tokenizer, write_tiny_corpus  # noqa: E402
+from builders import assert_mid_epoch_resume_equals_straight, save_tiny_tokenizer, write_tiny_corpus  # noqa: E402
 
 from sparse_train.lightning.text_data import (  # noqa: E402
     PackedRows,
@@ -463,40 +463,13 @@ def test_mid_epoch_resume_continues_the_epoch_order(corpus, tokenizer_dir, tmp_p
     """A run stopped in the middle of an epoch of 7 batches (ForkPoint after 3 or 9 steps) and resumed to
     step 10 equals 10 steps straight: the resumed loader continues the interrupted epoch's row order where
     it stopped (it does not start that epoch over), and the next epoch is whole."""
-    from lightning.pytorch import Trainer
-
-    from sparse_train.lightning import ForkPoint, SparseLMModule, TransformerConfig
-
-    def fit(callbacks, ckpt_path=None):
-        torch.manual_seed(0)
-        module = SparseLMModule(
-            TransformerConfig(vocab_size=64, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, attention="dense"),
-            warmup_steps=1,
-        )
-        dm = TextDataModule(
+    assert_mid_epoch_resume_equals_straight(
+        lambda: TextDataModule(
             [str(corpus)], tokenizer_path=str(tokenizer_dir), seq_len=17, batch_size=2, val_fraction=0.2
-        )
-        trainer = Trainer(
-            max_steps=10,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            accelerator="cpu",
-            callbacks=callbacks,
-            default_root_dir=tmp_path,
-        )
-        trainer.fit(module, dm, ckpt_path=ckpt_path, weights_only=False)
-        return module, trainer
-
-    straight, _ = fit([])
-    fork = str(tmp_path / f"at{fork_step}.ckpt")
-    fit([ForkPoint(fork_step, fork)])
-    resumed, trainer = fit([], ckpt_path=fork)
-    assert trainer.global_step == 10
-    for key, value in straight.state_dict().items():
-        assert torch.equal(value, resumed.state_dict()[key]), f"the resumed run diverged at {key}"
+        ),
+        tmp_path,
+        fork_step,
+    )
 
 
 def test_row_shards_skip_once_in_the_named_epoch():
