@@ -91,15 +91,14 @@ class RowShards(Sampler[int]):
         return self.num_rows // self.world_size
 
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            order = torch.randperm(self.num_rows, generator=sample_generator(self.seed, self.epoch))
-        else:
-            order = torch.arange(self.num_rows)
-        kept = len(self) * self.world_size
-        rows = order[self.rank : kept : self.world_size].tolist()
+        skip = 0
         if self._skip is not None and self._skip[0] == self.epoch:
-            rows, self._skip = rows[self._skip[1] :], None
-        return iter(rows)
+            skip, self._skip = self._skip[1], None
+        kept = len(self) * self.world_size
+        if not self.shuffle:  # ascending: a range, however many rows (a byte-LM stream has millions)
+            return iter(range(self.rank + skip * self.world_size, kept, self.world_size))
+        order = torch.randperm(self.num_rows, generator=sample_generator(self.seed, self.epoch))
+        return iter(order[self.rank : kept : self.world_size][skip:].tolist())
 
 
 def skip_trained_rows(trainer: Any, loader: DataLoader, batch_size: int) -> None:

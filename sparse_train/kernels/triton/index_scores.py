@@ -274,7 +274,8 @@ def _block_step(
     needs_mask = (key_first + KEYS - 1 > q_first) | (q_first + BLOCK_Q > seqlen) | padded_rows
     if HAS_DOCS:
         needs_mask = needs_mask | (tl.load(docs_row + key_first) != doc_q_last)
-    ROW_AXIS: tl.constexpr = 1 if KEYS_MAJOR else 0
+    ROW_AXIS: tl.constexpr = 1 if KEYS_MAJOR else 0  # the axis of s that holds the block's rows
+    KEY_AXIS: tl.constexpr = 1 - ROW_AXIS
     best = tl.full([KEYS], float("-inf"), tl.float32)
     best_m = tl.zeros([KEYS], tl.int32)
     for sl in tl.static_range(ROW_SLICES):
@@ -300,20 +301,15 @@ def _block_step(
         if KEYS_MAJOR:
             # keys on the product's M axis: the max over rows runs along each thread's own accumulator columns
             s = dot(w, tl.trans(u), IEEE)  # [KEYS, ROW_TILE] float32
-            if needs_mask:
-                ok = row_ok[None, :] & (kpos[:, None] <= pos[None, :])
-                if HAS_DOCS:
-                    doc_r = tl.load(docs_row + pos.to(tl.int64), mask=row_ok, other=-2)
-                    ok = ok & (doc_r[None, :] == doc_k[:, None])
-                s = tl.where(ok, s, float("-inf"))
         else:
             s = dot(u, tl.trans(w), IEEE)  # [ROW_TILE, KEYS] float32
-            if needs_mask:
-                ok = row_ok[:, None] & (kpos[None, :] <= pos[:, None])
-                if HAS_DOCS:
-                    doc_r = tl.load(docs_row + pos.to(tl.int64), mask=row_ok, other=-2)
-                    ok = ok & (doc_r[:, None] == doc_k[None, :])
-                s = tl.where(ok, s, float("-inf"))
+        if needs_mask:
+            # per-row vectors spread along the row axis of s, per-key vectors along the other
+            ok = tl.expand_dims(row_ok, KEY_AXIS) & (tl.expand_dims(kpos, ROW_AXIS) <= tl.expand_dims(pos, KEY_AXIS))
+            if HAS_DOCS:
+                doc_r = tl.load(docs_row + pos.to(tl.int64), mask=row_ok, other=-2)
+                ok = ok & (tl.expand_dims(doc_r, KEY_AXIS) == tl.expand_dims(doc_k, ROW_AXIS))
+            s = tl.where(ok, s, float("-inf"))
         if WITH_WINNER:
             col, col_m = tl.max(s, axis=ROW_AXIS, return_indices=True)  # [KEYS]: best row of each key
             col_m = col_m + sl * ROW_TILE

@@ -87,23 +87,23 @@ def _unrotate_kernel(
     cos, sin = rope_cos_sin(POS, b64, rows, row_ok, freq, HAS_POS, FAST_TRIG, stride_pb, stride_pn)  # [ROWS, HALF]
     tail = 2 * ROT_HALF + tl.arange(0, TAIL_P2)  # [TAIL] channels that are not rotated
     tail_ok = tail < HEAD_DIM
+    pair_load = row_ok[:, None] & half_ok[None, :]  # [ROWS, HALF]
+    pair_store = row_in[:, None] & half_ok[None, :]
+    tail_load = row_ok[:, None] & tail_ok[None, :]  # [ROWS, TAIL]
+    tail_store = row_in[:, None] & tail_ok[None, :]
     for i in range(0, tl.minimum(HEADS_PER_PROGRAM, H - head_first)):
         head64 = (head_first + i).to(tl.int64)
         x_rows = X + b64 * stride_xb + head64 * stride_xh + rows64[:, None] * stride_xn  # [ROWS, 1]
         out_rows = OUT + ((b64 * H + head64) * N + rows64[:, None]) * HEAD_DIM  # [ROWS, 1] contiguous output
-        pair_mask = row_ok[:, None] & half_ok[None, :]
-        store_mask = row_in[:, None] & half_ok[None, :]
-        x_1 = tl.load(x_rows + first_ch[None, :].to(tl.int64) * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
-        x_2 = tl.load(x_rows + second_ch[None, :].to(tl.int64) * stride_xd, mask=pair_mask, other=0.0).to(tl.float32)
+        x_1 = tl.load(x_rows + first_ch[None, :].to(tl.int64) * stride_xd, mask=pair_load, other=0.0).to(tl.float32)
+        x_2 = tl.load(x_rows + second_ch[None, :].to(tl.int64) * stride_xd, mask=pair_load, other=0.0).to(tl.float32)
         turned_1 = x_1 * cos + x_2 * sin  # [ROWS, HALF]
         turned_2 = x_2 * cos - x_1 * sin
-        tl.store(out_rows + first_ch[None, :], turned_1.to(OUT.dtype.element_ty), mask=store_mask)
-        tl.store(out_rows + second_ch[None, :], turned_2.to(OUT.dtype.element_ty), mask=store_mask)
+        tl.store(out_rows + first_ch[None, :], turned_1.to(OUT.dtype.element_ty), mask=pair_store)
+        tl.store(out_rows + second_ch[None, :], turned_2.to(OUT.dtype.element_ty), mask=pair_store)
         if TAIL > 0:
-            x_t = tl.load(
-                x_rows + tail[None, :].to(tl.int64) * stride_xd, mask=row_ok[:, None] & tail_ok[None, :], other=0.0
-            )  # [ROWS, TAIL]
-            tl.store(out_rows + tail[None, :], x_t.to(OUT.dtype.element_ty), mask=row_in[:, None] & tail_ok[None, :])
+            x_t = tl.load(x_rows + tail[None, :].to(tl.int64) * stride_xd, mask=tail_load, other=0.0)  # [ROWS, TAIL]
+            tl.store(out_rows + tail[None, :], x_t.to(OUT.dtype.element_ty), mask=tail_store)
 
 
 # ----------------------------------------------------------------------------------------------
