@@ -304,7 +304,7 @@ def document_sink_candidates(document_ids: Tensor, sinks: int, *, seq_len: int, 
     each list clipped to the key blocks holding tokens of that document and to the causally reachable
     blocks. A document starting inside the block starts in one of the block's own key blocks, so those
     sinks are found among the ``(BQ - 1) // BK + 2`` key blocks the query block overlaps: the width S
-    is ``sinks`` plus that number (fixed by the geometry, no host sync).
+    is ``min(sinks, NKB)`` plus that number (fixed by the geometry, no host sync).
 
     Args:
         document_ids: integer ``[B, N]``, non-decreasing along N. sinks: an int >= 1.
@@ -314,6 +314,7 @@ def document_sink_candidates(document_ids: Tensor, sinks: int, *, seq_len: int, 
     ids = document_ids.to(torch.int64)
     num_q_blocks = math.ceil(seq_len / block_q)
     num_k_blocks = math.ceil(seq_len / block_k)
+    sinks = min(sinks, num_k_blocks)  # more sinks than key blocks are every block
     pos = torch.arange(seq_len, device=device)
     starts = torch.ones_like(ids, dtype=torch.bool)
     starts[:, 1:] = ids[:, 1:] != ids[:, :-1]

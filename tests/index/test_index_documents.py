@@ -102,6 +102,22 @@ def test_hand_made_sinks_are_per_document_and_stay_inside_the_document():
     assert rows == [[0], [0, 1], [0, 1, 2], [2, 3], [2, 3], [2, 3], [2, 3], [2, 3]]
 
 
+def test_more_sinks_than_key_blocks_are_every_block_without_a_sink_per_count():
+    """sinks far past the key-block count select what sinks = NKB selects, without an arange of ``sinks`` entries
+    (10**9 sinks asked for 8 GB)."""
+    ids = ids_from_lengths([9, 23])
+    empty = torch.full((1, 1, 8, 0), -1)
+    rows = {}
+    for sinks in (8, 10**9):
+        idx = st.BlockIndex.from_selection(empty, seq_len=32, block_q=4, block_k=4, sinks=sinks, document_ids=ids)
+        rows[sinks] = [idx.indices[0, 0, i, : idx.counts[0, 0, i]].tolist() for i in range(8)]
+    assert rows[10**9] == rows[8]
+    # every causal block of the query block's documents
+    assert rows[8] == [[0], [0, 1], [0, 1, 2], [2, 3], [2, 3, 4], [2, 3, 4, 5], [2, 3, 4, 5, 6], [2, 3, 4, 5, 6, 7]]
+    sinks = st.index.document_sink_candidates(ids, 10**9, seq_len=32, block_q=4, block_k=4)
+    assert sinks.shape[-1] <= 8 + (4 - 1) // 4 + 2
+
+
 def test_documents_shorter_than_a_block_and_bq_larger_than_bk():
     # query blocks of 8 over key blocks of 4; documents of 1-3 tokens start inside the query blocks
     ids = ids_from_lengths([2, 1, 3, 5, 1, 2, 6])  # N = 20
