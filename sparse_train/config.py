@@ -116,6 +116,16 @@ class SparseAttentionConfig:
     over keys (max over the GQA group's heads, renormalised), a KL per row. The token-level loss reaches every key's
     index vector, where the block loss reaches only each block pair's winning (row, key)."""
 
+    selector_candidates: int | None = None
+    """``"token"`` selector trained by ``selector_distill="token"`` (``distill`` ``"sampled"`` or ``"off"``) only.
+    ``None``: every causal block pair gets its exact
+    token score. An int C >= ``top_k``: each query block ranks its dynamic key blocks (causal, neither window nor
+    sink) by an upper bound of their token score (per row, the index query against the element-wise max and min
+    of the block's index keys: BQ products of width 2S per pair instead of BQ x BK of width S), and only the C best
+    bounded get their exact score; top-k picks among those
+    (:mod:`sparse_train.selection.candidates`). The block-level KLs need every pair's score, hence the
+    requirements. Both steps run as PyTorch ops (no fused kernel)."""
+
     selector_rope_style: str = "rotate_half"
     """RoPE convention of the q and k this layer receives, for the selector's un-rotation
     (``selector_rope_theta`` or ``SparseAttention.set_rope``): ``"rotate_half"`` turns channel pairs
@@ -304,6 +314,19 @@ class SparseAttentionConfig:
         _check_choice(self, "key_pooling", KEY_POOLINGS)
         _check_choice(self, "query_pooling", QUERY_POOLINGS)
         _check_choice(self, "index_check", INDEX_CHECKS)
+        _check_int(self, "selector_candidates", minimum=1, optional=True)
+        if self.selector_candidates is not None:
+            if self.selector != "token" or self.selector_distill != "token" or self.distill not in ("sampled", "off"):
+                raise ValueError(
+                    "SparseAttentionConfig.selector_candidates needs selector='token', selector_distill='token' and "
+                    "distill 'sampled' or 'off' (the block-level KLs score every pair), got "
+                    f"selector={self.selector!r}, selector_distill={self.selector_distill!r}, distill={self.distill!r}"
+                )
+            if self.selector_candidates < self.top_k:
+                raise ValueError(
+                    f"SparseAttentionConfig.selector_candidates={self.selector_candidates} must be >= "
+                    f"top_k={self.top_k} (top-k picks among the candidates)"
+                )
         _check_float(self, "dense_enter_density", minimum=0.0, maximum=1.0)
         _check_float(self, "dense_exit_density", minimum=0.0, maximum=1.0)
         lo, hi = self.dense_exit_density, self.dense_enter_density

@@ -33,6 +33,7 @@ CONFIG_INT_FIELDS = [
     "sinks",
     "selector_dim",
     "selector_index_heads",
+    "selector_candidates",
     "distill_every",
     "distill_query_rows",
     "distill_query_blocks",

@@ -981,6 +981,7 @@ def config_ends(kernel: bool) -> dict:
         "selector_dim": (1, 8),
         "selector_index_heads": (1, 2),
         "selector_distill": ("block", "token"),
+        "selector_candidates": (None, 1, BIG),
         "selector_rope_style": ("rotate_half", "interleaved"),
         "key_pooling": ("mean", "mean_max"),
         "query_pooling": ("mean", "mean_max"),
@@ -1025,6 +1026,12 @@ def config_fields(backend: str, fields: dict) -> dict:
         fields["window"] = 1
     if fields.get("distill_query_rows") == "block_q":
         fields["distill_query_rows"] = fields["block_q"]
+    if fields.get("selector_candidates") is not None:
+        # candidates score only for the token selector trained at token level, and at least top_k of them
+        fields.update(selector="token", selector_distill="token")
+        fields["selector_candidates"] = max(fields["selector_candidates"], fields["top_k"])
+        if fields.get("distill") in ("sparse", "dense"):
+            fields["distill"] = "sampled"
     if fields.get("selector") == "token":
         fields["block_q"], fields["block_k"] = max(fields["block_q"], 16), max(fields["block_k"], 16)
     if fields.get("deterministic") and isinstance(fields.get("kernel_options"), dict):
@@ -1284,6 +1291,7 @@ CONFIG_PAST_ENDS = {
     "top_p-past-1": ("SparseAttentionConfig.top_p", {"top_p": math.nextafter(1.0, 2.0)}),
     "selector_dim=0": ("SparseAttentionConfig.selector_dim", {"selector_dim": 0}),
     "selector_index_heads=0": ("SparseAttentionConfig.selector_index_heads", {"selector_index_heads": 0}),
+    "selector_candidates=0": ("SparseAttentionConfig.selector_candidates", {"selector_candidates": 0}),
     "selector_lr_multiplier-below-2**-100": (
         "SparseAttentionConfig.selector_lr_multiplier",
         {"selector_lr_multiplier": math.nextafter(2.0**-100, 0.0)},

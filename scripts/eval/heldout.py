@@ -21,7 +21,8 @@ Modes (``MODES``): ``dense`` (causal SDPA), ``row_oracle`` (this runner's own: e
 ``st.SparseAttention`` with the keyword arguments of the table on top of the shared ones
 (:func:`sparse_kwargs`: 64-token blocks, ``top_k`` = the facts the family's question needs, window 1,
 sink 1, the model's RoPE base and convention, a dense warm-up of the short-row steps and
-``--warmup-fraction`` of the full-length steps; the row oracle keeps the same warm-up).
+``--warmup-fraction`` of the full-length steps; the row oracle keeps the same warm-up). ``token_cand`` is
+``token_kl`` with ``selector_candidates`` = :data:`CANDIDATES_PER_TOP_K` x ``top_k``.
 A mode whose keywords this sparse_train's ``SparseAttentionConfig`` does not accept is reported as not
 supported and skipped; ``pooled`` then runs without the selector keywords (the module's only selector,
 scoring the rotated q and k as given, since un-rotating with another RoPE convention would be wrong).
@@ -57,10 +58,13 @@ MODES: dict[str, dict | None] = {
     "pooled": {"selector": "pooled"},
     "token": {"selector": "token"},
     "token_kl": {"selector": "token", "selector_distill": "token"},
+    "token_cand": {"selector": "token", "selector_distill": "token"},
     "oracle": {"selector": "oracle"},
     "row_oracle": None,
 }
-LEARNED = ("pooled", "token", "token_kl")
+LEARNED = ("pooled", "token", "token_kl", "token_cand")
+CANDIDATES_PER_TOP_K = 2
+"""``token_cand``: ``selector_candidates`` = this many times the family's ``top_k``."""
 BLOCK = 64
 WINDOW = 1
 SINKS = 1
@@ -133,6 +137,8 @@ def sparse_config(cfg: JobConfig) -> tuple[st.SparseAttentionConfig, str]:
     """(config, note) of a st.SparseAttention mode. Raises ModeUnsupported when this sparse_train does
     not know the mode's keywords (``pooled`` then falls back to the config without them, with a note)."""
     kwargs = {**sparse_kwargs(cfg), **MODES[cfg.mode]}
+    if cfg.mode == "token_cand":
+        kwargs["selector_candidates"] = CANDIDATES_PER_TOP_K * kwargs["top_k"]
     try:
         return st.SparseAttentionConfig(**kwargs), ""
     except TypeError as error:

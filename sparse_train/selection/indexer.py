@@ -38,7 +38,8 @@ from ..kernels import triton_kernels
 from ..kernels.reference.index_scores import reference_index_block_scores
 from ..kernels.reference.pool import unrotate
 from ..plan.device import triton_runs_on
-from ..validation import check_choice, check_float
+from ..validation import check_choice, check_float, check_int
+from .candidates import candidate_index_scores, index_score_bounds
 from .distill import dense_block_mass
 from .scorer import (
     DISTANCE_BUCKETS,
@@ -46,6 +47,7 @@ from .scorer import (
     BlockScorer,
     SelectionGeometry,
     add_distance_bias,
+    allowed_dynamic_blocks,
     checked_rope,
     rescale_to_multiplier,
 )
@@ -78,6 +80,9 @@ class TokenIndexer(nn.Module):
             another one loads rescaled to this one, :func:`~sparse_train.selection.scorer.rescale_to_multiplier`).
         distance_bias: add a learned bias per KV head and log2 bucket of block distance.
         rope_style: the RoPE convention :meth:`set_rope` undoes.
+        candidates: ``None`` scores every block pair exactly; C scores exactly only the C dynamic key blocks of
+            each query block with the largest upper bound (``SparseAttentionConfig.selector_candidates``), the
+            others ``EMPTY_BLOCK_SCORE``. ``window`` and ``sinks`` (the layer's) say which blocks are not dynamic.
 
     Parameters: ``query_proj`` ``[HKV, G * D, E * S]``, ``key_proj`` ``[HKV, D, S]``, ``log_temperature``
     ``[HKV]`` and ``distance_bias`` ``[HKV, DISTANCE_BUCKETS]`` (optional), all stored divided by
@@ -94,9 +99,15 @@ class TokenIndexer(nn.Module):
         lr_multiplier: float = 1.0,
         distance_bias: bool = False,
         rope_style: str = "rotate_half",
+        candidates: int | None = None,
+        window: int = 0,
+        sinks: int = 0,
     ) -> None:
         super().__init__()
         lr_multiplier = check_float("lr_multiplier", lr_multiplier, exclusive_minimum=0.0)
+        self.candidates = check_int("candidates", candidates, minimum=1, optional=True)
+        self.window = check_int("window", window, minimum=0)
+        self.sinks = check_int("sinks", sinks, minimum=0)
         for name, value in (("index_dim", index_dim), ("index_heads", index_heads)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -227,15 +238,12 @@ class TokenIndexer(nn.Module):
         multiplier = self.lr_multiplier.to(torch.float32)
         with torch.autocast(q.device.type, enabled=False):
             u, w = self._index_vectors(q, k)
-            raw = index_scores(
-                u,
-                w,
-                block_q=geometry.block_q,
-                block_k=geometry.block_k,
-                seq_lens=seq_lens,
-                document_ids=document_ids,
-                query_blocks=query_blocks,
-            )  # [B, HKV, R, NKB]
+            blocks = dict(block_q=geometry.block_q, block_k=geometry.block_k)
+            masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
+            if self.candidates is None or self.candidates >= geometry.num_k_blocks:
+                raw = index_scores(u, w, **blocks, **masks)  # [B, HKV, R, NKB]
+            else:
+                raw = self._candidate_scores(u, w, geometry, **masks)
             # an empty pair (-inf) takes no part in the products (its gradient would be NaN) and scores
             # EMPTY_BLOCK_SCORE: finite for the KL and the top-k, below every real score
             filled = torch.isfinite(raw)
@@ -245,6 +253,35 @@ class TokenIndexer(nn.Module):
                     scores, self.distance_bias.to(torch.float32) * multiplier, geometry, query_blocks
                 )
             return torch.where(filled, scores, EMPTY_BLOCK_SCORE)
+
+    def _candidate_scores(
+        self,
+        u: Tensor,
+        w: Tensor,
+        geometry: SelectionGeometry,
+        *,
+        seq_lens: Tensor | None,
+        document_ids: Tensor | None,
+        query_blocks: Tensor | None,
+    ) -> Tensor:
+        """float32 ``[B, HKV, R, NKB]``: the exact scores of each row's ``candidates`` best-bounded dynamic blocks,
+        -inf elsewhere (:mod:`~sparse_train.selection.candidates`)."""
+        blocks = dict(block_q=geometry.block_q, block_k=geometry.block_k)
+        masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
+        with torch.no_grad():
+            bounds = index_score_bounds(u, w, **blocks, **masks)  # [B, HKV, R, NKB]
+            allowed = allowed_dynamic_blocks(geometry, self.window, self.sinks, u.device, document_ids)
+            if query_blocks is not None:
+                allowed = allowed.index_select(allowed.dim() - 2, query_blocks.to(u.device, torch.int64))
+            if allowed.dim() == 3:
+                allowed = allowed.unsqueeze(1)  # [B, 1, R, NKB]
+            bounds = bounds.masked_fill(~allowed, float("-inf"))
+            picked = bounds.topk(self.candidates, dim=-1)
+        exact = candidate_index_scores(u, w, picked.indices, **blocks, **masks)  # [B, HKV, R, C]
+        # a pick with a -inf bound (fewer dynamic blocks than candidates) is no candidate
+        exact = torch.where(torch.isneginf(picked.values), float("-inf"), exact)
+        full = torch.full(bounds.shape, float("-inf"), device=u.device, dtype=exact.dtype)
+        return full.scatter(-1, picked.indices, exact)
 
     def _index_vectors(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Index queries ``u [B, HKV, M, E, S]`` of q ``[B, HQ, M, D]`` and index keys ``w [B, HKV, N, S]`` of k, in
@@ -407,6 +444,9 @@ def build_selector(config: SparseAttentionConfig, num_heads: int, num_kv_heads: 
             lr_multiplier=config.selector_lr_multiplier,
             distance_bias=config.selector_distance_bias,
             rope_style=config.selector_rope_style,
+            candidates=config.selector_candidates,
+            window=config.window,
+            sinks=config.sinks,
         )
     return BlockScorer(
         num_heads,

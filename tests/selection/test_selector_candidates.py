@@ -1,0 +1,213 @@
+"""Token scores on candidate blocks (selection/candidates.py): the bound against the exact scores in float64, the
+candidates' exact scores and gradients against the full reference, certification, and the indexer and module
+with ``selector_candidates``."""
+
+import pytest
+import torch
+
+import sparse_train as st
+from sparse_train.kernels.reference.index_scores import reference_index_block_scores
+from sparse_train.selection import TokenIndexer, selection_geometry
+from sparse_train.selection.candidates import candidate_index_scores, certified_rows, index_score_bounds
+from sparse_train.selection.scorer import EMPTY_BLOCK_SCORE
+
+CASES = [
+    # id: (B, H, N, E, S, block_q, block_k, seq_lens, documents)
+    pytest.param(1, 1, 64, 1, 4, 16, 16, None, False, id="one-head-whole-blocks"),
+    pytest.param(2, 3, 211, 2, 8, 16, 32, (211, 150), False, id="odd-n-two-index-heads-lengths"),
+    pytest.param(2, 2, 97, 1, 5, 32, 16, (0, 97), False, id="empty-row"),
+    pytest.param(2, 1, 130, 3, 4, 16, 16, (130, 77), True, id="documents"),
+]
+
+
+def _inputs(B, H, N, E, S, seq_lens, documents, seed=0):
+    """float64 u [B, H, N, E, S], w [B, H, N, S] with NaN past each length, seq_lens and document ids."""
+    generator = torch.Generator().manual_seed(seed)
+    u = torch.randn(B, H, N, E, S, generator=generator, dtype=torch.float64)
+    w = torch.randn(B, H, N, S, generator=generator, dtype=torch.float64)
+    lens = None if seq_lens is None else torch.tensor(seq_lens)
+    if lens is not None:
+        past = torch.arange(N).view(1, 1, N) >= lens.view(B, 1, 1)
+        u = u.masked_fill(past.view(B, 1, N, 1, 1), float("nan"))
+        w = w.masked_fill(past.view(B, 1, N, 1), float("nan"))
+    docs = None
+    if documents:
+        cuts = torch.sort(torch.randint(0, N, (B, 3), generator=generator), dim=1).values
+        docs = (torch.arange(N).view(1, N, 1) >= cuts.view(B, 1, 3)).sum(-1)
+    return u, w, lens, docs
+
+
+@pytest.mark.parametrize("B,H,N,E,S,block_q,block_k,seq_lens,documents", CASES)
+def test_bound_is_at_least_the_exact_score_of_every_pair(B, H, N, E, S, block_q, block_k, seq_lens, documents):
+    u, w, lens, docs = _inputs(B, H, N, E, S, seq_lens, documents)
+    kw = dict(block_q=block_q, block_k=block_k, seq_lens=lens, document_ids=docs)
+    exact = reference_index_block_scores(u, w, **kw)
+    bound = index_score_bounds(u, w, **kw)
+    assert bound.shape == exact.shape and bound.dtype == torch.float64
+    assert not torch.isnan(bound).any()
+    scored = torch.isfinite(exact)
+    slack = 1e-12 * exact[scored].abs().clamp(min=1.0)
+    assert (bound[scored] >= exact[scored] - slack).all()
+    # -inf exactly where the key block starts past the query block's last valid row or holds no valid key
+    nqb, nkb = bound.shape[2], bound.shape[3]
+    limit = torch.full((B,), N) if lens is None else lens
+    last_row = torch.minimum((torch.arange(nqb) + 1) * block_q, limit.view(B, 1)) - 1  # [B, NQB]
+    first_key = torch.arange(nkb) * block_k
+    reachable = (first_key.view(1, 1, nkb) <= last_row.view(B, nqb, 1)) & (
+        first_key.view(1, 1, nkb) < limit.view(B, 1, 1)
+    )
+    reachable = reachable & (torch.arange(nqb) * block_q < limit.view(B, 1)).view(B, nqb, 1)
+    assert torch.equal(torch.isfinite(bound), reachable.unsqueeze(1).expand_as(bound))
+    if docs is None:
+        assert torch.equal(torch.isfinite(bound), scored)
+
+
+@pytest.mark.parametrize("B,H,N,E,S,block_q,block_k,seq_lens,documents", CASES)
+def test_candidate_scores_and_gradients_equal_the_full_reference(B, H, N, E, S, block_q, block_k, seq_lens, documents):
+    u, w, lens, docs = _inputs(B, H, N, E, S, seq_lens, documents, seed=1)
+    kw = dict(block_q=block_q, block_k=block_k, seq_lens=lens, document_ids=docs)
+    nkb = -(-N // block_k)
+    picks = torch.randint(0, nkb, (B, H, -(-N // block_q), 3), generator=torch.Generator().manual_seed(2))
+    u_full, w_full = u.clone().requires_grad_(), w.clone().requires_grad_()
+    full = reference_index_block_scores(u_full, w_full, **kw).gather(-1, picks)
+    u_cand, w_cand = u.clone().requires_grad_(), w.clone().requires_grad_()
+    cand = candidate_index_scores(u_cand, w_cand, picks, **kw)
+    scored = torch.isfinite(full)
+    assert torch.equal(torch.isfinite(cand), scored)
+    err = (cand[scored] - full[scored]).abs().max().item() if scored.any() else 0.0
+    print(f"candidates vs full reference, float64: max abs err {err:.2e}")
+    assert err <= 1e-12
+    grad = torch.randn(full.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    grad = torch.where(scored, grad, 0.0)
+    full_grads = torch.autograd.grad((full.masked_fill(~scored, 0.0) * grad).sum(), (u_full, w_full))
+    cand_grads = torch.autograd.grad((cand.masked_fill(~scored, 0.0) * grad).sum(), (u_cand, w_cand))
+    for name, a, b in zip(("du", "dw"), cand_grads, full_grads):
+        assert not torch.isnan(a).any(), name
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), name
+
+
+def test_candidate_scores_of_listed_query_blocks_equal_the_full_rows():
+    u, w, lens, docs = _inputs(2, 2, 150, 1, 6, (150, 101), True, seed=4)
+    kw = dict(block_q=16, block_k=16, seq_lens=lens, document_ids=docs)
+    bound = index_score_bounds(u, w, **kw)
+    picks = bound.topk(4, dim=-1).indices
+    exact = candidate_index_scores(u, w, picks, **kw)
+    listed = torch.tensor([9, 0, 4])
+    rows = TokenIndexer.query_rows(u.flatten(3), listed, 16).unflatten(3, (1, 6))
+    listed_kw = dict(kw, query_blocks=listed)
+    assert torch.equal(index_score_bounds(rows, w, **listed_kw), bound[:, :, listed])
+    assert torch.equal(candidate_index_scores(rows, w, picks[:, :, listed], **listed_kw), exact[:, :, listed])
+
+
+def test_certified_rows_are_those_whose_kth_exact_score_beats_every_bound_left_out():
+    bounds = torch.tensor([[[[5.0, 4.0, 3.0, 2.5]]]])
+    picks = torch.tensor([[[[0, 1]]]])
+    assert certified_rows(bounds, picks, torch.tensor([[[[4.0, 3.0]]]])).item()  # 3.0 >= 3.0 left out
+    assert not certified_rows(bounds, picks, torch.tensor([[[[4.0, 2.9]]]])).item()
+    assert certified_rows(bounds, picks, torch.tensor([[[[4.0, 2.9]]]]), k=1).item()
+    with pytest.raises(ValueError, match="k must be an int in \\[1, C=2\\]"):
+        certified_rows(bounds, picks, torch.tensor([[[[4.0, 2.9]]]]), k=3)
+
+
+def test_a_certified_row_holds_the_true_top_k():
+    """Random scores: on every certified row the candidates' top k equals the full scores' top k."""
+    u, w, lens, _ = _inputs(2, 2, 512, 1, 4, (512, 300), False, seed=5)
+    kw = dict(block_q=16, block_k=16, seq_lens=lens)
+    full = reference_index_block_scores(u, w, **kw)
+    bound = index_score_bounds(u, w, **kw)
+    picked = bound.topk(8, dim=-1)
+    exact = candidate_index_scores(u, w, picked.indices, **kw)
+    certified = certified_rows(bound, picked.indices, exact, k=2)
+    assert 0 < certified.sum() < certified.numel()  # both kinds of rows occur, so the check below means something
+    top_full = full.topk(2, dim=-1).values
+    top_cand = exact.topk(2, dim=-1).values
+    assert torch.equal(top_cand[certified], top_full[certified])
+
+
+def _indexer_pair(candidates, window, sinks):
+    torch.manual_seed(6)
+    full = TokenIndexer(4, 2, 16, index_dim=8, index_heads=2, distance_bias=True)
+    pruned = TokenIndexer(
+        4, 2, 16, index_dim=8, index_heads=2, distance_bias=True, candidates=candidates, window=window, sinks=sinks
+    )
+    with torch.no_grad():
+        full.distance_bias.normal_()
+    pruned.load_state_dict(full.state_dict())
+    return full, pruned
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["no-documents", "documents"])
+def test_indexer_candidates_keep_exact_scores_of_the_best_bounded_dynamic_blocks(documents):
+    full, pruned = _indexer_pair(candidates=3, window=2, sinks=1)
+    n = 300
+    q, k = torch.randn(2, 4, n, 16, dtype=torch.float64), torch.randn(2, 2, n, 16, dtype=torch.float64)
+    lens = torch.tensor([300, 170])
+    docs = (torch.arange(n) >= 120).long().view(1, n).expand(2, n).contiguous() if documents else None
+    geometry = selection_geometry(n, 16, 16, 3, 2, 1)
+    kw = dict(seq_lens=lens, document_ids=docs)
+    reference = full(*full.pool(q, k, 16, 16, lens), 0.25, geometry, **kw)
+    scores = pruned(*pruned.pool(q, k, 16, 16, lens), 0.25, geometry, **kw)
+    allowed = st.selection.allowed_dynamic_blocks(geometry, 2, 1, None, docs)
+    allowed = allowed.unsqueeze(1) if allowed.dim() == 3 else allowed
+    kept = scores != EMPTY_BLOCK_SCORE
+    assert not (kept & ~allowed).any()  # only dynamic blocks are candidates
+    assert (kept.sum(-1) <= 3).all() and (kept.sum(-1) == 3).any()
+    assert torch.allclose(scores[kept], reference[kept], rtol=1e-12, atol=1e-12)
+
+
+def test_indexer_with_candidates_for_every_block_scores_as_without():
+    full, pruned = _indexer_pair(candidates=1000, window=1, sinks=1)
+    q, k = torch.randn(1, 4, 100, 16), torch.randn(1, 2, 100, 16)
+    geometry = selection_geometry(100, 16, 16, 2, 1, 1)
+    assert torch.equal(
+        pruned(*pruned.pool(q, k, 16, 16), 0.25, geometry), full(*full.pool(q, k, 16, 16), 0.25, geometry)
+    )
+
+
+def test_module_trains_with_candidate_scores():
+    torch.manual_seed(8)
+    cfg = st.SparseAttentionConfig(
+        block_q=16,
+        block_k=16,
+        top_k=2,
+        window=1,
+        sinks=1,
+        dense_warmup_steps=0,
+        selector="token",
+        selector_distill="token",
+        selector_candidates=3,
+        selector_dim=16,
+    )
+    attn = st.SparseAttention(cfg, 4, 2, 32).train()
+    q, k, v = (torch.randn(2, h, 250, 32, requires_grad=True) for h in (4, 2, 2))
+    o = attn(q, k, v, seq_lens=torch.tensor([250, 97]))
+    (o.square().mean() + st.collect_selector_losses(attn)).backward()
+    assert torch.isfinite(o).all() and torch.isfinite(attn.selector_loss) and attn.selector_loss > 0
+    assert attn.last_selection.density() < 1.0
+    for name in ("query_proj", "key_proj", "log_temperature"):
+        grad = getattr(attn.scorer, name).grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        pytest.param({"selector": "pooled"}, "needs selector='token'", id="pooled-selector"),
+        pytest.param({"selector": "token"}, "selector_distill='token'", id="block-level-kl"),
+        pytest.param(
+            {"selector": "token", "selector_distill": "token", "distill": "sparse"},
+            "distill 'sampled' or 'off'",
+            id="sparse-kl",
+        ),
+        pytest.param(
+            {"selector": "token", "selector_distill": "token", "top_k": 4, "selector_candidates": 3},
+            "selector_candidates=3 must be >= top_k=4",
+            id="fewer-than-top-k",
+        ),
+    ],
+)
+def test_config_rejects_candidates_it_cannot_use(fields, message):
+    kwargs = dict(block_q=16, block_k=16, selector_candidates=2, top_k=2, **{})
+    kwargs.update(fields)
+    with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
+        st.SparseAttentionConfig(**kwargs)
