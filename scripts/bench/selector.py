@@ -96,6 +96,12 @@ def parse_args(argv=None):
     p.add_argument("--selector-dim", type=int, default=32)
     p.add_argument("--index-heads", type=int, default=1, help="SparseAttentionConfig.selector_index_heads (token)")
     p.add_argument(
+        "--candidates",
+        type=int,
+        default=None,
+        help="SparseAttentionConfig.selector_candidates (token; trains with selector_distill='token')",
+    )
+    p.add_argument(
         "--rope-theta",
         type=float,
         default=10000.0,
@@ -245,8 +251,15 @@ def main(argv=None) -> int:
     scale = 1.0 / math.sqrt(d)
     geom = selection_geometry(n, blk, blk, args.top_k, args.window, args.sinks)
     # the module's scorer with its defaults (pooling, distance bias), of the kind --selector names
+    token_level = {"selector_distill": "token", "selector_candidates": args.candidates} if args.candidates else {}
     selector_cfg = st.SparseAttentionConfig(
-        selector=args.selector, selector_dim=args.selector_dim, selector_index_heads=args.index_heads
+        top_k=args.top_k,
+        window=args.window,
+        sinks=args.sinks,
+        selector=args.selector,
+        selector_dim=args.selector_dim,
+        selector_index_heads=args.index_heads,
+        **token_level,
     )
     scorer = build_selector(selector_cfg, hq, hkv, d).to(device)
     if args.rope_theta > 0:
@@ -383,7 +396,9 @@ def main(argv=None) -> int:
 
         # the module on its sparse path (no dense warm-up) with each distillation mode; the differences
         # to distill="off" are what the distillation costs inside a training step
-        for distill in ("off", "sparse", "sampled"):
+        # candidates train only with distill sampled or off
+        distills = ("off", "sampled") if args.candidates else ("off", "sparse", "sampled")
+        for distill in distills:
             cfg = st.SparseAttentionConfig(
                 block_q=blk,
                 block_k=blk,
@@ -396,6 +411,7 @@ def main(argv=None) -> int:
                 distill=distill,
                 dense_warmup_steps=0,
                 selector_rope_theta=args.rope_theta if args.rope_theta > 0 else None,
+                **token_level,
             )
             module = st.SparseAttention(cfg, num_heads=hq, num_kv_heads=hkv, head_dim=d).to(device).train()
 
@@ -410,7 +426,7 @@ def main(argv=None) -> int:
             timings[f"module/fwd_bwd(distill={distill})"] = measure(module_step, device, args.warmup, args.repeats)
             notes.append(f"module distill={distill} fallbacks: {module.fallback_counts}")
         off = timings["module/fwd_bwd(distill=off)"]["median_ms"]
-        for distill in ("sparse", "sampled"):
+        for distill in distills[1:]:
             extra = timings[f"module/fwd_bwd(distill={distill})"]["median_ms"] - off
             timings[f"distill/{distill} in module (minus distill=off)"] = {"median_ms": extra, "p95_ms": float("nan")}
 
@@ -462,6 +478,7 @@ def main(argv=None) -> int:
             "rope_theta": args.rope_theta,
             "selector": args.selector,
             "index_heads": args.index_heads,
+            "candidates": args.candidates,
             "query_pooling": selector_cfg.query_pooling,
             "key_pooling": selector_cfg.key_pooling,
             "distance_bias": scorer.distance_bias is not None,

@@ -146,6 +146,8 @@ def build_model(args: argparse.Namespace, variant: str, act_ckpt: bool) -> Trans
         ),
         selector=args.selector,
         selector_index_heads=args.index_heads,
+        selector_distill=args.selector_distill,
+        selector_candidates=args.candidates,
     )
     cfg = TransformerConfig(
         vocab_size=args.vocab,
@@ -191,6 +193,18 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="sparse variant: SparseAttentionConfig.selector_index_heads (token selector)",
+    )
+    ap.add_argument(
+        "--selector-distill",
+        choices=["block", "token"],
+        default="block",
+        help="sparse variant: SparseAttentionConfig.selector_distill (token selector)",
+    )
+    ap.add_argument(
+        "--candidates",
+        type=int,
+        default=None,
+        help="sparse variant: SparseAttentionConfig.selector_candidates (token selector with --selector-distill token)",
     )
     ap.add_argument(
         "--distill",

@@ -39,7 +39,7 @@ from ..kernels.reference.index_scores import reference_index_block_scores
 from ..kernels.reference.pool import unrotate
 from ..plan.device import triton_runs_on
 from ..validation import check_choice, check_float, check_int
-from .candidates import candidate_index_scores, index_score_bounds
+from .candidates import candidate_block_scores
 from .distill import dense_block_mass
 from .scorer import (
     DISTANCE_BUCKETS,
@@ -47,7 +47,6 @@ from .scorer import (
     BlockScorer,
     SelectionGeometry,
     add_distance_bias,
-    allowed_dynamic_blocks,
     checked_rope,
     rescale_to_multiplier,
 )
@@ -265,23 +264,19 @@ class TokenIndexer(nn.Module):
         query_blocks: Tensor | None,
     ) -> Tensor:
         """float32 ``[B, HKV, R, NKB]``: the exact scores of each row's ``candidates`` best-bounded dynamic blocks,
-        -inf elsewhere (:mod:`~sparse_train.selection.candidates`)."""
-        blocks = dict(block_q=geometry.block_q, block_k=geometry.block_k)
-        masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
-        with torch.no_grad():
-            bounds = index_score_bounds(u, w, **blocks, **masks)  # [B, HKV, R, NKB]
-            allowed = allowed_dynamic_blocks(geometry, self.window, self.sinks, u.device, document_ids)
-            if query_blocks is not None:
-                allowed = allowed.index_select(allowed.dim() - 2, query_blocks.to(u.device, torch.int64))
-            if allowed.dim() == 3:
-                allowed = allowed.unsqueeze(1)  # [B, 1, R, NKB]
-            bounds = bounds.masked_fill(~allowed, float("-inf"))
-            picked = bounds.topk(self.candidates, dim=-1)
-        exact = candidate_index_scores(u, w, picked.indices, **blocks, **masks)  # [B, HKV, R, C]
-        # a pick with a -inf bound (fewer dynamic blocks than candidates) is no candidate
-        exact = torch.where(torch.isneginf(picked.values), float("-inf"), exact)
-        full = torch.full(bounds.shape, float("-inf"), device=u.device, dtype=exact.dtype)
-        return full.scatter(-1, picked.indices, exact)
+        -inf elsewhere (:func:`~sparse_train.selection.candidates.candidate_block_scores`)."""
+        scores, _, _ = candidate_block_scores(
+            u,
+            w,
+            geometry,
+            self.candidates,
+            window=self.window,
+            sinks=self.sinks,
+            seq_lens=seq_lens,
+            document_ids=document_ids,
+            query_blocks=query_blocks,
+        )
+        return scores
 
     def _index_vectors(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Index queries ``u [B, HKV, M, E, S]`` of q ``[B, HQ, M, D]`` and index keys ``w [B, HKV, N, S]`` of k, in

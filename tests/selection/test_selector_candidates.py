@@ -1,14 +1,19 @@
-"""Token scores on candidate blocks (selection/candidates.py): the bound against the exact scores in float64, the
-candidates' exact scores and gradients against the full reference, certification, and the indexer and module
-with ``selector_candidates``."""
+"""Token scores on candidate blocks: the references of kernels/reference/index_candidates.py (the bound against the
+exact scores in float64, the candidates' exact scores and gradients against the full reference), certification
+and candidate_block_scores of selection/candidates.py, and the indexer and module with ``selector_candidates``.
+The kernels against these references: tests/kernels/test_kernel_index_candidates.py."""
 
 import pytest
 import torch
 
 import sparse_train as st
+from sparse_train.kernels.reference.index_candidates import (
+    reference_candidate_index_scores,
+    reference_index_score_bounds,
+)
 from sparse_train.kernels.reference.index_scores import reference_index_block_scores
 from sparse_train.selection import TokenIndexer, selection_geometry
-from sparse_train.selection.candidates import candidate_index_scores, certified_rows, index_score_bounds
+from sparse_train.selection.candidates import candidate_block_scores, certified_rows
 from sparse_train.selection.scorer import EMPTY_BLOCK_SCORE
 
 CASES = [
@@ -42,7 +47,7 @@ def test_bound_is_at_least_the_exact_score_of_every_pair(B, H, N, E, S, block_q,
     u, w, lens, docs = _inputs(B, H, N, E, S, seq_lens, documents)
     kw = dict(block_q=block_q, block_k=block_k, seq_lens=lens, document_ids=docs)
     exact = reference_index_block_scores(u, w, **kw)
-    bound = index_score_bounds(u, w, **kw)
+    bound = reference_index_score_bounds(u, w, **kw)
     assert bound.shape == exact.shape and bound.dtype == torch.float64
     assert not torch.isnan(bound).any()
     scored = torch.isfinite(exact)
@@ -71,7 +76,7 @@ def test_candidate_scores_and_gradients_equal_the_full_reference(B, H, N, E, S, 
     u_full, w_full = u.clone().requires_grad_(), w.clone().requires_grad_()
     full = reference_index_block_scores(u_full, w_full, **kw).gather(-1, picks)
     u_cand, w_cand = u.clone().requires_grad_(), w.clone().requires_grad_()
-    cand = candidate_index_scores(u_cand, w_cand, picks, **kw)
+    cand = reference_candidate_index_scores(u_cand, w_cand, picks, **kw)
     scored = torch.isfinite(full)
     assert torch.equal(torch.isfinite(cand), scored)
     err = (cand[scored] - full[scored]).abs().max().item() if scored.any() else 0.0
@@ -89,14 +94,14 @@ def test_candidate_scores_and_gradients_equal_the_full_reference(B, H, N, E, S, 
 def test_candidate_scores_of_listed_query_blocks_equal_the_full_rows():
     u, w, lens, docs = _inputs(2, 2, 150, 1, 6, (150, 101), True, seed=4)
     kw = dict(block_q=16, block_k=16, seq_lens=lens, document_ids=docs)
-    bound = index_score_bounds(u, w, **kw)
+    bound = reference_index_score_bounds(u, w, **kw)
     picks = bound.topk(4, dim=-1).indices
-    exact = candidate_index_scores(u, w, picks, **kw)
+    exact = reference_candidate_index_scores(u, w, picks, **kw)
     listed = torch.tensor([9, 0, 4])
     rows = TokenIndexer.query_rows(u.flatten(3), listed, 16).unflatten(3, (1, 6))
     listed_kw = dict(kw, query_blocks=listed)
-    assert torch.equal(index_score_bounds(rows, w, **listed_kw), bound[:, :, listed])
-    assert torch.equal(candidate_index_scores(rows, w, picks[:, :, listed], **listed_kw), exact[:, :, listed])
+    assert torch.equal(reference_index_score_bounds(rows, w, **listed_kw), bound[:, :, listed])
+    assert torch.equal(reference_candidate_index_scores(rows, w, picks[:, :, listed], **listed_kw), exact[:, :, listed])
 
 
 def test_certified_rows_are_those_whose_kth_exact_score_beats_every_bound_left_out():
@@ -109,19 +114,53 @@ def test_certified_rows_are_those_whose_kth_exact_score_beats_every_bound_left_o
         certified_rows(bounds, picks, torch.tensor([[[[4.0, 2.9]]]]), k=3)
 
 
+def test_certified_rows_ignore_unlisted_slots():
+    """A -1 slot (fewer dynamic blocks than candidates) lists nothing: block 0 stays among the bounds left out."""
+    bounds = torch.tensor([[[[3.5, 4.0, float("-inf")]]]])
+    picks = torch.tensor([[[[1, -1]]]])
+    exact = torch.tensor([[[[3.0, float("-inf")]]]])
+    assert not certified_rows(bounds, picks, exact, k=1).item()  # block 0 (bound 3.5) may beat 3.0
+    assert certified_rows(bounds, picks, torch.tensor([[[[3.5, float("-inf")]]]]), k=1).item()
+
+
 def test_a_certified_row_holds_the_true_top_k():
     """Random scores: on every certified row the candidates' top k equals the full scores' top k."""
     u, w, lens, _ = _inputs(2, 2, 512, 1, 4, (512, 300), False, seed=5)
     kw = dict(block_q=16, block_k=16, seq_lens=lens)
     full = reference_index_block_scores(u, w, **kw)
-    bound = index_score_bounds(u, w, **kw)
+    bound = reference_index_score_bounds(u, w, **kw)
     picked = bound.topk(8, dim=-1)
-    exact = candidate_index_scores(u, w, picked.indices, **kw)
+    exact = reference_candidate_index_scores(u, w, picked.indices, **kw)
     certified = certified_rows(bound, picked.indices, exact, k=2)
     assert 0 < certified.sum() < certified.numel()  # both kinds of rows occur, so the check below means something
     top_full = full.topk(2, dim=-1).values
     top_cand = exact.topk(2, dim=-1).values
     assert torch.equal(top_cand[certified], top_full[certified])
+
+
+@pytest.mark.parametrize("window,sinks", [(1, 1), (0, 0), (2, 3)], ids=["window1-sink1", "no-forced", "window2-sinks3"])
+def test_candidate_block_scores_pick_the_best_bounded_dynamic_blocks(window, sinks):
+    u, w, lens, _ = _inputs(2, 2, 300, 1, 6, (300, 140), False, seed=9)
+    geometry = selection_geometry(300, 16, 16, 2, window, sinks)
+    scores, bounds, picked = candidate_block_scores(u, w, geometry, 4, window=window, sinks=sinks, seq_lens=lens)
+    full = reference_index_block_scores(u, w, block_q=16, block_k=16, seq_lens=lens)
+    allowed = st.selection.allowed_dynamic_blocks(geometry, window, sinks)
+    assert torch.equal(
+        torch.isfinite(bounds),
+        torch.isfinite(reference_index_score_bounds(u, w, block_q=16, block_k=16, seq_lens=lens)) & allowed,
+    )
+    listed = picked >= 0
+    # every listed pick is dynamic, no bound left out beats the smallest picked bound, and -1 only when the row has
+    # fewer dynamic blocks with a finite bound
+    assert allowed.expand_as(bounds).gather(-1, picked.clamp(min=0))[listed].all()
+    smallest = torch.where(listed, bounds.gather(-1, picked.clamp(min=0)), float("inf")).amin(-1)
+    left = bounds.scatter(-1, picked.clamp(min=0), float("-inf")).amax(-1)
+    assert (left <= smallest).all()
+    assert torch.equal(listed.sum(-1), torch.isfinite(bounds).sum(-1).clamp(max=4))
+    # the picked blocks carry their exact score, every other block -inf
+    kept = torch.isfinite(scores)
+    assert torch.allclose(scores[kept], full[kept], rtol=1e-12, atol=1e-12)
+    assert not (kept & ~allowed).any() and (kept.sum(-1) <= listed.sum(-1)).all()
 
 
 def _indexer_pair(candidates, window, sinks):

@@ -1,0 +1,295 @@
+"""The candidate index-score kernels (kernels/triton/index_candidates.py) against their PyTorch references
+(kernels/reference/index_candidates.py) in float64, by the error-ratio rule: the bounds of every block pair and the
+exact scores of listed blocks; odd lengths, unequal blocks, E in {1, 2, 3, 4}, S in {8, 16, 20, 32}, seq_lens with
+NaN padding, packed documents (a boundary inside a block), listed query blocks (unsorted, the partial last block), an
+all-masked row, unlisted slots (-1, past NKB), repeated blocks, any strides, float16, dispatch and validation.
+GPU-marked tests: bf16 at N = 16384 with H in {1, 3, 4, 8}, 128K on listed query blocks, no host sync and CUDA-graph
+capture."""
+
+import pytest
+import torch
+from builders import check_close, ids_from_lengths
+
+from sparse_train.kernels.reference.index_candidates import (
+    reference_candidate_index_scores,
+    reference_index_score_bounds,
+)
+from sparse_train.kernels.reference.index_scores import reference_index_block_scores
+from sparse_train.kernels.triton.index_candidates import candidate_index_scores, index_score_bounds
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+BACKEND = "auto" if DEV == "cuda" else "triton"
+pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")  # fresh float outputs start as NaN
+
+
+def _inputs(B, H, N, E, S, *, blocks=None, block_q=None, seed=0, dtype=torch.float32, device=DEV, seq_lens=None):
+    """u ``[B, H, M, E, S]`` (M = N, or ``len(blocks) * block_q`` rows of the listed query blocks) and w
+    ``[B, H, N, S]`` standard normal, NaN at every position past ``seq_lens`` (or N)."""
+    g = torch.Generator().manual_seed(seed)
+    pos = (
+        torch.arange(N)
+        if blocks is None
+        else (torch.tensor(blocks).view(-1, 1) * block_q + torch.arange(block_q)).reshape(-1)
+    )
+    u = torch.randn(B, H, pos.numel(), E, S, generator=g)
+    w = torch.randn(B, H, N, S, generator=g)
+    for b in range(B):
+        length = N if seq_lens is None else seq_lens[b]
+        w[b, :, length:] = float("nan")
+        u[b, :, pos >= length] = float("nan")
+    return u.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
+
+
+def _listed(B, H, R, NKB, C, seed):
+    """int64 ``[B, H, R, C]`` random key-block ids with an unlisted slot (-1), an id past NKB and a repeated id."""
+    g = torch.Generator().manual_seed(seed)
+    listed = torch.randint(0, NKB, (B, H, R, C), generator=g)
+    listed[..., 0] = -1
+    if C > 2:
+        listed[..., 1] = NKB + 3
+        listed[..., 2] = listed[..., 3 % C]
+    return listed
+
+
+CASES = [
+    # (B, H, N, E, S, BQ, BK, seq_lens, document lengths per row, query blocks)
+    pytest.param(2, 2, 147, 2, 16, 32, 16, None, None, None, id="odd-n-bq32-bk16-e2-s16"),
+    pytest.param(1, 3, 100, 1, 32, 16, 32, None, None, None, id="bq16-bk32-e1-s32"),
+    pytest.param(2, 1, 150, 4, 16, 16, 16, (150, 77), None, None, id="e4-seq-lens-nan-padding"),
+    pytest.param(2, 2, 131, 2, 16, 32, 32, (131, 120), ((40, 31, 60), (70, 61)), None, id="documents-inside-blocks"),
+    pytest.param(2, 2, 147, 2, 16, 32, 16, (147, 100), None, (4, 1, 3), id="query-blocks-unsorted-partial-last"),
+    pytest.param(1, 2, 147, 2, 32, 32, 32, None, ((20, 90, 37),), (2, 0, 4), id="query-blocks-documents"),
+    pytest.param(1, 2, 90, 3, 20, 16, 16, None, None, None, id="e3-s20-padded-tile"),
+    pytest.param(1, 1, 70, 1, 8, 16, 16, None, None, None, id="s8-padded-to-16"),
+    pytest.param(2, 1, 120, 2, 16, 16, 32, (0, 120), None, None, id="all-masked-row"),
+    pytest.param(1, 2, 300, 1, 16, 64, 64, (271,), None, None, id="bq64-bk64-partial-last"),
+]
+
+
+def _kwargs(N, BQ, BK, seq_lens, docs, blocks, device=DEV):
+    return {
+        "block_q": BQ,
+        "block_k": BK,
+        "seq_lens": None if seq_lens is None else torch.tensor(seq_lens, device=device),
+        "document_ids": None if docs is None else ids_from_lengths(*docs).to(device),
+        "query_blocks": None if blocks is None else torch.tensor(blocks, device=device),
+    }
+
+
+@pytest.mark.parametrize("B,H,N,E,S,BQ,BK,seq_lens,docs,blocks", CASES)
+def test_bounds_match_reference(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks):
+    u, w = _inputs(B, H, N, E, S, blocks=blocks, block_q=BQ, seed=N + E, seq_lens=seq_lens)
+    kwargs = _kwargs(N, BQ, BK, seq_lens, docs, blocks)
+    got = index_score_bounds(u, w, backend=BACKEND, **kwargs)
+    ref = reference_index_score_bounds(u.double(), w.double(), **kwargs)
+    low = reference_index_score_bounds(u, w, **kwargs)
+    R = len(blocks) if blocks else -(-N // BQ)
+    assert got.shape == (B, H, R, -(-N // BK)) and got.dtype == torch.float32
+    assert not got.isnan().any(), "an element of the bounds was left unwritten"
+    assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), "the -inf pattern differs from the reference"
+    finite = torch.isfinite(ref)
+    check_close("bounds", got[finite], ref[finite], low[finite], torch.float32)
+    exact = reference_index_block_scores(u.double(), w.double(), **kwargs)
+    scored = torch.isfinite(exact)
+    assert (ref[scored] >= exact[scored] - 1e-9 * exact[scored].abs().clamp(min=1)).all(), "a bound below its score"
+
+
+@pytest.mark.parametrize("B,H,N,E,S,BQ,BK,seq_lens,docs,blocks", CASES)
+def test_candidate_scores_match_reference(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks):
+    u, w = _inputs(B, H, N, E, S, blocks=blocks, block_q=BQ, seed=N + S, seq_lens=seq_lens)
+    kwargs = _kwargs(N, BQ, BK, seq_lens, docs, blocks)
+    R, NKB = (len(blocks) if blocks else -(-N // BQ)), -(-N // BK)
+    listed = _listed(B, H, R, NKB, 5, seed=N).to(DEV)
+    got = candidate_index_scores(u, w, listed, backend=BACKEND, **kwargs)
+    ref = reference_candidate_index_scores(u.double(), w.double(), listed, **kwargs)
+    low = reference_candidate_index_scores(u, w, listed, **kwargs)
+    assert got.shape == (B, H, R, 5) and got.dtype == torch.float32
+    assert not got.isnan().any(), "an element of the scores was left unwritten"
+    assert torch.equal(torch.isfinite(got), torch.isfinite(ref)), "the -inf pattern differs from the reference"
+    assert torch.all(got[..., :2] == float("-inf")), "an unlisted slot (-1, past NKB) has a score"
+    assert torch.equal(got[..., 2], got[..., 3]), "a repeated block scores differently"
+    finite = torch.isfinite(ref)
+    check_close("candidate scores", got[finite], ref[finite], low[finite], torch.float32)
+    # the same pairs of the full reference
+    full = reference_index_block_scores(u.double(), w.double(), **kwargs)
+    in_range = (listed >= 0) & (listed < NKB)
+    same = full.gather(-1, listed.clamp(0, NKB - 1))[in_range]
+    assert torch.equal(torch.isfinite(ref[in_range]), torch.isfinite(same))
+    finite = torch.isfinite(same)
+    assert torch.allclose(ref[in_range][finite], same[finite], rtol=1e-12, atol=1e-12)
+
+
+def test_fp16_match_reference():
+    """float16 through the interpreter (bf16 only on the GPU), against float16 inputs summed in float32 by PyTorch."""
+    B, H, N, E, S, BQ, BK = 1, 2, 147, 2, 32, 32, 16
+    u, w = _inputs(B, H, N, E, S, seed=3, dtype=torch.float16, seq_lens=(140,))
+    kwargs = {"block_q": BQ, "block_k": BK, "seq_lens": torch.tensor([140], device=DEV)}
+    bounds = index_score_bounds(u, w, backend=BACKEND, **kwargs)
+    ref, low = (reference_index_score_bounds(u.to(dt), w.to(dt), **kwargs) for dt in (torch.float64, torch.float16))
+    finite = torch.isfinite(ref)
+    check_close("bounds fp16", bounds[finite], ref[finite], low[finite], torch.float16)
+    listed = ref.topk(3, dim=-1).indices
+    got = candidate_index_scores(u, w, listed, backend=BACKEND, **kwargs)
+    ref_c, low_c = (
+        reference_candidate_index_scores(u.to(dt), w.to(dt), listed, **kwargs) for dt in (torch.float64, torch.float16)
+    )
+    finite = torch.isfinite(ref_c)
+    check_close("candidate scores fp16", got[finite], ref_c[finite], low_c[finite], torch.float16)
+
+
+def test_kernels_read_any_strides():
+    u, w = _inputs(2, 2, 100, 2, 16, seed=5)
+    u_t = u.transpose(2, 3).contiguous().transpose(2, 3)  # same values, other strides
+    w_t = w.transpose(1, 2).contiguous().transpose(1, 2)
+    kwargs = {"block_q": 16, "block_k": 16}
+    bounds = index_score_bounds(u, w, backend=BACKEND, **kwargs)
+    assert torch.equal(index_score_bounds(u_t, w_t, backend=BACKEND, **kwargs), bounds)
+    listed = bounds.topk(4, dim=-1).indices
+    listed_t = listed.transpose(2, 3).contiguous().transpose(2, 3).to(torch.int32)
+    got = candidate_index_scores(u, w, listed, backend=BACKEND, **kwargs)
+    assert torch.equal(candidate_index_scores(u_t, w_t, listed_t, backend=BACKEND, **kwargs), got)
+
+
+def test_candidate_scores_with_autograd_take_the_reference():
+    """``"auto"`` with autograd on returns the reference's differentiable scores; ``"triton"`` refuses."""
+    u, w = _inputs(1, 1, 64, 1, 16, seed=6)
+    u.requires_grad_()
+    listed = torch.tensor([[[[0], [1], [0], [3]]]], device=DEV)
+    scores = candidate_index_scores(u, w, listed, block_q=16, block_k=16)
+    assert scores.requires_grad
+    (du,) = torch.autograd.grad(scores[torch.isfinite(scores)].sum(), (u,))
+    assert torch.isfinite(du).all() and du.abs().sum() > 0
+    with pytest.raises(ValueError, match="no backward"):
+        candidate_index_scores(u, w, listed, block_q=16, block_k=16, backend="triton")
+    bounds = index_score_bounds(u, w, block_q=16, block_k=16)
+    assert not bounds.requires_grad
+
+
+@pytest.mark.parametrize("which", ["bounds", "candidates"])
+def test_empty_batch_is_empty(which):
+    u, w = _inputs(0, 2, 40, 1, 16, seed=7)
+    kwargs = {"block_q": 16, "block_k": 16, "backend": BACKEND}
+    if which == "bounds":
+        assert index_score_bounds(u, w, **kwargs).shape == (0, 2, 3, 3)
+    else:
+        listed = torch.zeros(0, 2, 3, 2, dtype=torch.int64, device=DEV)
+        assert candidate_index_scores(u, w, listed, **kwargs).shape == (0, 2, 3, 2)
+
+
+@pytest.mark.parametrize(
+    "listed,match",
+    [
+        pytest.param(lambda: torch.zeros(1, 1, 4, dtype=torch.int64), "candidates must be", id="rank-3"),
+        pytest.param(lambda: torch.zeros(1, 1, 3, 2, dtype=torch.int64), "candidates must be", id="rows-differ"),
+        pytest.param(lambda: torch.zeros(1, 1, 4, 2), "candidates must be", id="float"),
+        pytest.param(lambda: [[[[0]]]], "candidates must be", id="a-list"),
+    ],
+)
+def test_candidate_scores_reject_bad_candidates(listed, match):
+    u, w = _inputs(1, 1, 64, 1, 16, seed=8)
+    value = listed()
+    if isinstance(value, torch.Tensor):
+        value = value.to(DEV)
+    with pytest.raises(ValueError, match=match):
+        candidate_index_scores(u, w, value, block_q=16, block_k=16, backend=BACKEND)
+
+
+def test_bad_backend_and_block_are_named():
+    u, w = _inputs(1, 1, 64, 1, 16, seed=9)
+    with pytest.raises(ValueError, match="backend"):
+        index_score_bounds(u, w, block_q=16, block_k=16, backend="cuda")
+    with pytest.raises(ValueError, match="block_k must be one of"):
+        index_score_bounds(u, w, block_q=16, block_k=24)
+
+
+def test_auto_backend_takes_the_reference_on_cpu(monkeypatch):
+    """On CPU ``"auto"`` runs the reference (the interpreter is for tests): the launchers are never called."""
+    if DEV == "cuda":
+        pytest.skip("CPU dispatch")
+    from sparse_train.kernels.triton import index_candidates
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the kernel ran")
+
+    monkeypatch.setattr(index_candidates, "index_score_bounds_launch", fail)
+    monkeypatch.setattr(index_candidates, "candidate_index_scores_launch", fail)
+    u, w = _inputs(1, 1, 64, 1, 16, seed=10)
+    bounds = index_score_bounds(u, w, block_q=16, block_k=16)
+    candidate_index_scores(u, w, bounds.topk(2, dim=-1).indices, block_q=16, block_k=16)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+def _check_gpu(u, w, listed_count, **kwargs):
+    bounds = index_score_bounds(u, w, **kwargs)
+    ref = reference_index_score_bounds(u.double(), w.double(), **kwargs)
+    low = reference_index_score_bounds(u.float(), w.float(), **kwargs)
+    assert torch.equal(torch.isfinite(bounds), torch.isfinite(ref))
+    finite = torch.isfinite(ref)
+    check_close("bounds", bounds[finite], ref[finite], low[finite], u.dtype)
+    listed = ref.topk(listed_count, dim=-1).indices
+    listed[..., -1] = -1
+    got = candidate_index_scores(u, w, listed, **kwargs)
+    ref_c = reference_candidate_index_scores(u.double(), w.double(), listed, **kwargs)
+    low_c = reference_candidate_index_scores(u.float(), w.float(), listed, **kwargs)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(ref_c))
+    finite = torch.isfinite(ref_c)
+    check_close("candidate scores", got[finite], ref_c[finite], low_c[finite], u.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [1, 3, 4, 8])
+def test_gpu_bf16_real_sizes(heads):
+    """N = 16384, B = 2: row 0 packs three documents (boundaries inside blocks), row 1 is cut by seq_lens with NaN
+    padding; 16 candidates per row."""
+    B, N, E, S = 2, 16384, 1, 32
+    lens = (N, N - 1001)
+    u, w = _inputs(B, heads, N, E, S, seed=heads, dtype=torch.bfloat16, device="cuda", seq_lens=lens)
+    docs = ids_from_lengths((N // 3 + 17, N // 2, N - N // 3 - 17 - N // 2), (N,)).cuda()
+    _check_gpu(u, w, 16, block_q=64, block_k=64, seq_lens=torch.tensor(lens, device="cuda"), document_ids=docs)
+
+
+@pytest.mark.gpu
+def test_gpu_128k_on_listed_query_blocks():
+    """128K (B = 1, H = 2, E = 2): both kernels on listed query blocks (the first, the last, inside) against the
+    references, and the listed rows equal the full kernel's rows bit for bit."""
+    N, H, E, S, P = 131072, 2, 2, 32, 64
+    u, w = _inputs(1, H, N, E, S, seed=128, dtype=torch.bfloat16, device="cuda")
+    blocks = torch.tensor([2047, 0, 1000, 1500, 2046], device="cuda")
+    rows = (blocks.view(-1, 1) * P + torch.arange(P, device="cuda")).reshape(-1)
+    u_blocks = u[:, :, rows].contiguous()
+    _check_gpu(u_blocks, w, 32, block_q=P, block_k=P, query_blocks=blocks)
+    full = index_score_bounds(u, w, block_q=P, block_k=P)
+    assert torch.equal(full[:, :, blocks], index_score_bounds(u_blocks, w, block_q=P, block_k=P, query_blocks=blocks))
+
+
+@pytest.mark.gpu
+def test_gpu_never_synchronises_and_captures():
+    """Neither kernel makes a device -> host synchronisation, with seq_lens, documents and listed query blocks; both
+    capture in a CUDA graph whose replay gives the eager results."""
+    from sparse_train.cuda_graphs import capture_cuda_graph
+
+    N, H, E, S, P = 4097, 4, 2, 32, 64
+    u, w = _inputs(2, H, N, E, S, seed=2, dtype=torch.bfloat16, device="cuda", seq_lens=(N, 3000))
+    kwargs = {
+        "block_q": P,
+        "block_k": P,
+        "seq_lens": torch.tensor([N, 3000], device="cuda"),
+        "document_ids": ids_from_lengths((1000, N - 1000), (N,)).cuda(),
+    }
+
+    def run():
+        bounds = index_score_bounds(u, w, **kwargs)
+        return bounds, candidate_index_scores(u, w, bounds.topk(8, dim=-1).indices, **kwargs)
+
+    eager = run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph, outputs = capture_cuda_graph(run)
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(outputs, eager):
+        assert torch.equal(a, b)
