@@ -12,7 +12,9 @@ pair's score is decided by its single best (row, key) pair: the one key a questi
 block high even when the other rows and keys of both blocks are unrelated, which block-pooled summaries
 (:class:`~sparse_train.selection.scorer.BlockScorer`) average away. The max runs in one kernel over tiles
 (:func:`~sparse_train.kernels.triton.index_scores.index_block_scores`) without an N x N tensor; its gradient reaches
-the winning pair's index vectors, hence ``Wq`` and ``Wk``.
+the winning pair's index vectors, hence ``Wq`` and ``Wk``. With ``candidates`` (C), only the C dynamic key blocks of
+each query block with the largest upper bound of their score are scored exactly, the others score
+``EMPTY_BLOCK_SCORE`` (:mod:`~sparse_train.selection.candidates`).
 
 Initialisation: with E = G, index head e starts as query head e projected by a shared random projection
 P ~ N(0, 1/S) and ``Wk = P``, so from step 0 the score approximates the largest raw logit

@@ -18,7 +18,7 @@ split into its positive and negative parts, and the program walks the causally r
 at a time: ``[KEY_BLOCKS, 2S] x [2S, ROWS]`` as two ``tl.dot`` (max extremes with the positive part, min extremes
 with the negative part), masked (a key block after a row, padding rows), a max over rows; the columns past the
 reach are stored as -inf. ``_candidate_scores_kernel``: one program per (query block row, b * H + h); it walks the
-row's C listed key blocks CANDIDATES_PER_STEP at a time, gathering their keys into one ``[KEYS, S]`` tile,
+row's C listed key blocks STEP at a time (:func:`candidate_tiles`), gathering their keys into one ``[KEYS, S]`` tile,
 ``[KEYS, S] x [S, ROWS]`` by ``tl.dot``, the mask only on steps that need it (a key that may follow a row, the
 sequence end, padding rows, an unlisted slot, documents), a max over rows then over each block's keys.
 (2) the launchers. (3) the public functions :func:`index_score_bounds` and :func:`candidate_index_scores`.
@@ -48,22 +48,29 @@ from ._launch import kernel_document_ids, kernel_seq_lens, launch
 from .index_scores import BACKENDS, TILE_VALUES_PER_THREAD, _block_bounds, _load_u_slice, index_scores_support
 
 __all__ = [
-    "CANDIDATES_PER_STEP",
     "NUM_WARPS",
     "candidate_index_scores",
     "candidate_index_scores_launch",
+    "candidate_tiles",
     "index_score_bounds",
     "index_score_bounds_launch",
 ]
 
 NUM_WARPS = 4
-"""Warps per program of both kernels."""
-CANDIDATES_PER_STEP = 2
-"""Listed key blocks gathered into one tile per step of the candidate kernel (the tile holds this many times BK keys;
-at BK = 64 and 64 rows, 2 keep :data:`~sparse_train.kernels.triton.index_scores.TILE_VALUES_PER_THREAD` logits per
-thread)."""
+"""Warps per program of the bound kernel, and of the candidate kernel where its tile fits them
+(:func:`candidate_tiles`)."""
 MAX_BOUND_KEY_BLOCKS = 128
 """Most key blocks per step of the bound kernel."""
+
+
+def candidate_tiles(block_k: int, rows: int) -> tuple[int, int]:
+    """(listed blocks gathered per step, warps) of the candidate kernel for a u tile of ``rows`` rows: as many
+    blocks as keep :data:`~sparse_train.kernels.triton.index_scores.TILE_VALUES_PER_THREAD` float32 logits per thread
+    of :data:`NUM_WARPS` warps, at least one, and more warps (up to 16) when one block's tile needs them."""
+    budget = TILE_VALUES_PER_THREAD * 32
+    step = max(1, budget * NUM_WARPS // (rows * block_k))
+    warps = min(16, max(NUM_WARPS, triton.next_power_of_2(-(-step * block_k * rows // budget))))
+    return step, warps
 
 
 # ----------------------------------------------------------------------------------------------
@@ -116,8 +123,8 @@ def _index_bounds_kernel(
         U, u_head, i * BLOCK_Q, q_first, seqlen, 0, stride_um, stride_ue, stride_us, offs_s, S, E, BLOCK_Q, ROWS
     )  # [ROWS, S_P2], 0 where invalid
     zero = tl.zeros_like(u)
-    u_pos = tl.maximum(u, zero)  # in u's dtype, as the extremes
-    u_neg = tl.minimum(u, zero)
+    u_pos = tl.maximum(u, zero).to(u.dtype)  # in u's dtype, as the extremes (the max of bf16 computes in fp32)
+    u_neg = tl.minimum(u, zero).to(u.dtype)
     x_head = EXT + b64 * stride_xb + h.to(tl.int64) * stride_xh
     out_row = (bh.to(tl.int64) * R + i) * NKB
     s_ok = offs_s < S
@@ -314,6 +321,8 @@ def candidate_index_scores_launch(
     if out.numel() == 0:
         return out
     blocks = None if query_blocks is None else query_blocks.to(torch.int32).contiguous()
+    rows = _row_tile(args)
+    step, warps = candidate_tiles(args.block_k, rows)
     launch(
         _candidate_scores_kernel,
         (R, B * H),
@@ -337,13 +346,13 @@ def candidate_index_scores_launch(
         BLOCK_Q=args.block_q,
         BLOCK_K=args.block_k,
         S_P2=max(16, triton.next_power_of_2(args.S)),
-        ROWS=_row_tile(args),
-        STEP=CANDIDATES_PER_STEP,
+        ROWS=rows,
+        STEP=step,
         HAS_QUERY_BLOCKS=blocks is not None,
         HAS_SEQ_LENS=seq_lens is not None,
         HAS_DOCS=document_ids is not None,
         IEEE=u.dtype == torch.float32,
-        num_warps=NUM_WARPS,
+        num_warps=warps,
         num_stages=2,
     )
     return out
