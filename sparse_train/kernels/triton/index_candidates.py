@@ -210,16 +210,14 @@ def _candidate_scores_kernel(
     rows_partial = (q_first + BLOCK_Q > seqlen) | padded_rows
     cand_row = CAND + b64 * stride_cb + h64 * stride_ch + i.to(tl.int64) * stride_cr
     out_row = (bh.to(tl.int64) * R + i) * C
-    within = tl.arange(0, KEYS) % BLOCK_K  # [KEYS]
+    slot = tl.arange(0, KEYS) // BLOCK_K  # [KEYS]: the step's slot of each key
+    within = tl.arange(0, KEYS) % BLOCK_K
     for c0 in range(0, C, STEP):
-        c = c0 + tl.arange(0, STEP)  # [STEP]
-        c_ok = c < C
-        listed = tl.load(cand_row + c.to(tl.int64) * stride_cc, mask=c_ok, other=-1)
-        listed_ok = c_ok & (listed >= 0) & (listed < NKB)
-        block = tl.where(listed_ok, listed, 0)
-        key_block = tl.reshape(tl.broadcast_to(block[:, None], (STEP, BLOCK_K)), (KEYS,))
-        key_listed = tl.reshape(tl.broadcast_to(listed_ok[:, None], (STEP, BLOCK_K)), (KEYS,))
-        kpos = key_block * BLOCK_K + within  # [KEYS]
+        # each key reads its slot's block id (repeated addresses, cached): no reshape of a broadcast slot vector
+        key_slot = c0 + slot
+        key_block = tl.load(cand_row + key_slot.to(tl.int64) * stride_cc, mask=key_slot < C, other=-1)  # [KEYS]
+        key_listed = (key_slot < C) & (key_block >= 0) & (key_block < NKB)
+        kpos = tl.where(key_listed, key_block, 0) * BLOCK_K + within  # [KEYS]
         key_in = key_listed & (kpos < q_end)  # keys at or past the block's valid rows are never loaded (NaN padding)
         w = tl.load(
             w_head + kpos.to(tl.int64)[:, None] * stride_wn + offs_s.to(tl.int64)[None, :] * stride_ws,
@@ -229,8 +227,8 @@ def _candidate_scores_kernel(
         s = dot(w, tl.trans(u), IEEE)  # [KEYS, ROWS] float32
         # every (key, row) is valid unless a key may follow a row, a row is not a real query, a slot lists no
         # block or documents may differ
-        last_key = tl.max(tl.where(listed_ok, block, 0)) * BLOCK_K + BLOCK_K - 1
-        unlisted = tl.min(listed_ok.to(tl.int32)) == 0
+        last_key = tl.max(tl.where(key_listed, kpos, 0))
+        unlisted = tl.min(key_listed.to(tl.int32)) == 0
         if HAS_DOCS:
             doc_k = tl.load(docs_row + kpos.to(tl.int64), mask=key_in, other=-1)
             ok = key_in[:, None] & row_ok[None, :] & (kpos[:, None] <= pos[None, :])
@@ -240,7 +238,8 @@ def _candidate_scores_kernel(
             s = tl.where(ok, s, float("-inf"))
         best = tl.max(s, axis=1)  # [KEYS]: best row of each key
         score = tl.max(tl.reshape(best, (STEP, BLOCK_K)), axis=1)  # [STEP]
-        tl.store(OUT + out_row + c, score, mask=c_ok)
+        c = c0 + tl.arange(0, STEP)
+        tl.store(OUT + out_row + c, score, mask=c < C)
 
 
 # ----------------------------------------------------------------------------------------------
