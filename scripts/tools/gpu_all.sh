@@ -21,8 +21,9 @@
 #                                                           # sampled
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh retrieval   # 16K retrieval A/B (sparse and dense twin side by side),
 #                                                           # then block-mass GPU tests, selector and step benchmarks
-#   OUT=/tmp/out bash scripts/tools/gpu_all.sh token       # the token selector against the pooled one at 64K: the
-#                                                           # selection and the 1.1B step with its dense twin
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh token       # the token selector (also with 32 candidates) against
+#                                                           # the pooled one at 64K: the selection and the 1.1B
+#                                                           # step with its dense twin
 #                                                           # (docs/benchmarks/selector_heldout)
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
 #                                                           # benchmark with its sustained (power-capped) column,
@@ -173,6 +174,9 @@ case "$phase" in
         > "$R/selection_64k_$s.log" 2>&1
       echo "bench_selector $s rc=$?" >> "$R/selection_64k_$s.log"
     done
+    timeout 60 python3 -m scripts.bench.selector --selector token --candidates 32 --graph --selector-only \
+      --out "$R/selection_64k_token_cand.json" > "$R/selection_64k_token_cand.log" 2>&1
+    echo "bench_selector token_cand rc=$?" >> "$R/selection_64k_token_cand.log"
     timeout 240 python3 -m scripts.bench.step --contexts 65536 --variants sparse dense --repeats 4 --warmup 2 \
       --out "$R/step_1p1b_64k_pooled_dense.json" > "$R/step_1p1b_64k_pooled_dense.log" 2>&1
     echo "bench_step pooled_dense rc=$?" >> "$R/step_1p1b_64k_pooled_dense.log"

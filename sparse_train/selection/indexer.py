@@ -332,6 +332,8 @@ class TokenIndexer(nn.Module):
         )
         temperature = self._temperature(scale).view(1, -1, 1, 1)
         w = self._index_keys(k_index)
+        with torch.no_grad():
+            keys_f32 = k.detach().float()  # once for every listed block
         for listed, block in enumerate(query_blocks.to(device, torch.int64).unbind(0)):
             positions = block * block_q + torch.arange(block_q, device=device)
             rows = positions.clamp(max=seq_len - 1)
@@ -342,7 +344,7 @@ class TokenIndexer(nn.Module):
             allowed = (allowed & valid).unsqueeze(1)  # [B, 1, BQ, N]
             with torch.no_grad(), torch.autocast(device.type, enabled=False):
                 q_rows = q[:, :, rows].detach().float().view(batch, self.num_kv_heads, self.group, block_q, dim)
-                logits = torch.einsum("bhgrd,bhnd->bhgrn", q_rows, k.detach().float()) * scale
+                logits = torch.einsum("bhgrd,bhnd->bhgrn", q_rows, keys_f32) * scale
                 probs = torch.softmax(logits.masked_fill(~allowed.unsqueeze(2), float("-inf")), dim=-1)
                 target = torch.nan_to_num(probs).amax(dim=2)  # [B, HKV, BQ, N]: max over the group's heads
                 target = target / target.sum(dim=-1, keepdim=True).clamp(min=1e-30)
