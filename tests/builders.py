@@ -325,3 +325,116 @@ def assert_mid_epoch_resume_equals_straight(make_datamodule, tmp_path, fork_step
     assert trainer.global_step == max_steps
     for key, value in straight.state_dict().items():
         assert torch.equal(value, resumed.state_dict()[key]), f"the resumed run diverged at {key}"
+
+
+def index_inputs(B, H, N, E, S, *, blocks=None, block_q=None, seed=0, dtype=torch.float32, device="cpu", seq_lens=None):
+    """Index-score inputs: u ``[B, H, M, E, S]`` (M = N, or ``len(blocks) * block_q`` rows of the listed query
+    blocks) and w ``[B, H, N, S]`` standard normal, NaN at every position past ``seq_lens`` (or N): padding the
+    scores ignore."""
+    g = torch.Generator().manual_seed(seed)
+    pos = (
+        torch.arange(N)
+        if blocks is None
+        else (torch.tensor(blocks).view(-1, 1) * block_q + torch.arange(block_q)).reshape(-1)
+    )
+    u = torch.randn(B, H, pos.numel(), E, S, generator=g)
+    w = torch.randn(B, H, N, S, generator=g)
+    for b in range(B):
+        length = N if seq_lens is None else seq_lens[b]
+        w[b, :, length:] = float("nan")
+        u[b, :, pos >= length] = float("nan")
+    return u.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------------- compile for Hopper
+def ptxas_path():
+    """The ptxas that ships with triton, or None."""
+    import os
+
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return path if os.path.exists(path) else None
+
+
+def warmup_for_hopper(kernel, *args, **meta):
+    """``kernel.warmup(*args, **meta)`` with the active Triton driver answering sm_90 (compiles without a GPU; call
+    it in a process without ``TRITON_INTERPRET``). Returns the compiled kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    class Hopper:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device=None):
+            return 0
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_device_interface(self):
+            return torch.cuda
+
+    driver = triton.runtime.driver
+    saved = driver._active
+    driver.set_active(Hopper())
+    try:
+        return kernel.warmup(*args, **meta)
+    finally:
+        driver._active = saved
+
+
+def ptxas_usage(compiled) -> tuple[int, int]:
+    """(registers, spill store bytes) of a kernel compiled by :func:`warmup_for_hopper`, assembled by ptxas for
+    sm_90a."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        text = subprocess.run(
+            [ptxas_path(), "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True, check=True
+        ).stderr
+    return int(re.search(r"Used (\d+) registers", text).group(1)), int(
+        re.search(r"(\d+) bytes spill stores", text).group(1)
+    )
+
+
+def compile_report_in_subprocess(test_file: str, function: str, cases):
+    """``function(cases)`` of the test module ``test_file`` run in a child process without the interpreter (the
+    package this process tests on its path, and the tests' builders), its printed JSON result decoded."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import sparse_train
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [
+            os.path.dirname(os.path.dirname(sparse_train.__file__)),
+            os.path.dirname(os.path.dirname(os.path.abspath(test_file))),
+            env.get("PYTHONPATH", ""),
+        ]
+    )
+    module = os.path.splitext(os.path.basename(test_file))[0]
+    code = f"import json, {module} as t; print(json.dumps(t.{function}({cases!r})))"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(test_file),
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -8,7 +8,15 @@ capture."""
 
 import pytest
 import torch
-from builders import check_close, ids_from_lengths
+from builders import (
+    check_close,
+    compile_report_in_subprocess,
+    ids_from_lengths,
+    index_inputs,
+    ptxas_path,
+    ptxas_usage,
+    warmup_for_hopper,
+)
 
 from sparse_train.kernels.reference.index_candidates import (
     reference_candidate_index_scores,
@@ -22,22 +30,8 @@ BACKEND = "auto" if DEV == "cuda" else "triton"
 pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")  # fresh float outputs start as NaN
 
 
-def _inputs(B, H, N, E, S, *, blocks=None, block_q=None, seed=0, dtype=torch.float32, device=DEV, seq_lens=None):
-    """u ``[B, H, M, E, S]`` (M = N, or ``len(blocks) * block_q`` rows of the listed query blocks) and w
-    ``[B, H, N, S]`` standard normal, NaN at every position past ``seq_lens`` (or N)."""
-    g = torch.Generator().manual_seed(seed)
-    pos = (
-        torch.arange(N)
-        if blocks is None
-        else (torch.tensor(blocks).view(-1, 1) * block_q + torch.arange(block_q)).reshape(-1)
-    )
-    u = torch.randn(B, H, pos.numel(), E, S, generator=g)
-    w = torch.randn(B, H, N, S, generator=g)
-    for b in range(B):
-        length = N if seq_lens is None else seq_lens[b]
-        w[b, :, length:] = float("nan")
-        u[b, :, pos >= length] = float("nan")
-    return u.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
+def _inputs(*args, device=DEV, **kwargs):
+    return index_inputs(*args, device=device, **kwargs)
 
 
 def _listed(B, H, R, NKB, C, seed):
@@ -299,14 +293,8 @@ def test_gpu_never_synchronises_and_captures():
 def hopper_compile_report(cases):
     """[(kernel, registers, spill store bytes)] of both kernels compiled for sm_90a at the launchers' tiles for each
     ``(E, S, with_docs_lengths_blocks)`` case (block 64, bf16). Runs in a process without the interpreter (the test
-    below starts one): the active driver answers sm_90 while ``warmup`` compiles."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
+    below starts one, :func:`builders.compile_report_in_subprocess`)."""
     import triton
-    from triton.backends.compiler import GPUTarget
 
     from sparse_train.kernels.triton.index_candidates import (
         MAX_BOUND_KEY_BLOCKS,
@@ -317,23 +305,6 @@ def hopper_compile_report(cases):
     )
     from sparse_train.kernels.triton.index_scores import TILE_VALUES_PER_THREAD
 
-    class Hopper:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def get_device_interface(self):
-            return torch.cuda
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     report = []
     for E, S, full in cases:
         block, N = 64, 256
@@ -344,36 +315,21 @@ def hopper_compile_report(cases):
         extremes = torch.zeros(1, 2, 4, 2 * S, dtype=torch.bfloat16)
         listed = torch.zeros(1, 2, 4, 8, dtype=torch.int64)
         out, ints = torch.zeros(1, 2, 4, 4), torch.zeros(4, dtype=torch.int32)
-        key_blocks = min(
-            MAX_BOUND_KEY_BLOCKS, triton.next_power_of_2(max(16, TILE_VALUES_PER_THREAD * 32 * NUM_WARPS // rows))
-        )
+        key_blocks = triton.next_power_of_2(max(16, TILE_VALUES_PER_THREAD * 32 * NUM_WARPS // rows))
         step, warps = candidate_tiles(block, rows)
-        driver = triton.runtime.driver
-        saved = driver._active
-        driver.set_active(Hopper())
-        try:
-            bounds = _index_bounds_kernel.warmup(
-                u, extremes, ints, ints, out, *u.stride(), *extremes.stride(), 2, N, 4, 4, S,
-                E=E, BLOCK_Q=block, BLOCK_K=block, S_P2=s_p2, ROWS=rows, KEY_BLOCKS=key_blocks,
-                HAS_QUERY_BLOCKS=full, HAS_SEQ_LENS=full, IEEE=False, num_warps=NUM_WARPS, num_stages=2, grid=(1, 1),
-            )  # fmt: skip
-            candidates = _candidate_scores_kernel.warmup(
-                u, w, listed, ints, ints, ints, out, *u.stride(), *w.stride(), *listed.stride(), 2, N, 4, 4, 8, S,
-                E=E, BLOCK_Q=block, BLOCK_K=block, S_P2=s_p2, ROWS=rows, STEP=step, HAS_QUERY_BLOCKS=full,
-                HAS_SEQ_LENS=full, HAS_DOCS=full, IEEE=False, num_warps=warps, num_stages=2, grid=(1, 1),
-            )  # fmt: skip
-        finally:
-            driver._active = saved
-        for name, compiled in (("bounds", bounds), ("candidates", candidates)):
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "kernel.ptx")
-                with open(path, "w") as f:
-                    f.write(compiled.asm["ptx"])
-                text = subprocess.run(
-                    [ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True, check=True
-                ).stderr
-            registers = int(re.search(r"Used (\d+) registers", text).group(1))
-            report.append((name, registers, int(re.search(r"(\d+) bytes spill stores", text).group(1))))
+        bounds = warmup_for_hopper(
+            _index_bounds_kernel,
+            u, extremes, ints, ints, out, *u.stride(), *extremes.stride(), 2, N, 4, 4, S,
+            E=E, BLOCK_Q=block, BLOCK_K=block, S_P2=s_p2, ROWS=rows, KEY_BLOCKS=min(MAX_BOUND_KEY_BLOCKS, key_blocks),
+            HAS_QUERY_BLOCKS=full, HAS_SEQ_LENS=full, IEEE=False, num_warps=NUM_WARPS, num_stages=2, grid=(1, 1),
+        )  # fmt: skip
+        candidates = warmup_for_hopper(
+            _candidate_scores_kernel,
+            u, w, listed, ints, ints, ints, out, *u.stride(), *w.stride(), *listed.stride(), 2, N, 4, 4, 8, S,
+            E=E, BLOCK_Q=block, BLOCK_K=block, S_P2=s_p2, ROWS=rows, STEP=step, HAS_QUERY_BLOCKS=full,
+            HAS_SEQ_LENS=full, HAS_DOCS=full, IEEE=False, num_warps=warps, num_stages=2, grid=(1, 1),
+        )  # fmt: skip
+        report += [("bounds", *ptxas_usage(bounds)), ("candidates", *ptxas_usage(candidates))]
     return report
 
 
@@ -382,38 +338,10 @@ def test_kernels_compile_for_hopper_without_spills():
     """The interpreter accepts programs the compiler rejects (a bf16 operand next to an fp32 one): both kernels
     compile for sm_90a at the launchers' tiles, with documents, lengths and listed query blocks and without, for
     E in {1, 2, 4} and S in {16, 32, 64}, without register spills."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
+    if ptxas_path() is None:
         pytest.skip("this triton ships no ptxas")
     cases = [(1, 32, False), (1, 32, True), (2, 32, True), (4, 16, True), (1, 64, True)]
-    import sparse_train
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        [
-            os.path.dirname(os.path.dirname(sparse_train.__file__)),
-            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            env.get("PYTHONPATH", ""),
-        ]
-    )
-    code = f"import json, test_kernel_index_candidates as t; print(json.dumps(t.hopper_compile_report({cases!r})))"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=os.path.dirname(__file__),
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = compile_report_in_subprocess(__file__, "hopper_compile_report", cases)
     for (E, S, full), pair in zip(cases, zip(report[0::2], report[1::2])):
         for name, registers, spills in pair:
             print(f"E={E} S={S} full={full} {name}: {registers} registers, {spills} bytes spilled")

@@ -7,7 +7,16 @@ N = 4097 and 16384 with H in {1, 3, 4, 8}, and 128K on listed query blocks."""
 
 import pytest
 import torch
-from builders import check_close, ids_from_lengths, rel_err
+from builders import (
+    check_close,
+    compile_report_in_subprocess,
+    ids_from_lengths,
+    index_inputs,
+    ptxas_path,
+    ptxas_usage,
+    rel_err,
+    warmup_for_hopper,
+)
 
 from sparse_train.kernels.reference.index_scores import (
     check_index_score_args,
@@ -25,22 +34,8 @@ BACKEND = "auto" if DEV == "cuda" else "triton"
 pytestmark = pytest.mark.usefixtures("poison_fresh_outputs")  # fresh float outputs start as NaN
 
 
-def _inputs(B, H, N, E, S, *, blocks=None, block_q=None, seed=0, dtype=torch.float32, device=DEV, seq_lens=None):
-    """u ``[B, H, M, E, S]`` (M = N, or ``len(blocks) * block_q`` rows of the listed query blocks) and w
-    ``[B, H, N, S]`` standard normal, NaN at every position past ``seq_lens`` (or N): padding the scores ignore."""
-    g = torch.Generator().manual_seed(seed)
-    pos = (
-        torch.arange(N)
-        if blocks is None
-        else (torch.tensor(blocks).view(-1, 1) * block_q + torch.arange(block_q)).reshape(-1)
-    )
-    u = torch.randn(B, H, pos.numel(), E, S, generator=g)
-    w = torch.randn(B, H, N, S, generator=g)
-    for b in range(B):
-        length = N if seq_lens is None else seq_lens[b]
-        w[b, :, length:] = float("nan")
-        u[b, :, pos >= length] = float("nan")
-    return u.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
+def _inputs(*args, device=DEV, **kwargs):
+    return index_inputs(*args, device=device, **kwargs)
 
 
 def _reference_with_grads(u, w, grad, dtype, **kwargs):
@@ -527,38 +522,14 @@ def test_index_scores_gpu_never_synchronises_and_captures():
 def hopper_compile_report(cases):
     """[(registers, spill store bytes, shared bytes)] of the kernel compiled for sm_90a at the automatic tiles of
     each ``(E, S, with_winner_docs_lengths, blocks_per_program, keys_major)`` case (block 64, bf16). Runs in a
-    process without the interpreter (the test below starts one): the active driver answers sm_90 while
-    ``warmup`` compiles."""
-    import os
-    import re
-    import subprocess
-    import tempfile
-
+    process without the interpreter (the test below starts one, :func:`builders.compile_report_in_subprocess`)."""
     import triton
-    from triton.backends.compiler import GPUTarget
 
     from sparse_train.kernels.triton.index_scores import (
         _index_block_scores_kernel,
         tile_options,
     )
 
-    class Hopper:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device=None):
-            return 0
-
-        def get_active_torch_device(self):
-            return torch.device("cpu")
-
-        def get_device_interface(self):
-            return torch.cuda
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     report = []
     for E, S, full, per_program, keys_major in cases:
         block, N = 64, 256
@@ -569,62 +540,44 @@ def hopper_compile_report(cases):
         u = torch.zeros(1, 2, N, E, S, dtype=torch.bfloat16)
         w = torch.zeros(1, 2, N, S, dtype=torch.bfloat16)
         out, ints = torch.zeros(1, 2, 4, 4), torch.zeros(4, dtype=torch.int32)
-        driver = triton.runtime.driver
-        saved = driver._active
-        driver.set_active(Hopper())
-        try:
-            compiled = _index_block_scores_kernel.warmup(
-                u,
-                w,
-                ints,
-                ints,
-                ints,
-                out,
-                ints,
-                ints,
-                *u.stride(),
-                *w.stride(),
-                2,
-                N,
-                4,
-                4,
-                S,
-                9,
-                E=E,
-                BLOCK_Q=block,
-                BLOCK_K=block,
-                S_P2=max(16, triton.next_power_of_2(S)),
-                ROW_TILE=tiles.row_tile,
-                ROW_SLICES=rows // tiles.row_tile,
-                KEY_BLOCKS=max(1, tiles.key_tile // block),
-                PAIR=per_program == 2,
-                FILL=256,
-                HAS_QUERY_BLOCKS=full,
-                HAS_SEQ_LENS=full,
-                HAS_DOCS=full,
-                WITH_WINNER=full,
-                IEEE=False,
-                KEYS_MAJOR=tiles.keys_major,
-                num_warps=tiles.num_warps,
-                num_stages=tiles.num_stages,
-                grid=(1, 1),
-            )
-        finally:
-            driver._active = saved
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "kernel.ptx")
-            with open(path, "w") as f:
-                f.write(compiled.asm["ptx"])
-            text = subprocess.run(
-                [ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True, check=True
-            ).stderr
-        report.append(
-            (
-                int(re.search(r"Used (\d+) registers", text).group(1)),
-                int(re.search(r"(\d+) bytes spill stores", text).group(1)),
-                compiled.metadata.shared,
-            )
+        compiled = warmup_for_hopper(
+            _index_block_scores_kernel,
+            u,
+            w,
+            ints,
+            ints,
+            ints,
+            out,
+            ints,
+            ints,
+            *u.stride(),
+            *w.stride(),
+            2,
+            N,
+            4,
+            4,
+            S,
+            9,
+            E=E,
+            BLOCK_Q=block,
+            BLOCK_K=block,
+            S_P2=max(16, triton.next_power_of_2(S)),
+            ROW_TILE=tiles.row_tile,
+            ROW_SLICES=rows // tiles.row_tile,
+            KEY_BLOCKS=max(1, tiles.key_tile // block),
+            PAIR=per_program == 2,
+            FILL=256,
+            HAS_QUERY_BLOCKS=full,
+            HAS_SEQ_LENS=full,
+            HAS_DOCS=full,
+            WITH_WINNER=full,
+            IEEE=False,
+            KEYS_MAJOR=tiles.keys_major,
+            num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages,
+            grid=(1, 1),
         )
+        report.append((*ptxas_usage(compiled), compiled.metadata.shared))
     return report
 
 
@@ -633,15 +586,7 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
     """The interpreter accepts programs the compiler rejects: the kernel compiles for sm_90a (ptxas ships with
     triton) at the automatic tiles of the benchmark's (E, S), with winners, documents, lengths and listed query
     blocks (the most registers) and without, one or two query blocks per program, and no register spills."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
+    if ptxas_path() is None:
         pytest.skip("this triton ships no ptxas")
     cases = [
         (E, S, full, per_program, keys_major)
@@ -658,29 +603,7 @@ def test_index_scores_kernel_compiles_for_hopper_without_spills():
         ]
         for keys_major in (False, True)
     ]
-    import sparse_train
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # the child imports the package this process tests (a worktree's, not whatever the venv points to)
-    # and the tests' shared builders (tests/builders.py, one folder up from this file)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [
-            os.path.dirname(os.path.dirname(sparse_train.__file__)),
-            os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-            env.get("PYTHONPATH", ""),
-        ]
-    )
-    code = f"import json, test_kernel_index_scores as t; print(json.dumps(t.hopper_compile_report({cases!r})))"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=os.path.dirname(__file__),
-        env=env,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = compile_report_in_subprocess(__file__, "hopper_compile_report", cases)
     for (E, S, full, pair, keys_major), (registers, spills, shared) in zip(cases, report):
         print(
             f"E={E} S={S} full={full} blocks per program {pair} keys major {keys_major}: {registers} registers, "
