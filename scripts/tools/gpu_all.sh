@@ -25,6 +25,10 @@
 #                                                           # the pooled one at 64K: the selection and the 1.1B
 #                                                           # step with its dense twin
 #                                                           # (docs/benchmarks/selector_heldout)
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh heldout     # token selector with candidate blocks against exact
+#                                                           # token scores on the held-out families, 2K, two seeds
+#                                                           # (HELDOUT_LEN=8192: needles and copy at 8K with the
+#                                                           # dense twin and the oracle); results straight to $OUT
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
 #                                                           # benchmark with its sustained (power-capped) column,
 #                                                           # then Nsight Compute over one forward + backward per
@@ -185,6 +189,22 @@ case "$phase" in
     echo "bench_step token rc=$?" >> "$R/step_1p1b_64k_token.log"
     cp "$R"/selection_64k_*.json "$R"/step_1p1b_64k_*.json "$OUT"/ 2>/dev/null
     ;;
+  heldout)
+    # candidate blocks against exact token scores on the held-out families at 2K (HELDOUT_LEN=8192 for 8K: needles
+    # and copy, with the dense twin and the oracle); each finished job is appended to results.jsonl at once, so a
+    # run cut by its timeout keeps what finished (a rerun with the same --out resumes)
+    if [ "${HELDOUT_LEN:-2048}" = 2048 ]; then
+      args="--families needles,vartrack,copy,assoc --modes token_kl,token_cand --seq-len 2048 --jobs 16"
+    else
+      args="--families needles,copy --modes dense,token_kl,token_cand,oracle --seq-len $HELDOUT_LEN --batch 8"
+      args="$args --steps ${HELDOUT_STEPS:-1600} --jobs 16"
+    fi
+    # shellcheck disable=SC2086
+    timeout 540 python3 -m scripts.eval.heldout $args --seeds 0,1 --device cuda --out "$OUT/heldout" \
+      > "$OUT/heldout.log" 2>&1
+    echo "heldout rc=$?" >> "$OUT/heldout.log"
+    rm -f "$OUT/heldout/plot.png"  # the device tool returns 8 files: results.jsonl, summary.md, summary.json, the log
+    ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
 
@@ -198,6 +218,7 @@ for f in "$R"/selection_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; 
 for f in "$R"/step_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -vE "^ {4}" "$f" | tail -n 6; }; done
 ls "$R"/bench_attention/*.md >/dev/null 2>&1 && head -n 20 "$R"/bench_attention/*.md
 for f in "$R"/bench_attention_d*/*.md; do [ -f "$f" ] && sed -n '/^| N | pattern | density/,$p' "$f" | head -n 40; done
+[ -f "$OUT/heldout.log" ] && { tail -n 5 "$OUT/heldout.log"; cat "$OUT/heldout/summary.md" 2>/dev/null; }
 for f in "$R"/ncu_*.md; do [ -f "$f" ] && { echo "--- $(basename "$f")"; cat "$f"; }; done
 for run in retrieval_16k retrieval_16k_dense; do
   m=$(find "$R/$run" -name metrics.csv 2>/dev/null | head -n 1)
