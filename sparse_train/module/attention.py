@@ -103,10 +103,27 @@ FALLBACK_REASONS = ("dense_warmup", "dense_full_selection", "dense_hysteresis", 
 """Every reason a call leaves the Triton sparse path; ``fallback_counts`` and ``stats()`` use these names
 (the reference ones are ``resolve_backend``'s codes, so a new code cannot be miscounted)."""
 
-RESUME_STATE = ("distill_draws", "dense_mode")
+RESUME_STATE = ("distill_draws", "dense_mode", "dropout_base", "dropout_draws")
 """The state-dict buffers of a ``SparseAttention``, besides ``selector_steps``, that decide the numbers of later
-calls: the distillation sample's draw number and the dense/sparse hysteresis. A state dict without them loads
-them at their initial values (zero, sparse), also under ``strict=True``."""
+calls: the distillation sample's draw number, the dense/sparse hysteresis, and the dropout seeds' base and draw
+number. A state dict without them loads them at their initial values (zero, sparse, no base yet, zero), also under
+``strict=True``."""
+_NO_DROPOUT_BASE = -1
+"""``dropout_base`` before the first dropout call draws it."""
+
+
+def _mixed_seed(base: int, draw: int) -> int:
+    """The dropout seed of draw number ``draw`` from ``base``: the base itself for draw 0 (a module's first seed is
+    the one :func:`~sparse_train.validation.draw_dropout_seed` returns), then a splitmix64 finalizer of
+    ``base + draw * golden``, in [0, 2**62) (it fits a signed int64, as the base does)."""
+    if draw == 0:
+        return base
+    mask = 2**64 - 1
+    z = (base + draw * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) >> 2
+
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -123,10 +140,11 @@ class SparseAttention(nn.Module):
             learned :class:`~sparse_train.selection.BlockScorer` or :class:`~sparse_train.selection.TokenIndexer`,
             or the parameter-free :class:`~sparse_train.selection.OracleSelector`); its parameters are the
             selector's and appear in ``state_dict`` under ``scorer.``.
-        selector_steps, distill_draws, dense_mode: buffers in ``state_dict`` holding the training-forward count
-            (warm-up, ``distill_every``, ``metrics_every``), the distillation sample's draw number and the
-            dense/sparse hysteresis: with them a run resumed from ``state_dict`` continues exactly (the
-            quality metrics' sample is drawn from the training-forward count too). ``fallback_counts``, the
+        selector_steps, distill_draws, dense_mode, dropout_base, dropout_draws: buffers in ``state_dict`` holding
+            the training-forward count (warm-up, ``distill_every``, ``metrics_every``), the distillation sample's
+            draw number, the dense/sparse hysteresis and the dropout seeds' base and draw number: with them a run
+            resumed from ``state_dict`` continues exactly (the quality metrics' sample is drawn from the
+            training-forward count too). ``fallback_counts``, the
             replay counts and the timings are statistics of the module object and are not saved.
         selector_loss: the last training forward's distillation loss (scalar, gradients only into
             ``scorer``), or None.
@@ -168,6 +186,11 @@ class SparseAttention(nn.Module):
         # The dense/sparse hysteresis: True while the dense path holds. The Python bool is the source of
         # truth (the path is decided on the host); the buffer mirrors it.
         self.register_buffer("dense_mode", torch.zeros((), dtype=torch.bool))
+        # Dropout seeds: the base, drawn from torch's global generator at the first call with dropout (not here:
+        # building the module leaves the global stream to the model's weights), and the draw number; each call's
+        # seed is mixed from the two on the host (the Python ints are the source of truth, the buffers mirror them).
+        self.register_buffer("dropout_base", torch.full((), _NO_DROPOUT_BASE, dtype=torch.int64))
+        self.register_buffer("dropout_draws", torch.zeros((), dtype=torch.int64))
         # A tensor (not a dict of ints) so counting inside a compiled graph is an in-graph add, not a
         # Python side effect that would guard and recompile on every call. A statistic of this module
         # object (like the replay counts and timings), not saved.
@@ -176,6 +199,8 @@ class SparseAttention(nn.Module):
         )
         self.selector_loss: Tensor | None = None
         self._dense_mode = False
+        self._dropout_base = _NO_DROPOUT_BASE
+        self._dropout_draws = 0
         self._training_calls = 0
         self._last_distilled = False
         self._last_index: BlockIndex | None = None
@@ -296,10 +321,25 @@ class SparseAttention(nn.Module):
         # still reports every key missing.
         if prefix + "selector_steps" in state_dict:
             for name in RESUME_STATE:
-                state_dict.setdefault(prefix + name, torch.zeros_like(getattr(self, name)))
+                initial = _NO_DROPOUT_BASE if name == "dropout_base" else 0
+                state_dict.setdefault(prefix + name, torch.full_like(getattr(self, name), initial))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._training_calls = int(self.selector_steps)
         self._dense_mode = bool(self.dense_mode)
+        self._dropout_base = int(self.dropout_base)
+        self._dropout_draws = int(self.dropout_draws)
+
+    def _draw_dropout_seed(self) -> int:
+        """The next dropout seed: mixed from the base (drawn from torch's global generator on the first call, so
+        ``torch.manual_seed`` makes runs reproducible) and the draw number, both in the state dict, so a resumed run
+        drops what the uninterrupted one drops."""
+        if self._dropout_base == _NO_DROPOUT_BASE:
+            self._dropout_base = draw_dropout_seed()
+            self.dropout_base.fill_(self._dropout_base)
+        seed = _mixed_seed(self._dropout_base, self._dropout_draws)
+        self._dropout_draws += 1
+        self.dropout_draws.add_(1)
+        return seed
 
     def _choose_path(self, geometry, update_state: bool) -> tuple[str, str | None]:
         """``("dense" | "sparse", fallback reason)`` from shapes, the warm-up and the hysteresis state."""
@@ -578,7 +618,7 @@ class SparseAttention(nn.Module):
             if profile:
                 self._timings.mark("plan" + phase_suffix, 1, device)
             if attend_index is not None and dropout_p > 0.0 and dropout_seed is None:
-                dropout_seed = layout.dropout_seed(draw_dropout_seed)
+                dropout_seed = layout.dropout_seed(self._draw_dropout_seed)
 
         # ---- attention
         if profile:

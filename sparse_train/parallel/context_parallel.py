@@ -46,6 +46,7 @@ the index, ``seq_lens``, ``document_ids``, ``scale``, ``dropout_p`` and ``dropou
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -216,14 +217,19 @@ def gather_sequence(x_local: Tensor, dim: int, group=None) -> Tensor:
     return ordered.reshape(world * local, *moved.shape[1:]).movedim(0, dim)
 
 
-def shared_dropout_seed(group=None, generator: torch.Generator | None = None) -> int:
-    """A dropout seed in ``[0, 2**63)`` drawn on the group's rank 0 (from ``generator`` or torch's global
-    RNG) and broadcast, so every rank drops the same elements. One small blocking collective (a host
-    read): draw it once per step, not per layer, and derive per-layer seeds from it."""
+def shared_dropout_seed(
+    group=None, generator: torch.Generator | None = None, draw: Callable[[], int] | None = None
+) -> int:
+    """A dropout seed in ``[0, 2**63)`` drawn on the group's rank 0 and broadcast, so every rank drops the same
+    elements: ``draw()`` when given (called on every rank, so that each rank's draw state advances alike; rank 0's
+    value is used), else from ``generator`` or torch's global RNG. One small blocking collective (a host read):
+    draw it once per step, not per layer, and derive per-layer seeds from it."""
     group, _, rank = _group_info(group)
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
     seed = torch.zeros(1, dtype=torch.int64)
-    if rank == 0:
+    if draw is not None:
+        seed = torch.tensor([draw()], dtype=torch.int64)
+    elif rank == 0:
         seed = torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64, generator=generator)
     seed = seed.to(device)
     dist.broadcast(seed, src=dist.get_global_rank(group, 0), group=group)
@@ -712,7 +718,7 @@ class ContextParallelLayout(SequenceLayout):
         return gather_sequence(x, dim, self.group)
 
     def dropout_seed(self, draw) -> int:
-        return shared_dropout_seed(self.group)
+        return shared_dropout_seed(self.group, draw=draw)
 
     def backend(
         self, module, q: Tensor, k: Tensor, v: Tensor, index: BlockIndex, document_ids: Tensor | None

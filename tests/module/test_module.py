@@ -409,6 +409,8 @@ def test_state_dict_holds_the_selector_and_the_resume_state():
         "selector_steps",
         "distill_draws",
         "dense_mode",
+        "dropout_base",
+        "dropout_draws",
     }
 
 

@@ -1,8 +1,8 @@
 """Exact resume of ``SparseAttention`` training from state dicts: the buffers that decide later calls (training-forward
-count, distillation draw number, dense/sparse hysteresis) are in the state dict, state dicts without them still load
-(also strictly), and a plain PyTorch loop (AdamW, activation checkpointing) saved after k steps and continued in a
-fresh model and optimizer equals the uninterrupted run bitwise: losses, selections, quality metrics, weights and
-optimizer state."""
+count, distillation draw number, dense/sparse hysteresis, dropout seeds) are in the state dict, state dicts without
+them still load (also strictly), and a plain PyTorch loop (AdamW, activation checkpointing) saved after k steps and
+continued in a fresh model and optimizer equals the uninterrupted run bitwise: losses, selections, quality metrics,
+weights and optimizer state."""
 
 import io
 
@@ -69,9 +69,9 @@ class TinyLM(nn.Module):
         return self.head(x)
 
 
-def build(seed: int) -> tuple[TinyLM, torch.optim.Optimizer]:
+def build(seed: int, dropout_p: float = 0.0) -> tuple[TinyLM, torch.optim.Optimizer]:
     torch.manual_seed(seed)
-    model = TinyLM(st.SparseAttentionConfig(**SPARSE)).train()
+    model = TinyLM(st.SparseAttentionConfig(**SPARSE, dropout_p=dropout_p)).train()
     return model, torch.optim.AdamW(model.parameters(), lr=3e-2)
 
 
@@ -115,6 +115,7 @@ def test_state_dict_without_the_resume_state_loads_strictly_at_initial_values():
     trained = st.SparseAttention(config, num_heads=HQ, num_kv_heads=HKV, head_dim=D).train()
     trained(q, k, v)  # 80 tokens: the hysteresis enters the dense path; the distillation draws once
     assert int(trained.distill_draws) == 1 and bool(trained.dense_mode)
+    assert int(trained.dropout_base) == -1 and int(trained.dropout_draws) == 0  # no dropout: nothing drawn
     saved = trained.state_dict()
     old = {key: value for key, value in saved.items() if key not in RESUME_STATE}
     assert old.keys() == saved.keys() - set(RESUME_STATE)
@@ -131,21 +132,46 @@ def test_state_dict_without_the_resume_state_loads_strictly_at_initial_values():
         empty.load_state_dict({}, strict=True)
 
 
-def test_plain_loop_resumed_from_state_dicts_equals_the_uninterrupted_run(deterministic):
+def test_dropout_seeds_continue_from_the_state_dict_and_building_draws_nothing():
+    """Building the module leaves torch's global generator alone (a sparse model's weights equal its dense twin's);
+    the first call with dropout draws the base from it; the seeds then follow from the base and the draw number,
+    which a state dict carries into a module built anywhere, and a state dict without them starts undrawn."""
+    config = st.SparseAttentionConfig(**dict(SPARSE, dense_warmup_steps=0, dropout_p=0.3))
+    torch.manual_seed(3)
+    before = torch.get_rng_state()
+    module = st.SparseAttention(config, num_heads=HQ, num_kv_heads=HKV, head_dim=D).train()
+    assert torch.equal(torch.get_rng_state(), before)
+    seeds = [module._draw_dropout_seed() for _ in range(3)]
+    assert len(set(seeds)) == 3 and all(0 <= seed < 2**62 for seed in seeds)
+    assert int(module.dropout_draws) == 3 and int(module.dropout_base) >= 0
+    saved = {key: value.clone() for key, value in module.state_dict().items()}  # the buffers advance in place
+    later = [module._draw_dropout_seed() for _ in range(2)]
+    torch.manual_seed(99)  # another global state: the loaded base decides
+    fresh = st.SparseAttention(config, num_heads=HQ, num_kv_heads=HKV, head_dim=D).train()
+    fresh.load_state_dict(saved, strict=True)
+    assert [fresh._draw_dropout_seed() for _ in range(2)] == later
+    old = {key: value for key, value in saved.items() if key not in ("dropout_base", "dropout_draws")}
+    fresh.load_state_dict(old, strict=True)
+    assert int(fresh.dropout_base) == -1 and int(fresh.dropout_draws) == 0
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.25], ids=["no-dropout", "dropout"])
+def test_plain_loop_resumed_from_state_dicts_equals_the_uninterrupted_run(deterministic, dropout_p):
     """Train 10 steps straight; train 5, save ``model.state_dict()`` and ``optimizer.state_dict()``, load them into a
     model and optimizer built from another seed, train 5 more: every loss, selection and quality metric of steps 5-9
     and the final weights and optimizer state are bitwise those of the uninterrupted run (the dense warm-up, the
-    hysteresis holding the dense path at step 5, the distillation draws and the metrics sample all continue)."""
-    model, optimizer = build(0)
+    hysteresis holding the dense path at step 5, the distillation draws, the metrics sample and, with dropout, the
+    dropped elements all continue; the resumed process's global generator is in another state)."""
+    model, optimizer = build(0, dropout_p)
     straight = train(model, optimizer, range(len(SEQ_LENS)))
 
-    first, first_optimizer = build(0)
+    first, first_optimizer = build(0, dropout_p)
     train(first, first_optimizer, range(SAVED_AFTER))
     buffer = io.BytesIO()
     torch.save({"model": first.state_dict(), "optimizer": first_optimizer.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    resumed, resumed_optimizer = build(1)
+    resumed, resumed_optimizer = build(1, dropout_p)
     resumed.load_state_dict(saved["model"], strict=True)
     resumed_optimizer.load_state_dict(saved["optimizer"])
     continued = train(resumed, resumed_optimizer, range(SAVED_AFTER, len(SEQ_LENS)))

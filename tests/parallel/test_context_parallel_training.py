@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 import sparse_train as st
 import sparse_train.parallel.context_parallel as cp
 from sparse_train.lightning.model import Transformer, TransformerConfig
+from sparse_train.validation import draw_dropout_seed
 
 WORLD = 2
 FP64_REL = 1e-12
@@ -234,10 +235,11 @@ def test_sparse_attention_under_cp_equals_one_process(two_ranks, case):
 
 
 def _rank0_seed() -> int:
-    """The dropout seed the two ranks share: drawn by ``shared_dropout_seed`` on rank 0 from torch's global
-    RNG, which the worker seeded with 100 (rank 1 with 101: a seed drawn per rank would differ)."""
+    """The dropout seed the two ranks share: rank 0's module draws its first seed from torch's global RNG, which
+    the worker seeded with 100 (rank 1 with 101: a seed drawn per rank would differ), and ``shared_dropout_seed``
+    broadcasts it."""
     torch.manual_seed(100)
-    return int(torch.randint(0, 2**63 - 1, (1,), dtype=torch.int64))
+    return draw_dropout_seed()
 
 
 # --------------------------------------------------------------------------------------------- Transformer
