@@ -118,13 +118,12 @@ class SparseAttentionConfig:
 
     selector_candidates: int | None = None
     """``"token"`` selector trained by ``selector_distill="token"`` (``distill`` ``"sampled"`` or ``"off"``) only.
-    ``None``: every causal block pair gets its exact
-    token score. An int C >= ``top_k``: each query block ranks its dynamic key blocks (causal, neither window nor
-    sink) by an upper bound of their token score (per row, the index query against the element-wise max and min
-    of the block's index keys: BQ products of width 2S per pair instead of BQ x BK of width S), and only the C best
-    bounded get their exact score; top-k picks among those
-    (:mod:`sparse_train.selection.candidates`). The block-level KLs need every pair's score, hence the
-    requirements. Both steps run as PyTorch ops (no fused kernel)."""
+    ``None``: every causal block pair gets its exact token score. An int C >= ``top_k``: each query block ranks its
+    dynamic key blocks (causal, neither window nor sink) by an upper bound of their token score (per row, the index
+    query against the element-wise max and min of the block's index keys: BQ products of width 2S per pair instead
+    of BQ x BK of width S), and only the C best bounded get their exact score; top-k picks among those
+    (:mod:`sparse_train.selection.candidates`; Triton kernels on CUDA, their PyTorch references elsewhere). The
+    block-level KLs need every pair's score, hence the requirements."""
 
     selector_rope_style: str = "rotate_half"
     """RoPE convention of the q and k this layer receives, for the selector's un-rotation

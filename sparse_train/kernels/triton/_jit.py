@@ -21,9 +21,11 @@ __all__ = [
     "documents_row",
     "dot",
     "dropout_keep",
+    "index_block_bounds",
     "index_row",
     "last_document",
     "load_documents",
+    "load_index_rows",
     "load_key_tile",
     "load_rows",
     "log2_lse",
@@ -337,3 +339,81 @@ def rope_pairs(INV_FREQ, ROT_HALF: tl.constexpr, HALF_P2: tl.constexpr, INTERLEA
         second_ch = half + ROT_HALF
     freq = tl.load(INV_FREQ + half, mask=half_ok, other=0.0).to(tl.float32)
     return half_ok, first_ch, second_ch, freq
+
+
+@triton.jit
+def load_index_rows(
+    U,
+    u_head,
+    block_row0,
+    q_first,
+    seqlen,
+    slice_index,
+    stride_um,
+    stride_ue,
+    stride_us,
+    offs_s,
+    S,
+    E: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    ROW_TILE: tl.constexpr,
+):
+    """Index-score kernels: rows ``slice_index * ROW_TILE ..`` of one query block's tile of index queries u (row
+    m = r * E + e): (tile [ROW_TILE, S_P2], 0 where invalid; the query position of each row; whether the row is a
+    real query)."""
+    offs_m = slice_index * ROW_TILE + tl.arange(0, ROW_TILE)  # [ROW_TILE] m = r * E + e
+    r = offs_m // E
+    e = offs_m % E
+    pos = q_first + r
+    row_ok = (offs_m < BLOCK_Q * E) & (pos < seqlen)
+    pointers = (
+        u_head
+        + (block_row0 + r).to(tl.int64)[:, None] * stride_um
+        + e.to(tl.int64)[:, None] * stride_ue
+        + offs_s.to(tl.int64)[None, :] * stride_us
+    )
+    tile = tl.load(pointers, mask=row_ok[:, None] & (offs_s[None, :] < S), other=0.0)
+    return tile, pos, row_ok
+
+
+@triton.jit
+def index_block_bounds(
+    QUERY_BLOCKS,
+    i,
+    present,
+    seqlen,
+    docs_row,
+    N,
+    SEARCH_STEPS,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_QUERY_BLOCKS: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+):
+    """Index-score kernels: (first position, end of the valid rows, first and end key block that can hold a valid
+    key, document of the block's last row) of local query block ``i``; an absent block (``present`` False: past R)
+    has no rows."""
+    if HAS_QUERY_BLOCKS:
+        qb = tl.load(QUERY_BLOCKS + i, mask=present, other=0)
+    else:
+        qb = i
+    q_first = qb * BLOCK_Q
+    q_end = tl.where(present, tl.minimum(q_first + BLOCK_Q, seqlen), q_first)  # valid rows: q_first .. q_end - 1
+    # key blocks j_start .. j_end - 1 can hold a valid key: t <= r < q_end
+    j_end = tl.where(q_end > q_first, (q_end + BLOCK_K - 1) // BLOCK_K, 0)
+    j_start = q_first * 0
+    doc_q_last = q_first * 0
+    if HAS_DOCS:
+        doc_q_last = last_document(docs_row, q_first, BLOCK_Q, N)
+        if j_end > 0:
+            # first key position of the document of the block's first row (ids are non-decreasing)
+            doc_first = tl.load(docs_row + q_first)
+            lo = q_first * 0
+            hi = q_first
+            for _ in range(SEARCH_STEPS):
+                mid = (lo + hi) // 2
+                right = tl.load(docs_row + mid) < doc_first
+                lo = tl.where(right, mid + 1, lo)
+                hi = tl.where(right, hi, mid)
+            j_start = lo // BLOCK_K
+    return q_first, q_end, j_start, j_end, doc_q_last

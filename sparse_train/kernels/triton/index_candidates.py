@@ -43,9 +43,9 @@ from ..reference.index_candidates import (
     reference_index_score_bounds,
 )
 from ..reference.index_scores import IndexScoreArgs, check_index_score_args
-from ._jit import documents_row, dot, sequence_length
+from ._jit import documents_row, dot, index_block_bounds, load_index_rows, sequence_length
 from ._launch import kernel_document_ids, kernel_seq_lens, launch
-from .index_scores import BACKENDS, TILE_VALUES_PER_THREAD, _block_bounds, _load_u_slice, index_scores_support
+from .index_scores import BACKENDS, TILE_VALUES_PER_THREAD, index_scores_support
 
 __all__ = [
     "NUM_WARPS",
@@ -114,12 +114,12 @@ def _index_bounds_kernel(
     b64 = b.to(tl.int64)
     seqlen = sequence_length(SEQ_LENS, b, N, HAS_SEQ_LENS)
     # key blocks 0 .. j_end - 1 start at or before the block's last valid row (no documents: they only remove keys)
-    q_first, q_end, _, j_end, _ = _block_bounds(
+    q_first, q_end, _, j_end, _ = index_block_bounds(
         QUERY_BLOCKS, i, True, seqlen, SEQ_LENS, N, 0, BLOCK_Q, BLOCK_K, HAS_QUERY_BLOCKS, False
     )
     offs_s = tl.arange(0, S_P2)
     u_head = U + b64 * stride_ub + h.to(tl.int64) * stride_uh
-    u, pos, row_ok = _load_u_slice(
+    u, pos, row_ok = load_index_rows(
         U, u_head, i * BLOCK_Q, q_first, seqlen, 0, stride_um, stride_ue, stride_us, offs_s, S, E, BLOCK_Q, ROWS
     )  # [ROWS, S_P2], 0 where invalid
     zero = tl.zeros_like(u)
@@ -194,13 +194,13 @@ def _candidate_scores_kernel(
     docs_row = DOCS
     if HAS_DOCS:
         docs_row = documents_row(DOCS, b64, N)
-    q_first, q_end, _, _, _ = _block_bounds(
+    q_first, q_end, _, _, _ = index_block_bounds(
         QUERY_BLOCKS, i, True, seqlen, docs_row, N, 0, BLOCK_Q, BLOCK_K, HAS_QUERY_BLOCKS, HAS_DOCS
     )
     offs_s = tl.arange(0, S_P2)
     u_head = U + b64 * stride_ub + h64 * stride_uh
     w_head = W + b64 * stride_wb + h64 * stride_wh
-    u, pos, row_ok = _load_u_slice(
+    u, pos, row_ok = load_index_rows(
         U, u_head, i * BLOCK_Q, q_first, seqlen, 0, stride_um, stride_ue, stride_us, offs_s, S, E, BLOCK_Q, ROWS
     )  # [ROWS, S_P2]
     doc_r = pos

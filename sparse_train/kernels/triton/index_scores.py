@@ -53,7 +53,7 @@ from ..reference.index_scores import (
     check_index_score_args,
     reference_index_block_scores,
 )
-from ._jit import documents_row, dot, last_document, sequence_length
+from ._jit import documents_row, dot, index_block_bounds, load_index_rows, sequence_length
 from ._launch import kernel_document_ids, kernel_seq_lens, launch
 
 __all__ = [
@@ -159,82 +159,6 @@ def _check_options(options) -> IndexScoreOptions | None:
 # Layer 1: kernel
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _load_u_slice(
-    U,
-    u_head,
-    block_row0,
-    q_first,
-    seqlen,
-    slice_index,
-    stride_um,
-    stride_ue,
-    stride_us,
-    offs_s,
-    S,
-    E: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    ROW_TILE: tl.constexpr,
-):
-    """Rows ``slice_index * ROW_TILE ..`` of one block's u tile: (tile [ROW_TILE, S_P2], 0 where invalid; the
-    query position of each row; whether the row is a real query)."""
-    offs_m = slice_index * ROW_TILE + tl.arange(0, ROW_TILE)  # [ROW_TILE] m = r * E + e
-    r = offs_m // E
-    e = offs_m % E
-    pos = q_first + r
-    row_ok = (offs_m < BLOCK_Q * E) & (pos < seqlen)
-    pointers = (
-        u_head
-        + (block_row0 + r).to(tl.int64)[:, None] * stride_um
-        + e.to(tl.int64)[:, None] * stride_ue
-        + offs_s.to(tl.int64)[None, :] * stride_us
-    )
-    tile = tl.load(pointers, mask=row_ok[:, None] & (offs_s[None, :] < S), other=0.0)
-    return tile, pos, row_ok
-
-
-@triton.jit
-def _block_bounds(
-    QUERY_BLOCKS,
-    i,
-    present,
-    seqlen,
-    docs_row,
-    N,
-    SEARCH_STEPS,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    HAS_QUERY_BLOCKS: tl.constexpr,
-    HAS_DOCS: tl.constexpr,
-):
-    """(first position, end of the valid rows, first and end key block that can hold a valid key, document of the
-    block's last row) of local query block ``i``; an absent block (``present`` False: past R) has no rows."""
-    if HAS_QUERY_BLOCKS:
-        qb = tl.load(QUERY_BLOCKS + i, mask=present, other=0)
-    else:
-        qb = i
-    q_first = qb * BLOCK_Q
-    q_end = tl.where(present, tl.minimum(q_first + BLOCK_Q, seqlen), q_first)  # valid rows: q_first .. q_end - 1
-    # key blocks j_start .. j_end - 1 can hold a valid key: t <= r < q_end
-    j_end = tl.where(q_end > q_first, (q_end + BLOCK_K - 1) // BLOCK_K, 0)
-    j_start = q_first * 0
-    doc_q_last = q_first * 0
-    if HAS_DOCS:
-        doc_q_last = last_document(docs_row, q_first, BLOCK_Q, N)
-        if j_end > 0:
-            # first key position of the document of the block's first row (ids are non-decreasing)
-            doc_first = tl.load(docs_row + q_first)
-            lo = q_first * 0
-            hi = q_first
-            for _ in range(SEARCH_STEPS):
-                mid = (lo + hi) // 2
-                right = tl.load(docs_row + mid) < doc_first
-                lo = tl.where(right, mid + 1, lo)
-                hi = tl.where(right, hi, mid)
-            j_start = lo // BLOCK_K
-    return q_first, q_end, j_start, j_end, doc_q_last
-
-
-@triton.jit
 def _block_step(
     u0,
     pos0,
@@ -282,7 +206,7 @@ def _block_step(
         if sl == 0:
             u, pos, row_ok = u0, pos0, row_ok0
         else:
-            u, pos, row_ok = _load_u_slice(
+            u, pos, row_ok = load_index_rows(
                 U,
                 u_head,
                 block_row0,
@@ -436,10 +360,10 @@ def _index_block_scores_kernel(
     offs_s = tl.arange(0, S_P2)
     offs_keys = tl.arange(0, KEYS)
 
-    q_first0, q_end0, j_start0, j_end0, doc_last0 = _block_bounds(
+    q_first0, q_end0, j_start0, j_end0, doc_last0 = index_block_bounds(
         QUERY_BLOCKS, i0, i0 < R, seqlen, docs_row, N, SEARCH_STEPS, BLOCK_Q, BLOCK_K, HAS_QUERY_BLOCKS, HAS_DOCS
     )
-    u0, pos0, row_ok0 = _load_u_slice(
+    u0, pos0, row_ok0 = load_index_rows(
         U, u_head, i0 * BLOCK_Q, q_first0, seqlen, 0, stride_um, stride_ue, stride_us, offs_s, S, E, BLOCK_Q, ROW_TILE
     )
     out_row0 = (bh.to(tl.int64) * R + i0) * NKB
@@ -450,10 +374,10 @@ def _index_block_scores_kernel(
     if PAIR:
         i1 = i0 + 1
         present1 = i1 < R
-        q_first1, q_end1, j_start1, j_end1, doc_last1 = _block_bounds(
+        q_first1, q_end1, j_start1, j_end1, doc_last1 = index_block_bounds(
             QUERY_BLOCKS, i1, present1, seqlen, docs_row, N, SEARCH_STEPS, BLOCK_Q, BLOCK_K, HAS_QUERY_BLOCKS, HAS_DOCS
         )
-        u1, pos1, row_ok1 = _load_u_slice(
+        u1, pos1, row_ok1 = load_index_rows(
             U,
             u_head,
             i1 * BLOCK_Q,
