@@ -144,8 +144,8 @@ class SparseAttention(nn.Module):
             the training-forward count (warm-up, ``distill_every``, ``metrics_every``), the distillation sample's
             draw number, the dense/sparse hysteresis and the dropout seeds' base and draw number: with them a run
             resumed from ``state_dict`` continues exactly (the quality metrics' sample is drawn from the
-            training-forward count too). ``fallback_counts``, the
-            replay counts and the timings are statistics of the module object and are not saved.
+            training-forward count too). ``fallback_counts``, the replay counts and the timings are statistics of
+            the module object and are not saved.
         selector_loss: the last training forward's distillation loss (scalar, gradients only into
             ``scorer``), or None.
         fallback_counts: dict reason -> number of calls that took that fallback.
