@@ -243,8 +243,10 @@ class TokenIndexer(nn.Module):
             masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
             if self.candidates is None or self.candidates >= geometry.num_k_blocks:
                 raw = index_scores(u, w, **blocks, **masks)  # [B, HKV, R, NKB]
-            else:
-                raw = self._candidate_scores(u, w, geometry, **masks)
+            else:  # the exact scores of each row's best-bounded dynamic blocks, -inf elsewhere
+                raw, _, _ = candidate_block_scores(
+                    u, w, geometry, self.candidates, window=self.window, sinks=self.sinks, **masks
+                )
             # an empty pair (-inf) takes no part in the products (its gradient would be NaN) and scores
             # EMPTY_BLOCK_SCORE: finite for the KL and the top-k, below every real score
             filled = torch.isfinite(raw)
@@ -254,31 +256,6 @@ class TokenIndexer(nn.Module):
                     scores, self.distance_bias.to(torch.float32) * multiplier, geometry, query_blocks
                 )
             return torch.where(filled, scores, EMPTY_BLOCK_SCORE)
-
-    def _candidate_scores(
-        self,
-        u: Tensor,
-        w: Tensor,
-        geometry: SelectionGeometry,
-        *,
-        seq_lens: Tensor | None,
-        document_ids: Tensor | None,
-        query_blocks: Tensor | None,
-    ) -> Tensor:
-        """float32 ``[B, HKV, R, NKB]``: the exact scores of each row's ``candidates`` best-bounded dynamic blocks,
-        -inf elsewhere (:func:`~sparse_train.selection.candidates.candidate_block_scores`)."""
-        scores, _, _ = candidate_block_scores(
-            u,
-            w,
-            geometry,
-            self.candidates,
-            window=self.window,
-            sinks=self.sinks,
-            seq_lens=seq_lens,
-            document_ids=document_ids,
-            query_blocks=query_blocks,
-        )
-        return scores
 
     def _index_vectors(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Index queries ``u [B, HKV, M, E, S]`` of q ``[B, HQ, M, D]`` and index keys ``w [B, HKV, N, S]`` of k, in

@@ -10,13 +10,10 @@ with chunked rows (partials), GQA and MHA, and the compiled kernels show that th
 """
 
 import os
-import re
-import subprocess
 
 import pytest
 import torch
-import triton
-from builders import make_qkv, random_index
+from builders import make_qkv, ptxas_path, ptxas_usage, random_index, warmup_for_hopper
 
 from sparse_train.kernels.gluon import backward as bg
 from sparse_train.kernels.gluon import forward as fg
@@ -31,40 +28,11 @@ from sparse_train.kernels.triton.op import triton_sparse_attention  # noqa: E402
 pytestmark = pytest.mark.skipif(not bg.HAS_GLUON, reason="this triton has no Gluon")
 
 
-class _HopperTarget:
-    """The parts of triton's active driver a compile-only ``warmup`` asks for, answering sm_90."""
-
-    def get_current_target(self):
-        from triton.backends.compiler import GPUTarget
-
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-    def get_device_interface(self):
-        return torch.cuda
-
-
-def _ptxas_report(ptx: str, tmp_path) -> tuple[int, int]:
-    """(registers, spill store bytes) of a PTX kernel for sm_90a, from the ptxas that ships with triton."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
+def _ptxas_report(compiled) -> tuple[int, int]:
+    """(registers, spill store bytes) of a kernel compiled for sm_90a, from the ptxas that ships with triton."""
+    if ptxas_path() is None:
         pytest.skip("this triton ships no ptxas")
-    path = tmp_path / "kernel.ptx"
-    path.write_text(ptx)
-    report = subprocess.run(
-        [ptxas, "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True, text=True, check=True
-    ).stderr
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    return registers, spills
+    return ptxas_usage(compiled)
 
 
 class _CompileInputs:
@@ -97,20 +65,9 @@ COMPILE_CASES = [
 ]
 
 
-def _compile_for_hopper(kernel, grid, args, kwargs):
-    """``kernel`` compiled for sm_90a on this CPU machine (the active driver answers sm_90 meanwhile)."""
-    driver = triton.runtime.driver
-    saved = driver._active
-    driver.set_active(_HopperTarget())
-    try:
-        return kernel.warmup(*args, grid=grid, **kwargs)
-    finally:
-        driver._active = saved
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
 @pytest.mark.parametrize("block,head_dim,group,key_rows,spill_bytes", COMPILE_CASES)
-def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group, key_rows, spill_bytes, tmp_path):
+def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group, key_rows, spill_bytes):
     """The KV-centric kernel at backward_config's Gluon tiles compiles to sm_90a and fits in registers (a spill
     would put the accumulators in local memory, as Nsight Compute shows for spilling Triton tiles), and in the
     shared memory of the programs per SM it was sized for: two 64-key-row programs, or one of 128 rows."""
@@ -141,10 +98,10 @@ def test_gluon_kernel_compiles_for_hopper_without_spills(block, head_dim, group,
         key_rows=key_rows,
     )
     assert kwargs["KEY_ROWS"] == min(block, key_rows) and grid == (x.items.numel() * block // kwargs["KEY_ROWS"],)
-    compiled = _compile_for_hopper(bg._dkdv_gluon_kernel, grid, args, kwargs)
+    compiled = warmup_for_hopper(bg._dkdv_gluon_kernel, *args, grid=grid, **kwargs)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in compiled.asm["ptx"]  # the q/dO ring is filled by TMA
-    registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
+    registers, spills = _ptxas_report(compiled)
     print(
         f"block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
         f"{compiled.metadata.shared} bytes of shared memory"
@@ -165,7 +122,7 @@ DQ_COMPILE_CASES = [
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
 @pytest.mark.parametrize("block,head_dim,group,heads", DQ_COMPILE_CASES)
-def test_gluon_dq_kernel_compiles_for_hopper_without_spills(block, head_dim, group, heads, tmp_path):
+def test_gluon_dq_kernel_compiles_for_hopper_without_spills(block, head_dim, group, heads):
     """The dQ kernel at backward_config's tiles (and 128 rows of two heads) compiles to sm_90a, K/V by TMA, and
     fits in registers with its K/V ring in one program's shared memory."""
     config = backward_config(group, block, block, head_dim, False, {"dq_gluon": True, "dq_heads_per_program": heads})
@@ -186,10 +143,10 @@ def test_gluon_dq_kernel_compiles_for_hopper_without_spills(block, head_dim, gro
         heads_per_program=config.dq_gluon_heads_per_program,
         num_buf=config.dq_gluon_stages,
     )
-    compiled = _compile_for_hopper(bg._dq_gluon_kernel, grid, args, kwargs)
+    compiled = warmup_for_hopper(bg._dq_gluon_kernel, *args, grid=grid, **kwargs)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in compiled.asm["ptx"]  # the K/V ring is filled by TMA
-    registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
+    registers, spills = _ptxas_report(compiled)
     print(
         f"dQ block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
         f"{compiled.metadata.shared} bytes of shared memory"
@@ -210,7 +167,7 @@ FWD_COMPILE_CASES = [
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
 @pytest.mark.parametrize("block,head_dim,group,heads", FWD_COMPILE_CASES)
-def test_gluon_forward_compiles_for_hopper_without_spills(block, head_dim, group, heads, tmp_path):
+def test_gluon_forward_compiles_for_hopper_without_spills(block, head_dim, group, heads):
     """The forward at forward_config's Gluon tiles (and 256 rows of four heads) compiles to sm_90a, K/V by TMA,
     within registers and one program's shared memory."""
     config = forward_config(group, block, block, head_dim, {"fwd_gluon": True})
@@ -229,10 +186,10 @@ def test_gluon_forward_compiles_for_hopper_without_spills(block, head_dim, group
         heads_per_program=heads or config.gluon_heads_per_program,
         num_buf=config.gluon_stages,
     )
-    compiled = _compile_for_hopper(fg._fwd_gluon_kernel, grid, args, kwargs)
+    compiled = warmup_for_hopper(fg._fwd_gluon_kernel, *args, grid=grid, **kwargs)
     assert "wgmma.mma_async" in compiled.asm["ptx"]
     assert "cp.async.bulk.tensor" in compiled.asm["ptx"]
-    registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
+    registers, spills = _ptxas_report(compiled)
     print(
         f"forward block {block} D {head_dim}: {registers} registers, {spills} bytes spilled, "
         f"{compiled.metadata.shared} bytes of shared memory"
@@ -252,7 +209,7 @@ DOCS_COMPILE_CASES = [
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
 @pytest.mark.parametrize("block,head_dim,group,kv_spill_bytes", DOCS_COMPILE_CASES)
-def test_gluon_kernels_with_documents_compile_for_hopper(block, head_dim, group, kv_spill_bytes, tmp_path):
+def test_gluon_kernels_with_documents_compile_for_hopper(block, head_dim, group, kv_spill_bytes):
     """The three Gluon kernels with the document mask compile to sm_90a at the default tiles; the forward and dQ
     kernels without spills, the KV-centric kernel within the bound above."""
     config = backward_config(group, block, block, head_dim, False, {"kv_gluon": True, "dq_gluon": True})
@@ -330,8 +287,8 @@ def test_gluon_kernels_with_documents_compile_for_hopper(block, head_dim, group,
     }
     for name, (kernel, (grid, args, kwargs), spill_bytes) in launches.items():
         assert kwargs["HAS_DOCS"]
-        compiled = _compile_for_hopper(kernel, grid, args, kwargs)
-        registers, spills = _ptxas_report(compiled.asm["ptx"], tmp_path)
+        compiled = warmup_for_hopper(kernel, *args, grid=grid, **kwargs)
+        registers, spills = _ptxas_report(compiled)
         print(f"{name} with documents, block {block} D {head_dim}: {registers} registers, {spills} bytes spilled")
         assert spills <= spill_bytes
 

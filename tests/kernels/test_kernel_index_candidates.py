@@ -297,13 +297,12 @@ def hopper_compile_report(cases):
     import triton
 
     from sparse_train.kernels.triton.index_candidates import (
-        MAX_BOUND_KEY_BLOCKS,
         NUM_WARPS,
         _candidate_scores_kernel,
         _index_bounds_kernel,
+        bound_key_blocks,
         candidate_tiles,
     )
-    from sparse_train.kernels.triton.index_scores import TILE_VALUES_PER_THREAD
 
     report = []
     for E, S, full in cases:
@@ -315,12 +314,11 @@ def hopper_compile_report(cases):
         extremes = torch.zeros(1, 2, 4, 2 * S, dtype=torch.bfloat16)
         listed = torch.zeros(1, 2, 4, 8, dtype=torch.int64)
         out, ints = torch.zeros(1, 2, 4, 4), torch.zeros(4, dtype=torch.int32)
-        key_blocks = triton.next_power_of_2(max(16, TILE_VALUES_PER_THREAD * 32 * NUM_WARPS // rows))
         step, warps = candidate_tiles(block, rows)
         bounds = warmup_for_hopper(
             _index_bounds_kernel,
             u, extremes, ints, ints, out, *u.stride(), *extremes.stride(), 2, N, 4, 4, S,
-            E=E, BLOCK_Q=block, BLOCK_K=block, S_P2=s_p2, ROWS=rows, KEY_BLOCKS=min(MAX_BOUND_KEY_BLOCKS, key_blocks),
+            E=E, BLOCK_Q=block, BLOCK_K=block, S_P2=s_p2, ROWS=rows, KEY_BLOCKS=bound_key_blocks(rows),
             HAS_QUERY_BLOCKS=full, HAS_SEQ_LENS=full, IEEE=False, num_warps=NUM_WARPS, num_stages=2, grid=(1, 1),
         )  # fmt: skip
         candidates = warmup_for_hopper(

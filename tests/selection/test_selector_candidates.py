@@ -1,7 +1,8 @@
 """Token scores on candidate blocks: the references of kernels/reference/index_candidates.py (the bound against the
 exact scores in float64, the candidates' exact scores and gradients against the full reference), certification
-and candidate_block_scores of selection/candidates.py, and the indexer and module with ``selector_candidates``.
-The kernels against these references: tests/kernels/test_kernel_index_candidates.py."""
+and candidate_block_scores of selection/candidates.py, and the indexer with ``selector_candidates`` (the module
+trains with it: test_selector_indexer.py). The kernels against these references:
+tests/kernels/test_kernel_index_candidates.py."""
 
 import pytest
 import torch
@@ -201,31 +202,6 @@ def test_indexer_with_candidates_for_every_block_scores_as_without():
     assert torch.equal(
         pruned(*pruned.pool(q, k, 16, 16), 0.25, geometry), full(*full.pool(q, k, 16, 16), 0.25, geometry)
     )
-
-
-def test_module_trains_with_candidate_scores():
-    torch.manual_seed(8)
-    cfg = st.SparseAttentionConfig(
-        block_q=16,
-        block_k=16,
-        top_k=2,
-        window=1,
-        sinks=1,
-        dense_warmup_steps=0,
-        selector="token",
-        selector_distill="token",
-        selector_candidates=3,
-        selector_dim=16,
-    )
-    attn = st.SparseAttention(cfg, 4, 2, 32).train()
-    q, k, v = (torch.randn(2, h, 250, 32, requires_grad=True) for h in (4, 2, 2))
-    o = attn(q, k, v, seq_lens=torch.tensor([250, 97]))
-    (o.square().mean() + st.collect_selector_losses(attn)).backward()
-    assert torch.isfinite(o).all() and torch.isfinite(attn.selector_loss) and attn.selector_loss > 0
-    assert attn.last_selection.density() < 1.0
-    for name in ("query_proj", "key_proj", "log_temperature"):
-        grad = getattr(attn.scorer, name).grad
-        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
 
 
 @pytest.mark.parametrize(

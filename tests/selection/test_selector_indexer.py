@@ -318,7 +318,8 @@ def test_token_distillation_loss_matches_brute_force():
     torch.testing.assert_close(total.double(), want_total, rtol=1e-5, atol=1e-6)
 
 
-def test_module_trains_with_token_level_distillation():
+@pytest.mark.parametrize("candidates", [None, 3], ids=["every-block", "three-candidates"])
+def test_module_trains_with_token_level_distillation(candidates):
     torch.manual_seed(8)
     cfg = st.SparseAttentionConfig(
         block_q=16,
@@ -329,13 +330,15 @@ def test_module_trains_with_token_level_distillation():
         dense_warmup_steps=0,
         selector="token",
         selector_distill="token",
+        selector_candidates=candidates,
         selector_dim=16,
     )
     attn = st.SparseAttention(cfg, 4, 2, 32).train()
     q, k, v = (torch.randn(2, h, 150, 32, requires_grad=True) for h in (4, 2, 2))
     o = attn(q, k, v, seq_lens=torch.tensor([150, 97]))
     (o.square().mean() + st.collect_selector_losses(attn)).backward()
-    assert torch.isfinite(attn.selector_loss) and attn.selector_loss > 0
+    assert torch.isfinite(o).all() and torch.isfinite(attn.selector_loss) and attn.selector_loss > 0
+    assert attn.last_selection.density() < 1.0
     for name in ("query_proj", "key_proj", "log_temperature"):
         grad = getattr(attn.scorer, name).grad
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name

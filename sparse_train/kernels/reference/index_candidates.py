@@ -30,15 +30,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .index_scores import REFERENCE_CHUNK_BYTES, IndexScoreArgs, check_index_score_args
+from .index_scores import REFERENCE_CHUNK_BYTES, IndexScoreArgs, check_index_score_args, sequence_lengths
 
 __all__ = ["check_candidates", "key_block_extremes", "reference_candidate_index_scores", "reference_index_score_bounds"]
-
-
-def _lengths(seq_lens: Tensor | None, batch: int, seq_len: int, device) -> Tensor:
-    if seq_lens is None:
-        return torch.full((batch,), seq_len, device=device, dtype=torch.int64)
-    return seq_lens.to(device=device, dtype=torch.int64).clamp(0, seq_len)
 
 
 def _row_positions(query_blocks: Tensor | None, rows: int, block_q: int, device) -> Tensor:
@@ -98,7 +92,7 @@ def reference_index_score_bounds(
     B, H, E, N, nkb = args.B, args.H, args.E, args.N, args.num_k_blocks
     compute = torch.float64 if u.dtype == torch.float64 else torch.float32
     device = u.device
-    lengths = _lengths(seq_lens, B, N, device)
+    lengths = sequence_lengths(seq_lens, B, N, device)
     extremes, block_has_key = key_block_extremes(w, block_k, lengths)  # [B, H, NKB, 2S], [B, NKB]
     extremes = extremes.to(compute)
     block_has_key = block_has_key.view(B, 1, nkb)
@@ -178,7 +172,7 @@ def reference_candidate_index_scores(
     count_c = candidates.shape[3]
     compute = torch.float64 if u.dtype == torch.float64 else torch.float32
     device = u.device
-    lengths = _lengths(seq_lens, B, N, device)
+    lengths = sequence_lengths(seq_lens, B, N, device)
     key_ok = torch.arange(N, device=device).view(1, N) < lengths.view(B, 1)
     # padding may hold NaN: select zeros (not multiply) so that neither values nor gradients see it
     keys = torch.where(key_ok.view(B, 1, N, 1), w, 0).to(compute)

@@ -25,7 +25,13 @@ from torch import Tensor
 
 from ...validation import check_document_ids, check_integer_tensor, check_seq_lens
 
-__all__ = ["REFERENCE_CHUNK_BYTES", "IndexScoreArgs", "check_index_score_args", "reference_index_block_scores"]
+__all__ = [
+    "REFERENCE_CHUNK_BYTES",
+    "IndexScoreArgs",
+    "check_index_score_args",
+    "reference_index_block_scores",
+    "sequence_lengths",
+]
 
 REFERENCE_CHUNK_BYTES = 256 * 2**20
 """Largest logits buffer of one chunk of query blocks in :func:`reference_index_block_scores`."""
@@ -118,6 +124,13 @@ def check_index_score_args(
     return IndexScoreArgs(B, H, M, E, S, N, block_q, block_k, rows)
 
 
+def sequence_lengths(seq_lens: Tensor | None, batch: int, seq_len: int, device) -> Tensor:
+    """int64 ``[B]``: ``seq_lens`` clamped to [0, N], or N for every row without it."""
+    if seq_lens is None:
+        return torch.full((batch,), seq_len, device=device, dtype=torch.int64)
+    return seq_lens.to(device=device, dtype=torch.int64).clamp(0, seq_len)
+
+
 def reference_index_block_scores(
     u: Tensor,
     w: Tensor,
@@ -158,11 +171,7 @@ def reference_index_block_scores(
         if query_blocks is None
         else query_blocks.to(device=device, dtype=torch.int64)
     )
-    lengths = (
-        torch.full((B,), N, device=device, dtype=torch.int64)
-        if seq_lens is None
-        else seq_lens.to(torch.int64).clamp(0, N)
-    )
+    lengths = sequence_lengths(seq_lens, B, N, device)
     key_pos = torch.arange(N, device=device)
     key_ok = key_pos.view(1, N) < lengths.view(B, 1)  # [B, N]
     # padding may hold NaN: select zeros there (not multiply) so that neither the values nor the gradients see it

@@ -15,12 +15,13 @@ S_P2 >= 16).
 
 Layers: (1) ``_index_bounds_kernel``: one program per (query block row, b * H + h); the u tile is loaded once,
 split into its positive and negative parts, and the program walks the causally reachable key blocks KEY_BLOCKS
-at a time: ``[KEY_BLOCKS, 2S] x [2S, ROWS]`` as two ``tl.dot`` (max extremes with the positive part, min extremes
-with the negative part), masked (a key block after a row, padding rows), a max over rows; the columns past the
-reach are stored as -inf. ``_candidate_scores_kernel``: one program per (query block row, b * H + h); it walks the
-row's C listed key blocks STEP at a time (:func:`candidate_tiles`), gathering their keys into one ``[KEYS, S]`` tile,
-``[KEYS, S] x [S, ROWS]`` by ``tl.dot``, the mask only on steps that need it (a key that may follow a row, the
-sequence end, padding rows, an unlisted slot, documents), a max over rows then over each block's keys.
+at a time (:func:`bound_key_blocks`): ``[KEY_BLOCKS, 2S] x [2S, ROWS]`` as two ``tl.dot`` (max extremes with the
+positive part, min extremes with the negative part), masked (a key block after a row, padding rows), a max over
+rows; the columns past the reach are stored as -inf. ``_candidate_scores_kernel``: one program per (query block row,
+b * H + h); it walks the row's C listed key blocks STEP at a time (:func:`candidate_tiles`), gathering their keys
+into one ``[KEYS, S]`` tile, ``[KEYS, S] x [S, ROWS]`` by ``tl.dot``, the mask only on steps that need it (a key
+that may follow a row, the sequence end, padding rows, an unlisted slot, documents), a max over rows then over each
+block's keys.
 (2) the launchers. (3) the public functions :func:`index_score_bounds` and :func:`candidate_index_scores`.
 
 No autograd: the bound ranks blocks and takes no gradient; the candidate scores with autograd on go to the reference
@@ -42,13 +43,14 @@ from ..reference.index_candidates import (
     reference_candidate_index_scores,
     reference_index_score_bounds,
 )
-from ..reference.index_scores import IndexScoreArgs, check_index_score_args
+from ..reference.index_scores import IndexScoreArgs, check_index_score_args, sequence_lengths
 from ._jit import documents_row, dot, index_block_bounds, load_index_rows, sequence_length
 from ._launch import kernel_document_ids, kernel_seq_lens, launch
 from .index_scores import BACKENDS, TILE_VALUES_PER_THREAD, index_scores_support
 
 __all__ = [
     "NUM_WARPS",
+    "bound_key_blocks",
     "candidate_index_scores",
     "candidate_index_scores_launch",
     "candidate_tiles",
@@ -61,6 +63,13 @@ NUM_WARPS = 4
 (:func:`candidate_tiles`)."""
 MAX_BOUND_KEY_BLOCKS = 128
 """Most key blocks per step of the bound kernel."""
+
+
+def bound_key_blocks(rows: int) -> int:
+    """Key blocks per step of the bound kernel for a u tile of ``rows`` rows: as many as keep
+    :data:`~sparse_train.kernels.triton.index_scores.TILE_VALUES_PER_THREAD` float32 values per thread of
+    :data:`NUM_WARPS` warps, at least 16 (``tl.dot``), at most :data:`MAX_BOUND_KEY_BLOCKS`."""
+    return min(MAX_BOUND_KEY_BLOCKS, triton.next_power_of_2(max(16, TILE_VALUES_PER_THREAD * 32 * NUM_WARPS // rows)))
 
 
 def candidate_tiles(block_k: int, rows: int) -> tuple[int, int]:
@@ -263,14 +272,8 @@ def index_score_bounds_launch(
     out = torch.empty((B, H, R, NKB), device=u.device, dtype=torch.float32)
     if out.numel() == 0:
         return out
-    lengths = (
-        torch.full((B,), N, device=u.device, dtype=torch.int64)
-        if seq_lens is None
-        else seq_lens.to(torch.int64).clamp(0, N)
-    )
-    extremes, _ = key_block_extremes(w, args.block_k, lengths)  # [B, H, NKB, 2S] in w's dtype
+    extremes, _ = key_block_extremes(w, args.block_k, sequence_lengths(seq_lens, B, N, u.device))  # [B, H, NKB, 2S]
     rows = _row_tile(args)
-    key_blocks = triton.next_power_of_2(max(16, TILE_VALUES_PER_THREAD * 32 * NUM_WARPS // rows))
     blocks = None if query_blocks is None else query_blocks.to(torch.int32).contiguous()
     launch(
         _index_bounds_kernel,
@@ -292,7 +295,7 @@ def index_score_bounds_launch(
         BLOCK_K=args.block_k,
         S_P2=max(16, triton.next_power_of_2(args.S)),
         ROWS=rows,
-        KEY_BLOCKS=min(MAX_BOUND_KEY_BLOCKS, key_blocks),
+        KEY_BLOCKS=bound_key_blocks(rows),
         HAS_QUERY_BLOCKS=blocks is not None,
         HAS_SEQ_LENS=seq_lens is not None,
         IEEE=u.dtype == torch.float32,
