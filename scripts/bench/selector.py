@@ -5,7 +5,9 @@ BQ=BK=64, top_k=16, window=8, sinks=1), with the module's scorer (``SparseAttent
 max pooling of queries and keys, distance bias) un-rotating RoPE of base ``--rope-theta`` (10000, as the
 Transformer and the Hugging Face integration set it; 0 turns it off):
 
-* ``selector/pool``         pooling of q and k (one Triton kernel each where the attention kernels run)
+* ``selector/pool``         the scorer's ``pool``: block pooling of q and k (one Triton kernel each where the
+                            attention kernels run); for the token selector the keys un-rotated, the queries left to
+                            the scoring's one-pass projection
 * ``selector/scores_topk``  pooling + learned block scores + top-k candidates
 * ``selector/canonicalize`` ``BlockIndex.from_selection`` (window/sink merge, dedup, canonical form)
 * ``selector/plan``         ``BlockIndex.plan`` (reuse counts, transposed index, hot/cold split)

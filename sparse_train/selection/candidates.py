@@ -8,8 +8,9 @@ of width 2S and is at least the score. The C blocks with the largest bound among
 exact score is at least every bound left out, the candidates hold the row's true top k (the row is *certified*,
 :func:`certified_rows`); otherwise a block outside them may have scored higher.
 
-:func:`candidate_block_scores` runs both steps with the Triton kernels where they run (eager CUDA), the PyTorch
-references otherwise.
+:func:`candidate_block_scores` runs both steps with the Triton kernels where they run (eager CUDA: the bound kernel,
+the selection's top-k kernel for the picks, the candidate kernel), the PyTorch references otherwise;
+:func:`dynamic_block_bounds` gives the bounds the picks rank, for :func:`certified_rows`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ..kernels.reference.index_candidates import reference_candidate_index_score
 from ..plan.device import triton_runs_on
 from .scorer import SelectionGeometry, allowed_dynamic_blocks
 
-__all__ = ["candidate_block_scores", "certified_rows"]
+__all__ = ["candidate_block_scores", "candidate_blocks", "certified_rows", "dynamic_block_bounds"]
 
 
 def _kernels_run(u: Tensor) -> bool:
@@ -40,37 +41,106 @@ def candidate_block_scores(
     seq_lens: Tensor | None = None,
     document_ids: Tensor | None = None,
     query_blocks: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """(scores, bounds, picked): the exact token scores of each row's ``candidates`` best-bounded dynamic key blocks,
-    -inf elsewhere, float32 ``[B, H, R, NKB]`` (differentiable in u and w; float64 for float64 inputs); the bounds
-    with -inf on the blocks that are not dynamic, ``[B, H, R, NKB]`` (detached); the picked block ids
-    ``[B, H, R, candidates]``, -1 where a row has fewer dynamic blocks.
+) -> tuple[Tensor, Tensor]:
+    """(scores, picked): the exact token scores of each row's ``candidates`` best-bounded dynamic key blocks, -inf
+    elsewhere, float32 ``[B, H, R, NKB]`` (differentiable in u and w; float64 for float64 inputs); the picked block
+    ids ``[B, H, R, candidates]`` (:func:`candidate_blocks`).
 
     u ``[B, H, M, E, S]`` and w ``[B, H, N, S]`` as
     :func:`~sparse_train.kernels.triton.index_scores.index_block_scores` takes them, with the block sizes of
     ``geometry``; ``window`` and ``sinks`` are the layer's (the blocks the index adds anyway)."""
     blocks = dict(block_q=geometry.block_q, block_k=geometry.block_k)
     masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
+    picked = candidate_blocks(u, w, geometry, candidates, window=window, sinks=sinks, **masks)
     kernels = triton_kernels().index_candidates if _kernels_run(u) else None
-    with torch.no_grad():
-        if kernels is not None:
-            bounds = kernels.index_score_bounds(u, w, **blocks, **masks)
-        else:
-            bounds = reference_index_score_bounds(u, w, **blocks, **masks)  # [B, H, R, NKB]
-        allowed = allowed_dynamic_blocks(geometry, window, sinks, u.device, document_ids)
-        if query_blocks is not None:
-            allowed = allowed.index_select(allowed.dim() - 2, query_blocks.to(u.device, torch.int64))
-        if allowed.dim() == 3:
-            allowed = allowed.unsqueeze(1)  # [B, 1, R, NKB]
-        bounds = bounds.masked_fill(~allowed, float("-inf"))
-        top = bounds.topk(min(candidates, bounds.shape[-1]), dim=-1)
-        # a pick with a -inf bound is no candidate (fewer dynamic blocks than candidates)
-        picked = torch.where(torch.isneginf(top.values), -1, top.indices)
     if kernels is not None and not (torch.is_grad_enabled() and (u.requires_grad or w.requires_grad)):
         exact = kernels.candidate_index_scores(u, w, picked, **blocks, **masks)
     else:
         exact = reference_candidate_index_scores(u, w, picked, **blocks, **masks)  # [B, H, R, C]
-    return _spread(exact, picked, bounds.shape[-1]), bounds, picked
+    return _spread(exact, picked, geometry.num_k_blocks), picked
+
+
+@torch.no_grad()
+def candidate_blocks(
+    u: Tensor,
+    w: Tensor,
+    geometry: SelectionGeometry,
+    candidates: int,
+    *,
+    window: int,
+    sinks: int,
+    seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    query_blocks: Tensor | None = None,
+) -> Tensor:
+    """int64 ``[B, H, R, C]``, C = min(``candidates``, NKB): each row's dynamic key blocks (causal, neither window
+    nor sink, sharing a document) of largest bound with a finite bound, -1 in the slots left when a row has fewer.
+    Slots in no fixed order (the kernel lists them in block order). Arguments as :func:`candidate_block_scores`'s.
+
+    Where the kernels run and there are no documents, the bound kernel and the selection's top-k kernel
+    (``kernels/triton/topk.py``, which applies the window, the sinks and causality itself) pick them; otherwise
+    :func:`dynamic_block_bounds` and ``torch.topk``."""
+    count = min(candidates, geometry.num_k_blocks)
+    kernels = triton_kernels() if _kernels_run(u) else None
+    if kernels is not None and document_ids is None and geometry.num_k_blocks <= kernels.topk.MAX_KEY_BLOCKS:
+        bounds = kernels.index_candidates.index_score_bounds(
+            u, w, block_q=geometry.block_q, block_k=geometry.block_k, seq_lens=seq_lens, query_blocks=query_blocks
+        )  # [B, H, R, NKB], -inf where no (row, key) pair is valid
+        listed = None if query_blocks is None else query_blocks.to(u.device, torch.int32).contiguous()
+        # seq_lens=None: a block past a sequence's end has a -inf bound, which the kernel never picks
+        return kernels.topk.topk_launch(
+            bounds,
+            seq_len=geometry.seq_len,
+            block_q=geometry.block_q,
+            block_k=geometry.block_k,
+            k=count,
+            window=window,
+            sinks=sinks,
+            seq_lens=None,
+            query_blocks=listed,
+        )
+    bounds = dynamic_block_bounds(
+        u,
+        w,
+        geometry,
+        window=window,
+        sinks=sinks,
+        seq_lens=seq_lens,
+        document_ids=document_ids,
+        query_blocks=query_blocks,
+    )
+    top = bounds.topk(count, dim=-1)
+    # a pick with a -inf bound is no candidate (fewer dynamic blocks than candidates)
+    return torch.where(torch.isneginf(top.values), -1, top.indices)
+
+
+@torch.no_grad()
+def dynamic_block_bounds(
+    u: Tensor,
+    w: Tensor,
+    geometry: SelectionGeometry,
+    *,
+    window: int,
+    sinks: int,
+    seq_lens: Tensor | None = None,
+    document_ids: Tensor | None = None,
+    query_blocks: Tensor | None = None,
+) -> Tensor:
+    """float32 ``[B, H, R, NKB]`` (float64 for float64 inputs): the upper bound of every block pair's token score,
+    -inf on the blocks that are not dynamic (forced, after the query block, in another document) or hold no valid
+    (row, key) pair. Arguments as :func:`candidate_block_scores`'s."""
+    blocks = dict(block_q=geometry.block_q, block_k=geometry.block_k)
+    masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
+    if _kernels_run(u):
+        bounds = triton_kernels().index_candidates.index_score_bounds(u, w, **blocks, **masks)
+    else:
+        bounds = reference_index_score_bounds(u, w, **blocks, **masks)  # [B, H, R, NKB]
+    allowed = allowed_dynamic_blocks(geometry, window, sinks, u.device, document_ids)
+    if query_blocks is not None:
+        allowed = allowed.index_select(allowed.dim() - 2, query_blocks.to(u.device, torch.int64))
+    if allowed.dim() == 3:
+        allowed = allowed.unsqueeze(1)  # [B, 1, R, NKB]
+    return bounds.masked_fill(~allowed, float("-inf"))
 
 
 def _spread(values: Tensor, picked: Tensor, columns: int) -> Tensor:

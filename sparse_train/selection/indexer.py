@@ -31,14 +31,15 @@ scores, O(N^2 D), chunked.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from ..config import SparseAttentionConfig
 from ..kernels import triton_kernels
+from ..kernels.reference.index_queries import index_input, index_input_dtype, project_index_queries
 from ..kernels.reference.index_scores import reference_index_block_scores
-from ..kernels.reference.pool import unrotate
 from ..plan.device import triton_runs_on
 from ..validation import check_choice, check_float, check_int
 from .candidates import candidate_block_scores
@@ -53,13 +54,61 @@ from .scorer import (
     rescale_to_multiplier,
 )
 
-__all__ = ["TokenIndexer", "OracleSelector", "build_selector", "index_scores"]
+__all__ = ["IndexQueries", "TokenIndexer", "OracleSelector", "build_selector", "index_scores"]
 
 UNROTATE_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-"""Input dtypes :meth:`TokenIndexer.pool` un-rotates with the Triton kernel (``kernels/triton/unrotate.py``) on CUDA;
-the others (float64) take the PyTorch reference."""
+"""Input dtypes the indexer un-rotates and projects with the Triton kernels (``kernels/triton/unrotate.py``,
+``kernels/triton/index_queries.py``) on CUDA; the others (float64) take the PyTorch references."""
 _PROJECTION_SEED = 20261203
 """Seed of the initial random projection (the same in every layer; layers differ by their q and k)."""
+
+
+def _kernels_take(x: Tensor) -> bool:
+    """Whether the indexer's input kernels run on ``x``: eager CUDA, a kernel dtype."""
+    return x.dtype in UNROTATE_KERNEL_DTYPES and triton_runs_on(x) and not torch.compiler.is_compiling()
+
+
+@dataclass(frozen=True, eq=False)
+class IndexQueries:
+    """:meth:`TokenIndexer.pool`'s queries: the layer's q ``[B, HQ, N, D]`` (detached, RoPE still applied) with what
+    undoes RoPE and which rows are valid. The selection's index queries take no gradient, so the indexer projects q
+    in one kernel pass (``kernels/triton/index_queries.py``: the un-rotated q is never written); its gradients read
+    the un-rotated rows, which :meth:`unrotated` and :meth:`rows` build.
+
+    Fields: ``q``; ``inv_freq`` ``[R / 2]`` or None (nothing to undo); ``positions`` ``[N]`` / ``[B, N]`` or None
+    (``0..N-1``); ``seq_lens`` int ``[B]`` or None (rows at or past it are read as 0: NaN padding stays out);
+    ``style`` the RoPE convention."""
+
+    q: Tensor
+    inv_freq: Tensor | None
+    positions: Tensor | None
+    seq_lens: Tensor | None
+    style: str
+
+    def unrotated(self) -> Tensor:
+        """q with RoPE undone and the padded rows zero, ``[B, HQ, N, D]`` in the indexer's input dtype
+        (:func:`~sparse_train.kernels.reference.index_queries.index_input`; one Triton pass on CUDA)."""
+        if self.inv_freq is not None and _kernels_take(self.q):
+            return triton_kernels().unrotate.triton_unrotate(
+                self.q, self.inv_freq, self.positions, self.style, valid_len=self.seq_lens
+            )
+        return index_input(self.q, self.inv_freq, self.positions, self.style, self.seq_lens)
+
+    def rows(self, query_blocks: Tensor, block_q: int) -> Tensor:
+        """:meth:`unrotated`'s rows of ``query_blocks`` (int ``[R]``) block by block, ``[B, HQ, R * block_q, D]``,
+        un-rotating only those rows (a partial last block repeats row N - 1)."""
+        seq_len = self.q.shape[2]
+        offsets = torch.arange(block_q, device=self.q.device)
+        picked = (query_blocks.to(self.q.device, torch.int64).view(-1, 1) * block_q + offsets).reshape(-1)
+        picked = picked.clamp(max=seq_len - 1)  # [R * BQ]
+        x = self.q.index_select(2, picked)
+        if self.seq_lens is not None:
+            keep = picked.view(1, 1, -1, 1) < self.seq_lens.to(x.device).view(-1, 1, 1, 1)
+            x = torch.where(keep, x, 0.0)
+        if self.inv_freq is None:
+            return x.to(index_input_dtype(x.dtype))
+        positions = picked if self.positions is None else self.positions.to(x.device).index_select(-1, picked)
+        return index_input(x, self.inv_freq, positions, self.style)
 
 
 def index_scores(u: Tensor, w: Tensor, **kwargs) -> Tensor:
@@ -172,48 +221,38 @@ class TokenIndexer(nn.Module):
         block_k: int,
         seq_lens: Tensor | None = None,
         positions: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
-        """The indexer's detached inputs: q ``[B, HQ, N, D]`` and k ``[B, HKV, N, D]`` with RoPE undone (when
-        set; on CUDA by one Triton kernel per tensor) and the rows past ``seq_lens`` zero, in q's dtype for
-        half-precision inputs (float32 otherwise). Blocks are not pooled: the name is
-        the selectors' common call. ``positions``: the RoPE positions (``[N]`` or ``[B, N]``; default 0..N-1)."""
+    ) -> tuple[IndexQueries, Tensor]:
+        """The indexer's detached inputs: the queries as :class:`IndexQueries` (projected later, in one pass with
+        their un-rotation) and k ``[B, HKV, N, D]`` with RoPE undone (when set; on CUDA by one Triton kernel) and the
+        rows past ``seq_lens`` zero, in k's dtype for half-precision inputs (float32 otherwise). Blocks are not
+        pooled: the name is the selectors' common call. ``positions``: the RoPE positions (``[N]`` or ``[B, N]``;
+        default 0..N-1)."""
         inv_freq = self.rope_inv_freq if self.rope_inv_freq.numel() else None
-        q, k = q.detach(), k.detach()
-        dtype = q.dtype if q.dtype in (torch.float16, torch.bfloat16) else torch.promote_types(q.dtype, torch.float32)
-        # rows past a sequence's length may hold anything (NaN padding); zeros keep it out of the index
-        # projections' gradients (0 * NaN), the kernel never reads them for a score
-        if (
-            inv_freq is not None
-            and q.dtype in UNROTATE_KERNEL_DTYPES
-            and triton_runs_on(q)
-            and not torch.compiler.is_compiling()
-        ):
-            # one pass per tensor: the un-rotation, the zeroed rows and the cast in one kernel
-            unrotate_kernel = triton_kernels().unrotate.triton_unrotate
-            return (
-                unrotate_kernel(q, inv_freq, positions, self.rope_style, valid_len=seq_lens),
-                unrotate_kernel(k, inv_freq, positions, self.rope_style, valid_len=seq_lens),
+        queries = IndexQueries(q.detach(), inv_freq, positions, seq_lens, self.rope_style)
+        k = k.detach()
+        if inv_freq is not None and _kernels_take(k):
+            # one pass: the un-rotation, the zeroed rows and the cast in one kernel
+            unrotated = triton_kernels().unrotate.triton_unrotate(
+                k, inv_freq, positions, self.rope_style, valid_len=seq_lens
             )
-        if seq_lens is not None:
-            keep = torch.arange(q.shape[2], device=q.device).view(1, 1, -1, 1) < seq_lens.view(-1, 1, 1, 1)
-            q, k = torch.where(keep, q, 0.0), torch.where(keep, k, 0.0)
-        if inv_freq is not None:
-            q = unrotate(q, inv_freq, positions, self.rope_style)
-            k = unrotate(k, inv_freq, positions, self.rope_style)
-        return q.to(dtype), k.to(dtype)
+            return queries, unrotated
+        return queries, index_input(k, inv_freq, positions, self.rope_style, seq_lens)
 
     @staticmethod
-    def query_rows(q: Tensor, query_blocks: Tensor, block_q: int) -> Tensor:
-        """The rows of ``query_blocks`` (int ``[R]``) of :meth:`pool`'s ``q`` ``[B, HQ, N, D]``, block by block:
-        ``[B, HQ, R * block_q, D]`` (the positions past N of a partial last block repeat row N - 1; the scores
-        ignore them), the layout :meth:`forward` takes with ``query_blocks``."""
+    def query_rows(q: IndexQueries | Tensor, query_blocks: Tensor, block_q: int) -> Tensor:
+        """The un-rotated rows of ``query_blocks`` (int ``[R]``) of :meth:`pool`'s queries (or of an already
+        un-rotated q ``[B, HQ, N, D]``), block by block: ``[B, HQ, R * block_q, D]`` (the positions past N of a
+        partial last block repeat row N - 1; the scores ignore them), the layout :meth:`forward` takes with
+        ``query_blocks``."""
+        if isinstance(q, IndexQueries):
+            return q.rows(query_blocks, block_q)
         offsets = torch.arange(block_q, device=q.device)
         positions = query_blocks.to(q.device, torch.int64).view(-1, 1) * block_q + offsets
         return q.index_select(2, positions.reshape(-1).clamp(max=q.shape[2] - 1))
 
     def forward(
         self,
-        q: Tensor,
+        q: IndexQueries | Tensor,
         k: Tensor,
         scale: float,
         geometry: SelectionGeometry | None = None,
@@ -224,27 +263,31 @@ class TokenIndexer(nn.Module):
     ) -> Tensor:
         """Block scores float32 ``[B, HKV, R, NKB]`` from :meth:`pool`'s outputs; gradients reach only this
         module's parameters. ``geometry`` (of the call) is required: it gives the block sizes and the distance
-        buckets. ``query_blocks`` (int ``[R]``, global ids): ``q`` holds only the rows of these query blocks,
-        ``[B, HQ, R * BQ, D]`` block by block (a partial last block padded); default: every query block.
+        buckets. ``query_blocks`` (int ``[R]``, global ids): score only these query blocks; a tensor ``q`` then holds
+        only their rows, ``[B, HQ, R * BQ, D]`` block by block (:meth:`query_rows`; a partial last block padded);
+        default: every query block. ``q``: :meth:`pool`'s :class:`IndexQueries`, or already un-rotated rows.
         ``seq_lens`` (int ``[B]``) and ``document_ids`` (int ``[B, N]``) mask (row, key) pairs as the attention
         does. Pairs with no valid (row, key) score ``EMPTY_BLOCK_SCORE``."""
         if geometry is None:
             raise ValueError("TokenIndexer needs the selection geometry of the call")
-        batch, heads, rows, dim = q.shape
+        if isinstance(q, IndexQueries) and query_blocks is not None:
+            q = q.rows(query_blocks, geometry.block_q)
+        shape = tuple((q.q if isinstance(q, IndexQueries) else q).shape)
+        _, heads, _, dim = shape
         if heads != self.num_heads or k.shape[1] != self.num_kv_heads or dim != self.head_dim:
             raise ValueError(
                 f"TokenIndexer expects q [B, {self.num_heads}, M, {self.head_dim}] and k "
-                f"[B, {self.num_kv_heads}, N, {self.head_dim}], got {tuple(q.shape)} and {tuple(k.shape)}"
+                f"[B, {self.num_kv_heads}, N, {self.head_dim}], got {shape} and {tuple(k.shape)}"
             )
         multiplier = self.lr_multiplier.to(torch.float32)
-        with torch.autocast(q.device.type, enabled=False):
+        with torch.autocast(k.device.type, enabled=False):
             u, w = self._index_vectors(q, k)
             blocks = dict(block_q=geometry.block_q, block_k=geometry.block_k)
             masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
             if self.candidates is None or self.candidates >= geometry.num_k_blocks:
                 raw = index_scores(u, w, **blocks, **masks)  # [B, HKV, R, NKB]
             else:  # the exact scores of each row's best-bounded dynamic blocks, -inf elsewhere
-                raw, _, _ = candidate_block_scores(
+                raw, _ = candidate_block_scores(
                     u, w, geometry, self.candidates, window=self.window, sinks=self.sinks, **masks
                 )
             # an empty pair (-inf) takes no part in the products (its gradient would be NaN) and scores
@@ -257,16 +300,24 @@ class TokenIndexer(nn.Module):
                 )
             return torch.where(filled, scores, EMPTY_BLOCK_SCORE)
 
-    def _index_vectors(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
-        """Index queries ``u [B, HKV, M, E, S]`` of q ``[B, HQ, M, D]`` and index keys ``w [B, HKV, N, S]`` of k, in
-        q's dtype."""
+    def _index_vectors(self, q: IndexQueries | Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Index queries ``u [B, HKV, M, E, S]`` of q (:class:`IndexQueries` or un-rotated rows ``[B, HQ, M, D]``) and
+        index keys ``w [B, HKV, N, S]`` of k, in the inputs' dtype."""
         return self._index_queries(q), self._index_keys(k)
 
-    def _index_queries(self, q: Tensor) -> Tensor:
-        batch, _, rows, dim = q.shape
-        wq = (self.query_proj.to(torch.float32) * self.lr_multiplier.to(torch.float32)).to(q.dtype)
-        grouped = q.reshape(batch, self.num_kv_heads, self.group, rows, dim)
-        u = torch.einsum("bhgmd,hgdx->bhmx", grouped, wq.view(self.num_kv_heads, self.group, dim, -1))
+    def _index_queries(self, q: IndexQueries | Tensor) -> Tensor:
+        weight = self.query_proj.to(torch.float32) * self.lr_multiplier.to(torch.float32)  # [HKV, G * D, E * S]
+        if isinstance(q, IndexQueries):
+            if not (torch.is_grad_enabled() and self.query_proj.requires_grad) and _kernels_take(q.q):
+                # no gradient to carry: un-rotation and projection in one pass over q
+                u = triton_kernels().index_queries.triton_index_queries(
+                    q.q, weight, q.inv_freq, q.positions, q.style, valid_len=q.seq_lens
+                )
+            else:
+                u = project_index_queries(q.unrotated(), weight)
+        else:
+            u = project_index_queries(q, weight)
+        batch, _, rows, _ = u.shape
         return u.reshape(batch, self.num_kv_heads, rows, self.index_heads, self.index_dim)
 
     def _index_keys(self, k: Tensor) -> Tensor:

@@ -230,6 +230,40 @@ def _check_gpu(u, w, listed_count, **kwargs):
     check_close("candidate scores", got[finite], ref_c[finite], low_c[finite], u.dtype)
 
 
+@pytest.mark.parametrize(
+    "N,BQ,BK,C,window,sinks,seq_lens,blocks",
+    [
+        pytest.param(147, 32, 16, 4, 1, 1, None, None, id="bq32-bk16-window1-sink1"),
+        pytest.param(300, 16, 16, 6, 2, 3, (300, 140), None, id="window2-sinks3-seq-lens"),
+        pytest.param(200, 16, 16, 5, 0, 0, (200, 0), None, id="no-forced-empty-row"),
+        pytest.param(147, 32, 16, 4, 1, 1, (147, 100), (4, 1, 3), id="query-blocks-unsorted-partial-last"),
+        pytest.param(64, 16, 16, 8, 1, 1, None, None, id="fewer-dynamic-blocks-than-c"),
+    ],
+)
+def test_candidate_blocks_kernel_path_picks_what_the_reference_path_picks(
+    monkeypatch, N, BQ, BK, C, window, sinks, seq_lens, blocks
+):
+    """selection/candidates.candidate_blocks where the kernels run (the bound kernel, then the selection's top-k kernel,
+    which applies window, sinks, causality and the listed query blocks itself) picks the same set of blocks per row as
+    its PyTorch path (masked bounds, torch.topk), -1 in the same number of slots."""
+    import sparse_train.selection.candidates as candidates
+    from sparse_train.selection import selection_geometry
+
+    B, H = 2, 2
+    u, w = _inputs(B, H, N, 2, 16, blocks=blocks, block_q=BQ, seed=N + C, seq_lens=seq_lens)
+    kwargs = _kwargs(N, BQ, BK, seq_lens, None, blocks)
+    del kwargs["block_q"], kwargs["block_k"]
+    geometry = selection_geometry(N, BQ, BK, 2, window, sinks)
+    monkeypatch.setattr(candidates, "_kernels_run", lambda x: False)
+    want = candidates.candidate_blocks(u, w, geometry, C, window=window, sinks=sinks, **kwargs)
+    monkeypatch.setattr(candidates, "_kernels_run", lambda x: True)  # the interpreter runs the kernels on CPU
+    got = candidates.candidate_blocks(u, w, geometry, C, window=window, sinks=sinks, **kwargs)
+    assert got.shape == want.shape == (B, H, len(blocks) if blocks else -(-N // BQ), min(C, geometry.num_k_blocks))
+    assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1))
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+    assert (want >= 0).any() and (want < 0).any()  # rows with picks and rows with empty slots both occur
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", [1, 3, 4, 8])
 def test_gpu_bf16_real_sizes(heads):
@@ -254,6 +288,28 @@ def test_gpu_128k_on_listed_query_blocks():
     _check_gpu(u_blocks, w, 32, block_q=P, block_k=P, query_blocks=blocks)
     full = index_score_bounds(u, w, block_q=P, block_k=P)
     assert torch.equal(full[:, :, blocks], index_score_bounds(u_blocks, w, block_q=P, block_k=P, query_blocks=blocks))
+
+
+@pytest.mark.gpu
+def test_gpu_candidate_blocks_kernel_path_at_16k():
+    """N = 16384, float32 index vectors (no ties), seq_lens cutting row 1, listed query blocks: the kernel path of
+    selection/candidates.candidate_blocks picks the PyTorch path's blocks."""
+    import sparse_train.selection.candidates as candidates
+    from sparse_train.selection import selection_geometry
+
+    N, H, P, C = 16384, 4, 64, 32
+    lens = torch.tensor([N, 9000], device="cuda")
+    u, w = _inputs(2, H, N, 1, 32, seed=16, device="cuda", seq_lens=(N, 9000))
+    geometry = selection_geometry(N, P, P, 16, 8, 1)
+    for blocks in (None, torch.tensor([255, 3, 140, 200], device="cuda")):
+        rows = u if blocks is None else u[:, :, (blocks.view(-1, 1) * P + torch.arange(P, device="cuda")).reshape(-1)]
+        kwargs = dict(window=8, sinks=1, seq_lens=lens, query_blocks=blocks)
+        got = candidates.candidate_blocks(rows, w, geometry, C, **kwargs)
+        bounds = candidates.dynamic_block_bounds(rows, w, geometry, **kwargs)
+        top = bounds.topk(C, dim=-1)
+        want = torch.where(torch.isneginf(top.values), -1, top.indices)
+        assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+        assert (want < 0).any() and (want >= 0).all(-1).any()
 
 
 @pytest.mark.gpu

@@ -97,18 +97,20 @@ def test_unrotate_rejects_bad_arguments(call, match):
 @pytest.mark.gpu
 @pytest.mark.parametrize("style", ["rotate_half", "interleaved"])
 def test_indexer_pool_on_gpu_matches_reference(style):
-    """TokenIndexer.pool takes the kernel on the GPU (bf16, GQA 4, late positions, a padded row) and gives the
-    PyTorch path's inputs (the same module on the CPU)."""
+    """TokenIndexer.pool's keys and its queries' un-rotated rows take the kernel on the GPU (bf16, GQA 4, late
+    positions, a padded row) and give the PyTorch path's inputs (the same module on the CPU)."""
     B, HKV, G, N, D = 2, 2, 4, 4096, 128
     x_q, _, _, valid = _inputs(B, HKV * G, N, D, rope=D, positions=None, lengths=(4096, 3001), dtype=torch.bfloat16)
     x_k, _, _, _ = _inputs(B, HKV, N, D, rope=D, positions=None, lengths=(4096, 3001), dtype=torch.bfloat16, seed=1)
     pos = torch.arange(N, device="cuda") + 60_000
     indexer = TokenIndexer(HKV * G, HKV, D, 32, rope_style=style)
     indexer.set_rope(rope_inverse_frequencies(10000.0, D))
-    got = indexer.cuda().pool(x_q, x_k, 64, 64, seq_lens=valid, positions=pos)
+    queries, keys = indexer.cuda().pool(x_q, x_k, 64, 64, seq_lens=valid, positions=pos)
+    got = queries.unrotated(), keys
     indexer_cpu = TokenIndexer(HKV * G, HKV, D, 32, rope_style=style)
     indexer_cpu.set_rope(rope_inverse_frequencies(10000.0, D))
-    want = indexer_cpu.pool(x_q.cpu(), x_k.cpu(), 64, 64, seq_lens=valid.cpu(), positions=pos.cpu())
+    queries, keys = indexer_cpu.pool(x_q.cpu(), x_k.cpu(), 64, 64, seq_lens=valid.cpu(), positions=pos.cpu())
+    want = queries.unrotated(), keys
     for name, a, b, x in zip(("q", "k"), got, want, (x_q, x_k)):
         ref = _reference(x.double(), indexer.rope_inv_freq.double(), pos, valid, style)
         assert a.dtype == b.dtype == torch.bfloat16

@@ -14,7 +14,7 @@ from sparse_train.kernels.reference.index_candidates import (
 )
 from sparse_train.kernels.reference.index_scores import reference_index_block_scores
 from sparse_train.selection import TokenIndexer, selection_geometry
-from sparse_train.selection.candidates import candidate_block_scores, certified_rows
+from sparse_train.selection.candidates import candidate_block_scores, certified_rows, dynamic_block_bounds
 from sparse_train.selection.scorer import EMPTY_BLOCK_SCORE
 
 CASES = [
@@ -143,7 +143,8 @@ def test_a_certified_row_holds_the_true_top_k():
 def test_candidate_block_scores_pick_the_best_bounded_dynamic_blocks(window, sinks):
     u, w, lens, _ = _inputs(2, 2, 300, 1, 6, (300, 140), False, seed=9)
     geometry = selection_geometry(300, 16, 16, 2, window, sinks)
-    scores, bounds, picked = candidate_block_scores(u, w, geometry, 4, window=window, sinks=sinks, seq_lens=lens)
+    scores, picked = candidate_block_scores(u, w, geometry, 4, window=window, sinks=sinks, seq_lens=lens)
+    bounds = dynamic_block_bounds(u, w, geometry, window=window, sinks=sinks, seq_lens=lens)
     full = reference_index_block_scores(u, w, block_q=16, block_k=16, seq_lens=lens)
     allowed = st.selection.allowed_dynamic_blocks(geometry, window, sinks)
     assert torch.equal(
