@@ -11,9 +11,9 @@ the partner is p(d) = d + R/2 with s_d = +1, for R/2 <= d < R p(d) = d - R/2 wit
 R/2]; interleaved (INTERLEAVED): p(2i) = 2i + 1 with s = +1, p(2i + 1) = 2i with s = -1, w = inv_freq[i].
 Channels d >= R are not rotated. The angle is the float32 product of the float32 position and
 frequency, as in the reference; on the GPU its cosine and sine come from the hardware approximations after a
-reduction by whole turns (FAST_TRIG: the accurate library functions made the first version of this kernel
-3.2x (D = 64) to 5.4x (D = 128) slower than without RoPE; both errors are far below the float32 angle's own
-rounding, ~4e-3 rad at position 65536), under the interpreter from tl.cos / tl.sin.
+reduction by whole turns (FAST_TRIG: the accurate library functions make the kernel several times slower than
+without RoPE; both errors are far below the float32 angle's own rounding, ~4e-3 rad at position 65536), under the
+interpreter from tl.cos / tl.sin.
 
 Layers: (1) ``_block_pool_kernel``, one program per (block, batch, chunk of HEADS_PER_PROGRAM pooled heads): with
 the block in one row step, the cosine and sine of its rows are computed once and serve every head of the chunk

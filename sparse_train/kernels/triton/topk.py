@@ -11,8 +11,8 @@ last_i = (min((i + 1) BQ, N) - 1) // BK the last causal key block. NaN scores ra
 
 Layers: (1) ``_topk_kernel``, one program per row: the row's NKB scores live in registers; a bitonic top-k of them
 as order-preserving int32 (``tl.topk``) gives the K-th largest score, and one prefix count over the row picks every
-block above it and the lowest of the blocks equal to it (the first version packed each score with its block id into
-an int64 key and took the top-k of those: twice the bits in every exchange of the network); (2) the launcher
+block above it and the lowest of the blocks equal to it (half the bits in every exchange of the network of a top-k
+over scores packed with their block ids into int64 keys); (2) the launcher
 ``topk_launch``; no autograd (top-k carries no gradient); (4) the public function ``triton_selection_candidates``.
 Its reference is ``sparse_train.selection.scorer.selection_candidates`` (the PyTorch path, which ranks ties in no
 fixed order; for distinct scores the two pick the same blocks).
