@@ -28,7 +28,9 @@
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh heldout     # token selector with candidate blocks against exact
 #                                                           # token scores on the held-out families, 2K, two seeds
 #                                                           # (HELDOUT_LEN=8192: needles and copy at 8K with the
-#                                                           # dense twin and the oracle); results straight to $OUT
+#                                                           # dense twin and the oracle, more than one call: split
+#                                                           # it with HELDOUT_MODES, e.g. "dense,oracle" then
+#                                                           # "token_kl,token_cand"); results straight to $OUT
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
 #                                                           # benchmark with its sustained (power-capped) column,
 #                                                           # then Nsight Compute over one forward + backward per
@@ -196,8 +198,8 @@ case "$phase" in
     if [ "${HELDOUT_LEN:-2048}" = 2048 ]; then
       args="--families needles,vartrack,copy,assoc --modes token_kl,token_cand --seq-len 2048 --jobs 16"
     else
-      args="--families needles,copy --modes dense,token_kl,token_cand,oracle --seq-len $HELDOUT_LEN --batch 8"
-      args="$args --steps ${HELDOUT_STEPS:-1600} --jobs 16"
+      args="--families needles,copy --modes ${HELDOUT_MODES:-dense,token_kl,token_cand,oracle} --seq-len $HELDOUT_LEN"
+      args="$args --batch 8 --steps ${HELDOUT_STEPS:-1600} --jobs 16"
     fi
     # shellcheck disable=SC2086
     timeout 540 python3 -m scripts.eval.heldout $args --seeds 0,1 --device cuda --out "$OUT/heldout" \
