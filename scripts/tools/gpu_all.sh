@@ -31,6 +31,9 @@
 #                                                           # dense twin and the oracle, more than one call: split
 #                                                           # it with HELDOUT_MODES, e.g. "dense,oracle" then
 #                                                           # "token_kl,token_cand"); results straight to $OUT
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh token_kl    # the token-level distillation kernels: their GPU tests,
+#                                                           # then forward + backward at 64K against the PyTorch
+#                                                           # reference the module runs (scripts/bench/token_kl.py)
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
 #                                                           # benchmark with its sustained (power-capped) column,
 #                                                           # then Nsight Compute over one forward + backward per
@@ -206,6 +209,12 @@ case "$phase" in
       > "$OUT/heldout.log" 2>&1
     echo "heldout rc=$?" >> "$OUT/heldout.log"
     rm -f "$OUT/heldout/plot.png"  # the device tool returns 8 files: results.jsonl, summary.md, summary.json, the log
+    ;;
+  token_kl)
+    gpu_tests gpu_tests_token_kl 200 tests/kernels/test_kernel_token_kl.py
+    timeout 200 python3 -m scripts.bench.token_kl --out "$R/token_kl_64k.json" > "$R/token_kl_64k.log" 2>&1
+    echo "bench_token_kl rc=$?" >> "$R/token_kl_64k.log"
+    cp "$R"/gpu_tests_token_kl.log "$R"/token_kl_64k.json "$R"/token_kl_64k.log "$OUT"/ 2>/dev/null
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

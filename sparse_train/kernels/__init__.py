@@ -11,7 +11,7 @@ __all__ = ["triton_kernels"]
 def triton_kernels():
     """The Triton kernel package :mod:`sparse_train.kernels.triton` (its launchers as submodules: ``op``,
     ``pool``, ``scores``, ``unrotate``, ``index_queries``, ``index_scores``, ``index_candidates``, ``topk``,
-    ``canonical``, ``draw``, ``block_mass``, ``schedule``), imported on the first call."""
+    ``canonical``, ``draw``, ``block_mass``, ``token_kl``, ``schedule``), imported on the first call."""
     from . import triton as kernels
 
     return kernels

@@ -40,6 +40,7 @@ from ..config import SparseAttentionConfig
 from ..kernels import triton_kernels
 from ..kernels.reference.index_queries import index_input, index_input_dtype, project_index_queries
 from ..kernels.reference.index_scores import reference_index_block_scores
+from ..kernels.reference.token_kl import reference_token_kl, token_kl_rows
 from ..plan.device import triton_runs_on
 from ..validation import check_choice, check_float, check_int
 from .candidates import candidate_block_scores
@@ -344,46 +345,33 @@ class TokenIndexer(nn.Module):
         """Token-level distillation (``selector_distill="token"``) on the rows of ``query_blocks``: per row r, the KL
         from the row's dense attention over keys (softmax of ``scale q_g[r] . k[t]`` over the causal, valid,
         same-document keys, max over the GQA heads g, renormalised) to the softmax over the same keys of the index
-        logits ``temperature * max_e u[r, e] . w[t]``. Returns the KL summed over the valid rows and their count
-        (float32 scalars); gradients reach only this module's parameters.
+        logits ``temperature * max_e u[r, e] . w[t]``
+        (:func:`~sparse_train.kernels.reference.token_kl.reference_token_kl`). Returns the KL summed over the valid
+        rows and their count (float32 scalars, float64 for float64 inputs); gradients reach only this module's
+        parameters.
 
         ``q_index_rows``: :meth:`pool`'s queries at the rows of ``query_blocks`` (:meth:`query_rows`: ``[B, HQ, R * BQ,
         D]`` block by block); ``k_index``: :meth:`pool`'s keys; ``q`` ``[B, HQ, N, D]`` / ``k`` ``[B, HKV, N, D]``: the
         attention's own (detached here). One query block at a time: memory O(HQ BQ N)."""
-        batch, _, seq_len, dim = q.shape
-        device = q.device
-        total = torch.zeros((), device=device, dtype=torch.float32)
-        count = torch.zeros((), device=device, dtype=torch.float32)
-        keys = torch.arange(seq_len, device=device)
-        limit = (
-            torch.full((batch,), seq_len, device=device) if seq_lens is None else seq_lens.to(device).clamp(max=seq_len)
-        )
-        temperature = self._temperature(scale).view(1, -1, 1, 1)
-        w = self._index_keys(k_index)
-        with torch.no_grad():
-            keys_f32 = k.detach().float()  # once for every listed block
-        for listed, block in enumerate(query_blocks.to(device, torch.int64).unbind(0)):
-            positions = block * block_q + torch.arange(block_q, device=device)
-            rows = positions.clamp(max=seq_len - 1)
-            valid = (positions < seq_len).view(1, -1, 1) & (rows.view(1, -1, 1) < limit.view(-1, 1, 1))  # [B, BQ, 1]
-            allowed = (keys.view(1, 1, -1) <= rows.view(1, -1, 1)) & (keys.view(1, 1, -1) < limit.view(-1, 1, 1))
-            if document_ids is not None:
-                allowed = allowed & (document_ids[:, rows].unsqueeze(-1) == document_ids.unsqueeze(1))
-            allowed = (allowed & valid).unsqueeze(1)  # [B, 1, BQ, N]
-            with torch.no_grad(), torch.autocast(device.type, enabled=False):
-                q_rows = q[:, :, rows].detach().float().view(batch, self.num_kv_heads, self.group, block_q, dim)
-                logits = torch.einsum("bhgrd,bhnd->bhgrn", q_rows, keys_f32) * scale
-                probs = torch.softmax(logits.masked_fill(~allowed.unsqueeze(2), float("-inf")), dim=-1)
-                target = torch.nan_to_num(probs).amax(dim=2)  # [B, HKV, BQ, N]: max over the group's heads
-                target = target / target.sum(dim=-1, keepdim=True).clamp(min=1e-30)
-            with torch.autocast(device.type, enabled=False):
-                u = self._index_queries(q_index_rows[:, :, listed * block_q : (listed + 1) * block_q])
-                index_logits = torch.einsum("bhres,bhns->bhren", u, w).amax(dim=3).float() * temperature
-                log_p = torch.log_softmax(index_logits.masked_fill(~allowed, float("-inf")), dim=-1)
-                kl = torch.where(target > 0, target * (torch.log(target.clamp(min=1e-30)) - log_p), 0.0)
-                row_has_keys = allowed.any(dim=-1)  # [B, 1, BQ]
-                total = total + torch.where(row_has_keys, kl.sum(dim=-1), 0.0).sum()
-                count = count + row_has_keys.sum() * self.num_kv_heads
+        batch, _, seq_len, _ = q.shape
+        blocks = query_blocks.to(q.device, torch.int64)
+        positions = (blocks.view(-1, 1) * block_q + torch.arange(block_q, device=q.device)).reshape(-1)
+        q_rows = q.index_select(2, positions.clamp(max=seq_len - 1))  # [B, HQ, R * BQ, D]
+        with torch.autocast(q.device.type, enabled=False):
+            kl = reference_token_kl(
+                self._index_queries(q_index_rows),
+                self._index_keys(k_index),
+                q_rows,
+                k,
+                self._temperature(scale),
+                blocks,
+                block_q=block_q,
+                scale=scale,
+                seq_lens=seq_lens,
+                document_ids=document_ids,
+            )  # [B, HKV, R * BQ]
+        total = kl.sum()
+        count = token_kl_rows(blocks, block_q, seq_len, seq_lens, batch).sum().float() * self.num_kv_heads
         return total, count
 
 
