@@ -23,8 +23,9 @@ Layers: (1) ``_token_kl_forward_kernel``: one program per (listed block, b * H +
 head g for lse_g (the index logits' lse_z on the way), pass 2 walks them once more for Z, A and C; it stores kl and,
 for the backward, lse_g, lse_z and Z. ``_token_kl_backward_kernel``: one program per (listed block, b * H + h), one
 walk over the keys per index head e: recomputes p and z, accumulates du in registers, adds dw (atomics: the listed
-blocks share keys) and the temperature's gradient. Helpers ``_head_logits``, ``_index_logits`` and ``_allowed``.
-(2) the launchers; (3) the autograd op ``_TokenKL``; (4) the public function :func:`token_kl`.
+blocks share keys) and the temperature's gradient. Helpers: the program's rows (``_listed_rows``), the key mask
+(``_allowed``), a key tile (``_key_tile``), the logits (``_head_logits``, ``_index_logits``) and the target
+(``_target``). (2) the launchers; (3) the autograd op ``_TokenKL``; (4) the public function :func:`token_kl`.
 
 Known limits: float16 / bfloat16 / float32 inputs (float32 products in IEEE precision; bf16 on CUDA only), block
 sizes 16..128 powers of two, D <= 256, S <= 128; the backward spills registers with more than one index head. Not yet
@@ -101,6 +102,52 @@ def _index_logits(
 
 
 @triton.jit
+def _listed_rows(QUERY_BLOCKS, SEQ_LENS, DOCS, listed, b64, N, BLOCK_Q: tl.constexpr, HAS_SEQ_LENS: tl.constexpr,
+                 HAS_DOCS: tl.constexpr):  # fmt: skip
+    """The program's rows: (positions [BQ], row_ok [BQ] (inside the sequence and its length), rows64 [BQ] (their
+    index in the listed layout), the length, key_limit (keys at or past it are padding: never read, so NaN stays out
+    of every product), keys_end (the last key + 1 any row reaches), the batch row's document ids, the rows' ones)."""
+    block = tl.load(QUERY_BLOCKS + listed)
+    r = tl.arange(0, BLOCK_Q)  # [BQ]
+    positions = block * BLOCK_Q + r
+    limit = N
+    if HAS_SEQ_LENS:
+        limit = tl.load(SEQ_LENS + b64)
+    row_ok = (positions < N) & (positions < limit)
+    rows64 = (listed * BLOCK_Q + r).to(tl.int64)
+    docs_row = DOCS + b64 * N
+    row_docs = r
+    if HAS_DOCS:
+        row_docs = tl.load(docs_row + tl.minimum(positions, N - 1).to(tl.int64))
+    key_limit = tl.minimum(limit, N)
+    keys_end = tl.minimum((block + 1) * BLOCK_Q, key_limit)
+    return positions, row_ok, rows64, limit, key_limit, keys_end, docs_row, row_docs
+
+
+@triton.jit
+def _key_tile(head, keys, key_limit, stride_n, stride_c, offs_c, C):
+    """[KEYS, C] rows ``keys`` of a [N, C] operand (K or W of one head), 0 at and past ``key_limit``."""
+    return tl.load(
+        head + keys[:, None].to(tl.int64) * stride_n + offs_c[None, :].to(tl.int64) * stride_c,
+        mask=(keys[:, None] < key_limit) & (offs_c[None, :] < C),
+        other=0.0,
+    )
+
+
+@triton.jit
+def _target(q_heads, stride_qh, stride_qd, lse_rows, M, k_tile, offs_d, row_ok, allowed, scale, GROUP: tl.constexpr,
+            BLOCK_Q: tl.constexpr, KEYS: tl.constexpr, HEAD_DIM: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    """[BQ, KEYS] float32 p: the max over the G heads of each head's probability exp(logit - lse_g) on the allowed
+    keys, 0 elsewhere (the heads' q rows at ``q_heads`` [BQ, 1] for g = 0, their lse at ``lse_rows`` [BQ])."""
+    p = tl.zeros([BLOCK_Q, KEYS], tl.float32)
+    for g in tl.static_range(GROUP):
+        lse_g = tl.load(lse_rows + g * M)  # [BQ]
+        logits = _head_logits(q_heads + g * stride_qh, stride_qd, k_tile, offs_d, row_ok, scale, HEAD_DIM, IEEE)
+        p = tl.maximum(p, tl.where(allowed, tl.exp(logits - lse_g[:, None]), 0.0))
+    return p
+
+
+@triton.jit
 def _token_kl_forward_kernel(
     U,
     W,
@@ -152,31 +199,22 @@ def _token_kl_forward_kernel(
     b64 = (bh // H).to(tl.int64)
     h = bh % H
     h64 = h.to(tl.int64)
-    block = tl.load(QUERY_BLOCKS + listed)
-    r = tl.arange(0, BLOCK_Q)  # [BQ]
-    positions = block * BLOCK_Q + r
-    limit = N
-    if HAS_SEQ_LENS:
-        limit = tl.load(SEQ_LENS + b64)
-    row_ok = (positions < N) & (positions < limit)
-    rows64 = (listed * BLOCK_Q + r).to(tl.int64)  # the rows' index in the listed layout
-    docs_row = DOCS + b64 * N
-    row_docs = r
-    if HAS_DOCS:
-        row_docs = tl.load(docs_row + tl.minimum(positions, N - 1).to(tl.int64))
+    positions, row_ok, rows64, limit, key_limit, keys_end, docs_row, row_docs = _listed_rows(
+        QUERY_BLOCKS, SEQ_LENS, DOCS, listed, b64, N, BLOCK_Q, HAS_SEQ_LENS, HAS_DOCS
+    )
     offs_d = tl.arange(0, D_P2)
     offs_s = tl.arange(0, S_P2)
-    key_limit = tl.minimum(limit, N)  # keys at or past it are padding: never read (NaN stays out of every product)
-    keys_end = tl.minimum((block + 1) * BLOCK_Q, key_limit)
     temperature = tl.load(TEMP + h).to(tl.float32)
     k_head = K + b64 * stride_kb + h64 * stride_kh
     w_head = W + b64 * stride_wb + h64 * stride_wh
     u_rows = U + b64 * stride_ub + h64 * stride_uh + rows64[:, None] * stride_um  # [BQ, 1]
+    q_heads = QR + b64 * stride_qb + h64 * GROUP * stride_qh + rows64[:, None] * stride_qm  # [BQ, 1], head g = 0
+    lse_rows = LSE_S + (b64 * H + h64) * GROUP * M + rows64  # [BQ], head g = 0
     stats = (b64 * H + h64) * M + rows64  # [BQ] offsets of this program's rows in [B, H, M]
     # pass 1: lse of each head's logits (and of the index logits on head 0's walk)
     lse_z = tl.full([BLOCK_Q], float("-inf"), tl.float32)
     for g in tl.static_range(GROUP):
-        q_head = QR + b64 * stride_qb + (h64 * GROUP + g) * stride_qh + rows64[:, None] * stride_qm
+        q_head = q_heads + g * stride_qh
         run_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         run_sum = tl.zeros([BLOCK_Q], tl.float32)
         z_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
@@ -184,11 +222,7 @@ def _token_kl_forward_kernel(
         for start in range(0, keys_end, KEYS):
             keys = start + tl.arange(0, KEYS)  # [KEYS]
             allowed = _allowed(keys, positions, row_ok, limit, docs_row, row_docs, N, HAS_DOCS)
-            k_tile = tl.load(
-                k_head + keys[:, None].to(tl.int64) * stride_kn + offs_d[None, :].to(tl.int64) * stride_kd,
-                mask=(keys[:, None] < key_limit) & (offs_d[None, :] < HEAD_DIM),
-                other=0.0,
-            )  # [KEYS, D]
+            k_tile = _key_tile(k_head, keys, key_limit, stride_kn, stride_kd, offs_d, HEAD_DIM)  # [KEYS, D]
             logits = tl.where(
                 allowed, _head_logits(q_head, stride_qd, k_tile, offs_d, row_ok, scale, HEAD_DIM, IEEE), float("-inf")
             )
@@ -197,11 +231,7 @@ def _token_kl_forward_kernel(
             run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(logits - safe[:, None]), axis=1)
             run_max = new_max
             if g == 0:
-                w_tile = tl.load(
-                    w_head + keys[:, None].to(tl.int64) * stride_wn + offs_s[None, :].to(tl.int64) * stride_ws,
-                    mask=(keys[:, None] < key_limit) & (offs_s[None, :] < S),
-                    other=0.0,
-                )  # [KEYS, S]
+                w_tile = _key_tile(w_head, keys, key_limit, stride_wn, stride_ws, offs_s, S)  # [KEYS, S]
                 z = tl.where(
                     allowed,
                     temperature
@@ -213,7 +243,7 @@ def _token_kl_forward_kernel(
                 z_sum = z_sum * tl.exp(z_max - safe_z) + tl.sum(tl.exp(z - safe_z[:, None]), axis=1)
                 z_max = new_z
         lse_g = tl.where(run_sum > 0, run_max + tl.log(run_sum), float("-inf"))
-        tl.store(LSE_S + ((b64 * H + h64) * GROUP + g) * M + rows64, lse_g)
+        tl.store(lse_rows + g * M, lse_g)
         if g == 0:
             lse_z = tl.where(z_sum > 0, z_max + tl.log(z_sum), float("-inf"))
     # pass 2: Z = sum p, A = sum p log p, C = sum p z with p the max over heads of the heads' probabilities
@@ -223,22 +253,10 @@ def _token_kl_forward_kernel(
     for start in range(0, keys_end, KEYS):
         keys = start + tl.arange(0, KEYS)
         allowed = _allowed(keys, positions, row_ok, limit, docs_row, row_docs, N, HAS_DOCS)
-        k_tile = tl.load(
-            k_head + keys[:, None].to(tl.int64) * stride_kn + offs_d[None, :].to(tl.int64) * stride_kd,
-            mask=(keys[:, None] < key_limit) & (offs_d[None, :] < HEAD_DIM),
-            other=0.0,
-        )
-        p = tl.zeros([BLOCK_Q, KEYS], tl.float32)
-        for g in tl.static_range(GROUP):
-            q_head = QR + b64 * stride_qb + (h64 * GROUP + g) * stride_qh + rows64[:, None] * stride_qm
-            lse_g = tl.load(LSE_S + ((b64 * H + h64) * GROUP + g) * M + rows64)  # [BQ]
-            logits = _head_logits(q_head, stride_qd, k_tile, offs_d, row_ok, scale, HEAD_DIM, IEEE)
-            p = tl.maximum(p, tl.where(allowed, tl.exp(logits - lse_g[:, None]), 0.0))
-        w_tile = tl.load(
-            w_head + keys[:, None].to(tl.int64) * stride_wn + offs_s[None, :].to(tl.int64) * stride_ws,
-            mask=(keys[:, None] < key_limit) & (offs_s[None, :] < S),
-            other=0.0,
-        )
+        k_tile = _key_tile(k_head, keys, key_limit, stride_kn, stride_kd, offs_d, HEAD_DIM)  # [KEYS, D]
+        p = _target(q_heads, stride_qh, stride_qd, lse_rows, M, k_tile, offs_d, row_ok, allowed, scale, GROUP, BLOCK_Q,
+                    KEYS, HEAD_DIM, IEEE)  # fmt: skip
+        w_tile = _key_tile(w_head, keys, key_limit, stride_wn, stride_ws, offs_s, S)  # [KEYS, S]
         z = temperature * _index_logits(u_rows, stride_ue, stride_us, w_tile, offs_s, row_ok, S, E, BLOCK_Q, KEYS, IEEE)
         mass += tl.sum(p, axis=1)
         plogp += tl.sum(tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0), axis=1)
@@ -306,26 +324,17 @@ def _token_kl_backward_kernel(
     b64 = (bh // H).to(tl.int64)
     h = bh % H
     h64 = h.to(tl.int64)
-    block = tl.load(QUERY_BLOCKS + listed)
-    r = tl.arange(0, BLOCK_Q)
-    positions = block * BLOCK_Q + r
-    limit = N
-    if HAS_SEQ_LENS:
-        limit = tl.load(SEQ_LENS + b64)
-    row_ok = (positions < N) & (positions < limit)
-    rows64 = (listed * BLOCK_Q + r).to(tl.int64)
-    docs_row = DOCS + b64 * N
-    row_docs = r
-    if HAS_DOCS:
-        row_docs = tl.load(docs_row + tl.minimum(positions, N - 1).to(tl.int64))
+    positions, row_ok, rows64, limit, key_limit, keys_end, docs_row, row_docs = _listed_rows(
+        QUERY_BLOCKS, SEQ_LENS, DOCS, listed, b64, N, BLOCK_Q, HAS_SEQ_LENS, HAS_DOCS
+    )
     offs_d = tl.arange(0, D_P2)
     offs_s = tl.arange(0, S_P2)
-    key_limit = tl.minimum(limit, N)  # keys at or past it are padding: never read (NaN stays out of every product)
-    keys_end = tl.minimum((block + 1) * BLOCK_Q, key_limit)
     temperature = tl.load(TEMP + h).to(tl.float32)
     k_head = K + b64 * stride_kb + h64 * stride_kh
     w_head = W + b64 * stride_wb + h64 * stride_wh
     u_rows = U + b64 * stride_ub + h64 * stride_uh + rows64[:, None] * stride_um  # [BQ, 1]
+    q_heads = QR + b64 * stride_qb + h64 * GROUP * stride_qh + rows64[:, None] * stride_qm  # [BQ, 1], head g = 0
+    lse_rows = LSE_S + (b64 * H + h64) * GROUP * M + rows64  # [BQ], head g = 0
     stats = (b64 * H + h64) * M + rows64
     mass = tl.load(ZP + stats)
     keyed = row_ok & (mass > 0)
@@ -344,22 +353,10 @@ def _token_kl_backward_kernel(
         for start in range(0, keys_end, KEYS):
             keys = start + tl.arange(0, KEYS)
             allowed = _allowed(keys, positions, row_ok, limit, docs_row, row_docs, N, HAS_DOCS) & keyed[:, None]
-            k_tile = tl.load(
-                k_head + keys[:, None].to(tl.int64) * stride_kn + offs_d[None, :].to(tl.int64) * stride_kd,
-                mask=(keys[:, None] < key_limit) & (offs_d[None, :] < HEAD_DIM),
-                other=0.0,
-            )
-            p = tl.zeros([BLOCK_Q, KEYS], tl.float32)
-            for g in tl.static_range(GROUP):
-                q_head = QR + b64 * stride_qb + (h64 * GROUP + g) * stride_qh + rows64[:, None] * stride_qm
-                lse_g = tl.load(LSE_S + ((b64 * H + h64) * GROUP + g) * M + rows64)
-                logits = _head_logits(q_head, stride_qd, k_tile, offs_d, row_ok, scale, HEAD_DIM, IEEE)
-                p = tl.maximum(p, tl.where(allowed, tl.exp(logits - lse_g[:, None]), 0.0))
-            w_tile = tl.load(
-                w_head + keys[:, None].to(tl.int64) * stride_wn + offs_s[None, :].to(tl.int64) * stride_ws,
-                mask=(keys[:, None] < key_limit) & s_ok[None, :],
-                other=0.0,
-            )  # [KEYS, S]
+            k_tile = _key_tile(k_head, keys, key_limit, stride_kn, stride_kd, offs_d, HEAD_DIM)  # [KEYS, D]
+            p = _target(q_heads, stride_qh, stride_qd, lse_rows, M, k_tile, offs_d, row_ok, allowed, scale, GROUP,
+                        BLOCK_Q, KEYS, HEAD_DIM, IEEE)  # fmt: skip
+            w_tile = _key_tile(w_head, keys, key_limit, stride_wn, stride_ws, offs_s, S)  # [KEYS, S]
             best = _index_logits(
                 u_rows, stride_ue, stride_us, w_tile, offs_s, row_ok, S, E, BLOCK_Q, KEYS, IEEE
             )  # [BQ, KEYS]
