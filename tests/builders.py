@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from sparse_train.cuda_graphs import capture_cuda_graph
 from sparse_train.index.block_index import BlockIndex
 from sparse_train.selection import rope_inverse_frequencies
 
@@ -344,6 +345,24 @@ def index_inputs(B, H, N, E, S, *, blocks=None, block_q=None, seed=0, dtype=torc
         w[b, :, length:] = float("nan")
         u[b, :, pos >= length] = float("nan")
     return u.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
+
+
+def assert_sync_free_and_capturable(run):
+    """``run()`` (CUDA, returning a tensor or a tuple of tensors) makes no device -> host synchronisation (the sync
+    debug mode raises on one), and captured once in a CUDA graph its replay gives the eager results bit for bit."""
+    eager = run()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    graph, outputs = capture_cuda_graph(run)
+    graph.replay()
+    torch.cuda.synchronize()
+    pairs = zip(outputs, eager) if isinstance(eager, tuple) else [(outputs, eager)]
+    for a, b in pairs:
+        assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------------- compile for Hopper

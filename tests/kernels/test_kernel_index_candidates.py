@@ -9,6 +9,7 @@ capture."""
 import pytest
 import torch
 from builders import (
+    assert_sync_free_and_capturable,
     check_close,
     compile_report_in_subprocess,
     ids_from_lengths,
@@ -316,8 +317,6 @@ def test_gpu_candidate_blocks_kernel_path_at_16k():
 def test_gpu_never_synchronises_and_captures():
     """Neither kernel makes a device -> host synchronisation, with seq_lens, documents and listed query blocks; both
     capture in a CUDA graph whose replay gives the eager results."""
-    from sparse_train.cuda_graphs import capture_cuda_graph
-
     N, H, E, S, P = 4097, 4, 2, 32, 64
     u, w = _inputs(2, H, N, E, S, seed=2, dtype=torch.bfloat16, device="cuda", seq_lens=(N, 3000))
     kwargs = {
@@ -331,18 +330,7 @@ def test_gpu_never_synchronises_and_captures():
         bounds = index_score_bounds(u, w, **kwargs)
         return bounds, candidate_index_scores(u, w, bounds.topk(8, dim=-1).indices, **kwargs)
 
-    eager = run()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph, outputs = capture_cuda_graph(run)
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b in zip(outputs, eager):
-        assert torch.equal(a, b)
+    assert_sync_free_and_capturable(run)
 
 
 # ---------------------------------------------------------------------------------------------- compile for Hopper

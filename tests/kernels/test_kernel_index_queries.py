@@ -7,7 +7,15 @@ GPU-marked tests: bf16 at 16K with late positions and a cut row, and the indexer
 
 import pytest
 import torch
-from builders import check_close, compile_report_in_subprocess, ptxas_path, ptxas_usage, rope_inputs, warmup_for_hopper
+from builders import (
+    assert_sync_free_and_capturable,
+    check_close,
+    compile_report_in_subprocess,
+    ptxas_path,
+    ptxas_usage,
+    rope_inputs,
+    warmup_for_hopper,
+)
 
 import sparse_train.selection.indexer as indexer_module
 from sparse_train.kernels.reference.index_queries import reference_index_queries
@@ -203,24 +211,11 @@ def test_gpu_bf16_16k(style):
 
 @pytest.mark.gpu
 def test_gpu_never_synchronises_and_captures():
-    from sparse_train.cuda_graphs import capture_cuda_graph
-
     q, weight, inv_freq, pos, valid = _inputs(
         2, 2, 4, 4097, 128, 32, rope=128, positions="per_row", lengths=(4097, 3000), dtype=torch.bfloat16,
         device="cuda",
     )  # fmt: skip
 
-    def run():
-        return triton_index_queries(q, weight, inv_freq, pos, "rotate_half", valid_len=valid)
-
-    eager = run()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        run()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    graph, outputs = capture_cuda_graph(run)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(outputs, eager)
+    assert_sync_free_and_capturable(
+        lambda: triton_index_queries(q, weight, inv_freq, pos, "rotate_half", valid_len=valid)
+    )
