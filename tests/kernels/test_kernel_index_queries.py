@@ -3,7 +3,8 @@
 tail of plain channels), no RoPE, GQA groups 1 / 3 / 4, index widths 8 to 64 (padded to the dot's 16), positions
 shifted / restarting / float, lengths with NaN padding (an empty row), transposed strides, float16; validation;
 compiled for sm_90a without spills. The token indexer on that path (its selection scores) against the two-step path.
-GPU-marked tests: bf16 at 16K with late positions and a cut row, and the indexer's bf16 scores on the GPU."""
+GPU-marked tests: bf16 at 16K with late positions and a cut row (both RoPE conventions); no host sync and CUDA-graph
+capture (the indexer's bf16 scores on the GPU: tests/selection/test_selector_indexer.py)."""
 
 import pytest
 import torch
