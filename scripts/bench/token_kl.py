@@ -30,12 +30,16 @@ from scripts.bench.harness import measure
 from sparse_train.kernels.reference.token_kl import reference_token_kl
 
 
+def sampled_blocks(args) -> torch.Tensor:
+    """int64 ``[blocks]``: the sampled query blocks, spread evenly over the sequence (the last one included)."""
+    return torch.linspace(0, (args.n - 1) // args.block, args.blocks).round().to(torch.int64)
+
+
 def inputs(args, device, dtype):
-    """(u, w, q_rows, k, temperature, query_blocks) of the benchmark shape, seed 0: the sampled blocks spread evenly
-    over the sequence (the last one included)."""
+    """(u, w, q_rows, k, temperature, query_blocks) of the benchmark shape, seed 0, at :func:`sampled_blocks`."""
     g = torch.Generator().manual_seed(0)
     n, h, grp, d, e, s, bq = args.n, args.heads, args.group, args.d, args.index_heads, args.index_dim, args.block
-    blocks = torch.linspace(0, (n - 1) // bq, args.blocks).round().to(torch.int64)
+    blocks = sampled_blocks(args)
     rows = (blocks.view(-1, 1) * bq + torch.arange(bq)).reshape(-1).clamp(max=n - 1)
     k = torch.randn(1, h, n, d, generator=g)
     q_rows = torch.randn(1, h * grp, rows.numel(), d, generator=g)
@@ -56,8 +60,7 @@ def run(fn, u, w, q_rows, k, temperature, blocks, args):
 
 def causal_flops(args) -> float:
     """Multiply-adds x 2 of one pass over the sampled rows' causal keys: every head's logits and the index logits."""
-    blocks = torch.linspace(0, (args.n - 1) // args.block, args.blocks).round()
-    keys = float(((blocks + 1) * args.block).clamp(max=args.n).sum()) * args.block  # (row, key) pairs, about
+    keys = float(((sampled_blocks(args) + 1) * args.block).clamp(max=args.n).sum()) * args.block  # (row, key) pairs
     return 2.0 * keys * args.heads * (args.group * args.d + args.index_heads * args.index_dim)
 
 

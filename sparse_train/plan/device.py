@@ -11,7 +11,14 @@ from torch import Tensor
 
 from ..kernels import triton_kernels
 
-__all__ = ["copy_engine_loads", "device_sm_count", "gluon_kernels", "tma_addressable", "triton_runs_on"]
+__all__ = [
+    "copy_engine_loads",
+    "device_sm_count",
+    "gluon_kernels",
+    "tma_addressable",
+    "triton_runs_eagerly_on",
+    "triton_runs_on",
+]
 
 _HOST_CORES = os.cpu_count() or 1  # read once: torch.compile cannot trace os.cpu_count
 
@@ -27,6 +34,12 @@ def triton_runs_on(tensor: Tensor) -> bool:
     except ImportError:  # missing or broken on this machine: the PyTorch paths
         return False
     return True
+
+
+def triton_runs_eagerly_on(tensor: Tensor) -> bool:
+    """:func:`triton_runs_on` outside a torch.compile trace: the selector's kernel paths that a compiled graph leaves
+    to the PyTorch references (inductor fuses their ops itself)."""
+    return not torch.compiler.is_compiling() and triton_runs_on(tensor)
 
 
 def copy_engine_loads(device) -> bool:

@@ -20,14 +20,10 @@ from torch import Tensor
 
 from ..kernels import triton_kernels
 from ..kernels.reference.index_candidates import reference_candidate_index_scores, reference_index_score_bounds
-from ..plan.device import triton_runs_on
+from ..plan.device import triton_runs_eagerly_on
 from .scorer import SelectionGeometry, allowed_dynamic_blocks
 
 __all__ = ["candidate_block_scores", "candidate_blocks", "certified_rows", "dynamic_block_bounds"]
-
-
-def _kernels_run(u: Tensor) -> bool:
-    return triton_runs_on(u) and not torch.compiler.is_compiling()
 
 
 def candidate_block_scores(
@@ -52,7 +48,7 @@ def candidate_block_scores(
     blocks = dict(block_q=geometry.block_q, block_k=geometry.block_k)
     masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
     picked = candidate_blocks(u, w, geometry, candidates, window=window, sinks=sinks, **masks)
-    kernels = triton_kernels().index_candidates if _kernels_run(u) else None
+    kernels = triton_kernels().index_candidates if triton_runs_eagerly_on(u) else None
     if kernels is not None and not (torch.is_grad_enabled() and (u.requires_grad or w.requires_grad)):
         exact = kernels.candidate_index_scores(u, w, picked, **blocks, **masks)
     else:
@@ -81,7 +77,7 @@ def candidate_blocks(
     (``kernels/triton/topk.py``, which applies the window, the sinks and causality itself) pick them; otherwise
     :func:`dynamic_block_bounds` and ``torch.topk``."""
     count = min(candidates, geometry.num_k_blocks)
-    kernels = triton_kernels() if _kernels_run(u) else None
+    kernels = triton_kernels() if triton_runs_eagerly_on(u) else None
     if kernels is not None and document_ids is None and geometry.num_k_blocks <= kernels.topk.MAX_KEY_BLOCKS:
         bounds = kernels.index_candidates.index_score_bounds(
             u, w, block_q=geometry.block_q, block_k=geometry.block_k, seq_lens=seq_lens, query_blocks=query_blocks
@@ -131,7 +127,7 @@ def dynamic_block_bounds(
     (row, key) pair. Arguments as :func:`candidate_block_scores`'s."""
     blocks = dict(block_q=geometry.block_q, block_k=geometry.block_k)
     masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
-    if _kernels_run(u):
+    if triton_runs_eagerly_on(u):
         bounds = triton_kernels().index_candidates.index_score_bounds(u, w, **blocks, **masks)
     else:
         bounds = reference_index_score_bounds(u, w, **blocks, **masks)  # [B, H, R, NKB]

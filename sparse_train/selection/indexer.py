@@ -39,9 +39,9 @@ from torch import Tensor, nn
 from ..config import SparseAttentionConfig
 from ..kernels import triton_kernels
 from ..kernels.reference.index_queries import index_input, index_input_dtype, project_index_queries
-from ..kernels.reference.index_scores import reference_index_block_scores
+from ..kernels.reference.index_scores import listed_positions, reference_index_block_scores
 from ..kernels.reference.token_kl import reference_token_kl, token_kl_rows
-from ..plan.device import triton_runs_on
+from ..plan.device import triton_runs_eagerly_on
 from ..validation import check_choice, check_float, check_int
 from .candidates import candidate_block_scores
 from .distill import dense_block_mass
@@ -66,7 +66,7 @@ _PROJECTION_SEED = 20261203
 
 def _kernels_take(x: Tensor) -> bool:
     """Whether the indexer's input kernels run on ``x``: eager CUDA, a kernel dtype."""
-    return x.dtype in UNROTATE_KERNEL_DTYPES and triton_runs_on(x) and not torch.compiler.is_compiling()
+    return x.dtype in UNROTATE_KERNEL_DTYPES and triton_runs_eagerly_on(x)
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,11 +98,8 @@ class IndexQueries:
     def rows(self, query_blocks: Tensor, block_q: int) -> Tensor:
         """:meth:`unrotated`'s rows of ``query_blocks`` (int ``[R]``) block by block, ``[B, HQ, R * block_q, D]``,
         un-rotating only those rows (a partial last block repeats row N - 1)."""
-        seq_len = self.q.shape[2]
-        offsets = torch.arange(block_q, device=self.q.device)
-        picked = (query_blocks.to(self.q.device, torch.int64).view(-1, 1) * block_q + offsets).reshape(-1)
-        picked = picked.clamp(max=seq_len - 1)  # [R * BQ]
-        x = self.q.index_select(2, picked)
+        picked = listed_positions(query_blocks, block_q, self.q.device).view(-1).clamp(max=self.q.shape[2] - 1)
+        x = self.q.index_select(2, picked)  # [B, HQ, R * BQ, D]
         if self.seq_lens is not None:
             keep = picked.view(1, 1, -1, 1) < self.seq_lens.to(x.device).view(-1, 1, 1, 1)
             x = torch.where(keep, x, 0.0)
@@ -116,7 +113,7 @@ def index_scores(u: Tensor, w: Tensor, **kwargs) -> Tensor:
     """The token-level block scores of :func:`~sparse_train.kernels.triton.index_scores.index_block_scores` (one
     Triton kernel) where the Triton kernels run (eager CUDA), its PyTorch reference otherwise (CPU, torch.compile);
     arguments and returns as theirs."""
-    if triton_runs_on(u) and not torch.compiler.is_compiling():
+    if triton_runs_eagerly_on(u):
         return triton_kernels().index_scores.index_block_scores(u, w, **kwargs)
     return reference_index_block_scores(u, w, **kwargs)
 
@@ -247,9 +244,8 @@ class TokenIndexer(nn.Module):
         ``query_blocks``."""
         if isinstance(q, IndexQueries):
             return q.rows(query_blocks, block_q)
-        offsets = torch.arange(block_q, device=q.device)
-        positions = query_blocks.to(q.device, torch.int64).view(-1, 1) * block_q + offsets
-        return q.index_select(2, positions.reshape(-1).clamp(max=q.shape[2] - 1))
+        positions = listed_positions(query_blocks, block_q, q.device).view(-1)
+        return q.index_select(2, positions.clamp(max=q.shape[2] - 1))
 
     def forward(
         self,
@@ -355,7 +351,7 @@ class TokenIndexer(nn.Module):
         attention's own (detached here). One query block at a time: memory O(HQ BQ N)."""
         batch, _, seq_len, _ = q.shape
         blocks = query_blocks.to(q.device, torch.int64)
-        positions = (blocks.view(-1, 1) * block_q + torch.arange(block_q, device=q.device)).reshape(-1)
+        positions = listed_positions(blocks, block_q, q.device).view(-1)
         q_rows = q.index_select(2, positions.clamp(max=seq_len - 1))  # [B, HQ, R * BQ, D]
         with torch.autocast(q.device.type, enabled=False):
             kl = reference_token_kl(

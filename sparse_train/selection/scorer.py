@@ -44,7 +44,7 @@ from ..index.block_index import capacity_tier, causal_last_block, document_sink_
 from ..kernels import triton_kernels
 from ..kernels.reference.pool import ROPE_STYLES, block_max, block_mean, reference_block_pool, unrotate
 from ..kernels.reference.scores import DISTANCE_BUCKETS, EMPTY_BLOCK_SCORE
-from ..plan.device import triton_runs_on
+from ..plan.device import triton_runs_eagerly_on, triton_runs_on
 from ..validation import check_choice, check_float, check_integer_tensor
 
 __all__ = [
@@ -499,15 +499,11 @@ class BlockScorer(nn.Module):
                 query_blocks = _check_query_blocks(query_blocks, geometry, qbar.shape[2], qbar.device)
         else:
             query_blocks = None  # the rows' block ids only choose the bias's buckets
-        if _logits_kernel_runs(qs):  # one kernel instead of ~10 and three float32 passes over the logits
+        # one kernel instead of ~10 and three float32 passes over the logits; a compiled graph keeps the reference,
+        # whose matmul and elementwise ops inductor fuses itself
+        if triton_runs_eagerly_on(qs):
             return triton_kernels().scores.triton_block_logits(qs, ks, temperature, bias, geometry, query_blocks)
         return reference_block_logits(qs, ks, temperature, bias, geometry, query_blocks)
-
-
-def _logits_kernel_runs(qs: Tensor) -> bool:
-    """The logits kernel (``kernels/triton/scores.py``) takes eager CUDA calls, where Triton imports. A compiled graph
-    keeps the reference, whose matmul and elementwise ops inductor fuses itself."""
-    return not torch.compiler.is_compiling() and triton_runs_on(qs)
 
 
 def reference_block_logits(

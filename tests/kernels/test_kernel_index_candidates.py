@@ -255,9 +255,9 @@ def test_candidate_blocks_kernel_path_picks_what_the_reference_path_picks(
     kwargs = _kwargs(N, BQ, BK, seq_lens, None, blocks)
     del kwargs["block_q"], kwargs["block_k"]
     geometry = selection_geometry(N, BQ, BK, 2, window, sinks)
-    monkeypatch.setattr(candidates, "_kernels_run", lambda x: False)
+    monkeypatch.setattr(candidates, "triton_runs_eagerly_on", lambda x: False)
     want = candidates.candidate_blocks(u, w, geometry, C, window=window, sinks=sinks, **kwargs)
-    monkeypatch.setattr(candidates, "_kernels_run", lambda x: True)  # the interpreter runs the kernels on CPU
+    monkeypatch.setattr(candidates, "triton_runs_eagerly_on", lambda x: True)  # the interpreter runs them on CPU
     got = candidates.candidate_blocks(u, w, geometry, C, window=window, sinks=sinks, **kwargs)
     assert got.shape == want.shape == (B, H, len(blocks) if blocks else -(-N // BQ), min(C, geometry.num_k_blocks))
     assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1))

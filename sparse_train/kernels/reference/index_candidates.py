@@ -30,15 +30,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .index_scores import REFERENCE_CHUNK_BYTES, IndexScoreArgs, check_index_score_args, sequence_lengths
+from .index_scores import (
+    REFERENCE_CHUNK_BYTES,
+    IndexScoreArgs,
+    check_index_score_args,
+    listed_positions,
+    sequence_lengths,
+)
 
 __all__ = ["check_candidates", "key_block_extremes", "reference_candidate_index_scores", "reference_index_score_bounds"]
 
 
 def _row_positions(query_blocks: Tensor | None, rows: int, block_q: int, device) -> Tensor:
     """int64 ``[R, BQ]``: the sequence position of each row of u, block by block."""
-    blocks = torch.arange(rows, device=device) if query_blocks is None else query_blocks.to(device, torch.int64)
-    return blocks.view(-1, 1) * block_q + torch.arange(block_q, device=device)
+    blocks = torch.arange(rows, device=device) if query_blocks is None else query_blocks
+    return listed_positions(blocks, block_q, device)
 
 
 def _query_rows(u: Tensor, start: int, count: int, block_q: int, compute: torch.dtype) -> Tensor:

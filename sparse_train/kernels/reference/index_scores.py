@@ -29,6 +29,7 @@ __all__ = [
     "REFERENCE_CHUNK_BYTES",
     "IndexScoreArgs",
     "check_index_score_args",
+    "listed_positions",
     "reference_index_block_scores",
     "sequence_lengths",
 ]
@@ -122,6 +123,12 @@ def check_index_score_args(
                     f"query_blocks[{first}] = {int(query_blocks[first])}"
                 )
     return IndexScoreArgs(B, H, M, E, S, N, block_q, block_k, rows)
+
+
+def listed_positions(query_blocks: Tensor, block_q: int, device) -> Tensor:
+    """int64 ``[R, BQ]``: the sequence position of each row of the query blocks ``query_blocks`` (int ``[R]``), block
+    by block (a partial last block's positions run past N; callers clamp or mask them)."""
+    return query_blocks.to(device, torch.int64).view(-1, 1) * block_q + torch.arange(block_q, device=device)
 
 
 def sequence_lengths(seq_lens: Tensor | None, batch: int, seq_len: int, device) -> Tensor:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .index_scores import listed_positions, sequence_lengths
+
 __all__ = ["reference_token_kl", "token_kl_rows"]
 
 
@@ -28,11 +30,8 @@ def token_kl_rows(query_blocks: Tensor, block_q: int, seq_len: int, seq_lens: Te
     """bool ``[B, M]``: the listed rows that are valid (inside the sequence and before ``seq_lens[b]``): the rows
     with at least one allowed key, over which the loss is averaged."""
     device = query_blocks.device
-    positions = (query_blocks.to(torch.int64).view(-1, 1) * block_q + torch.arange(block_q, device=device)).view(1, -1)
-    limit = torch.full((batch, 1), seq_len, device=device)
-    if seq_lens is not None:
-        limit = seq_lens.to(device).view(-1, 1).clamp(max=seq_len)
-    return positions < limit
+    positions = listed_positions(query_blocks, block_q, device).view(1, -1)
+    return positions < sequence_lengths(seq_lens, batch, seq_len, device).view(-1, 1)
 
 
 def reference_token_kl(
@@ -64,9 +63,7 @@ def reference_token_kl(
     device = k.device
     dtype = torch.promote_types(torch.promote_types(u.dtype, q_rows.dtype), torch.float32)
     keys = torch.arange(seq_len, device=device)
-    limit = torch.full((batch,), seq_len, device=device)
-    if seq_lens is not None:
-        limit = seq_lens.to(device).clamp(max=seq_len)
+    limit = sequence_lengths(seq_lens, batch, seq_len, device)
     temperature = temperature.to(dtype).view(1, -1, 1, 1)
     with torch.no_grad():
         k_wide = k.detach().to(dtype)  # once for every listed block
