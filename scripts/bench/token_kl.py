@@ -4,7 +4,8 @@
 Times, in one process, forward + backward of the per-row KL for the sampled query blocks of one layer at the headline
 shape (default N = 65536, B = 1, H = 8 KV heads, G = 4, D = 128, E = 1, S = 32, block 64, 8 sampled blocks, bf16),
 through ``scripts.bench.harness.measure`` (CUDA events, warm-up, L2 flushed before each repeat), median and p95;
-effective TFLOP/s counts one pass of the products (every head's logits and the index logits over the causal keys of
+the kernels also at other key spans per program (``--spans``), and each variant's forward alone; effective TFLOP/s
+counts one pass of the products (every head's logits and the index logits over the causal keys of
 each sampled row) per forward + backward, the same count for both variants (the kernels make three passes, the
 reference one for the target and two for the index logits), so the rates compare the variants. Correctness:
 the kernel's KL and gradients against the reference on the float64 copies of the same inputs (largest error relative
@@ -13,6 +14,7 @@ to the largest value).
 Usage::
 
     python -m scripts.bench.token_kl --out token_kl.json
+    python -m scripts.bench.token_kl --spans 1024 4096 --out token_kl.json   # other key spans too
     python -m scripts.bench.token_kl --n 2048 --device cpu --out /tmp/t.json   # smoke (reference only)
 """
 
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from scripts.bench.harness import measure
+from sparse_train.kernels import triton_kernels
 from sparse_train.kernels.reference.token_kl import reference_token_kl
 
 
@@ -74,6 +77,13 @@ def main(argv=None) -> int:
     p.add_argument("--index-dim", type=int, default=32)
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--blocks", type=int, default=8, help="sampled query blocks")
+    p.add_argument(
+        "--spans",
+        type=int,
+        nargs="*",
+        default=[],
+        help="more key spans per program (token_kl.SPAN) to time the kernels at, besides the default",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
@@ -81,35 +91,46 @@ def main(argv=None) -> int:
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     data = inputs(args, device, dtype)
-    variants = {"reference": reference_token_kl}
+    variants = {"reference": (reference_token_kl, None)}
     if cuda:
-        from sparse_train.kernels import triton_kernels
-
-        variants["kernel"] = triton_kernels().token_kl.token_kl
+        kernels = triton_kernels().token_kl
+        variants["kernel"] = (kernels.token_kl, kernels.SPAN)
+        variants.update({f"kernel[span={span}]": (kernels.token_kl, span) for span in args.spans})
     result = {
         "date": datetime.now(timezone.utc).isoformat(),
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__,
-        "shape": {k: v for k, v in vars(args).items() if k not in ("out", "device")},
+        "shape": {k: v for k, v in vars(args).items() if k not in ("out", "device", "spans")},
         "results": [],
     }
     flops = causal_flops(args)
-    for name, fn in variants.items():
-        timing = measure(lambda fn=fn: run(fn, *data, args), device=device, warmup=2, min_reps=5, max_reps=20)
-        result["results"].append(
-            {
-                "variant": name,
-                "median_ms": timing.median_ms,
-                "p95_ms": timing.p95_ms,
-                "repeats": timing.repeats,
-                "effective_tflops": flops / timing.median_ms / 1e9,
-            }
-        )
-        print(f"{name:10s} forward + backward {timing.median_ms:8.2f} ms (p95 {timing.p95_ms:.2f})")
+    for name, (fn, span) in variants.items():
+        default_span = kernels.SPAN if span is not None else None
+        if span is not None:
+            kernels.SPAN = span
+        phases = {
+            "forward + backward": lambda fn=fn: run(fn, *data, args),
+            "forward": lambda fn=fn: fn(*data[:4], data[4], data[5], block_q=args.block, scale=args.d**-0.5),
+        }
+        for phase, call in phases.items():
+            timing = measure(call, device=device, warmup=2, min_reps=5, max_reps=20)
+            result["results"].append(
+                {
+                    "variant": name,
+                    "phase": phase,
+                    "median_ms": timing.median_ms,
+                    "p95_ms": timing.p95_ms,
+                    "repeats": timing.repeats,
+                    "effective_tflops": flops / timing.median_ms / 1e9,
+                }
+            )
+            print(f"{name:18s} {phase:20s} {timing.median_ms:8.2f} ms (p95 {timing.p95_ms:.2f})")
+        if span is not None:
+            kernels.SPAN = default_span
     if cuda:
         wide = [t.double() if t.is_floating_point() else t for t in data]
         want = run(reference_token_kl, *wide, args)
-        got = run(variants["kernel"], *data, args)
+        got = run(variants["kernel"][0], *data, args)
         errors = {
             name: float((a.double() - b).abs().max() / b.abs().max().clamp(min=1e-30))
             for name, a, b in zip(("kl", "du", "dw", "dtemperature"), got, want)

@@ -31,9 +31,11 @@
 #                                                           # dense twin and the oracle, more than one call: split
 #                                                           # it with HELDOUT_MODES, e.g. "dense,oracle" then
 #                                                           # "token_kl,token_cand"); results straight to $OUT
-#   OUT=/tmp/out bash scripts/tools/gpu_all.sh token_kl    # the token-level distillation kernels: their GPU tests,
-#                                                           # then forward + backward at 64K against the PyTorch
-#                                                           # reference the module runs (scripts/bench/token_kl.py)
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh token_kl    # the token-level distillation: its kernel and module GPU
+#                                                           # tests, the kernels against the PyTorch reference at 64K
+#                                                           # (scripts/bench/token_kl.py), the module with 32
+#                                                           # candidate blocks, the 1.1B step with them and its dense
+#                                                           # twin (STEP_TIMEOUT s, default 200)
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
 #                                                           # benchmark with its sustained (power-capped) column,
 #                                                           # then Nsight Compute over one forward + backward per
@@ -211,10 +213,25 @@ case "$phase" in
     rm -f "$OUT/heldout/plot.png"  # the device tool returns 8 files: results.jsonl, summary.md, summary.json, the log
     ;;
   token_kl)
-    gpu_tests gpu_tests_token_kl 200 tests/kernels/test_kernel_token_kl.py
-    timeout 200 python3 -m scripts.bench.token_kl --out "$R/token_kl_64k.json" > "$R/token_kl_64k.log" 2>&1
+    # the token-level distillation kernels: their GPU tests and the module's; the kernels against the reference at
+    # 64K; the module's selection and sampled distillation with 32 candidate blocks; the 1.1B step with that
+    # configuration and its dense twin. Each result goes to $OUT as it finishes.
+    gpu_tests gpu_tests_token_kl 200 tests/kernels/test_kernel_token_kl.py tests/selection/test_selector_indexer.py \
+      tests/module/test_checkpoint_replay.py
+    cp "$R"/gpu_tests_token_kl.log "$OUT"/
+    timeout 100 python3 -m scripts.bench.token_kl --spans 1024 4096 --out "$R/token_kl_64k.json" \
+      > "$R/token_kl_64k.log" 2>&1
     echo "bench_token_kl rc=$?" >> "$R/token_kl_64k.log"
-    cp "$R"/gpu_tests_token_kl.log "$R"/token_kl_64k.json "$R"/token_kl_64k.log "$OUT"/ 2>/dev/null
+    cp "$R"/token_kl_64k.json "$R"/token_kl_64k.log "$OUT"/ 2>/dev/null
+    timeout 90 python3 -m scripts.bench.selector --selector token --candidates 32 --graph \
+      --out "$R/module_64k_token_cand.json" > "$R/module_64k_token_cand.log" 2>&1
+    echo "bench_selector token_cand rc=$?" >> "$R/module_64k_token_cand.log"
+    cp "$R"/module_64k_token_cand.json "$OUT"/ 2>/dev/null
+    timeout "${STEP_TIMEOUT:-200}" python3 -m scripts.bench.step --contexts 65536 --variants sparse dense \
+      --selector token --candidates 32 --selector-distill token --repeats 4 --warmup 2 \
+      --out "$R/step_1p1b_64k_token_cand_dense.json" > "$R/step_1p1b_64k_token_cand_dense.log" 2>&1
+    echo "bench_step token_cand rc=$?" >> "$R/step_1p1b_64k_token_cand_dense.log"
+    cp "$R"/step_1p1b_64k_token_cand_dense.json "$OUT"/ 2>/dev/null
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac

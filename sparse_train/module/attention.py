@@ -671,19 +671,20 @@ class SparseAttention(nn.Module):
                     # a checkpoint record keeps of them
                     distill_queries = self.scorer.query_rows(pooled[0], distill_blocks.to(device), cfg.block_q)
                 if cfg.selector == "token" and mode == "sampled" and cfg.selector_distill == "token":
-                    loss = self._mean_kl(
-                        *self.scorer.token_distillation_loss(
-                            distill_queries,
-                            pooled[1],
-                            q,
-                            k,
-                            distill_blocks.to(device),
-                            scale,
-                            cfg.block_q,
-                            seq_lens=seq_lens,
-                            document_ids=document_ids,
-                        )
+                    # a checkpoint recompute passes back its first pass's forward statistics (distill_target)
+                    total, count, distill_target = self.scorer.token_distillation_loss(
+                        distill_queries,
+                        pooled[1],
+                        q,
+                        k,
+                        distill_blocks.to(device),
+                        scale,
+                        cfg.block_q,
+                        seq_lens=seq_lens,
+                        document_ids=document_ids,
+                        stats=distill_target,
                     )
+                    loss = self._mean_kl(total, count)
                 elif cfg.selector == "token" and mode == "sampled":
 
                     def row_scores(rows: Tensor) -> Tensor:

@@ -69,6 +69,12 @@ def _kernels_take(x: Tensor) -> bool:
     return x.dtype in UNROTATE_KERNEL_DTYPES and triton_runs_eagerly_on(x)
 
 
+def _token_kl_kernel_takes(u: Tensor, w: Tensor, k: Tensor, block_q: int) -> bool:
+    """Whether the token-level distillation runs the streaming kernels (``kernels/triton/token_kl.py``): eager CUDA,
+    kernel dtypes and the kernels' limits (:func:`~sparse_train.kernels.triton.token_kl.kernels_take`)."""
+    return _kernels_take(u) and _kernels_take(k) and triton_kernels().token_kl.kernels_take(u, w, k, block_q)
+
+
 @dataclass(frozen=True, eq=False)
 class IndexQueries:
     """:meth:`TokenIndexer.pool`'s queries: the layer's q ``[B, HQ, N, D]`` (detached, RoPE still applied) with what
@@ -337,38 +343,37 @@ class TokenIndexer(nn.Module):
         *,
         seq_lens: Tensor | None = None,
         document_ids: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor]:
+        stats: object | None = None,
+    ) -> tuple[Tensor, Tensor, object | None]:
         """Token-level distillation (``selector_distill="token"``) on the rows of ``query_blocks``: per row r, the KL
         from the row's dense attention over keys (softmax of ``scale q_g[r] . k[t]`` over the causal, valid,
         same-document keys, max over the GQA heads g, renormalised) to the softmax over the same keys of the index
         logits ``temperature * max_e u[r, e] . w[t]``
         (:func:`~sparse_train.kernels.reference.token_kl.reference_token_kl`). Returns the KL summed over the valid
-        rows and their count (float32 scalars, float64 for float64 inputs); gradients reach only this module's
-        parameters.
+        rows and their count (float32 scalars, float64 for float64 inputs), and the forward statistics of the
+        streaming kernels (``kernels/triton/token_kl.py``, eager CUDA; None on the PyTorch path): a recompute of
+        the same call (activation checkpointing) passes them back as ``stats`` and skips the kernels' forward.
+        Gradients reach only this module's parameters.
 
         ``q_index_rows``: :meth:`pool`'s queries at the rows of ``query_blocks`` (:meth:`query_rows`: ``[B, HQ, R * BQ,
         D]`` block by block); ``k_index``: :meth:`pool`'s keys; ``q`` ``[B, HQ, N, D]`` / ``k`` ``[B, HKV, N, D]``: the
-        attention's own (detached here). One query block at a time: memory O(HQ BQ N)."""
+        attention's own (detached here). Memory O(HQ BQ N) on the PyTorch path (one query block at a time), O(HQ R BQ)
+        in the kernels."""
         batch, _, seq_len, _ = q.shape
         blocks = query_blocks.to(q.device, torch.int64)
         positions = listed_positions(blocks, block_q, q.device).view(-1)
         q_rows = q.index_select(2, positions.clamp(max=seq_len - 1))  # [B, HQ, R * BQ, D]
         with torch.autocast(q.device.type, enabled=False):
-            kl = reference_token_kl(
-                self._index_queries(q_index_rows),
-                self._index_keys(k_index),
-                q_rows,
-                k,
-                self._temperature(scale),
-                blocks,
-                block_q=block_q,
-                scale=scale,
-                seq_lens=seq_lens,
-                document_ids=document_ids,
-            )  # [B, HKV, R * BQ]
+            u, w = self._index_queries(q_index_rows), self._index_keys(k_index)
+            arguments = (u, w, q_rows, k, self._temperature(scale), blocks)
+            masks = dict(block_q=block_q, scale=scale, seq_lens=seq_lens, document_ids=document_ids)
+            if _token_kl_kernel_takes(u, w, k, block_q):
+                kl, stats = triton_kernels().token_kl.token_kl(*arguments, **masks, stats=stats, with_stats=True)
+            else:
+                kl, stats = reference_token_kl(*arguments, **masks), None  # [B, HKV, R * BQ]
         total = kl.sum()
         count = token_kl_rows(blocks, block_q, seq_len, seq_lens, batch).sum().float() * self.num_kv_heads
-        return total, count
+        return total, count, stats
 
 
 class OracleSelector(nn.Module):

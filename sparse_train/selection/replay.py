@@ -123,9 +123,9 @@ class SelectionRecord:
     """The query blocks the first forward's ``distill="sampled"`` target was computed on (a random
     draw: the recompute must use the same rows or the selector's gradient changes)."""
     distill_target: Any = None
-    """``(target, row_valid)`` of the first forward's distillation (detached): the recompute reuses it rather
-    than computing the target again (same q and k, so the same tensors; saves its kernels, and under
-    context parallelism a gather of K)."""
+    """``(target, row_valid)`` of the first forward's block-level distillation, or the token-level kernels'
+    ``TokenKLStats`` (detached): the recompute reuses them rather than computing them again (same inputs and
+    parameters, so the same tensors; saves their kernels, and under context parallelism a gather of K)."""
     pooled: Any = None
     """``(qbar, kbar)``, the selector's pooled inputs of a first forward that distilled (pooled from detached q
     and k, so no gradient flows through them): the recompute scores from them rather than pooling again (same

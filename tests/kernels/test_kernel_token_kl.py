@@ -1,14 +1,15 @@
 """The token-level distillation kernels (kernels/triton/token_kl.py) against their PyTorch reference
 (kernels/reference/token_kl.py) in float64, by the error-ratio rule: the per-row KL and the gradients of u, w and the
 temperature; GQA 1 / 3 / 4, index heads 1-3, S padded to 16, odd lengths, listed blocks unsorted with the partial
-last one, seq_lens with NaN padding and an empty row, packed documents, float16; validation; compiled for sm_90a.
-GPU-marked: bf16 at 16K against the float64 reference."""
+last one, seq_lens with NaN padding and an empty row, packed documents, one key span and several, float16;
+validation; compiled for sm_90a. GPU-marked: bf16 at 16K (eight key spans) against the float64 reference."""
 
 import pytest
 import torch
 from builders import check_close, compile_report_in_subprocess, ids_from_lengths, ptxas_path, ptxas_usage
 
 from sparse_train.kernels.reference.token_kl import reference_token_kl, token_kl_rows
+from sparse_train.kernels.triton import token_kl as token_kl_kernels
 from sparse_train.kernels.triton.token_kl import token_kl
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -62,8 +63,12 @@ def _both(u, w, q_rows, k, temperature, blocks, lens, docs, BQ, grad_seed=1):
     return out
 
 
+@pytest.mark.parametrize("span", [token_kl_kernels.SPAN, 32], ids=["one-span", "spans-of-32"])
 @pytest.mark.parametrize("B,H,G,N,D,E,S,BQ,blocks,lengths,docs", CASES)
-def test_token_kl_matches_reference(B, H, G, N, D, E, S, BQ, blocks, lengths, docs):
+def test_token_kl_matches_reference(B, H, G, N, D, E, S, BQ, blocks, lengths, docs, span, monkeypatch):
+    """Against the float64 reference; with spans of 32 keys every row's keys split over several programs, whose
+    partial sums the launchers combine."""
+    monkeypatch.setattr(token_kl_kernels, "SPAN", span)
     u, w, q_rows, k, temperature, blocks_t, lens = _inputs(B, H, G, N, D, E, S, BQ, blocks, lengths, seed=N + E)
     doc_ids = None if docs is None else ids_from_lengths(*docs).to(DEV)
     got, ref, low = _both(u, w, q_rows, k, temperature, blocks_t, lens, doc_ids, BQ)
@@ -98,6 +103,37 @@ def test_token_kl_empty_batch_and_no_listed_blocks():
         assert u.grad.shape == u.shape
 
 
+def test_token_kl_reuses_its_forward_statistics(monkeypatch):
+    """A recompute of the same call (activation checkpointing) passes back the first call's statistics: the same KL
+    and gradients, and neither forward kernel runs."""
+    u, w, q_rows, k, temperature, blocks, lens = _inputs(2, 2, 2, 131, 16, 2, 16, 16, (8, 0, 5), (131, 90), seed=3)
+    grad = torch.rand(2, 2, 48, generator=torch.Generator().manual_seed(3)).to(DEV)
+    results = []
+    for reuse in (None, "stats"):
+        leaves = [t.detach().clone().requires_grad_() for t in (u, w, temperature)]
+        kl, stats = token_kl(*leaves[:2], q_rows, k, leaves[2], blocks, block_q=16, scale=0.3, seq_lens=lens,
+                             stats=results[0][1] if reuse else None, with_stats=True)  # fmt: skip
+        kl.backward(grad)
+        results.append((kl.detach(), stats, *(leaf.grad for leaf in leaves)))
+
+        def refuse(*args):
+            raise AssertionError("the forward kernels ran again")
+
+        monkeypatch.setattr(token_kl_kernels, "token_kl_forward_launch", refuse)
+    (first, stats, *first_grads), (again, again_stats, *again_grads) = results
+    assert isinstance(stats, token_kl_kernels.TokenKLStats) and torch.equal(stats.kl, first)
+    assert torch.equal(again, first) and torch.equal(again_stats.lse_s, stats.lse_s)
+    for a, b in zip(again_grads, first_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # the backward's atomics may add in another order
+
+
+def test_token_kl_rejects_statistics_of_other_shapes():
+    u, w, q_rows, k, temperature, blocks, _ = _inputs(1, 2, 2, 64, 16, 1, 16, 16, (1, 2), None, seed=5)
+    _, stats = token_kl(u, w, q_rows, k, temperature, blocks, block_q=16, scale=0.3, with_stats=True)
+    with pytest.raises(ValueError, match="stats must be"):
+        token_kl(u[:, :, :16], w, q_rows[:, :, :16], k, temperature, blocks[:1], block_q=16, scale=0.3, stats=stats)
+
+
 @pytest.mark.parametrize(
     "change,match",
     [
@@ -118,18 +154,18 @@ def test_token_kl_rejects_bad_arguments(change, match):
 
 
 # ---------------------------------------------------------------------------------------------- compile for Hopper
+HOPPER_SHARED_BYTES = 232448
+"""The most shared memory one block of an sm_90 GPU (H100, H200) may use: 227 KiB."""
+
+
 def hopper_compile_report(cases):
-    """[(kernel, registers, spill store bytes)] of both kernels compiled for sm_90a for each ``(G, E, D)`` case (bf16,
-    BQ = 64, S = 32, lengths and documents). Runs in a process without the interpreter."""
+    """[(kernel, registers, spill store bytes, shared memory bytes)] of the three kernels compiled for sm_90a for each
+    ``(G, E, D)`` case (bf16, BQ = 64, S = 32, lengths and documents), each at its launcher's pipeline stages. Runs in
+    a process without the interpreter."""
     import triton
     from builders import warmup_for_hopper
 
-    from sparse_train.kernels.triton.token_kl import (
-        KEYS,
-        NUM_WARPS,
-        _token_kl_backward_kernel,
-        _token_kl_forward_kernel,
-    )
+    from sparse_train.kernels.triton import token_kl as kernels
 
     report = []
     for G, E, D in cases:
@@ -139,35 +175,54 @@ def hopper_compile_report(cases):
         q = torch.zeros(B, H * G, M, D, dtype=torch.bfloat16)
         k = torch.zeros(B, H, N, D, dtype=torch.bfloat16)
         f32, ints = torch.zeros(4), torch.zeros(4, dtype=torch.int32)
-        meta = dict(GROUP=G, E=E, BLOCK_Q=64, KEYS=KEYS, HEAD_DIM=D, D_P2=triton.next_power_of_2(D), S_P2=S,
-                    HAS_SEQ_LENS=True, HAS_DOCS=True, IEEE=False, num_warps=NUM_WARPS, grid=(1, 1))  # fmt: skip
+        meta = dict(GROUP=G, E=E, BLOCK_Q=64, KEYS=kernels.KEYS, SPAN=kernels.SPAN, HEAD_DIM=D,
+                    D_P2=triton.next_power_of_2(D), S_P2=S, HAS_SEQ_LENS=True, HAS_DOCS=True, IEEE=False,
+                    num_warps=kernels.NUM_WARPS, grid=(1, 1, 1))  # fmt: skip
+        head = (u, w, q, k, f32, ints, ints, ints)
         strides = (*u.stride(), *w.stride(), *q.stride(), *k.stride(), H, N, M, S, 0.1)
-        forward = warmup_for_hopper(
-            _token_kl_forward_kernel, u, w, q, k, f32, ints, ints, ints, f32, f32, f32, f32, *strides, **meta
-        )
-        backward = warmup_for_hopper(
-            _token_kl_backward_kernel, u, w, q, k, f32, ints, ints, ints, f32, f32, f32, f32, f32, f32, f32,
-            *strides, **meta,
-        )  # fmt: skip
-        report += [("forward", *ptxas_usage(forward)), ("backward", *ptxas_usage(backward))]
+        compiled = {
+            "lse": warmup_for_hopper(
+                kernels._token_kl_lse_kernel, *head, f32, f32, *strides, num_stages=kernels.LSE_STAGES, **meta
+            ),
+            "moments": warmup_for_hopper(
+                kernels._token_kl_moments_kernel, *head, f32, f32, *strides, num_stages=kernels.MOMENTS_STAGES, **meta
+            ),
+            "backward": warmup_for_hopper(
+                kernels._token_kl_backward_kernel,
+                *head,
+                f32,
+                f32,
+                f32,
+                f32,
+                f32,
+                f32,
+                f32,
+                *strides,
+                num_stages=kernels.BACKWARD_STAGES,
+                **meta,
+            ),  # fmt: skip
+        }
+        report += [(name, *ptxas_usage(c), c.metadata.shared) for name, c in compiled.items()]
     return report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="compile-only check of the CPU machine")
 def test_kernels_compile_for_hopper():
-    """The interpreter accepts programs the compiler rejects (a bf16 operand next to an fp32 one): both kernels
-    compile for sm_90a with lengths and documents for GQA 1 / 4, E 1 / 2, D 64 / 128, without register spills for
-    one index head (the default); more index heads spill in the backward, which recomputes every head's product
-    for each head's walk."""
+    """The interpreter accepts programs the compiler rejects (a bf16 operand next to an fp32 one), and knows no shared
+    memory limit: the three kernels compile for sm_90a at their pipeline stages with lengths and documents for GQA
+    1 / 4 / 8, E 1 / 2, D 64 / 128, within sm_90's shared memory, and without register spills for one index head
+    (the default) up to GQA 4; the backward, which recomputes every head's product for each index head's walk,
+    spills with more index heads or at GQA 8."""
     if ptxas_path() is None:
         pytest.skip("this triton ships no ptxas")
-    cases = [(4, 1, 128), (1, 2, 64), (4, 2, 128)]
+    cases = [(4, 1, 128), (8, 1, 128), (1, 2, 64), (4, 2, 128)]
     report = compile_report_in_subprocess(__file__, "hopper_compile_report", cases)
-    assert len(report) == 2 * len(cases)
-    for (G, E, D), pair in zip(cases, zip(report[0::2], report[1::2])):
-        for name, registers, spills in pair:
-            print(f"G={G} E={E} D={D} {name}: {registers} registers, {spills} bytes spilled")
-            assert spills == 0 or E > 1, (G, E, D, name)
+    assert len(report) == 3 * len(cases)
+    for index, (name, registers, spills, shared) in enumerate(report):
+        G, E, D = cases[index // 3]
+        print(f"G={G} E={E} D={D} {name}: {registers} registers, {spills} bytes spilled, {shared} bytes shared")
+        assert shared <= HOPPER_SHARED_BYTES, (G, E, D, name, shared)
+        assert spills == 0 or E > 1 or (G >= 8 and name == "backward"), (G, E, D, name)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

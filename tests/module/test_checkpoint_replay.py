@@ -11,6 +11,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import sparse_train as st
+from sparse_train.kernels.triton import token_kl as token_kl_kernels
 from sparse_train.selection.scorer import selection_geometry
 
 HQ, HKV, D, N = 4, 2, 16, 160
@@ -430,6 +431,36 @@ def test_token_selector_recompute_scores_only_what_its_loss_needs(selector_disti
     assert any(g.abs().sum() > 0 for g in grads[False][3:]), "the selector must receive a gradient"
     for a, b in zip(grads[False], grads[True]):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_token_level_distillation_recompute_reuses_the_kernels_forward(monkeypatch):
+    """selector_distill="token" on CUDA (bf16, the streaming kernels): the checkpoint recompute passes back the
+    first forward's statistics, so the kernels' forward runs once per step, not twice, and the gradients (inputs
+    and selector) equal the plain run's up to the order of the backward's atomic additions."""
+    calls = []
+    original = token_kl_kernels.token_kl_forward_launch
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(token_kl_kernels, "token_kl_forward_launch", counted)
+    grads = {}
+    for checkpointed in (False, True):
+        calls.clear()
+        module = make(selector="token", selector_distill="token", distill="sampled", distill_query_blocks=3).cuda()
+        q, k, v, w = (t.detach().cuda().to(torch.bfloat16).requires_grad_() for t in inputs())
+        run = layer(module)
+        out = checkpoint(run, q, k, v, use_reentrant=False) if checkpointed else run(q, k, v)
+        ((out.float() * w.float()).sum() + module.selector_loss).backward()
+        grads[checkpointed] = [t.grad for t in (q, k, v)] + [p.grad for p in module.scorer.parameters()]
+        assert calls == [1], calls
+    assert all(g is not None for g in grads[True]) and any(g.abs().sum() > 0 for g in grads[False][3:])
+    for a, b in zip(grads[False][:3], grads[True][:3]):  # bf16: torch's bf16 tolerances
+        torch.testing.assert_close(b, a)
+    for a, b in zip(grads[False][3:], grads[True][3:]):  # float32 parameters
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 def test_scoring_listed_query_blocks_equals_the_rows_of_every_blocks_scores():

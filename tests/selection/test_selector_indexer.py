@@ -6,10 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from builders import check_close
 
 import sparse_train as st
 from sparse_train.integrations.hf import rope_style
 from sparse_train.selection import OracleSelector, TokenIndexer, build_selector, selection_geometry
+from sparse_train.selection import indexer as indexer_module
 from sparse_train.selection.scorer import EMPTY_BLOCK_SCORE
 
 
@@ -292,7 +294,7 @@ def test_token_distillation_loss_matches_brute_force():
     documents = torch.stack([torch.arange(n) // 30, torch.zeros(n, dtype=torch.int64)])
     blocks = torch.tensor([4, 1])
     q_index, k_index = indexer.pool(q, k, block, block, seq_lens)
-    total, count = indexer.token_distillation_loss(
+    total, count, _ = indexer.token_distillation_loss(
         indexer.query_rows(q_index, blocks, block),
         k_index,
         q,
@@ -320,6 +322,53 @@ def test_token_distillation_loss_matches_brute_force():
                     want_count += 1
     assert int(count) == want_count
     torch.testing.assert_close(total.double(), want_total, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", [(8, 8), (12, 4), (32, 8)], ids=["mha", "gqa3", "gqa4"])
+def test_token_distillation_loss_on_gpu(hq, hkv, monkeypatch):
+    """selector_distill="token" on CUDA in bf16 runs the streaming kernels: the loss and every parameter's gradient
+    against the same indexer in float64 on the CPU, beside the PyTorch reference on the GPU in bf16 (odd N, a
+    partial last block, NaN padding, packed documents)."""
+    torch.manual_seed(9)
+    n, d, block = 4097, 64, 64
+    blocks = torch.tensor([64, 0, 40, 17])  # the partial last block (one row), the first, two inside
+    seq_lens = torch.tensor([n, 3001])
+    documents = (torch.arange(n) // 1500).expand(2, n).contiguous()
+    q = torch.randn(2, hq, n, d, dtype=torch.float64)
+    k = torch.randn(2, hkv, n, d, dtype=torch.float64)
+    pad = torch.arange(n).view(1, 1, n, 1) >= seq_lens.view(-1, 1, 1, 1)
+    q, k = q.masked_fill(pad, float("nan")), k.masked_fill(pad, float("nan"))
+    gpu = TokenIndexer(hq, hkv, d, index_dim=32, lr_multiplier=10.0).cuda()
+    gpu.set_rope(1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    cpu = TokenIndexer(hq, hkv, d, index_dim=32, lr_multiplier=10.0).double()
+    cpu.load_state_dict(gpu.state_dict())
+    cpu.set_rope(gpu.rope_inv_freq.cpu())
+
+    def loss_and_grads(indexer, device, dtype):
+        qd, kd = q.to(device, dtype), k.to(device, dtype)
+        lens, docs, listed = seq_lens.to(device), documents.to(device), blocks.to(device)
+        q_index, k_index = indexer.pool(qd, kd, block, block, lens)
+        total, count, _ = indexer.token_distillation_loss(
+            indexer.query_rows(q_index, listed, block), k_index, qd, kd, listed, 0.125, block,
+            seq_lens=lens, document_ids=docs,
+        )  # fmt: skip
+        indexer.zero_grad()
+        (total / count).backward()
+        return [total.detach().double().cpu()] + [p.grad.double().cpu() for p in indexer.parameters()]
+
+    taken = []
+    original = indexer_module._token_kl_kernel_takes
+    monkeypatch.setattr(indexer_module, "_token_kl_kernel_takes", lambda *a: taken.append(original(*a)) or taken[-1])
+    got = loss_and_grads(gpu, "cuda", torch.bfloat16)
+    assert taken == [True], "the bf16 CUDA loss did not take the kernels"
+    monkeypatch.setattr(indexer_module, "_token_kl_kernel_takes", lambda *a: False)
+    low = loss_and_grads(gpu, "cuda", torch.bfloat16)
+    want = loss_and_grads(cpu, "cpu", torch.float64)
+    names = ["loss"] + [name for name, _ in gpu.named_parameters()]
+    assert len(names) == len(got) and all(torch.isfinite(t).all() for t in got)
+    for name, a, b, c in zip(names, got, want, low):
+        check_close(f"token distillation {name}", a, b, c, torch.bfloat16)
 
 
 @pytest.mark.parametrize("candidates", [None, 3], ids=["every-block", "three-candidates"])

@@ -19,20 +19,22 @@ Backward, with g[r] the loss's gradient of kl[r] and gz[r, t] = g[r] (softmax(z)
 Notation: B batch, H KV heads, G query heads per KV head, N length, D head dim, E index heads, S index dim (padded to
 S_P2 >= 16), BQ query block, R listed query blocks, M = R * BQ listed rows, KEYS keys per step.
 
-Layers: (1) ``_token_kl_forward_kernel``: one program per (listed block, b * H + h); pass 1 walks the keys once per
-head g for lse_g (the index logits' lse_z on the way), pass 2 walks them once more for Z, A and C; it stores kl and,
-for the backward, lse_g, lse_z and Z. ``_token_kl_backward_kernel``: one program per (listed block, b * H + h), one
-walk over the keys per index head e: recomputes p and z, accumulates du in registers, adds dw (atomics: the listed
-blocks share keys) and the temperature's gradient. Helpers: the program's rows (``_listed_rows``), the key mask
-(``_allowed``), a key tile (``_key_tile``), the logits (``_head_logits``, ``_index_logits``) and the target
-(``_target``). (2) the launchers; (3) the autograd op ``_TokenKL``; (4) the public function :func:`token_kl`.
+Layers: (1) three kernels, each one program per (listed block, b * H + h, span of SPAN keys), so the work of a few
+listed blocks spreads over the GPU: ``_token_kl_lse_kernel`` (pass 1) walks the span once per head g and once for
+the index logits, storing each walk's running max and sum; ``_token_kl_moments_kernel`` (pass 2) walks it once more
+with the combined lse_g for the span's parts of Z, A and C; ``_token_kl_backward_kernel`` walks it once per index
+head e: recomputes p and z and adds du, dw and the temperature's gradient (atomics: spans share du, listed blocks
+share dw). Helpers: the program's rows (``_listed_rows``), the key mask (``_allowed``), a key tile (``_key_tile``),
+the logits (``_head_logits``, ``_index_logits``) and the target (``_target``). (2) the launchers, which combine the
+spans' partial results in PyTorch; (3) the autograd op ``_TokenKL``; (4) the public function :func:`token_kl`.
 
 Known limits: float16 / bfloat16 / float32 inputs (float32 products in IEEE precision; bf16 on CUDA only), block
-sizes 16..128 powers of two, D <= 256, S <= 128; the backward spills registers with more than one index head. Not yet
-measured on a GPU.
+sizes 16..128 powers of two, D <= 256, S <= 128; the backward spills registers with more than one index head.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -41,14 +43,44 @@ from torch import Tensor
 
 from ..reference.token_kl import reference_token_kl
 from ._jit import dot
-from ._launch import kernel_document_ids, kernel_seq_lens
+from ._launch import kernel_document_ids, kernel_seq_lens, launch
 
-__all__ = ["KEYS", "NUM_WARPS", "token_kl", "token_kl_backward_launch", "token_kl_forward_launch"]
+__all__ = [
+    "BLOCK_SIZES",
+    "KERNEL_DTYPES",
+    "KEYS",
+    "MAX_HEAD_DIM",
+    "MAX_INDEX_DIM",
+    "NUM_WARPS",
+    "TokenKLStats",
+    "kernels_take",
+    "token_kl",
+    "token_kl_backward_launch",
+    "token_kl_forward_launch",
+]
 
 KEYS = 32
 """Keys per step of both kernels (with NUM_WARPS, the largest step whose backward compiles without register spills
 for one index head at D = 128 on sm_90a: the compile test)."""
 NUM_WARPS = 8
+SPAN = 2048
+"""Keys per program: each (listed block, batch row, KV head) splits its keys into spans of SPAN, one program each,
+so a few listed blocks still fill the GPU at long N (the spans' partial sums are combined in PyTorch)."""
+LSE_STAGES = 3
+"""Pipeline stages of the first forward pass (one head's logits or the index logits per walk)."""
+MOMENTS_STAGES = 2
+"""Pipeline stages of the second forward pass (every head's logits per key tile)."""
+BACKWARD_STAGES = 1
+"""Pipeline stages of the backward (every head's logits and the index products per key tile): more exceed the
+shared memory of sm_90 at G = 4, D = 128."""
+BLOCK_SIZES = (16, 32, 64, 128)
+"""The query block sizes BQ the kernels take."""
+MAX_HEAD_DIM = 256
+"""The largest head dim D of q and k the kernels take."""
+MAX_INDEX_DIM = 128
+"""The largest index dim S the kernels take."""
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""The input dtypes the kernels take."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -148,7 +180,7 @@ def _target(q_heads, stride_qh, stride_qd, lse_rows, M, k_tile, offs_d, row_ok, 
 
 
 @triton.jit
-def _token_kl_forward_kernel(
+def _token_kl_lse_kernel(
     U,
     W,
     QR,
@@ -157,10 +189,8 @@ def _token_kl_forward_kernel(
     QUERY_BLOCKS,
     SEQ_LENS,
     DOCS,
-    KL,
-    LSE_S,
-    LSE_Z,
-    ZP,
+    PART_MAX,
+    PART_SUM,
     stride_ub,
     stride_uh,
     stride_um,
@@ -187,6 +217,7 @@ def _token_kl_forward_kernel(
     E: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     KEYS: tl.constexpr,
+    SPAN: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr,
     S_P2: tl.constexpr,
@@ -196,12 +227,110 @@ def _token_kl_forward_kernel(
 ):
     listed = tl.program_id(0)
     bh = tl.program_id(1)
+    span = tl.program_id(2)
     b64 = (bh // H).to(tl.int64)
     h = bh % H
     h64 = h.to(tl.int64)
     positions, row_ok, rows64, limit, key_limit, keys_end, docs_row, row_docs = _listed_rows(
         QUERY_BLOCKS, SEQ_LENS, DOCS, listed, b64, N, BLOCK_Q, HAS_SEQ_LENS, HAS_DOCS
     )
+    lo = span * SPAN
+    hi = tl.minimum(lo + SPAN, keys_end)
+    offs_d = tl.arange(0, D_P2)
+    offs_s = tl.arange(0, S_P2)
+    temperature = tl.load(TEMP + h).to(tl.float32)
+    k_head = K + b64 * stride_kb + h64 * stride_kh
+    w_head = W + b64 * stride_wb + h64 * stride_wh
+    u_rows = U + b64 * stride_ub + h64 * stride_uh + rows64[:, None] * stride_um  # [BQ, 1]
+    q_heads = QR + b64 * stride_qb + h64 * GROUP * stride_qh + rows64[:, None] * stride_qm  # [BQ, 1], head g = 0
+    # this span's partial (max, sum) of each head's logits (g < GROUP) and of the index logits (g = GROUP)
+    part = (span.to(tl.int64) * tl.num_programs(1) + bh) * (GROUP + 1) * M + rows64  # [BQ], g = 0
+    for g in tl.static_range(GROUP + 1):
+        run_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        run_sum = tl.zeros([BLOCK_Q], tl.float32)
+        if g < GROUP:
+            q = tl.load(
+                q_heads + g * stride_qh + offs_d[None, :].to(tl.int64) * stride_qd,
+                mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM),
+                other=0.0,
+            )  # [BQ, D], held for the walk
+        for start in range(lo, hi, KEYS):
+            keys = start + tl.arange(0, KEYS)  # [KEYS]
+            allowed = _allowed(keys, positions, row_ok, limit, docs_row, row_docs, N, HAS_DOCS)
+            if g < GROUP:
+                k_tile = _key_tile(k_head, keys, key_limit, stride_kn, stride_kd, offs_d, HEAD_DIM)  # [KEYS, D]
+                logits = dot(q, tl.trans(k_tile), IEEE) * scale
+            else:
+                w_tile = _key_tile(w_head, keys, key_limit, stride_wn, stride_ws, offs_s, S)  # [KEYS, S]
+                logits = temperature * _index_logits(
+                    u_rows, stride_ue, stride_us, w_tile, offs_s, row_ok, S, E, BLOCK_Q, KEYS, IEEE
+                )
+            logits = tl.where(allowed, logits, float("-inf"))  # [BQ, KEYS]
+            new_max = tl.maximum(run_max, tl.max(logits, axis=1))
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(logits - safe[:, None]), axis=1)
+            run_max = new_max
+        tl.store(PART_MAX + part + g * M, run_max)
+        tl.store(PART_SUM + part + g * M, run_sum)
+
+
+@triton.jit
+def _token_kl_moments_kernel(
+    U,
+    W,
+    QR,
+    K,
+    TEMP,
+    QUERY_BLOCKS,
+    SEQ_LENS,
+    DOCS,
+    LSE_S,
+    PARTS,
+    stride_ub,
+    stride_uh,
+    stride_um,
+    stride_ue,
+    stride_us,
+    stride_wb,
+    stride_wh,
+    stride_wn,
+    stride_ws,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    H,
+    N,
+    M,
+    S,
+    scale,
+    GROUP: tl.constexpr,
+    E: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    KEYS: tl.constexpr,
+    SPAN: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_P2: tl.constexpr,
+    S_P2: tl.constexpr,
+    HAS_SEQ_LENS: tl.constexpr,
+    HAS_DOCS: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    listed = tl.program_id(0)
+    bh = tl.program_id(1)
+    span = tl.program_id(2)
+    b64 = (bh // H).to(tl.int64)
+    h = bh % H
+    h64 = h.to(tl.int64)
+    positions, row_ok, rows64, limit, key_limit, keys_end, docs_row, row_docs = _listed_rows(
+        QUERY_BLOCKS, SEQ_LENS, DOCS, listed, b64, N, BLOCK_Q, HAS_SEQ_LENS, HAS_DOCS
+    )
+    lo = span * SPAN
+    hi = tl.minimum(lo + SPAN, keys_end)
     offs_d = tl.arange(0, D_P2)
     offs_s = tl.arange(0, S_P2)
     temperature = tl.load(TEMP + h).to(tl.float32)
@@ -210,47 +339,11 @@ def _token_kl_forward_kernel(
     u_rows = U + b64 * stride_ub + h64 * stride_uh + rows64[:, None] * stride_um  # [BQ, 1]
     q_heads = QR + b64 * stride_qb + h64 * GROUP * stride_qh + rows64[:, None] * stride_qm  # [BQ, 1], head g = 0
     lse_rows = LSE_S + (b64 * H + h64) * GROUP * M + rows64  # [BQ], head g = 0
-    stats = (b64 * H + h64) * M + rows64  # [BQ] offsets of this program's rows in [B, H, M]
-    # pass 1: lse of each head's logits (and of the index logits on head 0's walk)
-    lse_z = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    for g in tl.static_range(GROUP):
-        q_head = q_heads + g * stride_qh
-        run_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-        run_sum = tl.zeros([BLOCK_Q], tl.float32)
-        z_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-        z_sum = tl.zeros([BLOCK_Q], tl.float32)
-        for start in range(0, keys_end, KEYS):
-            keys = start + tl.arange(0, KEYS)  # [KEYS]
-            allowed = _allowed(keys, positions, row_ok, limit, docs_row, row_docs, N, HAS_DOCS)
-            k_tile = _key_tile(k_head, keys, key_limit, stride_kn, stride_kd, offs_d, HEAD_DIM)  # [KEYS, D]
-            logits = tl.where(
-                allowed, _head_logits(q_head, stride_qd, k_tile, offs_d, row_ok, scale, HEAD_DIM, IEEE), float("-inf")
-            )
-            new_max = tl.maximum(run_max, tl.max(logits, axis=1))
-            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-            run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(logits - safe[:, None]), axis=1)
-            run_max = new_max
-            if g == 0:
-                w_tile = _key_tile(w_head, keys, key_limit, stride_wn, stride_ws, offs_s, S)  # [KEYS, S]
-                z = tl.where(
-                    allowed,
-                    temperature
-                    * _index_logits(u_rows, stride_ue, stride_us, w_tile, offs_s, row_ok, S, E, BLOCK_Q, KEYS, IEEE),
-                    float("-inf"),
-                )
-                new_z = tl.maximum(z_max, tl.max(z, axis=1))
-                safe_z = tl.where(new_z == float("-inf"), 0.0, new_z)
-                z_sum = z_sum * tl.exp(z_max - safe_z) + tl.sum(tl.exp(z - safe_z[:, None]), axis=1)
-                z_max = new_z
-        lse_g = tl.where(run_sum > 0, run_max + tl.log(run_sum), float("-inf"))
-        tl.store(lse_rows + g * M, lse_g)
-        if g == 0:
-            lse_z = tl.where(z_sum > 0, z_max + tl.log(z_sum), float("-inf"))
-    # pass 2: Z = sum p, A = sum p log p, C = sum p z with p the max over heads of the heads' probabilities
+    # this span's part of Z = sum p, A = sum p log p, C = sum p z, p the max over heads of the heads' probabilities
     mass = tl.zeros([BLOCK_Q], tl.float32)
     plogp = tl.zeros([BLOCK_Q], tl.float32)
     pz = tl.zeros([BLOCK_Q], tl.float32)
-    for start in range(0, keys_end, KEYS):
+    for start in range(lo, hi, KEYS):
         keys = start + tl.arange(0, KEYS)
         allowed = _allowed(keys, positions, row_ok, limit, docs_row, row_docs, N, HAS_DOCS)
         k_tile = _key_tile(k_head, keys, key_limit, stride_kn, stride_kd, offs_d, HEAD_DIM)  # [KEYS, D]
@@ -261,12 +354,11 @@ def _token_kl_forward_kernel(
         mass += tl.sum(p, axis=1)
         plogp += tl.sum(tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0), axis=1)
         pz += tl.sum(tl.where(allowed, p * z, 0.0), axis=1)
-    keyed = row_ok & (mass > 0)
-    safe_mass = tl.where(keyed, mass, 1.0)
-    kl = tl.where(keyed, plogp / safe_mass - tl.log(safe_mass) - pz / safe_mass + lse_z, 0.0)
-    tl.store(KL + stats, kl)
-    tl.store(LSE_Z + stats, lse_z)
-    tl.store(ZP + stats, mass)
+    part = (span.to(tl.int64) * tl.num_programs(1) + bh) * M + rows64  # [BQ] in [SPANS, B * H, M]
+    plane = tl.num_programs(2).to(tl.int64) * tl.num_programs(1) * M  # one moment's [SPANS, B * H, M]
+    tl.store(PARTS + part, mass)
+    tl.store(PARTS + plane + part, plogp)
+    tl.store(PARTS + 2 * plane + part, pz)
 
 
 @triton.jit
@@ -312,6 +404,7 @@ def _token_kl_backward_kernel(
     E: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     KEYS: tl.constexpr,
+    SPAN: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     D_P2: tl.constexpr,
     S_P2: tl.constexpr,
@@ -321,73 +414,78 @@ def _token_kl_backward_kernel(
 ):
     listed = tl.program_id(0)
     bh = tl.program_id(1)
+    span = tl.program_id(2)
     b64 = (bh // H).to(tl.int64)
     h = bh % H
     h64 = h.to(tl.int64)
     positions, row_ok, rows64, limit, key_limit, keys_end, docs_row, row_docs = _listed_rows(
         QUERY_BLOCKS, SEQ_LENS, DOCS, listed, b64, N, BLOCK_Q, HAS_SEQ_LENS, HAS_DOCS
     )
-    offs_d = tl.arange(0, D_P2)
-    offs_s = tl.arange(0, S_P2)
-    temperature = tl.load(TEMP + h).to(tl.float32)
-    k_head = K + b64 * stride_kb + h64 * stride_kh
-    w_head = W + b64 * stride_wb + h64 * stride_wh
-    u_rows = U + b64 * stride_ub + h64 * stride_uh + rows64[:, None] * stride_um  # [BQ, 1]
-    q_heads = QR + b64 * stride_qb + h64 * GROUP * stride_qh + rows64[:, None] * stride_qm  # [BQ, 1], head g = 0
-    lse_rows = LSE_S + (b64 * H + h64) * GROUP * M + rows64  # [BQ], head g = 0
-    stats = (b64 * H + h64) * M + rows64
-    mass = tl.load(ZP + stats)
-    keyed = row_ok & (mass > 0)
-    lse_z = tl.load(LSE_Z + stats)
-    grad = tl.where(keyed, tl.load(GRAD + stats), 0.0)  # [BQ]
-    inv_mass = tl.where(keyed, 1.0 / tl.where(keyed, mass, 1.0), 0.0)
-    d_temperature = tl.zeros([BLOCK_Q], tl.float32)
-    s_ok = offs_s < S
-    for e in tl.static_range(E):
-        u_e = tl.load(
-            u_rows + e * stride_ue + offs_s[None, :].to(tl.int64) * stride_us,
-            mask=row_ok[:, None] & s_ok[None, :],
-            other=0.0,
-        )  # [BQ, S]
-        du = tl.zeros([BLOCK_Q, S_P2], tl.float32)
-        for start in range(0, keys_end, KEYS):
-            keys = start + tl.arange(0, KEYS)
-            allowed = _allowed(keys, positions, row_ok, limit, docs_row, row_docs, N, HAS_DOCS) & keyed[:, None]
-            k_tile = _key_tile(k_head, keys, key_limit, stride_kn, stride_kd, offs_d, HEAD_DIM)  # [KEYS, D]
-            p = _target(q_heads, stride_qh, stride_qd, lse_rows, M, k_tile, offs_d, row_ok, allowed, scale, GROUP,
-                        BLOCK_Q, KEYS, HEAD_DIM, IEEE)  # fmt: skip
-            w_tile = _key_tile(w_head, keys, key_limit, stride_wn, stride_ws, offs_s, S)  # [KEYS, S]
-            best = _index_logits(
-                u_rows, stride_ue, stride_us, w_tile, offs_s, row_ok, S, E, BLOCK_Q, KEYS, IEEE
-            )  # [BQ, KEYS]
-            if E == 1:
-                share = tl.full([BLOCK_Q, KEYS], 1.0, tl.float32)
-            else:  # this head's part of the max: 1 / (heads at the max) where it is one of them
-                ties = tl.zeros([BLOCK_Q, KEYS], tl.float32)
-                own = tl.zeros([BLOCK_Q, KEYS], tl.float32)
-                for e2 in tl.static_range(E):
-                    u_2 = tl.load(
-                        u_rows + e2 * stride_ue + offs_s[None, :].to(tl.int64) * stride_us,
-                        mask=row_ok[:, None] & s_ok[None, :],
-                        other=0.0,
-                    )
-                    at_max = (dot(u_2, tl.trans(w_tile), IEEE) == best).to(tl.float32)
-                    ties += at_max
-                    if e2 == e:
-                        own = at_max
-                share = own / tl.maximum(ties, 1.0)
-            soft = tl.where(allowed, tl.exp(temperature * best - lse_z[:, None]), 0.0)
-            gz = tl.where(allowed, grad[:, None] * (soft - p * inv_mass[:, None]), 0.0)  # [BQ, KEYS]
-            if e == 0:
-                d_temperature += tl.sum(tl.where(allowed, gz * best, 0.0), axis=1)
-            g_e = gz * share
-            du += dot(g_e.to(w_tile.dtype), w_tile, IEEE)  # [BQ, S]
-            dw = dot(tl.trans(g_e.to(u_e.dtype)), u_e, IEEE) * temperature  # [KEYS, S]
-            dw_ptr = DW + ((b64 * H + h64) * N + keys[:, None].to(tl.int64)) * S_P2 + offs_s[None, :]
-            tl.atomic_add(dw_ptr, dw, mask=(keys[:, None] < N) & s_ok[None, :])
-        du_ptr = DU + (((b64 * H + h64) * M + rows64[:, None]) * E + e) * S_P2 + offs_s[None, :]
-        tl.store(du_ptr, du * temperature, mask=s_ok[None, :])
-    tl.atomic_add(DTEMP + h, tl.sum(d_temperature, axis=0))
+    lo = span * SPAN
+    hi = tl.minimum(lo + SPAN, keys_end)
+    if lo < hi:
+        offs_d = tl.arange(0, D_P2)
+        offs_s = tl.arange(0, S_P2)
+        temperature = tl.load(TEMP + h).to(tl.float32)
+        k_head = K + b64 * stride_kb + h64 * stride_kh
+        w_head = W + b64 * stride_wb + h64 * stride_wh
+        u_rows = U + b64 * stride_ub + h64 * stride_uh + rows64[:, None] * stride_um  # [BQ, 1]
+        q_heads = QR + b64 * stride_qb + h64 * GROUP * stride_qh + rows64[:, None] * stride_qm  # [BQ, 1], g = 0
+        lse_rows = LSE_S + (b64 * H + h64) * GROUP * M + rows64  # [BQ], head g = 0
+        stats = (b64 * H + h64) * M + rows64
+        mass = tl.load(ZP + stats)
+        keyed = row_ok & (mass > 0)
+        lse_z = tl.load(LSE_Z + stats)
+        grad = tl.where(keyed, tl.load(GRAD + stats), 0.0)  # [BQ]
+        inv_mass = tl.where(keyed, 1.0 / tl.where(keyed, mass, 1.0), 0.0)
+        d_temperature = tl.zeros([BLOCK_Q], tl.float32)
+        s_ok = offs_s < S
+        for e in tl.static_range(E):
+            u_e = tl.load(
+                u_rows + e * stride_ue + offs_s[None, :].to(tl.int64) * stride_us,
+                mask=row_ok[:, None] & s_ok[None, :],
+                other=0.0,
+            )  # [BQ, S]
+            du = tl.zeros([BLOCK_Q, S_P2], tl.float32)
+            for start in range(lo, hi, KEYS):
+                keys = start + tl.arange(0, KEYS)
+                allowed = _allowed(keys, positions, row_ok, limit, docs_row, row_docs, N, HAS_DOCS) & keyed[:, None]
+                k_tile = _key_tile(k_head, keys, key_limit, stride_kn, stride_kd, offs_d, HEAD_DIM)  # [KEYS, D]
+                p = _target(q_heads, stride_qh, stride_qd, lse_rows, M, k_tile, offs_d, row_ok, allowed, scale,
+                            GROUP, BLOCK_Q, KEYS, HEAD_DIM, IEEE)  # fmt: skip
+                w_tile = _key_tile(w_head, keys, key_limit, stride_wn, stride_ws, offs_s, S)  # [KEYS, S]
+                best = _index_logits(
+                    u_rows, stride_ue, stride_us, w_tile, offs_s, row_ok, S, E, BLOCK_Q, KEYS, IEEE
+                )  # [BQ, KEYS]
+                if E == 1:
+                    share = tl.full([BLOCK_Q, KEYS], 1.0, tl.float32)
+                else:  # this head's part of the max: 1 / (heads at the max) where it is one of them
+                    ties = tl.zeros([BLOCK_Q, KEYS], tl.float32)
+                    own = tl.zeros([BLOCK_Q, KEYS], tl.float32)
+                    for e2 in tl.static_range(E):
+                        u_2 = tl.load(
+                            u_rows + e2 * stride_ue + offs_s[None, :].to(tl.int64) * stride_us,
+                            mask=row_ok[:, None] & s_ok[None, :],
+                            other=0.0,
+                        )
+                        at_max = (dot(u_2, tl.trans(w_tile), IEEE) == best).to(tl.float32)
+                        ties += at_max
+                        if e2 == e:
+                            own = at_max
+                    share = own / tl.maximum(ties, 1.0)
+                soft = tl.where(allowed, tl.exp(temperature * best - lse_z[:, None]), 0.0)
+                gz = tl.where(allowed, grad[:, None] * (soft - p * inv_mass[:, None]), 0.0)  # [BQ, KEYS]
+                if e == 0:
+                    d_temperature += tl.sum(tl.where(allowed, gz * best, 0.0), axis=1)
+                g_e = gz * share
+                du += dot(g_e.to(w_tile.dtype), w_tile, IEEE)  # [BQ, S]
+                dw = dot(tl.trans(g_e.to(u_e.dtype)), u_e, IEEE) * temperature  # [KEYS, S]
+                dw_ptr = DW + ((b64 * H + h64) * N + keys[:, None].to(tl.int64)) * S_P2 + offs_s[None, :]
+                tl.atomic_add(dw_ptr, dw, mask=(keys[:, None] < N) & s_ok[None, :])
+            # the spans of one row share du: atomics
+            du_ptr = DU + (((b64 * H + h64) * M + rows64[:, None]) * E + e) * S_P2 + offs_s[None, :]
+            tl.atomic_add(du_ptr, du * temperature, mask=s_ok[None, :])
+        tl.atomic_add(DTEMP + h, tl.sum(d_temperature, axis=0))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -400,6 +498,7 @@ def _meta(u: Tensor, q_rows: Tensor, k: Tensor, block_q: int, seq_lens, document
         E=u.shape[3],
         BLOCK_Q=block_q,
         KEYS=KEYS,
+        SPAN=SPAN,
         HEAD_DIM=dim,
         D_P2=max(16, triton.next_power_of_2(dim)),
         S_P2=max(16, triton.next_power_of_2(u.shape[4])),
@@ -410,24 +509,50 @@ def _meta(u: Tensor, q_rows: Tensor, k: Tensor, block_q: int, seq_lens, document
     )
 
 
+def _grid(query_blocks: Tensor, k: Tensor) -> tuple[int, int, int]:
+    """(listed blocks, B * H, key spans): one program per listed block, batch row and KV head, and SPAN keys."""
+    B, H, N, _ = k.shape
+    return query_blocks.shape[0], B * H, triton.cdiv(N, SPAN)
+
+
+def _combine_lse(part_max: Tensor, part_sum: Tensor) -> Tensor:
+    """The log-sum-exp over the spans (dim 0) of the spans' (running max, sum of exp(x - max)); -inf without
+    terms."""
+    top = part_max.amax(dim=0)
+    safe = torch.where(top == float("-inf"), 0.0, top)
+    total = (part_sum * torch.exp(part_max - safe)).sum(dim=0)
+    return torch.where(total > 0, safe + torch.log(total), float("-inf"))
+
+
 def token_kl_forward_launch(u, w, q_rows, k, temperature, query_blocks, block_q, scale, seq_lens, document_ids):
     """(kl, lse_s, lse_z, mass): float32 ``[B, H, M]``, ``[B, H, G, M]``, ``[B, H, M]``, ``[B, H, M]``. No
     validation: ``query_blocks`` int32 ``[R]`` in range, ``seq_lens`` int32 ``[B]`` clamped to N or None,
     ``document_ids`` int32 ``[B, N]`` contiguous or None, ``temperature`` float32 ``[H]``."""
     B, H, N, _ = k.shape
     M, G = u.shape[2], q_rows.shape[1] // H
-    kl = torch.empty((B, H, M), device=k.device, dtype=torch.float32)
-    lse_s = torch.empty((B, H, G, M), device=k.device, dtype=torch.float32)
-    lse_z, mass = torch.empty_like(kl), torch.empty_like(kl)
-    if kl.numel() == 0:
-        return kl, lse_s, lse_z, mass
-    fallback = kl
-    _token_kl_forward_kernel[(query_blocks.shape[0], B * H)](
-        u, w, q_rows, k, temperature, query_blocks, kernel_seq_lens(seq_lens, N, fallback),
-        kernel_document_ids(document_ids, fallback), kl, lse_s, lse_z, mass,
-        *u.stride(), *w.stride(), *q_rows.stride(), *k.stride(), H, N, M, u.shape[4], scale,
-        **_meta(u, q_rows, k, block_q, seq_lens, document_ids),
+    if B * H * M == 0:
+        kl = torch.zeros((B, H, M), device=k.device, dtype=torch.float32)
+        return kl, kl.new_zeros((B, H, G, M)), torch.full_like(kl, float("-inf")), torch.zeros_like(kl)
+    grid = _grid(query_blocks, k)
+    args = (
+        u, w, q_rows, k, temperature, query_blocks, kernel_seq_lens(seq_lens, N, u),
+        kernel_document_ids(document_ids, u),
     )  # fmt: skip
+    strides = (*u.stride(), *w.stride(), *q_rows.stride(), *k.stride(), H, N, M, u.shape[4], scale)
+    meta = _meta(u, q_rows, k, block_q, seq_lens, document_ids)
+    # pass 1: each span's partial log-sum-exp of every head's logits and of the index logits, combined
+    part_max = torch.empty((grid[2], B * H, G + 1, M), device=k.device, dtype=torch.float32)
+    part_sum = torch.empty_like(part_max)
+    launch(_token_kl_lse_kernel, grid, *args, part_max, part_sum, *strides, num_stages=LSE_STAGES, **meta)
+    lse = _combine_lse(part_max, part_sum).view(B, H, G + 1, M)
+    lse_s, lse_z = lse[:, :, :G].contiguous(), lse[:, :, G].contiguous()
+    # pass 2: each span's Z, A and C, summed
+    parts = torch.empty((3, grid[2], B * H, M), device=k.device, dtype=torch.float32)
+    launch(_token_kl_moments_kernel, grid, *args, lse_s, parts, *strides, num_stages=MOMENTS_STAGES, **meta)
+    mass, plogp, pz = parts.sum(dim=1).view(3, B, H, M).unbind(0)
+    keyed = mass > 0
+    safe_mass = torch.where(keyed, mass, 1.0)
+    kl = torch.where(keyed, plogp / safe_mass - torch.log(safe_mass) - pz / safe_mass + lse_z, 0.0)
     return kl, lse_s, lse_z, mass
 
 
@@ -442,12 +567,11 @@ def token_kl_backward_launch(
     dw = torch.zeros((B, H, N, s_p2), device=k.device, dtype=torch.float32)
     d_temperature = torch.zeros((H,), device=k.device, dtype=torch.float32)
     if grad.numel() > 0:
-        fallback = du
-        _token_kl_backward_kernel[(query_blocks.shape[0], B * H)](
-            u, w, q_rows, k, temperature, query_blocks, kernel_seq_lens(seq_lens, N, fallback),
-            kernel_document_ids(document_ids, fallback), grad.contiguous(), lse_s, lse_z, mass, du, dw, d_temperature,
-            *u.stride(), *w.stride(), *q_rows.stride(), *k.stride(), H, N, M, S, scale,
-            **_meta(u, q_rows, k, block_q, seq_lens, document_ids),
+        launch(
+            _token_kl_backward_kernel, _grid(query_blocks, k), u, w, q_rows, k, temperature, query_blocks,
+            kernel_seq_lens(seq_lens, N, du), kernel_document_ids(document_ids, du), grad.contiguous(), lse_s, lse_z,
+            mass, du, dw, d_temperature, *u.stride(), *w.stride(), *q_rows.stride(), *k.stride(), H, N, M, S, scale,
+            num_stages=BACKWARD_STAGES, **_meta(u, q_rows, k, block_q, seq_lens, document_ids),
         )  # fmt: skip
     return du[..., :S], dw[..., :S], d_temperature
 
@@ -455,31 +579,61 @@ def token_kl_backward_launch(
 # ----------------------------------------------------------------------------------------------
 # Layer 3: autograd op
 # ----------------------------------------------------------------------------------------------
+class TokenKLStats(NamedTuple):
+    """The forward's results: the per-row KL ``[B, H, M]`` and what the backward reads: each head's lse
+    ``[B, H, G, M]``, the index logits' lse ``[B, H, M]`` and the target's mass Z ``[B, H, M]`` (float32, detached).
+    They depend only on the inputs: a recompute of the same call (activation checkpointing) passes them back to
+    :func:`token_kl` and skips both forward passes."""
+
+    kl: Tensor
+    lse_s: Tensor
+    lse_z: Tensor
+    mass: Tensor
+
+
 class _TokenKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids):
+    def forward(ctx, u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, stats):
         temperature32 = temperature.detach().float().contiguous()
-        kl, lse_s, lse_z, mass = token_kl_forward_launch(
-            u, w, q_rows, k, temperature32, query_blocks, block_q, scale, seq_lens, document_ids
-        )
+        if stats is None:
+            kl, lse_s, lse_z, mass = token_kl_forward_launch(
+                u, w, q_rows, k, temperature32, query_blocks, block_q, scale, seq_lens, document_ids
+            )
+        else:  # fresh outputs: autograd takes ownership of what forward returns
+            kl, lse_s, lse_z, mass = (t.clone() for t in stats)
         ctx.save_for_backward(u, w, temperature32, q_rows, k, query_blocks, lse_s, lse_z, mass)
         ctx.extras = (block_q, scale, seq_lens, document_ids, temperature.dtype)
-        return kl
+        ctx.mark_non_differentiable(lse_s, lse_z, mass)
+        return kl, lse_s, lse_z, mass
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_):
         u, w, temperature32, q_rows, k, query_blocks, lse_s, lse_z, mass = ctx.saved_tensors
         block_q, scale, seq_lens, document_ids, temperature_dtype = ctx.extras
         du, dw, d_temperature = token_kl_backward_launch(
             grad.float(), u, w, q_rows, k, temperature32, query_blocks, block_q, scale, seq_lens, document_ids,
             lse_s, lse_z, mass,
         )  # fmt: skip
-        return du.to(u.dtype), dw.to(w.dtype), d_temperature.to(temperature_dtype), *([None] * 7)
+        return du.to(u.dtype), dw.to(w.dtype), d_temperature.to(temperature_dtype), *([None] * 8)
 
 
 # ----------------------------------------------------------------------------------------------
 # Layer 4: public function
 # ----------------------------------------------------------------------------------------------
+def kernels_take(u: Tensor, w: Tensor, k: Tensor, block_q: int) -> bool:
+    """Whether :func:`token_kl` runs these inputs' shapes and dtypes in the kernels (float64 goes to the reference):
+    u and w of one dtype, both kernel dtypes, k of a kernel dtype, ``block_q`` in BLOCK_SIZES, D <= MAX_HEAD_DIM and
+    S <= MAX_INDEX_DIM."""
+    return (
+        u.dtype == w.dtype
+        and u.dtype in KERNEL_DTYPES
+        and k.dtype in KERNEL_DTYPES
+        and block_q in BLOCK_SIZES
+        and k.shape[-1] <= MAX_HEAD_DIM
+        and u.shape[-1] <= MAX_INDEX_DIM
+    )
+
+
 def token_kl(
     u: Tensor,
     w: Tensor,
@@ -492,10 +646,13 @@ def token_kl(
     scale: float,
     seq_lens: Tensor | None = None,
     document_ids: Tensor | None = None,
-) -> Tensor:
+    stats: TokenKLStats | None = None,
+    with_stats: bool = False,
+) -> Tensor | tuple[Tensor, TokenKLStats | None]:
     """Per-row token-level KL ``[B, H, M]`` float32 (module docstring), differentiable in ``u``, ``w`` and
     ``temperature``: :func:`~sparse_train.kernels.reference.token_kl.reference_token_kl`'s result without its
-    ``[rows, N]`` tensors.
+    ``[rows, N]`` tensors. With ``with_stats``: ``(kl, stats)``, the forward's :class:`TokenKLStats` (None on the
+    float64 reference path); passing them back as ``stats`` with the same inputs skips the forward kernels.
 
     Args:
         u: ``[B, H, M, E, S]`` index queries of the listed rows (M = R * BQ, block by block), any strides.
@@ -512,13 +669,14 @@ def token_kl(
 
     Raises:
         ValueError: shapes that disagree, a block size or head dim outside the limits, u and w or q_rows and k of
-            different dtypes, tensors on different devices.
+            different dtypes, tensors on different devices, ``stats`` of other shapes.
     """
     if u.dtype == torch.float64 or q_rows.dtype == torch.float64:
-        return reference_token_kl(
+        kl = reference_token_kl(
             u, w, q_rows, k, temperature, query_blocks, block_q=block_q, scale=scale, seq_lens=seq_lens,
             document_ids=document_ids,
         ).float()  # fmt: skip
+        return (kl, None) if with_stats else kl
     B, H, N, D = k.shape
     if u.dim() != 5 or u.shape[:2] != (B, H) or w.shape != (B, H, N, u.shape[4]):
         raise ValueError(
@@ -526,12 +684,14 @@ def token_kl(
             f"{tuple(u.shape)} and {tuple(w.shape)}"
         )
     M = u.shape[2]
-    if block_q not in (16, 32, 64, 128) or M != query_blocks.shape[0] * block_q:
-        raise ValueError(f"block_q must be 16, 32, 64 or 128 with M = R * block_q, got {block_q} and M = {M}")
+    if block_q not in BLOCK_SIZES or M != query_blocks.shape[0] * block_q:
+        raise ValueError(f"block_q must be one of {BLOCK_SIZES} with M = R * block_q, got {block_q} and M = {M}")
     if q_rows.dim() != 4 or q_rows.shape[0] != B or q_rows.shape[1] % H or q_rows.shape[2:] != (M, D):
         raise ValueError(f"q_rows must be [B, H * G, M, D] = [{B}, H * G, {M}, {D}], got {tuple(q_rows.shape)}")
-    if D > 256 or u.shape[4] > 128:
-        raise ValueError(f"the kernels take D <= 256 and S <= 128, got D = {D}, S = {u.shape[4]}")
+    if D > MAX_HEAD_DIM or u.shape[4] > MAX_INDEX_DIM:
+        raise ValueError(
+            f"the kernels take D <= {MAX_HEAD_DIM} and S <= {MAX_INDEX_DIM}, got D = {D}, S = {u.shape[4]}"
+        )
     if u.dtype != w.dtype or q_rows.dtype != k.dtype:
         raise ValueError(f"u and w, q_rows and k must share a dtype, got {u.dtype}/{w.dtype}, {q_rows.dtype}/{k.dtype}")
     if temperature.shape != (H,):
@@ -542,4 +702,12 @@ def token_kl(
     blocks = query_blocks.to(k.device, torch.int32).contiguous()
     lens = None if seq_lens is None else seq_lens.to(k.device, torch.int64).clamp(0, N).to(torch.int32).contiguous()
     docs = None if document_ids is None else document_ids.to(k.device, torch.int32).contiguous()
-    return _TokenKL.apply(u, w, temperature, q_rows.detach(), k.detach(), blocks, block_q, scale, lens, docs)
+    group = q_rows.shape[1] // H
+    if stats is not None and not (
+        isinstance(stats, TokenKLStats) and stats.kl.shape == (B, H, M) and stats.lse_s.shape == (B, H, group, M)
+    ):
+        raise ValueError("stats must be the TokenKLStats of a call with the same shapes")
+    kl, *saved = _TokenKL.apply(
+        u, w, temperature, q_rows.detach(), k.detach(), blocks, block_q, scale, lens, docs, stats
+    )
+    return (kl, TokenKLStats(kl.detach(), *saved)) if with_stats else kl
