@@ -1,5 +1,6 @@
 """The token-level distillation loss (``selector_distill="token"``) on the GPU: the streaming kernels
-(kernels/triton/token_kl.py) against the PyTorch reference the module runs (kernels/reference/token_kl.py).
+(kernels/triton/token_kl.py) against their PyTorch reference (kernels/reference/token_kl.py), which the module runs
+off CUDA.
 
 Times, in one process, forward + backward of the per-row KL for the sampled query blocks of one layer at the headline
 shape (default N = 65536, B = 1, H = 8 KV heads, G = 4, D = 128, E = 1, S = 32, block 64, 8 sampled blocks, bf16),
