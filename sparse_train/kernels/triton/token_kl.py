@@ -181,6 +181,34 @@ def _target(q_heads, stride_qh, stride_qd, lse_rows, M, k_tile, offs_d, row_ok, 
 
 
 @triton.jit
+def _span_program(U, W, QR, K, TEMP, QUERY_BLOCKS, SEQ_LENS, DOCS, stride_ub, stride_uh, stride_um, stride_wb,
+                  stride_wh, stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, H, N, GROUP: tl.constexpr,
+                  BLOCK_Q: tl.constexpr, SPAN: tl.constexpr, HAS_SEQ_LENS: tl.constexpr,
+                  HAS_DOCS: tl.constexpr):  # fmt: skip
+    """What every kernel's program (listed block, b * H + h, span) starts from: ``_listed_rows``' rows, the span's
+    keys [lo, hi), the head's temperature, and the program's bases: K and W of the head, u's rows [BQ, 1], the
+    group's q rows [BQ, 1] (head g = 0)."""
+    listed = tl.program_id(0)
+    bh = tl.program_id(1)
+    b64 = (bh // H).to(tl.int64)
+    h = bh % H
+    h64 = h.to(tl.int64)
+    positions, row_ok, rows64, limit, key_limit, keys_end, docs_row, row_docs = _listed_rows(
+        QUERY_BLOCKS, SEQ_LENS, DOCS, listed, b64, N, BLOCK_Q, HAS_SEQ_LENS, HAS_DOCS
+    )
+    lo = tl.program_id(2) * SPAN
+    hi = tl.minimum(lo + SPAN, keys_end)
+    temperature = tl.load(TEMP + h).to(tl.float32)
+    k_head = K + b64 * stride_kb + h64 * stride_kh
+    w_head = W + b64 * stride_wb + h64 * stride_wh
+    u_rows = U + b64 * stride_ub + h64 * stride_uh + rows64[:, None] * stride_um  # [BQ, 1]
+    q_heads = QR + b64 * stride_qb + h64 * GROUP * stride_qh + rows64[:, None] * stride_qm  # [BQ, 1], head g = 0
+    bh64 = b64 * H + h64
+    return (bh64, h, positions, row_ok, rows64, limit, key_limit, docs_row, row_docs, lo, hi, temperature, k_head,
+            w_head, u_rows, q_heads)  # fmt: skip
+
+
+@triton.jit
 def _token_kl_lse_kernel(
     U,
     W,
@@ -226,26 +254,15 @@ def _token_kl_lse_kernel(
     HAS_DOCS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    listed = tl.program_id(0)
-    bh = tl.program_id(1)
-    span = tl.program_id(2)
-    b64 = (bh // H).to(tl.int64)
-    h = bh % H
-    h64 = h.to(tl.int64)
-    positions, row_ok, rows64, limit, key_limit, keys_end, docs_row, row_docs = _listed_rows(
-        QUERY_BLOCKS, SEQ_LENS, DOCS, listed, b64, N, BLOCK_Q, HAS_SEQ_LENS, HAS_DOCS
-    )
-    lo = span * SPAN
-    hi = tl.minimum(lo + SPAN, keys_end)
+    (bh64, h, positions, row_ok, rows64, limit, key_limit, docs_row, row_docs, lo, hi, temperature, k_head, w_head,
+     u_rows, q_heads) = _span_program(
+        U, W, QR, K, TEMP, QUERY_BLOCKS, SEQ_LENS, DOCS, stride_ub, stride_uh, stride_um, stride_wb, stride_wh,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, H, N, GROUP, BLOCK_Q, SPAN, HAS_SEQ_LENS, HAS_DOCS,
+    )  # fmt: skip
     offs_d = tl.arange(0, D_P2)
     offs_s = tl.arange(0, S_P2)
-    temperature = tl.load(TEMP + h).to(tl.float32)
-    k_head = K + b64 * stride_kb + h64 * stride_kh
-    w_head = W + b64 * stride_wb + h64 * stride_wh
-    u_rows = U + b64 * stride_ub + h64 * stride_uh + rows64[:, None] * stride_um  # [BQ, 1]
-    q_heads = QR + b64 * stride_qb + h64 * GROUP * stride_qh + rows64[:, None] * stride_qm  # [BQ, 1], head g = 0
     # this span's partial (max, sum) of each head's logits (g < GROUP) and of the index logits (g = GROUP)
-    part = (span.to(tl.int64) * tl.num_programs(1) + bh) * (GROUP + 1) * M + rows64  # [BQ], g = 0
+    part = (tl.program_id(2).to(tl.int64) * tl.num_programs(1) + bh64) * (GROUP + 1) * M + rows64  # [BQ], g = 0
     for g in tl.static_range(GROUP + 1):
         run_max = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         run_sum = tl.zeros([BLOCK_Q], tl.float32)
@@ -321,25 +338,14 @@ def _token_kl_moments_kernel(
     HAS_DOCS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    listed = tl.program_id(0)
-    bh = tl.program_id(1)
-    span = tl.program_id(2)
-    b64 = (bh // H).to(tl.int64)
-    h = bh % H
-    h64 = h.to(tl.int64)
-    positions, row_ok, rows64, limit, key_limit, keys_end, docs_row, row_docs = _listed_rows(
-        QUERY_BLOCKS, SEQ_LENS, DOCS, listed, b64, N, BLOCK_Q, HAS_SEQ_LENS, HAS_DOCS
-    )
-    lo = span * SPAN
-    hi = tl.minimum(lo + SPAN, keys_end)
+    (bh64, h, positions, row_ok, rows64, limit, key_limit, docs_row, row_docs, lo, hi, temperature, k_head, w_head,
+     u_rows, q_heads) = _span_program(
+        U, W, QR, K, TEMP, QUERY_BLOCKS, SEQ_LENS, DOCS, stride_ub, stride_uh, stride_um, stride_wb, stride_wh,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, H, N, GROUP, BLOCK_Q, SPAN, HAS_SEQ_LENS, HAS_DOCS,
+    )  # fmt: skip
     offs_d = tl.arange(0, D_P2)
     offs_s = tl.arange(0, S_P2)
-    temperature = tl.load(TEMP + h).to(tl.float32)
-    k_head = K + b64 * stride_kb + h64 * stride_kh
-    w_head = W + b64 * stride_wb + h64 * stride_wh
-    u_rows = U + b64 * stride_ub + h64 * stride_uh + rows64[:, None] * stride_um  # [BQ, 1]
-    q_heads = QR + b64 * stride_qb + h64 * GROUP * stride_qh + rows64[:, None] * stride_qm  # [BQ, 1], head g = 0
-    lse_rows = LSE_S + (b64 * H + h64) * GROUP * M + rows64  # [BQ], head g = 0
+    lse_rows = LSE_S + bh64 * GROUP * M + rows64  # [BQ], head g = 0
     # this span's part of Z = sum p, A = sum p log p, C = sum p z, p the max over heads of the heads' probabilities
     mass = tl.zeros([BLOCK_Q], tl.float32)
     plogp = tl.zeros([BLOCK_Q], tl.float32)
@@ -355,7 +361,7 @@ def _token_kl_moments_kernel(
         mass += tl.sum(p, axis=1)
         plogp += tl.sum(tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0), axis=1)
         pz += tl.sum(tl.where(allowed, p * z, 0.0), axis=1)
-    part = (span.to(tl.int64) * tl.num_programs(1) + bh) * M + rows64  # [BQ] in [SPANS, B * H, M]
+    part = (tl.program_id(2).to(tl.int64) * tl.num_programs(1) + bh64) * M + rows64  # [BQ] in [SPANS, B * H, M]
     plane = tl.num_programs(2).to(tl.int64) * tl.num_programs(1) * M  # one moment's [SPANS, B * H, M]
     tl.store(PARTS + part, mass)
     tl.store(PARTS + plane + part, plogp)
@@ -413,27 +419,16 @@ def _token_kl_backward_kernel(
     HAS_DOCS: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    listed = tl.program_id(0)
-    bh = tl.program_id(1)
-    span = tl.program_id(2)
-    b64 = (bh // H).to(tl.int64)
-    h = bh % H
-    h64 = h.to(tl.int64)
-    positions, row_ok, rows64, limit, key_limit, keys_end, docs_row, row_docs = _listed_rows(
-        QUERY_BLOCKS, SEQ_LENS, DOCS, listed, b64, N, BLOCK_Q, HAS_SEQ_LENS, HAS_DOCS
-    )
-    lo = span * SPAN
-    hi = tl.minimum(lo + SPAN, keys_end)
+    (bh64, h, positions, row_ok, rows64, limit, key_limit, docs_row, row_docs, lo, hi, temperature, k_head, w_head,
+     u_rows, q_heads) = _span_program(
+        U, W, QR, K, TEMP, QUERY_BLOCKS, SEQ_LENS, DOCS, stride_ub, stride_uh, stride_um, stride_wb, stride_wh,
+        stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, H, N, GROUP, BLOCK_Q, SPAN, HAS_SEQ_LENS, HAS_DOCS,
+    )  # fmt: skip
     if lo < hi:
         offs_d = tl.arange(0, D_P2)
         offs_s = tl.arange(0, S_P2)
-        temperature = tl.load(TEMP + h).to(tl.float32)
-        k_head = K + b64 * stride_kb + h64 * stride_kh
-        w_head = W + b64 * stride_wb + h64 * stride_wh
-        u_rows = U + b64 * stride_ub + h64 * stride_uh + rows64[:, None] * stride_um  # [BQ, 1]
-        q_heads = QR + b64 * stride_qb + h64 * GROUP * stride_qh + rows64[:, None] * stride_qm  # [BQ, 1], g = 0
-        lse_rows = LSE_S + (b64 * H + h64) * GROUP * M + rows64  # [BQ], head g = 0
-        stats = (b64 * H + h64) * M + rows64
+        lse_rows = LSE_S + bh64 * GROUP * M + rows64  # [BQ], head g = 0
+        stats = bh64 * M + rows64
         mass = tl.load(ZP + stats)
         keyed = row_ok & (mass > 0)
         lse_z = tl.load(LSE_Z + stats)
@@ -481,10 +476,10 @@ def _token_kl_backward_kernel(
                 g_e = gz * share
                 du += dot(g_e.to(w_tile.dtype), w_tile, IEEE)  # [BQ, S]
                 dw = dot(tl.trans(g_e.to(u_e.dtype)), u_e, IEEE) * temperature  # [KEYS, S]
-                dw_ptr = DW + ((b64 * H + h64) * N + keys[:, None].to(tl.int64)) * S_P2 + offs_s[None, :]
+                dw_ptr = DW + (bh64 * N + keys[:, None].to(tl.int64)) * S_P2 + offs_s[None, :]
                 tl.atomic_add(dw_ptr, dw, mask=(keys[:, None] < N) & s_ok[None, :])
             # the spans of one row share du: atomics
-            du_ptr = DU + (((b64 * H + h64) * M + rows64[:, None]) * E + e) * S_P2 + offs_s[None, :]
+            du_ptr = DU + ((bh64 * M + rows64[:, None]) * E + e) * S_P2 + offs_s[None, :]
             tl.atomic_add(du_ptr, du * temperature, mask=s_ok[None, :])
         tl.atomic_add(DTEMP + h, tl.sum(d_temperature, axis=0))
 
