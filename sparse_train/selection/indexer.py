@@ -71,8 +71,8 @@ def _kernels_take(x: Tensor) -> bool:
 
 def _token_kl_kernel_takes(u: Tensor, w: Tensor, k: Tensor, block_q: int) -> bool:
     """Whether the token-level distillation runs the streaming kernels (``kernels/triton/token_kl.py``): eager CUDA,
-    kernel dtypes and the kernels' limits (:func:`~sparse_train.kernels.triton.token_kl.kernels_take`)."""
-    return _kernels_take(u) and _kernels_take(k) and triton_kernels().token_kl.kernels_take(u, w, k, block_q)
+    and the kernels' dtypes and limits (:func:`~sparse_train.kernels.triton.token_kl.kernels_take`)."""
+    return triton_runs_eagerly_on(k) and triton_kernels().token_kl.kernels_take(u, w, k, block_q)
 
 
 @dataclass(frozen=True, eq=False)
