@@ -3,8 +3,9 @@ trained at equal steps on task families no recipe was tuned for.
 
 Every (family, sequence length, mode, seed) is one job: the model of :mod:`scripts.eval.model` built from
 the seed (the same initial weights and the same training rows in every mode), trained for ``--steps``
-steps (the first ``--short-steps`` on rows of ``--short-len`` tokens, a length curriculum: the lookups
-are learnt where attention at initialisation is not spread over thousands of keys) with one AdamW over
+steps (the first ``--short-steps`` on rows of ``--short-len`` tokens, then ``--mid-steps`` on rows of ``--mid-len``
+tokens, a length curriculum: the lookups are learnt where attention at initialisation is not spread over
+thousands of keys) with one AdamW over
 ``model.parameters()``, loss = cross-entropy on the answer positions
 + ``st.collect_selector_losses(model)``, ``st.clip_grad_norms(model, 1.0)``, bf16 autocast on CUDA; then
 evaluated on held-out rows (another seed stream, the same rows for every mode and seed). Jobs run
@@ -99,12 +100,25 @@ class JobConfig:
     short_len: int
     eval_rows: int
     log_every: int
+    mid_steps: int = 0
+    mid_len: int = 2048
     device: str = "cpu"
 
     @property
     def key(self) -> str:
         fields = {k: v for k, v in asdict(self).items() if k != "device"}
+        if not self.mid_steps:  # no middle stage: the key of a two-stage job
+            del fields["mid_steps"], fields["mid_len"]
         return json.dumps(fields, sort_keys=True)
+
+    def row_length(self, step: int) -> int:
+        """Row length at ``step``: ``short_len`` for the first ``short_steps`` steps, then ``mid_len`` for
+        ``mid_steps`` steps, then ``seq_len``."""
+        if step < self.short_steps:
+            return self.short_len
+        if step < self.short_steps + self.mid_steps:
+            return self.mid_len
+        return self.seq_len
 
     @property
     def dense_warmup_steps(self) -> int:
@@ -232,7 +246,7 @@ def _run_job(cfg: JobConfig, verbose: bool) -> dict:
             if cuda:
                 torch.cuda.synchronize(device)
             timestamps["after_warmup"] = (step, time.perf_counter())
-        length = cfg.short_len if step < cfg.short_steps else cfg.seq_len
+        length = cfg.row_length(step)
         tokens, targets = (to_device(t) for t in make_batch(cfg.family, length, cfg.batch, train_gen))
         task_loss, _ = forward_loss(tokens, targets)
         selector_loss = st.collect_selector_losses(model)
@@ -390,6 +404,8 @@ def run_sweep(args: argparse.Namespace) -> Path:
                         warmup_fraction=args.warmup_fraction,
                         short_steps=args.short_steps,
                         short_len=args.short_len,
+                        mid_steps=args.mid_steps,
+                        mid_len=args.mid_len,
                         eval_rows=args.eval_rows,
                         log_every=args.log_every,
                         device=device,
@@ -694,6 +710,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "thousands of keys); 0 = every step at --seq-len",
     )
     p.add_argument("--short-len", type=int, default=64, help="row length of the first --short-steps steps")
+    p.add_argument(
+        "--mid-steps",
+        type=int,
+        default=0,
+        help="after the short-row steps, this many steps on rows of --mid-len tokens (a third curriculum stage "
+        "before --seq-len: at 8K the lookups of the harder families are learnt at 2K first); 0 = none",
+    )
+    p.add_argument("--mid-len", type=int, default=2048, help="row length of the --mid-steps steps")
     p.add_argument("--eval-rows", type=int, default=256, help="held-out rows evaluated per job")
     p.add_argument("--log-every", type=int, default=50, help="training-loss curve and mass-recall interval (steps)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes at once (1: run in this process)")
@@ -715,6 +739,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0.0 <= args.warmup_fraction < 1.0:
         p.error("--warmup-fraction must be in [0, 1)")
+    if args.mid_steps < 0 or args.mid_len < 1:
+        p.error(f"--mid-steps must be >= 0 and --mid-len >= 1, got {args.mid_steps} and {args.mid_len}")
     return args
 
 

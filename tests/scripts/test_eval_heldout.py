@@ -151,6 +151,43 @@ def test_same_seed_same_initial_weights_in_every_mode():
     assert isinstance(models["dense"], EvalModel)
 
 
+def _job(**overrides) -> heldout.JobConfig:
+    fields = dict(
+        family="needles",
+        mode="dense",
+        seed=0,
+        seq_len=8192,
+        steps=1200,
+        batch=8,
+        lr=3e-3,
+        layers=2,
+        d_model=256,
+        num_heads=4,
+        num_kv_heads=2,
+        rope_theta=10000.0,
+        warmup_fraction=0.25,
+        short_steps=300,
+        short_len=64,
+        eval_rows=256,
+        log_every=50,
+    )
+    return heldout.JobConfig(**{**fields, **overrides})
+
+
+def test_curriculum_stages_and_job_keys():
+    """Short rows, then the middle stage, then the full length; a job without a middle stage keeps the key it has
+    without the middle-stage fields (results of such runs resume), a job with one gets another key."""
+    job = _job(mid_steps=500, mid_len=2048)
+    lengths = [job.row_length(step) for step in (0, 299, 300, 799, 800, 1199)]
+    assert lengths == [64, 64, 2048, 2048, 8192, 8192]
+    plain = _job()
+    assert [plain.row_length(step) for step in (299, 300)] == [64, 8192]
+    assert "mid_steps" not in json.loads(plain.key)
+    assert json.loads(job.key)["mid_steps"] == 500
+    assert _job(mid_len=4096).key == plain.key  # the length of an absent stage is not part of the key
+    assert job.key != plain.key
+
+
 def test_runner_end_to_end(tmp_path):
     out = tmp_path / "run"
     argv = [
