@@ -637,8 +637,7 @@ def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str 
     Raises:
         ValueError: ``model`` not a module; a module with the oracle selector (``selector="oracle"``: it scores the
             dense attention of the whole sequence on one process; ``"pooled"`` and ``"token"`` are supported);
-            torch.distributed not
-            initialised or this process outside ``group``; ``backend`` not None or one of
+            torch.distributed not initialised or this process outside ``group``; ``backend`` not None or one of
             :data:`~sparse_train.functional.BACKENDS`; no module of ``model`` supports context
             parallelism (a Hugging Face model needs ``hf.enable`` first; it then runs on each rank's shard with
             global ``position_ids``: :func:`sparse_train.integrations.hf.context_parallel_inputs`)."""
