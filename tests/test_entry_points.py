@@ -1603,8 +1603,8 @@ def _cp_expected(model_kind: str, backend, group_kind: str, initialised: bool) -
         return "model must be a torch.nn.Module"
     if backend not in (None, "auto", "reference", "triton"):
         return "backend must be None or one of"
-    if model_kind in ("token-module", "oracle-module"):
-        return "pooled selector only"
+    if model_kind == "oracle-module":
+        return "not the oracle selector"
     if not initialised:
         return "initialised torch.distributed process group"
     if group_kind == "not-a-group":

@@ -542,7 +542,9 @@ class SparseAttention(nn.Module):
             if need_selection or distill_now:
                 if pooled is None:
                     pool_lens, pool_positions = layout.pooling_rows(seq_len, seq_lens, position_ids, device)
-                    qbar, kbar = self.scorer.pool(q, k, cfg.block_q, cfg.block_k, pool_lens, pool_positions)
+                    qbar, kbar = self.scorer.pool(
+                        q, k, cfg.block_q, cfg.block_k, pool_lens, pool_positions, query_blocks=query_blocks
+                    )
                     pooled = qbar, layout.gather(kbar, 2)  # the keys of the whole sequence
                 qbar, kbar = pooled
                 # the token indexer's sampled distillation scores its few query blocks apart (with gradients);
@@ -671,18 +673,21 @@ class SparseAttention(nn.Module):
                     # a checkpoint record keeps of them
                     distill_queries = self.scorer.query_rows(pooled[0], distill_blocks.to(device), cfg.block_q)
                 if cfg.selector == "token" and mode == "sampled" and cfg.selector_distill == "token":
-                    # a checkpoint recompute passes back its first pass's forward statistics (distill_target)
+                    # a checkpoint recompute passes back its first pass's forward statistics (distill_target); the
+                    # rows here (query_blocks) against the keys of the whole sequence, and the count of every
+                    # sampled block's rows (under context parallelism those of all ranks)
                     total, count, distill_target = self.scorer.token_distillation_loss(
                         distill_queries,
                         pooled[1],
                         q,
-                        k,
+                        layout.gather(k.detach(), 2),
                         distill_blocks.to(device),
                         scale,
                         cfg.block_q,
                         seq_lens=seq_lens,
                         document_ids=document_ids,
                         stats=distill_target,
+                        q_blocks=query_blocks,
                     )
                     loss = self._mean_kl(total, count)
                 elif cfg.selector == "token" and mode == "sampled":

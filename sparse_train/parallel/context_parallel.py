@@ -21,12 +21,21 @@ small (``[B, HKV, NQB, K]`` int32, ``[B]``, ``[B, N]``).
 Selector (:func:`context_parallel_block_scores`, :func:`context_parallel_selection`): each rank pools its
 own q and k blocks (un-rotating RoPE at the global positions of its rows), all-gathers the pooled keys
 (``[B, HKV, NKB, D]`` float32, tiny), scores its local query blocks against every key block, picks its
-local rows' candidates, and all-gathers the candidates so every rank builds the same global index.
+local rows' candidates, and all-gathers the candidates so every rank builds the same global index. The token
+selector (:class:`~sparse_train.selection.indexer.TokenIndexer`) un-rotates its local q and k rows at their global
+positions and all-gathers the un-rotated keys (``[B, HKV, N, D]``, detached); each rank projects every key to its
+index key itself (so the index keys' gradients stay on the rank, and the backward runs no collective for them) and
+scores its local rows' index queries against all of them. The oracle selector is refused (it scores dense attention
+of the whole sequence on one process).
 
 Communication per rank and layer: the all-gather of K and V receives ``2 * B * HKV * N * D * bytes *
 (W-1)/W`` in the forward, and the backward reduce-scatters the same volume of dK/dV; the pooled keys and
 the candidates add ``B * HKV * (NKB * P * D * 4 + NQB * k * 8) * (W-1)/W`` bytes (float32 keys, P = 2 for
-``mean_max`` pooling; int64 candidates). ``docs/context_parallel.md`` has the numbers.
+``mean_max`` pooling; int64 candidates). The token selector gathers un-rotated keys instead of pooled ones:
+``B * HKV * N * D`` elements of the indexer's input dtype (k's for half precision and float64, float32 for
+float32) times ``(W-1)/W``, half the volume of the K/V all-gather; its token-level distillation
+(``selector_distill="token"``) gathers K once more (detached), and divides by a count every rank computes alike
+(no all-reduce). ``docs/context_parallel.md`` has the numbers.
 
 The attention is :func:`sparse_train.sparse_attention` with ``query_blocks``, the local-query-block ->
 global-query-block map, on either backend: the reference, or the Triton kernels, which address
@@ -58,6 +67,7 @@ from ..index.block_index import BlockIndex, check_block_index
 from ..module.attention import SparseAttention
 from ..module.layout import SequenceLayout
 from ..options import check_no_plan_with_query_blocks
+from ..selection.indexer import OracleSelector, TokenIndexer
 from ..selection.scorer import BlockScorer, SelectionGeometry, selection_candidates
 from ..validation import check_document_ids, check_dropout, check_int, check_qkv, check_scale, check_seq_lens
 
@@ -360,7 +370,7 @@ def _local_valid_lengths(seq_lens: Tensor, seq_len: int, rank: int, world: int) 
 
 
 def context_parallel_block_scores(
-    scorer: BlockScorer,
+    scorer: BlockScorer | TokenIndexer,
     q: Tensor,
     k: Tensor,
     *,
@@ -375,30 +385,55 @@ def context_parallel_block_scores(
 ) -> Tensor:
     """The selector's block logits of this rank's query blocks against every key block.
 
-    Pools the local q and k blocks (:meth:`BlockScorer.pool`; RoPE un-rotated at the GLOBAL positions of
-    the local rows), all-gathers the pooled keys into global block order, and scores the local query
-    blocks (:meth:`BlockScorer.forward`; the distance bias of the local rows is added when ``geometry``
-    is given). Equal to the rows :func:`local_query_blocks` of the single-process scores.
+    Pooled selector (:class:`BlockScorer`): pools the local q and k blocks (:meth:`BlockScorer.pool`; RoPE
+    un-rotated at the GLOBAL positions of the local rows), all-gathers the pooled keys into global block order, and
+    scores the local query blocks (:meth:`BlockScorer.forward`; the distance bias of the local rows is added when
+    ``geometry`` is given). Token selector (:class:`~sparse_train.selection.indexer.TokenIndexer`): un-rotates the
+    local q and k at the GLOBAL positions of the local rows (:meth:`TokenIndexer.pool` with the local query blocks),
+    all-gathers the un-rotated keys (``[B, HKV, N, D]``, detached: each rank projects every key to its index key
+    itself, so the index keys' gradients stay local and no collective runs in the backward), and scores the local
+    rows' index queries against every index key (:meth:`TokenIndexer.forward` with ``query_blocks``; exact scores, or
+    the candidates' with ``candidates``). Either way the scores equal the rows :func:`local_query_blocks` of the
+    single-process scores. The oracle selector is refused (it scores dense attention over the whole sequence).
 
     Args:
-        scorer: the layer's :class:`BlockScorer` (the same parameters on every rank).
+        scorer: the layer's :class:`BlockScorer` or :class:`~sparse_train.selection.indexer.TokenIndexer` (the same
+            parameters on every rank).
         q: ``[B, HQ, N/W, D]``, k: ``[B, HKV, N/W, D]``: local rows, zig-zag layout.
         block_q, block_k, scale: as the single-process selection.
         seq_lens: optional int ``[B]`` GLOBAL lengths.
         position_ids: optional GLOBAL RoPE positions ``[N]`` or ``[B, N]``; default ``0..N-1``, or the
             per-document positions when ``document_ids`` is given and the scorer un-rotates (as
             :class:`~sparse_train.module.attention.SparseAttention` does).
-        document_ids: optional int ``[B, N]`` GLOBAL document ids (used here only for the default positions).
-        geometry: the :func:`~sparse_train.selection.scorer.selection_geometry` of the global call.
+        document_ids: optional int ``[B, N]`` GLOBAL document ids (the default positions; the token selector's
+            document mask).
+        geometry: the :func:`~sparse_train.selection.scorer.selection_geometry` of the global call (required by the
+            token selector).
 
     Returns:
         float32 ``[B, HKV, N/(W*BQ), NKB]``, with gradients to the scorer's parameters only.
+
+    Communication: the pooled selector all-gathers the pooled keys, ``B * HKV * (N/BK) * P * D`` float32 (P = 2 for
+    ``mean_max``); the token selector the un-rotated keys, ``B * HKV * N * D`` elements of the indexer's input dtype
+    (k's for half precision and float64, float32 for float32); each rank receives ``(W-1)/W`` of them.
+
+    Raises:
+        ValueError: a scorer other than these two (the oracle selector included), the token selector without
+            ``geometry``, and the argument errors, before any collective.
     """
     group, world, rank = _group_info(group)
-    if not isinstance(scorer, BlockScorer):
+    if isinstance(scorer, OracleSelector):
         raise ValueError(
-            f"context parallelism supports the pooled selector only (selector='pooled'), got a {type(scorer).__name__}"
+            "context parallelism does not support the oracle selector (selector='oracle'): it scores the dense "
+            "attention of the whole sequence on one process; use selector='pooled' or 'token'"
         )
+    if not isinstance(scorer, (BlockScorer, TokenIndexer)):
+        raise ValueError(
+            "context parallelism supports the pooled and token selectors (a BlockScorer or TokenIndexer), got a "
+            f"{type(scorer).__name__}"
+        )
+    if isinstance(scorer, TokenIndexer) and geometry is None:
+        raise ValueError("the token selector (TokenIndexer) needs geometry, the selection geometry of the global call")
     _, _, _, local, _ = check_qkv(q, k, k)
     seq_len = local * world
     check_layout(seq_len, world, block_q, block_k)
@@ -421,10 +456,12 @@ def context_parallel_block_scores(
             )
         positions = shard_sequence(position_ids, -1, rank, world)
     valid = None if seq_lens is None else _local_valid_lengths(seq_lens, seq_len, rank, world)
-
-    qbar, kbar = scorer.pool(q, k, block_q, block_k, valid, positions)
-    kbar = gather_sequence(kbar, 2, group)
     rows = local_query_blocks(seq_len, block_q, rank, world, device=q.device)
+
+    qbar, kbar = scorer.pool(q, k, block_q, block_k, valid, positions, query_blocks=rows)
+    kbar = gather_sequence(kbar, 2, group)
+    if isinstance(scorer, TokenIndexer):
+        return scorer(qbar, kbar, scale, geometry, rows, seq_lens=seq_lens, document_ids=document_ids)
     return scorer(qbar, kbar, scale, geometry, query_blocks=rows)
 
 
@@ -598,8 +635,9 @@ def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str 
         The number of modules switched (at least 1).
 
     Raises:
-        ValueError: ``model`` not a module; a module with a selector other than ``"pooled"``; torch.distributed not
-            initialised or this process outside ``group``; ``backend`` not None or one of
+        ValueError: ``model`` not a module; a module with the oracle selector (``selector="oracle"``: it scores the
+            dense attention of the whole sequence on one process; ``"pooled"`` and ``"token"`` are supported);
+            torch.distributed not initialised or this process outside ``group``; ``backend`` not None or one of
             :data:`~sparse_train.functional.BACKENDS`; no module of ``model`` supports context
             parallelism (a Hugging Face model needs ``hf.enable`` first; it then runs on each rank's shard with
             global ``position_ids``: :func:`sparse_train.integrations.hf.context_parallel_inputs`)."""
@@ -609,10 +647,11 @@ def enable_context_parallel(model: torch.nn.Module, group=None, *, backend: str 
         raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
     for module in model.modules():
         scorer = getattr(module, "scorer", None)
-        if isinstance(module, SparseAttention) and not isinstance(scorer, BlockScorer):
+        if isinstance(module, SparseAttention) and not isinstance(scorer, (BlockScorer, TokenIndexer)):
             raise ValueError(
-                f"context parallelism supports the pooled selector only (SparseAttentionConfig."
-                f"selector='pooled'); {type(model).__name__} has a {type(scorer).__name__}"
+                "context parallelism supports the pooled and token selectors (SparseAttentionConfig.selector="
+                f"'pooled' or 'token'), not the oracle selector, which scores the dense attention of the whole "
+                f"sequence on one process; {type(model).__name__} has a {type(scorer).__name__}"
             )
     group, _, _ = _group_info(group)
     switched = 0
@@ -654,7 +693,9 @@ class ContextParallelLayout(SequenceLayout):
     all-gathered keys (:func:`context_parallel_sparse_attention`); the dense paths attend the full causal
     index the same way. Outputs and input gradients are the rows of the single-process call; the
     distillation loss is this rank's share (the ranks' losses and their selector gradients sum to the
-    single-process ones, see :meth:`distillation_loss`).
+    single-process ones, see :meth:`distillation_loss`). Selectors: pooled and token (its keys: the un-rotated keys
+    all-gathered by :meth:`gather`; its token-level KL: the rows of the sampled blocks held here against the
+    all-gathered K, over the count of every sampled row, so the shares sum to the single-process loss too).
 
     Args:
         group: the context-parallel process group (``None``: the default group).
@@ -795,7 +836,9 @@ class ContextParallelLayout(SequenceLayout):
         (one sample of the whole sequence, as one process draws it); each rank supervises those of them it
         holds. The loss is the sum of the KL over this rank's valid rows divided by the number of valid rows
         of ALL ranks (one all-reduce of a count), so the ranks' losses, and their gradients to the
-        selector, sum to the single-process loss and gradient.
+        selector, sum to the single-process loss and gradient. ``row_scores`` (the token selector's sampled
+        blocks, scored apart): the scores of every sampled block with gradients, those of other ranks' blocks on
+        zero placeholder rows (masked out here), in place of rows of ``scores``.
 
         Cost: one more all-gather of K (detached); the block-mass functions take the global q (and lse),
         so the local rows are placed in a zero ``[B, HQ, N, D]`` buffer (transient, no grad). The
@@ -830,7 +873,9 @@ class ContextParallelLayout(SequenceLayout):
             target, row_valid = target
             if held is not None:
                 row_valid = row_valid & held.view(1, 1, -1)
-                scores = scores.index_select(2, picks)
+                # the token selector scores the sampled blocks apart (row_scores: every sampled block, those of
+                # other ranks on zero placeholder rows), the others pick them from this rank's scores
+                scores = scores.index_select(2, picks) if row_scores is None else row_scores(rows)
             allowed = support.index_select(2, rows)
         else:
             if target is None:

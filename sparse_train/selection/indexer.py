@@ -22,6 +22,11 @@ P ~ N(0, 1/S) and ``Wk = P``, so from step 0 the score approximates the largest 
 the mean of the group heads g with g mod E = e. Parameters are stored divided by ``lr_multiplier`` (as the
 pooled scorer: the selector learns that many times faster under one Adam-type optimizer).
 
+Context parallelism (:mod:`sparse_train.parallel.context_parallel`): a rank pools its shard with ``query_blocks`` (the
+global ids of its query blocks), so its queries address their rows by global block (:func:`held_rows`), scores them
+against the un-rotated keys of the whole sequence (all-gathered by the caller), and
+``token_distillation_loss(q_blocks=)`` sums the KL over the sampled rows it holds.
+
 Oracle: :class:`OracleSelector` ranks key blocks by the dense attention mass the layer actually computes,
 the maximum over the query block's rows and GQA heads (the distillation target,
 :func:`~sparse_train.selection.distill.dense_block_mass`). Nothing to train; it computes dense attention
@@ -55,7 +60,7 @@ from .scorer import (
     rescale_to_multiplier,
 )
 
-__all__ = ["IndexQueries", "TokenIndexer", "OracleSelector", "build_selector", "index_scores"]
+__all__ = ["IndexQueries", "TokenIndexer", "OracleSelector", "build_selector", "held_rows", "index_scores"]
 
 UNROTATE_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Input dtypes the indexer un-rotates and projects with the Triton kernels (``kernels/triton/unrotate.py``,
@@ -75,6 +80,20 @@ def _token_kl_kernel_takes(u: Tensor, w: Tensor, k: Tensor, block_q: int) -> boo
     return triton_runs_eagerly_on(k) and triton_kernels().token_kl.kernels_take(u, w, k, block_q)
 
 
+def held_rows(query_blocks: Tensor, held_blocks: Tensor, block_q: int) -> tuple[Tensor, Tensor]:
+    """Where the rows of the query blocks ``query_blocks`` (int ``[R]``, global ids) sit in a shard of the sequence
+    that holds the query blocks ``held_blocks`` (int ``[L]``, distinct global ids, its rows block by block: a
+    context-parallel rank's). Returns int64 ``[R * BQ]``, the shard's row of each listed row block by block (row 0
+    for a block the shard does not hold, a placeholder), and bool ``[R * BQ]``, whether the shard holds the row's
+    block. Shapes depend on R and L only: no host read."""
+    device = held_blocks.device
+    listed = query_blocks.to(device, torch.int64).view(-1, 1)
+    match = listed == held_blocks.to(torch.int64).view(1, -1)  # [R, L], at most one True per row
+    local = (match.to(torch.int64) * torch.arange(match.shape[1], device=device)).sum(dim=-1)
+    rows = listed_positions(local, block_q, device).view(-1)
+    return rows, match.any(dim=-1).repeat_interleave(block_q)
+
+
 @dataclass(frozen=True, eq=False)
 class IndexQueries:
     """:meth:`TokenIndexer.pool`'s queries: the layer's q ``[B, HQ, N, D]`` (detached, RoPE still applied) with what
@@ -84,13 +103,16 @@ class IndexQueries:
 
     Fields: ``q``; ``inv_freq`` ``[R / 2]`` or None (nothing to undo); ``positions`` ``[N]`` / ``[B, N]`` or None
     (``0..N-1``); ``seq_lens`` int ``[B]`` or None (rows at or past it are read as 0: NaN padding stays out);
-    ``style`` the RoPE convention."""
+    ``style`` the RoPE convention; ``blocks`` int ``[L]`` or None: the global query blocks whose rows ``q`` holds,
+    block by block (a context-parallel rank's shard; ``positions`` and ``seq_lens`` then describe those rows: their
+    global RoPE positions and the count of valid rows, a prefix), None: ``q`` is the whole sequence."""
 
     q: Tensor
     inv_freq: Tensor | None
     positions: Tensor | None
     seq_lens: Tensor | None
     style: str
+    blocks: Tensor | None = None
 
     def unrotated(self) -> Tensor:
         """q with RoPE undone and the padded rows zero, ``[B, HQ, N, D]`` in the indexer's input dtype
@@ -102,16 +124,30 @@ class IndexQueries:
         return index_input(self.q, self.inv_freq, self.positions, self.style, self.seq_lens)
 
     def rows(self, query_blocks: Tensor, block_q: int) -> Tensor:
-        """:meth:`unrotated`'s rows of ``query_blocks`` (int ``[R]``) block by block, ``[B, HQ, R * block_q, D]``,
-        un-rotating only those rows (a partial last block repeats row N - 1)."""
-        picked = listed_positions(query_blocks, block_q, self.q.device).view(-1).clamp(max=self.q.shape[2] - 1)
+        """:meth:`unrotated`'s rows of ``query_blocks`` (int ``[R]``, global ids) block by block,
+        ``[B, HQ, R * block_q, D]``, un-rotating only those rows (a partial last block repeats row N - 1). Of a shard
+        (``blocks``), the rows of a listed block it does not hold are 0 (:func:`held_rows`: placeholders whose
+        scores the caller masks out)."""
+        device = self.q.device
+        held = None
+        if self.blocks is None:
+            picked = listed_positions(query_blocks, block_q, device).view(-1).clamp(max=self.q.shape[2] - 1)
+        else:
+            picked, held = held_rows(query_blocks, self.blocks, block_q)
+            held = held.view(1, 1, -1, 1)
         x = self.q.index_select(2, picked)  # [B, HQ, R * BQ, D]
+        keep = held
         if self.seq_lens is not None:
-            keep = picked.view(1, 1, -1, 1) < self.seq_lens.to(x.device).view(-1, 1, 1, 1)
+            valid = picked.view(1, 1, -1, 1) < self.seq_lens.to(device).view(-1, 1, 1, 1)
+            keep = valid if keep is None else keep & valid
+        if keep is not None:
             x = torch.where(keep, x, 0.0)
         if self.inv_freq is None:
             return x.to(index_input_dtype(x.dtype))
-        positions = picked if self.positions is None else self.positions.to(x.device).index_select(-1, picked)
+        if self.positions is not None:
+            positions = self.positions.to(device).index_select(-1, picked)
+        else:  # the rows' own positions: global ones
+            positions = listed_positions(query_blocks, block_q, device).view(-1) if held is not None else picked
         return index_input(x, self.inv_freq, positions, self.style)
 
 
@@ -225,14 +261,31 @@ class TokenIndexer(nn.Module):
         block_k: int,
         seq_lens: Tensor | None = None,
         positions: Tensor | None = None,
+        query_blocks: Tensor | None = None,
     ) -> tuple[IndexQueries, Tensor]:
         """The indexer's detached inputs: the queries as :class:`IndexQueries` (projected later, in one pass with
         their un-rotation) and k ``[B, HKV, N, D]`` with RoPE undone (when set; on CUDA by one Triton kernel) and the
-        rows past ``seq_lens`` zero, in k's dtype for half-precision inputs (float32 otherwise). Blocks are not
+        rows past ``seq_lens`` zero, in the indexer's input dtype (k's; float32 for float32 and below). Blocks are not
         pooled: the name is the selectors' common call. ``positions``: the RoPE positions (``[N]`` or ``[B, N]``;
-        default 0..N-1)."""
+        default 0..N-1).
+
+        ``query_blocks`` (int ``[L]``, global ids; context parallelism): q and k hold only the rows of these query
+        blocks, block by block (a rank's shard); ``seq_lens`` is then the count of valid rows here (a prefix) and
+        ``positions`` the rows' GLOBAL positions (default: those of the listed blocks). The queries remember the
+        blocks (:attr:`IndexQueries.blocks`), so the scores and :meth:`query_rows` address them by global id."""
+        if query_blocks is not None:
+            if not isinstance(query_blocks, Tensor) or query_blocks.dim() != 1 or query_blocks.is_floating_point():
+                raise ValueError(
+                    f"query_blocks must be a 1-D integer tensor, got {getattr(query_blocks, 'shape', query_blocks)!r}"
+                )
+            if query_blocks.numel() * block_q != q.shape[2]:
+                raise ValueError(
+                    f"query_blocks lists {query_blocks.numel()} blocks of {block_q} rows, but q holds {q.shape[2]} rows"
+                )
+            if positions is None:
+                positions = listed_positions(query_blocks, block_q, q.device).view(-1)
         inv_freq = self.rope_inv_freq if self.rope_inv_freq.numel() else None
-        queries = IndexQueries(q.detach(), inv_freq, positions, seq_lens, self.rope_style)
+        queries = IndexQueries(q.detach(), inv_freq, positions, seq_lens, self.rope_style, query_blocks)
         k = k.detach()
         if inv_freq is not None and _kernels_take(k):
             # one pass: the un-rotation, the zeroed rows and the cast in one kernel
@@ -268,13 +321,23 @@ class TokenIndexer(nn.Module):
         module's parameters. ``geometry`` (of the call) is required: it gives the block sizes and the distance
         buckets. ``query_blocks`` (int ``[R]``, global ids): score only these query blocks; a tensor ``q`` then holds
         only their rows, ``[B, HQ, R * BQ, D]`` block by block (:meth:`query_rows`; a partial last block padded);
-        default: every query block. ``q``: :meth:`pool`'s :class:`IndexQueries`, or already un-rotated rows.
-        ``seq_lens`` (int ``[B]``) and ``document_ids`` (int ``[B, N]``) mask (row, key) pairs as the attention
-        does. Pairs with no valid (row, key) score ``EMPTY_BLOCK_SCORE``."""
+        default: every query block. ``q``: :meth:`pool`'s :class:`IndexQueries`, or already un-rotated rows. Queries
+        of a shard (``pool(query_blocks=)``, context parallelism) need ``query_blocks``: given the very tensor they
+        were pooled with they are scored as they stand, any other list through :meth:`IndexQueries.rows`. ``k``: the
+        keys of the whole sequence. ``seq_lens`` (int ``[B]``) and ``document_ids`` (int ``[B, N]``), of the whole
+        sequence, mask (row, key) pairs as the attention does. Pairs with no valid (row, key) score
+        ``EMPTY_BLOCK_SCORE``."""
         if geometry is None:
             raise ValueError("TokenIndexer needs the selection geometry of the call")
-        if isinstance(q, IndexQueries) and query_blocks is not None:
-            q = q.rows(query_blocks, geometry.block_q)
+        if isinstance(q, IndexQueries):
+            if q.blocks is not None and query_blocks is None:
+                raise ValueError(
+                    "TokenIndexer: the queries hold the rows of some query blocks only (pool(query_blocks=), a "
+                    "context-parallel shard); pass the query_blocks to score"
+                )
+            # queries pooled for exactly these blocks (the same tensor) are scored as they stand
+            if query_blocks is not None and query_blocks is not q.blocks:
+                q = q.rows(query_blocks, geometry.block_q)
         shape = tuple((q.q if isinstance(q, IndexQueries) else q).shape)
         _, heads, _, dim = shape
         if heads != self.num_heads or k.shape[1] != self.num_kv_heads or dim != self.head_dim:
@@ -344,6 +407,7 @@ class TokenIndexer(nn.Module):
         seq_lens: Tensor | None = None,
         document_ids: Tensor | None = None,
         stats: object | None = None,
+        q_blocks: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, object | None]:
         """Token-level distillation (``selector_distill="token"``) on the rows of ``query_blocks``: per row r, the KL
         from the row's dense attention over keys (softmax of ``scale q_g[r] . k[t]`` over the causal, valid,
@@ -358,11 +422,25 @@ class TokenIndexer(nn.Module):
         ``q_index_rows``: :meth:`pool`'s queries at the rows of ``query_blocks`` (:meth:`query_rows`: ``[B, HQ, R * BQ,
         D]`` block by block); ``k_index``: :meth:`pool`'s keys; ``q`` ``[B, HQ, N, D]`` / ``k`` ``[B, HKV, N, D]``: the
         attention's own (detached here). Memory O(HQ BQ N) on the PyTorch path (one query block at a time), O(HQ R BQ)
-        in the kernels."""
-        batch, _, seq_len, _ = q.shape
+        in the kernels.
+
+        ``q_blocks`` (int ``[L]``, global ids; context parallelism): ``q`` holds only the rows of these query blocks,
+        block by block (a rank's shard), while ``k_index`` and ``k`` are the whole sequence's. The KL is then summed
+        over the rows of the listed blocks held here (the others are computed on zero placeholder rows and left
+        out, :func:`held_rows`), and the count stays that of every listed block's valid rows: each listed block is
+        held by exactly one rank, so the ranks' sums over this one count add up to the single-process mean, with no
+        collective (the count depends only on the listed blocks, N and ``seq_lens``)."""
+        batch = q.shape[0]
+        seq_len = k.shape[2]
         blocks = query_blocks.to(q.device, torch.int64)
-        positions = listed_positions(blocks, block_q, q.device).view(-1)
-        q_rows = q.index_select(2, positions.clamp(max=seq_len - 1))  # [B, HQ, R * BQ, D]
+        held = None
+        if q_blocks is None:
+            positions = listed_positions(blocks, block_q, q.device).view(-1).clamp(max=seq_len - 1)
+        else:
+            positions, held = held_rows(blocks, q_blocks, block_q)
+        q_rows = q.index_select(2, positions)  # [B, HQ, R * BQ, D]
+        if held is not None:
+            q_rows = torch.where(held.view(1, 1, -1, 1), q_rows, 0.0)
         with torch.autocast(q.device.type, enabled=False):
             u, w = self._index_queries(q_index_rows), self._index_keys(k_index)
             arguments = (u, w, q_rows, k, self._temperature(scale), blocks)
@@ -371,6 +449,8 @@ class TokenIndexer(nn.Module):
                 kl, stats = triton_kernels().token_kl.token_kl(*arguments, **masks, stats=stats, with_stats=True)
             else:
                 kl, stats = reference_token_kl(*arguments, **masks), None  # [B, HKV, R * BQ]
+        if held is not None:
+            kl = torch.where(held.view(1, 1, -1), kl, 0.0)
         total = kl.sum()
         count = token_kl_rows(blocks, block_q, seq_len, seq_lens, batch).sum().float() * self.num_kv_heads
         return total, count, stats
@@ -407,8 +487,10 @@ class OracleSelector(nn.Module):
         block_k: int,
         seq_lens: Tensor | None = None,
         positions: Tensor | None = None,
+        query_blocks: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """The attention's q and k, detached (nothing is pooled or un-rotated)."""
+        """The attention's q and k, detached (nothing is pooled or un-rotated; the other arguments are the
+        selectors' common call)."""
         return q.detach(), k.detach()
 
     def forward(
@@ -446,8 +528,8 @@ class OracleSelector(nn.Module):
 def build_selector(config: SparseAttentionConfig, num_heads: int, num_kv_heads: int, head_dim: int) -> nn.Module:
     """The block scorer ``config.selector`` names: :class:`BlockScorer` (``"pooled"``), :class:`TokenIndexer`
     (``"token"``) or :class:`OracleSelector` (``"oracle"``). All three share the call
-    ``scores = selector(*selector.pool(q, k, BQ, BK, seq_lens, positions), scale, geometry, seq_lens=...,
-    document_ids=...)`` and ``set_rope(inv_freq, style)``."""
+    ``scores = selector(*selector.pool(q, k, BQ, BK, seq_lens, positions, query_blocks), scale, geometry,
+    query_blocks, seq_lens=..., document_ids=...)`` and ``set_rope(inv_freq, style)``."""
     if config.selector == "oracle":
         return OracleSelector(num_heads, num_kv_heads, head_dim, chunk_mb=config.distill_chunk_mb)
     if config.selector == "token":

@@ -430,10 +430,17 @@ class BlockScorer(nn.Module):
         block_k: int,
         seq_lens: Tensor | None = None,
         positions: Tensor | None = None,
+        query_blocks: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Detached pooled inputs: ``qbar`` float32 ``[B, HKV, NQB, Pq*D]``, ``kbar`` ``[B, HKV, NKB, P*D]``.
         ``positions`` (``[N]`` or ``[B, N]``): the RoPE positions of the tokens, for the un-rotation
-        (:func:`unrotate`; default ``0..N-1``)."""
+        (:func:`unrotate`; default ``0..N-1``). ``query_blocks`` (int ``[L]``, global ids; context parallelism): q and
+        k hold only the rows of these query blocks, block by block; each pooled block summarises its own rows, so it
+        only sets the default ``positions`` (the listed blocks' rows); the scores take the map
+        (:meth:`forward`'s ``query_blocks``)."""
+        if query_blocks is not None and positions is None:
+            starts = query_blocks.to(q.device, torch.int64).view(-1, 1) * block_q
+            positions = (starts + torch.arange(block_q, device=q.device)).view(-1)
         group = self.num_heads // self.num_kv_heads
         inv_freq = self.rope_inv_freq if self.rope_inv_freq.numel() else None
         qbar = block_pool(

@@ -183,9 +183,9 @@ def test_module_unrotates_with_positions_restarting_per_document():
     seen = []
     real_pool = attn.scorer.pool
 
-    def spy(q_, k_, bq, bk, seq_lens=None, positions=None):
+    def spy(q_, k_, bq, bk, seq_lens=None, positions=None, query_blocks=None):
         seen.append(positions)
-        return real_pool(q_, k_, bq, bk, seq_lens, positions)
+        return real_pool(q_, k_, bq, bk, seq_lens, positions, query_blocks)
 
     attn.scorer.pool = spy
     attn(q, k, k.clone(), document_ids=ids)

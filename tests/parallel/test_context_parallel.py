@@ -18,9 +18,12 @@ import torch.distributed as dist
 from builders import check_close, ids_from_starts, make_qkv, random_index, rel_err, spawn_ranks, value_errors_of
 
 import sparse_train.parallel.context_parallel as cp
+from sparse_train.documents import document_positions
 from sparse_train.index.block_index import BlockIndex
 from sparse_train.kernels.reference.attention import reference_sparse_attention
+from sparse_train.selection.indexer import OracleSelector, TokenIndexer
 from sparse_train.selection.scorer import (
+    EMPTY_BLOCK_SCORE,
     BlockScorer,
     rope_inverse_frequencies,
     selection_candidates,
@@ -67,6 +70,14 @@ SELECTOR_CASES = [
     ("documents", {"documents": [[0, 5, 21, 40], [0, 33]]}),
 ]
 SEL = dict(B=2, HQ=4, HKV=2, N=64, D=8, BQ=8, BK=8, top_k=2, window=1, sinks=1)
+# The token selector (TokenIndexer): float64 inputs (its reference path computes in float64), D odd with RoPE on the
+# first 4 channels, two index heads, blocks of its kernels' sizes. (id, BQ, extras).
+TOKEN = dict(B=2, HQ=4, HKV=2, N=128, D=5, BK=16, top_k=2, window=1, sinks=1)
+TOKEN_SELECTOR_CASES = [
+    ("token_rope_bias_seq_lens_nan_padding", 16, {"seq_lens": [128, 75]}),
+    ("token_documents", 16, {"documents": [[0, 5, 40, 90], [0, 70]]}),
+    ("token_candidates_bq32_bk16", 32, {"candidates": 2, "seq_lens": [128, 100]}),
+]
 
 
 def _attention_inputs(case):
@@ -115,6 +126,42 @@ def _selector_inputs(case):
     seq_lens = torch.tensor(extras["seq_lens"]) if "seq_lens" in extras else None
     docs = ids_from_starts(extras["documents"], SEL["N"]) if "documents" in extras else None
     geometry = selection_geometry(SEL["N"], SEL["BQ"], SEL["BK"], SEL["top_k"], SEL["window"], SEL["sinks"])
+    return q, k, seq_lens, docs, geometry
+
+
+def _token_indexer(extras):
+    """A token indexer with RoPE un-rotation over 4 of the 5 channels, two index heads, a non-zero distance bias and
+    perturbed projections (every term), float64."""
+    torch.manual_seed(13)
+    indexer = TokenIndexer(
+        TOKEN["HQ"],
+        TOKEN["HKV"],
+        TOKEN["D"],
+        index_dim=3,
+        index_heads=2,
+        distance_bias=True,
+        candidates=extras.get("candidates"),
+        window=TOKEN["window"],
+        sinks=TOKEN["sinks"],
+    ).double()
+    with torch.no_grad():
+        for p in indexer.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    indexer.set_rope(rope_inverse_frequencies(100.0, 4))
+    return indexer
+
+
+def _token_inputs(case):
+    """Global q, k (float64, NaN past seq_lens: the un-rotation must zero those rows), seq_lens, document ids and
+    the geometry of a token case."""
+    _, block_q, extras = case
+    q, k, _ = make_qkv(TOKEN["B"], TOKEN["HQ"], TOKEN["HKV"], TOKEN["N"], TOKEN["D"], dtype=torch.float64, seed=23)
+    seq_lens = torch.tensor(extras["seq_lens"]) if "seq_lens" in extras else None
+    if seq_lens is not None:
+        past = torch.arange(TOKEN["N"]).view(1, 1, -1, 1) >= seq_lens.view(-1, 1, 1, 1)
+        q, k = (torch.where(past, float("nan"), t) for t in (q, k))
+    docs = ids_from_starts(extras["documents"], TOKEN["N"]) if "documents" in extras else None
+    geometry = selection_geometry(TOKEN["N"], block_q, TOKEN["BK"], TOKEN["top_k"], TOKEN["window"], TOKEN["sinks"])
     return q, k, seq_lens, docs, geometry
 
 
@@ -171,6 +218,33 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             grads={n: p.grad for n, p in scorer.named_parameters()},
         )
 
+    results["token_selector"] = {}
+    for case in TOKEN_SELECTOR_CASES:
+        q, k, seq_lens, docs, geometry = _token_inputs(case)
+        indexer = _token_indexer(case[-1])
+        q_local, k_local = (cp.shard_sequence(t, 2, rank, WORLD) for t in (q, k))
+        scores = cp.context_parallel_block_scores(
+            indexer,
+            q_local,
+            k_local,
+            block_q=case[1],
+            block_k=TOKEN["BK"],
+            scale=0.4,
+            seq_lens=seq_lens,
+            document_ids=docs,
+            geometry=geometry,
+        )
+        index = cp.context_parallel_selection(
+            scores, geometry, window=TOKEN["window"], sinks=TOKEN["sinks"], seq_lens=seq_lens, document_ids=docs
+        )
+        scores.sum().backward()
+        results["token_selector"][case[0]] = dict(
+            scores=scores.detach(),
+            indices=index.indices,
+            counts=index.counts,
+            grads={n: p.grad for n, p in indexer.named_parameters()},
+        )
+
     x = torch.arange(2 * 3 * 16, dtype=torch.float64).view(2, 3, 16)
     results["round_trip"] = cp.gather_sequence(cp.shard_sequence(x, -1, rank, WORLD), -1)
 
@@ -192,6 +266,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, scale=float("nan")),
             lambda: cp.context_parallel_sparse_attention(ql.float(), kl.float(), vl.float(), index, backend="triton"),
             lambda: cp.context_parallel_sparse_attention(ql, kl, vl, index, kernel_options={"plan": index.plan()}),
+            lambda: cp.context_parallel_block_scores(OracleSelector(4, 2, 5), ql, kl, block_q=8, block_k=8, scale=1.0),
+            lambda: cp.context_parallel_block_scores(_token_indexer({}), ql, kl, block_q=16, block_k=16, scale=1.0),
         ]
     )
     dist.barrier()  # every rank got past the bad calls without a collective left hanging
@@ -276,7 +352,8 @@ def test_gather_sequence_inverts_shard_sequence(two_ranks):
 def test_bad_arguments_raise_before_any_collective(two_ranks):
     """Wrong local length, an index for another N, batch mismatch, mixed dtypes, dropout without a seed,
     seq_lens / document_ids of the wrong batch or length, N not a multiple of 2 * W * block, a bad scale,
-    backend="triton" on a head dim the kernels lack, a whole-index plan: each raises a ValueError naming the
+    backend="triton" on a head dim the kernels lack, a whole-index plan, the block scores of the oracle selector or of
+    the token selector without the geometry: each raises a ValueError naming the
     problem on the rank that sees it, and no collective is left waiting (the workers reach the barrier
     after them)."""
     expected = [
@@ -291,6 +368,8 @@ def test_bad_arguments_raise_before_any_collective(two_ranks):
         "scale",
         "head dim 5",
         "kernel_options.plan cannot be combined with query_blocks",
+        "does not support the oracle selector",
+        "needs geometry",
     ]
     for result in two_ranks:
         assert len(result["errors"]) == len(expected)
@@ -342,6 +421,100 @@ def test_two_ranks_select_the_single_process_index(two_ranks, case):
         assert all(g is not None for g in grads), name
         summed = sum(grads)
         torch.testing.assert_close(summed, param.grad, rtol=1e-5, atol=1e-5)
+
+
+def _score_error(got, want) -> float:
+    """Relative error of the scored block pairs; the pairs without a valid (row, key) must be the same and score
+    ``EMPTY_BLOCK_SCORE`` (-1e30, which would swamp a relative error over all entries)."""
+    empty = want == EMPTY_BLOCK_SCORE
+    assert torch.equal(got == EMPTY_BLOCK_SCORE, empty), "the empty block pairs differ"
+    assert (~empty).sum() >= want[..., 0].numel()  # as many scored pairs as (batch, head, query block) rows
+    return rel_err(got[~empty], want[~empty])
+
+
+def _token_single_process(indexer, q, k, seq_lens, docs, geometry):
+    """The single-process token selection: scores (with the parameters' gradients of their sum) and the index."""
+    positions = document_positions(docs) if docs is not None else None
+    queries, keys = indexer.pool(q, k, geometry.block_q, TOKEN["BK"], seq_lens, positions)
+    scores = indexer(queries, keys, 0.4, geometry, seq_lens=seq_lens, document_ids=docs)
+    scores.sum().backward()
+    candidates = selection_candidates(
+        scores, geometry, window=TOKEN["window"], sinks=TOKEN["sinks"], seq_lens=seq_lens, document_ids=docs
+    )
+    index = BlockIndex.from_selection(
+        candidates,
+        seq_len=TOKEN["N"],
+        block_q=geometry.block_q,
+        block_k=TOKEN["BK"],
+        window=TOKEN["window"],
+        sinks=TOKEN["sinks"],
+        capacity=geometry.capacity if docs is None else geometry.document_capacity,
+        document_ids=docs,
+    )
+    return scores.detach(), index
+
+
+@pytest.mark.parametrize("case", TOKEN_SELECTOR_CASES, ids=[c[0] for c in TOKEN_SELECTOR_CASES])
+def test_two_ranks_select_the_single_process_index_with_the_token_selector(two_ranks, case):
+    """The token selector under CP (``context_parallel_block_scores`` with a TokenIndexer): q and k un-rotated at
+    the GLOBAL positions of the local rows (per document with packed documents), the un-rotated keys all-gathered,
+    the local rows' index queries scored against every index key (two index heads, distance bias of the local rows;
+    exact scores, or the candidates' with BQ != BK): each rank's scores are its rows of the single-process scores
+    (float64 inputs; relative error <= 1e-12), every rank builds the single-process index exactly, and the
+    indexer's parameter gradients summed over the ranks equal the single-process ones (at float32 precision, the
+    indexer's). NaN in q and k past the lengths reaches nothing."""
+    q, k, seq_lens, docs, geometry = _token_inputs(case)
+    indexer = _token_indexer(case[-1])
+    scores, index = _token_single_process(indexer, q, k, seq_lens, docs, geometry)
+    assert torch.isfinite(scores).all()
+    for rank, result in enumerate(two_ranks):
+        got = result["token_selector"][case[0]]
+        rows = cp.local_query_blocks(TOKEN["N"], geometry.block_q, rank, WORLD)
+        error = _score_error(got["scores"], scores[:, :, rows])
+        assert error <= FP64_REL, f"rank {rank} scores: relative error {error:.2e}"
+        assert torch.equal(got["indices"], index.indices), rank
+        assert torch.equal(got["counts"], index.counts), rank
+    for name, param in indexer.named_parameters():
+        grads = [result["token_selector"][case[0]]["grads"][name] for result in two_ranks]
+        assert all(g is not None for g in grads), name
+        # the indexer's weights, temperature and scores are float32 whatever the input dtype: the ranks' partial
+        # gradients add in another order than one process sums them (measured: at most 4e-8)
+        error = rel_err(sum(grads), param.grad)
+        assert error <= 1e-6, f"{name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("where", ["global", "local"])
+def test_token_selector_shards_need_global_positions(where):
+    """One process playing both ranks (the all-gather replaced by placing each rank's un-rotated keys at their
+    global rows): the shards' scores equal the single-process rows exactly when the local rows are un-rotated at
+    their GLOBAL positions, and differ when they are un-rotated at local ones (0 .. N/W - 1), so the two-rank test
+    above would catch that mistake."""
+    case = TOKEN_SELECTOR_CASES[0]
+    q, k, seq_lens, _, geometry = _token_inputs(case)
+    indexer = _token_indexer(case[-1])
+    full, _ = _token_single_process(indexer, q, k, seq_lens, None, geometry)
+    n, bq = TOKEN["N"], geometry.block_q
+    shards = []
+    for rank in range(WORLD):
+        rows = cp.local_query_blocks(n, bq, rank, WORLD)
+        positions = cp.zigzag_positions(n, rank, WORLD) if where == "global" else torch.arange(n // WORLD)
+        valid = cp._local_valid_lengths(seq_lens, n, rank, WORLD)
+        local_q, local_k = (cp.shard_sequence(t, 2, rank, WORLD) for t in (q, k))
+        shards.append(
+            (rows, cp.zigzag_positions(n, rank, WORLD), *indexer.pool(local_q, local_k, bq, 16, valid, positions, rows))
+        )
+    keys = torch.zeros(TOKEN["B"], TOKEN["HKV"], n, TOKEN["D"], dtype=torch.float64)
+    for _, rows_at, _, local_keys in shards:
+        keys.index_copy_(2, rows_at, local_keys)
+    with torch.no_grad():
+        errors = [
+            _score_error(indexer(queries, keys, 0.4, geometry, rows, seq_lens=seq_lens), full[:, :, rows])
+            for rows, _, queries, _ in shards
+        ]
+    if where == "global":
+        assert max(errors) <= FP64_REL, errors
+    else:
+        assert min(errors) > 1e-3, errors
 
 
 # --------------------------------------------------------------------------------------------- layout, one process

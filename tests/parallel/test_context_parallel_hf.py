@@ -2,7 +2,8 @@
 ``enable_context_parallel`` on two CPU processes (gloo, reference backend, float64), each fed its shard by
 ``hf.context_parallel_inputs``, against one process on the whole batch: logits, the loss (the ranks' losses sum
 to it), the selector losses and every parameter gradient (summed over the ranks). Plain rows and rows packed
-with documents (global ``position_ids`` restarting); and the refusals (padding mask, local positions).
+with documents (global ``position_ids`` restarting), with the pooled and with the token selector; and the refusals
+(padding mask, local positions).
 
 The loss that is differentiated is the float64 cross-entropy of the logits against ``shift_labels`` over
 ``num_items_in_batch`` (transformers' own loss upcasts to float32; it is compared at float32 precision). The
@@ -42,11 +43,14 @@ SPARSE = dict(
     dense_warmup_steps=0,
 )
 FAMILIES = ["llama", "qwen2"]
-# (id, document starts per row or None)
-CASES = [("plain", None), ("packed", [[0, 13, 40], [0, 30]])]
+# The token selector trained at token level (blocks of its kernels' sizes; top_k 1 of the four blocks, so the
+# selection is not every causal block).
+TOKEN = dict(selector="token", selector_distill="token", distill="sampled", block_q=16, block_k=16, top_k=1)
+# (id, document starts per row or None, SPARSE overrides)
+CASES = [("plain", None, {}), ("packed", [[0, 13, 40], [0, 30]], {}), ("packed_token", [[0, 13, 40], [0, 30]], TOKEN)]
 
 
-def _model(family: str):
+def _model(family: str, sparse=None):
     torch.manual_seed(0)
     common = dict(
         vocab_size=VOCAB,
@@ -63,7 +67,7 @@ def _model(family: str):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     }[family]
     model = model_class(config_class(**common)).to(torch.float64)
-    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    hf.enable(model, st.SparseAttentionConfig(**{**SPARSE, **(sparse or {})}))
     with torch.no_grad():  # a trained-looking selector: every term non-zero
         for name, p in model.named_parameters():
             if ".sparse_attention." in name:
@@ -108,8 +112,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     results = {}
     for family in FAMILIES:
-        for name, starts in CASES:
-            model = _model(family)
+        for name, starts, sparse in CASES:
+            model = _model(family, sparse)
             cp.enable_context_parallel(model)
             ids, labels, positions = _batch(starts)
             results[family, name] = _run(model, **hf.context_parallel_inputs(ids, labels, positions))
@@ -145,8 +149,8 @@ def two_ranks(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_hf_model_under_cp_equals_one_process(two_ranks, family, case):
-    name, starts = case
-    model = _model(family)
+    name, starts, sparse = case
+    model = _model(family, sparse)
     ids, labels, positions = _batch(starts)
     shift = _shifted(labels)
     want = _run(

@@ -45,7 +45,8 @@ BASE = dict(
 )
 
 # (id, config overrides, extras): extras "warmup" runs the dense warm-up path; "seq_lens", "documents" global;
-# "checkpoint" runs the call under activation checkpointing (replay); "dropout" adds attention dropout.
+# "checkpoint" runs the call under activation checkpointing (replay); "dropout" adds attention dropout; "n" the length
+# (default N); "nan_padding" puts NaN in k and v past seq_lens.
 MODULE_CASES = [
     ("sparse_sampled", dict(distill="sampled"), {}),
     ("sparse_dense_target", dict(distill="dense"), {"seq_lens": [64, 45]}),
@@ -55,6 +56,27 @@ MODULE_CASES = [
     ("warmup_documents", dict(distill="dense", dense_warmup_steps=5), {"documents": [[0, 5, 21, 40], [0, 33]]}),
     ("checkpoint_replay", dict(distill="sampled", distill_support="causal"), {"checkpoint": True}),
     ("dropout", dict(distill="sparse", dropout_p=0.2), {}),
+]
+# The token selector (blocks of its kernels' sizes, so N = 128: eight query blocks, four per rank), two index heads:
+# block-level and token-level KL, candidates, every distillation target, the warm-up path and checkpoint replay.
+TOKEN = dict(selector="token", block_q=16, block_k=16, selector_index_heads=2)
+TOKEN_KL = dict(TOKEN, selector_distill="token", selector_distance_bias=False)  # the token KL reads no distance bias
+MODULE_CASES += [
+    (
+        "token_sampled_block_kl_nan_padding",
+        dict(TOKEN, distill="sampled"),
+        {"n": 128, "seq_lens": [128, 75], "nan_padding": True},
+    ),
+    ("token_sampled_token_kl_documents", dict(TOKEN_KL), {"n": 128, "documents": [[0, 5, 40, 90], [0, 70]]}),
+    (
+        "token_candidates_token_kl_checkpoint",
+        dict(TOKEN_KL, selector_candidates=2),
+        {"n": 128, "seq_lens": [128, 100], "checkpoint": True, "nan_padding": True},
+    ),
+    ("token_block_kl_checkpoint_documents", dict(TOKEN), {"n": 128, "checkpoint": True, "documents": [[0, 70], [0]]}),
+    ("token_dense_target", dict(TOKEN, distill="dense"), {"n": 128, "seq_lens": [128, 75]}),
+    ("token_sparse_target", dict(TOKEN, distill="sparse"), {"n": 128}),
+    ("token_warmup_token_kl", dict(TOKEN_KL, dense_warmup_steps=5), {"n": 128, "seq_lens": [128, 90]}),
 ]
 TINY = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
 MODEL_SPARSE = dict(
@@ -69,11 +91,18 @@ MODEL_SPARSE = dict(
     distill_query_blocks=3,
     dense_fallback=False,
 )
-# (id, attention, activation checkpointing, documents)
+# (id, attention, activation checkpointing, documents, sparse config overrides)
 MODEL_CASES = [
-    ("sparse", "sparse", False, None),
-    ("sparse_ckpt_documents", "sparse", True, [[0, 13, 40], [0, 30]]),
-    ("dense_documents", "dense", False, [[0, 13, 40], [0, 30]]),
+    ("sparse", "sparse", False, None, {}),
+    ("sparse_ckpt_documents", "sparse", True, [[0, 13, 40], [0, 30]], {}),
+    ("dense_documents", "dense", False, [[0, 13, 40], [0, 30]], {}),
+    (
+        "token_ckpt_documents",
+        "sparse",
+        True,
+        [[0, 13, 40], [0, 30]],
+        dict(selector="token", selector_distill="token", selector_distance_bias=False, block_q=16, block_k=16),
+    ),
 ]
 
 
@@ -87,10 +116,14 @@ def _module(config):
 
 
 def _module_inputs(extras):
-    q, k, v = make_qkv(B, HQ, HKV, N, D, dtype=torch.float64, seed=17)
-    grad_out = torch.randn(B, HQ, N, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    n = extras.get("n", N)
+    q, k, v = make_qkv(B, HQ, HKV, n, D, dtype=torch.float64, seed=17)
+    grad_out = torch.randn(B, HQ, n, D, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     seq_lens = torch.tensor(extras["seq_lens"]) if "seq_lens" in extras else None
-    docs = ids_from_starts(extras["documents"], N) if "documents" in extras else None
+    docs = ids_from_starts(extras["documents"], n) if "documents" in extras else None
+    if extras.get("nan_padding"):  # keys and values past a length are masked everywhere: NaN there reaches nothing
+        past = torch.arange(n).view(1, 1, n, 1) >= seq_lens.view(-1, 1, 1, 1)
+        k, v = (torch.where(past, float("nan"), t) for t in (k, v))
     return q, k, v, grad_out, seq_lens, docs
 
 
@@ -117,11 +150,10 @@ def _run_module(module, q, k, v, grad_out, seq_lens, docs, use_checkpoint, seed=
     )
 
 
-def _tiny_model(attention, ckpt):
+def _tiny_model(attention, ckpt, sparse=None):
     torch.manual_seed(0)
-    cfg = TransformerConfig(
-        **TINY, attention=attention, sparse=MODEL_SPARSE if attention == "sparse" else {}, activation_checkpointing=ckpt
-    )
+    sparse = {**MODEL_SPARSE, **(sparse or {})} if attention == "sparse" else {}
+    cfg = TransformerConfig(**TINY, attention=attention, sparse=sparse, activation_checkpointing=ckpt)
     return Transformer(cfg).double().train()
 
 
@@ -155,8 +187,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         results["module"][name] = _run_module(
             module, *local, seq_lens, docs, extras.get("checkpoint", False), seed=100 + rank
         )  # a rank-dependent global RNG: the seed is shared
-    for name, attention, ckpt, doc_starts in MODEL_CASES:
-        model = _tiny_model(attention, ckpt)
+    for name, attention, ckpt, doc_starts, sparse in MODEL_CASES:
+        model = _tiny_model(attention, ckpt, sparse)
         cp.enable_context_parallel(model)
         tokens, labels, docs = _model_inputs(doc_starts)
         count = (labels != -100).sum()
@@ -181,6 +213,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
             lambda: module.decode(ql, kl, vl),
             lambda: model(torch.zeros(2, 30, dtype=torch.int64)),  # N = 60 is not a multiple of 2 * W * 8
             lambda: cp.enable_context_parallel(torch.nn.Linear(2, 2)),
+            lambda: cp.enable_context_parallel(_module(dict(selector="oracle", distill="off"))),
         ]
     )
     dist.barrier()  # no rank is left inside a collective by the refused calls
@@ -204,7 +237,10 @@ def test_sparse_attention_under_cp_equals_one_process(two_ranks, case):
     activation checkpointing (the recompute replays the first forward's selection and sampled blocks) and
     dropout (seed shared by broadcast, bits at global positions); the ranks' selector losses and selector
     parameter gradients SUM to the single-process loss and gradients (every distillation target: sampled,
-    dense, sparse, and sampled on the dense path)."""
+    dense, sparse, and sampled on the dense path). The token selector likewise: its index keys from the
+    all-gathered un-rotated keys, the block-level KL of its sampled blocks (scored apart, those of other ranks on
+    placeholder rows) and the token-level KL (every held sampled row against all keys, over the count of every
+    sampled row), with candidates, NaN padding, documents and checkpoint replay."""
     name, config, extras = case
     q, k, v, grad_out, seq_lens, docs = _module_inputs(extras)
     got = [r["module"][name] for r in two_ranks]
@@ -250,10 +286,10 @@ def test_transformer_under_cp_equals_one_process(two_ranks, case):
     (1e-12), and the parameter gradients of (its labelled tokens' CE sum / the global count + its selector
     losses), summed over the ranks, are the single-process gradients: the model's at 1e-10 relative, the
     selectors' at float32 precision. Sparse, sparse with activation checkpointing and packed documents,
-    and the dense twin with documents."""
-    name, attention, ckpt, doc_starts = case
+    the dense twin with documents, and the token selector (token-level KL) with checkpointing and documents."""
+    name, attention, ckpt, doc_starts, sparse = case
     tokens, labels, docs = _model_inputs(doc_starts)
-    want = _run_model(_tiny_model(attention, ckpt), tokens, labels, docs, (labels != -100).sum())
+    want = _run_model(_tiny_model(attention, ckpt, sparse), tokens, labels, docs, (labels != -100).sum())
     got = [r["model"][name] for r in two_ranks]
     for rank, result in enumerate(got):
         local = cp.shard_sequence(want["logits"], 1, rank, WORLD)
@@ -270,7 +306,7 @@ def test_refusals_under_cp(two_ranks):
     """Every unsupported call raises a ValueError naming the problem, before any collective (the workers
     reach the barrier after them): a length that does not split into 2W chunks of whole blocks, seq_lens /
     document_ids / position_ids that are not the global ones, metrics_every > 0, decode, a model with an
-    odd-length shard, a model with nothing that supports CP."""
+    odd-length shard, a model with nothing that supports CP, a module with the oracle selector."""
     expected = [
         "multiple of 2 * W",
         "seq_lens has 1 entries",
@@ -280,6 +316,7 @@ def test_refusals_under_cp(two_ranks):
         "decode: not supported under context parallelism",
         "multiple of 2 * W",
         "no module that supports context parallelism",
+        "not the oracle selector",
     ]
     for result in two_ranks:
         assert len(result["errors"]) == len(expected)

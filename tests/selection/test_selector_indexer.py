@@ -205,10 +205,10 @@ def test_hf_rope_style_by_model_type(model_type, style):
     assert rope_style(SimpleNamespace(config=SimpleNamespace(model_type=model_type))) == style
 
 
-@pytest.mark.parametrize("selector", ["token", "oracle"])
-def test_context_parallel_refuses_other_selectors(selector):
-    attn = st.SparseAttention(st.SparseAttentionConfig(selector=selector), 4, 2, 32)
-    with pytest.raises(ValueError, match="pooled selector only"):
+def test_context_parallel_refuses_the_oracle_selector():
+    """Before it looks for a process group: the oracle scores dense attention of the whole sequence."""
+    attn = st.SparseAttention(st.SparseAttentionConfig(selector="oracle"), 4, 2, 32)
+    with pytest.raises(ValueError, match="not the oracle selector"):
         st.enable_context_parallel(attn, group=None)
 
 
@@ -322,6 +322,103 @@ def test_token_distillation_loss_matches_brute_force():
                     want_count += 1
     assert int(count) == want_count
     torch.testing.assert_close(total.double(), want_total, rtol=1e-5, atol=1e-6)
+
+
+def _shards(n: int, block: int, world: int):
+    """The zig-zag shards of a sequence of ``n`` rows over ``world`` ranks (context parallelism's layout), as
+    ``(query blocks, rows)`` per rank: rank r holds chunks r and 2W-1-r of 2W."""
+    chunk = n // (2 * world)
+    shards = []
+    for rank in range(world):
+        rows = torch.cat(
+            [
+                torch.arange(rank * chunk, (rank + 1) * chunk),
+                torch.arange((2 * world - 1 - rank) * chunk, (2 * world - rank) * chunk),
+            ]
+        )
+        shards.append((rows[::block] // block, rows))
+    return shards
+
+
+def _local_lengths(seq_lens, rows):
+    """The count of valid rows among a shard's rows (a prefix of them)."""
+    return (rows.view(1, -1) < seq_lens.view(-1, 1)).sum(dim=1)
+
+
+def test_shard_queries_address_their_rows_by_global_block():
+    """``pool(query_blocks=)`` (a context-parallel shard): the shard's rows of any listed global blocks, un-rotated at
+    the rows' global positions, equal those rows of the whole sequence's queries; the rows of a block the shard does
+    not hold are 0 (placeholders), also where the queries hold NaN (padding past a length)."""
+    torch.manual_seed(8)
+    hq, hkv, n, d, block = 4, 2, 128, 6, 16
+    indexer = TokenIndexer(hq, hkv, d, index_dim=4).double()
+    indexer.set_rope(torch.tensor([1.0, 0.1]))
+    q, k = torch.randn(2, hq, n, d, dtype=torch.float64), torch.randn(2, hkv, n, d, dtype=torch.float64)
+    seq_lens = torch.tensor([128, 50])
+    q = torch.where(torch.arange(n).view(1, 1, -1, 1) >= seq_lens.view(-1, 1, 1, 1), float("nan"), q)
+    whole, _ = indexer.pool(q, k, block, block, seq_lens)
+    listed = torch.tensor([6, 1, 3, 0])
+    want = indexer.query_rows(whole, listed, block)
+    covered = torch.zeros_like(want)
+    for blocks, rows in _shards(n, block, 2):
+        local, _ = indexer.pool(
+            q[:, :, rows], k[:, :, rows], block, block, _local_lengths(seq_lens, rows), None, blocks
+        )
+        got = indexer.query_rows(local, listed, block)
+        held = torch.isin(listed, blocks).repeat_interleave(block).view(1, 1, -1, 1)
+        assert torch.equal(torch.where(held, 0.0, got), torch.zeros_like(got))
+        covered += got
+    torch.testing.assert_close(covered, want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="query_blocks lists 3 blocks of 16 rows, but q holds 64 rows"):
+        indexer.pool(q[:, :, :64], k[:, :, :64], block, block, query_blocks=torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="pass the query_blocks to score"):
+        indexer(local, k, 1.0, selection_geometry(n, block, block, 2, 1, 1))
+
+
+def test_token_distillation_loss_of_shards_sums_to_the_whole():
+    """``token_distillation_loss(q_blocks=)``: each shard's KL sum over the sampled rows it holds (its q only, the
+    keys of the whole sequence), summed over the shards, is the whole sequence's sum, with the same count (every
+    sampled row's, on every shard), and so are the parameter gradients (at the float32 precision of the indexer's
+    weights); NaN padding in q reaches nothing."""
+    torch.manual_seed(9)
+    hq, hkv, n, d, block = 4, 2, 128, 6, 16
+    indexer = TokenIndexer(hq, hkv, d, index_dim=4, index_heads=2).double()
+    q, k = torch.randn(2, hq, n, d, dtype=torch.float64), torch.randn(2, hkv, n, d, dtype=torch.float64)
+    seq_lens = torch.tensor([128, 70])
+    q = torch.where(torch.arange(n).view(1, 1, -1, 1) >= seq_lens.view(-1, 1, 1, 1), float("nan"), q)
+    documents = torch.stack([torch.arange(n) // 40, torch.zeros(n, dtype=torch.int64)])
+    sampled = torch.tensor([7, 2, 4])
+    kwargs = dict(seq_lens=seq_lens, document_ids=documents)
+    whole, keys = indexer.pool(q, k, block, block, seq_lens)
+    total, count, _ = indexer.token_distillation_loss(
+        indexer.query_rows(whole, sampled, block), keys, q, k, sampled, 0.3, block, **kwargs
+    )
+    total.backward()
+    want = {name: p.grad.clone() for name, p in indexer.named_parameters()}
+    indexer.zero_grad()
+    totals = []
+    for blocks, rows in _shards(n, block, 2):
+        local, _ = indexer.pool(
+            q[:, :, rows], k[:, :, rows], block, block, _local_lengths(seq_lens, rows), None, blocks
+        )
+        part, part_count, _ = indexer.token_distillation_loss(
+            indexer.query_rows(local, sampled, block),
+            keys,
+            q[:, :, rows],
+            k,
+            sampled,
+            0.3,
+            block,
+            q_blocks=blocks,
+            **kwargs,
+        )
+        part.backward()
+        assert torch.equal(part_count, count)
+        totals.append(part.detach())
+    assert all(t > 0 for t in totals)  # both shards hold sampled rows
+    torch.testing.assert_close(sum(totals), total.detach(), rtol=1e-12, atol=0)
+    for name, p in indexer.named_parameters():  # the weights enter in float32: float32 precision
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
