@@ -7,8 +7,8 @@
 #
 # Run from the repository root:
 #
-#   OUT=/tmp/out bash scripts/tools/gpu_all.sh tests       # every GPU test, in four pytest processes side by side
-#                                                           # (three kernel parts and the rest; at most 280 s
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh tests       # every GPU test, in five pytest processes side by side
+#                                                           # (three kernel parts, torch.compile, the rest; 280 s
 #                                                           # each), then on two GPUs the two-GPU tests with both
 #                                                           # visible
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh checks      # attention (64K; BENCH_NS="..." for more), selector
@@ -93,9 +93,11 @@ case "$phase" in
     kernel_part1="tests/kernels/test_kernel_backward.py"
     kernel_part2="tests/kernels/test_kernel_forward.py tests/kernels/test_kernel_tma.py tests/kernels/test_kernel_documents.py"
     kernel_part3=$(ls tests/kernels/test_*.py | grep -v -E "tests/kernels/test_kernel_(backward|forward|tma|documents)\.py")
-    other_tests=$(ls tests/test_*.py tests/*/test_*.py | grep -v "^tests/kernels/")
+    # torch.compile's tests (inductor compiles on the CPU) take a part of their own
+    other_tests=$(ls tests/test_*.py tests/*/test_*.py | grep -v -E "^tests/kernels/|^tests/test_compile\.py$")
     track 0 gpu_tests gpu_tests_kernels_part1 280 $kernel_part1
     track 0 gpu_tests gpu_tests_kernels_part2 280 $kernel_part2
+    track 0 gpu_tests gpu_tests_compile 280 tests/test_compile.py
     track "$gpu_b" gpu_tests gpu_tests_kernels_part3 280 $kernel_part3
     track "$gpu_b" gpu_tests gpu_tests_rest 280 $other_tests
     wait
