@@ -121,36 +121,6 @@ def test_row_oracle_keeps_each_rows_heaviest_blocks():
     assert torch.equal(full[0, 0], torch.ones(n, n, dtype=torch.bool).tril())
 
 
-def test_same_seed_same_initial_weights_in_every_mode():
-    base = {
-        "family": "needles",
-        "seed": 3,
-        "seq_len": 256,
-        "steps": 4,
-        "batch": 2,
-        "lr": 1e-3,
-        "layers": 2,
-        "d_model": 128,
-        "num_heads": 2,
-        "num_kv_heads": 1,
-        "rope_theta": 10000.0,
-        "warmup_fraction": 0.25,
-        "short_steps": 0,
-        "short_len": 64,
-        "eval_rows": 2,
-        "log_every": 2,
-    }
-    models = {
-        mode: heldout.build_model(heldout.JobConfig(mode=mode, **base))[0] for mode in ("dense", "pooled", "row_oracle")
-    }
-    own = {name: p for name, p in models["dense"].named_parameters()}
-    for mode in ("pooled", "row_oracle"):
-        params = dict(models[mode].named_parameters())
-        for name, p in own.items():
-            assert torch.equal(params[name], p), (mode, name)
-    assert isinstance(models["dense"], EvalModel)
-
-
 def _job(**overrides) -> heldout.JobConfig:
     fields = dict(
         family="needles",
@@ -172,6 +142,17 @@ def _job(**overrides) -> heldout.JobConfig:
         log_every=50,
     )
     return heldout.JobConfig(**{**fields, **overrides})
+
+
+def test_same_seed_same_initial_weights_in_every_mode():
+    base = dict(family="needles", seed=3, seq_len=256, steps=4, batch=2, d_model=128, num_heads=2, num_kv_heads=1)
+    models = {mode: heldout.build_model(_job(mode=mode, **base))[0] for mode in ("dense", "pooled", "row_oracle")}
+    own = {name: p for name, p in models["dense"].named_parameters()}
+    for mode in ("pooled", "row_oracle"):
+        params = dict(models[mode].named_parameters())
+        for name, p in own.items():
+            assert torch.equal(params[name], p), (mode, name)
+    assert isinstance(models["dense"], EvalModel)
 
 
 def test_curriculum_stages_and_job_keys():
