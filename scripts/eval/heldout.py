@@ -20,7 +20,7 @@ evaluated on held-out rows (another seed stream, the same rows for every mode an
 Modes (``MODES``): ``dense`` (causal SDPA), ``row_oracle`` (this runner's own: each query row keeps its
 ``top_k`` key blocks of largest dense attention mass, plus window and sinks, as a mask on SDPA), and
 ``st.SparseAttention`` with the keyword arguments of the table on top of the shared ones
-(:func:`sparse_kwargs`: 64-token blocks, ``top_k`` = the facts the family's question needs, window 1,
+(:func:`sparse_kwargs`: 64-token blocks, ``top_k`` = the facts the family's question needs or ``--top-k``, window 1,
 sink 1, the model's RoPE base and convention, a dense warm-up of the short-row steps and
 ``--warmup-fraction`` of the full-length steps; the row oracle keeps the same warm-up). ``token_cand`` is
 ``token_kl`` with ``selector_candidates`` = :data:`CANDIDATES_PER_TOP_K` x ``top_k``.
@@ -102,6 +102,7 @@ class JobConfig:
     log_every: int
     mid_steps: int = 0
     mid_len: int = 2048
+    top_k: int = 0
     device: str = "cpu"
 
     @property
@@ -109,7 +110,14 @@ class JobConfig:
         fields = {k: v for k, v in asdict(self).items() if k != "device"}
         if not self.mid_steps:  # no middle stage: the key of a two-stage job
             del fields["mid_steps"], fields["mid_len"]
+        if not self.top_k:  # the family's budget: the key of a job without the override
+            del fields["top_k"]
         return json.dumps(fields, sort_keys=True)
+
+    @property
+    def budget(self) -> int:
+        """Dynamic key blocks per query block: ``top_k``, or when it is 0 the facts the family's question needs."""
+        return self.top_k or family(self.family).top_k
 
     def row_length(self, step: int) -> int:
         """Row length at ``step``: ``short_len`` for the first ``short_steps`` steps, then ``mid_len`` for
@@ -137,7 +145,7 @@ def sparse_kwargs(cfg: JobConfig) -> dict:
     return {
         "block_q": BLOCK,
         "block_k": BLOCK,
-        "top_k": family(cfg.family).top_k,
+        "top_k": cfg.budget,
         "window": WINDOW,
         "sinks": SINKS,
         "selector_rope_theta": cfg.rope_theta,
@@ -182,7 +190,7 @@ def build_model(cfg: JobConfig) -> tuple[EvalModel, dict, str]:
     if cfg.mode == "dense":
         return model, {}, ""
     if cfg.mode == "row_oracle":
-        top_k = family(cfg.family).top_k
+        top_k = cfg.budget
         model.set_cores(
             lambda: RowOracleCore(
                 top_k=top_k, block=BLOCK, window=WINDOW, sinks=SINKS, dense_warmup_steps=cfg.dense_warmup_steps
@@ -300,7 +308,7 @@ def _run_job(cfg: JobConfig, verbose: bool) -> dict:
         "sparse_config": sparse_cfg,
         "note": note,
         "chance": fam.chance,
-        "top_k": fam.top_k,
+        "top_k": cfg.budget,
         "accuracy": correct.item() / max(1, total.item()),
         "answers": total.item(),
         "train_curve": curve,
@@ -406,6 +414,7 @@ def run_sweep(args: argparse.Namespace) -> Path:
                         short_len=args.short_len,
                         mid_steps=args.mid_steps,
                         mid_len=args.mid_len,
+                        top_k=args.top_k,
                         eval_rows=args.eval_rows,
                         log_every=args.log_every,
                         device=device,
@@ -434,7 +443,8 @@ def run_sweep(args: argparse.Namespace) -> Path:
     )
     for name in families:
         fam = family(name)
-        print(f"[heldout]   {name}: {fam.description}; top_k {fam.top_k}, chance {fam.chance:.3f}", flush=True)
+        budget = args.top_k or fam.top_k
+        print(f"[heldout]   {name}: {fam.description}; top_k {budget}, chance {fam.chance:.3f}", flush=True)
     if todo:
         estimate = estimate_seconds(todo, args.jobs)
         print(
@@ -513,15 +523,34 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b and not math.isnan(a) and not math.isnan(b) else float("nan")
 
 
+def _schedule(group: dict) -> str:
+    """``steps x batch``, with the middle curriculum stage when there is one."""
+    text = f"{group['steps']} x {group['batch']}"
+    if group.get("mid_steps"):
+        text += f" ({group['mid_steps']} at {group['mid_len']})"
+    return text
+
+
+def _group_label(group: dict) -> str:
+    """The family, with the budget when it is not the family's and the middle stage when there is one."""
+    label = group["family"]
+    if group["top_k"] != family(group["family"]).top_k:
+        label += f"\ntop_k {group['top_k']}"
+    if group.get("mid_steps"):
+        label += f"\n{group['mid_steps']} at {group['mid_len']}"
+    return label
+
+
 def build_summary(records: list[dict]) -> list[dict]:
-    """One entry per (family, seq_len, steps, batch): each mode's per-seed accuracies and mean, density,
+    """One entry per (family, seq_len, steps, batch, top_k, middle stage): each mode's per-seed accuracies and mean, density,
     mass recall, steps/s, and the ratios learned/oracle, learned/dense, oracle/dense, row_oracle/oracle."""
     groups: dict[tuple, dict] = {}
     for record in records:
         if "error" in record:
             continue
         cfg = record["config"]
-        key = (cfg["seq_len"], cfg["family"], cfg["steps"], cfg["batch"])
+        stage = (cfg.get("mid_steps", 0), cfg.get("mid_len", 0) if cfg.get("mid_steps", 0) else 0)
+        key = (cfg["seq_len"], cfg["family"], cfg["steps"], cfg["batch"], record["top_k"], stage)
         group = groups.setdefault(
             key,
             {
@@ -529,6 +558,8 @@ def build_summary(records: list[dict]) -> list[dict]:
                 "seq_len": cfg["seq_len"],
                 "steps": cfg["steps"],
                 "batch": cfg["batch"],
+                "mid_steps": stage[0],
+                "mid_len": stage[1],
                 "chance": record["chance"],
                 "top_k": record["top_k"],
                 "modes": {},
@@ -547,7 +578,7 @@ def build_summary(records: list[dict]) -> list[dict]:
             mode["notes"].add(record["note"])
     order = {name: i for i, name in enumerate(FAMILIES)}
     summary = []
-    for key in sorted(groups, key=lambda k: (k[0], order.get(k[1], 99), k[2], k[3])):
+    for key in sorted(groups, key=lambda k: (k[0], order.get(k[1], 99), *k[2:])):
         group = groups[key]
         for mode in group["modes"].values():
             mode["seeds"] = dict(sorted(mode["seeds"].items()))
@@ -593,7 +624,7 @@ def summary_markdown(summary: list[dict], records: list[dict]) -> str:
     header = ["family", "N", "steps x batch", "top_k", "chance"] + modes + ratio_names
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for g in summary:
-        row = [g["family"], str(g["seq_len"]), f"{g['steps']} x {g['batch']}", str(g["top_k"]), _fmt(g["chance"])]
+        row = [g["family"], str(g["seq_len"]), _schedule(g), str(g["top_k"]), _fmt(g["chance"])]
         for m in modes:
             mode = g["modes"].get(m)
             row.append(
@@ -649,7 +680,7 @@ def plot_summary(summary: list[dict], path: Path) -> None:
                 ax.bar(pos, mode["mean"], width * 0.9, color=f"C{i}", label=m if x == 0 else None)
                 seeds = list(mode["seeds"].values())
                 ax.scatter([pos] * len(seeds), seeds, color="black", s=10, zorder=3)
-        ax.set_xticks(range(len(groups)), [g["family"] for g in groups])
+        ax.set_xticks(range(len(groups)), [_group_label(g) for g in groups])
         ax.set_ylim(0, 1.05)
         ax.set_ylabel("held-out accuracy")
         ax.set_title(f"N = {panel[0]}, {panel[1]} steps x batch {panel[2]} (bars: mean; dots: seeds; dotted: chance)")
@@ -718,6 +749,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "before --seq-len: at 8K the lookups of the harder families are learnt at 2K first); 0 = none",
     )
     p.add_argument("--mid-len", type=int, default=2048, help="row length of the --mid-steps steps")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="dynamic key blocks per query block in every sparse mode and the row oracle; 0 = each family's "
+        "(the facts its question needs)",
+    )
     p.add_argument("--eval-rows", type=int, default=256, help="held-out rows evaluated per job")
     p.add_argument("--log-every", type=int, default=50, help="training-loss curve and mass-recall interval (steps)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes at once (1: run in this process)")
@@ -739,6 +777,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0.0 <= args.warmup_fraction < 1.0:
         p.error("--warmup-fraction must be in [0, 1)")
+    if args.top_k < 0:
+        p.error(f"--top-k must be >= 0, got {args.top_k}")
     if args.mid_steps < 0 or args.mid_len < 1:
         p.error(f"--mid-steps must be >= 0 and --mid-len >= 1, got {args.mid_steps} and {args.mid_len}")
     return args

@@ -1,6 +1,7 @@
 """The held-out evaluation suite (scripts/eval): task generators checked by exact solvers, the model's
 interleaved RoPE and row oracle, and the runner end to end on the CPU (two families, dense and pooled)."""
 
+import dataclasses
 import json
 import math
 
@@ -167,6 +168,26 @@ def test_curriculum_stages_and_job_keys():
     assert json.loads(job.key)["mid_steps"] == 500
     assert _job(mid_len=4096).key == plain.key  # the length of an absent stage is not part of the key
     assert job.key != plain.key
+
+
+def test_budget_override_keys_and_summary_groups():
+    """``top_k`` 0 is the family's budget and keeps the key of a job without it; another budget or a middle stage
+    makes its own summary row, so runs of one family at equal steps are not averaged across them."""
+    assert _job().budget == family("needles").top_k
+    assert "top_k" not in json.loads(_job().key)
+    assert _job(top_k=8).budget == 8 and json.loads(_job(top_k=8).key)["top_k"] == 8
+    jobs = [_job(), _job(seed=1), _job(top_k=8), _job(mid_steps=500)]
+    records = [
+        {"config": dataclasses.asdict(job), "accuracy": 0.5, "eval_density": 0.1, "steps_per_s": 1.0}
+        | {"chance": 0.125, "top_k": job.budget}
+        for job in jobs
+    ]
+    groups = heldout.build_summary(records)
+    assert [(g["top_k"], g["mid_steps"], len(g["modes"]["dense"]["seeds"])) for g in groups] == [
+        (4, 0, 2),
+        (4, 500, 1),
+        (8, 0, 1),
+    ]
 
 
 def test_runner_end_to_end(tmp_path):
