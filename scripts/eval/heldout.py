@@ -542,8 +542,8 @@ def _group_label(group: dict) -> str:
 
 
 def build_summary(records: list[dict]) -> list[dict]:
-    """One entry per (family, seq_len, steps, batch, top_k, middle stage): each mode's per-seed accuracies and mean, density,
-    mass recall, steps/s, and the ratios learned/oracle, learned/dense, oracle/dense, row_oracle/oracle."""
+    """One entry per (family, seq_len, steps, batch, top_k, middle stage): each mode's per-seed accuracies and mean,
+    density, mass recall, steps/s, and the ratios learned/oracle, learned/dense, oracle/dense, row_oracle/oracle."""
     groups: dict[tuple, dict] = {}
     for record in records:
         if "error" in record:
