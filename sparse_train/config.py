@@ -99,7 +99,8 @@ class SparseAttentionConfig:
     - ``"oracle"``: the true dense attention mass of each key block, max over the query block's rows and GQA heads
       (the distillation target itself), same budget. Diagnostic: it computes dense attention scores (O(N^2 D)) and
       has nothing to train; comparing a model's accuracy under ``"oracle"`` and under a learned selector tells
-      whether a gap is the selector's or the budget's."""
+      whether a gap is the selector's. The oracle ranks by attention mass, which need not be what an answer reads:
+      it can fall below a learned selector (README, "Selector")."""
 
     selector_dim: int = 32
     """Width S of the selector's per-KV-head projections: of the pooled queries and keys (``"pooled"``), or of
