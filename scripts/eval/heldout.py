@@ -5,8 +5,7 @@ Every (family, sequence length, mode, seed) is one job: the model of :mod:`scrip
 the seed (the same initial weights and the same training rows in every mode), trained for ``--steps``
 steps (the first ``--short-steps`` on rows of ``--short-len`` tokens, then ``--mid-steps`` on rows of ``--mid-len``
 tokens, a length curriculum: the lookups are learnt where attention at initialisation is not spread over
-thousands of keys) with one AdamW over
-``model.parameters()``, loss = cross-entropy on the answer positions
+thousands of keys) with one AdamW over ``model.parameters()``, loss = cross-entropy on the answer positions
 + ``st.collect_selector_losses(model)``, ``st.clip_grad_norms(model, 1.0)``, bf16 autocast on CUDA; then
 evaluated on held-out rows (another seed stream, the same rows for every mode and seed). Jobs run
 ``--jobs`` at a time in spawned worker processes; each finished job appends one JSON line to
