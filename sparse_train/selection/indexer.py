@@ -104,8 +104,8 @@ class IndexQueries:
     Fields: ``q``; ``inv_freq`` ``[R / 2]`` or None (nothing to undo); ``positions`` ``[N]`` / ``[B, N]`` or None
     (``0..N-1``); ``seq_lens`` int ``[B]`` or None (rows at or past it are read as 0: NaN padding stays out);
     ``style`` the RoPE convention; ``blocks`` int ``[L]`` or None: the global query blocks whose rows ``q`` holds,
-    block by block (a context-parallel rank's shard; ``positions`` and ``seq_lens`` then describe those rows: their
-    global RoPE positions and the count of valid rows, a prefix), None: ``q`` is the whole sequence."""
+    block by block (a context-parallel rank's shard; ``positions``, then required, and ``seq_lens`` describe those rows:
+    their global RoPE positions and the count of valid rows, a prefix), None: ``q`` is the whole sequence."""
 
     q: Tensor
     inv_freq: Tensor | None
@@ -113,6 +113,10 @@ class IndexQueries:
     seq_lens: Tensor | None
     style: str
     blocks: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None and self.positions is None:
+            raise ValueError("IndexQueries of a shard (blocks) need the GLOBAL positions of its rows (positions)")
 
     def unrotated(self) -> Tensor:
         """q with RoPE undone and the padded rows zero, ``[B, HQ, N, D]`` in the indexer's input dtype
@@ -144,10 +148,7 @@ class IndexQueries:
             x = torch.where(keep, x, 0.0)
         if self.inv_freq is None:
             return x.to(index_input_dtype(x.dtype))
-        if self.positions is not None:
-            positions = self.positions.to(device).index_select(-1, picked)
-        else:  # the rows' own positions: global ones
-            positions = listed_positions(query_blocks, block_q, device).view(-1) if held is not None else picked
+        positions = picked if self.positions is None else self.positions.to(device).index_select(-1, picked)
         return index_input(x, self.inv_freq, positions, self.style)
 
 

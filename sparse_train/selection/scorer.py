@@ -42,6 +42,7 @@ from ..config import KEY_POOLINGS, QUERY_POOLINGS
 from ..functional import choose_backend
 from ..index.block_index import capacity_tier, causal_last_block, document_sink_candidates, shares_document
 from ..kernels import triton_kernels
+from ..kernels.reference.index_scores import listed_positions
 from ..kernels.reference.pool import ROPE_STYLES, block_max, block_mean, reference_block_pool, unrotate
 from ..kernels.reference.scores import DISTANCE_BUCKETS, EMPTY_BLOCK_SCORE
 from ..plan.device import triton_runs_eagerly_on, triton_runs_on
@@ -439,8 +440,7 @@ class BlockScorer(nn.Module):
         only sets the default ``positions`` (the listed blocks' rows); the scores take the map
         (:meth:`forward`'s ``query_blocks``)."""
         if query_blocks is not None and positions is None:
-            starts = query_blocks.to(q.device, torch.int64).view(-1, 1) * block_q
-            positions = (starts + torch.arange(block_q, device=q.device)).view(-1)
+            positions = listed_positions(query_blocks, block_q, q.device).view(-1)
         group = self.num_heads // self.num_kv_heads
         inv_freq = self.rope_inv_freq if self.rope_inv_freq.numel() else None
         qbar = block_pool(

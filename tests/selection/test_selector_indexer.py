@@ -373,6 +373,8 @@ def test_shard_queries_address_their_rows_by_global_block():
         indexer.pool(q[:, :, :64], k[:, :, :64], block, block, query_blocks=torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="pass the query_blocks to score"):
         indexer(local, k, 1.0, selection_geometry(n, block, block, 2, 1, 1))
+    with pytest.raises(ValueError, match="need the GLOBAL positions of its rows"):
+        indexer_module.IndexQueries(q, None, None, None, "rotate_half", torch.tensor([0, 1]))
 
 
 def test_token_distillation_loss_of_shards_sums_to_the_whole():
