@@ -1,4 +1,5 @@
-"""Host-side helpers shared by the launchers of the forward, backward and block-mass kernels."""
+"""Host-side helpers shared by the launchers of the kernels, and :func:`direct_call`, the eager bypass of their
+``torch.library`` custom ops."""
 
 from __future__ import annotations
 
@@ -10,6 +11,21 @@ from ...plan.device import copy_engine_loads, tma_addressable
 LAST_COMPILED: dict = {}
 """The last compiled kernel per launcher (``"fwd"``, ``"dq"``, ``"dkdv"``), for benchmarks that read
 registers, spills or PTX; never used for compute."""
+
+
+_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
+
+
+def direct_call(*tensors: Tensor | None) -> bool:
+    """Whether a public function may call its launchers directly instead of its ``torch.library`` custom op: not
+    while torch.compile / export traces (they need the op and its fake), not under a TorchDispatchMode (selective
+    activation checkpointing keeps an op's outputs by its name, ``sparse_train.module.checkpointing``; fake and
+    functional tensors, flop counters), and only for plain tensors (no subclasses such as DTensor; None entries
+    are skipped). A custom op's Python dispatch costs more host time per call than a launch; eagerly it buys
+    nothing."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
+        return False
+    return all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
 
 
 def attention_output(q: Tensor) -> Tensor:

@@ -22,7 +22,10 @@ b * H + h); it walks the row's C listed key blocks STEP at a time (:func:`candid
 into one ``[KEYS, S]`` tile, ``[KEYS, S] x [S, ROWS]`` by ``tl.dot``, the mask only on steps that need it (a key
 that may follow a row, the sequence end, padding rows, an unlisted slot, documents), a max over rows then over each
 block's keys.
-(2) the launchers. (3) the public functions :func:`index_score_bounds` and :func:`candidate_index_scores`.
+(2) the launchers. (3) the launchers as the ``torch.library`` custom ops ``sparse_train::index_score_bounds`` and
+``sparse_train::candidate_index_scores`` (fake impls; torch.compile, export and dispatch modes call them, eager calls
+on plain tensors the launchers: ``_launch.direct_call``). (4) the public functions :func:`index_score_bounds` and
+:func:`candidate_index_scores`.
 
 No autograd: the bound ranks blocks and takes no gradient; the candidate scores with autograd on go to the reference
 (:func:`candidate_index_scores`). Known limits: as the index-score kernel (float16 / bfloat16 / float32, bf16 on CUDA
@@ -45,8 +48,8 @@ from ..reference.index_candidates import (
 )
 from ..reference.index_scores import IndexScoreArgs, check_index_score_args, sequence_lengths
 from ._jit import documents_row, dot, index_block_bounds, load_index_rows, sequence_length
-from ._launch import kernel_document_ids, kernel_seq_lens, launch
-from .index_scores import BACKENDS, TILE_VALUES_PER_THREAD, index_scores_support
+from ._launch import direct_call, kernel_document_ids, kernel_seq_lens, launch
+from .index_scores import BACKENDS, TILE_VALUES_PER_THREAD, index_scores_support, score_shape, shape_args
 
 __all__ = [
     "NUM_WARPS",
@@ -361,7 +364,47 @@ def candidate_index_scores_launch(
 
 
 # ----------------------------------------------------------------------------------------------
-# Layer 3: public functions
+# Layer 3: custom ops
+# ----------------------------------------------------------------------------------------------
+# The launchers as torch.library custom ops (no autograd), which torch.compile, export and dispatch modes run as
+# graph nodes; eager calls on plain tensors call the launchers directly (``_launch.direct_call``).
+@torch.library.custom_op("sparse_train::index_score_bounds", mutates_args=())
+def _index_score_bounds_op(
+    u: Tensor, w: Tensor, seq_lens: Tensor | None, query_blocks: Tensor | None, block_q: int, block_k: int
+) -> Tensor:
+    args = shape_args(u, w, block_q, block_k, query_blocks)
+    return index_score_bounds_launch(u, w, args, seq_lens=seq_lens, query_blocks=query_blocks)
+
+
+@_index_score_bounds_op.register_fake
+def _(u, w, seq_lens, query_blocks, block_q, block_k):
+    return u.new_empty(score_shape(u, w, block_q, block_k, query_blocks), dtype=torch.float32)  # [B, H, R, NKB]
+
+
+@torch.library.custom_op("sparse_train::candidate_index_scores", mutates_args=())
+def _candidate_index_scores_op(
+    u: Tensor,
+    w: Tensor,
+    candidates: Tensor,
+    seq_lens: Tensor | None,
+    document_ids: Tensor | None,
+    query_blocks: Tensor | None,
+    block_q: int,
+    block_k: int,
+) -> Tensor:
+    args = shape_args(u, w, block_q, block_k, query_blocks)
+    return candidate_index_scores_launch(
+        u, w, candidates, args, seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks
+    )
+
+
+@_candidate_index_scores_op.register_fake
+def _(u, w, candidates, seq_lens, document_ids, query_blocks, block_q, block_k):
+    return u.new_empty(candidates.shape, dtype=torch.float32)  # [B, H, R, C]
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer 4: public functions
 # ----------------------------------------------------------------------------------------------
 def _use_kernel(u: Tensor, backend: str) -> bool:
     if backend == "reference":
@@ -422,7 +465,10 @@ def index_score_bounds(
                 document_ids=document_ids,
                 query_blocks=query_blocks,
             )
-    return index_score_bounds_launch(u.detach(), w.detach(), args, seq_lens=seq_lens, query_blocks=query_blocks)
+    u, w = u.detach(), w.detach()
+    if not direct_call(u, w, seq_lens, query_blocks):
+        return torch.ops.sparse_train.index_score_bounds(u, w, seq_lens, query_blocks, block_q, block_k)
+    return index_score_bounds_launch(u, w, args, seq_lens=seq_lens, query_blocks=query_blocks)
 
 
 def candidate_index_scores(
@@ -473,9 +519,14 @@ def candidate_index_scores(
             document_ids=document_ids,
             query_blocks=query_blocks,
         )
+    u, w = u.detach(), w.detach()
+    if not direct_call(u, w, candidates, seq_lens, document_ids, query_blocks):
+        return torch.ops.sparse_train.candidate_index_scores(
+            u, w, candidates, seq_lens, document_ids, query_blocks, block_q, block_k
+        )
     return candidate_index_scores_launch(
-        u.detach(),
-        w.detach(),
+        u,
+        w,
         candidates,
         args,
         seq_lens=seq_lens,

@@ -17,8 +17,10 @@ Notation: B batch, HKV KV heads, G query heads per KV head, N length, D head dim
 Layers: (1) ``_index_queries_kernel``: one program per (row tile, batch, KV head); the tile's cosines and sines are
 computed once and serve the G heads; per head the rotated pairs are loaded as two half tiles and the channels past
 R as a third, each turned tile multiplied by the matching rows of the weight (``tl.dot``, operands padded to 16);
-(2) the launcher ``index_queries_launch``; no autograd op (the selection's index queries take no gradient: the
-indexer's gradients read the un-rotated rows through the PyTorch path); (4) the public function
+(2) the launcher ``index_queries_launch``; (3) the launcher as the ``torch.library`` custom op
+``sparse_train::index_queries`` (a fake impl, no autograd: the selection's index queries take no gradient, the
+indexer's gradients read the un-rotated rows through the PyTorch path), which torch.compile, export and dispatch
+modes call, eager calls on plain tensors the launcher (``_launch.direct_call``); (4) the public function
 :func:`triton_index_queries`.
 
 Known limits: float16 / bfloat16 / float32 (float32 products in IEEE precision); bfloat16 on CUDA only (the
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from ..reference.pool import ROPE_STYLES, check_rope_args
 from ._jit import dot, rope_cos_sin, rope_pairs
-from ._launch import kernel_valid_len, position_strides
+from ._launch import direct_call, kernel_valid_len, position_strides
 
 __all__ = ["KERNEL_DTYPES", "index_queries_launch", "program_tile", "triton_index_queries"]
 
@@ -189,6 +191,30 @@ def index_queries_launch(
 
 
 # ----------------------------------------------------------------------------------------------
+# Layer 3: custom op (no autograd: see the module docstring)
+# ----------------------------------------------------------------------------------------------
+# The launcher as a torch.library custom op, which torch.compile, export and dispatch modes run as a graph node;
+# eager calls on plain tensors call the launcher directly (``_launch.direct_call``).
+@torch.library.custom_op("sparse_train::index_queries", mutates_args=())
+def _index_queries_op(
+    q: Tensor,
+    weight: Tensor,
+    inv_freq: Tensor | None,
+    positions: Tensor | None,
+    valid_len: Tensor | None,
+    interleaved: bool,
+) -> Tensor:
+    return index_queries_launch(q, weight, inv_freq, positions, valid_len, interleaved)
+
+
+@_index_queries_op.register_fake
+def _(q, weight, inv_freq, positions, valid_len, interleaved):
+    B, _, N, _ = q.shape
+    HKV, _, X = weight.shape
+    return q.new_empty((B, HKV, N, X))
+
+
+# ----------------------------------------------------------------------------------------------
 # Layer 4: public function (no autograd: see the module docstring)
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
@@ -255,6 +281,7 @@ def triton_index_queries(
     else:
         positions = None  # nothing to turn
     valid_len = kernel_valid_len(valid_len, B, q.device)
-    return index_queries_launch(
-        q, weight.to(q.dtype).contiguous(), inv_freq, positions, valid_len, style == "interleaved"
-    )
+    inputs = (q, weight.to(q.dtype).contiguous(), inv_freq, positions, valid_len, style == "interleaved")
+    if not direct_call(q, weight, inv_freq, positions, valid_len):
+        return torch.ops.sparse_train.index_queries(*inputs)
+    return index_queries_launch(*inputs)

@@ -29,7 +29,10 @@ need it (causal edge, sequence end, padding rows, two documents), a max over row
 the walked range are stored as -inf; (2) the launcher ``index_block_scores_launch``; (3) the autograd op
 ``_IndexBlockScores`` (backward: a scatter-add of ``grad * w[t]`` into ``du[r, e]`` and ``grad * u[r, e]``
 into ``dw[t]`` at the winners, by ``index_add_``, or ``index_put_(accumulate=True)`` under
-``torch.use_deterministic_algorithms``); (4) the public function :func:`index_block_scores`.
+``torch.use_deterministic_algorithms``), and the same forward and backward as the ``torch.library`` custom ops
+``sparse_train::index_block_scores`` / ``sparse_train::index_block_scores_bwd`` (fake impls, ``register_autograd``)
+that torch.compile, export and dispatch modes call (eager calls on plain tensors skip the op's Python dispatch:
+``_launch.direct_call``); (4) the public function :func:`index_block_scores`.
 
 Known limits: float16 / bfloat16 / float32 (float32 products exact: IEEE dot); float64 goes to the reference;
 bfloat16 runs on CUDA only (the interpreter's bf16 math is wrong); block sizes 16..128, powers of two; M * E
@@ -54,7 +57,7 @@ from ..reference.index_scores import (
     reference_index_block_scores,
 )
 from ._jit import documents_row, dot, index_block_bounds, load_index_rows, sequence_length
-from ._launch import kernel_document_ids, kernel_seq_lens, launch
+from ._launch import direct_call, kernel_document_ids, kernel_seq_lens, launch
 
 __all__ = [
     "BACKWARD_CHUNK_BYTES",
@@ -64,6 +67,8 @@ __all__ = [
     "index_block_scores",
     "index_block_scores_launch",
     "index_scores_support",
+    "score_shape",
+    "shape_args",
     "tile_options",
     "winner_gradients",
 ]
@@ -733,6 +738,108 @@ class _IndexBlockScores(torch.autograd.Function):
         return du, dw, None, None, None, None, None
 
 
+def shape_args(u: Tensor, w: Tensor, block_q: int, block_k: int, query_blocks: Tensor | None) -> IndexScoreArgs:
+    """The geometry of a call read from its shapes, unchecked: the custom ops' implementations rebuild it (their
+    public functions checked the arguments with :func:`check_index_score_args`)."""
+    B, H, M, E, S = u.shape
+    N = w.shape[2]
+    rows = -(-N // block_q) if query_blocks is None else query_blocks.shape[0]
+    return IndexScoreArgs(B, H, M, E, S, N, block_q, block_k, rows)
+
+
+def score_shape(u: Tensor, w: Tensor, block_q: int, block_k: int, query_blocks: Tensor | None) -> tuple:
+    """``(B, H, R, NKB)``, the shape of the block scores of u ``[B, H, M, E, S]`` and w ``[B, H, N, S]`` (the fake
+    implementations' outputs; symbolic sizes welcome)."""
+    B, H = u.shape[:2]
+    N = w.shape[2]
+    rows = -(-N // block_q) if query_blocks is None else query_blocks.shape[0]
+    return (B, H, rows, -(-N // block_k))
+
+
+def _option_values(options: IndexScoreOptions) -> list[int]:
+    """Filled tile options (:func:`tile_options`) as the custom op's int list."""
+    return [*options[:5], int(options.keys_major)]
+
+
+def _options_of(values: list[int]) -> IndexScoreOptions:
+    """The tile options of :func:`_option_values`'s list."""
+    return IndexScoreOptions(*values[:5], keys_major=bool(values[5]))
+
+
+# ``sparse_train::index_block_scores``: the kernel as a torch.library custom op (torch.compile, export and dispatch
+# modes run it as one graph node; eager calls on plain tensors take ``_IndexBlockScores``). The winners are stored
+# only with ``with_winner`` (autograd needs them); without, the op returns two empty int32 tensors in their place.
+@torch.library.custom_op("sparse_train::index_block_scores", mutates_args=())
+def _index_block_scores_op(
+    u: Tensor,
+    w: Tensor,
+    seq_lens: Tensor | None,
+    document_ids: Tensor | None,
+    query_blocks: Tensor | None,
+    block_q: int,
+    block_k: int,
+    options: list[int],
+    with_winner: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    scores, win_row, win_key = index_block_scores_launch(
+        u,
+        w,
+        shape_args(u, w, block_q, block_k, query_blocks),
+        seq_lens=seq_lens,
+        document_ids=document_ids,
+        query_blocks=query_blocks,
+        with_winner=with_winner,
+        options=_options_of(options),
+    )
+    if not with_winner:
+        win_row, win_key = u.new_empty((0,), dtype=torch.int32), u.new_empty((0,), dtype=torch.int32)
+    return scores, win_row, win_key
+
+
+@_index_block_scores_op.register_fake
+def _(u, w, seq_lens, document_ids, query_blocks, block_q, block_k, options, with_winner):
+    shape = score_shape(u, w, block_q, block_k, query_blocks)  # [B, H, R, NKB]
+    winners = shape if with_winner else (0,)
+    return (
+        u.new_empty(shape, dtype=torch.float32),
+        u.new_empty(winners, dtype=torch.int32),
+        u.new_empty(winners, dtype=torch.int32),
+    )
+
+
+# ``sparse_train::index_block_scores_bwd``: :func:`winner_gradients` as the op's backward node; a gradient not
+# asked for (``need_u`` / ``need_w`` false) comes back as an empty tensor.
+@torch.library.custom_op("sparse_train::index_block_scores_bwd", mutates_args=())
+def _index_block_scores_bwd_op(
+    grad: Tensor, scores: Tensor, win_row: Tensor, win_key: Tensor, u: Tensor, w: Tensor, need_u: bool, need_w: bool
+) -> tuple[Tensor, Tensor]:
+    du, dw = winner_gradients(grad, scores, win_row, win_key, u, w, need_u=need_u, need_w=need_w)
+    return (u.new_empty((0,)) if du is None else du), (w.new_empty((0,)) if dw is None else dw)
+
+
+@_index_block_scores_bwd_op.register_fake
+def _(grad, scores, win_row, win_key, u, w, need_u, need_w):
+    return u.new_empty(u.shape if need_u else (0,)), w.new_empty(w.shape if need_w else (0,))
+
+
+def _index_block_scores_setup(ctx, inputs, output) -> None:
+    u, w = inputs[:2]
+    scores, win_row, win_key = output
+    ctx.save_for_backward(u, w, scores, win_row, win_key)
+
+
+def _index_block_scores_backward(ctx, grad, *_):
+    u, w, scores, win_row, win_key = ctx.saved_tensors
+    if win_row.dim() != 4:
+        raise RuntimeError("sparse_train::index_block_scores has a gradient only when called with with_winner=True")
+    need_u, need_w = ctx.needs_input_grad[:2]
+    du, dw = torch.ops.sparse_train.index_block_scores_bwd(grad, scores, win_row, win_key, u, w, need_u, need_w)
+    return (du if need_u else None), (dw if need_w else None), *([None] * 7)
+
+
+_index_block_scores_op.register_autograd(_index_block_scores_backward, setup_context=_index_block_scores_setup)
+
+
 # ----------------------------------------------------------------------------------------------
 # Layer 4: public function
 # ----------------------------------------------------------------------------------------------
@@ -830,7 +937,14 @@ def index_block_scores(
             document_ids=document_ids,
             query_blocks=query_blocks,
         )
-    if torch.is_grad_enabled() and (u.requires_grad or w.requires_grad):
+    with_grad = torch.is_grad_enabled() and (u.requires_grad or w.requires_grad)
+    if not direct_call(u, w, seq_lens, document_ids, query_blocks):
+        tiles = _option_values(tile_options(block_q, block_k, args.E, args.S, options))
+        scores, _, _ = torch.ops.sparse_train.index_block_scores(
+            u, w, seq_lens, document_ids, query_blocks, block_q, block_k, tiles, with_grad
+        )
+        return scores
+    if with_grad:
         return _IndexBlockScores.apply(u, w, seq_lens, document_ids, query_blocks, args, options)
     scores, _, _ = index_block_scores_launch(
         u.detach(),

@@ -48,7 +48,7 @@ from ...arguments import check_attention_args, query_block_args, query_block_row
 from ...plan.launch import attention_schedule
 from ...plan.tuning import BackwardConfig, ForwardConfig
 from ...validation import check_bool, draw_dropout_seed
-from ._launch import attention_output
+from ._launch import attention_output, direct_call
 from .backward import sparse_attn_backward
 from .forward import sparse_attn_forward
 
@@ -349,17 +349,10 @@ class _EagerSparseAttention(torch.autograd.Function):
         return _backward_with(_backward_impl, ctx, do, dlse)
 
 
-_PLAIN_TENSORS = (Tensor, torch.nn.Parameter)
-
-
 def _direct_call(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the call may bypass the custom op: not while torch.compile / export traces (they need the
-    op and its fake), not under a TorchDispatchMode (selective activation checkpointing keeps the op's
-    outputs by its name, ``sparse_train.module.checkpointing``; fake and functional tensors, flop counters), and
-    only for plain tensors (no subclasses such as DTensor)."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0:
-        return False
-    return all(type(t) in _PLAIN_TENSORS for t in (q, k, v))
+    """Whether the call may bypass the custom op (:func:`~sparse_train.kernels.triton._launch.direct_call`): not
+    while torch.compile / export traces, not under a TorchDispatchMode, only for plain tensors."""
+    return direct_call(q, k, v)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,7 +26,10 @@ with the combined lse_g for the span's parts of Z, A and C; ``_token_kl_backward
 head e: recomputes p and z and adds du, dw and the temperature's gradient (atomics: spans share du, listed blocks
 share dw). Helpers: the program's rows (``_listed_rows``), the key mask (``_allowed``), a key tile (``_key_tile``),
 the logits (``_head_logits``, ``_index_logits``) and the target (``_target``). (2) the launchers, which combine the
-spans' partial results in PyTorch; (3) the autograd op ``_TokenKL``; (4) the public function :func:`token_kl`.
+spans' partial results in PyTorch; (3) the autograd op ``_TokenKL``, and the launchers as the ``torch.library`` custom
+ops ``sparse_train::token_kl_fwd`` / ``sparse_train::token_kl_bwd`` (fake impls, ``register_autograd``) that
+torch.compile, export and dispatch modes call (eager calls on plain tensors skip the op's Python dispatch:
+``_launch.direct_call``); (4) the public function :func:`token_kl`.
 
 Known limits: float16 / bfloat16 / float32 inputs (float32 products in IEEE precision; bf16 on CUDA only), block
 sizes 16..128 powers of two, D <= 256, S <= 128; the backward spills registers with more than one index head, and
@@ -44,7 +47,7 @@ from torch import Tensor
 
 from ..reference.token_kl import reference_token_kl
 from ._jit import dot
-from ._launch import kernel_document_ids, kernel_seq_lens, launch
+from ._launch import direct_call, kernel_document_ids, kernel_seq_lens, launch
 
 __all__ = [
     "BLOCK_SIZES",
@@ -613,6 +616,97 @@ class _TokenKL(torch.autograd.Function):
         return du.to(u.dtype), dw.to(w.dtype), d_temperature.to(temperature_dtype), *([None] * 8)
 
 
+# ``sparse_train::token_kl_fwd`` / ``sparse_train::token_kl_bwd``: the two launchers as torch.library custom ops
+# (torch.compile, export and dispatch modes run them as graph nodes; eager calls on plain tensors take ``_TokenKL``).
+# ``stats`` is the forward's four results of an earlier call (kl, lse_s, lse_z, mass) or an empty list.
+@torch.library.custom_op("sparse_train::token_kl_fwd", mutates_args=())
+def _token_kl_fwd_op(
+    u: Tensor,
+    w: Tensor,
+    temperature: Tensor,
+    q_rows: Tensor,
+    k: Tensor,
+    query_blocks: Tensor,
+    block_q: int,
+    scale: float,
+    seq_lens: Tensor | None,
+    document_ids: Tensor | None,
+    stats: list[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    if stats:
+        kl, lse_s, lse_z, mass = (t.clone() for t in stats)
+        return kl, lse_s, lse_z, mass
+    temperature32 = temperature.float().contiguous()
+    kl, lse_s, lse_z, mass = token_kl_forward_launch(
+        u, w, q_rows, k, temperature32, query_blocks, block_q, scale, seq_lens, document_ids
+    )
+    # with B * H = 1, lse_s and lse_z are views of one buffer (their .contiguous() copies nothing): outputs of a custom
+    # op may not alias each other
+    return kl, lse_s, lse_z.clone(), mass
+
+
+@_token_kl_fwd_op.register_fake
+def _(u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, stats):
+    B, H, M = u.shape[:3]
+    G = q_rows.shape[1] // H
+    rows = u.new_empty((B, H, M), dtype=torch.float32)
+    return rows, u.new_empty((B, H, G, M), dtype=torch.float32), torch.empty_like(rows), torch.empty_like(rows)
+
+
+@torch.library.custom_op("sparse_train::token_kl_bwd", mutates_args=())
+def _token_kl_bwd_op(
+    grad: Tensor,
+    u: Tensor,
+    w: Tensor,
+    temperature: Tensor,
+    q_rows: Tensor,
+    k: Tensor,
+    query_blocks: Tensor,
+    block_q: int,
+    scale: float,
+    seq_lens: Tensor | None,
+    document_ids: Tensor | None,
+    lse_s: Tensor,
+    lse_z: Tensor,
+    mass: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    du, dw, d_temperature = token_kl_backward_launch(
+        grad.float(), u, w, q_rows, k, temperature.float().contiguous(), query_blocks, block_q, scale, seq_lens,
+        document_ids, lse_s, lse_z, mass,
+    )  # fmt: skip
+    # contiguous: du and dw are the first S columns of buffers padded to S_P2
+    return (
+        du.to(u.dtype).contiguous(),
+        dw.to(w.dtype).contiguous(),
+        d_temperature.to(temperature.dtype),
+    )
+
+
+@_token_kl_bwd_op.register_fake
+def _(grad, u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, lse_s, lse_z, mass):
+    return u.new_empty(u.shape), w.new_empty(w.shape), temperature.new_empty(temperature.shape)
+
+
+def _token_kl_setup(ctx, inputs, output) -> None:
+    u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, stats = inputs
+    _, lse_s, lse_z, mass = output
+    ctx.save_for_backward(u, w, temperature, q_rows, k, query_blocks, seq_lens, document_ids, lse_s, lse_z, mass)
+    ctx.extras = (block_q, scale, len(stats))
+    ctx.mark_non_differentiable(lse_s, lse_z, mass)
+
+
+def _token_kl_backward(ctx, grad, *_):
+    u, w, temperature, q_rows, k, query_blocks, seq_lens, document_ids, lse_s, lse_z, mass = ctx.saved_tensors
+    block_q, scale, num_stats = ctx.extras
+    du, dw, d_temperature = torch.ops.sparse_train.token_kl_bwd(
+        grad, u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, lse_s, lse_z, mass
+    )
+    return du, dw, d_temperature, *([None] * 7), [None] * num_stats
+
+
+_token_kl_fwd_op.register_autograd(_token_kl_backward, setup_context=_token_kl_setup)
+
+
 # ----------------------------------------------------------------------------------------------
 # Layer 4: public function
 # ----------------------------------------------------------------------------------------------
@@ -703,7 +797,13 @@ def token_kl(
         isinstance(stats, TokenKLStats) and stats.kl.shape == (B, H, M) and stats.lse_s.shape == (B, H, group, M)
     ):
         raise ValueError("stats must be the TokenKLStats of a call with the same shapes")
-    kl, *saved = _TokenKL.apply(
-        u, w, temperature, q_rows.detach(), k.detach(), blocks, block_q, scale, lens, docs, stats
-    )
-    return (kl, TokenKLStats(kl.detach(), *saved)) if with_stats else kl
+    if direct_call(u, w, temperature, q_rows, k):
+        kl, *saved = _TokenKL.apply(
+            u, w, temperature, q_rows.detach(), k.detach(), blocks, block_q, scale, lens, docs, stats
+        )
+    else:
+        kl, *saved = torch.ops.sparse_train.token_kl_fwd(
+            u, w, temperature, q_rows.detach(), k.detach(), blocks, block_q, scale, lens, docs,
+            [] if stats is None else [t.detach() for t in stats],
+        )  # fmt: skip
+    return (kl, TokenKLStats(kl.detach(), *(t.detach() for t in saved))) if with_stats else kl

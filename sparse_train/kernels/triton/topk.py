@@ -13,7 +13,10 @@ Layers: (1) ``_topk_kernel``, one program per row: the row's NKB scores live in 
 as order-preserving int32 (``tl.topk``) gives the K-th largest score, and one prefix count over the row picks every
 block above it and the lowest of the blocks equal to it (half the bits in every exchange of the network of a top-k
 over scores packed with their block ids into int64 keys); (2) the launcher
-``topk_launch``; no autograd (top-k carries no gradient); (4) the public function ``triton_selection_candidates``.
+``topk_launch``; no autograd (top-k carries no gradient); (3) the launcher as the ``torch.library`` custom op
+``sparse_train::selection_topk`` (a fake impl) and :func:`topk_blocks`, which calls it where torch.compile, export or
+a dispatch mode needs a graph node (the candidate picks of ``selection/candidates.py``); (4) the public function
+``triton_selection_candidates`` (the launcher, which a compiled graph takes as a user-defined Triton kernel).
 Its reference is ``sparse_train.selection.scorer.selection_candidates`` (the PyTorch path, which ranks ties in no
 fixed order; for distinct scores the two pick the same blocks).
 
@@ -29,8 +32,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ..reference.scores import EMPTY_BLOCK_SCORE
+from ._launch import direct_call
 
-__all__ = ["MAX_KEY_BLOCKS", "topk_launch", "triton_selection_candidates"]
+__all__ = ["MAX_KEY_BLOCKS", "topk_blocks", "topk_launch", "triton_selection_candidates"]
 
 MAX_KEY_BLOCKS = 8192
 """Longest score row the kernel holds (8192 key blocks: 512K tokens at BK = 64)."""
@@ -151,6 +155,72 @@ def topk_launch(
         num_warps=topk_warps(block_n),
     )
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Layer 3: custom op (no autograd)
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("sparse_train::selection_topk", mutates_args=())
+def _selection_topk_op(
+    scores: Tensor,
+    seq_lens: Tensor | None,
+    query_blocks: Tensor | None,
+    seq_len: int,
+    block_q: int,
+    block_k: int,
+    k: int,
+    window: int,
+    sinks: int,
+) -> Tensor:
+    return topk_launch(
+        scores,
+        seq_len=seq_len,
+        block_q=block_q,
+        block_k=block_k,
+        k=k,
+        window=window,
+        sinks=sinks,
+        seq_lens=seq_lens,
+        query_blocks=query_blocks,
+    )
+
+
+@_selection_topk_op.register_fake
+def _(scores, seq_lens, query_blocks, seq_len, block_q, block_k, k, window, sinks):
+    B, HKV, R, _ = scores.shape
+    return scores.new_empty((B, HKV, R, k), dtype=torch.int64)
+
+
+def topk_blocks(
+    scores: Tensor,
+    *,
+    seq_len: int,
+    block_q: int,
+    block_k: int,
+    k: int,
+    window: int,
+    sinks: int,
+    seq_lens: Tensor | None,
+    query_blocks: Tensor | None,
+) -> Tensor:
+    """:func:`topk_launch` (arguments, returns; no validation, ``k >= 1``) as the ``torch.library`` custom op
+    ``sparse_train::selection_topk`` where torch.compile, export or a dispatch mode needs a graph node, the launcher
+    itself for eager calls on plain tensors (``_launch.direct_call``)."""
+    if not direct_call(scores, seq_lens, query_blocks):
+        return torch.ops.sparse_train.selection_topk(
+            scores, seq_lens, query_blocks, seq_len, block_q, block_k, k, window, sinks
+        )
+    return topk_launch(
+        scores,
+        seq_len=seq_len,
+        block_q=block_q,
+        block_k=block_k,
+        k=k,
+        window=window,
+        sinks=sinks,
+        seq_lens=seq_lens,
+        query_blocks=query_blocks,
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,8 +17,10 @@ Notation: B batch, H heads, N length, D head dim, ROWS rows per program.
 
 Layers: (1) ``_unrotate_kernel``: one program per (row tile, batch, chunk of HEADS_PER_PROGRAM heads); the
 cosine and sine of the tile's rows are computed once and serve every head of the chunk; each rotated pair is
-loaded as two half tiles (every channel once); (2) the launcher ``unrotate_launch``; no autograd op (the indexer's
-inputs are detached); (4) the public function :func:`triton_unrotate`.
+loaded as two half tiles (every channel once); (2) the launcher ``unrotate_launch``; (3) the launcher as the
+``torch.library`` custom op ``sparse_train::unrotate`` (a fake impl, no autograd: the indexer's inputs are detached),
+which torch.compile, export and dispatch modes call, eager calls on plain tensors the launcher
+(``_launch.direct_call``); (4) the public function :func:`triton_unrotate`.
 
 Known limits: any strides in, a contiguous output; the tiles are sized for D <= 256 (larger head dims run, with
 register spills).
@@ -33,7 +35,7 @@ from torch import Tensor
 
 from ..reference.pool import ROPE_STYLES, check_rope_args
 from ._jit import rope_cos_sin, rope_pairs
-from ._launch import kernel_valid_len, position_strides
+from ._launch import direct_call, kernel_valid_len, position_strides
 
 __all__ = ["triton_unrotate", "unrotate_launch"]
 
@@ -152,6 +154,28 @@ def unrotate_launch(
 
 
 # ----------------------------------------------------------------------------------------------
+# Layer 3: custom op (no autograd: the indexer's inputs are detached)
+# ----------------------------------------------------------------------------------------------
+# The launcher as a torch.library custom op, which torch.compile, export and dispatch modes run as a graph node;
+# eager calls on plain tensors call the launcher directly (``_launch.direct_call``).
+@torch.library.custom_op("sparse_train::unrotate", mutates_args=())
+def _unrotate_op(
+    x: Tensor,
+    inv_freq: Tensor,
+    positions: Tensor | None,
+    valid_len: Tensor | None,
+    out_dtype: torch.dtype,
+    interleaved: bool,
+) -> Tensor:
+    return unrotate_launch(x, inv_freq, positions, valid_len, out_dtype, interleaved)
+
+
+@_unrotate_op.register_fake
+def _(x, inv_freq, positions, valid_len, out_dtype, interleaved):
+    return x.new_empty(x.shape, dtype=out_dtype)  # [B, H, N, D] contiguous
+
+
+# ----------------------------------------------------------------------------------------------
 # Layer 4: public function (no autograd: the indexer's inputs are detached)
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
@@ -194,6 +218,7 @@ def triton_unrotate(
     if positions is not None:
         positions = positions.to(x.device)
     out_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
-    return unrotate_launch(
-        x, inv_freq.to(x.device).contiguous(), positions, valid_len, out_dtype, style == "interleaved"
-    )
+    inputs = (x, inv_freq.to(x.device).contiguous(), positions, valid_len, out_dtype, style == "interleaved")
+    if not direct_call(x, inv_freq, positions, valid_len):
+        return torch.ops.sparse_train.unrotate(*inputs)
+    return unrotate_launch(*inputs)
