@@ -25,8 +25,10 @@ _HOST_CORES = os.cpu_count() or 1  # read once: torch.compile cannot trace os.cp
 
 def triton_runs_on(tensor: Tensor) -> bool:
     """Whether the Triton kernels can run on ``tensor``'s device outside the interpreter: a CUDA tensor, with
-    Triton importable. The selector's top-k, canonical-merge and draw kernels ask this; the attention and
-    pooling kernels ask ``functional.choose_backend``, which also checks dtype, head dim and block sizes."""
+    Triton importable. The selector's top-k, canonical-merge and draw kernels ask this, and the token selector's
+    kernels (un-rotation, index queries, index scores, candidate bounds and scores, token-level KL: custom ops, so
+    a compiled graph runs them too); the attention and pooling kernels ask ``functional.choose_backend``, which
+    also checks dtype, head dim and block sizes."""
     if tensor.device.type != "cuda":
         return False
     try:
@@ -37,8 +39,9 @@ def triton_runs_on(tensor: Tensor) -> bool:
 
 
 def triton_runs_eagerly_on(tensor: Tensor) -> bool:
-    """:func:`triton_runs_on` outside a torch.compile trace: the selector's kernel paths that a compiled graph leaves
-    to the PyTorch references (inductor fuses their ops itself)."""
+    """:func:`triton_runs_on` outside a torch.compile trace: the kernel paths that a compiled graph leaves to the
+    PyTorch references (inductor fuses their ops itself): the pooled scorer's block logits
+    (``kernels/triton/scores.py``)."""
     return not torch.compiler.is_compiling() and triton_runs_on(tensor)
 
 

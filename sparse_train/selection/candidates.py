@@ -8,8 +8,9 @@ of width 2S and is at least the score. The C blocks with the largest bound among
 exact score is at least every bound left out, the candidates hold the row's true top k (the row is *certified*,
 :func:`certified_rows`); otherwise a block outside them may have scored higher.
 
-:func:`candidate_block_scores` runs both steps with the Triton kernels where they run (eager CUDA: the bound kernel,
-the selection's top-k kernel for the picks, the candidate kernel), the PyTorch references otherwise;
+:func:`candidate_block_scores` runs both steps with the Triton kernels where they run (CUDA, eager or compiled through
+their custom ops: the bound kernel, the selection's top-k kernel for the picks, the candidate kernel), the PyTorch
+references otherwise;
 :func:`dynamic_block_bounds` gives the bounds the picks rank, for :func:`certified_rows`.
 """
 
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from ..kernels import triton_kernels
 from ..kernels.reference.index_candidates import reference_candidate_index_scores, reference_index_score_bounds
-from ..plan.device import triton_runs_eagerly_on
+from ..plan.device import triton_runs_on
 from .scorer import SelectionGeometry, allowed_dynamic_blocks
 
 __all__ = ["candidate_block_scores", "candidate_blocks", "certified_rows", "dynamic_block_bounds"]
@@ -48,7 +49,7 @@ def candidate_block_scores(
     blocks = dict(block_q=geometry.block_q, block_k=geometry.block_k)
     masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
     picked = candidate_blocks(u, w, geometry, candidates, window=window, sinks=sinks, **masks)
-    kernels = triton_kernels().index_candidates if triton_runs_eagerly_on(u) else None
+    kernels = triton_kernels().index_candidates if triton_runs_on(u) else None
     if kernels is not None and not (torch.is_grad_enabled() and (u.requires_grad or w.requires_grad)):
         exact = kernels.candidate_index_scores(u, w, picked, **blocks, **masks)
     else:
@@ -77,14 +78,14 @@ def candidate_blocks(
     (``kernels/triton/topk.py``, which applies the window, the sinks and causality itself) pick them; otherwise
     :func:`dynamic_block_bounds` and ``torch.topk``."""
     count = min(candidates, geometry.num_k_blocks)
-    kernels = triton_kernels() if triton_runs_eagerly_on(u) else None
+    kernels = triton_kernels() if triton_runs_on(u) else None
     if kernels is not None and document_ids is None and geometry.num_k_blocks <= kernels.topk.MAX_KEY_BLOCKS:
         bounds = kernels.index_candidates.index_score_bounds(
             u, w, block_q=geometry.block_q, block_k=geometry.block_k, seq_lens=seq_lens, query_blocks=query_blocks
         )  # [B, H, R, NKB], -inf where no (row, key) pair is valid
         listed = None if query_blocks is None else query_blocks.to(u.device, torch.int32).contiguous()
         # seq_lens=None: a block past a sequence's end has a -inf bound, which the kernel never picks
-        return kernels.topk.topk_launch(
+        return kernels.topk.topk_blocks(
             bounds,
             seq_len=geometry.seq_len,
             block_q=geometry.block_q,
@@ -127,7 +128,7 @@ def dynamic_block_bounds(
     (row, key) pair. Arguments as :func:`candidate_block_scores`'s."""
     blocks = dict(block_q=geometry.block_q, block_k=geometry.block_k)
     masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
-    if triton_runs_eagerly_on(u):
+    if triton_runs_on(u):
         bounds = triton_kernels().index_candidates.index_score_bounds(u, w, **blocks, **masks)
     else:
         bounds = reference_index_score_bounds(u, w, **blocks, **masks)  # [B, H, R, NKB]

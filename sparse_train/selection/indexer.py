@@ -46,7 +46,7 @@ from ..kernels import triton_kernels
 from ..kernels.reference.index_queries import index_input, index_input_dtype, project_index_queries
 from ..kernels.reference.index_scores import listed_positions, reference_index_block_scores
 from ..kernels.reference.token_kl import reference_token_kl, token_kl_rows
-from ..plan.device import triton_runs_eagerly_on
+from ..plan.device import triton_runs_on
 from ..validation import check_choice, check_float, check_int
 from .candidates import candidate_block_scores
 from .distill import dense_block_mass
@@ -64,20 +64,23 @@ __all__ = ["IndexQueries", "TokenIndexer", "OracleSelector", "build_selector", "
 
 UNROTATE_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 """Input dtypes the indexer un-rotates and projects with the Triton kernels (``kernels/triton/unrotate.py``,
-``kernels/triton/index_queries.py``) on CUDA; the others (float64) take the PyTorch references."""
+``kernels/triton/index_queries.py``) on CUDA, eager or compiled (custom ops); the others (float64) take the PyTorch
+references."""
 _PROJECTION_SEED = 20261203
 """Seed of the initial random projection (the same in every layer; layers differ by their q and k)."""
 
 
 def _kernels_take(x: Tensor) -> bool:
-    """Whether the indexer's input kernels run on ``x``: eager CUDA, a kernel dtype."""
-    return x.dtype in UNROTATE_KERNEL_DTYPES and triton_runs_eagerly_on(x)
+    """Whether the indexer's input kernels run on ``x``: CUDA (eager, or compiled through their custom ops), a kernel
+    dtype."""
+    return x.dtype in UNROTATE_KERNEL_DTYPES and triton_runs_on(x)
 
 
 def _token_kl_kernel_takes(u: Tensor, w: Tensor, k: Tensor, block_q: int) -> bool:
-    """Whether the token-level distillation runs the streaming kernels (``kernels/triton/token_kl.py``): eager CUDA,
-    and the kernels' dtypes and limits (:func:`~sparse_train.kernels.triton.token_kl.kernels_take`)."""
-    return triton_runs_eagerly_on(k) and triton_kernels().token_kl.kernels_take(u, w, k, block_q)
+    """Whether the token-level distillation runs the streaming kernels (``kernels/triton/token_kl.py``): CUDA (eager,
+    or compiled through their custom ops), and the kernels' dtypes and limits
+    (:func:`~sparse_train.kernels.triton.token_kl.kernels_take`)."""
+    return triton_runs_on(k) and triton_kernels().token_kl.kernels_take(u, w, k, block_q)
 
 
 def held_rows(query_blocks: Tensor, held_blocks: Tensor, block_q: int) -> tuple[Tensor, Tensor]:
@@ -154,9 +157,9 @@ class IndexQueries:
 
 def index_scores(u: Tensor, w: Tensor, **kwargs) -> Tensor:
     """The token-level block scores of :func:`~sparse_train.kernels.triton.index_scores.index_block_scores` (one
-    Triton kernel) where the Triton kernels run (eager CUDA), its PyTorch reference otherwise (CPU, torch.compile);
-    arguments and returns as theirs."""
-    if triton_runs_eagerly_on(u):
+    Triton kernel; a custom op under torch.compile) where the Triton kernels run (CUDA), its PyTorch reference
+    otherwise (CPU); arguments and returns as theirs."""
+    if triton_runs_on(u):
         return triton_kernels().index_scores.index_block_scores(u, w, **kwargs)
     return reference_index_block_scores(u, w, **kwargs)
 
@@ -416,9 +419,9 @@ class TokenIndexer(nn.Module):
         logits ``temperature * max_e u[r, e] . w[t]``
         (:func:`~sparse_train.kernels.reference.token_kl.reference_token_kl`). Returns the KL summed over the valid
         rows and their count (float32 scalars, float64 for float64 inputs), and the forward statistics of the
-        streaming kernels (``kernels/triton/token_kl.py``, eager CUDA; None on the PyTorch path): a recompute of
-        the same call (activation checkpointing) passes them back as ``stats`` and skips the kernels' forward.
-        Gradients reach only this module's parameters.
+        streaming kernels (``kernels/triton/token_kl.py``, CUDA, eager or compiled; None on the PyTorch path): a
+        recompute of the same call (activation checkpointing) passes them back as ``stats`` and skips the kernels'
+        forward. Gradients reach only this module's parameters.
 
         ``q_index_rows``: :meth:`pool`'s queries at the rows of ``query_blocks`` (:meth:`query_rows`: ``[B, HQ, R * BQ,
         D]`` block by block); ``k_index``: :meth:`pool`'s keys; ``q`` ``[B, HQ, N, D]`` / ``k`` ``[B, HKV, N, D]``: the

@@ -2,7 +2,9 @@
 (kernels/reference/index_candidates.py) in float64, by the error-ratio rule: the bounds of every block pair and the
 exact scores of listed blocks; odd lengths, unequal blocks, E in {1, 2, 3, 4}, S in {8, 16, 20, 32}, seq_lens with
 NaN padding, packed documents (a boundary inside a block), listed query blocks (unsorted, the partial last block), an
-all-masked row, unlisted slots (-1, past NKB), repeated blocks, any strides, float16, dispatch and validation.
+all-masked row, unlisted slots (-1, past NKB), repeated blocks, any strides, float16, dispatch and validation; the
+custom ops ``sparse_train::index_score_bounds`` and ``sparse_train::candidate_index_scores`` (opcheck, a fullgraph
+compile against eager) and ``candidate_blocks`` compiled with the top-k kernel's op.
 GPU-marked tests: bf16 at N = 16384 with H in {1, 3, 4, 8}, 128K on listed query blocks, no host sync and CUDA-graph
 capture."""
 
@@ -12,6 +14,7 @@ from builders import (
     assert_sync_free_and_capturable,
     check_close,
     compile_report_in_subprocess,
+    compiled_fullgraph,
     ids_from_lengths,
     index_inputs,
     ptxas_path,
@@ -213,6 +216,66 @@ def test_auto_backend_takes_the_reference_on_cpu(monkeypatch):
     candidate_index_scores(u, w, bounds.topk(2, dim=-1).indices, block_q=16, block_k=16)
 
 
+# ---------------------------------------------------------------------------------------------- custom ops
+OP_CASES = [
+    # (B, H, N, E, S, BQ, BK, seq_lens, document lengths per row, query blocks)
+    pytest.param(2, 3, 37, 2, 16, 16, 16, (37, 20), None, None, id="odd-n-e2-seq-lens"),
+    pytest.param(2, 1, 45, 1, 20, 16, 32, (45, 30), ((20, 25), (10, 35)), (2, 0), id="s20-documents-query-blocks"),
+]
+
+
+def _op_inputs(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks):
+    """(u, w, candidates [B, H, R, 3] with an unlisted slot, seq_lens, document_ids, query_blocks) of an op case."""
+    u, w = _inputs(B, H, N, E, S, blocks=blocks, block_q=BQ, seed=N + S, seq_lens=seq_lens)
+    kwargs = _kwargs(N, BQ, BK, seq_lens, docs, blocks)
+    rows = len(blocks) if blocks else -(-N // BQ)
+    listed = _listed(B, H, rows, -(-N // BK), 3, seed=N).to(DEV)
+    return u, w, listed, kwargs["seq_lens"], kwargs["document_ids"], kwargs["query_blocks"]
+
+
+@pytest.mark.parametrize("B,H,N,E,S,BQ,BK,seq_lens,docs,blocks", OP_CASES)
+def test_index_candidate_ops_pass_opcheck(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks):
+    """Both ops' schema, fake (shape, dtype, strides) and AOT dispatch."""
+    u, w, listed, lens, ids, query_blocks = _op_inputs(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks)
+    torch.library.opcheck(torch.ops.sparse_train.index_score_bounds.default, (u, w, lens, query_blocks, BQ, BK))
+    torch.library.opcheck(
+        torch.ops.sparse_train.candidate_index_scores.default, (u, w, listed, lens, ids, query_blocks, BQ, BK)
+    )
+
+
+@pytest.mark.parametrize("B,H,N,E,S,BQ,BK,seq_lens,docs,blocks", OP_CASES)
+def test_index_candidate_ops_compiled_fullgraph_equal_eager(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks):
+    """A fullgraph-compiled function of both ops gives the eager public functions' results bit for bit."""
+    u, w, listed, lens, ids, query_blocks = _op_inputs(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks)
+
+    def bounds_and_scores(u, w, listed):
+        bounds = torch.ops.sparse_train.index_score_bounds(u, w, lens, query_blocks, BQ, BK)
+        exact = torch.ops.sparse_train.candidate_index_scores(u, w, listed, lens, ids, query_blocks, BQ, BK)
+        return bounds, exact
+
+    kwargs = dict(block_q=BQ, block_k=BK, seq_lens=lens, document_ids=ids, query_blocks=query_blocks, backend=BACKEND)
+    got = compiled_fullgraph(bounds_and_scores)(u, w, listed)
+    assert torch.equal(got[0], index_score_bounds(u, w, **kwargs))
+    assert torch.equal(got[1], candidate_index_scores(u, w, listed, **kwargs))
+
+
+def test_candidate_blocks_compiled_fullgraph_takes_the_topk_op(monkeypatch):
+    """``selection/candidates.candidate_blocks`` where the kernels run, compiled with fullgraph: the top-k kernel's
+    custom op in the graph (the bounds of CPU tensors take the reference under ``backend="auto"``), the eager picks."""
+    import sparse_train.selection.candidates as candidates
+    from sparse_train.selection import selection_geometry
+
+    B, H, N, BQ, BK, C = 2, 2, 147, 32, 16, 4
+    u, w = _inputs(B, H, N, 2, 16, seed=1)
+    geometry = selection_geometry(N, BQ, BK, 2, 1, 1)
+    monkeypatch.setattr(candidates, "triton_runs_on", lambda x: True)  # the interpreter runs the kernel on CPU
+
+    def picks(u, w):
+        return candidates.candidate_blocks(u, w, geometry, C, window=1, sinks=1)
+
+    assert torch.equal(compiled_fullgraph(picks)(u, w), picks(u, w))
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 def _check_gpu(u, w, listed_count, **kwargs):
     bounds = index_score_bounds(u, w, **kwargs)
@@ -255,9 +318,9 @@ def test_candidate_blocks_kernel_path_picks_what_the_reference_path_picks(
     kwargs = _kwargs(N, BQ, BK, seq_lens, None, blocks)
     del kwargs["block_q"], kwargs["block_k"]
     geometry = selection_geometry(N, BQ, BK, 2, window, sinks)
-    monkeypatch.setattr(candidates, "triton_runs_eagerly_on", lambda x: False)
+    monkeypatch.setattr(candidates, "triton_runs_on", lambda x: False)
     want = candidates.candidate_blocks(u, w, geometry, C, window=window, sinks=sinks, **kwargs)
-    monkeypatch.setattr(candidates, "triton_runs_eagerly_on", lambda x: True)  # the interpreter runs them on CPU
+    monkeypatch.setattr(candidates, "triton_runs_on", lambda x: True)  # the interpreter runs them on CPU
     got = candidates.candidate_blocks(u, w, geometry, C, window=window, sinks=sinks, **kwargs)
     assert got.shape == want.shape == (B, H, len(blocks) if blocks else -(-N // BQ), min(C, geometry.num_k_blocks))
     assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1))
