@@ -6,6 +6,7 @@ import importlib
 import math
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from sparse_train.cuda_graphs import capture_cuda_graph
 from sparse_train.index.block_index import BlockIndex
@@ -345,6 +346,25 @@ def index_inputs(B, H, N, E, S, *, blocks=None, block_q=None, seed=0, dtype=torc
         w[b, :, length:] = float("nan")
         u[b, :, pos >= length] = float("nan")
     return u.to(device=device, dtype=dtype), w.to(device=device, dtype=dtype)
+
+
+class OpRecorder(TorchDispatchMode):
+    """A dispatch mode that records the name of every op dispatched while it is active (``recorder.ops``: e.g.
+    ``"sparse_train::index_block_scores"``, ``"aten::mm"``): which path a public function took."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def compiled_fullgraph(fn):
+    """``torch.compile(fn, backend="aot_eager", fullgraph=True)`` (dynamo and AOT autograd: graph breaks and host
+    reads raise; the graph runs eager aten and the custom ops, the Triton kernels through the interpreter)."""
+    return torch.compile(fn, backend="aot_eager", fullgraph=True)
 
 
 def assert_sync_free_and_capturable(run):

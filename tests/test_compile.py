@@ -4,7 +4,9 @@ capture of selector + canonicalize + plan.
 
 On the CPU the compiled graph is traced with the ``aot_eager`` backend (dynamo + AOT autograd, the part
 that refuses graph breaks and host reads; the generated code is eager aten), the Triton kernels through
-the interpreter as ``torch.library`` custom ops. The GPU tests use the default inductor backend."""
+the interpreter as ``torch.library`` custom ops (the token selector's too, where its dispatch is patched to
+take them). The GPU tests use the default inductor backend; the token selector's there in every
+configuration of its kernels."""
 
 import pytest
 import torch
@@ -80,6 +82,50 @@ def test_fullgraph_compile_of_the_sparse_training_step_equals_eager(backend, dis
     assert int(eager.fallback_counter.sum()) == int(twin.fallback_counter.sum()) == 0  # the sparse path ran
     assert int(twin.distill_draws) == int(eager.distill_draws) == (2 if distill == "sampled" else 0)
     assert int(twin.selector_steps) == int(eager.selector_steps) == 2  # the state dict's step count, compiled too
+
+
+def test_fullgraph_compile_of_the_token_selector_kernels_equals_eager(monkeypatch):
+    """The ``"token"`` selector with token-level distillation where its kernels run (on the CPU the interpreter:
+    ``triton_runs_on`` patched in the indexer), compiled with fullgraph: the un-rotation, index-query and token-KL
+    kernels run in the graph as custom ops, and outputs, selector loss and gradients equal eager's. (Block scores of
+    CPU tensors take their reference under ``backend="auto"``: tests/kernels/test_kernel_index_scores.py compiles
+    that op.)"""
+    import sparse_train.selection.indexer as indexer
+    from sparse_train.kernels import triton_kernels
+
+    monkeypatch.setattr(indexer, "triton_runs_on", lambda x: True)
+    calls = {"unrotate": 0, "index_queries": 0, "token_kl": 0}
+    for name, launcher in (
+        ("unrotate", "unrotate_launch"),
+        ("index_queries", "index_queries_launch"),
+        ("token_kl", "token_kl_backward_launch"),
+    ):
+        module = getattr(triton_kernels(), name)
+        original = getattr(module, launcher)
+
+        def counted(*args, _name=name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, launcher, counted)
+    torch._dynamo.reset()
+    eager, twin = _pair(
+        backend="triton", distill="sampled", selector="token", selector_distill="token", selector_rope_theta=10000.0
+    )
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")
+    n, batch = 87, 2
+    for step in range(2):
+        q, k, v = make_qkv(batch, HQ, HKV, n, D, seed=20 + step)
+        want = _step(eager, q, k, v)
+        calls.update(dict.fromkeys(calls, 0))
+        got = _step(compiled, q, k, v)
+        assert all(count > 0 for count in calls.values()), f"kernels the compiled step called: {calls}"
+        for name, g, w in zip(("out", "selector_loss", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(g, w, msg=f"step {step}: {name}")
+        assert len(got[5]) == len(want[5]) > 0
+        for g, w in zip(got[5], want[5]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"step {step}: selector gradient")
+        assert torch.equal(twin.last_selection.indices, eager.last_selection.indices)
 
 
 def _train_forwards(models, tokens, labels, sparse, autocast_device=None):
@@ -343,6 +389,78 @@ def test_fullgraph_inductor_compile_equals_eager_on_gpu(distill, with_lens, with
             torch.testing.assert_close(g, w, atol=5e-2, rtol=5e-2)
         torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-3)
         assert torch.equal(twin.last_selection.indices, eager.last_selection.indices)
+
+
+TOKEN_SELECTOR_CASES = [
+    # (selector_distill, selector_candidates): which of the token selector's kernels the step runs
+    pytest.param("token", None, id="token-kl-exact-scores"),
+    pytest.param("token", 4, id="token-kl-candidates"),
+    pytest.param("block", None, id="block-kl-scores-with-winners"),
+]
+TOKEN_SELECTOR_LAUNCHERS = {
+    "unrotate": "unrotate_launch",
+    "index_queries": "index_queries_launch",
+    "index_scores": "index_block_scores_launch",
+    "index_candidates": "index_score_bounds_launch",
+    "topk": "topk_launch",
+    "token_kl": "token_kl_forward_launch",
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("selector_distill,candidates", TOKEN_SELECTOR_CASES)
+def test_fullgraph_inductor_compile_of_the_token_selector_on_gpu(monkeypatch, selector_distill, candidates):
+    """torch.compile(fullgraph=True) with inductor of a training step with the ``"token"`` selector (RoPE undone,
+    distillation on sampled blocks): the Triton kernels run inside the compiled graph as custom ops (each launcher
+    the configuration uses is called by the compiled step), and outputs, selector loss, gradients and the selection
+    equal eager's (tolerances of the module's GPU compile test)."""
+    from sparse_train.kernels import triton_kernels
+
+    torch._dynamo.reset()
+    device = torch.device("cuda")
+    eager, twin = _pair(
+        device,
+        block_q=64,
+        block_k=64,
+        top_k=4,
+        window=2,
+        sinks=1,
+        distill="sampled",
+        selector="token",
+        selector_distill=selector_distill,
+        selector_candidates=candidates,
+        selector_rope_theta=10000.0,
+    )
+    compiled = torch.compile(twin, fullgraph=True)
+    calls = dict.fromkeys(TOKEN_SELECTOR_LAUNCHERS, 0)
+    for module_name, launcher in TOKEN_SELECTOR_LAUNCHERS.items():
+        module = getattr(triton_kernels(), module_name)
+        original = getattr(module, launcher)
+
+        def counted(*args, _name=module_name, _original=original, **kwargs):
+            calls[_name] += 1
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, launcher, counted)
+    n, batch, kwargs = _gpu_shape(True, False, device)
+    for step in range(2):
+        q, k, v = make_qkv(batch, HQ, HKV, n, D, dtype=torch.bfloat16, seed=step, device=device)
+        want = _step(eager, q, k, v, **kwargs)
+        calls.update(dict.fromkeys(calls, 0))
+        got = _step(compiled, q, k, v, **kwargs)
+        torch.testing.assert_close(got[0], want[0], atol=2e-2, rtol=2e-2)
+        for g, w in zip(got[2:5], want[2:5]):
+            torch.testing.assert_close(g, w, atol=5e-2, rtol=5e-2)
+        torch.testing.assert_close(got[1], want[1], atol=1e-4, rtol=1e-3)
+        assert len(got[5]) == len(want[5]) > 0
+        for g, w in zip(got[5], want[5]):
+            err = ((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30)).item()
+            assert err < GPU_SELECTOR_GRADIENT_LIMIT, f"selector gradient: relative error {err:.2e}"
+        assert torch.equal(twin.last_selection.indices, eager.last_selection.indices)
+        expected = {"unrotate", "index_queries"}
+        expected |= {"index_candidates", "topk"} if candidates else {"index_scores"}
+        expected |= {"token_kl"} if selector_distill == "token" else set()
+        assert all(calls[name] > 0 for name in expected), f"kernels the compiled step called: {calls}"
 
 
 GPU_GRADIENT_LIMIT = 1.5e-2

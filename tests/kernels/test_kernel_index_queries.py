@@ -2,7 +2,8 @@
 (kernels/reference/index_queries.py) in float64, by the error-ratio rule: both RoPE conventions, partial RoPE (a
 tail of plain channels), no RoPE, GQA groups 1 / 3 / 4, index widths 8 to 64 (padded to the dot's 16), positions
 shifted / restarting / float, lengths with NaN padding (an empty row), transposed strides, float16; validation;
-compiled for sm_90a without spills. The token indexer on that path (its selection scores) against the two-step path.
+compiled for sm_90a without spills; the custom op ``sparse_train::index_queries`` (opcheck, the public function
+compiled fullgraph against eager). The token indexer on that path (its selection scores) against the two-step path.
 GPU-marked tests: bf16 at 16K with late positions and a cut row (both RoPE conventions); no host sync and CUDA-graph
 capture (the indexer's bf16 scores on the GPU: tests/selection/test_selector_indexer.py)."""
 
@@ -12,6 +13,7 @@ from builders import (
     assert_sync_free_and_capturable,
     check_close,
     compile_report_in_subprocess,
+    compiled_fullgraph,
     ptxas_path,
     ptxas_usage,
     rope_inputs,
@@ -111,6 +113,39 @@ def test_index_queries_reject_bad_arguments(call, match):
     q = torch.randn(1, 4, 20, 16)
     with pytest.raises(ValueError, match=match):
         call(q, torch.randn(2, 32, 8), rope_inverse_frequencies(10000.0, 8))
+
+
+# ---------------------------------------------------------------------------------------------- custom op
+OP_CASES = [
+    # (B, HKV, G, N, D, X, rope channels, positions, lengths, style)
+    pytest.param(2, 2, 3, 37, 32, 24, 16, "per_row", (37, 20), "interleaved", id="gqa3-partial-rope-lengths"),
+    pytest.param(1, 3, 1, 21, 16, 8, 0, None, None, "rotate_half", id="mha-no-rope"),
+]
+
+
+@pytest.mark.parametrize("B,HKV,G,N,D,X,rope,positions,lengths,style", OP_CASES)
+def test_index_queries_op_passes_opcheck(B, HKV, G, N, D, X, rope, positions, lengths, style):
+    """The op's schema, fake (shape, dtype, strides) and AOT dispatch, on transposed q."""
+    q, weight, inv_freq, pos, valid = _inputs(
+        B, HKV, G, N, D, X, rope=rope, positions=positions, lengths=lengths, layout="bnhd"
+    )
+    valid = None if valid is None else valid.to(torch.int32)
+    pos = None if inv_freq is None else pos
+    args = (q, weight.contiguous(), inv_freq, pos, valid, style == "interleaved")
+    torch.library.opcheck(torch.ops.sparse_train.index_queries.default, args)
+
+
+@pytest.mark.parametrize("B,HKV,G,N,D,X,rope,positions,lengths,style", OP_CASES)
+def test_index_queries_compiled_fullgraph_equals_eager(B, HKV, G, N, D, X, rope, positions, lengths, style):
+    """The public function compiled with fullgraph runs the kernel through the op: the eager result bit for bit."""
+    q, weight, inv_freq, pos, valid = _inputs(
+        B, HKV, G, N, D, X, rope=rope, positions=positions, lengths=lengths, layout="bnhd"
+    )
+
+    def project(q, weight):
+        return triton_index_queries(q, weight, inv_freq, pos, style, valid_len=valid)
+
+    assert torch.equal(compiled_fullgraph(project)(q, weight), project(q, weight))
 
 
 # ---------------------------------------------------------------------------------------------- the indexer's path

@@ -2,14 +2,18 @@
 (kernels/reference_index_scores.py) in float64, by the error-ratio rule: the scores and the gradients of u and w;
 odd lengths, unequal blocks, E in {1, 2, 3, 4}, S in {16, 20, 32}, seq_lens with NaN padding, packed documents
 (a boundary inside a block), listed query blocks (unsorted, the partial last block), an all-masked row, tile
-options, determinism, the winners the kernel stores, validation and dispatch. GPU-marked tests: bf16 / fp16 at
+options, determinism, the winners the kernel stores, validation and dispatch; the custom ops
+(``sparse_train::index_block_scores`` and its backward: opcheck, a fullgraph compile against eager, the public
+function's path under a dispatch mode). GPU-marked tests: bf16 / fp16 at
 N = 4097 and 16384 with H in {1, 3, 4, 8}, and 128K on listed query blocks."""
 
 import pytest
 import torch
 from builders import (
+    OpRecorder,
     check_close,
     compile_report_in_subprocess,
+    compiled_fullgraph,
     ids_from_lengths,
     index_inputs,
     ptxas_path,
@@ -378,6 +382,102 @@ def test_index_scores_float64_auto_takes_the_reference():
     got = index_block_scores(u, w, block_q=16, block_k=16)
     assert got.dtype == torch.float64
     assert torch.equal(got, reference_index_block_scores(u, w, block_q=16, block_k=16))
+
+
+# ---------------------------------------------------------------------------------------------- custom ops
+OP_CASES = [
+    # (B, H, N, E, S, BQ, BK, seq_lens, document lengths per row, query blocks)
+    pytest.param(2, 3, 37, 2, 16, 16, 16, (37, 20), None, None, id="odd-n-e2-seq-lens"),
+    pytest.param(2, 1, 45, 1, 20, 16, 32, (45, 30), ((20, 25), (10, 35)), (2, 0), id="s20-documents-query-blocks"),
+]
+
+
+def _op_inputs(B, H, N, E, S, BQ, seq_lens, docs, blocks):
+    """(u, w, seq_lens, document_ids, query_blocks) of an op case (NaN padding past seq_lens)."""
+    u, w = _inputs(B, H, N, E, S, blocks=blocks, block_q=BQ, seed=N + S, seq_lens=seq_lens)
+    return (
+        u,
+        w,
+        None if seq_lens is None else torch.tensor(seq_lens, device=DEV),
+        None if docs is None else ids_from_lengths(*docs).to(DEV),
+        None if blocks is None else torch.tensor(blocks, device=DEV),
+    )
+
+
+def _tiles(BQ, BK, E, S):
+    return index_scores_mod._option_values(index_scores_mod.tile_options(BQ, BK, E, S))
+
+
+@pytest.mark.parametrize("with_grad", [True, False], ids=["grad-winners", "no-grad"])
+@pytest.mark.parametrize("B,H,N,E,S,BQ,BK,seq_lens,docs,blocks", OP_CASES)
+def test_index_block_scores_op_passes_opcheck(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks, with_grad):
+    """The forward op's schema, fake (shapes, dtypes, strides), autograd registration and AOT dispatch; with
+    autograd the winners are stored and the gradient goes through the backward op."""
+    u, w, lens, ids, listed = _op_inputs(B, H, N, E, S, BQ, seq_lens, docs, blocks)
+    args = (u.requires_grad_(with_grad), w.requires_grad_(with_grad), lens, ids, listed, BQ, BK, _tiles(BQ, BK, E, S))
+    torch.library.opcheck(torch.ops.sparse_train.index_block_scores.default, (*args, with_grad))
+
+
+@pytest.mark.parametrize("need_u,need_w", [(True, True), (True, False), (False, True)], ids=["du-dw", "du", "dw"])
+def test_index_block_scores_backward_op_passes_opcheck(need_u, need_w):
+    B, H, N, E, S, BQ, BK = 2, 2, 37, 2, 16, 16, 16
+    u, w, lens, ids, listed = _op_inputs(B, H, N, E, S, BQ, (37, 20), None, None)
+    args = check_index_score_args(u, w, BQ, BK, lens)
+    scores, win_row, win_key = index_block_scores_launch(u, w, args, seq_lens=lens, with_winner=True)
+    grad = torch.randn(scores.shape, generator=torch.Generator().manual_seed(2)).to(DEV)
+    torch.library.opcheck(
+        torch.ops.sparse_train.index_block_scores_bwd.default, (grad, scores, win_row, win_key, u, w, need_u, need_w)
+    )
+
+
+@pytest.mark.parametrize("B,H,N,E,S,BQ,BK,seq_lens,docs,blocks", OP_CASES)
+def test_index_block_scores_op_compiled_fullgraph_equals_eager(B, H, N, E, S, BQ, BK, seq_lens, docs, blocks):
+    """A fullgraph-compiled function of the op (forward, and the backward AOT autograd derives from its
+    registration) gives the eager public function's scores bit for bit and its gradients of u and w."""
+    u, w, lens, ids, listed = _op_inputs(B, H, N, E, S, BQ, seq_lens, docs, blocks)
+    tiles = _tiles(BQ, BK, E, S)
+    grad = None
+
+    def weighted(scores):
+        return (torch.where(torch.isfinite(scores), scores, 0.0) * grad).sum()
+
+    def compiled_call(u, w):
+        scores, _, _ = torch.ops.sparse_train.index_block_scores(u, w, lens, ids, listed, BQ, BK, tiles, True)
+        return scores, weighted(scores)
+
+    eager_u, eager_w = u.clone().requires_grad_(), w.clone().requires_grad_()
+    want = index_block_scores(
+        eager_u, eager_w, block_q=BQ, block_k=BK, seq_lens=lens, document_ids=ids, query_blocks=listed, backend=BACKEND
+    )
+    grad = torch.randn(want.shape, generator=torch.Generator().manual_seed(5)).to(DEV)
+    weighted(want).backward()
+    u.requires_grad_()
+    w.requires_grad_()
+    got, total = compiled_fullgraph(compiled_call)(u, w)
+    total.backward()
+    assert torch.equal(got, want)
+    torch.testing.assert_close(u.grad, eager_u.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(w.grad, eager_w.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_index_block_scores_takes_the_op_under_a_dispatch_mode():
+    """Under a TorchDispatchMode (selective checkpointing, fake tensors) the public function calls the custom ops
+    (forward and backward), with the results of its direct launch."""
+    u, w, lens, ids, listed = _op_inputs(2, 1, 45, 1, 20, 16, (45, 30), ((20, 25), (10, 35)), (2, 0))
+    kwargs = dict(block_q=16, block_k=32, seq_lens=lens, document_ids=ids, query_blocks=listed, backend=BACKEND)
+    u.requires_grad_()
+    w.requires_grad_()
+    direct = index_block_scores(u, w, **kwargs)
+    grad = torch.randn(direct.shape, generator=torch.Generator().manual_seed(3)).to(DEV)
+    want = torch.autograd.grad(direct, (u, w), grad)
+    with OpRecorder() as recorder:
+        via_op = index_block_scores(u, w, **kwargs)
+        got = torch.autograd.grad(via_op, (u, w), grad)
+    assert "sparse_train::index_block_scores" in recorder.ops
+    assert "sparse_train::index_block_scores_bwd" in recorder.ops
+    assert torch.equal(via_op, direct)
+    for g, e in zip(got, want):
+        assert torch.equal(g, e)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

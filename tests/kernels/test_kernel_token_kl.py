@@ -2,11 +2,20 @@
 (kernels/reference/token_kl.py) in float64, by the error-ratio rule: the per-row KL and the gradients of u, w and the
 temperature; GQA 1 / 3 / 4, index heads 1-3, S padded to 16, odd lengths, listed blocks unsorted with the partial
 last one, seq_lens with NaN padding and an empty row, packed documents, one key span and several, float16;
-validation; compiled for sm_90a. GPU-marked: bf16 at 16K (eight key spans) against the float64 reference."""
+validation; the custom ops ``sparse_train::token_kl_fwd`` / ``sparse_train::token_kl_bwd`` (opcheck, the public function
+compiled fullgraph, forward and backward, against eager); compiled for sm_90a. GPU-marked: bf16 at 16K (eight key
+spans) against the float64 reference."""
 
 import pytest
 import torch
-from builders import check_close, compile_report_in_subprocess, ids_from_lengths, ptxas_path, ptxas_usage
+from builders import (
+    check_close,
+    compile_report_in_subprocess,
+    compiled_fullgraph,
+    ids_from_lengths,
+    ptxas_path,
+    ptxas_usage,
+)
 
 from sparse_train.kernels.reference.token_kl import reference_token_kl, token_kl_rows
 from sparse_train.kernels.triton import token_kl as token_kl_kernels
@@ -151,6 +160,70 @@ def test_token_kl_rejects_bad_arguments(change, match):
     args = dict(u=u, w=w, q_rows=q_rows, k=k, temperature=temperature, query_blocks=blocks, block_q=16, scale=0.3)
     with pytest.raises(ValueError, match=match):
         token_kl(**change(args))
+
+
+# ---------------------------------------------------------------------------------------------- custom ops
+OP_CASES = [
+    # (B, H, G, N, D, E, S, BQ, listed blocks, lengths, document lengths per row)
+    pytest.param(2, 2, 3, 53, 16, 2, 8, 16, (3, 0), (53, 30), None, id="gqa3-e2-s8-lengths-partial-last"),
+    pytest.param(1, 1, 2, 40, 16, 1, 16, 16, (2, 1), None, ((15, 25),), id="gqa2-documents"),
+]
+
+
+def _op_inputs(B, H, G, N, D, E, S, BQ, blocks, lengths, docs):
+    """(u, w, q_rows, k, temperature, query_blocks int32, seq_lens int32, document_ids int32): the op's inputs as the
+    public function passes them."""
+    u, w, q_rows, k, temperature, blocks_t, lens = _inputs(B, H, G, N, D, E, S, BQ, blocks, lengths, seed=N + G)
+    ids = None if docs is None else ids_from_lengths(*docs).to(DEV, torch.int32)
+    lens = None if lens is None else lens.to(torch.int32)
+    return u, w, q_rows, k, temperature, blocks_t.to(torch.int32), lens, ids
+
+
+@pytest.mark.parametrize("with_stats", [False, True], ids=["kernels", "stats"])
+@pytest.mark.parametrize("B,H,G,N,D,E,S,BQ,blocks,lengths,docs", OP_CASES)
+def test_token_kl_ops_pass_opcheck(B, H, G, N, D, E, S, BQ, blocks, lengths, docs, with_stats):
+    """The forward op's schema, fake (shapes, dtypes, strides), autograd registration and AOT dispatch (gradients of u,
+    w and the temperature through the backward op), with the forward kernels or an earlier call's statistics; the
+    backward op's likewise."""
+    u, w, q_rows, k, temperature, blocks_t, lens, ids = _op_inputs(B, H, G, N, D, E, S, BQ, blocks, lengths, docs)
+    args = (u, w, temperature, q_rows, k, blocks_t, BQ, 0.3, lens, ids)
+    stats = list(torch.ops.sparse_train.token_kl_fwd(*args, [])) if with_stats else []
+    leaves = [t.clone().requires_grad_() for t in (u, w, temperature)]
+    torch.library.opcheck(torch.ops.sparse_train.token_kl_fwd.default, (*leaves, *args[3:], stats))
+    if not with_stats:
+        _, lse_s, lse_z, mass = torch.ops.sparse_train.token_kl_fwd(*args, [])
+        grad = torch.rand(lse_z.shape, generator=torch.Generator().manual_seed(4)).to(DEV)
+        torch.library.opcheck(
+            torch.ops.sparse_train.token_kl_bwd.default,
+            (grad, u, w, temperature, q_rows, k, blocks_t, BQ, 0.3, lens, ids, lse_s, lse_z, mass),
+        )
+
+
+@pytest.mark.parametrize("B,H,G,N,D,E,S,BQ,blocks,lengths,docs", OP_CASES)
+def test_token_kl_compiled_fullgraph_equals_eager(B, H, G, N, D, E, S, BQ, blocks, lengths, docs):
+    """The public function compiled with fullgraph runs the kernels through the ops: the eager KL and statistics bit
+    for bit, the gradients of u, w and the temperature up to the order of the backward's atomics."""
+    u, w, q_rows, k, temperature, blocks_t, lens = _inputs(B, H, G, N, D, E, S, BQ, blocks, lengths, seed=N + G)
+    ids = None if docs is None else ids_from_lengths(*docs).to(DEV)
+    grad = torch.rand(B, H, len(blocks) * BQ, generator=torch.Generator().manual_seed(6)).to(DEV)
+
+    def loss(u, w, temperature):
+        kl, stats = token_kl(u, w, q_rows, k, temperature, blocks_t, block_q=BQ, scale=0.3, seq_lens=lens,
+                             document_ids=ids, with_stats=True)  # fmt: skip
+        return kl, stats, (kl * grad).sum()
+
+    results = []
+    for call in (loss, compiled_fullgraph(loss)):
+        leaves = [t.detach().clone().requires_grad_() for t in (u, w, temperature)]
+        kl, stats, total = call(*leaves)
+        total.backward()
+        results.append((kl, stats, [leaf.grad for leaf in leaves]))
+    (want, want_stats, want_grads), (got, got_stats, got_grads) = results
+    assert torch.equal(got, want)
+    for a, b in zip(got_stats, want_stats):
+        assert torch.equal(a, b)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 # ---------------------------------------------------------------------------------------------- compile for Hopper

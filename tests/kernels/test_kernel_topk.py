@@ -1,11 +1,13 @@
 """The selector's top-k kernel (kernels/triton/topk.py) against the PyTorch path of ``selection_candidates``: the same
 blocks for distinct scores, in every case the kernel takes (window, sinks, seq_lens with empty blocks, context-
-parallel rows, rows with fewer candidates than K, NaN scores); validation; the selector on the GPU."""
+parallel rows, rows with fewer candidates than K, NaN scores); validation; the custom op
+``sparse_train::selection_topk`` (opcheck, a fullgraph compile against the launcher); the selector on the GPU."""
 
 import pytest
 import torch
+from builders import compiled_fullgraph
 
-from sparse_train.kernels.triton.topk import triton_selection_candidates
+from sparse_train.kernels.triton.topk import topk_blocks, topk_launch, triton_selection_candidates
 from sparse_train.selection import selection_candidates, selection_geometry
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -107,6 +109,43 @@ def test_topk_kernel_rejects_bad_arguments(call, match):
     scores = _scores(1, 1, geom.num_q_blocks, geom.num_k_blocks, device="cpu")
     with pytest.raises(ValueError, match=match):
         call(scores, geom)
+
+
+OP_CASES = [
+    # (B, HKV, N, BQ, BK, k, window, sinks, seq_lens, query blocks)
+    pytest.param(2, 3, 300, 16, 16, 3, 1, 1, (300, 150), None, id="odd-heads-seq-lens"),
+    pytest.param(1, 2, 147, 32, 16, 4, 0, 0, None, (4, 1, 3), id="query-blocks-unsorted-partial-last"),
+]
+
+
+def _op_args(B, HKV, N, BQ, BK, k, window, sinks, seq_lens, blocks):
+    """(scores, seq_lens int32, query_blocks int32) and the launcher's keywords of an op case."""
+    rows = len(blocks) if blocks else -(-N // BQ)
+    scores = _scores(B, HKV, rows, -(-N // BK), seed=N)
+    lens = None if seq_lens is None else torch.tensor(seq_lens, device=DEV, dtype=torch.int32)
+    listed = None if blocks is None else torch.tensor(blocks, device=DEV, dtype=torch.int32)
+    return scores, lens, listed, dict(seq_len=N, block_q=BQ, block_k=BK, k=k, window=window, sinks=sinks)
+
+
+@pytest.mark.parametrize("B,HKV,N,BQ,BK,k,window,sinks,seq_lens,blocks", OP_CASES)
+def test_selection_topk_op_passes_opcheck(B, HKV, N, BQ, BK, k, window, sinks, seq_lens, blocks):
+    """The op's schema, fake (shape, dtype, strides) and AOT dispatch."""
+    scores, lens, listed, _ = _op_args(B, HKV, N, BQ, BK, k, window, sinks, seq_lens, blocks)
+    args = (scores, lens, listed, N, BQ, BK, k, window, sinks)
+    torch.library.opcheck(torch.ops.sparse_train.selection_topk.default, args)
+
+
+@pytest.mark.parametrize("B,HKV,N,BQ,BK,k,window,sinks,seq_lens,blocks", OP_CASES)
+def test_topk_blocks_compiled_fullgraph_equals_the_launcher(B, HKV, N, BQ, BK, k, window, sinks, seq_lens, blocks):
+    """``topk_blocks`` compiled with fullgraph runs the kernel through the op: the launcher's picks."""
+    scores, lens, listed, meta = _op_args(B, HKV, N, BQ, BK, k, window, sinks, seq_lens, blocks)
+
+    def picks(scores):
+        return topk_blocks(scores, seq_lens=lens, query_blocks=listed, **meta)
+
+    assert torch.equal(
+        compiled_fullgraph(picks)(scores), topk_launch(scores, seq_lens=lens, query_blocks=listed, **meta)
+    )
 
 
 @pytest.mark.gpu

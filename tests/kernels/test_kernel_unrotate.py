@@ -1,10 +1,11 @@
 """The RoPE un-rotation kernel (kernels/triton/unrotate.py) against its PyTorch reference
-(kernels/reference/pool.py ``unrotate``) in float64, by the error-ratio rule; validation; the token indexer's
-inputs on the GPU."""
+(kernels/reference/pool.py ``unrotate``) in float64, by the error-ratio rule; validation; the custom op
+``sparse_train::unrotate`` (opcheck, the public function compiled fullgraph against eager); the token indexer's inputs
+on the GPU."""
 
 import pytest
 import torch
-from builders import check_close, rope_inputs
+from builders import check_close, compiled_fullgraph, rope_inputs
 
 from sparse_train.kernels.reference.pool import unrotate
 from sparse_train.kernels.triton.unrotate import triton_unrotate
@@ -92,6 +93,38 @@ def test_unrotate_rejects_bad_arguments(call, match):
     x = torch.randn(1, 2, 20, 16)
     with pytest.raises(ValueError, match=match):
         call(x, rope_inverse_frequencies(10000.0, 8))
+
+
+OP_CASES = [
+    # (B, H, N, D, rope channels, positions, lengths, style, dtype)
+    pytest.param(2, 3, 37, 32, 16, "per_row", (37, 20), "interleaved", torch.float32, id="partial-rope-lengths"),
+    pytest.param(1, 5, 21, 16, 16, "float", None, "rotate_half", torch.float16, id="float-positions-fp16"),
+]
+
+
+@pytest.mark.parametrize("B,H,N,D,rope,positions,lengths,style,dtype", OP_CASES)
+def test_unrotate_op_passes_opcheck(B, H, N, D, rope, positions, lengths, style, dtype):
+    """The op's schema, fake (shape, dtype, strides) and AOT dispatch, on transposed x."""
+    x, inv_freq, pos, valid = _inputs(
+        B, H, N, D, rope=rope, positions=positions, lengths=lengths, layout="bnhd", dtype=dtype
+    )
+    valid = None if valid is None else valid.to(torch.int32)
+    out_dtype = torch.float32 if dtype == torch.float32 else dtype
+    args = (x, inv_freq, pos, valid, out_dtype, style == "interleaved")
+    torch.library.opcheck(torch.ops.sparse_train.unrotate.default, args)
+
+
+@pytest.mark.parametrize("B,H,N,D,rope,positions,lengths,style,dtype", OP_CASES)
+def test_unrotate_compiled_fullgraph_equals_eager(B, H, N, D, rope, positions, lengths, style, dtype):
+    """The public function compiled with fullgraph runs the kernel through the op: the eager result bit for bit."""
+    x, inv_freq, pos, valid = _inputs(
+        B, H, N, D, rope=rope, positions=positions, lengths=lengths, layout="bnhd", dtype=dtype
+    )
+
+    def unrotated(x):
+        return triton_unrotate(x, inv_freq, pos, style, valid_len=valid)
+
+    assert torch.equal(compiled_fullgraph(unrotated)(x), unrotated(x))
 
 
 @pytest.mark.gpu
