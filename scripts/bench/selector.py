@@ -26,6 +26,15 @@ Transformer and the Hugging Face integration set it; 0 turns it off):
                             distillation) with distill off / sparse / sampled (the default); the
                             differences to "off" are the distillation's cost in a step
 
+With ``--compile`` (the ``"token"`` selector) it times the selector call eager against ``torch.compile(fullgraph=True)``
+of it, the token selector's Triton kernels running in the compiled graph as custom ops, and checks the compiled results
+against eager's:
+
+* ``compile/selection[eager|compiled]``      ``pool`` + the scores of every block pair (no gradient) + top-k
+* ``compile/token_distill[eager|compiled]``  the token-level distillation (``token_distillation_loss`` on
+                            ``--sampled-blocks`` query blocks, pooling included) forward + backward into the selector's
+                            parameters
+
 With ``--kernel-table`` it also profiles five selections (the kernels, their device time and launches per
 selection); with ``--sweep-pool`` it times the pooling kernel's tilings (``plan.pool_config``'s source);
 
@@ -43,6 +52,7 @@ Usage::
     python -m scripts.bench.selector --graph --repeats 100 --out selector_graph.json   # + CUDA-graph replay
     python -m scripts.bench.selector --selector-only --d 64 --kernel-table kernels.txt --sweep-pool --out s.json
     python -m scripts.bench.selector --device cpu --n 2048 --hq 4 --hkv 2 --d 64 --out /tmp/s.json  # smoke
+    python -m scripts.bench.selector --selector token --candidates 32 --compile --selector-only --out t.json
 """
 
 from __future__ import annotations
@@ -158,6 +168,12 @@ def parse_args(argv=None):
         action="store_true",
         help="time only the selector phases (no distillation, attention or module timings)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="(token selector) time the selection and the token-level distillation eager and under "
+        "torch.compile(fullgraph=True), and check the compiled results against eager",
+    )
     p.add_argument("--out", type=Path, required=True, help="JSON output path")
     return p.parse_args(argv)
 
@@ -237,6 +253,74 @@ def sweep_pool(q, k, block: int, group: int, scorer, args) -> list[dict]:
             f"{'  (default)' if out[-1]['default'] else ''}"
         )
     return out
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| (Frobenius norms, float64)."""
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+def compile_comparison(scorer, q, k, geom, scale: float, args, device) -> tuple[dict, dict]:
+    """Eager against ``torch.compile(fullgraph=True)`` of the token selector (``--compile``): timings (see the module
+    docstring) and the checks of the compiled results against eager's: the block scores (largest absolute
+    difference), the selection (equal), the distillation loss and the selector's gradients (relative errors)."""
+    blk = args.block
+    qd, kd = q.detach(), k.detach()
+    picks = sample_query_blocks(geom.num_q_blocks, max(1, args.sampled_blocks), torch.Generator().manual_seed(0))
+    picks = picks.to(device)
+
+    def selection(q, k):
+        qbar, kbar = scorer.pool(q, k, blk, blk)
+        with torch.no_grad():
+            scores = scorer(qbar, kbar, scale, geom)  # [B, HKV, NQB, NKB]
+        return scores, selection_candidates(scores, geom, window=args.window, sinks=args.sinks)
+
+    def distill_loss(q, k):
+        qbar, kbar = scorer.pool(q, k, blk, blk)
+        rows = scorer.query_rows(qbar, picks, blk)  # [B, HQ, R * BQ, D]
+        total, count, _ = scorer.token_distillation_loss(rows, kbar, q, k, picks, scale, blk)
+        return total / count
+
+    compiled_selection = torch.compile(selection, fullgraph=True)
+    compiled_loss = torch.compile(distill_loss, fullgraph=True)
+
+    def distill_step(loss_fn):
+        scorer.zero_grad(set_to_none=True)
+        loss = loss_fn(qd, kd)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in scorer.parameters() if p.grad is not None]
+
+    timings = {}
+    for label, fn in (("eager", selection), ("compiled", compiled_selection)):
+        timings[f"compile/selection[{label}]"] = measure(lambda fn=fn: fn(qd, kd), device, args.warmup, args.repeats)
+    for label, fn in (("eager", distill_loss), ("compiled", compiled_loss)):
+        timings[f"compile/token_distill[{label}]"] = measure(
+            lambda fn=fn: distill_step(fn), device, args.warmup, args.repeats
+        )
+    (scores, picked), (scores_c, picked_c) = selection(qd, kd), compiled_selection(qd, kd)
+    (loss, grads), (loss_c, grads_c) = distill_step(distill_loss), distill_step(compiled_loss)
+    finite = torch.isfinite(scores)
+    checks = {
+        "scores_finite_pattern_equal": bool(torch.equal(finite, torch.isfinite(scores_c))),
+        "scores_max_abs_diff": (scores_c[finite] - scores[finite]).abs().max().item() if finite.any() else 0.0,
+        "selection_equal": bool(torch.equal(picked, picked_c)),
+        "selection_rows_differing": int((picked.sort(-1).values != picked_c.sort(-1).values).any(-1).sum()),
+        "distill_loss": loss.item(),
+        "distill_loss_rel_err": abs(loss_c.item() - loss.item()) / max(abs(loss.item()), 1e-30),
+        "selector_grad_rel_err": max(_relative_error(g, w) for g, w in zip(grads_c, grads)),
+    }
+    checks["ok"] = (
+        checks["scores_finite_pattern_equal"]
+        and checks["selection_rows_differing"] == 0
+        and checks["distill_loss_rel_err"] < 1e-3
+        and checks["selector_grad_rel_err"] < 3e-2
+    )
+    for label in ("selection", "token_distill"):
+        eager_ms = timings[f"compile/{label}[eager]"]["median_ms"]
+        compiled_ms = timings[f"compile/{label}[compiled]"]["median_ms"]
+        print(f"{label}: eager {eager_ms:.3f} ms, compiled {compiled_ms:.3f} ms ({eager_ms / compiled_ms:.2f}x)")
+    print(f"compiled vs eager: {checks}")
+    return timings, checks
 
 
 def main(argv=None) -> int:
@@ -331,6 +415,15 @@ def main(argv=None) -> int:
                 for name in ("reuse", "kv_indptr", "kv_qblocks", "hot", "stats")
             )
             notes.append(f"CUDA-graph replay equals eager: {same}")
+
+    compile_checks = None
+    if args.compile:
+        if args.selector != "token":
+            notes.append("--compile compares the token selector; skipped for the pooled one")
+        else:
+            compile_timings, compile_checks = compile_comparison(scorer, q, k, geom, scale, args, device)
+            timings.update(compile_timings)
+            notes.append(f"compiled == eager: {compile_checks['ok']}")
 
     kernels = kernel_table(selector_total, device, args.kernel_table) if args.kernel_table else None
     pool_sweep = None
@@ -497,6 +590,8 @@ def main(argv=None) -> int:
     }
     if kernels is not None:
         result["selector_kernels"] = kernels
+    if compile_checks is not None:
+        result["compile_checks"] = compile_checks
     if pool_sweep is not None:
         result["pool_sweep"] = pool_sweep
     args.out.parent.mkdir(parents=True, exist_ok=True)

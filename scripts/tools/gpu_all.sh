@@ -36,6 +36,11 @@
 #                                                           # (scripts/bench/token_kl.py), the module with 32
 #                                                           # candidate blocks, the 1.1B step with them and its dense
 #                                                           # twin (STEP_TIMEOUT s, default 200)
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh token_compile  # the token selector's kernels as custom ops: their GPU
+#                                                           # tests (compiled module against eager), then the 64K
+#                                                           # selection and token-level distillation eager against
+#                                                           # torch.compile, exact scores and 32 candidate blocks
+#                                                           # (scripts/bench/selector.py --compile)
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh limits      # one head dim (HEAD_DIM, default 128): the 64K attention
 #                                                           # benchmark with its sustained (power-capped) column,
 #                                                           # then Nsight Compute over one forward + backward per
@@ -234,6 +239,20 @@ case "$phase" in
       --out "$R/step_1p1b_64k_token_cand_dense.json" > "$R/step_1p1b_64k_token_cand_dense.log" 2>&1
     echo "bench_step token_cand rc=$?" >> "$R/step_1p1b_64k_token_cand_dense.log"
     cp "$R"/step_1p1b_64k_token_cand_dense.json "$OUT"/ 2>/dev/null
+    ;;
+  token_compile)
+    # the token selector's kernels under torch.compile (custom ops): the compiled module against eager, then at 64K
+    # the selection and the token-level distillation eager against compiled, with exact scores and with candidates
+    gpu_tests gpu_tests_token_compile 300 tests/test_compile.py -k token_selector
+    cp "$R"/gpu_tests_token_compile.log "$OUT"/
+    for c in exact 32; do
+      cand=""; [ "$c" = exact ] || cand="--candidates $c"
+      # shellcheck disable=SC2086
+      timeout 240 python3 -m scripts.bench.selector --selector token $cand --compile --selector-only \
+        --out "$R/token_compile_64k_$c.json" > "$R/token_compile_64k_$c.log" 2>&1
+      echo "bench_selector token_compile $c rc=$?" >> "$R/token_compile_64k_$c.log"
+      cp "$R/token_compile_64k_$c.json" "$R/token_compile_64k_$c.log" "$OUT"/ 2>/dev/null
+    done
     ;;
   *) echo "unknown phase $phase"; exit 2 ;;
 esac
