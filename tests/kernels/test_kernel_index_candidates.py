@@ -259,6 +259,20 @@ def test_index_candidate_ops_compiled_fullgraph_equal_eager(B, H, N, E, S, BQ, B
     assert torch.equal(got[1], candidate_index_scores(u, w, listed, **kwargs))
 
 
+def test_index_candidate_public_functions_compiled_fullgraph_equal_eager():
+    """Both public functions (checks, dispatch) compiled with fullgraph: the eager results. (Without seq_lens,
+    documents and listed blocks: their values are checked on the CPU, a host read.)"""
+    u, w = _inputs(1, 2, 37, 2, 16, seed=9)
+
+    def bounds_and_scores(u, w):
+        bounds = index_score_bounds(u, w, block_q=16, block_k=16, backend=BACKEND)
+        listed = bounds.topk(2, dim=-1).indices
+        return bounds, candidate_index_scores(u, w, listed, block_q=16, block_k=16, backend=BACKEND)
+
+    for got, want in zip(compiled_fullgraph(bounds_and_scores)(u, w), bounds_and_scores(u, w)):
+        assert torch.equal(got, want)
+
+
 def test_candidate_blocks_compiled_fullgraph_takes_the_topk_op(monkeypatch):
     """``selection/candidates.candidate_blocks`` where the kernels run, compiled with fullgraph: the top-k kernel's
     custom op in the graph (the bounds of CPU tensors take the reference under ``backend="auto"``), the eager picks."""

@@ -460,6 +460,26 @@ def test_index_block_scores_op_compiled_fullgraph_equals_eager(B, H, N, E, S, BQ
     torch.testing.assert_close(w.grad, eager_w.grad, rtol=1e-6, atol=1e-6)
 
 
+def test_index_block_scores_public_function_compiled_fullgraph_equals_eager():
+    """The public function (checks, tile options, dispatch) compiled with fullgraph, forward and backward: the eager
+    scores and gradients. (Without seq_lens, documents and listed blocks: their values are checked on the CPU, a
+    host read.)"""
+    u, w = _inputs(1, 2, 37, 2, 16, seed=8)
+
+    def total(u, w):
+        scores = index_block_scores(u, w, block_q=16, block_k=16, backend=BACKEND)
+        return scores, torch.where(torch.isfinite(scores), scores, 0.0).sum()
+
+    results = []
+    for call in (total, compiled_fullgraph(total)):
+        leaves = [t.clone().requires_grad_() for t in (u, w)]
+        scores, loss = call(*leaves)
+        loss.backward()
+        results.append((scores, *(leaf.grad for leaf in leaves)))
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 def test_index_block_scores_takes_the_op_under_a_dispatch_mode():
     """Under a TorchDispatchMode (selective checkpointing, fake tensors) the public function calls the custom ops
     (forward and backward), with the results of its direct launch."""
