@@ -377,7 +377,9 @@ def test_fullgraph_inductor_compile_equals_eager_on_gpu(distill, with_lens, with
     same outputs and gradients as eager (tolerances of the module's GPU compile test)."""
     torch._dynamo.reset()
     device = torch.device("cuda")
-    eager, twin = _pair(device, block_q=64, block_k=64, top_k=8, window=4, sinks=1, distill=distill)
+    # the pooled selector: compiled, the token selector runs its references and eager CUDA its kernels, whose
+    # bf16 rounding these tolerances were not measured for
+    eager, twin = _pair(device, selector="pooled", block_q=64, block_k=64, top_k=8, window=4, sinks=1, distill=distill)
     compiled = torch.compile(twin, fullgraph=True)
     n, batch, kwargs = _gpu_shape(with_lens, with_docs, device)
     for step in range(2):
@@ -500,6 +502,7 @@ def test_fullgraph_inductor_compile_of_the_transformer_with_labels_on_gpu(attent
     torch._dynamo.reset()
     device = torch.device("cuda")
     sparse = dict(
+        selector="pooled",  # as test_fullgraph_inductor_compile_equals_eager_on_gpu
         block_q=64,
         block_k=64,
         top_k=0,

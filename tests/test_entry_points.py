@@ -959,7 +959,10 @@ def test_block_index_constructors_name_the_argument_past_its_range(call, fault):
 
 
 # ============================================================================ SparseAttention and its config
-MODULE_BASE = dict(block_q=16, block_k=16, top_k=1, window=1, sinks=1, selector_dim=8, dense_warmup_steps=0)
+# selector: the pooled scorer where a draw leaves it out (any block size); the draws take the token selector too
+MODULE_BASE = dict(
+    block_q=16, block_k=16, top_k=1, window=1, sinks=1, selector="pooled", selector_dim=8, dense_warmup_steps=0
+)
 LARGEST = 1.7976931348623157e308
 
 
@@ -981,7 +984,7 @@ def config_ends(kernel: bool) -> dict:
         "selector_dim": (1, 8),
         "selector_index_heads": (1, 2),
         "selector_distill": ("block", "token"),
-        "selector_candidates": (None, 1, BIG),
+        "selector_candidates": (None, 1, BIG, "auto"),
         "selector_rope_style": ("rotate_half", "interleaved"),
         "key_pooling": ("mean", "mean_max"),
         "query_pooling": ("mean", "mean_max"),
@@ -1026,7 +1029,7 @@ def config_fields(backend: str, fields: dict) -> dict:
         fields["window"] = 1
     if fields.get("distill_query_rows") == "block_q":
         fields["distill_query_rows"] = fields["block_q"]
-    if fields.get("selector_candidates") is not None:
+    if isinstance(fields.get("selector_candidates"), int):
         # candidates score only for the token selector trained at token level, and at least top_k of them
         fields.update(selector="token", selector_distill="token")
         fields["selector_candidates"] = max(fields["selector_candidates"], fields["top_k"])
@@ -1585,7 +1588,7 @@ def _cp_model(kind: str):
         "oracle-module": "oracle",
     }[kind]
     module = st.SparseAttention(
-        st.SparseAttentionConfig(**MODULE_BASE, selector=selector, backend="reference"),
+        st.SparseAttentionConfig(**{**MODULE_BASE, "selector": selector}, backend="reference"),
         num_heads=4,
         num_kv_heads=2,
         head_dim=16,

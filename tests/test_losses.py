@@ -156,6 +156,7 @@ def test_rejects_bad_arguments(args, match):
 
 
 SPARSE = dict(
+    selector="pooled",  # 8-token blocks
     block_q=8,
     block_k=8,
     top_k=2,

@@ -288,7 +288,10 @@ def test_module_training_step_reads_nothing_back(monkeypatch, host_reads, backen
     loss included) at the CUDA defaults (index_check="none": value checks are skipped there; on CPU
     they run, so the rule is forced here) makes no host read."""
     monkeypatch.setattr(st.SparseAttention, "_checks_values", lambda self, device: False)
+    # the pooled selector: the token selector's PyTorch references check seq_lens / document_ids values on CPU
+    # tensors (reads of host memory, skipped on CUDA), which this CPU run would count
     cfg = st.SparseAttentionConfig(
+        selector="pooled",
         block_q=16,
         block_k=16,
         top_k=2,

@@ -337,7 +337,9 @@ def main(argv=None) -> int:
     scale = 1.0 / math.sqrt(d)
     geom = selection_geometry(n, blk, blk, args.top_k, args.window, args.sinks)
     # the module's scorer with its defaults (pooling, distance bias), of the kind --selector names
+    # without --candidates: exact scores and the block-level KL, whatever the module's defaults
     token_level = {"selector_distill": "token", "selector_candidates": args.candidates} if args.candidates else {}
+    token_level = token_level or {"selector_distill": "block", "selector_candidates": None}
     selector_cfg = st.SparseAttentionConfig(
         top_k=args.top_k,
         window=args.window,

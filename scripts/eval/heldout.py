@@ -52,12 +52,13 @@ from .model import EvalModel, RowOracleCore
 from .tasks import FAMILIES, IGNORE, VOCAB_SIZE, family, make_batch, stream_seed
 
 # mode -> SparseAttentionConfig keyword arguments on top of sparse_kwargs(); None = not st.SparseAttention
-# (dense: causal SDPA; row_oracle: RowOracleCore)
+# (dense: causal SDPA; row_oracle: RowOracleCore). Each mode names the selector fields its meaning depends on,
+# not the module's defaults: token = block-level KL on exact scores, token_kl = token-level KL on exact scores.
 MODES: dict[str, dict | None] = {
     "dense": None,
     "pooled": {"selector": "pooled"},
-    "token": {"selector": "token"},
-    "token_kl": {"selector": "token", "selector_distill": "token"},
+    "token": {"selector": "token", "selector_distill": "block", "selector_candidates": None},
+    "token_kl": {"selector": "token", "selector_distill": "token", "selector_candidates": None},
     "token_cand": {"selector": "token", "selector_distill": "token"},
     "oracle": {"selector": "oracle"},
     "row_oracle": None,

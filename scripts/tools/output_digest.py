@@ -87,7 +87,9 @@ def module_case(name, *, n, d, b=1, hq=8, hkv=2, dtype, device, backend):
     """Digests of the module's output, the q/k/v gradients and every selector parameter's gradient after one
     training step's forward and backward (attention loss plus the selector's distillation loss)."""
     torch.manual_seed(0)
-    cfg = st.SparseAttentionConfig(top_k=4, window=2, dense_warmup_steps=0, backend=backend)
+    # the pooled selector, named where the checkout has the field (the default selector differs between checkouts)
+    pooled = {"selector": "pooled"} if "selector" in st.SparseAttentionConfig.__dataclass_fields__ else {}
+    cfg = st.SparseAttentionConfig(top_k=4, window=2, dense_warmup_steps=0, backend=backend, **pooled)
     attn = st.SparseAttention(cfg, num_heads=hq, num_kv_heads=hkv, head_dim=d).to(device)
     q = torch.randn(b, hq, n, d, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(b, hkv, n, d, device=device, dtype=dtype, requires_grad=True)

@@ -83,6 +83,7 @@ from ..selection.scorer import (
     selection_candidates,
     selection_geometry,
 )
+from ..selection.state import check_selector_state
 from ..timing import PhaseTimer
 from ..validation import (
     check_document_ids,
@@ -319,6 +320,15 @@ class SparseAttention(nn.Module):
         # A state dict of this module written without some of RESUME_STATE loads them at their initial
         # values (strict loads included). A state dict without the module's keys at all (a dense model's)
         # still reports every key missing.
+        # The weights of the other learned selector (pooled <-> token) fail here with a message naming
+        # SparseAttentionConfig.selector, not as a size mismatch of scorer.query_proj.
+        check_selector_state(self.scorer, state_dict, prefix + "scorer.")
+        # A token selector trained by the token-level KL alone has no distance bias (nothing trains it); one saved
+        # with a bias that stayed zero scored as without it and loads as that.
+        bias_key = prefix + "scorer.distance_bias"
+        saved_bias = state_dict.get(bias_key)
+        if getattr(self.scorer, "distance_bias", 0) is None and isinstance(saved_bias, Tensor) and not saved_bias.any():
+            del state_dict[bias_key]
         if prefix + "selector_steps" in state_dict:
             for name in RESUME_STATE:
                 initial = _NO_DROPOUT_BASE if name == "dropout_base" else 0
@@ -672,7 +682,7 @@ class SparseAttention(nn.Module):
                     # the indexer's query inputs of the sampled blocks: all its loss reads of the queries, and all
                     # a checkpoint record keeps of them
                     distill_queries = self.scorer.query_rows(pooled[0], distill_blocks.to(device), cfg.block_q)
-                if cfg.selector == "token" and mode == "sampled" and cfg.selector_distill == "token":
+                if cfg.selector == "token" and mode == "sampled" and cfg.resolved_selector_distill == "token":
                     # a checkpoint recompute passes back its first pass's forward statistics (distill_target); the
                     # rows here (query_blocks) against the keys of the whole sequence, and the count of every
                     # sampled block's rows (under context parallelism those of all ranks)

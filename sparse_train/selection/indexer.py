@@ -544,9 +544,9 @@ def build_selector(config: SparseAttentionConfig, num_heads: int, num_kv_heads: 
             config.selector_dim,
             config.selector_index_heads,
             lr_multiplier=config.selector_lr_multiplier,
-            distance_bias=config.selector_distance_bias,
+            distance_bias=config.resolved_selector_distance_bias,
             rope_style=config.selector_rope_style,
-            candidates=config.selector_candidates,
+            candidates=config.resolved_selector_candidates,
             window=config.window,
             sinks=config.sinks,
         )

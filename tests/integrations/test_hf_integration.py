@@ -383,10 +383,10 @@ def test_state_dict_round_trip_includes_selector():
             layer.sparse_attention.scorer.query_proj.mul_(-2.0)  # distinguishable from a fresh init
     state = model.state_dict()
     selector_keys = [k for k in state if "sparse_attention." in k]
-    # per layer: query_proj, key_proj, log_temperature, distance_bias, the lr multiplier, the
-    # warm-up step count, the distillation draw number, the hysteresis state and the dropout seeds' base and
-    # draw number
-    assert len(selector_keys) == 2 * 10, selector_keys
+    # per layer: query_proj, key_proj, log_temperature, the lr multiplier, the warm-up step count, the
+    # distillation draw number, the hysteresis state and the dropout seeds' base and draw number (the default
+    # token selector trained by the token-level KL has no distance bias)
+    assert len(selector_keys) == 2 * 9, selector_keys
     restored = build("llama")
     hf.enable(restored, st.SparseAttentionConfig(**SPARSE))
     restored.load_state_dict(state, strict=True)
@@ -420,7 +420,7 @@ def test_selector_unrotates_by_the_models_own_rope(family):
     """enable() hands the model's RoPE frequencies to every selector, so the pooled q/k it scores are
     the pre-rotation projections (checked against q_proj/k_proj outputs captured by hooks)."""
     model = build(family)
-    hf.enable(model, st.SparseAttentionConfig(**SPARSE))
+    hf.enable(model, st.SparseAttentionConfig(**SPARSE, selector="pooled"))  # compared with a BlockScorer below
     layer = hf.attention_layers(model)[0]
     scorer = layer.sparse_attention.scorer
     torch.testing.assert_close(scorer.rope_inv_freq, hf.rope_frequencies(model).float())

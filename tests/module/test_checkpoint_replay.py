@@ -363,7 +363,7 @@ def test_recompute_reuses_the_first_forwards_distillation_target(distill, monkey
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(attention_module, name, counted)
-    module = make(distill=distill)
+    module = make(distill=distill, selector="pooled")  # the block-mass targets (the token KL's: below)
     q, k, v, w = inputs()
     out = checkpoint(layer(module), q, k, v, use_reentrant=False)
     ((out * w).sum() + module.selector_loss).backward()
@@ -402,7 +402,13 @@ def test_token_selector_recompute_scores_only_what_its_loss_needs(selector_disti
     indexer's queries of those blocks only, and its gradients (inputs and selector) equal the plain run's."""
     grads = {}
     for checkpointed in (False, True):
-        module = make(selector="token", selector_distill=selector_distill, distill="sampled", distill_query_blocks=2)
+        module = make(
+            selector="token",
+            selector_distill=selector_distill,
+            selector_candidates=None,
+            distill="sampled",
+            distill_query_blocks=2,
+        )
         calls = []
         original = type(module.scorer).forward
 
@@ -449,7 +455,13 @@ def test_token_level_distillation_recompute_reuses_the_kernels_forward(monkeypat
     grads = {}
     for checkpointed in (False, True):
         calls.clear()
-        module = make(selector="token", selector_distill="token", distill="sampled", distill_query_blocks=3).cuda()
+        module = make(
+            selector="token",
+            selector_distill="token",
+            selector_candidates=None,
+            distill="sampled",
+            distill_query_blocks=3,
+        ).cuda()
         q, k, v, w = (t.detach().cuda().to(torch.bfloat16).requires_grad_() for t in inputs())
         run = layer(module)
         out = checkpoint(run, q, k, v, use_reentrant=False) if checkpointed else run(q, k, v)
@@ -471,7 +483,7 @@ def test_scoring_listed_query_blocks_equals_the_rows_of_every_blocks_scores():
     every block and taking the rows. The scorer computes in
     float32 whatever its inputs (its matmuls of 4 rows and of every row may sum in another order), hence a
     float32 tolerance: 1e-6 relative is that rounding, a wrong row or bucket would differ by O(1)."""
-    module = make(distill="sampled", selector_distance_bias=True, query_pooling="mean_max")
+    module = make(selector="pooled", distill="sampled", selector_distance_bias=True, query_pooling="mean_max")
     with torch.no_grad():
         for p in module.scorer.parameters():
             p.add_(0.1 * torch.randn_like(p))

@@ -321,13 +321,14 @@ def test_dense_distill_mode_targets_all_causal_blocks():
 
 def test_sampled_distill_covering_every_block_equals_dense():
     q, k, v = qkv(1, 150, grad=True)
-    dense = make(distill="dense", dense_fallback=False)
-    sampled = make(distill="sampled", distill_query_blocks=64, dense_fallback=False)
+    # the block-level KL's target (the pooled selector's; the token selector's sampled loss is per row)
+    dense = make(selector="pooled", distill="dense", dense_fallback=False)
+    sampled = make(selector="pooled", distill="sampled", distill_query_blocks=64, dense_fallback=False)
     sampled.load_state_dict(dense.state_dict())
     dense(q, k, v)
     sampled(q, k, v)
     torch.testing.assert_close(sampled.selector_loss, dense.selector_loss)
-    few = make(distill="sampled", distill_query_blocks=2, dense_fallback=False)
+    few = make(selector="pooled", distill="sampled", distill_query_blocks=2, dense_fallback=False)
     few(q, k, v)
     few.selector_loss.backward()
     assert torch.isfinite(few.selector_loss) and q.grad is None
@@ -398,9 +399,7 @@ def test_stats_metrics_profile_and_collect():
 
 
 def test_state_dict_holds_the_selector_and_the_resume_state():
-    attn = make()
-    keys = set(attn.state_dict())
-    assert keys == {
+    keys = {
         "scorer.query_proj",
         "scorer.key_proj",
         "scorer.log_temperature",
@@ -412,6 +411,9 @@ def test_state_dict_holds_the_selector_and_the_resume_state():
         "dropout_base",
         "dropout_draws",
     }
+    assert set(make(selector="pooled").state_dict()) == keys
+    # the default token selector trained by the token-level KL: no distance bias (that loss never reads it)
+    assert set(make().state_dict()) == keys - {"scorer.distance_bias"}
 
 
 def test_every_backend_reason_is_a_counted_fallback():
@@ -443,7 +445,8 @@ def test_compiled_module_matches_eager_on_gpu(n):
     (the plan has shape-fixed arrays and no host reads, so the sparse path has no graph break)."""
     torch._dynamo.reset()
     device = torch.device("cuda")
-    cfg = st.SparseAttentionConfig(top_k=8, window=4, sinks=1, distill="off", dense_warmup_steps=0)
+    # the pooled selector: compiled, the token selector runs its references and eager CUDA its kernels
+    cfg = st.SparseAttentionConfig(selector="pooled", top_k=8, window=4, sinks=1, distill="off", dense_warmup_steps=0)
     eager = st.SparseAttention(cfg, num_heads=8, num_kv_heads=2, head_dim=64).to(device)
     compiled_mod = st.SparseAttention(cfg, num_heads=8, num_kv_heads=2, head_dim=64).to(device)
     compiled_mod.load_state_dict(eager.state_dict())
@@ -640,7 +643,9 @@ def test_autocast_casts_q_k_v_to_the_autocast_dtype():
         pytest.param({"dense_fallback": False}, {}, id="sparse-path"),
         pytest.param({}, {}, id="dense-fallback"),
         pytest.param(
-            {"dense_fallback": False, "selector": "token", "selector_distill": "token"}, {}, id="token-selector"
+            {"dense_fallback": False, "selector": "token", "selector_distill": "token", "selector_candidates": None},
+            {},
+            id="token-selector",
         ),
         pytest.param(
             {"dense_fallback": False, "distill": "sparse"},
@@ -674,6 +679,7 @@ def test_blocks_far_longer_than_the_sequence_attend_everything_causally(distill)
     """Blocks of 2**20 tokens on a sequence of 8: one block holds every key, so the sparse path is dense causal
     attention, and the distillation's targets take the 8 keys, not 2**20 columns of padding per row."""
     cfg = st.SparseAttentionConfig(
+        selector="pooled",  # any block size
         block_q=2**20,
         block_k=2**20,
         top_k=1,

@@ -127,7 +127,10 @@ def test_candidates_and_distillation_support_exclude_other_documents():
 
 @pytest.mark.parametrize("distill", ["dense", "sampled", "sparse"])
 def test_distillation_target_is_document_masked(distill, monkeypatch):
-    attn = make(dense_fallback=False, distill=distill, distill_support="causal", distill_query_blocks=64)
+    # the block-level KL's target (the pooled selector's)
+    attn = make(
+        selector="pooled", dense_fallback=False, distill=distill, distill_support="causal", distill_query_blocks=64
+    )
     attn.train()
     lengths = [[60, 4, 86]]
     q, k, v = make_qkv(1, HQ, HKV, 150, D, seed=6)

@@ -22,6 +22,7 @@ TINY = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
 # Step 0 runs the dense warm-up (CP dense path), steps 1-2 the sparse path; the sampled target spreads its
 # three query blocks over both ranks.
 SPARSE = dict(
+    selector="pooled",  # 8-token blocks
     block_q=8,
     block_k=8,
     top_k=1,

@@ -31,6 +31,7 @@ B, N, VOCAB = 2, 64, 61
 FP64_TOL = dict(rtol=1e-9, atol=1e-11)
 FP32_TOL = dict(rtol=2e-5, atol=2e-6)
 SPARSE = dict(
+    selector="pooled",  # 8-token blocks; TOKEN below names the token selector's case
     block_q=8,
     block_k=8,
     top_k=2,
@@ -45,7 +46,15 @@ SPARSE = dict(
 FAMILIES = ["llama", "qwen2"]
 # The token selector trained at token level (blocks of its kernels' sizes; top_k 1 of the four blocks, so the
 # selection is not every causal block).
-TOKEN = dict(selector="token", selector_distill="token", distill="sampled", block_q=16, block_k=16, top_k=1)
+TOKEN = dict(
+    selector="token",
+    selector_distill="token",
+    selector_candidates=None,
+    distill="sampled",
+    block_q=16,
+    block_k=16,
+    top_k=1,
+)
 # (id, document starts per row or None, SPARSE overrides)
 CASES = [("plain", None, {}), ("packed", [[0, 13, 40], [0, 30]], {}), ("packed_token", [[0, 13, 40], [0, 30]], TOKEN)]
 

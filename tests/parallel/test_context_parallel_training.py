@@ -29,6 +29,7 @@ FP64_REL = 1e-12
 FP32_TOL = dict(rtol=2e-5, atol=2e-6)
 B, HQ, HKV, N, D = 2, 4, 2, 64, 8
 BASE = dict(
+    selector="pooled",  # 8-token blocks: the pooled scorer's cases; TOKEN below names the token selector's
     block_q=8,
     block_k=8,
     top_k=2,
@@ -59,7 +60,14 @@ MODULE_CASES = [
 ]
 # The token selector (blocks of its kernels' sizes, so N = 128: eight query blocks, four per rank), two index heads:
 # block-level and token-level KL, candidates, every distillation target, the warm-up path and checkpoint replay.
-TOKEN = dict(selector="token", block_q=16, block_k=16, selector_index_heads=2)
+TOKEN = dict(
+    selector="token",
+    selector_distill="block",
+    selector_candidates=None,
+    block_q=16,
+    block_k=16,
+    selector_index_heads=2,
+)
 TOKEN_KL = dict(TOKEN, selector_distill="token", selector_distance_bias=False)  # the token KL reads no distance bias
 MODULE_CASES += [
     (
@@ -80,6 +88,7 @@ MODULE_CASES += [
 ]
 TINY = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
 MODEL_SPARSE = dict(
+    selector="pooled",
     block_q=8,
     block_k=8,
     top_k=1,
@@ -101,7 +110,14 @@ MODEL_CASES = [
         "sparse",
         True,
         [[0, 13, 40], [0, 30]],
-        dict(selector="token", selector_distill="token", selector_distance_bias=False, block_q=16, block_k=16),
+        dict(
+            selector="token",
+            selector_distill="token",
+            selector_candidates=None,
+            selector_distance_bias=False,
+            block_q=16,
+            block_k=16,
+        ),
     ),
 ]
 

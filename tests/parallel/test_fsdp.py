@@ -25,7 +25,15 @@ from sparse_train.tasks import IGNORE_INDEX
 
 TINY = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2)
 SPARSE = dict(
-    block_q=8, block_k=8, top_k=1, window=1, sinks=1, backend="reference", dense_warmup_steps=0, distill="dense"
+    selector="pooled",
+    block_q=8,
+    block_k=8,
+    top_k=1,
+    window=1,
+    sinks=1,
+    backend="reference",
+    dense_warmup_steps=0,
+    distill="dense",
 )
 SEQ = 61  # 60 positions: 8 blocks of 8, the last one partial
 WORLD = 2

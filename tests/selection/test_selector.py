@@ -457,6 +457,7 @@ def test_selector_lr_multiplier_is_an_adam_learning_rate_factor():
     def run(multiplier, lr):
         torch.manual_seed(3)
         cfg = st.SparseAttentionConfig(
+            selector="pooled",
             block_q=block,
             block_k=block,
             top_k=2,
@@ -599,10 +600,10 @@ def test_transformer_hands_its_rope_to_the_selector(unrotate):
 
 
 def test_selector_saved_without_distance_bias_loads_as_zero_bias():
-    old = st.SparseAttention(st.SparseAttentionConfig(selector_distance_bias=False), 4, 2, 16)
+    old = st.SparseAttention(st.SparseAttentionConfig(selector="pooled", selector_distance_bias=False), 4, 2, 16)
     state = old.state_dict()
     assert "scorer.distance_bias" not in state
-    new = st.SparseAttention(st.SparseAttentionConfig(), 4, 2, 16)
+    new = st.SparseAttention(st.SparseAttentionConfig(selector="pooled"), 4, 2, 16)
     with torch.no_grad():
         new.scorer.distance_bias.fill_(1.0)
     new.load_state_dict(state, strict=True)

@@ -209,7 +209,10 @@ def test_indexer_with_candidates_for_every_block_scores_as_without():
     "fields,message",
     [
         pytest.param({"selector": "pooled"}, "needs selector='token'", id="pooled-selector"),
-        pytest.param({"selector": "token"}, "selector_distill='token'", id="block-level-kl"),
+        pytest.param(
+            {"selector": "token", "selector_distill": "block"}, "selector_distill='token'", id="block-level-kl"
+        ),
+        pytest.param({"distill": "dense"}, "distill 'sampled' or 'off'", id="dense-kl"),
         pytest.param(
             {"selector": "token", "selector_distill": "token", "distill": "sparse"},
             "distill 'sampled' or 'off'",
@@ -227,3 +230,65 @@ def test_config_rejects_candidates_it_cannot_use(fields, message):
     kwargs.update(fields)
     with pytest.raises(ValueError, match=message.replace("(", "\\(").replace(")", "\\)")):
         st.SparseAttentionConfig(**kwargs)
+
+
+# (fields over the defaults, what selector_candidates="auto" resolves to): 2 * top_k where the token selector trains
+# by the token-level KL alone (distill sampled or off), exact scores (None) wherever a block-level KL or another
+# selector needs every pair's score
+AUTO_CANDIDATES = [
+    pytest.param({}, 32, id="defaults"),
+    pytest.param({"top_k": 5}, 10, id="top_k-5"),
+    pytest.param({"distill": "off"}, 32, id="distill-off"),
+    pytest.param({"top_k": 0}, None, id="no-learned-blocks"),
+    pytest.param({"distill": "sparse"}, None, id="distill-sparse"),
+    pytest.param({"distill": "dense"}, None, id="distill-dense"),
+    pytest.param({"selector_distill": "block"}, None, id="block-level-kl"),
+    pytest.param({"selector": "pooled"}, None, id="pooled"),
+    pytest.param({"selector": "pooled", "block_q": 256, "block_k": 8}, None, id="pooled-any-block"),
+    pytest.param({"selector": "oracle"}, None, id="oracle"),
+    pytest.param({"selector": "pooled", "distill": "dense"}, None, id="pooled-dense"),
+]
+
+
+@pytest.mark.parametrize("fields,resolved", AUTO_CANDIDATES)
+def test_auto_candidates_resolve_by_selector_and_distillation(fields, resolved):
+    """A config that sets only the fields it cares about is valid: the default candidates resolve to what its
+    selector and distillation can use, and the selector built from it takes that count."""
+    config = st.SparseAttentionConfig(**fields)
+    assert config.selector_candidates == "auto"
+    assert config.resolved_selector_candidates == resolved
+    assert st.SparseAttentionConfig(**config.to_dict()) == config  # "auto" round-trips through to_dict
+    scorer = st.SparseAttention(config, num_heads=4, num_kv_heads=2, head_dim=16).scorer
+    assert getattr(scorer, "candidates", None) == resolved
+
+
+@pytest.mark.parametrize("value", [None, 1, 40])
+def test_explicit_candidates_resolve_as_given(value):
+    config = st.SparseAttentionConfig(top_k=1, selector_candidates=value)
+    assert config.resolved_selector_candidates == value
+
+
+def test_defaults_are_the_token_selector_trained_at_token_level_with_candidates():
+    config = st.SparseAttentionConfig()
+    assert (config.selector, config.selector_distill, config.distill) == ("token", "token", "sampled")
+    assert config.resolved_selector_candidates == 2 * config.top_k
+    assert isinstance(st.SparseAttention(config, 4, 2, 16).scorer, TokenIndexer)
+
+
+@pytest.mark.parametrize("value", ["all", "Auto", 0, -1, 2.0, True])
+def test_config_rejects_candidates_that_are_no_count(value):
+    with pytest.raises(ValueError, match="selector_candidates must be a positive int, None or 'auto', got"):
+        st.SparseAttentionConfig(selector_candidates=value)
+
+
+@pytest.mark.parametrize("name", ["block_q", "block_k"])
+@pytest.mark.parametrize("size", [8, 256])
+def test_token_selector_block_sizes_name_the_pooled_selector(name, size):
+    """The default selector takes blocks of 16-128 tokens; the error for another size says to pass the pooled one,
+    which then takes it."""
+    with pytest.raises(ValueError) as info:
+        st.SparseAttentionConfig(**{name: size})
+    message = str(info.value)
+    assert f"SparseAttentionConfig.{name} must be one of (16, 32, 64, 128) with selector='token'" in message, message
+    assert "pass selector='pooled'" in message, message
+    assert st.SparseAttentionConfig(**{name: size, "selector": "pooled"}).resolved_selector_candidates is None

@@ -220,7 +220,14 @@ def test_token_selector_on_gpu(hq, hkv):
     torch.manual_seed(5)
     n, d, batch = 4097, 64, 2
     cfg = st.SparseAttentionConfig(
-        top_k=4, window=1, sinks=1, dense_warmup_steps=0, selector="token", selector_rope_theta=10000.0
+        top_k=4,
+        window=1,
+        sinks=1,
+        dense_warmup_steps=0,
+        selector="token",
+        selector_distill="block",  # exact scores (against the CPU's) and the block-level KL
+        selector_candidates=None,
+        selector_rope_theta=10000.0,
     )
     attn = st.SparseAttention(cfg, hq, hkv, d).cuda().train()
     q = torch.randn(batch, hq, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
