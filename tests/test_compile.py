@@ -377,8 +377,8 @@ def test_fullgraph_inductor_compile_equals_eager_on_gpu(distill, with_lens, with
     same outputs and gradients as eager (tolerances of the module's GPU compile test)."""
     torch._dynamo.reset()
     device = torch.device("cuda")
-    # the pooled selector: compiled, the token selector runs its references and eager CUDA its kernels, whose
-    # bf16 rounding these tolerances were not measured for
+    # the pooled selector, whose compiled block logits take the reference (inductor fuses them) where eager CUDA
+    # runs the logits kernel; the token selector compiled: test_fullgraph_inductor_compile_of_the_token_selector_on_gpu
     eager, twin = _pair(device, selector="pooled", block_q=64, block_k=64, top_k=8, window=4, sinks=1, distill=distill)
     compiled = torch.compile(twin, fullgraph=True)
     n, batch, kwargs = _gpu_shape(with_lens, with_docs, device)
