@@ -99,10 +99,8 @@ class SparseAttentionConfig:
       no N x N tensor, or less with ``selector_candidates``. Its blocks ``block_q`` and ``block_k`` are 16, 32, 64
       or 128 (:data:`TOKEN_BLOCK_SIZES`); other block sizes take ``"pooled"``.
     - ``"pooled"``: learned projections of block summaries (mean and max of each block's queries and keys,
-      ``query_pooling`` / ``key_pooling``); cost O(N D + NQB NKB S), any block size. It is the cheaper selector
-      (0.61 ms of selection per layer at 64K on an H100, against 1.82 ms for the token selector with candidates)
-      and keeps less of the oracle on held-out tasks at 2K (0.78-0.99x, needle retrieval 0.86x, against 0.97-1.04x;
-      docs/benchmarks/selector_heldout).
+      ``query_pooling`` / ``key_pooling``); cost O(N D + NQB NKB S), any block size. It is the cheaper selector and
+      keeps less of the oracle's accuracy on held-out retrieval tasks (docs/benchmarks/selector_heldout).
     - ``"oracle"``: the true dense attention mass of each key block, max over the query block's rows and GQA heads
       (the distillation target itself), same budget. Diagnostic: it computes dense attention scores (O(N^2 D)) and
       has nothing to train; comparing a model's accuracy under ``"oracle"`` and under a learned selector tells
@@ -141,8 +139,8 @@ class SparseAttentionConfig:
     per pair instead of BQ x BK of width S), and only the C best bounded get their exact score; top-k picks among
     those (:mod:`sparse_train.selection.candidates`; Triton kernels on CUDA, their PyTorch references elsewhere).
     A sequence with at most C key blocks scores every pair exactly. The block-level KLs need every pair's score,
-    hence the requirements. Measured on held-out tasks at 2K, C = 2 ``top_k`` keeps 0.97-1.02x the accuracy of exact
-    scores, at 1.8 ms of selection per layer at 64K (H100) against 5.1 ms exact."""
+    hence the requirements. The accuracy and cost of candidates against exact scores:
+    docs/benchmarks/selector_heldout."""
 
     selector_rope_style: str = "rotate_half"
     """RoPE convention of the q and k this layer receives, for the selector's un-rotation
