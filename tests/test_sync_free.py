@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import sparse_train as st
 from sparse_train.index.block_index import canonicalize
+from sparse_train.kernels.reference import index_scores as index_score_reference
 from sparse_train.kernels.triton import backward as kbackward
 from sparse_train.kernels.triton.op import triton_sparse_attention
 from sparse_train.plan import plan as plan_mod
@@ -276,22 +277,33 @@ def test_backward_with_padded_schedule_equals_exact_schedule(monkeypatch, small_
 
 # ---------------------------------------------------------------------------------------------- no host reads
 MODULE_CASES = [
-    pytest.param("triton", "sampled", False, False, 1, id="triton-sampled"),
-    pytest.param("triton", "sparse", True, True, 2, id="triton-sparse-seq_lens-documents-r0=2"),
-    pytest.param("reference", "sampled", True, True, 1, id="reference-sampled-seq_lens-documents"),
+    # (selector, backend, distill, seq_lens, documents, r0); "token" is the default selector (token-level KL,
+    # candidate blocks), "token-exact" the token selector with exact scores and the block-level KL
+    pytest.param("pooled", "triton", "sampled", False, False, 1, id="pooled-triton-sampled"),
+    pytest.param("pooled", "triton", "sparse", True, True, 2, id="pooled-triton-sparse-seq_lens-documents-r0=2"),
+    pytest.param("pooled", "reference", "sampled", True, True, 1, id="pooled-reference-sampled-seq_lens-documents"),
+    pytest.param("token", "triton", "sampled", False, False, 1, id="token-triton-sampled"),
+    pytest.param("token", "triton", "sampled", True, True, 1, id="token-triton-sampled-seq_lens-documents"),
+    pytest.param("token-exact", "triton", "sampled", True, False, 1, id="token-exact-triton-sampled-seq_lens"),
 ]
+SELECTOR_SETTINGS = {
+    "pooled": dict(selector="pooled"),
+    "token": dict(),
+    "token-exact": dict(selector_distill="block", selector_candidates=None),
+}
 
 
-@pytest.mark.parametrize("backend,distill,with_lens,with_docs,r0", MODULE_CASES)
-def test_module_training_step_reads_nothing_back(monkeypatch, host_reads, backend, distill, with_lens, with_docs, r0):
+@pytest.mark.parametrize("selector,backend,distill,with_lens,with_docs,r0", MODULE_CASES)
+def test_module_training_step_reads_nothing_back(
+    monkeypatch, host_reads, selector, backend, distill, with_lens, with_docs, r0
+):
     """A training step of the module (sparse path, distillation on, forward and backward, selector
     loss included) at the CUDA defaults (index_check="none": value checks are skipped there; on CPU
-    they run, so the rule is forced here) makes no host read."""
+    they run, so the rule is forced here, for the token selector's PyTorch references too) makes no host read."""
     monkeypatch.setattr(st.SparseAttention, "_checks_values", lambda self, device: False)
-    # the pooled selector: the token selector's PyTorch references check seq_lens / document_ids values on CPU
-    # tensors (reads of host memory, skipped on CUDA), which this CPU run would count
+    monkeypatch.setattr(index_score_reference, "checks_values", lambda device: False)
     cfg = st.SparseAttentionConfig(
-        selector="pooled",
+        **SELECTOR_SETTINGS[selector],
         block_q=16,
         block_k=16,
         top_k=2,

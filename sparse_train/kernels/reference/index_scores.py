@@ -63,6 +63,13 @@ def _check_block(name: str, value) -> int:
     return value
 
 
+def checks_values(device: torch.device) -> bool:
+    """Whether :func:`check_index_score_args` checks the values of ``seq_lens``, ``document_ids`` and
+    ``query_blocks`` on ``device``: on the CPU, where reading them costs nothing; on a GPU that read would be a host
+    sync."""
+    return device.type == "cpu"
+
+
 def check_index_score_args(
     u, w, block_q, block_k, seq_lens=None, document_ids=None, query_blocks=None, *, dtypes=_FLOAT_DTYPES
 ) -> IndexScoreArgs:
@@ -72,7 +79,7 @@ def check_index_score_args(
     and S; H, E, S, N >= 1 (B may be 0); block sizes in :data:`BLOCK_SIZES`; M = N without ``query_blocks``, else
     M = R * block_q for ``query_blocks`` an integer ``[R]`` tensor on u's device. ``seq_lens`` (int ``[B]``) and
     ``document_ids`` (int ``[B, N]``) as :mod:`sparse_train.validation` checks them. Values (of seq_lens,
-    document_ids and query_blocks) are checked only for CPU tensors: on a GPU that check would be a host sync.
+    document_ids and query_blocks) are checked only where :func:`checks_values` says (CPU tensors).
     """
     for name, t, rank, layout in (("u", u, 5, "[B, H, M, E, S]"), ("w", w, 4, "[B, H, N, S]")):
         if not isinstance(t, Tensor) or t.dim() != rank:
@@ -96,7 +103,7 @@ def check_index_score_args(
         raise ValueError(f"u must have E >= 1 index heads, got shape {tuple(u.shape)}")
     block_q = _check_block("block_q", block_q)
     block_k = _check_block("block_k", block_k)
-    on_cpu = u.device.type == "cpu"
+    on_cpu = checks_values(u.device)
     check_seq_lens(seq_lens, B, N, u.device, values=on_cpu)
     check_document_ids(document_ids, B, N, u.device, values=on_cpu)
     num_q_blocks = math.ceil(N / block_q)
