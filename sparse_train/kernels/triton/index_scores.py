@@ -750,10 +750,8 @@ def shape_args(u: Tensor, w: Tensor, block_q: int, block_k: int, query_blocks: T
 def score_shape(u: Tensor, w: Tensor, block_q: int, block_k: int, query_blocks: Tensor | None) -> tuple:
     """``(B, H, R, NKB)``, the shape of the block scores of u ``[B, H, M, E, S]`` and w ``[B, H, N, S]`` (the fake
     implementations' outputs; symbolic sizes welcome)."""
-    B, H = u.shape[:2]
-    N = w.shape[2]
-    rows = -(-N // block_q) if query_blocks is None else query_blocks.shape[0]
-    return (B, H, rows, -(-N // block_k))
+    args = shape_args(u, w, block_q, block_k, query_blocks)
+    return (args.B, args.H, args.rows, -(-args.N // block_k))
 
 
 def _option_values(options: IndexScoreOptions) -> list[int]:

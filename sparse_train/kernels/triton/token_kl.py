@@ -590,30 +590,44 @@ class TokenKLStats(NamedTuple):
     mass: Tensor
 
 
+def _forward_stats(u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, stats):
+    """(kl, lse_s, lse_z, mass): the forward launch, or fresh copies of an earlier call's ``stats`` (None or empty:
+    none; a checkpoint recompute passes them; autograd and the custom op take ownership of what they return)."""
+    if stats:
+        return tuple(t.clone() for t in stats)
+    temperature32 = temperature.detach().float().contiguous()
+    return token_kl_forward_launch(u, w, q_rows, k, temperature32, query_blocks, block_q, scale, seq_lens, document_ids)
+
+
+def _backward_grads(grad, u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, lse_s,
+                    lse_z, mass):  # fmt: skip
+    """(du, dw, d_temperature) in the dtypes of u, w and temperature: the backward launch."""
+    du, dw, d_temperature = token_kl_backward_launch(
+        grad.float(), u, w, q_rows, k, temperature.detach().float().contiguous(), query_blocks, block_q, scale,
+        seq_lens, document_ids, lse_s, lse_z, mass,
+    )  # fmt: skip
+    return du.to(u.dtype), dw.to(w.dtype), d_temperature.to(temperature.dtype)
+
+
 class _TokenKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, stats):
-        temperature32 = temperature.detach().float().contiguous()
-        if stats is None:
-            kl, lse_s, lse_z, mass = token_kl_forward_launch(
-                u, w, q_rows, k, temperature32, query_blocks, block_q, scale, seq_lens, document_ids
-            )
-        else:  # fresh outputs: autograd takes ownership of what forward returns
-            kl, lse_s, lse_z, mass = (t.clone() for t in stats)
-        ctx.save_for_backward(u, w, temperature32, q_rows, k, query_blocks, lse_s, lse_z, mass)
-        ctx.extras = (block_q, scale, seq_lens, document_ids, temperature.dtype)
+        kl, lse_s, lse_z, mass = _forward_stats(
+            u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, stats
+        )
+        ctx.save_for_backward(u, w, temperature, q_rows, k, query_blocks, lse_s, lse_z, mass)
+        ctx.extras = (block_q, scale, seq_lens, document_ids)
         ctx.mark_non_differentiable(lse_s, lse_z, mass)
         return kl, lse_s, lse_z, mass
 
     @staticmethod
     def backward(ctx, grad, *_):
-        u, w, temperature32, q_rows, k, query_blocks, lse_s, lse_z, mass = ctx.saved_tensors
-        block_q, scale, seq_lens, document_ids, temperature_dtype = ctx.extras
-        du, dw, d_temperature = token_kl_backward_launch(
-            grad.float(), u, w, q_rows, k, temperature32, query_blocks, block_q, scale, seq_lens, document_ids,
-            lse_s, lse_z, mass,
-        )  # fmt: skip
-        return du.to(u.dtype), dw.to(w.dtype), d_temperature.to(temperature_dtype), *([None] * 8)
+        u, w, temperature, q_rows, k, query_blocks, lse_s, lse_z, mass = ctx.saved_tensors
+        block_q, scale, seq_lens, document_ids = ctx.extras
+        grads = _backward_grads(
+            grad, u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, lse_s, lse_z, mass
+        )
+        return *grads, *([None] * 8)
 
 
 # ``sparse_train::token_kl_fwd`` / ``sparse_train::token_kl_bwd``: the two launchers as torch.library custom ops
@@ -633,13 +647,11 @@ def _token_kl_fwd_op(
     document_ids: Tensor | None,
     stats: list[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    if stats:
-        kl, lse_s, lse_z, mass = (t.clone() for t in stats)
-        return kl, lse_s, lse_z, mass
-    temperature32 = temperature.float().contiguous()
-    kl, lse_s, lse_z, mass = token_kl_forward_launch(
-        u, w, q_rows, k, temperature32, query_blocks, block_q, scale, seq_lens, document_ids
+    kl, lse_s, lse_z, mass = _forward_stats(
+        u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, stats
     )
+    if stats:
+        return kl, lse_s, lse_z, mass
     # with B * H = 1, lse_s and lse_z are views of one buffer (their .contiguous() copies nothing): outputs of a custom
     # op may not alias each other
     return kl, lse_s, lse_z.clone(), mass
@@ -670,16 +682,11 @@ def _token_kl_bwd_op(
     lse_z: Tensor,
     mass: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    du, dw, d_temperature = token_kl_backward_launch(
-        grad.float(), u, w, q_rows, k, temperature.float().contiguous(), query_blocks, block_q, scale, seq_lens,
-        document_ids, lse_s, lse_z, mass,
-    )  # fmt: skip
-    # contiguous: du and dw are the first S columns of buffers padded to S_P2
-    return (
-        du.to(u.dtype).contiguous(),
-        dw.to(w.dtype).contiguous(),
-        d_temperature.to(temperature.dtype),
+    du, dw, d_temperature = _backward_grads(
+        grad, u, w, temperature, q_rows, k, query_blocks, block_q, scale, seq_lens, document_ids, lse_s, lse_z, mass
     )
+    # contiguous: du and dw are the first S columns of buffers padded to S_P2
+    return du.contiguous(), dw.contiguous(), d_temperature
 
 
 @_token_kl_bwd_op.register_fake
