@@ -4,7 +4,8 @@
 * :func:`random_selection` / :func:`build_index`: a seeded random top-k selection of causal key blocks for a
   pattern of :data:`PATTERNS`, made canonical with its window and sinks, and the index's plan;
 * :func:`packed_document_ids`: document ids of a row packed with documents of random lengths;
-* :func:`benchmark_tokens`: token ids for the training-step benchmarks.
+* :func:`benchmark_tokens`: token ids for the training-step benchmarks;
+* :func:`candidates_argument`: the value of the selector benchmarks' ``--candidates`` option.
 
 The headline shape is B = 1, HQ = 32, HKV = 8, D = 128, bf16; the patterns are P64 (64-blocks, 1 sink + 8 window +
 16 random top-k) and P128 (128-blocks, 1 sink + 4 window + 8 top-k).
@@ -12,6 +13,7 @@ The headline shape is B = 1, HQ = 32, HKV = 8, D = 128, bf16; the patterns are P
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import torch
@@ -84,3 +86,17 @@ def benchmark_tokens(n, vocab, seed=1, device="cuda"):
     ``seed`` (the same ids on every device): inputs are ``[:, :-1]``, labels ``[:, 1:]``."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(vocab, (1, n + 1), generator=g).to(device)
+
+
+def candidates_argument(text: str) -> int | str | None:
+    """``SparseAttentionConfig.selector_candidates`` from a command line: ``"auto"``, ``"none"`` (exact scores,
+    ``None``) or a count >= 1."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or a count >= 1, got {text!r}")
+    return count

@@ -1,9 +1,11 @@
 """Selector and distillation cost against the sparse attention they serve (GPU measurement).
 
 Times, in one process, at the headline shape (default N=65536, B=1, HQ=32, HKV=8, D=128, bf16,
-BQ=BK=64, top_k=16, window=8, sinks=1), with the module's scorer (``SparseAttentionConfig`` defaults: mean and
-max pooling of queries and keys, distance bias) un-rotating RoPE of base ``--rope-theta`` (10000, as the
-Transformer and the Hugging Face integration set it; 0 turns it off):
+BQ=BK=64, top_k=16, window=8, sinks=1), with the module's selector as ``SparseAttentionConfig`` defaults build it
+(the token indexer trained by the token-level KL, 2 top_k candidate blocks; ``--selector``, ``--selector-distill``
+and ``--candidates`` choose another, e.g. ``--selector pooled`` for the block-pooled scorer with mean and max
+pooling and its distance bias, ``--candidates none`` for exact token scores) un-rotating RoPE of base
+``--rope-theta`` (10000, as the Transformer and the Hugging Face integration set it; 0 turns it off):
 
 * ``selector/pool``         the scorer's ``pool``: block pooling of q and k (one Triton kernel each where the
                             attention kernels run); for the token selector the keys un-rotated, the queries left to
@@ -70,7 +72,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import sparse_train as st
 from scripts.bench.harness import measure as measure_call
-from scripts.bench.inputs import benchmark_inputs
+from scripts.bench.inputs import benchmark_inputs, candidates_argument
 from sparse_train.cuda_graphs import capture_cuda_graph
 from sparse_train.functional import resolve_backend
 from sparse_train.kernels.reference.block_mass import reference_dense_block_mass
@@ -87,6 +89,9 @@ from sparse_train.selection import (
     sparse_block_mass,
 )
 
+_DEFAULTS = st.SparseAttentionConfig()
+"""The module's defaults, which the selector options take unless given."""
+
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -102,16 +107,23 @@ def parse_args(argv=None):
     p.add_argument(
         "--selector",
         choices=["pooled", "token"],
-        default="pooled",
-        help="SparseAttentionConfig.selector: block-pooled scorer or token-level indexer",
+        default=_DEFAULTS.selector,
+        help="SparseAttentionConfig.selector: block-pooled scorer or token-level indexer (default: the module's)",
     )
     p.add_argument("--selector-dim", type=int, default=32)
     p.add_argument("--index-heads", type=int, default=1, help="SparseAttentionConfig.selector_index_heads (token)")
     p.add_argument(
+        "--selector-distill",
+        choices=["block", "token"],
+        default=_DEFAULTS.selector_distill,
+        help="SparseAttentionConfig.selector_distill (token selector; default: the module's)",
+    )
+    p.add_argument(
         "--candidates",
-        type=int,
-        default=None,
-        help="SparseAttentionConfig.selector_candidates (token; trains with selector_distill='token')",
+        type=candidates_argument,
+        default=_DEFAULTS.selector_candidates,
+        help="SparseAttentionConfig.selector_candidates (token selector trained by --selector-distill token): a "
+        "count, 'auto' (the module's default, 2 top_k) or 'none' (exact scores)",
     )
     p.add_argument(
         "--rope-theta",
@@ -337,9 +349,7 @@ def main(argv=None) -> int:
     scale = 1.0 / math.sqrt(d)
     geom = selection_geometry(n, blk, blk, args.top_k, args.window, args.sinks)
     # the module's scorer with its defaults (pooling, distance bias), of the kind --selector names
-    # without --candidates: exact scores and the block-level KL, whatever the module's defaults
-    token_level = {"selector_distill": "token", "selector_candidates": args.candidates} if args.candidates else {}
-    token_level = token_level or {"selector_distill": "block", "selector_candidates": None}
+    token_level = {"selector_distill": args.selector_distill, "selector_candidates": args.candidates}
     selector_cfg = st.SparseAttentionConfig(
         top_k=args.top_k,
         window=args.window,
@@ -349,6 +359,7 @@ def main(argv=None) -> int:
         selector_index_heads=args.index_heads,
         **token_level,
     )
+    candidate_blocks = selector_cfg.resolved_selector_candidates
     scorer = build_selector(selector_cfg, hq, hkv, d).to(device)
     if args.rope_theta > 0:
         scorer.set_rope(rope_inverse_frequencies(args.rope_theta, d))
@@ -493,8 +504,8 @@ def main(argv=None) -> int:
 
         # the module on its sparse path (no dense warm-up) with each distillation mode; the differences
         # to distill="off" are what the distillation costs inside a training step
-        # candidates train only with distill sampled or off
-        distills = ("off", "sampled") if args.candidates else ("off", "sparse", "sampled")
+        # candidates apply only with distill sampled or off (under "sparse" the selector would score every pair)
+        distills = ("off", "sampled") if candidate_blocks is not None else ("off", "sparse", "sampled")
         for distill in distills:
             cfg = st.SparseAttentionConfig(
                 block_q=blk,
@@ -575,7 +586,8 @@ def main(argv=None) -> int:
             "rope_theta": args.rope_theta,
             "selector": args.selector,
             "index_heads": args.index_heads,
-            "candidates": args.candidates,
+            "selector_distill": selector_cfg.resolved_selector_distill,
+            "candidates": candidate_blocks,
             "query_pooling": selector_cfg.query_pooling,
             "key_pooling": selector_cfg.key_pooling,
             "distance_bias": scorer.distance_bias is not None,

@@ -38,7 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import sparse_train as st
 from scripts.bench.harness import quantile
-from scripts.bench.inputs import benchmark_tokens
+from scripts.bench.inputs import benchmark_tokens, candidates_argument
 from scripts.tools import trace_attention_windows
 from sparse_train.lightning import model as model_lib
 from sparse_train.lightning.model import Transformer, TransformerConfig
@@ -97,6 +97,8 @@ POINTWISE = {"on": True, "off": False, "auto": "auto"}
 """``--compile-pointwise`` values as ``TransformerConfig.compile_pointwise`` takes them."""
 GLUON = {"on": True, "off": False, "auto": None}
 """``--gluon`` values as ``KernelOptions.fwd_gluon`` / ``dq_gluon`` / ``kv_gluon`` take them."""
+_SPARSE_DEFAULTS = st.SparseAttentionConfig()
+"""The module's defaults, which the sparse variant's selector options take unless given."""
 
 
 def time_steps(
@@ -185,8 +187,8 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--selector",
         choices=["pooled", "token"],
-        default="pooled",
-        help="sparse variant: SparseAttentionConfig.selector",
+        default=_SPARSE_DEFAULTS.selector,
+        help="sparse variant: SparseAttentionConfig.selector (default: the module's)",
     )
     ap.add_argument(
         "--index-heads",
@@ -197,14 +199,15 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--selector-distill",
         choices=["block", "token"],
-        default="block",
-        help="sparse variant: SparseAttentionConfig.selector_distill (token selector)",
+        default=_SPARSE_DEFAULTS.selector_distill,
+        help="sparse variant: SparseAttentionConfig.selector_distill (token selector; default: the module's)",
     )
     ap.add_argument(
         "--candidates",
-        type=int,
-        default=None,
-        help="sparse variant: SparseAttentionConfig.selector_candidates (token selector with --selector-distill token)",
+        type=candidates_argument,
+        default=_SPARSE_DEFAULTS.selector_candidates,
+        help="sparse variant: SparseAttentionConfig.selector_candidates, a count, 'auto' (the module's default: "
+        "2 top_k for the token selector trained by --selector-distill token) or 'none' (exact scores)",
     )
     ap.add_argument(
         "--distill",
@@ -312,6 +315,12 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
     }
     result.update(time_steps(step, args.warmup, args.repeats, device, n, q=0.95))
     if variant == "sparse":
+        core = next(iter(model.sparse_cores()))
+        result["selector"] = {  # the configuration the step ran, "auto" resolved
+            "selector": core.config.selector,
+            "distill": core.config.resolved_selector_distill,
+            "candidates": core.config.resolved_selector_candidates,
+        }
         stats = st.collect_attention_stats(model)
         result["density"] = stats.get("density")
         result["fallbacks"] = {k: v for k, v in stats.items() if k.startswith("fallbacks/") and v}

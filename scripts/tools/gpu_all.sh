@@ -188,18 +188,19 @@ case "$phase" in
     # the token selector against the pooled one at 64K: the selection (CUDA-graph replay) and the 1.1B step with
     # the dense twin; the tables of docs/benchmarks/selector_heldout/README.md
     for s in token pooled; do
-      timeout 100 python3 -m scripts.bench.selector --selector "$s" --graph --out "$R/selection_64k_$s.json" \
-        > "$R/selection_64k_$s.log" 2>&1
+      # the token selector with exact scores here, with candidate blocks below
+      timeout 100 python3 -m scripts.bench.selector --selector "$s" --candidates none --graph \
+        --out "$R/selection_64k_$s.json" > "$R/selection_64k_$s.log" 2>&1
       echo "bench_selector $s rc=$?" >> "$R/selection_64k_$s.log"
     done
     timeout 60 python3 -m scripts.bench.selector --selector token --candidates 32 --graph --selector-only \
       --out "$R/selection_64k_token_cand.json" > "$R/selection_64k_token_cand.log" 2>&1
     echo "bench_selector token_cand rc=$?" >> "$R/selection_64k_token_cand.log"
-    timeout 240 python3 -m scripts.bench.step --contexts 65536 --variants sparse dense --repeats 4 --warmup 2 \
-      --out "$R/step_1p1b_64k_pooled_dense.json" > "$R/step_1p1b_64k_pooled_dense.log" 2>&1
+    timeout 240 python3 -m scripts.bench.step --selector pooled --contexts 65536 --variants sparse dense --repeats 4 \
+      --warmup 2 --out "$R/step_1p1b_64k_pooled_dense.json" > "$R/step_1p1b_64k_pooled_dense.log" 2>&1
     echo "bench_step pooled_dense rc=$?" >> "$R/step_1p1b_64k_pooled_dense.log"
-    timeout 150 python3 -m scripts.bench.step --contexts 65536 --variants sparse --selector token --repeats 4 \
-      --warmup 2 --out "$R/step_1p1b_64k_token.json" > "$R/step_1p1b_64k_token.log" 2>&1
+    timeout 150 python3 -m scripts.bench.step --contexts 65536 --variants sparse --selector token \
+      --selector-distill block --repeats 4 --warmup 2 --out "$R/step_1p1b_64k_token.json" > "$R/step_1p1b_64k_token.log" 2>&1
     echo "bench_step token rc=$?" >> "$R/step_1p1b_64k_token.log"
     cp "$R"/selection_64k_*.json "$R"/step_1p1b_64k_*.json "$OUT"/ 2>/dev/null
     ;;
@@ -246,7 +247,7 @@ case "$phase" in
     gpu_tests gpu_tests_token_compile 300 tests/test_compile.py -k token_selector
     cp "$R"/gpu_tests_token_compile.log "$OUT"/
     for c in exact 32; do
-      cand=""; [ "$c" = exact ] || cand="--candidates $c"
+      cand="--candidates $c"; [ "$c" = exact ] && cand="--candidates none"
       # shellcheck disable=SC2086
       timeout 240 python3 -m scripts.bench.selector --selector token $cand --compile --selector-only \
         --out "$R/token_compile_64k_$c.json" > "$R/token_compile_64k_$c.log" 2>&1
