@@ -19,9 +19,10 @@ evaluated on held-out rows (another seed stream, the same rows for every mode an
 Modes (``MODES``): ``dense`` (causal SDPA), ``row_oracle`` (this runner's own: each query row keeps its
 ``top_k`` key blocks of largest dense attention mass, plus window and sinks, as a mask on SDPA), and
 ``st.SparseAttention`` with the keyword arguments of the table on top of the shared ones
-(:func:`sparse_kwargs`: 64-token blocks, ``top_k`` = the facts the family's question needs or ``--top-k``, window 1,
-sink 1, the model's RoPE base and convention, a dense warm-up of the short-row steps and
-``--warmup-fraction`` of the full-length steps; the row oracle keeps the same warm-up). ``token_cand`` is
+(:func:`sparse_kwargs`: 64-token key and query blocks, ``--block-q`` for fewer query rows per selection,
+``top_k`` = the facts the family's question needs or ``--top-k``, window 1, sink 1, the model's RoPE base and
+convention, a dense warm-up of the short-row steps and ``--warmup-fraction`` of the full-length steps; the row
+oracle keeps the same warm-up). ``token_cand`` is
 ``token_kl`` with ``selector_candidates`` = :data:`CANDIDATES_PER_TOP_K` x ``top_k``.
 A mode whose keywords this sparse_train's ``SparseAttentionConfig`` does not accept is reported as not
 supported and skipped; ``pooled`` then runs without the selector keywords (the module's only selector,
@@ -67,6 +68,8 @@ LEARNED = ("pooled", "token", "token_kl", "token_cand")
 CANDIDATES_PER_TOP_K = 2
 """``token_cand``: ``selector_candidates`` = this many times the family's ``top_k``."""
 BLOCK = 64
+BLOCK_Q_CHOICES = (16, 32, 64)
+"""``--block-q`` values: query blocks the token selector's kernels take, up to the key block."""
 WINDOW = 1
 SINKS = 1
 
@@ -103,6 +106,7 @@ class JobConfig:
     mid_steps: int = 0
     mid_len: int = 2048
     top_k: int = 0
+    block_q: int = 0
     device: str = "cpu"
 
     @property
@@ -112,12 +116,20 @@ class JobConfig:
             del fields["mid_steps"], fields["mid_len"]
         if not self.top_k:  # the family's budget: the key of a job without the override
             del fields["top_k"]
+        if not self.block_q:  # BLOCK query rows: the key of a job without the override
+            del fields["block_q"]
         return json.dumps(fields, sort_keys=True)
 
     @property
     def budget(self) -> int:
         """Dynamic key blocks per query block: ``top_k``, or when it is 0 the facts the family's question needs."""
         return self.top_k or family(self.family).top_k
+
+    @property
+    def query_block(self) -> int:
+        """Query rows that share one selection in every ``st.SparseAttention`` mode (``block_q``): ``block_q``, or
+        :data:`BLOCK` when it is 0. Key blocks stay :data:`BLOCK` tokens; the row oracle selects per row."""
+        return self.block_q or BLOCK
 
     def row_length(self, step: int) -> int:
         """Row length at ``step``: ``short_len`` for the first ``short_steps`` steps, then ``mid_len`` for
@@ -143,7 +155,7 @@ class ModeUnsupported(Exception):
 def sparse_kwargs(cfg: JobConfig) -> dict:
     """The SparseAttentionConfig keyword arguments every st.SparseAttention mode shares."""
     return {
-        "block_q": BLOCK,
+        "block_q": cfg.query_block,
         "block_k": BLOCK,
         "top_k": cfg.budget,
         "window": WINDOW,
@@ -415,6 +427,7 @@ def run_sweep(args: argparse.Namespace) -> Path:
                         mid_steps=args.mid_steps,
                         mid_len=args.mid_len,
                         top_k=args.top_k,
+                        block_q=args.block_q,
                         eval_rows=args.eval_rows,
                         log_every=args.log_every,
                         device=device,
@@ -531,26 +544,36 @@ def _schedule(group: dict) -> str:
     return text
 
 
+def _budget(group: dict) -> str:
+    """``top_k``, with the query block when it is not :data:`BLOCK`."""
+    return str(group["top_k"]) + (f" (block_q {group['block_q']})" if group["block_q"] != BLOCK else "")
+
+
 def _group_label(group: dict) -> str:
-    """The family, with the budget when it is not the family's and the middle stage when there is one."""
+    """The family, with the budget when it is not the family's, the query block when it is not :data:`BLOCK` and
+    the middle stage when there is one."""
     label = group["family"]
     if group["top_k"] != family(group["family"]).top_k:
         label += f"\ntop_k {group['top_k']}"
+    if group["block_q"] != BLOCK:
+        label += f"\nblock_q {group['block_q']}"
     if group.get("mid_steps"):
         label += f"\n{group['mid_steps']} at {group['mid_len']}"
     return label
 
 
 def build_summary(records: list[dict]) -> list[dict]:
-    """One entry per (family, seq_len, steps, batch, top_k, middle stage): each mode's per-seed accuracies and mean,
-    density, mass recall, steps/s, and the ratios learned/oracle, learned/dense, oracle/dense, row_oracle/oracle."""
+    """One entry per (family, seq_len, steps, batch, top_k, query block, middle stage): each mode's per-seed
+    accuracies and mean, density, mass recall, steps/s, and the ratios learned/oracle, learned/dense, oracle/dense,
+    row_oracle/oracle."""
     groups: dict[tuple, dict] = {}
     for record in records:
         if "error" in record:
             continue
         cfg = record["config"]
         stage = (cfg.get("mid_steps", 0), cfg.get("mid_len", 0) if cfg.get("mid_steps", 0) else 0)
-        key = (cfg["seq_len"], cfg["family"], cfg["steps"], cfg["batch"], record["top_k"], stage)
+        block_q = cfg.get("block_q") or BLOCK
+        key = (cfg["seq_len"], cfg["family"], cfg["steps"], cfg["batch"], record["top_k"], block_q, stage)
         group = groups.setdefault(
             key,
             {
@@ -562,6 +585,7 @@ def build_summary(records: list[dict]) -> list[dict]:
                 "mid_len": stage[1],
                 "chance": record["chance"],
                 "top_k": record["top_k"],
+                "block_q": block_q,
                 "modes": {},
             },
         )
@@ -624,7 +648,7 @@ def summary_markdown(summary: list[dict], records: list[dict]) -> str:
     header = ["family", "N", "steps x batch", "top_k", "chance"] + modes + ratio_names
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for g in summary:
-        row = [g["family"], str(g["seq_len"]), _schedule(g), str(g["top_k"]), _fmt(g["chance"])]
+        row = [g["family"], str(g["seq_len"]), _schedule(g), _budget(g), _fmt(g["chance"])]
         for m in modes:
             mode = g["modes"].get(m)
             row.append(
@@ -756,6 +780,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="dynamic key blocks per query block in every sparse mode and the row oracle; 0 = each family's "
         "(the facts its question needs)",
     )
+    p.add_argument(
+        "--block-q",
+        type=int,
+        default=0,
+        help=f"query rows that share one selection (SparseAttentionConfig.block_q) in every sparse mode; 0 = {BLOCK}, "
+        f"the key block size",
+    )
     p.add_argument("--eval-rows", type=int, default=256, help="held-out rows evaluated per job")
     p.add_argument("--log-every", type=int, default=50, help="training-loss curve and mass-recall interval (steps)")
     p.add_argument("--jobs", type=int, default=1, help="worker processes at once (1: run in this process)")
@@ -779,6 +810,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--warmup-fraction must be in [0, 1)")
     if args.top_k < 0:
         p.error(f"--top-k must be >= 0, got {args.top_k}")
+    if args.block_q not in (0, *BLOCK_Q_CHOICES):
+        p.error(f"--block-q must be 0 or one of {BLOCK_Q_CHOICES} (at most the key block, {BLOCK}), got {args.block_q}")
     if args.mid_steps < 0 or args.mid_len < 1:
         p.error(f"--mid-steps must be >= 0 and --mid-len >= 1, got {args.mid_steps} and {args.mid_len}")
     return args

@@ -190,6 +190,34 @@ def test_budget_override_keys_and_summary_groups():
     ]
 
 
+def test_query_block_override_keys_config_and_summary_groups():
+    """``block_q`` 0 is BLOCK query rows and keeps the key of a job without it; another query block reaches the
+    module's config (key blocks stay BLOCK) and makes its own summary row, named in the table's budget column."""
+    assert "block_q" not in json.loads(_job().key)
+    assert _job().query_block == heldout.BLOCK
+    job = _job(mode="token_cand", block_q=16)
+    assert json.loads(job.key)["block_q"] == 16 and job.key != _job(mode="token_cand").key
+    cfg, _ = heldout.sparse_config(job)
+    assert (cfg.block_q, cfg.block_k) == (16, heldout.BLOCK)
+    jobs = [_job(), _job(block_q=16), _job(block_q=16, seed=1)]
+    records = [
+        {"config": dataclasses.asdict(job), "accuracy": 0.5, "eval_density": 0.1, "steps_per_s": 1.0}
+        | {"chance": 0.125, "top_k": job.budget}
+        for job in jobs
+    ]
+    groups = heldout.build_summary(records)
+    assert [(g["block_q"], len(g["modes"]["dense"]["seeds"])) for g in groups] == [(16, 2), (heldout.BLOCK, 1)]
+    table = heldout.summary_markdown(groups, records)
+    assert "| 4 (block_q 16) |" in table and "| 4 |" in table
+
+
+@pytest.mark.parametrize("value", ["8", "128", "-16"], ids=["below-16", "above-key-block", "negative"])
+def test_query_block_option_rejects(value, capsys):
+    with pytest.raises(SystemExit):
+        heldout.parse_args(["--block-q", value, "--out", "unused"])
+    assert "--block-q must be 0 or one of" in capsys.readouterr().err
+
+
 def test_runner_end_to_end(tmp_path):
     out = tmp_path / "run"
     argv = [
