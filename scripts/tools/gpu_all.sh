@@ -31,6 +31,11 @@
 #                                                           # dense twin and the oracle, more than one call: split
 #                                                           # it with HELDOUT_MODES, e.g. "dense,oracle" then
 #                                                           # "token_kl,token_cand"); results straight to $OUT
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh vartrack8k  # what the shared selection costs on 8K variable tracking:
+#                                                           # the token selector and the block oracle with twice the
+#                                                           # budget (top_k 8) and with 16-row query blocks, two seeds,
+#                                                           # the 8K schedule of docs/benchmarks/selector_heldout (8
+#                                                           # jobs side by side); results straight to $OUT
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh token_kl    # the token-level distillation: its kernel and module GPU
 #                                                           # tests, the kernels against the PyTorch reference at 64K
 #                                                           # (scripts/bench/token_kl.py), the module with 32
@@ -219,6 +224,26 @@ case "$phase" in
       > "$OUT/heldout.log" 2>&1
     echo "heldout rc=$?" >> "$OUT/heldout.log"
     rm -f "$OUT/heldout/plot.png"  # the device tool returns 8 files: results.jsonl, summary.md, summary.json, the log
+    ;;
+  vartrack8k)
+    # the two splits of docs/benchmarks/selector_heldout's 8K vartrack section, side by side; each finished job is
+    # appended to its results.jsonl at once, and a rerun with the same --out resumes
+    split() {  # split <name> <heldout options...>
+      local name=$1; shift
+      timeout 560 python3 -m scripts.eval.heldout --families vartrack --modes token_cand,oracle --seeds 0,1 \
+        --seq-len 8192 --batch 8 --steps 3000 --short-steps 300 --mid-steps 700 --mid-len 2048 --jobs 4 \
+        --device cuda --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
+      echo "heldout $name rc=$?" >> "$OUT/$name.log"
+      # the device tool returns 8 files: results.jsonl, summary.md, the log, and errors.jsonl when a job failed
+      rm -f "$OUT/$name/plot.png" "$OUT/$name/summary.json"
+      [ -s "$OUT/$name/errors.jsonl" ] || rm -f "$OUT/$name/errors.jsonl"
+    }
+    split vartrack8k_top8 --top-k 8 &
+    split vartrack8k_bq16 --block-q 16 &
+    wait
+    for name in vartrack8k_top8 vartrack8k_bq16; do
+      tail -n 3 "$OUT/$name.log"; cat "$OUT/$name/summary.md" 2>/dev/null
+    done
     ;;
   token_kl)
     # the token-level distillation kernels: their GPU tests and the module's; the kernels against the reference at
