@@ -91,12 +91,10 @@ def benchmark_tokens(n, vocab, seed=1, device="cuda"):
 def candidates_argument(text: str) -> int | str | None:
     """``SparseAttentionConfig.selector_candidates`` from a command line: ``"auto"``, ``"none"`` (exact scores,
     ``None``) or a count >= 1."""
-    if text in ("auto", "none"):
-        return None if text == "none" else text
-    try:
-        count = int(text)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or a count >= 1, got {text!r}")
-    return count
+    if text == "auto":
+        return text
+    if text == "none":
+        return None
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise argparse.ArgumentTypeError(f"expected 'auto', 'none' or a count >= 1, got {text!r}")
