@@ -31,6 +31,11 @@
 #                                                           # dense twin and the oracle, more than one call: split
 #                                                           # it with HELDOUT_MODES, e.g. "dense,oracle" then
 #                                                           # "token_kl,token_cand"); results straight to $OUT
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh seeds2k     # needles and vartrack at 2K with the dense twin, the block
+#                                                           # oracle and the module's default selector over eight
+#                                                           # seeds (SEEDS, default 0-7), the spread of two seeds being
+#                                                           # as large as the ratios' margins; no job starts after 6
+#                                                           # minutes, and a rerun with the same OUT resumes
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh vartrack8k  # what the shared selection costs on 8K variable tracking:
 #                                                           # the token selector and the block oracle with twice the
 #                                                           # budget (top_k 8) and with 16-row query blocks, two seeds,
@@ -224,6 +229,15 @@ case "$phase" in
       > "$OUT/heldout.log" 2>&1
     echo "heldout rc=$?" >> "$OUT/heldout.log"
     rm -f "$OUT/heldout/plot.png"  # the device tool returns 8 files: results.jsonl, summary.md, summary.json, the log
+    ;;
+  seeds2k)
+    timeout 580 python3 -m scripts.eval.heldout --families needles,vartrack --modes dense,oracle,token_cand \
+      --seeds "${SEEDS:-0,1,2,3,4,5,6,7}" --seq-len 2048 --jobs 16 --stop-after-min 6 --device cuda \
+      --out "$OUT/seeds2k" > "$OUT/seeds2k.log" 2>&1
+    echo "heldout seeds2k rc=$?" >> "$OUT/seeds2k.log"
+    rm -f "$OUT/seeds2k/plot.png" "$OUT/seeds2k/summary.json"
+    [ -s "$OUT/seeds2k/errors.jsonl" ] || rm -f "$OUT/seeds2k/errors.jsonl"
+    tail -n 3 "$OUT/seeds2k.log"; cat "$OUT/seeds2k/summary.md" 2>/dev/null
     ;;
   vartrack8k)
     # the two splits of docs/benchmarks/selector_heldout's 8K vartrack section, side by side; each finished job is
