@@ -588,8 +588,8 @@ def main(argv=None) -> int:
             "index_heads": args.index_heads,
             "selector_distill": selector_cfg.resolved_selector_distill,
             "candidates": candidate_blocks,
-            "query_pooling": selector_cfg.query_pooling,
-            "key_pooling": selector_cfg.key_pooling,
+            "query_pooling": selector_cfg.query_pooling if args.selector == "pooled" else None,
+            "key_pooling": selector_cfg.key_pooling if args.selector == "pooled" else None,
             "distance_bias": scorer.distance_bias is not None,
         },
         "index": {

@@ -292,6 +292,8 @@ def _run_job(cfg: JobConfig, verbose: bool) -> dict:
         torch.cuda.synchronize(device)
     end = time.perf_counter()
     train_stats = {k: v for k, v in st.collect_attention_stats(model).items() if not k.startswith("replay/")}
+    if "density" not in train_stats and (density := _density(model)) is not None:
+        train_stats["density"] = density  # the row oracle's, which st.collect_attention_stats does not see
 
     eval_gen = torch.Generator().manual_seed(stream_seed(cfg.family, "eval", cfg.seq_len))
     model.eval()

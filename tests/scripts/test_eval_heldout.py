@@ -156,6 +156,16 @@ def test_same_seed_same_initial_weights_in_every_mode():
     assert isinstance(models["dense"], EvalModel)
 
 
+def test_row_oracle_job_records_its_training_density():
+    """The row oracle is no st.SparseAttention, so collect_attention_stats does not see it: its job records the
+    density of its last training step itself, a fraction of the causal area below dense."""
+    job = _job(mode="row_oracle", seq_len=512, steps=3, short_steps=1, warmup_fraction=0.0, batch=2, d_model=64)
+    record = heldout.run_job(dataclasses.replace(job, num_heads=2, num_kv_heads=1, eval_rows=2, log_every=1))
+    assert "error" not in record, record.get("error")
+    assert 0.0 < record["train_stats"]["density"] < 1.0
+    assert math.isclose(record["train_stats"]["density"], record["eval_density"], rel_tol=0.2)
+
+
 def test_curriculum_stages_and_job_keys():
     """Short rows, then the middle stage, then the full length; a job without a middle stage keeps the key it has
     without the middle-stage fields (results of such runs resume), a job with one gets another key."""
