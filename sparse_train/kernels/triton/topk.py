@@ -160,8 +160,7 @@ def topk_launch(
 # ----------------------------------------------------------------------------------------------
 # Layer 3: custom op (no autograd)
 # ----------------------------------------------------------------------------------------------
-@torch.library.custom_op("sparse_train::selection_topk", mutates_args=())
-def _selection_topk_op(
+def _selection_topk(
     scores: Tensor,
     seq_lens: Tensor | None,
     query_blocks: Tensor | None,
@@ -172,6 +171,8 @@ def _selection_topk_op(
     window: int,
     sinks: int,
 ) -> Tensor:
+    """:func:`topk_launch` with positional arguments: the custom op's body and the eager call of
+    :func:`topk_blocks`."""
     return topk_launch(
         scores,
         seq_len=seq_len,
@@ -183,6 +184,9 @@ def _selection_topk_op(
         seq_lens=seq_lens,
         query_blocks=query_blocks,
     )
+
+
+_selection_topk_op = torch.library.custom_op("sparse_train::selection_topk", mutates_args=())(_selection_topk)
 
 
 @_selection_topk_op.register_fake
@@ -206,21 +210,8 @@ def topk_blocks(
     """:func:`topk_launch` (arguments, returns; no validation, ``k >= 1``) as the ``torch.library`` custom op
     ``sparse_train::selection_topk`` where torch.compile, export or a dispatch mode needs a graph node, the launcher
     itself for eager calls on plain tensors (``_launch.direct_call``)."""
-    if not direct_call(scores, seq_lens, query_blocks):
-        return torch.ops.sparse_train.selection_topk(
-            scores, seq_lens, query_blocks, seq_len, block_q, block_k, k, window, sinks
-        )
-    return topk_launch(
-        scores,
-        seq_len=seq_len,
-        block_q=block_q,
-        block_k=block_k,
-        k=k,
-        window=window,
-        sinks=sinks,
-        seq_lens=seq_lens,
-        query_blocks=query_blocks,
-    )
+    call = _selection_topk if direct_call(scores, seq_lens, query_blocks) else torch.ops.sparse_train.selection_topk
+    return call(scores, seq_lens, query_blocks, seq_len, block_q, block_k, k, window, sinks)
 
 
 # ----------------------------------------------------------------------------------------------
