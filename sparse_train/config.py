@@ -41,6 +41,10 @@ SELECTORS = ("pooled", "token", "oracle")
 SELECTOR_DISTILLS = ("block", "token")
 CANDIDATES_PER_TOP_K = 2
 """``selector_candidates="auto"``: this many candidate key blocks per learned block (``top_k``)."""
+CANDIDATES_MIN_SEQ_LEN = 8192
+"""``selector_candidates="auto"``: sequences shorter than this score every block pair exactly. There the exact token
+scores cost little next to the attention, and over eight seeds at 2K they keep more accuracy than candidates
+(docs/benchmarks/selector_heldout, "Eight seeds at 2K")."""
 
 
 # One line per field in __post_init__: the label is the field's qualified name, the value its attribute.
@@ -130,17 +134,18 @@ class SparseAttentionConfig:
 
     selector_candidates: int | None | Literal["auto"] = "auto"
     """Candidate key blocks per query block of the ``"token"`` selector. ``"auto"`` (the default) =
-    ``2 * top_k`` (:data:`CANDIDATES_PER_TOP_K`) where candidates apply (``selector="token"``,
-    ``selector_distill="token"``, ``distill`` ``"sampled"`` or ``"off"``, ``top_k`` >= 1), else ``None``;
-    :attr:`resolved_selector_candidates` is the count every consumer reads. ``None``: every causal block pair gets its
-    exact token score. An int C >= ``top_k`` (only where candidates apply; elsewhere a ``ValueError``): each query
-    block ranks its dynamic key blocks (causal, neither window nor sink) by an upper bound of their token score (per
-    row, the index query against the element-wise max and min of the block's index keys: BQ products of width 2S
-    per pair instead of BQ x BK of width S), and only the C best bounded get their exact score; top-k picks among
-    those (:mod:`sparse_train.selection.candidates`; Triton kernels on CUDA, their PyTorch references elsewhere).
-    A sequence with at most C key blocks scores every pair exactly. The block-level KLs need every pair's score,
-    hence the requirements. The accuracy and cost of candidates against exact scores:
-    docs/benchmarks/selector_heldout."""
+    ``2 * top_k`` (:data:`CANDIDATES_PER_TOP_K`) on sequences of at least :data:`CANDIDATES_MIN_SEQ_LEN` tokens
+    where candidates apply (``selector="token"``, ``selector_distill="token"``, ``distill`` ``"sampled"`` or
+    ``"off"``, ``top_k`` >= 1), else ``None``; :meth:`selector_candidates_at` (from
+    :attr:`resolved_selector_candidates` and :attr:`resolved_selector_candidates_min_len`) is what applies to a
+    sequence. ``None``: every causal block pair gets its exact token score. An int C >= ``top_k`` (only where
+    candidates apply; elsewhere a ``ValueError``), at every length: each query block ranks its dynamic key blocks
+    (causal, neither window nor sink) by an upper bound of their token score (per row, the index query against the
+    element-wise max and min of the block's index keys: BQ products of width 2S per pair instead of BQ x BK of width
+    S), and only the C best bounded get their exact score; top-k picks among those
+    (:mod:`sparse_train.selection.candidates`; Triton kernels on CUDA, their PyTorch references elsewhere). A
+    sequence with at most C key blocks scores every pair exactly. The block-level KLs need every pair's score, hence
+    the requirements. The accuracy and cost of candidates against exact scores: docs/benchmarks/selector_heldout."""
 
     selector_rope_style: str = "rotate_half"
     """RoPE convention of the q and k this layer receives, for the selector's un-rotation
@@ -398,7 +403,9 @@ class SparseAttentionConfig:
     @property
     def resolved_selector_candidates(self) -> int | None:
         """The candidate blocks per query block that ``selector_candidates`` stands for: the int as given,
-        ``None`` (exact scores) as given, and ``"auto"`` resolved. The one place ``"auto"`` is read.
+        ``None`` (exact scores) as given, and ``"auto"`` resolved (the shortest sequence they apply to:
+        :attr:`resolved_selector_candidates_min_len`). With :attr:`resolved_selector_candidates_min_len`, the only
+        reader of ``"auto"``.
 
         ================================================================  =================
         ``selector`` / ``selector_distill`` / ``distill`` / ``top_k``     ``"auto"`` gives
@@ -414,6 +421,18 @@ class SparseAttentionConfig:
         if isinstance(value, str):  # "auto", the one string __post_init__ lets through
             return CANDIDATES_PER_TOP_K * self.top_k if self._token_kl_only and self.top_k >= 1 else None
         return value
+
+    @property
+    def resolved_selector_candidates_min_len(self) -> int:
+        """The shortest sequence (tokens) on which :attr:`resolved_selector_candidates` applies; shorter ones score
+        every pair exactly. :data:`CANDIDATES_MIN_SEQ_LEN` for ``"auto"``, 0 for a count given (and for ``None``,
+        where nothing applies)."""
+        return CANDIDATES_MIN_SEQ_LEN if isinstance(self.selector_candidates, str) else 0
+
+    def selector_candidates_at(self, seq_len: int) -> int | None:
+        """The candidate blocks per query block on a sequence of ``seq_len`` tokens: ``None`` (exact scores) below
+        :attr:`resolved_selector_candidates_min_len`, else :attr:`resolved_selector_candidates`."""
+        return None if seq_len < self.resolved_selector_candidates_min_len else self.resolved_selector_candidates
 
     @property
     def capacity(self) -> int:

@@ -277,18 +277,24 @@ def test_backward_with_padded_schedule_equals_exact_schedule(monkeypatch, small_
 
 # ---------------------------------------------------------------------------------------------- no host reads
 MODULE_CASES = [
-    # (selector, backend, distill, seq_lens, documents, r0); "token" is the default selector (token-level KL,
-    # candidate blocks), "token-exact" the token selector with exact scores and the block-level KL
+    # (selector, backend, distill, seq_lens, documents, r0); "token" is the default selector (token-level KL; at
+    # these lengths exact scores), "token-candidates" the same with candidate blocks, "token-exact" the token
+    # selector with exact scores and the block-level KL
     pytest.param("pooled", "triton", "sampled", False, False, 1, id="pooled-triton-sampled"),
     pytest.param("pooled", "triton", "sparse", True, True, 2, id="pooled-triton-sparse-seq_lens-documents-r0=2"),
     pytest.param("pooled", "reference", "sampled", True, True, 1, id="pooled-reference-sampled-seq_lens-documents"),
     pytest.param("token", "triton", "sampled", False, False, 1, id="token-triton-sampled"),
     pytest.param("token", "triton", "sampled", True, True, 1, id="token-triton-sampled-seq_lens-documents"),
+    pytest.param("token-candidates", "triton", "sampled", False, False, 1, id="token-candidates-triton-sampled"),
+    pytest.param(
+        "token-candidates", "triton", "sampled", True, True, 1, id="token-candidates-triton-sampled-seq_lens-documents"
+    ),
     pytest.param("token-exact", "triton", "sampled", True, False, 1, id="token-exact-triton-sampled-seq_lens"),
 ]
 SELECTOR_SETTINGS = {
     "pooled": dict(selector="pooled"),
     "token": dict(),
+    "token-candidates": dict(selector_candidates=4),
     "token-exact": dict(selector_distill="block", selector_candidates=None),
 }
 

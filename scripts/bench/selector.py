@@ -359,7 +359,7 @@ def main(argv=None) -> int:
         selector_index_heads=args.index_heads,
         **token_level,
     )
-    candidate_blocks = selector_cfg.resolved_selector_candidates
+    candidate_blocks = selector_cfg.selector_candidates_at(n)
     scorer = build_selector(selector_cfg, hq, hkv, d).to(device)
     if args.rope_theta > 0:
         scorer.set_rope(rope_inverse_frequencies(args.rope_theta, d))

@@ -319,7 +319,7 @@ def run_one(args: argparse.Namespace, n: int, variant: str, act_ckpt: bool) -> d
         result["selector"] = {  # the configuration the step ran, "auto" resolved
             "selector": core.config.selector,
             "distill": core.config.resolved_selector_distill,
-            "candidates": core.config.resolved_selector_candidates,
+            "candidates": core.config.selector_candidates_at(n),
         }
         stats = st.collect_attention_stats(model)
         result["density"] = stats.get("density")

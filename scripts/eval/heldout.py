@@ -23,7 +23,8 @@ Modes (``MODES``): ``dense`` (causal SDPA), ``row_oracle`` (this runner's own: e
 ``top_k`` = the facts the family's question needs or ``--top-k``, window 1, sink 1, the model's RoPE base and
 convention, a dense warm-up of the short-row steps and ``--warmup-fraction`` of the full-length steps; the row
 oracle keeps the same warm-up). ``token_cand`` is
-``token_kl`` with ``selector_candidates`` = :data:`CANDIDATES_PER_TOP_K` x ``top_k``.
+``token_kl`` with ``selector_candidates`` = :data:`CANDIDATES_PER_TOP_K` x ``top_k`` at every length; ``default`` is
+the module's selector defaults (``SparseAttentionConfig``'s, whatever they are).
 A mode whose keywords this sparse_train's ``SparseAttentionConfig`` does not accept is reported as not
 supported and skipped; ``pooled`` then runs without the selector keywords (the module's only selector,
 scoring the rotated q and k as given, since un-rotating with another RoPE convention would be wrong).
@@ -54,17 +55,19 @@ from .tasks import FAMILIES, IGNORE, VOCAB_SIZE, family, make_batch, stream_seed
 
 # mode -> SparseAttentionConfig keyword arguments on top of sparse_kwargs(); None = not st.SparseAttention
 # (dense: causal SDPA; row_oracle: RowOracleCore). Each mode names the selector fields its meaning depends on,
-# not the module's defaults: token = block-level KL on exact scores, token_kl = token-level KL on exact scores.
+# not the module's defaults: token = block-level KL on exact scores, token_kl = token-level KL on exact scores;
+# default = whatever this sparse_train's SparseAttentionConfig defaults to.
 MODES: dict[str, dict | None] = {
     "dense": None,
     "pooled": {"selector": "pooled"},
     "token": {"selector": "token", "selector_distill": "block", "selector_candidates": None},
     "token_kl": {"selector": "token", "selector_distill": "token", "selector_candidates": None},
     "token_cand": {"selector": "token", "selector_distill": "token"},
+    "default": {},
     "oracle": {"selector": "oracle"},
     "row_oracle": None,
 }
-LEARNED = ("pooled", "token", "token_kl", "token_cand")
+LEARNED = ("pooled", "token", "token_kl", "token_cand", "default")
 CANDIDATES_PER_TOP_K = 2
 """``token_cand``: ``selector_candidates`` = this many times the family's ``top_k``."""
 BLOCK = 64

@@ -14,7 +14,8 @@ block high even when the other rows and keys of both blocks are unrelated, which
 (:func:`~sparse_train.kernels.triton.index_scores.index_block_scores`) without an N x N tensor; its gradient reaches
 the winning pair's index vectors, hence ``Wq`` and ``Wk``. With ``candidates`` (C), only the C dynamic key blocks of
 each query block with the largest upper bound of their score are scored exactly, the others score
-``EMPTY_BLOCK_SCORE`` (:mod:`~sparse_train.selection.candidates`).
+``EMPTY_BLOCK_SCORE`` (:mod:`~sparse_train.selection.candidates`); a sequence shorter than ``candidates_min_len``
+tokens scores every pair exactly.
 
 Initialisation: with E = G, index head e starts as query head e projected by a shared random projection
 P ~ N(0, 1/S) and ``Wk = P``, so from step 0 the score approximates the largest raw logit
@@ -177,6 +178,8 @@ class TokenIndexer(nn.Module):
         candidates: ``None`` scores every block pair exactly; C scores exactly only the C dynamic key blocks of
             each query block with the largest upper bound (``SparseAttentionConfig.selector_candidates``), the
             others ``EMPTY_BLOCK_SCORE``. ``window`` and ``sinks`` (the layer's) say which blocks are not dynamic.
+        candidates_min_len: sequences shorter than this many tokens score every pair exactly, candidates or not
+            (``SparseAttentionConfig.resolved_selector_candidates_min_len``).
 
     Parameters: ``query_proj`` ``[HKV, G * D, E * S]``, ``key_proj`` ``[HKV, D, S]``, ``log_temperature``
     ``[HKV]`` and ``distance_bias`` ``[HKV, DISTANCE_BUCKETS]`` (optional), all stored divided by
@@ -196,10 +199,12 @@ class TokenIndexer(nn.Module):
         candidates: int | None = None,
         window: int = 0,
         sinks: int = 0,
+        candidates_min_len: int = 0,
     ) -> None:
         super().__init__()
         lr_multiplier = check_float("lr_multiplier", lr_multiplier, exclusive_minimum=0.0)
         self.candidates = check_int("candidates", candidates, minimum=1, optional=True)
+        self.candidates_min_len = check_int("candidates_min_len", candidates_min_len, minimum=0)
         self.window = check_int("window", window, minimum=0)
         self.sinks = check_int("sinks", sinks, minimum=0)
         for name, value in (("index_dim", index_dim), ("index_heads", index_heads)):
@@ -354,7 +359,12 @@ class TokenIndexer(nn.Module):
             u, w = self._index_vectors(q, k)
             blocks = dict(block_q=geometry.block_q, block_k=geometry.block_k)
             masks = dict(seq_lens=seq_lens, document_ids=document_ids, query_blocks=query_blocks)
-            if self.candidates is None or self.candidates >= geometry.num_k_blocks:
+            exact = (
+                self.candidates is None
+                or self.candidates >= geometry.num_k_blocks
+                or geometry.seq_len < self.candidates_min_len
+            )
+            if exact:
                 raw = index_scores(u, w, **blocks, **masks)  # [B, HKV, R, NKB]
             else:  # the exact scores of each row's best-bounded dynamic blocks, -inf elsewhere
                 raw, _ = candidate_block_scores(
@@ -547,6 +557,7 @@ def build_selector(config: SparseAttentionConfig, num_heads: int, num_kv_heads: 
             distance_bias=config.resolved_selector_distance_bias,
             rope_style=config.selector_rope_style,
             candidates=config.resolved_selector_candidates,
+            candidates_min_len=config.resolved_selector_candidates_min_len,
             window=config.window,
             sinks=config.sinks,
         )

@@ -445,8 +445,11 @@ def test_compiled_module_matches_eager_on_gpu(n):
     (the plan has shape-fixed arrays and no host reads, so the sparse path has no graph break)."""
     torch._dynamo.reset()
     device = torch.device("cuda")
-    # the default selector (token scores on candidate blocks): compiled and eager run the same kernels (custom ops)
-    cfg = st.SparseAttentionConfig(top_k=8, window=4, sinks=1, distill="off", dense_warmup_steps=0)
+    # the default selector with candidate blocks (the default from CANDIDATES_MIN_SEQ_LEN tokens up; exact scores
+    # below, compiled in tests/test_compile.py): compiled and eager run the same kernels (custom ops)
+    cfg = st.SparseAttentionConfig(
+        top_k=8, window=4, sinks=1, distill="off", dense_warmup_steps=0, selector_candidates=16
+    )
     eager = st.SparseAttention(cfg, num_heads=8, num_kv_heads=2, head_dim=64).to(device)
     compiled_mod = st.SparseAttention(cfg, num_heads=8, num_kv_heads=2, head_dim=64).to(device)
     compiled_mod.load_state_dict(eager.state_dict())

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+import sparse_train as st
 from scripts.eval import heldout, tasks
 from scripts.eval.model import EvalModel, rope_interleaved, row_oracle_mask
 from scripts.eval.tasks import (
@@ -219,6 +220,18 @@ def test_query_block_override_keys_config_and_summary_groups():
     assert [(g["block_q"], len(g["modes"]["dense"]["seeds"])) for g in groups] == [(16, 2), (heldout.BLOCK, 1)]
     table = heldout.summary_markdown(groups, records)
     assert "| 4 (block_q 16) |" in table and "| 4 |" in table
+
+
+def test_default_mode_takes_the_modules_selector_defaults_and_token_cand_a_count():
+    """``default`` adds nothing to the shared keywords, so its selector fields are SparseAttentionConfig's defaults;
+    ``token_cand`` fixes CANDIDATES_PER_TOP_K x top_k candidates at every length."""
+    defaults = st.SparseAttentionConfig()
+    cfg, _ = heldout.sparse_config(_job(mode="default"))
+    fields = ("selector", "selector_distill", "selector_candidates", "distill", "selector_index_heads", "selector_dim")
+    assert [getattr(cfg, f) for f in fields] == [getattr(defaults, f) for f in fields]
+    cand, _ = heldout.sparse_config(_job(mode="token_cand"))
+    assert cand.selector_candidates == heldout.CANDIDATES_PER_TOP_K * cand.top_k
+    assert cand.resolved_selector_candidates_min_len == 0
 
 
 @pytest.mark.parametrize("value", ["8", "128", "-16"], ids=["below-16", "above-key-block", "negative"])

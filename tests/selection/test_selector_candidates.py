@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import sparse_train as st
+from sparse_train.config import CANDIDATES_MIN_SEQ_LEN
 from sparse_train.kernels.reference.index_candidates import (
     reference_candidate_index_scores,
     reference_index_score_bounds,
@@ -165,11 +166,20 @@ def test_candidate_block_scores_pick_the_best_bounded_dynamic_blocks(window, sin
     assert not (kept & ~allowed).any() and (kept.sum(-1) <= listed.sum(-1)).all()
 
 
-def _indexer_pair(candidates, window, sinks):
+def _indexer_pair(candidates, window, sinks, candidates_min_len=0):
     torch.manual_seed(6)
     full = TokenIndexer(4, 2, 16, index_dim=8, index_heads=2, distance_bias=True)
     pruned = TokenIndexer(
-        4, 2, 16, index_dim=8, index_heads=2, distance_bias=True, candidates=candidates, window=window, sinks=sinks
+        4,
+        2,
+        16,
+        index_dim=8,
+        index_heads=2,
+        distance_bias=True,
+        candidates=candidates,
+        window=window,
+        sinks=sinks,
+        candidates_min_len=candidates_min_len,
     )
     with torch.no_grad():
         full.distance_bias.normal_()
@@ -203,6 +213,27 @@ def test_indexer_with_candidates_for_every_block_scores_as_without():
     assert torch.equal(
         pruned(*pruned.pool(q, k, 16, 16), 0.25, geometry), full(*full.pool(q, k, 16, 16), 0.25, geometry)
     )
+
+
+@pytest.mark.parametrize(
+    "min_len,exact",
+    [(300, False), (301, True), (0, False)],
+    ids=["length-at-min_len-candidates", "length-below-min_len-exact", "no-min_len-candidates"],
+)
+def test_indexer_scores_sequences_shorter_than_candidates_min_len_exactly(min_len, exact):
+    """N = 300 tokens: candidates from ``candidates_min_len`` <= N up, every pair's exact score below."""
+    full, pruned = _indexer_pair(candidates=3, window=1, sinks=1, candidates_min_len=min_len)
+    q, k = torch.randn(2, 4, 300, 16, dtype=torch.float64), torch.randn(2, 2, 300, 16, dtype=torch.float64)
+    lens = torch.tensor([300, 170])
+    geometry = selection_geometry(300, 16, 16, 3, 1, 1)
+    reference = full(*full.pool(q, k, 16, 16, lens), 0.25, geometry, seq_lens=lens)
+    scores = pruned(*pruned.pool(q, k, 16, 16, lens), 0.25, geometry, seq_lens=lens)
+    if exact:
+        assert torch.equal(scores, reference)
+    else:
+        kept = scores != EMPTY_BLOCK_SCORE
+        assert (kept.sum(-1) <= 3).all() and (kept.sum(-1) < (reference != EMPTY_BLOCK_SCORE).sum(-1)).any()
+        assert torch.allclose(scores[kept], reference[kept], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -257,21 +288,29 @@ def test_auto_candidates_resolve_by_selector_and_distillation(fields, resolved):
     config = st.SparseAttentionConfig(**fields)
     assert config.selector_candidates == "auto"
     assert config.resolved_selector_candidates == resolved
+    assert config.resolved_selector_candidates_min_len == CANDIDATES_MIN_SEQ_LEN
     assert st.SparseAttentionConfig(**config.to_dict()) == config  # "auto" round-trips through to_dict
     scorer = st.SparseAttention(config, num_heads=4, num_kv_heads=2, head_dim=16).scorer
     assert getattr(scorer, "candidates", None) == resolved
+    if isinstance(scorer, TokenIndexer):
+        assert scorer.candidates_min_len == CANDIDATES_MIN_SEQ_LEN
 
 
 @pytest.mark.parametrize("value", [None, 1, 40])
 def test_explicit_candidates_resolve_as_given(value):
     config = st.SparseAttentionConfig(top_k=1, selector_candidates=value)
     assert config.resolved_selector_candidates == value
+    assert config.resolved_selector_candidates_min_len == 0  # a count given applies at every length
+    assert st.SparseAttention(config, 4, 2, 16).scorer.candidates_min_len == 0
 
 
 def test_defaults_are_the_token_selector_trained_at_token_level_with_candidates():
     config = st.SparseAttentionConfig()
     assert (config.selector, config.selector_distill, config.distill) == ("token", "token", "sampled")
     assert config.resolved_selector_candidates == 2 * config.top_k
+    assert config.resolved_selector_candidates_min_len == CANDIDATES_MIN_SEQ_LEN
+    assert config.selector_candidates_at(CANDIDATES_MIN_SEQ_LEN - 1) is None
+    assert config.selector_candidates_at(CANDIDATES_MIN_SEQ_LEN) == 2 * config.top_k
     assert isinstance(st.SparseAttention(config, 4, 2, 16).scorer, TokenIndexer)
 
 
