@@ -2,9 +2,9 @@
 
 Times, in one process, at the headline shape (default N=65536, B=1, HQ=32, HKV=8, D=128, bf16,
 BQ=BK=64, top_k=16, window=8, sinks=1), with the module's selector as ``SparseAttentionConfig`` defaults build it
-(the token indexer trained by the token-level KL, 2 top_k candidate blocks; ``--selector``, ``--selector-distill``
-and ``--candidates`` choose another, e.g. ``--selector pooled`` for the block-pooled scorer with mean and max
-pooling and its distance bias, ``--candidates none`` for exact token scores) un-rotating RoPE of base
+(the token indexer trained by the token-level KL, 2 top_k candidate blocks from 8192 tokens up; ``--selector``,
+``--selector-distill`` and ``--candidates`` choose another, e.g. ``--selector pooled`` for the block-pooled scorer
+with mean and max pooling and its distance bias, ``--candidates none`` for exact token scores) un-rotating RoPE of base
 ``--rope-theta`` (10000, as the Transformer and the Hugging Face integration set it; 0 turns it off):
 
 * ``selector/pool``         the scorer's ``pool``: block pooling of q and k (one Triton kernel each where the
