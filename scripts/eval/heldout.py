@@ -68,6 +68,9 @@ MODES: dict[str, dict | None] = {
     "row_oracle": None,
 }
 LEARNED = ("pooled", "token", "token_kl", "token_cand", "default")
+DEFAULT_MODE_FIELDS = ("selector", "selector_distill", "selector_candidates", "distill", "selector_dim")
+"""The ``SparseAttentionConfig`` defaults a ``default`` job's key records (with the shortest sequence that takes
+candidates), so a rerun under other defaults runs the job again instead of resuming from it."""
 CANDIDATES_PER_TOP_K = 2
 """``token_cand``: ``selector_candidates`` = this many times the family's ``top_k``."""
 BLOCK = 64
@@ -121,6 +124,10 @@ class JobConfig:
             del fields["top_k"]
         if not self.block_q:  # BLOCK query rows: the key of a job without the override
             del fields["block_q"]
+        if self.mode == "default":
+            defaults = st.SparseAttentionConfig()
+            fields["defaults"] = {name: getattr(defaults, name) for name in DEFAULT_MODE_FIELDS}
+            fields["defaults"]["candidates_min_len"] = defaults.resolved_selector_candidates_min_len
         return json.dumps(fields, sort_keys=True)
 
     @property

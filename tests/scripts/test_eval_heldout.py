@@ -234,6 +234,17 @@ def test_default_mode_takes_the_modules_selector_defaults_and_token_cand_a_count
     assert cand.resolved_selector_candidates_min_len == 0
 
 
+def test_default_mode_key_records_the_defaults(monkeypatch):
+    """A ``default`` job under other module defaults has another key, so a rerun does not resume from results measured
+    with the old ones; the other modes' keys name their selector fields already and do not change."""
+    key = json.loads(_job(mode="default").key)
+    assert key["defaults"]["selector"] == st.SparseAttentionConfig().selector
+    before = (_job(mode="default").key, _job(mode="token_cand").key)
+    monkeypatch.setattr(st.config, "CANDIDATES_MIN_SEQ_LEN", 4096)
+    assert json.loads(_job(mode="default").key)["defaults"]["candidates_min_len"] == 4096
+    assert _job(mode="default").key != before[0] and _job(mode="token_cand").key == before[1]
+
+
 @pytest.mark.parametrize("value", ["8", "128", "-16"], ids=["below-16", "above-key-block", "negative"])
 def test_query_block_option_rejects(value, capsys):
     with pytest.raises(SystemExit):
