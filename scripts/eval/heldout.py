@@ -228,11 +228,16 @@ def _density(model: EvalModel) -> float | None:
     """Fraction of the causal area the last forward attended (None when it was dense)."""
     cores = [block.core for block in model.blocks]
     if isinstance(cores[0], RowOracleCore):
-        values = [float(c.last_density) for c in cores if c.last_density is not None]
-        return sum(values) / len(values) if values else None
+        return _row_oracle_mean(cores, "last_density")
     if isinstance(cores[0], st.SparseAttention):
         return st.collect_attention_stats(model).get("density")
     return None
+
+
+def _row_oracle_mean(cores: list[RowOracleCore], name: str) -> float | None:
+    """Mean over the layers of a row oracle's ``last_density`` or ``last_mass_recall`` (None when it was dense)."""
+    values = [float(getattr(c, name)) for c in cores if getattr(c, name) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def run_job(cfg: JobConfig, verbose: bool = False) -> dict:
@@ -302,8 +307,11 @@ def _run_job(cfg: JobConfig, verbose: bool) -> dict:
         torch.cuda.synchronize(device)
     end = time.perf_counter()
     train_stats = {k: v for k, v in st.collect_attention_stats(model).items() if not k.startswith("replay/")}
-    if "density" not in train_stats and (density := _density(model)) is not None:
-        train_stats["density"] = density  # the row oracle's, which st.collect_attention_stats does not see
+    cores = [block.core for block in model.blocks]
+    if isinstance(cores[0], RowOracleCore):  # the row oracle's, which st.collect_attention_stats does not see
+        for stat, name in (("density", "last_density"), ("mass_recall_mean", "last_mass_recall")):
+            if (value := _row_oracle_mean(cores, name)) is not None:
+                train_stats[stat] = value
 
     eval_gen = torch.Generator().manual_seed(stream_seed(cfg.family, "eval", cfg.seq_len))
     model.eval()

@@ -45,7 +45,16 @@ class DenseCore(nn.Module):
 def row_oracle_mask(
     q: Tensor, k: Tensor, rows: tuple[int, int], *, top_k: int, block: int, window: int, sinks: int, scale: float
 ) -> Tensor:
-    """bool ``[B, HQ, r1 - r0, r1]``: the keys query rows ``r0 .. r1-1`` may attend under the row oracle.
+    """bool ``[B, HQ, r1 - r0, r1]``: the keys query rows ``r0 .. r1-1`` may attend under the row oracle
+    (:func:`row_oracle_selection` without the kept mass)."""
+    return row_oracle_selection(q, k, rows, top_k=top_k, block=block, window=window, sinks=sinks, scale=scale)[0]
+
+
+def row_oracle_selection(
+    q: Tensor, k: Tensor, rows: tuple[int, int], *, top_k: int, block: int, window: int, sinks: int, scale: float
+) -> tuple[Tensor, Tensor]:
+    """bool ``[B, HQ, r1 - r0, r1]``: the keys query rows ``r0 .. r1-1`` may attend under the row oracle, and
+    float32 ``[B, HQ, r1 - r0]``: the dense attention mass each (query head, row) keeps on them (its mass recall).
 
     Each row's dense attention mass per key block (block size ``block``), max over the heads of its GQA
     group, picks the row's ``top_k`` best blocks among the causal blocks that the window and sinks do not
@@ -76,8 +85,9 @@ def row_oracle_mask(
         best = candidates.topk(min(top_k, nkb), dim=-1)
         chosen = torch.zeros_like(mass, dtype=torch.bool).scatter_(-1, best.indices, best.values > float("-inf"))
         allowed = chosen | (forced & reachable)  # [B, HKV, C, NKB]
-        keys_allowed = allowed.repeat_interleave(block, dim=-1)[..., :r1] & causal
-        return keys_allowed.repeat_interleave(group, dim=1)
+        keys_allowed = (allowed.repeat_interleave(block, dim=-1)[..., :r1] & causal).repeat_interleave(group, dim=1)
+        kept = (probs[..., :r1] * keys_allowed).sum(-1)  # [B, HQ, C]
+        return keys_allowed, kept
 
 
 class RowOracleCore(nn.Module):
@@ -96,13 +106,14 @@ class RowOracleCore(nn.Module):
         self.training_calls = 0
         self.dense = DenseCore()
         self.last_density: Tensor | None = None
+        self.last_mass_recall: Tensor | None = None
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         warming_up = self.training_calls < self.dense_warmup_steps
         if self.training:
             self.training_calls += 1
         if warming_up:
-            self.last_density = None
+            self.last_density = self.last_mass_recall = None
             return self.dense(q, k, v)
         batch, hq, n, d = q.shape
         group = hq // k.shape[1]
@@ -111,9 +122,10 @@ class RowOracleCore(nn.Module):
         rows = max(self.block, self.chunk_elements // max(1, batch * hq * n) // self.block * self.block)
         outputs = []
         kept = q.new_zeros((), dtype=torch.float32)
+        recall = q.new_zeros((), dtype=torch.float32)
         for r0 in range(0, n, rows):
             r1 = min(n, r0 + rows)
-            mask = row_oracle_mask(
+            mask, mass = row_oracle_selection(
                 q,
                 k,
                 (r0, r1),
@@ -124,9 +136,12 @@ class RowOracleCore(nn.Module):
                 scale=1.0 / math.sqrt(d),
             )
             kept = kept + mask.sum(dtype=torch.float32)
+            recall = recall + mass.sum()
             outputs.append(F.scaled_dot_product_attention(q[:, :, r0:r1], kr[:, :, :r1], vr[:, :, :r1], attn_mask=mask))
         # fraction of the causal (query, key) pairs attended: a tensor, read only when logged
         self.last_density = kept / (batch * hq * n * (n + 1) / 2)
+        # mean over (query head, row) of the dense attention mass kept, as st.collect_attention_stats' mass recall
+        self.last_mass_recall = recall / (batch * hq * n)
         return torch.cat(outputs, dim=2)
 
 

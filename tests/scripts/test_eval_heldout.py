@@ -10,7 +10,7 @@ import torch
 
 import sparse_train as st
 from scripts.eval import heldout, tasks
-from scripts.eval.model import EvalModel, rope_interleaved, row_oracle_mask
+from scripts.eval.model import EvalModel, RowOracleCore, rope_interleaved, row_oracle_mask, row_oracle_selection
 from scripts.eval.tasks import (
     FAMILIES,
     IGNORE,
@@ -123,6 +123,32 @@ def test_row_oracle_keeps_each_rows_heaviest_blocks():
     assert torch.equal(full[0, 0], torch.ones(n, n, dtype=torch.bool).tril())
 
 
+def test_row_oracle_kept_mass_is_the_dense_mass_on_its_keys():
+    """The kept mass of each (query head, row) equals the dense softmax summed over the keys its mask allows, 1 where
+    the budget covers every block, and the chunked core's mean recall is the mean of it."""
+    torch.manual_seed(1)
+    n, block, d = 5 * 16 + 3, 16, 8
+    q, k = torch.randn(2, 4, n, d), torch.randn(2, 2, n, d)
+    kw = dict(top_k=1, block=block, window=1, sinks=1, scale=0.5)
+    mask, kept = row_oracle_selection(q, k, (0, n), **kw)
+    probs = (
+        (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.5)
+        .masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        .softmax(-1)
+    )
+    torch.testing.assert_close(kept, (probs * mask).sum(-1))
+    assert (kept <= 1 + 1e-6).all() and (kept < 0.99).any()  # rows past the budget lose mass
+    _, full = row_oracle_selection(q, k, (0, n), **dict(kw, top_k=n // block + 1))
+    torch.testing.assert_close(full, torch.ones_like(full))
+    core = RowOracleCore(
+        dense_warmup_steps=0,
+        chunk_elements=2 * 4 * n * 32,
+        **{name: value for name, value in kw.items() if name != "scale"},
+    )
+    core(q * math.sqrt(d) * 0.5, k, torch.randn(2, 2, n, d))  # scale 1/sqrt(d) inside: the same logits as above
+    torch.testing.assert_close(core.last_mass_recall, kept.mean())
+
+
 def _job(**overrides) -> heldout.JobConfig:
     fields = dict(
         family="needles",
@@ -157,14 +183,15 @@ def test_same_seed_same_initial_weights_in_every_mode():
     assert isinstance(models["dense"], EvalModel)
 
 
-def test_row_oracle_job_records_its_training_density():
+def test_row_oracle_job_records_its_training_density_and_mass_recall():
     """The row oracle is no st.SparseAttention, so collect_attention_stats does not see it: its job records the
-    density of its last training step itself, a fraction of the causal area below dense."""
+    density (a fraction of the causal area below dense) and the mass recall of its last training step itself."""
     job = _job(mode="row_oracle", seq_len=512, steps=3, short_steps=1, warmup_fraction=0.0, batch=2, d_model=64)
     record = heldout.run_job(dataclasses.replace(job, num_heads=2, num_kv_heads=1, eval_rows=2, log_every=1))
     assert "error" not in record, record.get("error")
     assert 0.0 < record["train_stats"]["density"] < 1.0
     assert math.isclose(record["train_stats"]["density"], record["eval_density"], rel_tol=0.2)
+    assert 0.0 < record["train_stats"]["mass_recall_mean"] <= 1.0
 
 
 def test_curriculum_stages_and_job_keys():
