@@ -168,19 +168,10 @@ def test_candidate_block_scores_pick_the_best_bounded_dynamic_blocks(window, sin
 
 def _indexer_pair(candidates, window, sinks, candidates_min_len=0):
     torch.manual_seed(6)
-    full = TokenIndexer(4, 2, 16, index_dim=8, index_heads=2, distance_bias=True)
-    pruned = TokenIndexer(
-        4,
-        2,
-        16,
-        index_dim=8,
-        index_heads=2,
-        distance_bias=True,
-        candidates=candidates,
-        window=window,
-        sinks=sinks,
-        candidates_min_len=candidates_min_len,
-    )
+    shared = dict(index_dim=8, index_heads=2, distance_bias=True)
+    full = TokenIndexer(4, 2, 16, **shared)
+    pruning = dict(candidates=candidates, window=window, sinks=sinks, candidates_min_len=candidates_min_len)
+    pruned = TokenIndexer(4, 2, 16, **shared, **pruning)
     with torch.no_grad():
         full.distance_bias.normal_()
     pruned.load_state_dict(full.state_dict())
