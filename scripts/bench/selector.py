@@ -123,7 +123,8 @@ def parse_args(argv=None):
         type=candidates_argument,
         default=_DEFAULTS.selector_candidates,
         help="SparseAttentionConfig.selector_candidates (token selector trained by --selector-distill token): a "
-        "count, 'auto' (the module's default, 2 top_k) or 'none' (exact scores)",
+        "count, 'auto' (the module's default: 2 top_k from 8192 tokens up, exact scores below) or 'none' (exact "
+        "scores)",
     )
     p.add_argument(
         "--rope-theta",

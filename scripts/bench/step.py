@@ -207,7 +207,8 @@ def add_model_arguments(ap: argparse.ArgumentParser) -> None:
         type=candidates_argument,
         default=_SPARSE_DEFAULTS.selector_candidates,
         help="sparse variant: SparseAttentionConfig.selector_candidates, a count, 'auto' (the module's default: "
-        "2 top_k for the token selector trained by --selector-distill token) or 'none' (exact scores)",
+        "2 top_k from 8192 tokens up for the token selector trained by --selector-distill token) or 'none' (exact "
+        "scores)",
     )
     ap.add_argument(
         "--distill",
