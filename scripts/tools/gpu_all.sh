@@ -41,13 +41,23 @@
 #                                                           # budget (top_k 8) and with 16-row query blocks, two seeds,
 #                                                           # the 8K schedule of docs/benchmarks/selector_heldout (8
 #                                                           # jobs side by side); results straight to $OUT
-#   OUT=/tmp/out bash scripts/tools/gpu_all.sh vartrack_exact  # variable tracking with exact token scores at 8K
-#                                                           # (token_kl, the 8K schedule, two seeds) beside the row
-#                                                           # oracle at 2K (four seeds): whether the candidates or
-#                                                           # the block sharing cost the learned selector its gap
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh vartrack_exact  # variable tracking at 8K with exact token scores
+#                                                           # (the 8K schedule, two seeds), trained by the token-level
+#                                                           # KL (token_kl: content only) and by the block-level KL
+#                                                           # with its block-distance bias (token: sees position),
+#                                                           # beside the row oracle at 2K (four seeds): whether the
+#                                                           # candidates, the selector's blindness to position or the
+#                                                           # block sharing cost the learned selector its gap
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh multihop_long  # multi-hop at 2K with 3000 steps (dense, oracle, the
 #                                                           # module's default; two seeds): a schedule the dense
 #                                                           # twin may learn the family on
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh assoc8k     # associative recall at 8K on the 8K vartrack schedule
+#                                                           # (a 2K stage, 3000 steps; dense, oracle, the module's
+#                                                           # default; two seeds), on which the dense twin may leave
+#                                                           # chance
+#                                                           # The held-out phases write each finished job to $OUT at
+#                                                           # once; HELDOUT_TIMEOUT (s, default 560) fits them to a
+#                                                           # shorter device call.
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh token_kl    # the token-level distillation: its kernel and module GPU
 #                                                           # tests, the kernels against the PyTorch reference at 64K
 #                                                           # (scripts/bench/token_kl.py), the module with 32
@@ -266,21 +276,26 @@ case "$phase" in
       tail -n 3 "$OUT/$name.log"; cat "$OUT/$name/summary.md" 2>/dev/null
     done
     ;;
-  vartrack_exact|multihop_long)
+  vartrack_exact|multihop_long|assoc8k)
     # held-out runs straight to $OUT; each finished job is appended to its results.jsonl at once, and a rerun with
     # the same OUT resumes
     heldout_run() {  # heldout_run <name> <heldout options...>
       local name=$1; shift
-      timeout 560 python3 -m scripts.eval.heldout --device cuda --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
+      timeout "${HELDOUT_TIMEOUT:-560}" python3 -m scripts.eval.heldout --device cuda --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
       echo "heldout $name rc=$?" >> "$OUT/$name.log"
       rm -f "$OUT/$name/plot.png" "$OUT/$name/summary.json"  # the device tool returns 8 files
       [ -s "$OUT/$name/errors.jsonl" ] || rm -f "$OUT/$name/errors.jsonl"
     }
+    long8k="--seq-len 8192 --batch 8 --steps 3000 --short-steps 300 --mid-steps 700 --mid-len 2048"
     if [ "$phase" = vartrack_exact ]; then
       names="vartrack8k_exact vartrack2k_row"
-      heldout_run vartrack8k_exact --families vartrack --modes token_kl --seeds 0,1 --seq-len 8192 --batch 8 \
-        --steps 3000 --short-steps 300 --mid-steps 700 --mid-len 2048 --jobs 2 &
+      # shellcheck disable=SC2086
+      heldout_run vartrack8k_exact --families vartrack --modes token_kl,token --seeds 0,1 $long8k --jobs 4 &
       heldout_run vartrack2k_row --families vartrack --modes row_oracle --seeds 0,1,2,3 --seq-len 2048 --jobs 4 &
+    elif [ "$phase" = assoc8k ]; then
+      names="assoc8k"
+      # shellcheck disable=SC2086
+      heldout_run assoc8k --families assoc --modes dense,oracle,default --seeds 0,1 $long8k --jobs 6 &
     else
       names="multihop_long"
       heldout_run multihop_long --families multihop --modes dense,oracle,default --seeds 0,1 --seq-len 2048 \
