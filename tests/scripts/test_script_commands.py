@@ -1,6 +1,6 @@
 """Every maintained script under scripts/ runs as the command its docstring gives: the module imports as a package
 module, its docstring names its own ``-m`` command, ``--help`` exits cleanly; the shell runners parse, and every
-script module, file and test path they name exists."""
+script module, file and test path they name exists; the GPU runner's header documents exactly the phases it runs."""
 
 import importlib
 import importlib.util
@@ -48,3 +48,12 @@ def test_shell_runner_parses_and_names_existing_paths(path):
         assert importlib.util.find_spec(module) is not None, f"{path} runs {module}, which does not exist"
     for file in set(re.findall(r"\b((?:scripts|tests|recipes)/[\w/.-]+\.(?:py|sh|yaml))\b", text)):
         assert (ROOT / file).is_file(), f"{path} names {file}, which does not exist"
+
+
+def test_gpu_runner_documents_exactly_the_phases_it_runs():
+    text = (ROOT / "scripts/tools/gpu_all.sh").read_text()
+    documented = set(re.findall(r"^#   OUT=\S+ bash scripts/tools/gpu_all\.sh (\w+)", text, flags=re.M))
+    body = text[text.index('case "$phase" in') :]
+    branches = {name for labels in re.findall(r"^  ([\w|]+)\)", body, flags=re.M) for name in labels.split("|")}
+    print(f"documented: {sorted(documented)}\nbranches:   {sorted(branches)}")
+    assert documented and documented == branches
