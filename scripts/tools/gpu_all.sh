@@ -281,7 +281,8 @@ case "$phase" in
     # the same OUT resumes
     heldout_run() {  # heldout_run <name> <heldout options...>
       local name=$1; shift
-      timeout "${HELDOUT_TIMEOUT:-560}" python3 -m scripts.eval.heldout --device cuda --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1
+      timeout "${HELDOUT_TIMEOUT:-560}" python3 -m scripts.eval.heldout --device cuda --out "$OUT/$name" "$@" \
+        > "$OUT/$name.log" 2>&1
       echo "heldout $name rc=$?" >> "$OUT/$name.log"
       rm -f "$OUT/$name/plot.png" "$OUT/$name/summary.json"  # the device tool returns 8 files
       [ -s "$OUT/$name/errors.jsonl" ] || rm -f "$OUT/$name/errors.jsonl"
