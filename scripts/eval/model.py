@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["DenseCore", "EvalModel", "RowOracleCore", "rope_interleaved", "row_oracle_mask"]
+__all__ = ["DenseCore", "EvalModel", "RowOracleCore", "rope_interleaved", "row_oracle_selection"]
 
 
 def rope_interleaved(x: Tensor, positions: Tensor, theta: float) -> Tensor:
@@ -40,14 +40,6 @@ class DenseCore(nn.Module):
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True)
-
-
-def row_oracle_mask(
-    q: Tensor, k: Tensor, rows: tuple[int, int], *, top_k: int, block: int, window: int, sinks: int, scale: float
-) -> Tensor:
-    """bool ``[B, HQ, r1 - r0, r1]``: the keys query rows ``r0 .. r1-1`` may attend under the row oracle
-    (:func:`row_oracle_selection` without the kept mass)."""
-    return row_oracle_selection(q, k, rows, top_k=top_k, block=block, window=window, sinks=sinks, scale=scale)[0]
 
 
 def row_oracle_selection(
@@ -91,7 +83,7 @@ def row_oracle_selection(
 
 
 class RowOracleCore(nn.Module):
-    """Attention restricted by :func:`row_oracle_mask` (selection per query row instead of per query
+    """Attention restricted by :func:`row_oracle_selection`'s mask (selection per query row instead of per query
     block), applied as a boolean mask to SDPA over chunks of ``chunk_rows`` query rows so long rows fit
     in memory. Dense causal attention for the first ``dense_warmup_steps`` training forwards (and in eval
     before that), as ``st.SparseAttention`` does."""

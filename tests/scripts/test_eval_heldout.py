@@ -10,7 +10,7 @@ import torch
 
 import sparse_train as st
 from scripts.eval import heldout, tasks
-from scripts.eval.model import EvalModel, RowOracleCore, rope_interleaved, row_oracle_mask, row_oracle_selection
+from scripts.eval.model import EvalModel, RowOracleCore, rope_interleaved, row_oracle_selection
 from scripts.eval.tasks import (
     FAMILIES,
     IGNORE,
@@ -105,7 +105,7 @@ def test_row_oracle_keeps_each_rows_heaviest_blocks():
     k[:, 0, 40] += 3.0 * torch.eye(d)[0]
     q[:, 2:] += 3.0 * torch.eye(d)[1]
     k[:, 1, 75] += 3.0 * torch.eye(d)[1]
-    mask = row_oracle_mask(q, k, (0, n), top_k=1, block=block, window=1, sinks=1, scale=1.0)
+    mask, _ = row_oracle_selection(q, k, (0, n), top_k=1, block=block, window=1, sinks=1, scale=1.0)
     assert mask.shape == (1, 4, n, n)
     blocks = mask.view(1, 4, n, n // block, block).any(-1)  # [1, 4, rows, NKB]
     target_of_group = {0: 2, 1: 4}
@@ -119,7 +119,7 @@ def test_row_oracle_keeps_each_rows_heaviest_blocks():
                 assert target in got
         assert not mask[0, :, row, row + 1 :].any()  # causal
     # with a budget covering every block the mask is the causal mask
-    full = row_oracle_mask(q, k, (0, n), top_k=n // block, block=block, window=1, sinks=1, scale=1.0)
+    full, _ = row_oracle_selection(q, k, (0, n), top_k=n // block, block=block, window=1, sinks=1, scale=1.0)
     assert torch.equal(full[0, 0], torch.ones(n, n, dtype=torch.bool).tril())
 
 
