@@ -9,16 +9,19 @@ token followed by its answer token; ``targets`` holds -100 everywhere except at 
 whose target is the answer (next-token prediction: ``targets[p] == tokens[p + 1]``). Accuracy is the
 fraction of query positions predicted exactly.
 
-Reading one fact is one attention lookup, so a two-layer model can learn every family in a few hundred
-steps, and a two-hop question needs exactly its two layers. The facts a question needs are single
-tokens, so they lie in a few key blocks: ``top_k`` of a family is the number of facts its questions need,
-the selection budget that suffices when the selector finds them.
+Every answer is one attention lookup, so a two-layer model can learn every family in a few hundred
+steps: a two-hop question writes its intermediate key out, as a model that answers step by step does,
+and each of its two answers reads one fact. The facts a question needs are single tokens, so they lie
+in a few key blocks: ``top_k`` of a family is the number of facts its questions need, the selection
+budget that suffices when the selector finds them.
 
 Families:
 
 * ``needles``: 8 facts over 8 keys in filler, 4 asked (the issue's task).
-* ``multihop``: 4 chains ``link(k1, k2)``, ``fact(k2, v)`` over 8 keys; 2 asked by their first key,
-  answered by the value (two lookups, one per layer).
+* ``multihop``: 4 chains ``link(k1, k2)``, ``fact(k2, v)`` over 8 keys, the two facts of a chain at
+  independent places; 2 asked as ``query(k1) query(k2) v``: the first answer is the key the link points to,
+  the second the value of that key (two lookups in two places, the second reachable only through the
+  first).
 * ``vartrack``: 8 variables (keys 0-7) each assigned twice, ``fact(x, v)`` at two random places (different values);
   4 asked, answered by the later assignment (variable tracking: the latest update wins; ``top_k`` counts
   the 4 latest assignments, the earlier ones are distractors).
@@ -77,7 +80,7 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
         Family("needles", 4, 32, "8 single-token key->value needles in filler, 4 asked"),
-        Family("multihop", 4, 32, "4 two-hop chains k1->k2->v in filler, 2 asked by k1 (answer v)"),
+        Family("multihop", 4, 32, "4 two-hop chains k1->k2->v in filler, 2 asked as k1 -> k2 -> v"),
         Family("vartrack", 4, 32, "8 variables assigned twice in filler, 4 asked (answer: the later value)"),
         Family("copy", 2, 64, "a span of 8-16 slot-tagged symbols, every symbol asked at the end"),
         Family("assoc", 4, 64, "32 key->value facts spread over the row, 4 asked"),
@@ -110,7 +113,7 @@ def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor
     """tokens, targets (int64 ``[n]``) of one row of family ``name``."""
     facts: list[int] = []  # fact tokens, each at its own random haystack position
     block: list[int] = []  # copy: one contiguous run of tokens at a random position
-    questions: list[tuple[int, int]] = []  # (query token, answer token)
+    questions: list[tuple[int, ...]] = []  # (query token, answer token) or (query, key, value) for multihop
     prefix: list[int] = []  # tokens between the haystack and the questions
     if name in ("needles", "assoc"):
         keys, asked = (8, 4) if name == "needles" else (32, 4)
@@ -125,7 +128,7 @@ def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor
         for c in range(chains):
             first, second = keys[2 * c], keys[2 * c + 1]
             facts += [LINK[first * LINK_KEYS + second], FACT[second * NUM_VALUES + values[c]]]
-        questions = [(QUERY[keys[2 * c]], VALUE[values[c]]) for c in _perm(chains, gen)[:asked]]
+        questions = [(QUERY[keys[2 * c]], QUERY[keys[2 * c + 1]], VALUE[values[c]]) for c in _perm(chains, gen)[:asked]]
     elif name == "vartrack":
         variables, asked = 8, 4
         chosen = _perm(variables, gen)
@@ -146,7 +149,7 @@ def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor
         questions = [(INDEX[i], VALUE[c]) for i, c in enumerate(symbols)]
     else:
         family(name)
-    tail = len(prefix) + 2 * len(questions)
+    tail = len(prefix) + sum(len(q) for q in questions)
     stop = n - tail  # haystack: positions 1 .. stop-1
     units = len(facts) + (1 if block else 0)
     room = stop - 1 - len(block) + (1 if block else 0)  # positions when the block counts as one unit
@@ -166,10 +169,14 @@ def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor
     if name == "vartrack":
         hay = tokens[:stop].tolist()
         questions = [(q, _latest_value(hay, q - QUERY.start)) for q, _ in questions]
-    tail_tokens = prefix + [t for pair in questions for t in pair]
+    tail_tokens = list(prefix)
+    query_pos = []  # every token of a question but its last: its target is the next token
+    for question in questions:
+        query_pos += [stop + len(tail_tokens) + j for j in range(len(question) - 1)]
+        tail_tokens += question
     tokens[stop:] = torch.tensor(tail_tokens)
     targets = torch.full((n,), IGNORE, dtype=torch.int64)
-    query_pos = stop + len(prefix) + 2 * torch.arange(len(questions))
+    query_pos = torch.tensor(query_pos)
     targets[query_pos] = tokens[query_pos + 1]
     return tokens, targets
 
@@ -203,20 +210,22 @@ def _unique(found: list[int], what: str) -> int:
 def solve(name: str, tokens: Tensor) -> Tensor:
     """The answers of one row recovered from its tokens alone, as targets (int64 ``[n]``, -100 where
     nothing is asked): each query token names what to look up, the haystack's fact tokens give the answer
-    (for ``vartrack`` the last assignment), independent of how the row was generated."""
+    (for ``vartrack`` the last assignment; for ``multihop`` the key the link points to, then that key's
+    value), independent of how the row was generated."""
     family(name)
     row = tokens.tolist()
     n = len(row)
     out = torch.full((n,), IGNORE, dtype=torch.int64)
     query_range = INDEX if name == "copy" else QUERY
-    # the questions: (query, answer) pairs filling the end of the row
-    p = n - 2
+    # the questions fill the end of the row: (query, answer) pairs, or (query, key, value) triples for multihop
+    size = 3 if name == "multihop" else 2
+    p = n - size
     while p >= 0 and row[p] in query_range:
-        p -= 2
-    first = p + 2
+        p -= size
+    first = p + size
     hay = row[: first - (1 if name == "copy" else 0)]
     facts = [t - FACT.start for t in hay if t in FACT]
-    for q in range(first, n, 2):
+    for q in range(first, n, size):
         if name == "copy":
             slot = row[q] - INDEX.start
             symbol = _unique(
@@ -233,7 +242,8 @@ def solve(name: str, tokens: Tensor) -> Tensor:
                 f"link from {key}",
             )
             about = [f % NUM_VALUES for f in facts if f // NUM_VALUES == second]
-            out[q] = VALUE[_unique(about, f"fact of key {second}")]
+            out[q] = QUERY[second]
+            out[q + 1] = VALUE[_unique(about, f"fact of key {second}")]
         elif name == "vartrack":
             if not about:
                 raise ValueError(f"no assignment of variable {key}")

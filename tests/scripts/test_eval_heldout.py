@@ -40,7 +40,7 @@ def test_answers_are_recoverable_from_the_row(name, seq_len):
 
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_solver_reads_the_answers_from_the_haystack(name):
-    # shift the value part of every fact and span token in the haystack by one: every answer the solver
+    # shift the value part of every fact and span token in the haystack by one: every value the solver
     # reads shifts by one too (the generator's targets are not consulted)
     tokens, targets = make_batch(name, 300, 3, torch.Generator().manual_seed(7))
     for row, row_targets in zip(tokens, targets):
@@ -53,7 +53,9 @@ def test_solver_reads_the_answers_from_the_haystack(name):
                     base = t - (t - r.start) % tasks.NUM_VALUES
                     shifted[p] = base + ((t - base) + 1) % tasks.NUM_VALUES
         expected = row_targets.clone()
-        expected[asked] = tasks.VALUE.start + (row_targets[asked] - tasks.VALUE.start + 1) % tasks.NUM_VALUES
+        values = asked[(row_targets[asked] >= tasks.VALUE.start) & (row_targets[asked] < tasks.VALUE.stop)]
+        assert len(values) > 0  # multihop's first answers are keys (read from links, which do not shift)
+        expected[values] = tasks.VALUE.start + (row_targets[values] - tasks.VALUE.start + 1) % tasks.NUM_VALUES
         assert torch.equal(solve(name, shifted), expected)
 
 
