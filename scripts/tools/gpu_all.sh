@@ -48,13 +48,14 @@
 #                                                           # beside the row oracle at 2K (four seeds): whether the
 #                                                           # candidates, the selector's blindness to position or the
 #                                                           # block sharing cost the learned selector its gap
-#   OUT=/tmp/out bash scripts/tools/gpu_all.sh multihop_long  # multi-hop at 2K with 3000 steps (dense, oracle, the
-#                                                           # module's default; two seeds): a schedule the dense
-#                                                           # twin may learn the family on
+#   OUT=/tmp/out bash scripts/tools/gpu_all.sh multihop    # multi-hop with the dense twin, the block oracle and the
+#                                                           # module's default: 2K over eight seeds beside 8K (the
+#                                                           # 3000-step 8K schedule) over two
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh assoc8k     # associative recall at 8K on the 8K vartrack schedule
-#                                                           # (a 2K stage, 3000 steps; dense, oracle, the module's
-#                                                           # default; two seeds), on which the dense twin may leave
-#                                                           # chance
+#                                                           # (3000 steps, 700 of them at 2K; dense, oracle, the
+#                                                           # module's default; two seeds); ASSOC_MID_STEPS sets the
+#                                                           # 2K stage's steps (the dense twin stays at chance after
+#                                                           # 700)
 #                                                           # The held-out phases write each finished job to $OUT at
 #                                                           # once; HELDOUT_TIMEOUT (s, default 560) fits them to a
 #                                                           # shorter device call.
@@ -276,7 +277,7 @@ case "$phase" in
       tail -n 3 "$OUT/$name.log"; cat "$OUT/$name/summary.md" 2>/dev/null
     done
     ;;
-  vartrack_exact|multihop_long|assoc8k)
+  vartrack_exact|multihop|assoc8k)
     # held-out runs straight to $OUT; each finished job is appended to its results.jsonl at once, and a rerun with
     # the same OUT resumes
     heldout_run() {  # heldout_run <name> <heldout options...>
@@ -296,11 +297,14 @@ case "$phase" in
     elif [ "$phase" = assoc8k ]; then
       names="assoc8k"
       # shellcheck disable=SC2086
-      heldout_run assoc8k --families assoc --modes dense,oracle,default --seeds 0,1 $long8k --jobs 6 &
+      heldout_run assoc8k --families assoc --modes dense,oracle,default --seeds 0,1 $long8k --jobs 6 \
+        --mid-steps "${ASSOC_MID_STEPS:-700}" &
     else
-      names="multihop_long"
-      heldout_run multihop_long --families multihop --modes dense,oracle,default --seeds 0,1 --seq-len 2048 \
-        --steps 3000 --jobs 6 &
+      names="multihop2k multihop8k"
+      heldout_run multihop2k --families multihop --modes dense,oracle,default --seeds 0,1,2,3,4,5,6,7 \
+        --seq-len 2048 --jobs 12 &
+      # shellcheck disable=SC2086
+      heldout_run multihop8k --families multihop --modes dense,oracle,default --seeds 0,1 $long8k --jobs 6 &
     fi
     wait
     for name in $names; do
