@@ -170,13 +170,13 @@ def _sample_row(name: str, n: int, gen: torch.Generator) -> tuple[Tensor, Tensor
         hay = tokens[:stop].tolist()
         questions = [(q, _latest_value(hay, q - QUERY.start)) for q, _ in questions]
     tail_tokens = list(prefix)
-    query_pos = []  # every token of a question but its last: its target is the next token
+    asked: list[int] = []  # every token of a question but its last: its target is the next token
     for question in questions:
-        query_pos += [stop + len(tail_tokens) + j for j in range(len(question) - 1)]
+        asked += [stop + len(tail_tokens) + j for j in range(len(question) - 1)]
         tail_tokens += question
     tokens[stop:] = torch.tensor(tail_tokens)
     targets = torch.full((n,), IGNORE, dtype=torch.int64)
-    query_pos = torch.tensor(query_pos)
+    query_pos = torch.tensor(asked)
     targets[query_pos] = tokens[query_pos + 1]
     return tokens, targets
 

@@ -288,23 +288,25 @@ case "$phase" in
       rm -f "$OUT/$name/plot.png" "$OUT/$name/summary.json"  # the device tool returns 8 files
       [ -s "$OUT/$name/errors.jsonl" ] || rm -f "$OUT/$name/errors.jsonl"
     }
-    long8k="--seq-len 8192 --batch 8 --steps 3000 --short-steps 300 --mid-steps 700 --mid-len 2048"
+    long8k() {  # long8k [2K steps]: the 8K schedule's options (default 700 steps at 2K)
+      echo "--seq-len 8192 --batch 8 --steps 3000 --short-steps 300 --mid-steps ${1:-700} --mid-len 2048"
+    }
     if [ "$phase" = vartrack_exact ]; then
       names="vartrack8k_exact vartrack2k_row"
-      # shellcheck disable=SC2086
-      heldout_run vartrack8k_exact --families vartrack --modes token_kl,token --seeds 0,1 $long8k --jobs 4 &
+      # shellcheck disable=SC2046
+      heldout_run vartrack8k_exact --families vartrack --modes token_kl,token --seeds 0,1 $(long8k) --jobs 4 &
       heldout_run vartrack2k_row --families vartrack --modes row_oracle --seeds 0,1,2,3 --seq-len 2048 --jobs 4 &
     elif [ "$phase" = assoc8k ]; then
       names="assoc8k"
-      # shellcheck disable=SC2086
-      heldout_run assoc8k --families assoc --modes dense,oracle,default --seeds 0,1 $long8k --jobs 6 \
-        --mid-steps "${ASSOC_MID_STEPS:-700}" &
+      # shellcheck disable=SC2046
+      heldout_run assoc8k --families assoc --modes dense,oracle,default --seeds 0,1 \
+        $(long8k "${ASSOC_MID_STEPS:-700}") --jobs 6 &
     else
       names="multihop2k multihop8k"
       heldout_run multihop2k --families multihop --modes dense,oracle,default --seeds 0,1,2,3,4,5,6,7 \
         --seq-len 2048 --jobs 12 &
-      # shellcheck disable=SC2086
-      heldout_run multihop8k --families multihop --modes dense,oracle,default --seeds 0,1 $long8k --jobs 6 &
+      # shellcheck disable=SC2046
+      heldout_run multihop8k --families multihop --modes dense,oracle,default --seeds 0,1 $(long8k) --jobs 6 &
     fi
     wait
     for name in $names; do
