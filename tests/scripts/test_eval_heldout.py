@@ -59,6 +59,35 @@ def test_solver_reads_the_answers_from_the_haystack(name):
         assert torch.equal(solve(name, shifted), expected)
 
 
+def test_multihop_solver_follows_the_links():
+    # rotate the targets of the haystack's links (chain i's first key now points to chain i+1's second key):
+    # each first answer becomes the new target and each second answer that key's value in the haystack
+    tokens, targets = make_batch("multihop", 300, 3, torch.Generator().manual_seed(11))
+    for row, row_targets in zip(tokens, targets):
+        asked = (row_targets != IGNORE).nonzero().flatten()
+        hay = range(int(asked[0]) - 1)
+        links = [p for p in hay if int(row[p]) in tasks.LINK]
+        assert len(links) == 4
+        sources = [(int(row[p]) - tasks.LINK.start) // tasks.LINK_KEYS for p in links]
+        ends = [(int(row[p]) - tasks.LINK.start) % tasks.LINK_KEYS for p in links]
+        rotated = row.clone()
+        for i, p in enumerate(links):
+            rotated[p] = tasks.LINK.start + sources[i] * tasks.LINK_KEYS + ends[(i + 1) % len(links)]
+        value_of = {
+            (int(row[p]) - tasks.FACT.start) // tasks.NUM_VALUES: (int(row[p]) - tasks.FACT.start) % tasks.NUM_VALUES
+            for p in hay
+            if int(row[p]) in tasks.FACT
+        }
+        points_to = {sources[i]: ends[(i + 1) % len(links)] for i in range(len(links))}
+        expected = row_targets.clone()
+        for q in asked[::2].tolist():  # each question: query(k1) at q, query(k2) at q + 1
+            second = points_to[int(row[q]) - tasks.QUERY.start]
+            expected[q] = tasks.QUERY[second]
+            expected[q + 1] = tasks.VALUE[value_of[second]]
+        assert not torch.equal(expected, row_targets)
+        assert torch.equal(solve("multihop", rotated), expected)
+
+
 def test_streams_are_reproducible_and_held_out():
     def rows(*labels):
         return make_batch("needles", 256, 2, torch.Generator().manual_seed(stream_seed(*labels)))[0]
