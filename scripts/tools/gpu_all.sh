@@ -54,8 +54,9 @@
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh assoc8k     # associative recall at 8K on the 8K vartrack schedule
 #                                                           # (3000 steps, 700 of them at 2K; dense, oracle, the
 #                                                           # module's default; two seeds); ASSOC_MID_STEPS sets the
-#                                                           # 2K stage's steps (the dense twin stays at chance after
-#                                                           # 700)
+#                                                           # 2K stage's steps, ASSOC_BATCH the rows per step of
+#                                                           # every stage (default 8; at 8 rows the dense twin stays
+#                                                           # at chance, even with 2000 steps at 2K)
 #                                                           # The held-out phases write each finished job to $OUT at
 #                                                           # once; HELDOUT_TIMEOUT (s, default 560) fits them to a
 #                                                           # shorter device call.
@@ -288,8 +289,8 @@ case "$phase" in
       rm -f "$OUT/$name/plot.png" "$OUT/$name/summary.json"  # the device tool returns 8 files
       [ -s "$OUT/$name/errors.jsonl" ] || rm -f "$OUT/$name/errors.jsonl"
     }
-    long8k() {  # long8k [2K steps]: the 8K schedule's options (default 700 steps at 2K)
-      echo "--seq-len 8192 --batch 8 --steps 3000 --short-steps 300 --mid-steps ${1:-700} --mid-len 2048"
+    long8k() {  # long8k [2K steps] [batch]: the 8K schedule's options (default 700 steps at 2K, batch 8)
+      echo "--seq-len 8192 --batch ${2:-8} --steps 3000 --short-steps 300 --mid-steps ${1:-700} --mid-len 2048"
     }
     if [ "$phase" = vartrack_exact ]; then
       names="vartrack8k_exact vartrack2k_row"
@@ -300,7 +301,7 @@ case "$phase" in
       names="assoc8k"
       # shellcheck disable=SC2046
       heldout_run assoc8k --families assoc --modes dense,oracle,default --seeds 0,1 \
-        $(long8k "${ASSOC_MID_STEPS:-700}") --jobs 6 &
+        $(long8k "${ASSOC_MID_STEPS:-700}" "${ASSOC_BATCH:-8}") --jobs 6 &
     else
       names="multihop2k multihop8k"
       heldout_run multihop2k --families multihop --modes dense,oracle,default --seeds 0,1,2,3,4,5,6,7 \
