@@ -46,7 +46,7 @@ def test_solver_reads_the_answers_from_the_haystack(name):
     for row, row_targets in zip(tokens, targets):
         asked = (row_targets != IGNORE).nonzero().flatten()
         shifted = row.clone()
-        for p in range(int(asked[0]) - 1):
+        for p in range(int(asked[0])):  # every position before the first question (copy's ASK is no fact)
             t = int(row[p])
             for r in (tasks.FACT, tasks.SPAN):
                 if t in r:
@@ -65,20 +65,20 @@ def test_multihop_solver_follows_the_links():
     tokens, targets = make_batch("multihop", 300, 3, torch.Generator().manual_seed(11))
     for row, row_targets in zip(tokens, targets):
         asked = (row_targets != IGNORE).nonzero().flatten()
-        hay = range(int(asked[0]) - 1)
+        hay = range(int(asked[0]))  # the haystack: every position before the first question
         links = [p for p in hay if int(row[p]) in tasks.LINK]
         assert len(links) == 4
         sources = [(int(row[p]) - tasks.LINK.start) // tasks.LINK_KEYS for p in links]
         ends = [(int(row[p]) - tasks.LINK.start) % tasks.LINK_KEYS for p in links]
+        points_to = {sources[i]: ends[(i + 1) % len(links)] for i in range(len(links))}
         rotated = row.clone()
-        for i, p in enumerate(links):
-            rotated[p] = tasks.LINK.start + sources[i] * tasks.LINK_KEYS + ends[(i + 1) % len(links)]
+        for p, source in zip(links, sources):
+            rotated[p] = tasks.LINK.start + source * tasks.LINK_KEYS + points_to[source]
         value_of = {
             (int(row[p]) - tasks.FACT.start) // tasks.NUM_VALUES: (int(row[p]) - tasks.FACT.start) % tasks.NUM_VALUES
             for p in hay
             if int(row[p]) in tasks.FACT
         }
-        points_to = {sources[i]: ends[(i + 1) % len(links)] for i in range(len(links))}
         expected = row_targets.clone()
         for q in asked[::2].tolist():  # each question: query(k1) at q, query(k2) at q + 1
             second = points_to[int(row[q]) - tasks.QUERY.start]
