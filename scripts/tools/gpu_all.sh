@@ -52,11 +52,11 @@
 #                                                           # module's default: 2K over eight seeds beside 8K (the
 #                                                           # 3000-step 8K schedule) over two
 #   OUT=/tmp/out bash scripts/tools/gpu_all.sh assoc8k     # associative recall at 8K on the 8K vartrack schedule
-#                                                           # (3000 steps, 700 of them at 2K; dense, oracle, the
-#                                                           # module's default; two seeds); ASSOC_MID_STEPS sets the
-#                                                           # 2K stage's steps, ASSOC_BATCH the rows per step of
-#                                                           # every stage (default 16; at 8 rows the dense twin stays
-#                                                           # at chance, even with 2000 steps at 2K)
+#                                                           # (3000 steps; dense, oracle, the module's default; two
+#                                                           # seeds); ASSOC_MID_STEPS sets the 2K stage's steps
+#                                                           # (default 2000), ASSOC_BATCH the rows per step of every
+#                                                           # stage (default 16; at 8 rows the dense twin stays at
+#                                                           # chance, with 700 or 2000 steps at 2K)
 #                                                           # The held-out phases write each finished job to $OUT at
 #                                                           # once; HELDOUT_TIMEOUT (s, default 560) fits them to a
 #                                                           # shorter device call.
@@ -301,7 +301,7 @@ case "$phase" in
       names="assoc8k"
       # shellcheck disable=SC2046
       heldout_run assoc8k --families assoc --modes dense,oracle,default --seeds 0,1 \
-        $(long8k "${ASSOC_MID_STEPS:-700}" "${ASSOC_BATCH:-16}") --jobs 6 &
+        $(long8k "${ASSOC_MID_STEPS:-2000}" "${ASSOC_BATCH:-16}") --jobs 6 &
     else
       names="multihop2k multihop8k"
       heldout_run multihop2k --families multihop --modes dense,oracle,default --seeds 0,1,2,3,4,5,6,7 \
